@@ -1,0 +1,1 @@
+"""settled: completion is a proof, not a status."""

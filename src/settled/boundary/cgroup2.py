@@ -1,0 +1,177 @@
+"""cgroup v2 boundary: a cgroup per session under a cgroup per task.
+
+Evidence: `cgroup.kill`, then `cgroup.events` reporting `populated 0`, then a successful rmdir.
+The hierarchy is found from /proc/self/mountinfo and /proc/self/cgroup (here it is mounted at
+/sys/fs/cgroup/unified, not /sys/fs/cgroup). The child joins before it execs. Never trusts a
+missing pid as proof: only the kernel's populated flag counts.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import time
+
+from settled.boundary.base import Boundary, Evidence
+from settled.errors import BoundaryUnavailable
+
+ROOT_DIR_NAME = "settled"
+
+
+def _cgroup2_mounts() -> list[str]:
+    mounts = []
+    with open("/proc/self/mountinfo") as handle:
+        for line in handle:
+            left, _, right = line.partition(" - ")
+            if right.split(" ", 1)[0] == "cgroup2":
+                mounts.append(left.split()[4])
+    return mounts
+
+
+def _own_cgroup() -> str | None:
+    with open("/proc/self/cgroup") as handle:
+        for line in handle:
+            if line.startswith("0::"):
+                return line[3:].strip()
+    return None
+
+
+def find_hierarchy() -> str:
+    """The writable directory of the v2 hierarchy that holds this process, or a loud reason."""
+    override = os.environ.get("SETTLED_CGROUP_ROOT")
+    if override:
+        candidates = [override]
+    else:
+        own = _own_cgroup()
+        if own is None:
+            raise BoundaryUnavailable("cgroup2: this process is in no cgroup v2 hierarchy")
+        candidates = [os.path.join(m, own.lstrip("/")) for m in _cgroup2_mounts()]
+        if not candidates:
+            raise BoundaryUnavailable("cgroup2: no cgroup2 filesystem is mounted")
+    for base in candidates:
+        if (
+            os.path.isdir(base)
+            and os.access(base, os.W_OK)
+            and os.path.exists(os.path.join(base, "cgroup.procs"))
+        ):
+            _require_cgroup_kill(base)
+            return base
+    raise BoundaryUnavailable(f"cgroup2: no writable cgroup v2 directory among {candidates}")
+
+
+def _require_cgroup_kill(base: str) -> None:
+    """A root cgroup never has cgroup.kill, so probe with a child (mkdir + rmdir: 0.05 ms)."""
+    probe = os.path.join(base, f"{ROOT_DIR_NAME}-probe-{os.getpid()}")
+    try:
+        os.mkdir(probe)
+    except FileExistsError:
+        pass
+    except OSError as exc:
+        raise BoundaryUnavailable(f"cgroup2: cannot create a cgroup under {base}: {exc}") from exc
+    try:
+        if not os.path.exists(os.path.join(probe, "cgroup.kill")):
+            raise BoundaryUnavailable(f"cgroup2: {base} offers no cgroup.kill (kernel < 5.14)")
+    finally:
+        os.rmdir(probe)
+
+
+def _read_events(path: str) -> dict[str, str]:
+    with open(os.path.join(path, "cgroup.events")) as handle:
+        return dict(line.split() for line in handle if line.strip())
+
+
+class Cgroup2Boundary(Boundary):
+    kind = "cgroup2"
+
+    def __init__(self, task: str, session: str, hierarchy: str | None = None) -> None:
+        super().__init__(task, session)
+        self.hierarchy = hierarchy or find_hierarchy()
+        self.task_path = os.path.join(self.hierarchy, ROOT_DIR_NAME, task)
+        self.path = os.path.join(self.task_path, session)
+        self._kill_rounds = 0
+        self._removed = False
+        self._emptied_after_s: float | None = None
+        self._kill_started: float | None = None
+
+    @property
+    def ref(self) -> str:
+        return self.path
+
+    def setup(self) -> None:
+        for _attempt in range(100):  # a sibling owner may rmdir an empty parent under us
+            try:
+                os.makedirs(self.task_path, exist_ok=True)
+                os.mkdir(self.path)
+                return
+            except FileNotFoundError:
+                continue
+        raise BoundaryUnavailable(f"cgroup2: could not create {self.path}")
+
+    def prepare_child(self) -> None:
+        with open(os.path.join(self.path, "cgroup.procs"), "w") as handle:
+            handle.write("0")  # "0" names the writing process itself
+
+    def members(self) -> list[int]:
+        try:
+            with open(os.path.join(self.path, "cgroup.procs")) as handle:
+                return [int(p) for p in handle.read().split()]
+        except FileNotFoundError:
+            return []
+
+    def kill_all(self) -> None:
+        if self._kill_started is None:
+            self._kill_started = time.monotonic()
+        self._kill_rounds += 1
+        with open(os.path.join(self.path, "cgroup.kill"), "w") as handle:
+            handle.write("1")
+
+    def is_empty(self) -> bool:
+        if _read_events(self.path).get("populated") != "0":
+            return False
+        if self._emptied_after_s is None and self._kill_started is not None:
+            self._emptied_after_s = time.monotonic() - self._kill_started
+        return True
+
+    def evidence(self) -> Evidence:
+        populated = _read_events(self.path).get("populated")
+        proven = populated == "0"
+        if proven:
+            self._remove()
+        observed: dict[str, object] = {
+            "cgroup": self.path,
+            "populated": int(populated) if populated is not None else None,
+            "kill_rounds": self._kill_rounds,
+            "rmdir": self._removed,
+        }
+        if self._emptied_after_s is not None:
+            observed["kill_to_empty_ms"] = round(self._emptied_after_s * 1000, 3)
+        text = (
+            f"cgroup.kill x{self._kill_rounds}; cgroup.events populated 0; rmdir {self.path}"
+            if proven and self._removed
+            else None
+        )
+        return Evidence(self.kind, proven and self._removed, text, observed)
+
+    def _remove(self) -> None:
+        for _attempt in range(200):
+            try:
+                os.rmdir(self.path)
+                self._removed = True
+                break
+            except FileNotFoundError:
+                self._removed = True
+                break
+            except OSError as exc:  # EBUSY while the kernel finishes tearing down
+                if exc.errno != errno.EBUSY:
+                    raise
+                time.sleep(0.001)
+        for parent in (self.task_path, os.path.dirname(self.task_path)):
+            try:
+                os.rmdir(parent)
+            except OSError:
+                break  # another session of the task (or another task) still lives there
+
+    def teardown(self) -> None:
+        super().teardown()
+        if not self._removed and os.path.isdir(self.path) and self.await_empty(5.0):
+            self._remove()

@@ -1,0 +1,165 @@
+"""PID-namespace boundary: the command runs under a tiny init that is pid 1 of a new namespace.
+
+Evidence: that init reaped by the owner. When a namespace's init dies the kernel SIGKILLs every
+other member and waits for them before init's exit completes, so a reaped init is an empty
+namespace. The init is a fork of the owner (no exec): it starts the command, reports the command's
+wait status over a pipe, reaps orphans until ECHILD and exits. As pid 1 it ignores TERM from
+outside, so the owner signals members directly and KILLs the init to finish. Needs CAP_SYS_ADMIN.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+from collections.abc import Mapping
+
+from settled.boundary import procfs
+from settled.boundary.base import Boundary, Evidence
+from settled.boundary.spawn import ChildIO, exec_in_child, read_spawn_error, reset_child_signals
+from settled.errors import BoundaryUnavailable
+
+CLONE_NEWPID = 0x20000000
+CAP_SYS_ADMIN = 21
+_KILLED_WITH_NAMESPACE = signal.SIGKILL  # wait status of a command killed with its namespace
+
+
+def has_cap_sys_admin() -> bool:
+    with open("/proc/self/status") as handle:
+        for line in handle:
+            if line.startswith("CapEff:"):
+                return bool(int(line.split()[1], 16) >> CAP_SYS_ADMIN & 1)
+    return False
+
+
+def unshare_pid_namespace() -> None:
+    import ctypes  # late: only the owner that uses this boundary pays for it
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.unshare(CLONE_NEWPID) != 0:
+        err = ctypes.get_errno()
+        raise BoundaryUnavailable(f"pidns: unshare(CLONE_NEWPID) failed: {os.strerror(err)}")
+
+
+def _run_init(
+    argv: list[str], cwd: str, env: Mapping[str, str], io: ChildIO, errpipe: int, status: int
+) -> None:
+    """Body of pid 1. Never returns. A blanket wait is right here: every child is init's own."""
+    try:
+        reset_child_signals()
+        main = os.fork()
+        if main == 0:
+            exec_in_child(argv, cwd, env, io, errpipe, None)
+        os.closerange(3, status)
+        os.closerange(status + 1, 1 << 16)
+        while True:
+            try:
+                pid, wait_status = os.waitpid(-1, 0)
+            except ChildProcessError:
+                break
+            except InterruptedError:
+                continue
+            if pid == main:
+                os.write(status, b"%d\n" % wait_status)
+    except BaseException:  # init must never return into the owner's code
+        pass
+    finally:
+        os._exit(0)
+
+
+class PidnsBoundary(Boundary):
+    kind = "pidns"
+
+    def __init__(self, task: str, session: str) -> None:
+        super().__init__(task, session)
+        self.init_pid: int | None = None
+        self._status_r: int | None = None
+        self._init_status: int | None = None
+
+    @property
+    def ref(self) -> str | None:
+        if self.init_pid is None:
+            return None
+        return f"pidns:init={self.init_pid}:start={procfs.start_time(self.init_pid)}"
+
+    def setup(self) -> None:
+        if not has_cap_sys_admin():
+            raise BoundaryUnavailable("pidns: needs CAP_SYS_ADMIN, which this process lacks")
+        unshare_pid_namespace()
+
+    def start(self, argv: list[str], cwd: str, env: Mapping[str, str], io: ChildIO) -> int:
+        errpipe_r, errpipe_w = os.pipe2(os.O_CLOEXEC)
+        status_r, status_w = os.pipe2(os.O_CLOEXEC)
+        pid = os.fork()
+        if pid == 0:
+            os.close(errpipe_r)
+            os.close(status_r)
+            _run_init(argv, cwd, env, io, errpipe_w, status_w)
+        os.close(errpipe_w)
+        os.close(status_w)
+        self.init_pid = pid
+        self._pidfd = os.pidfd_open(pid)
+        self._status_r = status_r
+        failure = read_spawn_error(errpipe_r)
+        if failure is not None:
+            os.waitpid(pid, 0)
+            raise failure
+        kids = procfs.children(pid)
+        self.main_pid = kids[0] if kids else None
+        return pid
+
+    def exit_fd(self) -> int:
+        assert self._status_r is not None
+        return self._status_r
+
+    def collect_main(self) -> int | None:
+        if self._main_status is None and self._status_r is not None:
+            os.set_blocking(self._status_r, False)
+            try:
+                data = os.read(self._status_r, 64)
+            except BlockingIOError:
+                return None
+            if data:
+                self._main_status = int(data.split(b"\n", 1)[0])
+            elif self._reap_init():
+                self._main_status = int(_KILLED_WITH_NAMESPACE)
+        return self._main_status
+
+    def _reap_init(self) -> bool:
+        if self._init_status is None and self.init_pid is not None:
+            pid, status = os.waitpid(self.init_pid, os.WNOHANG)
+            if pid == self.init_pid:
+                self._init_status = status
+        return self._init_status is not None
+
+    def members(self) -> list[int]:
+        if self.init_pid is None or self._init_status is not None:
+            return []
+        return [
+            p for p in procfs.descendants(self.init_pid) if procfs.state_of(p) not in (None, "Z")
+        ]
+
+    def kill_all(self) -> None:
+        if self.init_pid is not None and self._init_status is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.init_pid, signal.SIGKILL)
+
+    def is_empty(self) -> bool:
+        return self._reap_init()
+
+    def evidence(self) -> Evidence:
+        proven = self._reap_init()
+        observed: dict[str, object] = {"init_pid": self.init_pid, "init_status": self._init_status}
+        text = (
+            f"init {self.init_pid} of the PID namespace reaped; the kernel kills every member "
+            "before init's exit completes"
+            if proven
+            else None
+        )
+        return Evidence(self.kind, proven, text, observed)
+
+    def teardown(self) -> None:
+        super().teardown()
+        if self._status_r is not None:
+            os.close(self._status_r)
+            self._status_r = None

@@ -1,0 +1,94 @@
+"""Subreaper boundary: the owner is a child subreaper, so orphans (setsid, double fork) come home.
+
+Evidence: every descendant killed and reaped, `waitid` answering ECHILD and no live process whose
+parent chain reaches the owner. Never reaps with a blanket wait that could take the main child's
+status: it peeks with WNOWAIT and reaps by pid, stashing the main status when it sees it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+from settled.boundary import procfs
+from settled.boundary.base import Boundary, Evidence
+from settled.errors import BoundaryUnavailable
+
+PR_SET_CHILD_SUBREAPER = 36
+
+
+def become_subreaper() -> None:
+    import ctypes  # late: only the owner that uses this boundary pays for it
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
+        err = ctypes.get_errno()
+        raise BoundaryUnavailable(f"subreaper: prctl(PR_SET_CHILD_SUBREAPER) failed: {err}")
+
+
+class SubreaperBoundary(Boundary):
+    kind = "subreaper"
+
+    def __init__(self, task: str, session: str) -> None:
+        super().__init__(task, session)
+        self.reaped: list[int] = []
+        self._echild = False
+
+    @property
+    def ref(self) -> str:
+        return f"subreaper:{os.getpid()}"
+
+    def setup(self) -> None:
+        become_subreaper()
+
+    def members(self) -> list[int]:
+        return [p for p in procfs.descendants(os.getpid()) if procfs.state_of(p) not in (None, "Z")]
+
+    def kill_all(self) -> None:
+        self.signal_all(signal.SIGKILL)
+
+    def _reap_available(self) -> None:
+        """Reap every exited child by pid; the main child's status is kept, not lost."""
+        while True:
+            try:
+                info = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+            except ChildProcessError:
+                self._echild = True
+                return
+            if info is None:
+                return
+            if info.si_pid == self.main_pid:
+                self.collect_main()
+            else:
+                os.waitpid(info.si_pid, 0)
+                self.reaped.append(info.si_pid)
+
+    def collect_main(self) -> int | None:
+        if self._main_status is None and self.main_pid is not None:
+            try:
+                pid, status = os.waitpid(self.main_pid, os.WNOHANG)
+            except ChildProcessError:
+                return None
+            if pid == self.main_pid:
+                self._main_status = status
+        return self._main_status
+
+    def is_empty(self) -> bool:
+        self._reap_available()
+        return self._echild and not procfs.descendants(os.getpid())
+
+    def evidence(self) -> Evidence:
+        proven = self.is_empty()
+        text = (
+            f"subreaper {os.getpid()} reaped {len(self.reaped)} orphan(s); waitid ECHILD; "
+            "no descendant in /proc"
+            if proven
+            else None
+        )
+        observed: dict[str, object] = {
+            "subreaper": os.getpid(),
+            "reaped_orphans": self.reaped[:100],
+            "waitid": "ECHILD" if self._echild else "children remain",
+            "live_descendants": len(procfs.descendants(os.getpid())),
+        }
+        return Evidence(self.kind, proven, text, observed)

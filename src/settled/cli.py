@@ -1,0 +1,222 @@
+"""The `settled` command line: a thin shell over `Runtime` (contract in DESIGN.md).
+
+Exit codes: 0 success, 2 usage or bad input, 3 blocked / not settled / not proven,
+4 key conflict or sealed admission. `--json` prints exactly one JSON object on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from settled.errors import EXIT_BLOCKED, EXIT_OK, EXIT_USAGE, BadInput, SettledError
+from settled.log.reader import CursorOutOfRange
+from settled.render import receipt_text, status_text
+from settled.runtime import Runtime
+from settled.states import SETTLED
+
+
+def _emit(args: argparse.Namespace, payload: dict[str, Any], text: str) -> None:
+    if getattr(args, "json", False):
+        print(json.dumps(payload, sort_keys=True))
+    else:
+        print(text)
+
+
+def _settled_code(view: dict[str, Any]) -> int:
+    proven = view.get("receipt", {}).get("death", {}).get("proven", False)
+    return EXIT_OK if view["state"] == SETTLED and proven else EXIT_BLOCKED
+
+
+def cmd_task_new(rt: Runtime, args: argparse.Namespace) -> int:
+    record = rt.new_task(args.workspace, args.key)
+    _emit(args, record.to_json(), f"task {record.task} (key {record.key}) at {record.workspace}")
+    return EXIT_OK
+
+
+def _read_stdin_arg(value: str | None) -> bytes | None:
+    if value is None:
+        return None
+    if value == "-":
+        return sys.stdin.buffer.read()
+    try:
+        with open(value, "rb") as handle:
+            return handle.read()
+    except OSError as exc:
+        raise BadInput(f"--stdin {value!r} cannot be read: {exc.strerror}") from exc
+
+
+def cmd_exec(rt: Runtime, args: argparse.Namespace) -> int:
+    command = list(args.command)
+    if command and command[0] == "--":
+        command = command[1:]
+    if not command:
+        raise BadInput("exec needs a command after `--`")
+    admission = rt.exec(
+        args.task,
+        argv=command if len(command) > 1 else None,
+        shell=command[0] if len(command) == 1 else None,
+        key=args.key,
+        cwd=args.cwd,
+        env=args.env,
+        stdin=_read_stdin_arg(args.stdin),
+        timeout=args.timeout,
+        grace=args.grace,
+        boundary=args.boundary,
+        service=args.service,
+    )
+    payload = admission.to_json()
+    verb = "reused" if admission.reused else "admitted"
+    text = f"{verb} session {admission.session} (key {admission.key}): {admission.state}"
+    if not args.wait:
+        _emit(args, payload, text)
+        return EXIT_OK
+    view = rt.wait(admission.session)
+    payload.update(state=view["state"], receipt=view.get("receipt"))
+    _emit(args, payload, text + "\n" + status_text(view))
+    return _settled_code(view)
+
+
+def cmd_wait(rt: Runtime, args: argparse.Namespace) -> int:
+    view = rt.wait(args.session, args.timeout)
+    receipt = view.get("receipt")
+    _emit(args, receipt or view, receipt_text(receipt) if receipt else status_text(view))
+    return _settled_code(view)
+
+
+def cmd_logs(rt: Runtime, args: argparse.Namespace) -> int:
+    if args.view is not None:
+        sys.stdout.write(rt.view(args.session, args.stream, args.view))
+        sys.stdout.flush()
+        return EXIT_OK
+    out = sys.stdout.buffer
+    if args.follow:
+        chunks = rt.follow(args.session, args.stream, args.start, timeout=args.timeout)
+    else:
+        chunks = _range_chunks(rt, args.session, args.stream, args.start)
+    try:
+        for chunk in chunks:
+            out.write(chunk)
+        out.flush()
+    except BrokenPipeError:
+        return EXIT_OK
+    return EXIT_OK
+
+
+def _range_chunks(rt: Runtime, session: str, stream: str, start: int) -> Any:
+    cursor = start
+    while True:
+        chunk = rt.read(session, stream, cursor)
+        if not chunk:
+            return
+        yield chunk
+        cursor += len(chunk)
+
+
+def cmd_status(rt: Runtime, args: argparse.Namespace) -> int:
+    target: str = args.target
+    view = rt.task_status(target) if target.startswith("t_") else rt.session_status(target)
+    _emit(args, view, status_text(view))
+    return EXIT_OK
+
+
+def cmd_cancel(rt: Runtime, args: argparse.Namespace) -> int:
+    view = rt.cancel(args.session, args.reason)
+    _emit(args, view, status_text(view))
+    return EXIT_OK
+
+
+def cmd_demo(rt: Runtime, args: argparse.Namespace) -> int:
+    from settled.demo import run_demo
+
+    return run_demo(rt)
+
+
+def _nonnegative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be >= 0")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--home", default=argparse.SUPPRESS, help="settled home (SETTLED_HOME)")
+    common.add_argument("--json", action="store_true", help="print one JSON object")
+    parser = argparse.ArgumentParser(prog="settled", parents=[common], description=__doc__)
+    sub = parser.add_subparsers(dest="verb", required=True)
+
+    task = sub.add_parser("task", help="tasks").add_subparsers(dest="task_verb", required=True)
+    new = task.add_parser("new", parents=[common], help="create a task")
+    new.add_argument("--workspace")
+    new.add_argument("--key")
+    new.set_defaults(handler=cmd_task_new)
+
+    ex = sub.add_parser("exec", parents=[common], help="admit and run a command")
+    ex.add_argument("--task", required=True)
+    ex.add_argument("--key")
+    ex.add_argument("--timeout", type=float)
+    ex.add_argument("--grace", type=float)
+    ex.add_argument("--cwd", default=".")
+    ex.add_argument("--env", action="append", default=[], metavar="K=V")
+    ex.add_argument("--stdin", metavar="FILE|-", help="bytes for the command's stdin")
+    ex.add_argument("--service", action="store_true")
+    ex.add_argument(
+        "--boundary", default="auto", choices=["auto", "cgroup2", "pidns", "subreaper", "pgroup"]
+    )
+    ex.add_argument("--wait", action="store_true", help="wait for the process receipt")
+    ex.add_argument("command", nargs=argparse.REMAINDER)
+    ex.set_defaults(handler=cmd_exec)
+
+    wait = sub.add_parser("wait", parents=[common], help="wait for a process receipt")
+    wait.add_argument("session")
+    wait.add_argument("--timeout", type=float)
+    wait.set_defaults(handler=cmd_wait)
+
+    logs = sub.add_parser("logs", parents=[common], help="read output bytes from a cursor")
+    logs.add_argument("session")
+    logs.add_argument("--stream", default="stdout", choices=["stdout", "stderr"])
+    logs.add_argument("--from", dest="start", type=_nonnegative_int, default=0)
+    logs.add_argument("--follow", action="store_true")
+    logs.add_argument("--timeout", type=float, help="with --follow: give up after S seconds")
+    logs.add_argument("--view", type=_nonnegative_int, metavar="BYTES", help="model view")
+    logs.set_defaults(handler=cmd_logs)
+
+    status = sub.add_parser("status", parents=[common], help="computed status of a session/task")
+    status.add_argument("target", metavar="SESSION|TASK")
+    status.set_defaults(handler=cmd_status)
+
+    cancel = sub.add_parser("cancel", parents=[common], help="TERM, grace, KILL a session")
+    cancel.add_argument("session")
+    cancel.add_argument("--reason", default="cancel requested")
+    cancel.set_defaults(handler=cmd_cancel)
+
+    demo = sub.add_parser("demo", parents=[common], help="the main job on the embedded default")
+    demo.set_defaults(handler=cmd_demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    handler: Callable[[Runtime, argparse.Namespace], int] = args.handler
+    try:
+        with Runtime(getattr(args, "home", None)) as rt:
+            return handler(rt, args)
+    except SettledError as exc:
+        return _fail(args, exc.to_json(), str(exc), exc.exit_code)
+    except CursorOutOfRange as exc:
+        return _fail(args, {"error": "CursorOutOfRange", "message": str(exc)}, str(exc), 2)
+
+
+def _fail(args: argparse.Namespace, payload: dict[str, Any], message: str, code: int) -> int:
+    if getattr(args, "json", False):
+        print(json.dumps(payload, sort_keys=True))
+    print(f"settled: {payload['error']}: {message}", file=sys.stderr)
+    return code if code else EXIT_USAGE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

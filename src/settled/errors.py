@@ -1,0 +1,112 @@
+"""Typed errors of settled, each mapped to one CLI exit code.
+
+Owns the error vocabulary and the exit-code table of the CLI contract (DESIGN.md):
+2 usage or bad input, 3 blocked / not complete, 4 key conflict or sealed admission.
+Every message names the offending value and, where there is one, the way out.
+"""
+
+from __future__ import annotations
+
+EXIT_OK = 0
+EXIT_FAILURE = 1
+EXIT_USAGE = 2
+EXIT_BLOCKED = 3
+EXIT_CONFLICT = 4
+
+
+class SettledError(Exception):
+    """Base of every error settled raises on purpose."""
+
+    exit_code = EXIT_FAILURE
+
+    @property
+    def kind(self) -> str:
+        return type(self).__name__
+
+    def to_json(self) -> dict[str, object]:
+        return {"error": self.kind, "message": str(self)}
+
+
+class BadInput(SettledError):
+    """Refused at admission: nothing was recorded or launched."""
+
+    exit_code = EXIT_USAGE
+
+
+class UnknownTask(BadInput):
+    def __init__(self, task: str) -> None:
+        super().__init__(f"unknown task {task!r}: create one with `settled task new`")
+        self.task = task
+
+
+class UnknownSession(BadInput):
+    def __init__(self, session: str) -> None:
+        super().__init__(f"unknown session {session!r}")
+        self.session = session
+
+
+class HomeUnusable(BadInput):
+    """The settled home cannot hold the store, logs and objects."""
+
+
+class KeyConflict(SettledError):
+    """Same invocation key, different command: the first one stands, nothing is launched."""
+
+    exit_code = EXIT_CONFLICT
+
+    def __init__(self, task: str, key: str, existing: str, requested: str, session: str) -> None:
+        super().__init__(
+            f"key {key!r} in task {task} is already bound to session {session} with digest "
+            f"{existing}; this request has digest {requested}. Use a new key for a new command."
+        )
+        self.task, self.key, self.session = task, key, session
+        self.existing_digest, self.requested_digest = existing, requested
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            **super().to_json(),
+            "task": self.task,
+            "key": self.key,
+            "session": self.session,
+            "existing_digest": self.existing_digest,
+            "requested_digest": self.requested_digest,
+        }
+
+
+class AdmissionSealed(SettledError):
+    exit_code = EXIT_CONFLICT
+
+    def __init__(self, task: str, state: str) -> None:
+        super().__init__(f"task {task} is {state}: admission is sealed, no new command may start")
+        self.task, self.state = task, state
+
+
+class AdmissionFrozen(SettledError):
+    """Recovery is inspecting a session whose owner vanished (rule 4)."""
+
+    exit_code = EXIT_BLOCKED
+
+    def __init__(self, task: str, session: str) -> None:
+        super().__init__(
+            f"task {task} is frozen while session {session} is unknown; "
+            "run `settled recover` to inspect its boundary"
+        )
+        self.task, self.session = task, session
+
+
+class StaleWrite(SettledError):
+    """A compare-and-set lost: the record is not in the state or generation the writer assumed."""
+
+
+class BoundaryUnavailable(SettledError):
+    exit_code = EXIT_USAGE
+
+
+class NotSettled(SettledError):
+    """A wait ran out before the session settled; the session goes on."""
+
+    exit_code = EXIT_BLOCKED
+
+
+class OwnerLaunchFailed(SettledError):
+    """The session was admitted but its owner did not report; recovery will decide its fate."""

@@ -1,0 +1,49 @@
+"""settled.log: the per-session byte log. Logs are bytes with cursors, not lines.
+
+Owns the layout of a session's log directory (``stdout.log`` and ``stderr.log``) and re-exports
+the writer (hot path, inside the supervisor), the cursor reader and the model view.
+
+Must never: split on lines, decode stored bytes (decoding is only ever a view), or hold a whole
+log in memory.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Final
+
+from settled.log.reader import CursorOutOfRange, follow, read_range, stored_length
+from settled.log.view import model_view, render_view
+from settled.log.writer import (
+    DIGEST_ALGORITHM,
+    StreamSummary,
+    StreamWriter,
+    drain_once,
+    enlarge_pipe,
+)
+
+STREAMS: Final = ("stdout", "stderr")
+
+
+def stream_path(log_dir: str, stream: str) -> str:
+    """``<log_dir>/stdout.log`` or ``<log_dir>/stderr.log``."""
+    if stream not in STREAMS:
+        raise ValueError(f"unknown stream {stream!r}; expected one of {', '.join(STREAMS)}")
+    return os.path.join(log_dir, f"{stream}.log")
+
+
+__all__ = [
+    "DIGEST_ALGORITHM",
+    "STREAMS",
+    "CursorOutOfRange",
+    "StreamSummary",
+    "StreamWriter",
+    "drain_once",
+    "enlarge_pipe",
+    "follow",
+    "model_view",
+    "read_range",
+    "render_view",
+    "stored_length",
+    "stream_path",
+]

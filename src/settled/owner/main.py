@@ -1,0 +1,266 @@
+"""Entry point of the session owner process (started by launcher.py with `python -I -S`).
+
+Owns one session from claim to receipt: claim (CAS with pid, start time, boot id and a lease),
+boundary, spawn, supervision, evidence, receipt. Imports only the standard library, sqlite3 and
+blake3 so it starts in ~10 ms; never imports the CLI, the HTTP stack or anything heavy.
+Exit status is for the log only: the receipt in the store is the answer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import resource
+import sys
+import time
+from typing import Any
+
+from settled import boundary as boundaries
+from settled import faults
+from settled.boundary import procfs
+from settled.boundary.spawn import ChildIO, SpawnFailed
+from settled.errors import BoundaryUnavailable, StaleWrite
+from settled.home import log_path, session_dir, stdin_path
+from settled.identity import CommandSpec
+from settled.log.writer import StreamWriter, enlarge_pipe
+from settled.owner.supervise import Outcome, Streams, Supervisor
+from settled.receipts import exit_fact, not_started_fact, process_receipt
+from settled.store import OwnerInfo, SessionRecord
+from settled.store.sqlite import SQLiteStore, open_sqlite
+
+LEASE_S = 15.0
+HEARTBEAT_S = 1.0
+LOG_CAP_ENV = "SETTLED_LOG_CAP"
+
+
+class Ready:
+    """The launcher's readiness pipe: one JSON line once the command runs (or cannot)."""
+
+    def __init__(self, fd: int | None) -> None:
+        self.fd = fd
+        if fd is not None:
+            os.set_inheritable(fd, False)
+
+    def send(self, **fields: Any) -> None:
+        if self.fd is None:
+            return
+        with contextlib.suppress(OSError):  # the launcher went away; the session goes on
+            os.write(self.fd, (json.dumps(fields) + "\n").encode())
+        os.close(self.fd)
+        self.fd = None
+
+
+class Owner:
+    def __init__(self, store: SQLiteStore, home: str, record: SessionRecord, ready: Ready) -> None:
+        self.store, self.home, self.record, self.ready = store, home, record, ready
+        self.spec = CommandSpec.from_json(record.spec)
+        self.generation = record.generation
+        self.timings: dict[str, float] = {"admitted_at": record.created_at}
+        self.boundary_kind: str | None = None
+
+    # -- the session, start to receipt ---------------------------------------------------
+
+    def run(self) -> int:
+        me = os.getpid()
+        claim = OwnerInfo(me, procfs.start_time(me) or 0, procfs.boot_id(), time.time() + LEASE_S)
+        try:
+            record = self.store.claim(self.record.session, self.generation, claim)
+        except StaleWrite as exc:
+            self.ready.send(error="claim lost", detail=str(exc))
+            return 1
+        self.timings["claimed_at"] = time.time()
+        faults.point("owner.after_claim")
+        if record.cancel_requested:
+            return self._never_ran("cancelled", "admission", record.cancel_requested)
+        try:
+            self.boundary_kind = boundaries.choose(self.spec.boundary)
+            boundary = boundaries.make(self.boundary_kind, record.task, record.session)
+            boundary.setup()
+        except BoundaryUnavailable as exc:
+            return self._never_ran("not_started", "boundary", str(exc))
+        faults.point("owner.after_boundary")
+        task = self.store.get_task(record.task)
+        streams = self._open_streams()
+        stdin_fd = self._open_stdin()
+        out_w, err_w = streams.fds.pop("stdout_w"), streams.fds.pop("stderr_w")
+        cwd = os.path.join(task.workspace, self.spec.cwd)
+        env = {**os.environ, **dict(self.spec.env)}
+        env.pop("SETTLED_FAULT", None)
+        started = time.monotonic()
+        try:
+            pid = boundary.start(self.spec.exec_argv, cwd, env, ChildIO(stdin_fd, out_w, err_w))
+        except SpawnFailed as exc:
+            for fd in (stdin_fd, out_w, err_w):
+                os.close(fd)
+            boundary.await_empty(5.0)
+            boundary.teardown()
+            return self._never_ran("not_started", exc.stage, str(exc), streams)
+        for fd in (stdin_fd, out_w, err_w):
+            os.close(fd)
+        self.timings["spawned_at"] = time.time()
+        self.store.record_launch(
+            record.session,
+            self.generation,
+            boundary.kind,
+            boundary.ref,
+            pid,
+            procfs.start_time(pid),
+        )
+        faults.point("owner.after_spawn")
+        self.ready.send(state="running", owner_pid=me, pid=pid, boundary=boundary.kind)
+        supervisor = Supervisor(
+            boundary,
+            streams,
+            timeout=self.spec.timeout,
+            grace=self.spec.grace,
+            heartbeat=lambda: self._heartbeat(streams),
+            heartbeat_every=HEARTBEAT_S,
+        )
+        supervisor.install_signal_handlers()
+        outcome = supervisor.run(started)
+        boundary.teardown()
+        return self._settle(outcome, streams)
+
+    # -- pieces --------------------------------------------------------------------------
+
+    def _open_streams(self) -> Streams:
+        directory = session_dir(self.home, self.record.session)
+        os.makedirs(directory, exist_ok=True)
+        cap_text = os.environ.get(LOG_CAP_ENV)
+        cap = int(cap_text) if cap_text else None
+        writers = {
+            name: StreamWriter(log_path(self.home, self.record.session, name), cap)
+            for name in ("stdout", "stderr")
+        }
+        fds: dict[str, int] = {}
+        for name in ("stdout", "stderr"):
+            read_end, write_end = os.pipe2(os.O_CLOEXEC)
+            enlarge_pipe(read_end)
+            fds[name], fds[f"{name}_w"] = read_end, write_end
+        return Streams(fds, writers)
+
+    def _open_stdin(self) -> int:
+        if self.spec.stdin_digest is None:
+            return os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+        return os.open(stdin_path(self.home, self.spec.stdin_digest), os.O_RDONLY | os.O_CLOEXEC)
+
+    def _heartbeat(self, streams: Streams) -> str | None:
+        durable = {name: writer.sync() for name, writer in streams.writers.items()}
+        return self.store.heartbeat(
+            self.record.session,
+            self.generation,
+            time.time() + LEASE_S,
+            durable["stdout"],
+            durable["stderr"],
+        )
+
+    def _settle(self, outcome: Outcome, streams: Streams) -> int:
+        summaries = {name: w.close() for name, w in streams.writers.items()}
+        for fd in streams.fds.values():
+            os.close(fd)
+        assert outcome.evidence is not None
+        now = time.monotonic()
+        self.timings.update(
+            {
+                "exited_after_s": round((outcome.exited or now) - outcome.started, 6),
+                "evidence_after_exit_s": round(
+                    (outcome.evidence_at or now) - (outcome.exited or now), 6
+                ),
+                "settled_at": time.time(),
+            }
+        )
+        if outcome.stop_decided is not None and outcome.reason in ("timeout", "cancelled"):
+            self.timings["stop_to_evidence_s"] = round(
+                (outcome.evidence_at or now) - outcome.stop_decided, 6
+            )
+        elapsed = (outcome.exited - outcome.started) if outcome.exited else None
+        receipt = self._receipt(
+            death=outcome.evidence.to_json("owner"),
+            exit=exit_fact(
+                outcome.wait_status,
+                outcome.reason,
+                shell=self.spec.shell is not None,
+                elapsed_s=elapsed,
+            ),
+            output={
+                "stdout": summaries["stdout"].to_json(),
+                "stderr": summaries["stderr"].to_json(),
+                "drain": "complete" if outcome.drain_complete else "incomplete",
+            },
+            stragglers=outcome.stragglers,
+        )
+        faults.point("owner.before_receipt")
+        event = "receipt" if outcome.evidence.proven else "lose"
+        self.store.write_receipt(self.record.session, self.generation, receipt, event=event)
+        return 0
+
+    def _never_ran(
+        self, reason: str, stage: str, error: str, streams: Streams | None = None
+    ) -> int:
+        """Settle a session whose command never started: its receipt says why, not an exit code."""
+        if streams is None:
+            streams = self._open_streams()
+        for fd in streams.fds.values():
+            os.close(fd)
+        summaries = {name: w.close().to_json() for name, w in streams.writers.items()}
+        self.timings["settled_at"] = time.time()
+        receipt = self._receipt(
+            death={
+                "boundary": self.boundary_kind,
+                "proven": True,
+                "evidence": f"the command never started ({stage}): no process of it ever ran",
+                "source": "owner",
+                "observed": {"stage": stage},
+            },
+            exit={**not_started_fact(stage, error), "reason": reason},
+            output={
+                "stdout": summaries["stdout"],
+                "stderr": summaries["stderr"],
+                "drain": "complete",
+            },
+            stragglers=[],
+        )
+        self.store.write_receipt(self.record.session, self.generation, receipt)
+        self.ready.send(state="settled", owner_pid=os.getpid(), error=error)
+        return 0
+
+    def _receipt(self, **facts: Any) -> dict[str, Any]:
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        return process_receipt(
+            session=self.record.session,
+            task=self.record.task,
+            key=self.record.key,
+            command_digest=self.record.digest,
+            generation=self.generation,
+            terminal_mutation=None,
+            owner={
+                "pid": os.getpid(),
+                "maxrss_kib": usage.ru_maxrss,
+                "cpu_s": round(usage.ru_utime + usage.ru_stime, 6),
+            },
+            timings=self.timings,
+            **facts,
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """argv: HOME SESSION READY_FD. Forks once so the launcher can reap the parent at once."""
+    home, session, ready_text = (argv if argv is not None else sys.argv[1:])[:3]
+    if os.fork() != 0:
+        os._exit(0)
+    os.chdir("/")
+    ready = Ready(int(ready_text) if ready_text != "-" else None)
+    store = open_sqlite(home)
+    try:
+        record = store.get_session(session)
+        return Owner(store, home, record, ready).run()
+    except BaseException as exc:
+        ready.send(error=f"owner failed: {exc!r}")
+        raise
+    finally:
+        store.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,223 @@
+"""The owner's event loop: drain both pipes, keep the deadline, stop the tree, gather evidence.
+
+One thread, one selector: output fds, the boundary's exit fd, a signal wake-up pipe and timers.
+The deadline is checked on every turn of the loop on the owner's monotonic clock, so it fires on a
+silent command and on a flooding one alike. The final drain to EOF happens only after the boundary
+is proven empty: never wait for EOF while a descendant may hold a pipe.
+"""
+
+from __future__ import annotations
+
+import os
+import selectors
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from settled import faults
+from settled.boundary import Boundary, Evidence
+from settled.log.writer import StreamWriter, drain_once
+
+READ_BUFFER = 1 << 20
+STOP_POLL_S = 0.005
+POST_EVIDENCE_DRAIN_S = 10.0
+EVIDENCE_TIMEOUT_S = 30.0
+
+
+@dataclass
+class Outcome:
+    wait_status: int | None = None
+    reason: str = "exited"
+    started: float = 0.0
+    exited: float | None = None
+    stop_decided: float | None = None
+    evidence_at: float | None = None
+    evidence: Evidence | None = None
+    stragglers: list[dict[str, object]] = field(default_factory=list)
+    drain_complete: bool = False
+
+
+@dataclass
+class Streams:
+    fds: dict[str, int]
+    writers: dict[str, StreamWriter]
+    buffer: bytearray = field(default_factory=lambda: bytearray(READ_BUFFER))
+    open: set[str] = field(default_factory=lambda: {"stdout", "stderr"})
+
+    def drain(self, name: str) -> None:
+        try:
+            if drain_once(self.fds[name], self.buffer, self.writers[name]) == 0:
+                self.open.discard(name)
+        except (BlockingIOError, InterruptedError):
+            pass
+
+
+class Supervisor:
+    """Runs one command inside one boundary to death evidence; knows nothing of the store."""
+
+    def __init__(
+        self,
+        boundary: Boundary,
+        streams: Streams,
+        *,
+        timeout: float | None,
+        grace: float,
+        heartbeat: Callable[[], str | None],
+        heartbeat_every: float,
+    ) -> None:
+        self.boundary, self.streams = boundary, streams
+        self.timeout, self.grace = timeout, grace
+        self.heartbeat, self.heartbeat_every = heartbeat, heartbeat_every
+        self.outcome = Outcome()
+        self._cancel: str | None = None
+        self._kill_at: float | None = None
+        self._stopping = False
+        self._selector = selectors.DefaultSelector()
+        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+
+    # -- signals -------------------------------------------------------------------------
+
+    def install_signal_handlers(self) -> None:
+        signal.set_wakeup_fd(self._wake_w, warn_on_full_buffer=False)
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(sig, self._on_stop_signal)
+        signal.signal(signal.SIGUSR1, lambda *_: None)  # "look at the store now"
+
+    def _on_stop_signal(self, signum: int, _frame: object) -> None:
+        self._cancel = self._cancel or f"owner received {signal.Signals(signum).name}"
+
+    # -- the loop ------------------------------------------------------------------------
+
+    def run(self, started: float) -> Outcome:
+        out = self.outcome
+        out.started = started
+        deadline = started + self.timeout if self.timeout is not None else None
+        next_beat = started + self.heartbeat_every
+        for name, fd in self.streams.fds.items():
+            os.set_blocking(fd, False)
+            self._selector.register(fd, selectors.EVENT_READ, name)
+        self._selector.register(self.boundary.exit_fd(), selectors.EVENT_READ, "exit")
+        self._selector.register(self._wake_r, selectors.EVENT_READ, "wake")
+        drained_once = False
+        while True:
+            now = time.monotonic()
+            if now >= next_beat:
+                self._cancel = self._cancel or self.heartbeat()
+                next_beat = now + self.heartbeat_every
+            if not self._stopping:
+                if deadline is not None and now >= deadline:
+                    self._begin_stop(now, "timeout")
+                elif self._cancel is not None:
+                    self._begin_stop(now, "cancelled")
+            if self._stopping and (out.exited is not None or self._kill_at is not None):
+                if self.boundary.is_empty():
+                    break
+                if self._kill_at is not None and now >= self._kill_at:
+                    break
+            wait = self._next_wait(now, deadline, next_beat)
+            for key, _ in self._selector.select(wait):
+                name = key.data
+                if name in ("stdout", "stderr"):
+                    self.streams.drain(name)
+                    if name not in self.streams.open:
+                        self._selector.unregister(key.fd)
+                    if not drained_once:
+                        drained_once = True
+                        faults.point("owner.mid_drain")
+                elif name == "exit":
+                    self._on_exit_fd(key.fd)
+                else:
+                    _drain_wake_pipe(self._wake_r)
+                    self._cancel = self._cancel or self.heartbeat()
+            if out.exited is not None and not self._stopping:
+                self._on_main_exit()
+        return self._finish()
+
+    def _next_wait(self, now: float, deadline: float | None, next_beat: float) -> float:
+        candidates = [next_beat - now]
+        if deadline is not None and not self._stopping:
+            candidates.append(deadline - now)
+        if self._kill_at is not None:
+            candidates.append(self._kill_at - now)
+        if self._stopping:
+            candidates.append(STOP_POLL_S)
+        return max(0.0, min(candidates))
+
+    def _on_exit_fd(self, fd: int) -> None:
+        status = self.boundary.collect_main()
+        if status is not None:
+            self.outcome.wait_status = status
+            self.outcome.exited = time.monotonic()
+            self._selector.unregister(fd)
+
+    def _begin_stop(self, now: float, reason: str) -> None:
+        """Timeout or cancel: TERM to everything in the boundary, then KILL after the grace."""
+        self.outcome.reason = reason
+        self.outcome.stop_decided = now
+        self._stopping = True
+        self._kill_at = now + self.grace
+        self.boundary.signal_all(signal.SIGTERM)
+
+    def _on_main_exit(self) -> None:
+        """The main process is gone: whoever is left in the boundary is a straggler."""
+        self._stopping = True
+        now = time.monotonic()
+        self.outcome.stop_decided = now
+        left = self.boundary.describe_members()
+        if left:
+            self.outcome.stragglers = [{**m, "stopped_by": "TERM"} for m in left]
+            self._kill_at = now + self.grace
+            self.boundary.signal_all(signal.SIGTERM)
+
+    def _finish(self) -> Outcome:
+        out = self.outcome
+        survivors = set(self.boundary.members())
+        for straggler in out.stragglers:
+            if straggler["pid"] in survivors:
+                straggler["stopped_by"] = "KILL"
+        self.boundary.await_empty(EVIDENCE_TIMEOUT_S)
+        out.evidence = self.boundary.evidence()
+        out.evidence_at = time.monotonic()
+        faults.point("owner.after_death_evidence")
+        if out.wait_status is None:
+            out.wait_status = _await_main(self.boundary)
+            out.exited = out.exited or time.monotonic()
+        out.drain_complete = self._drain_to_eof(
+            POST_EVIDENCE_DRAIN_S if out.evidence.proven else min(self.grace, 2.0)
+        )
+        self._selector.close()
+        return out
+
+    def _drain_to_eof(self, budget: float) -> bool:
+        """After evidence no writer can remain, so EOF comes at once; bounded all the same."""
+        give_up = time.monotonic() + budget
+        pending = {self.streams.fds[n]: n for n in self.streams.open}
+        selector = selectors.DefaultSelector()
+        for fd, name in pending.items():
+            selector.register(fd, selectors.EVENT_READ, name)
+        while self.streams.open and time.monotonic() < give_up:
+            for key, _ in selector.select(max(0.0, give_up - time.monotonic())):
+                self.streams.drain(key.data)
+                if key.data not in self.streams.open:
+                    selector.unregister(key.fd)
+        selector.close()
+        return not self.streams.open
+
+
+def _await_main(boundary: Boundary) -> int | None:
+    """After the boundary was killed the main status is due; poll briefly for it."""
+    for _ in range(2000):
+        status = boundary.collect_main()
+        if status is not None:
+            return status
+        time.sleep(0.001)
+    return None
+
+
+def _drain_wake_pipe(fd: int) -> None:
+    try:
+        while os.read(fd, 4096):
+            pass
+    except BlockingIOError:
+        pass

@@ -1,0 +1,88 @@
+"""Receipts: canonical, versioned JSON facts, each sealed with a digest over its canonical bytes.
+
+Owns the shape of the process receipt (DESIGN.md) and the decoding of a wait status into
+`exit {code | signal, reason}`. Pure: the owner gathers the facts, this only arranges them.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from typing import Any
+
+from settled.canonical import digest_of
+
+PROCESS_RECEIPT_VERSION = "settled.receipt.process/v1"
+SHELL_CONVENTIONS = {
+    126: "126 is /bin/sh's code for a command found but not executable",
+    127: "127 is /bin/sh's code for a command not found",
+}
+
+
+def exit_fact(
+    wait_status: int | None, reason: str, *, shell: bool, elapsed_s: float | None
+) -> dict[str, Any]:
+    fact: dict[str, Any] = {"code": None, "signal": None, "reason": reason}
+    if wait_status is not None:
+        if os.WIFEXITED(wait_status):
+            fact["code"] = os.WEXITSTATUS(wait_status)
+            if shell and fact["code"] in SHELL_CONVENTIONS:
+                fact["note"] = SHELL_CONVENTIONS[fact["code"]]
+        elif os.WIFSIGNALED(wait_status):
+            fact["signal"] = signal.Signals(os.WTERMSIG(wait_status)).name.removeprefix("SIG")
+    if elapsed_s is not None:
+        fact["elapsed_s"] = round(elapsed_s, 6)
+    return fact
+
+
+def not_started_fact(stage: str, error: str) -> dict[str, Any]:
+    return {"code": None, "signal": None, "reason": "not_started", "stage": stage, "error": error}
+
+
+def seal(receipt: dict[str, Any]) -> dict[str, Any]:
+    """Add issued_at and the digest over every other field's canonical bytes."""
+    body = {k: v for k, v in receipt.items() if k != "digest"}
+    body.setdefault("issued_at", round(time.time(), 6))
+    return {**body, "digest": digest_of(body)}
+
+
+def verify(receipt: dict[str, Any]) -> bool:
+    body = {k: v for k, v in receipt.items() if k != "digest"}
+    return receipt.get("digest") == digest_of(body)
+
+
+def process_receipt(
+    *,
+    session: str,
+    task: str,
+    key: str,
+    command_digest: str,
+    generation: int,
+    death: dict[str, Any],
+    exit: dict[str, Any],
+    output: dict[str, Any],
+    stragglers: list[dict[str, Any]],
+    terminal_mutation: int | None,
+    owner: dict[str, Any],
+    timings: dict[str, float],
+) -> dict[str, Any]:
+    return seal(
+        {
+            "kind": "process",
+            "v": PROCESS_RECEIPT_VERSION,
+            "authority": "session-owner",
+            "session": session,
+            "task": task,
+            "key": key,
+            "command_digest": command_digest,
+            "generation": generation,
+            "death": death,
+            "exit": exit,
+            "output": output,
+            "stragglers": stragglers,
+            "terminal_mutation": terminal_mutation,
+            "owner": owner,
+            "timings": timings,
+        }
+    )

@@ -1,0 +1,75 @@
+"""Human-readable renderings of receipts and status for the terminal (the JSON is the truth)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def _exit_line(exit_fact: dict[str, Any]) -> str:
+    reason = exit_fact.get("reason")
+    if reason == "not_started":
+        return f"never started ({exit_fact.get('stage')}): {exit_fact.get('error')}"
+    if exit_fact.get("signal"):
+        how = f"killed by SIG{exit_fact['signal']}"
+    else:
+        how = f"exit code {exit_fact.get('code')}"
+    text = f"{how} ({reason})"
+    if "elapsed_s" in exit_fact:
+        text += f" after {exit_fact['elapsed_s']:.3f} s"
+    if exit_fact.get("note"):
+        text += f"; {exit_fact['note']}"
+    return text
+
+
+def _stream_line(name: str, fact: dict[str, Any]) -> str:
+    text = f"{fact['cursor']} bytes, {fact['digest'][:23]}…"
+    if fact.get("not_stored"):
+        text += f" ({fact['not_stored']} bytes past the {fact['cap']}-byte cap drained, not stored)"
+    return f"  {name:<8}{text}"
+
+
+def receipt_text(receipt: dict[str, Any]) -> str:
+    death = receipt["death"]
+    output = receipt["output"]
+    proof = (
+        death["evidence"]
+        if death.get("proven")
+        else "NOT PROVEN: "
+        + str(death.get("observed", {}).get("why_not_evidence", "no evidence observed"))
+    )
+    lines = [
+        f"process receipt {receipt['session']} (task {receipt['task']}, key {receipt['key']})",
+        f"  exit    {_exit_line(receipt['exit'])}",
+        f"  death   [{death.get('boundary')}, {death.get('source')}] {proof}",
+        _stream_line("stdout", output["stdout"]),
+        _stream_line("stderr", output["stderr"]),
+        f"  drain   {output['drain']}",
+    ]
+    for straggler in receipt.get("stragglers", []):
+        lines.append(
+            f"  straggler pid {straggler['pid']} `{straggler['cmdline']}` "
+            f"stopped by {straggler['stopped_by']}"
+        )
+    owner = receipt["owner"]
+    lines.append(
+        f"  owner   pid {owner['pid']}, peak RSS {owner['maxrss_kib'] / 1024:.1f} MiB, "
+        f"cpu {owner['cpu_s']:.3f} s"
+    )
+    lines.append(f"  digest  {receipt['digest']}")
+    return "\n".join(lines)
+
+
+def status_text(view: dict[str, Any]) -> str:
+    if "sessions" in view:
+        lines = [f"task {view['task']} [{view['state']}] workspace {view['workspace']}"]
+        for s in view["sessions"]:
+            exit_fact = s.get("exit")
+            tail = f" — {_exit_line(exit_fact)}" if exit_fact else ""
+            lines.append(f"  {s['session']} key {s['key']}: {s['state']}{tail}")
+        return "\n".join(lines)
+    lines = [f"session {view['session']} [{view['state']}] boundary {view['boundary']}"]
+    if view.get("why"):
+        lines.append(f"  why: {view['why']}")
+    if "receipt" in view:
+        lines.append(receipt_text(view["receipt"]))
+    return "\n".join(lines)

@@ -1,0 +1,234 @@
+"""The library API: what the CLI, the HTTP service and the MCP tools all call.
+
+Admission (rule 1) happens here: validate everything first, record the session with a
+conditional insert, and launch an owner only for the admission that created it. Everything after
+admission belongs to the owner; the runtime only reads facts and asks the owner to act.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import signal
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from settled import boundary as boundaries
+from settled.boundary import procfs
+from settled.errors import BadInput, NotSettled, OwnerLaunchFailed
+from settled.home import log_path, prepare_home, resolve_home, stdin_path
+from settled.identity import CommandSpec, new_key, normalize_env, resolve_cwd
+from settled.log.reader import follow, read_range, stored_length
+from settled.log.view import model_view
+from settled.owner.launcher import launch_owner
+from settled.states import LIVE_STATES, SETTLED, UNKNOWN
+from settled.status import OwnerFacts, session_status, task_status
+from settled.store import SessionRecord, TaskRecord
+from settled.store.sqlite import SQLiteStore, open_sqlite
+
+
+@dataclass(frozen=True)
+class Admission:
+    session: str
+    task: str
+    key: str
+    digest: str
+    reused: bool
+    state: str
+    owner_pid: int | None = None
+    pid: int | None = None
+    boundary: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "session": self.session,
+            "task": self.task,
+            "key": self.key,
+            "digest": self.digest,
+            "reused": self.reused,
+            "state": self.state,
+            "owner_pid": self.owner_pid,
+            "pid": self.pid,
+            "boundary": self.boundary,
+        }
+
+
+class Runtime:
+    def __init__(self, home: str | None = None) -> None:
+        self.home = prepare_home(resolve_home(home))
+        self.store: SQLiteStore = open_sqlite(self.home)
+
+    def close(self) -> None:
+        self.store.close()
+
+    def __enter__(self) -> Runtime:
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.close()
+
+    # -- tasks ---------------------------------------------------------------------------
+
+    def new_task(self, workspace: str | None = None, key: str | None = None) -> TaskRecord:
+        if workspace is None:
+            workspace = tempfile.mkdtemp(prefix="workspace-", dir=self.home)
+        root = os.path.realpath(workspace)
+        if not os.path.isdir(root):
+            raise BadInput(f"--workspace {workspace!r} is not a directory")
+        record, created = self.store.create_task(key or new_key(), root)
+        if not created and record.workspace != root:
+            raise BadInput(
+                f"task key {record.key!r} already names task {record.task} with workspace "
+                f"{record.workspace}, not {root}"
+            )
+        return record
+
+    # -- admission -----------------------------------------------------------------------
+
+    def exec(
+        self,
+        task: str,
+        argv: list[str] | None = None,
+        shell: str | None = None,
+        *,
+        key: str | None = None,
+        cwd: str = ".",
+        env: dict[str, str] | list[str] | None = None,
+        stdin: bytes | None = None,
+        timeout: float | None = None,
+        grace: float | None = None,
+        boundary: str = "auto",
+        service: bool = False,
+    ) -> Admission:
+        """Admit a command idempotently; only the admission that creates it launches it."""
+        record = self.store.get_task(task)
+        spec = CommandSpec(
+            argv=tuple(argv) if argv is not None else None,
+            shell=shell,
+            cwd=resolve_cwd(record.workspace, cwd),
+            env=normalize_env(env or {}),
+            stdin_digest=self._keep_stdin(stdin) if stdin is not None else None,
+            timeout=timeout,
+            grace=grace if grace is not None else CommandSpec.grace,
+            boundary=boundary,
+            service=service,
+        )
+        boundaries.choose(spec.boundary)  # refuse an impossible boundary before recording
+        key = key or new_key()
+        session, reused = self.store.admit(task, key, spec.digest, spec.to_json())
+        if reused:
+            return self._admission(session, reused=True)
+        report = launch_owner(self.home, session.session)
+        return self._admission(self.store.get_session(session.session), False, report)
+
+    def _keep_stdin(self, data: bytes) -> str:
+        digest = "sha256:" + hashlib.sha256(data).hexdigest()
+        path = stdin_path(self.home, digest)
+        if not os.path.exists(path):
+            fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path))
+            with os.fdopen(fd, "wb") as handle:
+                handle.write(data)
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.replace(tmp, path)
+        return digest
+
+    def _admission(
+        self, record: SessionRecord, reused: bool, report: dict[str, Any] | None = None
+    ) -> Admission:
+        if report and "error" in report and record.state != SETTLED:
+            raise OwnerLaunchFailed(f"session {record.session}: {report['error']}")
+        return Admission(
+            session=record.session,
+            task=record.task,
+            key=record.key,
+            digest=record.digest,
+            reused=reused,
+            state=self.session_status(record.session)["state"],
+            owner_pid=record.owner.pid if record.owner else None,
+            pid=record.command_pid,
+            boundary=record.boundary,
+        )
+
+    # -- facts ---------------------------------------------------------------------------
+
+    def owner_facts(self, record: SessionRecord) -> OwnerFacts | None:
+        owner = record.owner
+        if owner is None:
+            return None
+        lease_fresh = owner.lease_until > time.time()
+        if owner.boot_id != procfs.boot_id():
+            return OwnerFacts(False, f"owner recorded on boot {owner.boot_id}", lease_fresh)
+        if procfs.start_time(owner.pid) != owner.start_time:
+            return OwnerFacts(
+                False, f"owner pid {owner.pid} is gone (or is another process now)", lease_fresh
+            )
+        return OwnerFacts(True, None, lease_fresh)
+
+    def session_status(self, session: str) -> dict[str, Any]:
+        record = self.store.get_session(session)
+        return session_status(record, self.owner_facts(record))
+
+    def task_status(self, task: str) -> dict[str, Any]:
+        record = self.store.get_task(task)
+        views = [session_status(s, self.owner_facts(s)) for s in self.store.list_sessions(task)]
+        return task_status(record, views)
+
+    def wait(self, session: str, timeout: float | None = None) -> dict[str, Any]:
+        """Block until the session has a receipt (or is unknown); the session's clock, not ours."""
+        give_up = None if timeout is None else time.monotonic() + timeout
+        pause = 0.002
+        while True:
+            view = self.session_status(session)
+            if view["state"] in (SETTLED, UNKNOWN) and (
+                "receipt" in view or view["state"] == UNKNOWN
+            ):
+                return view
+            if give_up is not None and time.monotonic() >= give_up:
+                raise NotSettled(
+                    f"session {session} is still {view['state']} after {timeout} s; it goes on "
+                    f"(wait again, or read its output with `settled logs {session} --follow`)"
+                )
+            time.sleep(pause)
+            pause = min(pause * 1.5, 0.05)
+
+    def cancel(self, session: str, reason: str = "cancel requested") -> dict[str, Any]:
+        """Ask the owner to stop the session (TERM, grace, KILL over the whole boundary)."""
+        record = self.store.request_cancel(session, reason)
+        facts = self.owner_facts(record)
+        if record.owner is not None and facts is not None and facts.alive:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(record.owner.pid, signal.SIGUSR1)
+        return self.session_status(session)
+
+    # -- output --------------------------------------------------------------------------
+
+    def final_cursor(self, session: str, stream: str) -> int | None:
+        """The stream's final cursor once the session settled; None while it may still grow."""
+        record = self.store.get_session(session)
+        if record.receipt is not None:
+            return int(record.receipt["output"][stream]["cursor"])
+        if record.state not in LIVE_STATES:
+            return stored_length(log_path(self.home, session, stream))
+        return None
+
+    def read(self, session: str, stream: str, start: int = 0, size: int = 1 << 20) -> bytes:
+        self.store.get_session(session)
+        return read_range(log_path(self.home, session, stream), start, size)
+
+    def follow(
+        self, session: str, stream: str, start: int = 0, timeout: float | None = None
+    ) -> Iterator[bytes]:
+        self.store.get_session(session)
+        path = log_path(self.home, session, stream)
+        return follow(path, start, lambda: self.final_cursor(session, stream), timeout=timeout)
+
+    def view(self, session: str, stream: str, budget: int) -> str:
+        self.store.get_session(session)
+        return model_view(
+            log_path(self.home, session, stream), budget, stream=stream, session=session
+        )

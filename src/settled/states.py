@@ -1,0 +1,72 @@
+"""The session and task state machines: every transition the store may perform, in one table.
+
+Theory of operation (after h11's _state.py): the store is the only writer of state, and it writes
+a new state only through `next_session_state`, under a compare-and-set on the current state and
+generation. Nothing here does I/O; everything that changes what a transition means lives here.
+
+    admitted --claim--> running --exit|deadline|cancel--> settling --receipt--> settled
+    admitted --receipt--> settled          (cancelled or unstartable before it ran)
+    running  --receipt--> settled          (the owner may settle in one step)
+    admitted|running|settling --lose--> unknown --recover--> settled
+
+`exit` (code, signal, timeout, cancel) is part of the receipt, never a state.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+ADMITTED: Final = "admitted"
+RUNNING: Final = "running"
+SETTLING: Final = "settling"
+SETTLED: Final = "settled"
+UNKNOWN: Final = "unknown"
+
+SESSION_STATES: Final = (ADMITTED, RUNNING, SETTLING, SETTLED, UNKNOWN)
+LIVE_STATES: Final = frozenset({ADMITTED, RUNNING, SETTLING})
+
+SESSION_TRANSITIONS: Final[dict[tuple[str, str], str]] = {
+    (ADMITTED, "claim"): RUNNING,
+    (RUNNING, "settle_begin"): SETTLING,
+    (ADMITTED, "receipt"): SETTLED,
+    (RUNNING, "receipt"): SETTLED,
+    (SETTLING, "receipt"): SETTLED,
+    (ADMITTED, "lose"): UNKNOWN,
+    (RUNNING, "lose"): UNKNOWN,
+    (SETTLING, "lose"): UNKNOWN,
+    (UNKNOWN, "recover"): SETTLED,
+}
+
+TASK_OPEN: Final = "open"
+TASK_SEALED: Final = "sealed"
+TASK_CLOSING: Final = "closing"
+TASK_COMPLETE: Final = "complete"
+
+TASK_TRANSITIONS: Final[dict[tuple[str, str], str]] = {
+    (TASK_OPEN, "seal"): TASK_SEALED,
+    (TASK_SEALED, "close_begin"): TASK_CLOSING,
+    (TASK_CLOSING, "complete"): TASK_COMPLETE,
+}
+
+
+class IllegalTransition(ValueError):
+    pass
+
+
+def next_session_state(state: str, event: str) -> str:
+    try:
+        return SESSION_TRANSITIONS[(state, event)]
+    except KeyError:
+        raise IllegalTransition(f"session in state {state!r} cannot take event {event!r}") from None
+
+
+def states_accepting(event: str) -> tuple[str, ...]:
+    """The states from which `event` is legal: the 'expected' side of the compare-and-set."""
+    return tuple(sorted(s for (s, e) in SESSION_TRANSITIONS if e == event))
+
+
+def next_task_state(state: str, event: str) -> str:
+    try:
+        return TASK_TRANSITIONS[(state, event)]
+    except KeyError:
+        raise IllegalTransition(f"task in state {state!r} cannot take event {event!r}") from None

@@ -1,0 +1,85 @@
+"""Status is a projection over recorded facts, never a stored value.
+
+Pure functions: the runtime gathers facts (the store's records, whether the recorded owner is
+alive) and hands them in. A live-looking record whose owner is gone is shown as `unknown`, with
+why; it is never shown as failed, and nothing here may relaunch it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from settled.states import LIVE_STATES, SETTLED, UNKNOWN
+from settled.store import SessionRecord, TaskRecord
+
+
+@dataclass(frozen=True)
+class OwnerFacts:
+    """What the runtime observed of the recorded owner at the moment it asked."""
+
+    alive: bool
+    why: str | None
+    lease_fresh: bool
+
+
+def session_status(record: SessionRecord, owner: OwnerFacts | None) -> dict[str, Any]:
+    view: dict[str, Any] = {
+        "session": record.session,
+        "task": record.task,
+        "key": record.key,
+        "digest": record.digest,
+        "state": record.state,
+        "owner": None,
+        "boundary": record.boundary,
+        "cursors": {"stdout": record.stdout_durable, "stderr": record.stderr_durable},
+    }
+    if record.owner is not None:
+        view["owner"] = {
+            **record.owner.to_json(),
+            "alive": owner.alive if owner else None,
+            "lease_fresh": owner.lease_fresh if owner else None,
+        }
+    if record.receipt is not None:
+        view["receipt"] = record.receipt
+        exit_fact = record.receipt.get("exit", {})
+        view["exit"] = exit_fact
+    if record.state in LIVE_STATES and owner is not None and not owner.alive:
+        view["state"] = UNKNOWN
+        view["why"] = (
+            f"{owner.why}; the process tree has not been proven dead, so the session is unknown "
+            "(not failed) until recovery inspects its boundary"
+        )
+    elif record.state == UNKNOWN:
+        view["why"] = _unknown_why(record)
+    elif record.state == SETTLED and record.receipt is not None:
+        view["why"] = record.receipt["death"].get("evidence")
+    return view
+
+
+def _unknown_why(record: SessionRecord) -> str:
+    receipt = record.receipt
+    if receipt is not None and not receipt["death"].get("proven", False):
+        return (
+            f"boundary {receipt['death'].get('boundary')} gives no death evidence: "
+            f"{receipt['death'].get('observed', {}).get('why_not_evidence', 'nothing observed')}"
+        )
+    return "the session's owner is missing and its boundary has not been inspected"
+
+
+def task_status(task: TaskRecord, sessions: list[dict[str, Any]]) -> dict[str, Any]:
+    counts: dict[str, int] = {}
+    for view in sessions:
+        counts[view["state"]] = counts.get(view["state"], 0) + 1
+    return {
+        "task": task.task,
+        "key": task.key,
+        "workspace": task.workspace,
+        "state": task.state,
+        "generation": task.generation,
+        "sessions": [
+            {k: view.get(k) for k in ("session", "key", "state", "exit", "why")}
+            for view in sessions
+        ],
+        "counts": counts,
+    }

@@ -1,0 +1,124 @@
+"""The authority store: the one place state lives, and the only code that decides it.
+
+Owns task and session records and every state change, each a compare-and-set on (state,
+generation) through the transition table in `settled.states`. SQLite is the embedded default;
+PostgreSQL will satisfy the same `Store` protocol and run the same contract tests.
+Never touches processes, logs or the workspace.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+
+@dataclass(frozen=True)
+class OwnerInfo:
+    """Who owns a session: a pid is only the owner with the same start time on the same boot."""
+
+    pid: int
+    start_time: int
+    boot_id: str
+    lease_until: float
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "pid": self.pid,
+            "start_time": self.start_time,
+            "boot_id": self.boot_id,
+            "lease_until": self.lease_until,
+        }
+
+
+@dataclass(frozen=True)
+class TaskRecord:
+    task: str
+    key: str
+    workspace: str
+    state: str
+    generation: int
+    created_at: float
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "task": self.task,
+            "key": self.key,
+            "workspace": self.workspace,
+            "state": self.state,
+            "generation": self.generation,
+            "created_at": self.created_at,
+        }
+
+
+@dataclass(frozen=True)
+class SessionRecord:
+    session: str
+    task: str
+    key: str
+    digest: str
+    spec: dict[str, Any]
+    state: str
+    generation: int
+    owner: OwnerInfo | None
+    boundary: str | None
+    boundary_ref: str | None
+    command_pid: int | None
+    command_start_time: int | None
+    stdout_durable: int
+    stderr_durable: int
+    cancel_requested: str | None
+    created_at: float
+    started_at: float | None
+    settled_at: float | None
+    receipt: dict[str, Any] | None
+
+
+class Store(Protocol):
+    """Every method is atomic; every state change is conditional and raises StaleWrite if lost."""
+
+    def create_task(self, key: str, workspace: str) -> tuple[TaskRecord, bool]: ...
+
+    def get_task(self, task: str) -> TaskRecord: ...
+
+    def admit(
+        self, task: str, key: str, digest: str, spec: dict[str, Any]
+    ) -> tuple[SessionRecord, bool]:
+        """Returns (session, reused). Raises UnknownTask, KeyConflict, AdmissionSealed."""
+        ...
+
+    def get_session(self, session: str) -> SessionRecord: ...
+
+    def list_sessions(self, task: str) -> list[SessionRecord]: ...
+
+    def claim(self, session: str, generation: int, owner: OwnerInfo) -> SessionRecord: ...
+
+    def record_launch(
+        self,
+        session: str,
+        generation: int,
+        boundary: str,
+        boundary_ref: str | None,
+        command_pid: int | None,
+        command_start_time: int | None,
+    ) -> None: ...
+
+    def heartbeat(
+        self, session: str, generation: int, lease_until: float, stdout: int, stderr: int
+    ) -> str | None:
+        """Renew the lease and publish durable cursors; returns a pending cancel reason."""
+        ...
+
+    def settle_begin(self, session: str, generation: int) -> None: ...
+
+    def write_receipt(
+        self, session: str, generation: int, receipt: dict[str, Any], event: str = "receipt"
+    ) -> SessionRecord: ...
+
+    def request_cancel(self, session: str, reason: str) -> SessionRecord: ...
+
+    def close(self) -> None: ...
+
+
+def loads(text: str | None) -> Any:
+    return None if text is None else json.loads(text)

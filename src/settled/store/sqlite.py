@@ -1,0 +1,369 @@
+"""SQLite implementation of the authority store (the embedded default).
+
+WAL journal, `synchronous=FULL` (a receipt that was acknowledged survives power loss), and every
+write in `BEGIN IMMEDIATE`: a writer takes the write lock before it reads, so concurrent owners
+queue on the busy timeout instead of failing with `database is locked` on a stale snapshot.
+Never touches processes, logs or the workspace.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from settled.canonical import canonical_bytes
+from settled.errors import (
+    AdmissionSealed,
+    HomeUnusable,
+    KeyConflict,
+    StaleWrite,
+    UnknownSession,
+    UnknownTask,
+)
+from settled.identity import new_id
+from settled.states import (
+    ADMITTED,
+    TASK_OPEN,
+    next_session_state,
+    states_accepting,
+)
+from settled.store import OwnerInfo, SessionRecord, TaskRecord, loads
+
+SCHEMA_VERSION = 1
+BUSY_TIMEOUT_S = 60.0
+
+MIGRATIONS: dict[int, str] = {
+    1: """
+    CREATE TABLE tasks (
+        task        TEXT PRIMARY KEY,
+        key         TEXT NOT NULL UNIQUE,
+        workspace   TEXT NOT NULL,
+        state       TEXT NOT NULL,
+        generation  INTEGER NOT NULL,
+        created_at  REAL NOT NULL
+    );
+    CREATE TABLE sessions (
+        session             TEXT PRIMARY KEY,
+        task                TEXT NOT NULL REFERENCES tasks(task),
+        key                 TEXT NOT NULL,
+        digest              TEXT NOT NULL,
+        spec                TEXT NOT NULL,
+        state               TEXT NOT NULL,
+        generation          INTEGER NOT NULL,
+        owner               TEXT,
+        boundary            TEXT,
+        boundary_ref        TEXT,
+        command_pid         INTEGER,
+        command_start_time  INTEGER,
+        stdout_durable      INTEGER NOT NULL DEFAULT 0,
+        stderr_durable      INTEGER NOT NULL DEFAULT 0,
+        cancel_requested    TEXT,
+        created_at          REAL NOT NULL,
+        started_at          REAL,
+        settled_at          REAL,
+        receipt             TEXT,
+        UNIQUE (task, key)
+    );
+    CREATE INDEX sessions_by_task ON sessions(task, created_at);
+    """,
+}
+
+SESSION_COLUMNS = (
+    "session, task, key, digest, spec, state, generation, owner, boundary, boundary_ref, "
+    "command_pid, command_start_time, stdout_durable, stderr_durable, cancel_requested, "
+    "created_at, started_at, settled_at, receipt"
+)
+
+
+def _session_from_row(row: tuple[Any, ...]) -> SessionRecord:
+    owner = loads(row[7])
+    return SessionRecord(
+        session=row[0],
+        task=row[1],
+        key=row[2],
+        digest=row[3],
+        spec=json.loads(row[4]),
+        state=row[5],
+        generation=row[6],
+        owner=OwnerInfo(**owner) if owner else None,
+        boundary=row[8],
+        boundary_ref=row[9],
+        command_pid=row[10],
+        command_start_time=row[11],
+        stdout_durable=row[12],
+        stderr_durable=row[13],
+        cancel_requested=row[14],
+        created_at=row[15],
+        started_at=row[16],
+        settled_at=row[17],
+        receipt=loads(row[18]),
+    )
+
+
+def _task_from_row(row: tuple[Any, ...]) -> TaskRecord:
+    return TaskRecord(*row)
+
+
+class SQLiteStore:
+    """One connection per instance; one instance per process (owners open their own)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        try:
+            self._db = sqlite3.connect(path, timeout=BUSY_TIMEOUT_S, isolation_level=None)
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=FULL")
+            self._db.execute("PRAGMA foreign_keys=ON")
+            self._migrate()
+        except sqlite3.Error as exc:
+            raise HomeUnusable(f"cannot open the store at {path}: {exc}") from exc
+
+    def close(self) -> None:
+        self._db.close()
+
+    @contextmanager
+    def _write(self) -> Iterator[sqlite3.Connection]:
+        self._db.execute("BEGIN IMMEDIATE")
+        try:
+            yield self._db
+        except BaseException:
+            self._db.execute("ROLLBACK")
+            raise
+        self._db.execute("COMMIT")
+
+    def _migrate(self) -> None:
+        with self._write() as db:
+            db.execute("CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT)")
+            row = db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
+            version = int(row[0]) if row else 0
+            if version > SCHEMA_VERSION:
+                raise HomeUnusable(
+                    f"the store at {self.path} has schema v{version}, newer than this settled "
+                    f"(v{SCHEMA_VERSION}); upgrade settled or use another --home"
+                )
+            for step in range(version + 1, SCHEMA_VERSION + 1):
+                for statement in MIGRATIONS[step].split(";"):
+                    if statement.strip():
+                        db.execute(statement)
+            db.execute(
+                "INSERT INTO meta(key, value) VALUES('schema_version', ?) "
+                "ON CONFLICT(key) DO UPDATE SET value=excluded.value",
+                (str(SCHEMA_VERSION),),
+            )
+
+    # -- tasks ---------------------------------------------------------------------------
+
+    def create_task(self, key: str, workspace: str) -> tuple[TaskRecord, bool]:
+        with self._write() as db:
+            row = db.execute(
+                "SELECT task, key, workspace, state, generation, created_at FROM tasks WHERE key=?",
+                (key,),
+            ).fetchone()
+            if row:
+                return _task_from_row(row), False
+            record = TaskRecord(new_id("t"), key, workspace, TASK_OPEN, 1, time.time())
+            db.execute(
+                "INSERT INTO tasks VALUES (?, ?, ?, ?, ?, ?)",
+                (record.task, key, workspace, record.state, 1, record.created_at),
+            )
+            return record, True
+
+    def get_task(self, task: str) -> TaskRecord:
+        row = self._db.execute(
+            "SELECT task, key, workspace, state, generation, created_at FROM tasks WHERE task=?",
+            (task,),
+        ).fetchone()
+        if row is None:
+            raise UnknownTask(task)
+        return _task_from_row(row)
+
+    # -- sessions ------------------------------------------------------------------------
+
+    def admit(
+        self, task: str, key: str, digest: str, spec: dict[str, Any]
+    ) -> tuple[SessionRecord, bool]:
+        with self._write() as db:
+            trow = db.execute("SELECT state, generation FROM tasks WHERE task=?", (task,))
+            found = trow.fetchone()
+            if found is None:
+                raise UnknownTask(task)
+            existing = db.execute(
+                f"SELECT {SESSION_COLUMNS} FROM sessions WHERE task=? AND key=?", (task, key)
+            ).fetchone()
+            if existing is not None:
+                record = _session_from_row(existing)
+                if record.digest != digest:
+                    raise KeyConflict(task, key, record.digest, digest, record.session)
+                return record, True
+            state, generation = found
+            if state != TASK_OPEN:
+                raise AdmissionSealed(task, state)
+            session = new_id("s")
+            db.execute(
+                "INSERT INTO sessions (session, task, key, digest, spec, state, generation, "
+                "created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                (
+                    session,
+                    task,
+                    key,
+                    digest,
+                    canonical_bytes(spec).decode(),
+                    ADMITTED,
+                    generation,
+                    time.time(),
+                ),
+            )
+            row = db.execute(
+                f"SELECT {SESSION_COLUMNS} FROM sessions WHERE session=?", (session,)
+            ).fetchone()
+            return _session_from_row(row), False
+
+    def get_session(self, session: str) -> SessionRecord:
+        row = self._db.execute(
+            f"SELECT {SESSION_COLUMNS} FROM sessions WHERE session=?", (session,)
+        ).fetchone()
+        if row is None:
+            raise UnknownSession(session)
+        return _session_from_row(row)
+
+    def list_sessions(self, task: str) -> list[SessionRecord]:
+        rows = self._db.execute(
+            f"SELECT {SESSION_COLUMNS} FROM sessions WHERE task=? ORDER BY created_at, session",
+            (task,),
+        ).fetchall()
+        return [_session_from_row(r) for r in rows]
+
+    def _transition(
+        self,
+        db: sqlite3.Connection,
+        session: str,
+        generation: int,
+        event: str,
+        sets: dict[str, Any],
+    ) -> None:
+        """The compare-and-set every state change goes through."""
+        expected = states_accepting(event)
+        row = db.execute(
+            "SELECT state, generation FROM sessions WHERE session=?", (session,)
+        ).fetchone()
+        if row is None:
+            raise UnknownSession(session)
+        state, current_generation = row
+        if state not in expected or current_generation != generation:
+            raise StaleWrite(
+                f"session {session}: {event} expects state in {list(expected)} at generation "
+                f"{generation}, found {state!r} at generation {current_generation}"
+            )
+        new_state = next_session_state(state, event)
+        assignments = ", ".join(f"{column}=?" for column in sets)
+        db.execute(
+            f"UPDATE sessions SET state=?, {assignments} "
+            "WHERE session=? AND state=? AND generation=?",
+            (new_state, *sets.values(), session, state, generation),
+        )
+
+    def _update_live(
+        self, db: sqlite3.Connection, session: str, generation: int, sets: dict[str, Any]
+    ) -> None:
+        """A field update that changes no state but still must hold the generation."""
+        assignments = ", ".join(f"{column}=?" for column in sets)
+        cursor = db.execute(
+            f"UPDATE sessions SET {assignments} WHERE session=? AND generation=? "
+            "AND state IN ('running', 'settling')",
+            (*sets.values(), session, generation),
+        )
+        if cursor.rowcount != 1:
+            raise StaleWrite(f"session {session} is not live at generation {generation}")
+
+    def claim(self, session: str, generation: int, owner: OwnerInfo) -> SessionRecord:
+        with self._write() as db:
+            self._transition(
+                db,
+                session,
+                generation,
+                "claim",
+                {"owner": json.dumps(owner.to_json()), "started_at": time.time()},
+            )
+        return self.get_session(session)
+
+    def record_launch(
+        self,
+        session: str,
+        generation: int,
+        boundary: str,
+        boundary_ref: str | None,
+        command_pid: int | None,
+        command_start_time: int | None,
+    ) -> None:
+        with self._write() as db:
+            self._update_live(
+                db,
+                session,
+                generation,
+                {
+                    "boundary": boundary,
+                    "boundary_ref": boundary_ref,
+                    "command_pid": command_pid,
+                    "command_start_time": command_start_time,
+                },
+            )
+
+    def heartbeat(
+        self, session: str, generation: int, lease_until: float, stdout: int, stderr: int
+    ) -> str | None:
+        with self._write() as db:
+            row = db.execute(
+                "SELECT owner, cancel_requested FROM sessions WHERE session=?", (session,)
+            ).fetchone()
+            if row is None:
+                raise UnknownSession(session)
+            owner = json.loads(row[0]) if row[0] else {}
+            owner["lease_until"] = lease_until
+            self._update_live(
+                db,
+                session,
+                generation,
+                {"owner": json.dumps(owner), "stdout_durable": stdout, "stderr_durable": stderr},
+            )
+            return row[1]  # type: ignore[no-any-return]
+
+    def settle_begin(self, session: str, generation: int) -> None:
+        with self._write() as db:
+            self._transition(db, session, generation, "settle_begin", {})
+
+    def write_receipt(
+        self, session: str, generation: int, receipt: dict[str, Any], event: str = "receipt"
+    ) -> SessionRecord:
+        output = receipt.get("output", {})
+        with self._write() as db:
+            self._transition(
+                db,
+                session,
+                generation,
+                event,
+                {
+                    "receipt": canonical_bytes(receipt).decode(),
+                    "settled_at": time.time(),
+                    "stdout_durable": output.get("stdout", {}).get("cursor", 0),
+                    "stderr_durable": output.get("stderr", {}).get("cursor", 0),
+                },
+            )
+        return self.get_session(session)
+
+    def request_cancel(self, session: str, reason: str) -> SessionRecord:
+        with self._write() as db:
+            db.execute(
+                "UPDATE sessions SET cancel_requested=? WHERE session=? "
+                "AND cancel_requested IS NULL AND state IN ('admitted', 'running', 'settling')",
+                (reason, session),
+            )
+        return self.get_session(session)
+
+
+def open_sqlite(home: str) -> SQLiteStore:
+    return SQLiteStore(os.path.join(home, "settled.db"))
