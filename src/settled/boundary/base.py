@@ -115,4 +115,5 @@ class Boundary(ABC):
             self._pidfd = None
 
     def describe_members(self) -> list[dict[str, object]]:
-        return [procfs.describe(pid) for pid in self.members()]
+        described = (procfs.describe(pid) for pid in self.members())
+        return [d for d in described if d["cmdline"]]  # a process gone while we looked is not left

@@ -12,6 +12,7 @@ import errno
 import os
 import time
 
+from settled.boundary import procfs
 from settled.boundary.base import Boundary, Evidence
 from settled.errors import BoundaryUnavailable
 
@@ -114,7 +115,8 @@ class Cgroup2Boundary(Boundary):
     def members(self) -> list[int]:
         try:
             with open(os.path.join(self.path, "cgroup.procs")) as handle:
-                return [int(p) for p in handle.read().split()]
+                listed = [int(p) for p in handle.read().split()]
+            return [p for p in listed if procfs.state_of(p) not in (None, "Z")]
         except FileNotFoundError:
             return []
 

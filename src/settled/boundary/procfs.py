@@ -88,4 +88,5 @@ def pids_in_group(pgid: int) -> list[int]:
 
 
 def describe(pid: int) -> dict[str, object]:
+    """pid and command line; a process that exited while we looked has an empty one."""
     return {"pid": pid, "cmdline": cmdline(pid)}

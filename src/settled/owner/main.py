@@ -24,7 +24,7 @@ from settled.errors import BoundaryUnavailable, StaleWrite
 from settled.home import log_path, session_dir, stdin_path
 from settled.identity import CommandSpec
 from settled.log.writer import StreamWriter, enlarge_pipe
-from settled.owner.supervise import Outcome, Streams, Supervisor
+from settled.owner.supervise import Outcome, OwnerSignals, Streams, Supervisor
 from settled.receipts import exit_fact, not_started_fact, process_receipt
 from settled.store import OwnerInfo, SessionRecord
 from settled.store.sqlite import SQLiteStore, open_sqlite
@@ -62,6 +62,7 @@ class Owner:
     # -- the session, start to receipt ---------------------------------------------------
 
     def run(self) -> int:
+        signals = OwnerSignals()
         me = os.getpid()
         claim = OwnerInfo(me, procfs.start_time(me) or 0, procfs.boot_id(), time.time() + LEASE_S)
         try:
@@ -71,8 +72,9 @@ class Owner:
             return 1
         self.timings["claimed_at"] = time.time()
         faults.point("owner.after_claim")
-        if record.cancel_requested:
-            return self._never_ran("cancelled", "admission", record.cancel_requested)
+        cancel = record.cancel_requested or signals.stop_reason
+        if cancel:
+            return self._never_ran("cancelled", "admission", cancel)
         try:
             self.boundary_kind = boundaries.choose(self.spec.boundary)
             boundary = boundaries.make(self.boundary_kind, record.task, record.session)
@@ -116,8 +118,8 @@ class Owner:
             grace=self.spec.grace,
             heartbeat=lambda: self._heartbeat(streams),
             heartbeat_every=HEARTBEAT_S,
+            signals=signals,
         )
-        supervisor.install_signal_handlers()
         outcome = supervisor.run(started)
         boundary.teardown()
         return self._settle(outcome, streams)

@@ -25,6 +25,29 @@ POST_EVIDENCE_DRAIN_S = 10.0
 EVIDENCE_TIMEOUT_S = 30.0
 
 
+class OwnerSignals:
+    """Installed before the owner claims anything, so no signal can kill it with its default
+    action: TERM/INT/HUP become a cancel, USR1 means "look at the store now"."""
+
+    def __init__(self) -> None:
+        self.wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self.stop_reason: str | None = None
+        signal.set_wakeup_fd(self._wake_w, warn_on_full_buffer=False)
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(sig, self._on_stop)
+        signal.signal(signal.SIGUSR1, lambda *_: None)
+
+    def _on_stop(self, signum: int, _frame: object) -> None:
+        self.stop_reason = self.stop_reason or f"owner received {signal.Signals(signum).name}"
+
+    def drain(self) -> None:
+        try:
+            while os.read(self.wake_r, 4096):
+                pass
+        except BlockingIOError:
+            pass
+
+
 @dataclass
 class Outcome:
     wait_status: int | None = None
@@ -65,27 +88,17 @@ class Supervisor:
         grace: float,
         heartbeat: Callable[[], str | None],
         heartbeat_every: float,
+        signals: OwnerSignals,
     ) -> None:
         self.boundary, self.streams = boundary, streams
         self.timeout, self.grace = timeout, grace
         self.heartbeat, self.heartbeat_every = heartbeat, heartbeat_every
+        self.signals = signals
         self.outcome = Outcome()
         self._cancel: str | None = None
         self._kill_at: float | None = None
         self._stopping = False
         self._selector = selectors.DefaultSelector()
-        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-
-    # -- signals -------------------------------------------------------------------------
-
-    def install_signal_handlers(self) -> None:
-        signal.set_wakeup_fd(self._wake_w, warn_on_full_buffer=False)
-        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-            signal.signal(sig, self._on_stop_signal)
-        signal.signal(signal.SIGUSR1, lambda *_: None)  # "look at the store now"
-
-    def _on_stop_signal(self, signum: int, _frame: object) -> None:
-        self._cancel = self._cancel or f"owner received {signal.Signals(signum).name}"
 
     # -- the loop ------------------------------------------------------------------------
 
@@ -98,7 +111,7 @@ class Supervisor:
             os.set_blocking(fd, False)
             self._selector.register(fd, selectors.EVENT_READ, name)
         self._selector.register(self.boundary.exit_fd(), selectors.EVENT_READ, "exit")
-        self._selector.register(self._wake_r, selectors.EVENT_READ, "wake")
+        self._selector.register(self.signals.wake_r, selectors.EVENT_READ, "wake")
         drained_once = False
         while True:
             now = time.monotonic()
@@ -128,8 +141,8 @@ class Supervisor:
                 elif name == "exit":
                     self._on_exit_fd(key.fd)
                 else:
-                    _drain_wake_pipe(self._wake_r)
-                    self._cancel = self._cancel or self.heartbeat()
+                    self.signals.drain()
+                    self._cancel = self._cancel or self.signals.stop_reason or self.heartbeat()
             if out.exited is not None and not self._stopping:
                 self._on_main_exit()
         return self._finish()
@@ -213,11 +226,3 @@ def _await_main(boundary: Boundary) -> int | None:
             return status
         time.sleep(0.001)
     return None
-
-
-def _drain_wake_pipe(fd: int) -> None:
-    try:
-        while os.read(fd, 4096):
-            pass
-    except BlockingIOError:
-        pass

@@ -1,0 +1,55 @@
+"""Run settled's benchmarks: python bench/run.py [drain|admission|kill|all] [--quick] [--out DIR].
+
+Each benchmark writes `<name>.json` (every run) and `<name>.md` (its tables) into the output
+directory and regenerates `README.md` there with every table, the machine and the date.
+Full sizes write to bench/results/; `--quick` (small sizes, a smoke run for CI in under a minute)
+writes to bench/results/quick/ unless --out says otherwise. Nothing is asserted about speed:
+results are ratios against baselines measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import time
+
+import admission
+import drain
+import kill
+from common import RESULTS_DIR, log, write_results
+
+BENCHMARKS = {"drain": drain.run, "admission": admission.run, "kill": kill.run}
+
+
+def _terminate(signum: int, _frame: object) -> None:
+    """SIGTERM/SIGHUP unwind like Ctrl-C, so every cleanup (processes, cgroups, temp) runs."""
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("which", nargs="?", default="all", choices=[*BENCHMARKS, "all"])
+    parser.add_argument("--quick", action="store_true", help="small sizes: a CI smoke run")
+    parser.add_argument("--out", help="results directory (default bench/results[/quick])")
+    args = parser.parse_args(argv)
+    out = args.out or (os.path.join(RESULTS_DIR, "quick") if args.quick else RESULTS_DIR)
+    signal.signal(signal.SIGTERM, _terminate)
+    signal.signal(signal.SIGHUP, _terminate)
+    names = list(BENCHMARKS) if args.which == "all" else [args.which]
+    started = time.monotonic()
+    for name in names:
+        log(f"== {name}{' (quick)' if args.quick else ''}")
+        t0 = time.monotonic()
+        data, markdown = BENCHMARKS[name](args.quick)
+        data["duration_s"] = time.monotonic() - t0
+        write_results(out, name, data, markdown)
+        print(markdown + "\n", flush=True)
+        log(f"== {name} done in {data['duration_s']:.1f} s -> {out}/{name}.json, {name}.md")
+    log(f"all done in {time.monotonic() - started:.1f} s; tables in {out}/README.md")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

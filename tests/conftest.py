@@ -1,0 +1,100 @@
+"""Shared fixtures: a runtime with its own home, a task with its own workspace, and boundaries.
+
+Every session a test starts is settled before the test ends: the `rt` fixture cancels whatever is
+still live and waits for its receipt, and kills (by their unique marker) any escapee a pgroup
+session could not contain. Boundaries the machine lacks are skipped with the reason printed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from settled.boundary import availability
+from settled.runtime import Runtime
+from settled.states import LIVE_STATES
+from settled.store import TaskRecord
+
+EVIDENCE_BOUNDARIES = ("cgroup2", "pidns", "subreaper")
+MARKER_ENV = "SETTLED_TEST_MARKER"
+
+
+def _skip_unavailable(kind: str) -> None:
+    reason = availability()[kind]
+    if reason is not None:
+        if os.environ.get("CI") and kind in ("cgroup2", "pidns"):
+            pytest.fail(f"CI must exercise the {kind} boundary, but: {reason}")
+        pytest.skip(f"boundary {kind} unavailable on this machine: {reason}")
+
+
+@pytest.fixture(params=EVIDENCE_BOUNDARIES)
+def boundary(request: pytest.FixtureRequest) -> str:
+    kind: str = request.param
+    _skip_unavailable(kind)
+    return kind
+
+
+def kill_marked(marker: str, command: bytes = b"") -> list[int]:
+    """End any process whose command line or environment carries this test's marker
+    (and, if given, whose command line contains `command`)."""
+    killed = []
+    needle = marker.encode()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as handle:
+                cmdline = handle.read()
+            with open(f"/proc/{entry}/environ", "rb") as handle:
+                environ = handle.read()
+        except OSError:
+            continue
+        if (needle in cmdline or needle in environ) and command in cmdline:
+            try:
+                os.kill(int(entry), signal.SIGKILL)
+                killed.append(int(entry))
+            except ProcessLookupError:
+                pass
+    return killed
+
+
+@pytest.fixture
+def marker(request: pytest.FixtureRequest) -> str:
+    return f"settled-test-{os.getpid()}-{abs(hash(request.node.nodeid)) % 10**8}"
+
+
+@pytest.fixture
+def rt(tmp_path: object, marker: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[Runtime]:
+    monkeypatch.setenv(MARKER_ENV, marker)  # inherited by every owner and command
+    runtime = Runtime(os.path.join(str(tmp_path), "home"))
+    try:
+        yield runtime
+    finally:
+        _settle_everything(runtime)
+        kill_marked(marker)
+        runtime.close()
+
+
+def _settle_everything(runtime: Runtime) -> None:
+    rows = runtime.store._db.execute("SELECT session, state FROM sessions").fetchall()
+    for session, state in rows:
+        if state in LIVE_STATES:
+            runtime.cancel(session, "test teardown")
+    deadline = time.monotonic() + 30
+    for session, state in rows:
+        if state in LIVE_STATES:
+            remaining = max(0.1, deadline - time.monotonic())
+            with contextlib.suppress(Exception):  # teardown goes on to kill by marker
+                runtime.wait(session, timeout=remaining)
+
+
+@pytest.fixture
+def task(rt: Runtime, tmp_path: object) -> TaskRecord:
+    workspace = os.path.join(str(tmp_path), "workspace")
+    os.makedirs(workspace)
+    return rt.new_task(workspace)

@@ -1,0 +1,197 @@
+"""The session runtime, end to end, with real processes in every boundary that gives evidence.
+
+Each test reads like one of the seed's probes: one behaviour, named for what must hold.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import blake3
+import pytest
+from conftest import kill_marked
+
+from settled.runtime import Runtime
+from settled.store import TaskRecord
+
+MIB = 1 << 20
+
+
+def run(rt: Runtime, task: TaskRecord, boundary: str, shell: str, **kw: object) -> dict:
+    admission = rt.exec(task.task, shell=shell, boundary=boundary, **kw)  # type: ignore[arg-type]
+    view = rt.wait(admission.session, timeout=60)
+    assert view["state"] == "settled", view
+    receipt: dict = view["receipt"]
+    assert receipt["death"]["proven"] is True
+    assert receipt["death"]["boundary"] == boundary
+    return receipt
+
+
+def stdout_of(rt: Runtime, receipt: dict) -> bytes:
+    return b"".join(rt.follow(receipt["session"], "stdout", 0, timeout=10))
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            return handle.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_a_4_mib_line_comes_back_bit_for_bit(rt: Runtime, task: TaskRecord, boundary: str) -> None:
+    receipt = run(rt, task, boundary, "head -c 4194304 /dev/zero | tr '\\0' x")
+    data = stdout_of(rt, receipt)
+    assert data == b"x" * (4 * MIB)
+    assert receipt["output"]["stdout"]["cursor"] == 4 * MIB
+    assert receipt["output"]["stdout"]["digest"] == "blake3:" + blake3.blake3(data).hexdigest()
+    assert receipt["output"]["drain"] == "complete"
+    assert receipt["exit"] == {**receipt["exit"], "code": 0, "reason": "exited"}
+
+
+def test_a_64_mib_line_without_newline_comes_back_whole(
+    rt: Runtime, task: TaskRecord, boundary: str
+) -> None:
+    receipt = run(rt, task, boundary, "head -c 67108864 /dev/zero | tr '\\0' y")
+    stdout = receipt["output"]["stdout"]
+    assert stdout["cursor"] == 64 * MIB
+    expected = blake3.blake3(b"y" * (64 * MIB)).hexdigest()
+    assert stdout["digest"] == f"blake3:{expected}"
+
+
+def test_random_binary_is_preserved(rt: Runtime, task: TaskRecord, boundary: str) -> None:
+    blob = os.urandom(3 * MIB + 17) + b"\0\r\n\xff\xfe"
+    with open(os.path.join(task.workspace, "blob.bin"), "wb") as handle:
+        handle.write(blob)
+    receipt = run(rt, task, boundary, "cat blob.bin; cat blob.bin >&2")
+    assert stdout_of(rt, receipt) == blob
+    stderr = b"".join(rt.follow(receipt["session"], "stderr", 0, timeout=10))
+    assert stderr == blob
+
+
+def test_a_silent_command_times_out_on_the_owners_clock(
+    rt: Runtime, task: TaskRecord, boundary: str
+) -> None:
+    started = time.monotonic()
+    receipt = run(rt, task, boundary, "sleep 30", timeout=1.0, grace=1.0)
+    took = time.monotonic() - started
+    assert receipt["exit"]["reason"] == "timeout"
+    assert receipt["exit"]["signal"] == "TERM"
+    assert 0.9 < receipt["exit"]["elapsed_s"] < 2.5
+    assert took < 10, f"a 1 s timeout settled after {took:.1f} s"
+
+
+def test_a_term_ignoring_command_is_killed_after_the_grace(
+    rt: Runtime, task: TaskRecord, boundary: str
+) -> None:
+    receipt = run(
+        rt, task, boundary, "trap '' TERM; sleep 30; echo survived", timeout=0.5, grace=0.5
+    )
+    assert receipt["exit"]["reason"] == "timeout"
+    assert receipt["exit"]["signal"] == "KILL"
+    assert b"survived" not in stdout_of(rt, receipt)
+    assert receipt["timings"]["stop_to_evidence_s"] >= 0.5
+
+
+def test_a_setsid_descendant_holding_stdout_is_stopped_and_named(
+    rt: Runtime, task: TaskRecord, boundary: str
+) -> None:
+    receipt = run(rt, task, boundary, "setsid sleep 300 & echo parent exits", grace=2.0)
+    assert receipt["exit"]["code"] == 0
+    assert receipt["output"]["drain"] == "complete"
+    assert stdout_of(rt, receipt) == b"parent exits\n"
+    [straggler] = receipt["stragglers"]
+    assert "sleep 300" in straggler["cmdline"]  # seen before or after its exec
+    assert straggler["stopped_by"] == "TERM"
+    assert not alive(straggler["pid"])
+
+
+def test_a_double_forked_term_ignoring_descendant_is_killed(
+    rt: Runtime, task: TaskRecord, boundary: str
+) -> None:
+    holder = "trap '' TERM; echo holder; touch ready; sleep 300"
+    shell = f'(setsid sh -c "{holder}" &); while [ ! -e ready ]; do sleep 0.01; done; echo top'
+    receipt = run(rt, task, boundary, shell, grace=0.5)
+    assert receipt["output"]["drain"] == "complete"
+    assert sorted(stdout_of(rt, receipt).split()) == [b"holder", b"top"]
+    assert receipt["stragglers"], "the double-forked holder must be named"
+    assert {s["stopped_by"] for s in receipt["stragglers"]} == {"KILL"}
+    assert not any(alive(s["pid"]) for s in receipt["stragglers"])
+
+
+@pytest.mark.timeout(90)
+def test_a_500_process_fork_storm_is_killed_entirely(
+    rt: Runtime, task: TaskRecord, boundary: str, marker: str
+) -> None:
+    shell = "for i in $(seq 500); do sleep 1000 & done; echo up; wait"
+    admission = rt.exec(task.task, shell=shell, boundary=boundary, timeout=3.0, grace=0.2)
+    view = rt.wait(admission.session, timeout=60)
+    receipt = view["receipt"]
+    assert receipt["death"]["proven"] is True
+    assert receipt["exit"]["reason"] == "timeout"
+    assert stdout_of(rt, receipt) == b"up\n"
+    survivors = kill_marked(marker, b"sleep\0" + b"1000")
+    assert survivors == [], "no process of the storm may survive its session"
+
+
+def test_exit_codes_and_signals_are_reported_as_facts(
+    rt: Runtime, task: TaskRecord, boundary: str
+) -> None:
+    assert run(rt, task, boundary, "exit 7")["exit"]["code"] == 7
+    killed = run(rt, task, boundary, "kill -SEGV $$")["exit"]
+    assert killed["signal"] == "SEGV" and killed["code"] is None
+    assert killed["reason"] == "exited"
+
+
+def test_a_session_finishes_and_is_recorded_with_no_reader(
+    rt: Runtime, task: TaskRecord, boundary: str
+) -> None:
+    admission = rt.exec(task.task, shell="sleep 0.3; echo done", boundary=boundary)
+    assert admission.state == "running"
+    deadline = time.monotonic() + 20
+    while rt.store.get_session(admission.session).receipt is None:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    receipt = rt.store.get_session(admission.session).receipt
+    assert receipt is not None and receipt["exit"]["code"] == 0
+    assert rt.read(admission.session, "stdout") == b"done\n"
+
+
+def test_a_reader_resumes_from_any_cursor(rt: Runtime, task: TaskRecord, boundary: str) -> None:
+    shell = "for i in $(seq 1 200); do printf 'chunk %05d|' $i; sleep 0.002; done"
+    admission = rt.exec(task.task, shell=shell, boundary=boundary)
+    first = next(iter(rt.follow(admission.session, "stdout", 0, timeout=20)))
+    resumed = b"".join(rt.follow(admission.session, "stdout", len(first), timeout=20))
+    expected = b"".join(b"chunk %05d|" % i for i in range(1, 201))
+    assert first + resumed == expected
+    assert rt.read(admission.session, "stdout", 1000, 12) == expected[1000:1012]
+
+
+@pytest.mark.timeout(90)
+def test_the_owner_stays_small_for_a_huge_line(rt: Runtime, task: TaskRecord) -> None:
+    receipt = run(
+        rt,
+        task,
+        "cgroup2" if _has("cgroup2") else "subreaper",
+        "head -c 268435456 /dev/zero | tr '\\0' z",
+    )
+    assert receipt["output"]["stdout"]["cursor"] == 256 * MIB
+    assert receipt["owner"]["maxrss_kib"] < 64 * 1024, receipt["owner"]
+
+
+def test_a_cancelled_session_is_stopped_over_its_whole_boundary(
+    rt: Runtime, task: TaskRecord, boundary: str
+) -> None:
+    admission = rt.exec(task.task, shell="sleep 300 & sleep 300", boundary=boundary, grace=1.0)
+    rt.cancel(admission.session, "the agent changed its mind")
+    view = rt.wait(admission.session, timeout=20)
+    assert view["state"] == "settled", view
+    assert view["receipt"]["exit"]["reason"] == "cancelled"
+    assert view["receipt"]["death"]["proven"] is True
+
+
+def _has(kind: str) -> bool:
+    from settled.boundary import availability
+
+    return availability()[kind] is None

@@ -1,0 +1,999 @@
+"""The contract every Store implementation must pass (SQLite now, PostgreSQL later).
+
+The store under test always comes from the `store_factory` fixture: a function that returns a
+fresh Store for a directory (the same directory opens the same store again). It is parametrized
+over BACKENDS; to add PostgreSQL, add a Backend whose `open` maps the directory to its own
+database or schema and whose raw hooks do the same two things in SQL. Nothing else here names
+a backend, including the children of the concurrency tests, which open the store by backend name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import multiprocessing
+import os
+import re
+import sqlite3
+import tempfile
+import threading
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, cast
+
+import pytest
+
+from settled import states
+from settled.errors import (
+    AdmissionSealed,
+    HomeUnusable,
+    KeyConflict,
+    StaleWrite,
+    UnknownSession,
+    UnknownTask,
+)
+from settled.states import (
+    ADMITTED,
+    LIVE_STATES,
+    RUNNING,
+    SESSION_STATES,
+    SESSION_TRANSITIONS,
+    SETTLED,
+    SETTLING,
+    UNKNOWN,
+)
+from settled.store import OwnerInfo, SessionRecord, Store
+from settled.store.sqlite import SCHEMA_VERSION, SQLiteStore
+
+# --- backends -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Backend:
+    name: str
+    open: Callable[[str], Store]
+    # Raw hooks the public interface deliberately lacks, for arranging states under test.
+    set_task_state: Callable[[Store, str, str], None]
+    set_session_state: Callable[[Store, str, str], None]
+    read_schema_version: Callable[[str], int | None]
+    write_schema_version: Callable[[str, int], None]
+    schema_version: int
+
+
+def _sqlite_path(directory: str) -> str:
+    return os.path.join(directory, "settled.db")
+
+
+def _sqlite_open(directory: str) -> Store:
+    return SQLiteStore(_sqlite_path(directory))
+
+
+def _sqlite_set_task_state(store: Store, task: str, state: str) -> None:
+    cast(SQLiteStore, store)._db.execute("UPDATE tasks SET state=? WHERE task=?", (state, task))
+
+
+def _sqlite_set_session_state(store: Store, session: str, state: str) -> None:
+    cast(SQLiteStore, store)._db.execute(
+        "UPDATE sessions SET state=? WHERE session=?", (state, session)
+    )
+
+
+def _sqlite_read_schema_version(directory: str) -> int | None:
+    with contextlib.closing(sqlite3.connect(_sqlite_path(directory))) as db:
+        row = db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
+    return None if row is None else int(row[0])
+
+
+def _sqlite_write_schema_version(directory: str, version: int) -> None:
+    with contextlib.closing(sqlite3.connect(_sqlite_path(directory))) as db, db:
+        db.execute("UPDATE meta SET value=? WHERE key='schema_version'", (str(version),))
+
+
+BACKENDS: dict[str, Backend] = {
+    "sqlite": Backend(
+        name="sqlite",
+        open=_sqlite_open,
+        set_task_state=_sqlite_set_task_state,
+        set_session_state=_sqlite_set_session_state,
+        read_schema_version=_sqlite_read_schema_version,
+        write_schema_version=_sqlite_write_schema_version,
+        schema_version=SCHEMA_VERSION,
+    ),
+}
+
+StoreFactory = Callable[[str], Store]
+
+
+@pytest.fixture(params=sorted(BACKENDS))
+def backend(request: pytest.FixtureRequest) -> Backend:
+    return BACKENDS[request.param]
+
+
+@pytest.fixture
+def store_factory(backend: Backend) -> Iterator[StoreFactory]:
+    """A function returning a fresh Store for a directory; every store it made is closed after."""
+    opened: list[Store] = []
+
+    def factory(directory: str) -> Store:
+        store = backend.open(directory)
+        opened.append(store)
+        return store
+
+    yield factory
+    for store in opened:
+        with contextlib.suppress(Exception):
+            store.close()
+
+
+@pytest.fixture
+def home(tmp_path: Any) -> str:
+    return str(tmp_path)
+
+
+@pytest.fixture
+def store(store_factory: StoreFactory, home: str) -> Store:
+    return store_factory(home)
+
+
+# --- helpers ------------------------------------------------------------------------------
+
+DIGEST_A = "sha256:" + "a" * 64
+DIGEST_B = "sha256:" + "b" * 64
+SPEC = {"v": "settled.command/v1", "argv": ["echo", "ünï"], "cwd": ".", "timeout": 1.5}
+OWNER = OwnerInfo(pid=4242, start_time=123456, boot_id="boot-1", lease_until=1_000_000_000.5)
+OTHER_OWNER = OwnerInfo(pid=4343, start_time=654321, boot_id="boot-1", lease_until=1_000_000_001.0)
+BIG = 3 * 2**31 + 7  # a cursor past 32 bits: 2 GB/s for a few seconds
+
+_keys = itertools.count()
+
+# settle_begin is the one transition whose compare-and-set has no extra column to set, and
+# SQLiteStore._transition then builds "UPDATE sessions SET state=?,  WHERE ..." (a trailing comma):
+# every settle_begin that passes the state/generation check dies with a syntax error. Everything
+# that needs a session in 'settling' through the store carries this mark; strict, so the fix makes
+# them XPASS and the marks must go. test_transitions_out_of_settling_* covers settling meanwhile.
+SETTLE_BEGIN_BROKEN = pytest.mark.xfail(
+    strict=True,
+    raises=sqlite3.OperationalError,
+    reason='BUG store: settle_begin raises sqlite3.OperationalError \'near "WHERE": syntax '
+    "error' because _transition joins an empty `sets` into 'SET state=?, WHERE'",
+)
+
+
+def receipt(stdout: int = 1234, stderr: int = 56, **extra: Any) -> dict[str, Any]:
+    return {
+        "kind": "process",
+        "v": 1,
+        "authority": "owner",
+        "death": {"boundary": "pidns", "evidence": "init reaped", "source": "owner"},
+        "exit": {"code": 0, "signal": None, "reason": "exit"},
+        "output": {
+            "stdout": {"cursor": stdout, "digest": "blake3:" + "1" * 64},
+            "stderr": {"cursor": stderr, "digest": "blake3:" + "2" * 64},
+            "drain": "complete",
+        },
+        "stragglers": [{"pid": 7, "argv": ["sleep", "∞"]}],
+        "elapsed_s": 0.1,
+        "nested": {"empty": {}, "list": [], "bool": True, "big": BIG},
+        **extra,
+    }
+
+
+def new_task(store: Store) -> str:
+    record, _ = store.create_task(f"task-key-{next(_keys)}", "/workspace")
+    return record.task
+
+
+def admit(store: Store, task: str, key: str | None = None, digest: str = DIGEST_A) -> SessionRecord:
+    record, _ = store.admit(task, key or f"key-{next(_keys)}", digest, SPEC)
+    return record
+
+
+def drive(store: Store, task: str, state: str) -> SessionRecord:
+    """A fresh session brought to `state` through the store's own transitions."""
+    record = admit(store, task)
+    s, g = record.session, record.generation
+    if state == RUNNING:
+        store.claim(s, g, OWNER)
+    elif state == SETTLING:
+        store.claim(s, g, OWNER)
+        store.settle_begin(s, g)
+    elif state == SETTLED:
+        store.write_receipt(s, g, receipt())
+    elif state == UNKNOWN:
+        store.write_receipt(s, g, receipt(), event="lose")
+    record = store.get_session(s)
+    assert record.state == state
+    return record
+
+
+def apply(store: Store, record: SessionRecord, event: str, generation: int | None = None) -> None:
+    """Send one state-machine event through the store method that performs it."""
+    g = record.generation if generation is None else generation
+    if event == "claim":
+        store.claim(record.session, g, OWNER)
+    elif event == "settle_begin":
+        store.settle_begin(record.session, g)
+    else:
+        store.write_receipt(record.session, g, receipt(), event=event)
+
+
+# --- tasks --------------------------------------------------------------------------------
+
+
+def test_create_task_is_idempotent_per_key(store: Store) -> None:
+    first, created = store.create_task("tk", "/ws")
+    again, created_again = store.create_task("tk", "/ws")
+    assert (created, created_again) == (True, False)
+    assert again == first
+
+
+def test_create_task_again_returns_the_first_workspace(store: Store) -> None:
+    first, _ = store.create_task("tk", "/ws")
+    again, created = store.create_task("tk", "/other")
+    assert not created
+    assert again.workspace == "/ws" == first.workspace
+
+
+def test_create_task_with_another_key_is_another_task(store: Store) -> None:
+    one, _ = store.create_task("tk-1", "/ws")
+    two, created = store.create_task("tk-2", "/ws")
+    assert created
+    assert one.task != two.task
+
+
+def test_a_new_task_is_open(store: Store) -> None:
+    record, _ = store.create_task("tk", "/ws")
+    assert record.state == states.TASK_OPEN
+    assert record.key == "tk"
+    assert record.workspace == "/ws"
+    assert store.get_task(record.task) == record
+
+
+def test_get_task_of_an_unknown_id_raises_unknown_task(store: Store) -> None:
+    with pytest.raises(UnknownTask, match="t_nope") as caught:
+        store.get_task("t_nope")
+    assert caught.value.task == "t_nope"
+
+
+def test_get_session_of_an_unknown_id_raises_unknown_session(store: Store) -> None:
+    with pytest.raises(UnknownSession, match="s_nope"):
+        store.get_session("s_nope")
+
+
+# --- admission ----------------------------------------------------------------------------
+
+
+def test_admit_new_is_admitted_at_the_task_generation(store: Store) -> None:
+    task = new_task(store)
+    record, reused = store.admit(task, "k1", DIGEST_A, SPEC)
+    assert reused is False
+    assert record.state == ADMITTED
+    assert record.generation == store.get_task(task).generation
+    assert (record.task, record.key, record.digest) == (task, "k1", DIGEST_A)
+    assert record.spec == SPEC
+    assert record.owner is None
+    assert record.receipt is None
+    assert record.cancel_requested is None
+    assert (record.stdout_durable, record.stderr_durable) == (0, 0)
+    assert store.get_session(record.session) == record
+
+
+def test_admit_same_key_same_digest_reuses_the_session(store: Store) -> None:
+    task = new_task(store)
+    first, _ = store.admit(task, "k1", DIGEST_A, SPEC)
+    again, reused = store.admit(task, "k1", DIGEST_A, SPEC)
+    assert reused is True
+    assert again == first
+    assert len(store.list_sessions(task)) == 1
+
+
+def test_admit_reuse_returns_the_session_as_it_is_after_claim(store: Store) -> None:
+    task = new_task(store)
+    first, _ = store.admit(task, "k1", DIGEST_A, SPEC)
+    claimed = store.claim(first.session, first.generation, OWNER)
+    again, reused = store.admit(task, "k1", DIGEST_A, SPEC)
+    assert reused is True
+    assert again.session == first.session
+    assert again.state == RUNNING
+    assert again == claimed
+
+
+def test_admit_reuse_returns_the_session_as_it_is_after_its_receipt(store: Store) -> None:
+    task = new_task(store)
+    first, _ = store.admit(task, "k1", DIGEST_A, SPEC)
+    store.claim(first.session, first.generation, OWNER)
+    settled = store.write_receipt(first.session, first.generation, receipt())
+    again, reused = store.admit(task, "k1", DIGEST_A, SPEC)
+    assert reused is True
+    assert again.state == SETTLED
+    assert again.receipt == receipt()
+    assert again == settled
+
+
+def test_admit_reuse_returns_an_unknown_session_as_unknown(store: Store) -> None:
+    task = new_task(store)
+    first, _ = store.admit(task, "k1", DIGEST_A, SPEC)
+    store.write_receipt(first.session, first.generation, receipt(), event="lose")
+    again, reused = store.admit(task, "k1", DIGEST_A, SPEC)
+    assert reused is True
+    assert again.state == UNKNOWN
+
+
+def test_admit_reuse_still_answers_after_the_task_is_sealed(store: Store, backend: Backend) -> None:
+    task = new_task(store)
+    first, _ = store.admit(task, "k1", DIGEST_A, SPEC)
+    backend.set_task_state(store, task, states.TASK_SEALED)
+    again, reused = store.admit(task, "k1", DIGEST_A, SPEC)
+    assert reused is True
+    assert again == first
+
+
+def test_admit_same_key_other_digest_is_a_key_conflict_naming_both_and_the_session(
+    store: Store,
+) -> None:
+    task = new_task(store)
+    first, _ = store.admit(task, "k1", DIGEST_A, SPEC)
+    with pytest.raises(KeyConflict) as caught:
+        store.admit(task, "k1", DIGEST_B, {**SPEC, "argv": ["other"]})
+    message = str(caught.value)
+    assert DIGEST_A in message
+    assert DIGEST_B in message
+    assert first.session in message
+    assert "'k1'" in message
+    data = caught.value.to_json()
+    assert data["error"] == "KeyConflict"
+    assert data["existing_digest"] == DIGEST_A
+    assert data["requested_digest"] == DIGEST_B
+    assert data["session"] == first.session
+    assert data["task"] == task
+    assert data["key"] == "k1"
+    assert data["message"] == message
+    assert caught.value.exit_code == 4
+
+
+def test_a_key_conflict_creates_no_row_and_changes_nothing(store: Store) -> None:
+    task = new_task(store)
+    first, _ = store.admit(task, "k1", DIGEST_A, SPEC)
+    with pytest.raises(KeyConflict):
+        store.admit(task, "k1", DIGEST_B, SPEC)
+    assert store.list_sessions(task) == [first]
+
+
+def test_the_same_key_in_another_task_is_another_session(store: Store) -> None:
+    one, two = new_task(store), new_task(store)
+    first, _ = store.admit(one, "k1", DIGEST_A, SPEC)
+    second, reused = store.admit(two, "k1", DIGEST_B, SPEC)
+    assert reused is False
+    assert second.session != first.session
+
+
+def test_admit_to_an_unknown_task_raises_unknown_task(store: Store) -> None:
+    with pytest.raises(UnknownTask, match="t_missing"):
+        store.admit("t_missing", "k1", DIGEST_A, SPEC)
+
+
+@pytest.mark.parametrize("state", [states.TASK_SEALED, states.TASK_CLOSING, states.TASK_COMPLETE])
+def test_admit_a_new_key_to_a_task_not_open_is_sealed(
+    store: Store, backend: Backend, state: str
+) -> None:
+    task = new_task(store)
+    backend.set_task_state(store, task, state)
+    with pytest.raises(AdmissionSealed) as caught:
+        store.admit(task, "k-new", DIGEST_A, SPEC)
+    assert task in str(caught.value)
+    assert state in str(caught.value)
+    assert caught.value.exit_code == 4
+    assert store.list_sessions(task) == []
+
+
+def test_list_sessions_is_in_admission_order(store: Store) -> None:
+    task = new_task(store)
+    made = [admit(store, task, key=f"k{i}") for i in range(5)]
+    assert [r.session for r in store.list_sessions(task)] == [r.session for r in made]
+
+
+# --- compare-and-set ----------------------------------------------------------------------
+
+
+def test_claim_moves_admitted_to_running_with_the_owner(store: Store) -> None:
+    record = admit(store, new_task(store))
+    claimed = store.claim(record.session, record.generation, OWNER)
+    assert claimed.state == RUNNING
+    assert claimed.owner == OWNER
+    assert claimed.generation == record.generation
+    assert claimed.started_at is not None
+    assert store.get_session(record.session) == claimed
+
+
+def test_a_second_claim_raises_stale_write_and_keeps_the_first_owner(store: Store) -> None:
+    record = admit(store, new_task(store))
+    claimed = store.claim(record.session, record.generation, OWNER)
+    with pytest.raises(StaleWrite, match=record.session):
+        store.claim(record.session, record.generation, OTHER_OWNER)
+    assert store.get_session(record.session) == claimed
+
+
+def test_claim_at_a_wrong_generation_raises_stale_write_and_changes_nothing(store: Store) -> None:
+    record = admit(store, new_task(store))
+    with pytest.raises(StaleWrite):
+        store.claim(record.session, record.generation + 1, OWNER)
+    with pytest.raises(StaleWrite):
+        store.claim(record.session, record.generation - 1, OWNER)
+    assert store.get_session(record.session) == record
+
+
+def test_claim_of_an_unknown_session_raises_unknown_session(store: Store) -> None:
+    with pytest.raises(UnknownSession):
+        store.claim("s_nope", 1, OWNER)
+
+
+@pytest.mark.parametrize("state", [RUNNING, pytest.param(SETTLING, marks=SETTLE_BEGIN_BROKEN)])
+def test_record_launch_on_a_claimed_session_stores_the_launch(store: Store, state: str) -> None:
+    record = drive(store, new_task(store), state)
+    store.record_launch(record.session, record.generation, "pidns", "ref-1", 999, 777)
+    after = store.get_session(record.session)
+    assert (after.boundary, after.boundary_ref) == ("pidns", "ref-1")
+    assert (after.command_pid, after.command_start_time) == (999, 777)
+    assert after.state == state
+
+
+def test_record_launch_accepts_unknown_pid_and_ref(store: Store) -> None:
+    record = drive(store, new_task(store), RUNNING)
+    store.record_launch(record.session, record.generation, "subreaper", None, None, None)
+    after = store.get_session(record.session)
+    assert after.boundary == "subreaper"
+    assert (after.boundary_ref, after.command_pid, after.command_start_time) == (None, None, None)
+
+
+@pytest.mark.parametrize("state", [ADMITTED, SETTLED, UNKNOWN])
+def test_record_launch_on_a_session_not_claimed_and_live_raises_stale_write(
+    store: Store, state: str
+) -> None:
+    record = drive(store, new_task(store), state)
+    with pytest.raises(StaleWrite, match=record.session):
+        store.record_launch(record.session, record.generation, "pidns", "ref", 1, 2)
+    assert store.get_session(record.session) == record
+
+
+def test_record_launch_at_a_wrong_generation_raises_stale_write(store: Store) -> None:
+    record = drive(store, new_task(store), RUNNING)
+    with pytest.raises(StaleWrite):
+        store.record_launch(record.session, record.generation + 1, "pidns", "ref", 1, 2)
+    assert store.get_session(record.session) == record
+
+
+@pytest.mark.parametrize("state", [RUNNING, pytest.param(SETTLING, marks=SETTLE_BEGIN_BROKEN)])
+def test_heartbeat_renews_the_lease_and_publishes_durable_cursors(store: Store, state: str) -> None:
+    record = drive(store, new_task(store), state)
+    assert store.heartbeat(record.session, record.generation, 2_000_000_000.25, 10, 20) is None
+    assert store.heartbeat(record.session, record.generation, 2_000_000_001.5, BIG, 40) is None
+    after = store.get_session(record.session)
+    assert after.owner is not None
+    assert after.owner.lease_until == 2_000_000_001.5
+    assert (after.owner.pid, after.owner.start_time, after.owner.boot_id) == (
+        OWNER.pid,
+        OWNER.start_time,
+        OWNER.boot_id,
+    )
+    assert (after.stdout_durable, after.stderr_durable) == (BIG, 40)
+    assert after.state == state
+
+
+@pytest.mark.parametrize("state", [ADMITTED, SETTLED, UNKNOWN])
+def test_heartbeat_on_a_session_not_claimed_and_live_raises_stale_write(
+    store: Store, state: str
+) -> None:
+    record = drive(store, new_task(store), state)
+    with pytest.raises(StaleWrite, match=record.session):
+        store.heartbeat(record.session, record.generation, 2e9, 1, 1)
+    assert store.get_session(record.session) == record
+
+
+def test_heartbeat_at_a_wrong_generation_raises_stale_write(store: Store) -> None:
+    record = drive(store, new_task(store), RUNNING)
+    with pytest.raises(StaleWrite):
+        store.heartbeat(record.session, record.generation + 1, 2e9, 1, 1)
+    assert store.get_session(record.session) == record
+
+
+def test_heartbeat_of_an_unknown_session_raises_unknown_session(store: Store) -> None:
+    with pytest.raises(UnknownSession):
+        store.heartbeat("s_nope", 1, 2e9, 1, 1)
+
+
+@SETTLE_BEGIN_BROKEN
+def test_settle_begin_then_receipt_settles_with_the_receipt_exactly(store: Store) -> None:
+    record = drive(store, new_task(store), RUNNING)
+    store.settle_begin(record.session, record.generation)
+    assert store.get_session(record.session).state == SETTLING
+    written = receipt(stdout=BIG, stderr=99)
+    settled = store.write_receipt(record.session, record.generation, written)
+    assert settled.state == SETTLED
+    assert settled.receipt == written
+    assert settled.settled_at is not None
+    assert store.get_session(record.session) == settled
+
+
+def test_a_receipt_publishes_the_durable_cursors_it_names(store: Store) -> None:
+    record = drive(store, new_task(store), RUNNING)
+    store.heartbeat(record.session, record.generation, 2e9, 10, 5)
+    settled = store.write_receipt(record.session, record.generation, receipt(BIG, 4321))
+    assert (settled.stdout_durable, settled.stderr_durable) == (BIG, 4321)
+
+
+def test_a_second_receipt_raises_stale_write_and_keeps_the_first(store: Store) -> None:
+    record = drive(store, new_task(store), RUNNING)
+    first = store.write_receipt(record.session, record.generation, receipt(stdout=1))
+    with pytest.raises(StaleWrite, match=record.session):
+        store.write_receipt(record.session, record.generation, receipt(stdout=2))
+    assert store.get_session(record.session) == first
+
+
+def test_a_receipt_at_a_wrong_generation_raises_stale_write(store: Store) -> None:
+    record = drive(store, new_task(store), RUNNING)
+    with pytest.raises(StaleWrite):
+        store.write_receipt(record.session, record.generation + 1, receipt())
+    assert store.get_session(record.session) == record
+
+
+def test_a_receipt_with_event_lose_makes_the_session_unknown(store: Store) -> None:
+    record = drive(store, new_task(store), RUNNING)
+    lost = store.write_receipt(record.session, record.generation, receipt(), event="lose")
+    assert lost.state == UNKNOWN
+    assert lost.receipt == receipt()
+
+
+def test_an_unknown_session_settles_only_by_recover(store: Store) -> None:
+    record = drive(store, new_task(store), UNKNOWN)
+    with pytest.raises(StaleWrite):
+        store.write_receipt(record.session, record.generation, receipt())
+    recovered = store.write_receipt(
+        record.session, record.generation, receipt(source="recovery"), event="recover"
+    )
+    assert recovered.state == SETTLED
+    assert recovered.receipt == receipt(source="recovery")
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="BUG store: write_receipt accepts any event; with event='claim' it moves an admitted "
+    "session to 'running' with no owner but with a receipt and settled_at",
+)
+def test_write_receipt_refuses_events_that_do_not_settle(store: Store) -> None:
+    record = drive(store, new_task(store), ADMITTED)
+    with pytest.raises((StaleWrite, ValueError)):
+        store.write_receipt(record.session, record.generation, receipt(), event="claim")
+    assert store.get_session(record.session) == record
+
+
+# --- the transition table -----------------------------------------------------------------
+
+EVENTS = sorted({event for (_, event) in SESSION_TRANSITIONS})
+# The docstring names the trigger of running -> settling (exit|deadline|cancel); the table names
+# the store event that records it.
+DOC_EVENT_NAMES = {"exit|deadline|cancel": "settle_begin"}
+
+
+def _docstring_transitions() -> dict[tuple[str, str], str]:
+    table: dict[tuple[str, str], str] = {}
+    for line in (states.__doc__ or "").splitlines():
+        diagram = line.split("(")[0].strip()
+        if "-->" not in diagram:
+            continue
+        parts = re.split(r"\s+--(\S+?)-->\s+", diagram)
+        for i in range(0, len(parts) - 2, 2):
+            event = DOC_EVENT_NAMES.get(parts[i + 1], parts[i + 1])
+            for source in parts[i].split("|"):
+                for target in parts[i + 2].split("|"):
+                    assert (source, event) not in table, line
+                    table[(source, event)] = target
+    return table
+
+
+def test_the_transition_table_is_the_docstring_diagram() -> None:
+    assert _docstring_transitions() == SESSION_TRANSITIONS
+
+
+def test_settled_is_final_and_every_other_state_can_become_unknown_or_is_unknown() -> None:
+    assert not [key for key in SESSION_TRANSITIONS if key[0] == SETTLED]
+    assert {s for (s, e) in SESSION_TRANSITIONS if e == "lose"} == set(LIVE_STATES)
+    assert set(SESSION_STATES) - {SETTLED} == set(LIVE_STATES) | {UNKNOWN}
+    assert SESSION_TRANSITIONS[(UNKNOWN, "recover")] == SETTLED
+    assert [key for key in SESSION_TRANSITIONS if key[0] == UNKNOWN] == [(UNKNOWN, "recover")]
+
+
+def _cases(pairs: list[tuple[str, str]], broken: Callable[[str, str], bool]) -> list[Any]:
+    return [
+        pytest.param(state, event, id=f"{state}-{event}", marks=[SETTLE_BEGIN_BROKEN])
+        if broken(state, event)
+        else pytest.param(state, event, id=f"{state}-{event}")
+        for state, event in pairs
+    ]
+
+
+LEGAL = sorted(SESSION_TRANSITIONS)
+ILLEGAL = sorted(set(itertools.product(SESSION_STATES, EVENTS)) - set(SESSION_TRANSITIONS))
+
+
+@pytest.mark.parametrize(
+    ("state", "event"), _cases(LEGAL, lambda s, e: SETTLING in (s, SESSION_TRANSITIONS[(s, e)]))
+)
+def test_every_legal_transition_is_performed_by_the_store(
+    store: Store, state: str, event: str
+) -> None:
+    record = drive(store, new_task(store), state)
+    apply(store, record, event)
+    after = store.get_session(record.session)
+    assert after.state == SESSION_TRANSITIONS[(state, event)]
+    assert after.generation == record.generation
+
+
+@pytest.mark.parametrize(("state", "event"), _cases(ILLEGAL, lambda s, e: s == SETTLING))
+def test_every_illegal_transition_raises_stale_write_and_changes_nothing(
+    store: Store, state: str, event: str
+) -> None:
+    record = drive(store, new_task(store), state)
+    with pytest.raises(StaleWrite, match=record.session):
+        apply(store, record, event)
+    assert store.get_session(record.session) == record
+
+
+@pytest.mark.parametrize(("state", "event"), _cases(LEGAL, lambda s, e: s == SETTLING))
+def test_every_legal_transition_at_a_wrong_generation_raises_stale_write(
+    store: Store, state: str, event: str
+) -> None:
+    record = drive(store, new_task(store), state)
+    with pytest.raises(StaleWrite):
+        apply(store, record, event, generation=record.generation + 1)
+    assert store.get_session(record.session) == record
+
+
+@pytest.mark.parametrize("event", EVENTS)
+def test_transitions_out_of_settling_with_settling_arranged_directly(
+    store: Store, backend: Backend, event: str
+) -> None:
+    """The settling row of the table, reached with raw SQL while settle_begin is broken."""
+    record = drive(store, new_task(store), RUNNING)
+    backend.set_session_state(store, record.session, SETTLING)
+    store.heartbeat(record.session, record.generation, 2e9, 7, 8)
+    store.record_launch(record.session, record.generation, "pidns", "ref", 1, 2)
+    record = store.get_session(record.session)
+    assert (record.state, record.stdout_durable, record.boundary_ref) == (SETTLING, 7, "ref")
+    expected = SESSION_TRANSITIONS.get((SETTLING, event))
+    if expected is None:
+        with pytest.raises(StaleWrite, match=record.session):
+            apply(store, record, event)
+        assert store.get_session(record.session) == record
+    else:
+        apply(store, record, event)
+        assert store.get_session(record.session).state == expected
+
+
+def test_an_event_outside_the_table_is_refused(store: Store) -> None:
+    record = drive(store, new_task(store), RUNNING)
+    with pytest.raises((StaleWrite, ValueError)):
+        store.write_receipt(record.session, record.generation, receipt(), event="teleport")
+    assert store.get_session(record.session) == record
+
+
+# --- cancel -------------------------------------------------------------------------------
+
+
+def test_request_cancel_is_set_once_and_heartbeat_returns_it(store: Store) -> None:
+    record = drive(store, new_task(store), RUNNING)
+    first = store.request_cancel(record.session, "user asked")
+    assert first.cancel_requested == "user asked"
+    second = store.request_cancel(record.session, "deadline of close")
+    assert second.cancel_requested == "user asked"
+    assert store.heartbeat(record.session, record.generation, 2e9, 0, 0) == "user asked"
+    assert store.heartbeat(record.session, record.generation, 2e9, 0, 0) == "user asked"
+
+
+def test_a_cancel_before_the_claim_is_seen_by_the_claimer(store: Store) -> None:
+    record = admit(store, new_task(store))
+    store.request_cancel(record.session, "changed my mind")
+    claimed = store.claim(record.session, record.generation, OWNER)
+    assert claimed.cancel_requested == "changed my mind"
+
+
+def test_request_cancel_changes_no_state(store: Store) -> None:
+    record = drive(store, new_task(store), RUNNING)
+    after = store.request_cancel(record.session, "stop")
+    assert after.state == RUNNING
+    assert after.generation == record.generation
+
+
+def test_request_cancel_of_a_settled_session_changes_nothing(store: Store) -> None:
+    record = drive(store, new_task(store), SETTLED)
+    after = store.request_cancel(record.session, "too late")
+    assert after == record
+
+
+def test_request_cancel_of_an_unknown_session_raises_unknown_session(store: Store) -> None:
+    with pytest.raises(UnknownSession):
+        store.request_cancel("s_nope", "stop")
+
+
+# --- schema -------------------------------------------------------------------------------
+
+
+def test_a_new_store_records_its_schema_version(store: Store, backend: Backend, home: str) -> None:
+    assert backend.read_schema_version(home) == backend.schema_version
+
+
+def test_reopening_an_existing_store_keeps_its_data(store_factory: StoreFactory, home: str) -> None:
+    store = store_factory(home)
+    task = new_task(store)
+    settled = drive(store, task, SETTLED)
+    running = drive(store, task, RUNNING)
+    store.heartbeat(running.session, running.generation, 2e9, BIG, 3)
+    before_task = store.get_task(task)
+    before = store.list_sessions(task)
+    store.close()
+
+    reopened = store_factory(home)
+    assert reopened.get_task(task) == before_task
+    assert reopened.list_sessions(task) == before
+    assert reopened.get_session(settled.session).receipt == receipt()
+    again, reused = reopened.admit(task, running.key, running.digest, SPEC)
+    assert reused is True
+    assert again.stdout_durable == BIG
+    reopened.close()
+    assert store_factory(home).list_sessions(task) == before
+
+
+def test_a_store_with_a_newer_schema_is_refused_naming_both_versions(
+    store_factory: StoreFactory, backend: Backend, home: str
+) -> None:
+    store_factory(home).close()
+    newer = backend.schema_version + 41
+    backend.write_schema_version(home, newer)
+    with pytest.raises(HomeUnusable) as caught:
+        store_factory(home)
+    message = str(caught.value)
+    assert f"v{newer}" in message
+    assert f"v{backend.schema_version}" in message
+    assert backend.read_schema_version(home) == newer  # refused, not downgraded
+
+
+# --- concurrency, across processes --------------------------------------------------------
+
+SPAWN = multiprocessing.get_context("spawn")
+JOIN_S = 45.0
+
+
+@contextlib.contextmanager
+def children(processes: list[Any]) -> Iterator[list[Any]]:
+    """Start every process; whatever happens, none is left behind when the block ends."""
+    try:
+        for process in processes:
+            process.start()
+        yield processes
+    finally:
+        deadline = time.monotonic() + JOIN_S
+        for process in processes:
+            if process.pid is not None:
+                process.join(max(0.1, deadline - time.monotonic()))
+        for process in processes:
+            if process.is_alive():
+                process.kill()
+                process.join(5)
+        leftover = [p.pid for p in processes if p.is_alive()]
+        assert not leftover, f"children still alive after kill: {leftover}"
+
+
+def collect(queue: Any, count: int, timeout: float = JOIN_S) -> list[tuple[Any, ...]]:
+    deadline = time.monotonic() + timeout
+    return [queue.get(timeout=max(0.1, deadline - time.monotonic())) for _ in range(count)]
+
+
+def _report_error(queue: Any, who: str, exc: BaseException) -> None:
+    queue.put(("error", who, f"{type(exc).__name__}: {exc}", traceback.format_exc()))
+
+
+def _child_admit(backend: str, directory: str, task: str, barrier: Any, queue: Any) -> None:
+    who = f"admitter {os.getpid()}"
+    try:
+        store = BACKENDS[backend].open(directory)
+        try:
+            barrier.wait(JOIN_S)
+            record, reused = store.admit(task, "the-key", DIGEST_A, SPEC)
+            queue.put(("ok", record.session, reused, record.state))
+        finally:
+            store.close()
+    except BaseException as exc:
+        _report_error(queue, who, exc)
+
+
+ADMITTERS = 20
+
+
+@pytest.mark.timeout(60)
+def test_concurrent_admits_of_one_key_create_exactly_one_session(
+    store_factory: StoreFactory, backend: Backend, home: str
+) -> None:
+    store = store_factory(home)
+    task = new_task(store)
+    barrier = SPAWN.Barrier(ADMITTERS)
+    queue = SPAWN.Queue()
+    procs = [
+        SPAWN.Process(target=_child_admit, args=(backend.name, home, task, barrier, queue))
+        for _ in range(ADMITTERS)
+    ]
+    with children(procs):
+        results = collect(queue, ADMITTERS)
+    errors = [r for r in results if r[0] == "error"]
+    assert not errors, errors
+    assert [p.exitcode for p in procs] == [0] * ADMITTERS
+    assert sorted(r[2] for r in results) == [False] + [True] * (ADMITTERS - 1)
+    sessions = {r[1] for r in results}
+    assert len(sessions) == 1
+    assert [r.session for r in store.list_sessions(task)] == list(sessions)
+
+
+WRITERS, READERS = 8, 4
+SESSIONS_PER_WRITER, HEARTBEATS_PER_SESSION = 5, 16  # 5 x (admit, claim, launch, 16, receipt)
+
+
+def _lease(writer: int, session: int, beat: int) -> float:
+    return 2_000_000_000.0 + writer * 10_000 + session * 100 + beat
+
+
+def _child_writer(
+    backend: str, directory: str, task: str, writer: int, barrier: Any, queue: Any
+) -> None:
+    who = f"writer {writer}"
+    try:
+        store = BACKENDS[backend].open(directory)
+        try:
+            barrier.wait(JOIN_S)
+            writes = 0
+            for j in range(SESSIONS_PER_WRITER):
+                record, reused = store.admit(task, f"w{writer}-s{j}", DIGEST_A, SPEC)
+                assert not reused, record
+                store.claim(record.session, record.generation, OWNER)
+                store.record_launch(
+                    record.session, record.generation, "pidns", f"ref-{writer}-{j}", writer, j
+                )
+                writes += 3
+                for beat in range(HEARTBEATS_PER_SESSION):
+                    cancel = store.heartbeat(
+                        record.session,
+                        record.generation,
+                        _lease(writer, j, beat),
+                        (beat + 1) * 1000 + writer,
+                        (beat + 1) * 10 + j,
+                    )
+                    assert cancel is None
+                    writes += 1
+                final = receipt(stdout=BIG + writer, stderr=10**6 + j, writer=writer, n=j)
+                store.write_receipt(record.session, record.generation, final)
+                writes += 1
+            queue.put(("ok", who, writes))
+        finally:
+            store.close()
+    except BaseException as exc:
+        _report_error(queue, who, exc)
+
+
+def _child_reader(
+    backend: str, directory: str, task: str, barrier: Any, stop: Any, queue: Any
+) -> None:
+    who = f"reader {os.getpid()}"
+    try:
+        store = BACKENDS[backend].open(directory)
+        try:
+            barrier.wait(JOIN_S)
+            reads = 0
+            seen: dict[str, tuple[int, int]] = {}
+            while not stop.is_set():
+                store.get_task(task)
+                for record in store.list_sessions(task):
+                    cursors = (record.stdout_durable, record.stderr_durable)
+                    last = seen.get(record.session, (0, 0))
+                    if cursors[0] < last[0] or cursors[1] < last[1]:
+                        raise AssertionError(
+                            f"{record.session} cursors went back {last}->{cursors}"
+                        )
+                    seen[record.session] = cursors
+                    store.get_session(record.session)
+                    reads += 1
+                reads += 2
+            queue.put(("ok", who, reads))
+        finally:
+            store.close()
+    except BaseException as exc:
+        _report_error(queue, who, exc)
+
+
+@pytest.mark.timeout(60)
+def test_concurrent_writers_and_readers_never_see_database_is_locked(
+    store_factory: StoreFactory, backend: Backend, home: str
+) -> None:
+    store = store_factory(home)
+    task = new_task(store)
+    barrier = SPAWN.Barrier(WRITERS + READERS)
+    stop = SPAWN.Event()
+    queue = SPAWN.Queue()
+    writers = [
+        SPAWN.Process(target=_child_writer, args=(backend.name, home, task, w, barrier, queue))
+        for w in range(WRITERS)
+    ]
+    readers = [
+        SPAWN.Process(target=_child_reader, args=(backend.name, home, task, barrier, stop, queue))
+        for _ in range(READERS)
+    ]
+    try:
+        with children(writers + readers):
+            results = collect(queue, WRITERS)
+            stop.set()
+            results += collect(queue, READERS)
+    finally:
+        stop.set()
+    errors = [r for r in results if r[0] == "error"]
+    assert not [e for e in errors if "database is locked" in e[2]], errors
+    assert not errors, errors
+    assert [p.exitcode for p in writers + readers] == [0] * (WRITERS + READERS)
+    per_writer = 3 + HEARTBEATS_PER_SESSION + 1
+    assert sorted(r[2] for r in results if r[1].startswith("writer")) == (
+        [SESSIONS_PER_WRITER * per_writer] * WRITERS
+    )
+    assert all(r[2] > 0 for r in results if r[1].startswith("reader"))
+
+    sessions = {r.key: r for r in store.list_sessions(task)}
+    assert len(sessions) == WRITERS * SESSIONS_PER_WRITER
+    last = HEARTBEATS_PER_SESSION - 1
+    for w in range(WRITERS):
+        for j in range(SESSIONS_PER_WRITER):
+            record = sessions[f"w{w}-s{j}"]
+            assert record.state == SETTLED
+            assert record.receipt == receipt(stdout=BIG + w, stderr=10**6 + j, writer=w, n=j)
+            assert (record.stdout_durable, record.stderr_durable) == (BIG + w, 10**6 + j)
+            assert (record.boundary_ref, record.command_pid, record.command_start_time) == (
+                f"ref-{w}-{j}",
+                w,
+                j,
+            )
+            assert record.owner is not None
+            assert record.owner.lease_until == _lease(w, j, last)
+
+
+def _open_fresh_concurrently(backend: Backend, directory: str, count: int) -> list[str]:
+    barrier = threading.Barrier(count)
+    errors: list[str] = []
+
+    def one() -> None:
+        try:
+            barrier.wait(10)
+            backend.open(directory).close()
+        except Exception as exc:
+            errors.append(f"{type(exc).__name__}: {exc}")
+
+    threads = [threading.Thread(target=one, daemon=True) for _ in range(count)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    return errors
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason="BUG store: concurrent first opens of a fresh SQLite store race on "
+    "`PRAGMA journal_mode=WAL`, which returns SQLITE_BUSY without waiting on the busy timeout; "
+    "SQLiteStore() then raises HomeUnusable('... database is locked')",
+)
+def test_concurrent_first_opens_of_a_fresh_store_all_succeed(backend: Backend) -> None:
+    # Threads, not processes, so that enough rounds fit in a few seconds; SQLite's locks between
+    # connections of one process behave as between processes. 20 spawned processes opening one
+    # fresh home fail the same way in about one round in five.
+    with tempfile.TemporaryDirectory() as root:
+        for attempt in range(200):
+            directory = os.path.join(root, str(attempt))
+            os.mkdir(directory)
+            errors = _open_fresh_concurrently(backend, directory, 8)
+            assert not errors, f"round {attempt}: {errors}"
