@@ -154,12 +154,6 @@ def test_defaults_are_what_the_contract_says() -> None:
     assert set(BOUNDARY_POLICIES) == {"auto", "cgroup2", "pidns", "subreaper", "pgroup"}
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="BUG identity: to_json() keeps an int grace as int (5) but from_json() turns it into "
-    "5.0, so the canonical bytes and the digest of the round-tripped spec differ",
-)
 def test_round_trip_keeps_the_digest_of_an_integer_grace() -> None:
     spec = CommandSpec(argv=("true",), grace=5)
     back = CommandSpec.from_json(_through_storage(spec.to_json()))
@@ -167,12 +161,6 @@ def test_round_trip_keeps_the_digest_of_an_integer_grace() -> None:
     assert back.digest == spec.digest  # fails: '"grace":5' vs '"grace":5.0'
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="BUG identity: timeout=5 and timeout=5.0 are the same run (and equal specs) but "
-    "hash to different digests, so a retry whose client serialises 5 as 5.0 gets KeyConflict",
-)
 def test_an_integer_and_the_equal_float_timeout_are_the_same_command() -> None:
     as_int = CommandSpec(argv=("true",), timeout=5)
     as_float = CommandSpec(argv=("true",), timeout=5.0)
@@ -206,12 +194,6 @@ def test_a_negative_or_non_finite_grace_is_refused_naming_it(value: float, named
     assert named in str(caught.value)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=TypeError,
-    reason="BUG identity: a timeout that is not a number (e.g. the JSON string '5') raises "
-    "TypeError from math.isfinite instead of BadInput naming the value",
-)
 def test_a_timeout_that_is_not_a_number_is_refused_as_bad_input() -> None:
     with pytest.raises(BadInput, match="'5'"):
         CommandSpec(argv=("true",), timeout="5")  # type: ignore[arg-type]
@@ -387,12 +369,6 @@ def test_a_workspace_reached_through_a_symlink_is_resolved(workspace: Path, tmp_
         resolve_cwd(str(link), "..")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=BadInput,
-    reason="BUG identity: resolve_cwd tests `target.startswith(root + os.sep)`; with the "
-    "workspace '/' that is '//', so every subdirectory of '/' is refused as leaving it",
-)
 def test_cwd_subdir_of_a_root_workspace_is_accepted(tmp_path: Path) -> None:
     inside = os.path.realpath(tmp_path)
     assert resolve_cwd("/", inside) == inside.lstrip("/")

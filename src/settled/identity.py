@@ -49,9 +49,15 @@ class CommandSpec:
             raise BadInput("a command needs exactly one of argv or shell")
         if self.argv is not None and (not self.argv or not self.argv[0]):
             raise BadInput(f"argv {list(self.argv)!r} is empty: nothing to run")
-        for name, value in (("timeout", self.timeout), ("grace", self.grace)):
-            if value is not None and (not math.isfinite(value) or value < 0):
+        for name in ("timeout", "grace"):
+            value = getattr(self, name)
+            if value is None and name == "timeout":
+                continue
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise BadInput(f"--{name} {value!r} must be a number of seconds")
+            if not math.isfinite(value) or value < 0:
                 raise BadInput(f"--{name} {value!r} must be a finite number of seconds >= 0")
+            object.__setattr__(self, name, float(value))  # 5 and 5.0 are one command
         if self.boundary not in BOUNDARY_POLICIES:
             raise BadInput(
                 f"--boundary {self.boundary!r} is not one of {', '.join(BOUNDARY_POLICIES)}"
@@ -122,7 +128,7 @@ def resolve_cwd(workspace: str, cwd: str) -> str:
     """The cwd relative to the workspace, refusing any path (or symlink) that leaves it."""
     root = os.path.realpath(workspace)
     target = os.path.realpath(os.path.join(root, cwd))
-    if target != root and not target.startswith(root + os.sep):
+    if os.path.commonpath([root, target]) != root:
         raise BadInput(f"--cwd {cwd!r} leaves the workspace {root} (resolves to {target})")
     if not os.path.isdir(target):
         raise BadInput(f"--cwd {cwd!r} is not a directory inside the workspace {root}")

@@ -119,6 +119,7 @@ class Owner:
             heartbeat=lambda: self._heartbeat(streams),
             heartbeat_every=HEARTBEAT_S,
             signals=signals,
+            settling=lambda: self.store.settle_begin(record.session, self.generation),
         )
         outcome = supervisor.run(started)
         boundary.teardown()

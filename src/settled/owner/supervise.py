@@ -89,11 +89,13 @@ class Supervisor:
         heartbeat: Callable[[], str | None],
         heartbeat_every: float,
         signals: OwnerSignals,
+        settling: Callable[[], None],
     ) -> None:
         self.boundary, self.streams = boundary, streams
         self.timeout, self.grace = timeout, grace
         self.heartbeat, self.heartbeat_every = heartbeat, heartbeat_every
         self.signals = signals
+        self.settling = settling
         self.outcome = Outcome()
         self._cancel: str | None = None
         self._kill_at: float | None = None
@@ -169,6 +171,7 @@ class Supervisor:
         self.outcome.reason = reason
         self.outcome.stop_decided = now
         self._stopping = True
+        self.settling()
         self._kill_at = now + self.grace
         self.boundary.signal_all(signal.SIGTERM)
 
@@ -177,6 +180,7 @@ class Supervisor:
         self._stopping = True
         now = time.monotonic()
         self.outcome.stop_decided = now
+        self.settling()
         left = self.boundary.describe_members()
         if left:
             self.outcome.stragglers = [{**m, "stopped_by": "TERM"} for m in left]

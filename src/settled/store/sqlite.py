@@ -8,6 +8,7 @@ Never touches processes, logs or the workspace.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sqlite3
@@ -35,6 +36,7 @@ from settled.states import (
 from settled.store import OwnerInfo, SessionRecord, TaskRecord, loads
 
 SCHEMA_VERSION = 1
+RECEIPT_EVENTS = ("receipt", "lose", "recover")
 BUSY_TIMEOUT_S = 60.0
 
 MIGRATIONS: dict[int, str] = {
@@ -116,15 +118,37 @@ class SQLiteStore:
         self.path = path
         try:
             self._db = sqlite3.connect(path, timeout=BUSY_TIMEOUT_S, isolation_level=None)
-            self._db.execute("PRAGMA journal_mode=WAL")
+            self._enable_wal()
             self._db.execute("PRAGMA synchronous=FULL")
             self._db.execute("PRAGMA foreign_keys=ON")
             self._migrate()
-        except sqlite3.Error as exc:
+        except (sqlite3.Error, HomeUnusable) as exc:
+            with contextlib.suppress(AttributeError, sqlite3.Error):
+                self._db.close()
+            if isinstance(exc, HomeUnusable):
+                raise
             raise HomeUnusable(f"cannot open the store at {path}: {exc}") from exc
 
     def close(self) -> None:
         self._db.close()
+
+    def _enable_wal(self) -> None:
+        """Switching to WAL takes an exclusive lock and answers SQLITE_BUSY without consulting
+        the busy timeout, so concurrent first opens of a fresh store retry here."""
+        give_up = time.monotonic() + BUSY_TIMEOUT_S
+        pause = 0.001
+        while True:
+            try:
+                mode = self._db.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+            except sqlite3.OperationalError as exc:
+                if "locked" not in str(exc) or time.monotonic() > give_up:
+                    raise
+            else:
+                if mode == "wal":
+                    return
+                raise HomeUnusable(f"the store at {self.path} cannot use WAL (mode {mode!r})")
+            time.sleep(pause)
+            pause = min(pause * 2, 0.05)
 
     @contextmanager
     def _write(self) -> Iterator[sqlite3.Connection]:
@@ -260,9 +284,9 @@ class SQLiteStore:
                 f"{generation}, found {state!r} at generation {current_generation}"
             )
         new_state = next_session_state(state, event)
-        assignments = ", ".join(f"{column}=?" for column in sets)
+        assignments = "".join(f", {column}=?" for column in sets)
         db.execute(
-            f"UPDATE sessions SET state=?, {assignments} "
+            f"UPDATE sessions SET state=?{assignments} "
             "WHERE session=? AND state=? AND generation=?",
             (new_state, *sets.values(), session, state, generation),
         )
@@ -328,7 +352,12 @@ class SQLiteStore:
                 db,
                 session,
                 generation,
-                {"owner": json.dumps(owner), "stdout_durable": stdout, "stderr_durable": stderr},
+                {"owner": json.dumps(owner)},
+            )
+            db.execute(  # a durable cursor never moves backwards
+                "UPDATE sessions SET stdout_durable=MAX(stdout_durable, ?), "
+                "stderr_durable=MAX(stderr_durable, ?) WHERE session=?",
+                (stdout, stderr, session),
             )
             return row[1]  # type: ignore[no-any-return]
 
@@ -339,6 +368,8 @@ class SQLiteStore:
     def write_receipt(
         self, session: str, generation: int, receipt: dict[str, Any], event: str = "receipt"
     ) -> SessionRecord:
+        if event not in RECEIPT_EVENTS:
+            raise StaleWrite(f"a receipt settles a session only by {RECEIPT_EVENTS}, not {event!r}")
         output = receipt.get("output", {})
         with self._write() as db:
             self._transition(
@@ -349,8 +380,11 @@ class SQLiteStore:
                 {
                     "receipt": canonical_bytes(receipt).decode(),
                     "settled_at": time.time(),
-                    "stdout_durable": output.get("stdout", {}).get("cursor", 0),
-                    "stderr_durable": output.get("stderr", {}).get("cursor", 0),
+                    **{
+                        f"{stream}_durable": output[stream]["cursor"]
+                        for stream in ("stdout", "stderr")
+                        if stream in output
+                    },
                 },
             )
         return self.get_session(session)

@@ -1,0 +1,263 @@
+"""The CLI contract, driven as a user or an agent harness would: real `settled` processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import kill_marked
+
+SETTLED = [sys.executable, "-m", "settled.cli"]
+
+
+class CLI:
+    def __init__(self, home: Path, env: dict[str, str] | None = None) -> None:
+        self.home = home
+        self.env = {**os.environ, "SETTLED_HOME": str(home), **(env or {})}
+
+    def run(
+        self,
+        *args: str,
+        stdin: bytes | None = None,
+        env: dict[str, str] | None = None,
+        timeout: float = 60,
+    ) -> subprocess.CompletedProcess[bytes]:
+        return subprocess.run(
+            [*SETTLED, *args],
+            input=stdin,
+            capture_output=True,
+            timeout=timeout,
+            env={**self.env, **(env or {})},
+        )
+
+    def json(self, *args: str, code: int = 0, **kw: Any) -> dict[str, Any]:
+        done = (
+            self.run(*args, "--json", **kw)
+            if "--" not in args
+            else self.run(*_json_before_dashdash(args), **kw)
+        )
+        assert done.returncode == code, (done.returncode, done.stdout, done.stderr)
+        payload: dict[str, Any] = json.loads(done.stdout)
+        return payload
+
+
+def _json_before_dashdash(args: tuple[str, ...]) -> list[str]:
+    at = args.index("--")
+    return [*args[:at], "--json", *args[at:]]
+
+
+@pytest.fixture
+def cli(tmp_path: Path, marker: str) -> Any:
+    tool = CLI(tmp_path / "home", {"SETTLED_TEST_MARKER": marker})
+    yield tool
+    for row in _sessions(tool):
+        if row["state"] in ("admitted", "running", "settling"):
+            tool.run("cancel", row["session"])
+            tool.run("wait", row["session"], "--timeout", "30")
+    kill_marked(marker)
+
+
+def _sessions(tool: CLI) -> list[dict[str, Any]]:
+    db = tool.home / "settled.db"
+    if not db.exists():
+        return []
+    import sqlite3
+
+    with sqlite3.connect(db) as conn:
+        rows = conn.execute("SELECT session, state FROM sessions").fetchall()
+    return [{"session": s, "state": st} for s, st in rows]
+
+
+@pytest.fixture
+def task(cli: CLI, tmp_path: Path) -> dict[str, Any]:
+    workspace = tmp_path / "ws"
+    workspace.mkdir()
+    return cli.json("task", "new", "--workspace", str(workspace))
+
+
+def test_exec_returns_while_the_command_runs_and_names_its_key(cli: CLI, task: dict) -> None:
+    admitted = cli.json("exec", "--task", task["task"], "--", "sleep 1; echo finished")
+    assert set(admitted) >= {"session", "task", "key", "digest", "reused", "state"}
+    assert admitted["state"] == "running" and admitted["reused"] is False
+    assert admitted["key"].startswith("k_")
+    receipt = cli.json("wait", admitted["session"])
+    assert receipt["exit"]["code"] == 0
+    assert cli.run("logs", admitted["session"]).stdout == b"finished\n"
+
+
+def test_a_session_is_recorded_after_every_cli_process_is_gone(cli: CLI, task: dict) -> None:
+    admitted = cli.json("exec", "--task", task["task"], "--", "sleep 0.5; echo done")
+    deadline = time.monotonic() + 30
+    while cli.json("status", admitted["session"])["state"] != "settled":
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    view = cli.json("status", admitted["session"])
+    assert view["receipt"]["exit"]["code"] == 0
+    assert view["receipt"]["death"]["proven"] is True
+
+
+@pytest.mark.timeout(120)
+def test_twenty_concurrent_identical_admissions_launch_once(
+    cli: CLI, task: dict, tmp_path: Path
+) -> None:
+    args = ("exec", "--task", task["task"], "--key", "same", "--", "echo ran >> launches")
+
+    def admit(_: int) -> dict[str, Any]:
+        return cli.json(*args)
+
+    with ThreadPoolExecutor(20) as pool:
+        results = list(pool.map(admit, range(20)))
+    assert len({r["session"] for r in results}) == 1
+    assert sorted(r["reused"] for r in results) == [False] + [True] * 19
+    cli.json("wait", results[0]["session"])
+    assert (tmp_path / "ws" / "launches").read_text() == "ran\n"
+
+
+def test_same_key_with_another_command_is_a_conflict(cli: CLI, task: dict) -> None:
+    first = cli.json("exec", "--task", task["task"], "--key", "k1", "--", "echo one")
+    conflict = cli.json("exec", "--task", task["task"], "--key", "k1", "--", "echo two", code=4)
+    assert conflict["error"] == "KeyConflict"
+    assert conflict["existing_digest"] == first["digest"]
+    assert conflict["requested_digest"] != first["digest"]
+    assert (
+        first["digest"] in conflict["message"]
+        and conflict["requested_digest"] in conflict["message"]
+    )
+    assert len(cli.json("status", task["task"])["sessions"]) == 1
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (("--task", "t_nope"), "t_nope"),
+        (("--cwd", "../.."), "../.."),
+        (("--timeout", "-1"), "-1"),
+        (("--grace", "nan"), "nan"),
+        (("--env", "NOEQUALS"), "NOEQUALS"),
+    ],
+)
+def test_bad_input_is_refused_naming_the_value_and_nothing_is_recorded(
+    cli: CLI, task: dict, args: tuple[str, ...], needle: str
+) -> None:
+    argv = ["exec", *args] if args[0] == "--task" else ["exec", "--task", task["task"], *args]
+    done = cli.run(*argv, "--", "echo never")
+    assert done.returncode == 2, done
+    assert needle in done.stderr.decode()
+    assert _sessions(cli) == []
+
+
+def test_an_unusable_home_is_refused(tmp_path: Path) -> None:
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("x")
+    done = CLI(not_a_dir).run("task", "new")
+    assert done.returncode == 2
+    assert str(not_a_dir) in done.stderr.decode()
+
+
+def test_an_explicit_boundary_the_machine_cannot_give_is_refused(
+    cli: CLI, task: dict, tmp_path: Path
+) -> None:
+    done = cli.run(
+        "exec",
+        "--task",
+        task["task"],
+        "--boundary",
+        "cgroup2",
+        "--",
+        "true",
+        env={"SETTLED_CGROUP_ROOT": str(tmp_path)},
+    )
+    assert done.returncode == 2 and "cgroup2" in done.stderr.decode()
+    assert _sessions(cli) == []
+
+
+def test_a_command_that_cannot_start_gets_a_receipt_saying_why(
+    cli: CLI, task: dict, tmp_path: Path
+) -> None:
+    missing = cli.json("exec", "--task", task["task"], "--wait", "--", "./no-such", "arg")
+    assert missing["receipt"]["exit"]["reason"] == "not_started"
+    assert missing["receipt"]["exit"]["code"] is None
+    assert "No such file" in missing["receipt"]["exit"]["error"]
+    script = tmp_path / "ws" / "not-executable"
+    script.write_text("#!/bin/sh\necho hi\n")
+    script.chmod(stat.S_IRUSR | stat.S_IWUSR)
+    denied = cli.json("exec", "--task", task["task"], "--wait", "--", "./not-executable", "x")
+    assert denied["receipt"]["exit"]["reason"] == "not_started"
+    assert "Permission denied" in denied["receipt"]["exit"]["error"]
+
+
+def test_logs_resume_from_a_cursor_follow_and_give_the_model_view(cli: CLI, task: dict) -> None:
+    shell = "head -c 300000 /dev/zero | tr '\\0' a; printf END"
+    admitted = cli.json("exec", "--task", task["task"], "--", shell)
+    followed = cli.run("logs", admitted["session"], "--follow", "--timeout", "30").stdout
+    assert followed == b"a" * 300000 + b"END"
+    assert cli.run("logs", admitted["session"], "--from", "299998").stdout == b"aaEND"
+    view = cli.run("logs", admitted["session"], "--view", "400").stdout
+    assert len(view) <= 400 and view.endswith(b"END")
+    assert b"omitted stdout bytes" in view
+    too_far = cli.run("logs", admitted["session"], "--from", "999999")
+    assert too_far.returncode == 2 and b"999999" in too_far.stderr
+
+
+def test_wait_gives_up_on_its_own_clock_and_the_session_goes_on(cli: CLI, task: dict) -> None:
+    admitted = cli.json("exec", "--task", task["task"], "--", "sleep 2")
+    done = cli.run("wait", admitted["session"], "--timeout", "0.2")
+    assert done.returncode == 3 and b"still running" in done.stderr
+    assert cli.json("wait", admitted["session"])["exit"]["code"] == 0
+
+
+def test_stdin_is_given_bytes_and_is_part_of_the_digest(cli: CLI, task: dict) -> None:
+    data = bytes(range(256)) * 10
+    one = cli.json(
+        "exec", "--task", task["task"], "--stdin", "-", "--wait", "--", "cat", stdin=data
+    )
+    assert cli.run("logs", one["session"]).stdout == data
+    other = cli.json("exec", "--task", task["task"], "--", "cat")
+    assert other["digest"] != one["digest"]
+
+
+def test_a_pgroup_session_is_never_proven_dead(cli: CLI, task: dict, marker: str) -> None:
+    admitted = cli.json(
+        "exec",
+        "--task",
+        task["task"],
+        "--boundary",
+        "pgroup",
+        "--grace",
+        "0.5",
+        "--",
+        "setsid sleep 600 & echo escaped",
+    )
+    try:
+        done = cli.run("wait", admitted["session"], "--json")
+        assert done.returncode == 3
+        receipt = json.loads(done.stdout)
+        assert receipt["death"]["proven"] is False and receipt["death"]["boundary"] == "pgroup"
+        assert receipt["output"]["drain"] == "incomplete"
+        view = cli.json("status", admitted["session"])
+        assert view["state"] == "unknown" and "setsid" in view["why"]
+    finally:
+        assert kill_marked(marker, b"sleep"), "the escapee must still be alive, and is ended here"
+
+
+def test_demo_runs_on_the_embedded_default(tmp_path: Path, marker: str) -> None:
+    done = subprocess.run(
+        [*SETTLED, "demo"],
+        cwd=tmp_path,
+        capture_output=True,
+        timeout=120,
+        env={**os.environ, "SETTLED_TEST_MARKER": marker},
+    )
+    assert done.returncode == 0, done.stderr
+    out = done.stdout.decode()
+    assert "4194304 bytes" in out and "(timeout)" in out and "stopped by TERM" in out
+    assert "never started" in out and "reused=true" in out
+    assert kill_marked(marker, b"sleep") == []
