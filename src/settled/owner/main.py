@@ -252,8 +252,12 @@ def main(argv: list[str] | None = None) -> int:
     home, session, ready_text = (argv if argv is not None else sys.argv[1:])[:3]
     if os.fork() != 0:
         os._exit(0)
+    return run_session(home, session, int(ready_text) if ready_text != "-" else None)
+
+
+def run_session(home: str, session: str, ready_fd: int | None) -> int:
     os.chdir("/")
-    ready = Ready(int(ready_text) if ready_text != "-" else None)
+    ready = Ready(ready_fd)
     store = open_sqlite(home)
     try:
         record = store.get_session(session)

@@ -1,0 +1,145 @@
+"""The warm launcher: a pre-imported interpreter that forks session owners on request.
+
+A fresh `python -I -S` owner pays ~40-60 ms of interpreter start and imports before it can claim
+its session; a fork of this process pays ~1-2 ms. The zygote belongs to one Runtime: it is that
+Runtime's child, talks to it over a socketpair, and exits when the socketpair closes (the Runtime
+closed or its process died), so it never outlives its owner. Owners it forks are detached at once
+(setsid, a second fork) and outlive it. It holds no store connection and no lock while it forks.
+The caller's environment and umask travel with each request, so a command sees the caller's
+environment, not the zygote's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+from typing import Any
+
+from settled.owner.launcher import READY_TIMEOUT_S, _read_ready, owner_path
+
+MAX_REQUEST = 1 << 20
+
+_BOOT = (
+    "import sys, json; sys.path[:0] = json.loads(sys.argv[1]); "
+    "from settled.owner.zygote import serve; sys.exit(serve(int(sys.argv[2])))"
+)
+
+
+# -- the zygote process -----------------------------------------------------------------------
+
+
+def serve(sock_fd: int) -> int:
+    """Loop: one request in, one owner forked, its pid out. EOF on the socket ends the zygote."""
+    import settled.owner.main as owner_main  # imported once, before any fork
+
+    sock = socket.socket(fileno=sock_fd)
+    os.chdir("/")
+    while True:
+        try:
+            message, fds, _flags, _addr = socket.recv_fds(sock, MAX_REQUEST, 1)
+        except InterruptedError:
+            continue
+        if not message:
+            return 0
+        request = json.loads(message)
+        ready_fd = fds[0] if fds else None
+        pid = os.fork()
+        if pid == 0:
+            sock.close()
+            _become_owner(request, ready_fd, owner_main.run_session)
+        if ready_fd is not None:
+            os.close(ready_fd)
+        os.waitpid(pid, 0)  # the child forks the real owner and exits at once
+        sock.sendall(b"ok\n")
+
+
+def _become_owner(request: dict[str, Any], ready_fd: int | None, run: Any) -> None:
+    """In the forked child: detach, take the caller's environment, fork the owner, exit."""
+    code = 1
+    try:
+        os.setsid()
+        os.environ.clear()
+        os.environ.update(request["env"])
+        os.umask(request["umask"])
+        log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o640)
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        os.dup2(log, 1)
+        os.dup2(log, 2)
+        os.close(log)
+        os.close(null)
+        if os.fork() != 0:
+            os._exit(0)
+        code = run(request["home"], request["session"], ready_fd)
+    finally:
+        os._exit(code)
+
+
+# -- the Runtime's side -----------------------------------------------------------------------
+
+
+class WarmLauncher:
+    """Starts its zygote on first use; close() (or the end of this process) ends it."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._sock: socket.socket | None = None
+        self._process: subprocess.Popen[bytes] | None = None
+
+    def _start(self) -> socket.socket:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self._process = subprocess.Popen(
+            [
+                sys.executable,
+                "-I",
+                "-S",
+                "-c",
+                _BOOT,
+                json.dumps(owner_path()),
+                str(theirs.fileno()),
+            ],
+            pass_fds=(theirs.fileno(),),
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        theirs.close()
+        return ours
+
+    def launch(self, home: str, session: str, log: str) -> dict[str, Any]:
+        ready_r, ready_w = os.pipe2(os.O_CLOEXEC)
+        umask = os.umask(0o022)
+        os.umask(umask)
+        request = {
+            "home": home,
+            "session": session,
+            "env": dict(os.environ),
+            "umask": umask,
+            "log": log,
+        }
+        try:
+            with self._lock:
+                if self._sock is None:
+                    self._sock = self._start()
+                socket.send_fds(self._sock, [json.dumps(request).encode()], [ready_w])
+                os.close(ready_w)
+                ready_w = -1
+                if self._sock.recv(16) != b"ok\n":
+                    raise RuntimeError("the warm launcher did not answer; see its stderr")
+            return _read_ready(ready_r, READY_TIMEOUT_S)
+        finally:
+            if ready_w >= 0:
+                os.close(ready_w)
+            os.close(ready_r)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._sock is not None:
+                self._sock.close()
+                self._sock = None
+            if self._process is not None:
+                self._process.wait(timeout=10)
+                self._process = None

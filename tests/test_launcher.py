@@ -1,0 +1,82 @@
+"""Owner launchers: a fresh interpreter per session, or a warm zygote owned by one Runtime."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from settled.errors import BadInput
+from settled.runtime import Runtime
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            return handle.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.fixture
+def warm(tmp_path: Path, marker: str, monkeypatch: pytest.MonkeyPatch) -> Runtime:
+    monkeypatch.setenv("SETTLED_TEST_MARKER", marker)
+    (tmp_path / "ws").mkdir()
+    return Runtime(str(tmp_path / "home"), launcher="warm")
+
+
+def test_a_warm_launched_command_sees_the_callers_environment_and_umask(
+    warm: Runtime, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    try:
+        task = warm.new_task(str(tmp_path / "ws"))
+        first = warm.exec(task.task, shell="echo $PROBE_VALUE")  # starts the zygote
+        warm.wait(first.session, timeout=30)
+        monkeypatch.setenv("PROBE_VALUE", "changed-after-the-zygote-started")
+        old = os.umask(0o077)
+        try:
+            second = warm.exec(task.task, shell="echo $PROBE_VALUE; umask; touch made")
+        finally:
+            os.umask(old)
+        warm.wait(second.session, timeout=30)
+        out = warm.read(second.session, "stdout").decode().split()
+        assert out == ["changed-after-the-zygote-started", "0077"]
+        assert (tmp_path / "ws" / "made").stat().st_mode & 0o777 == 0o600
+    finally:
+        warm.close()
+
+
+def test_the_zygote_ends_with_its_runtime_and_owners_outlive_it(
+    warm: Runtime, tmp_path: Path
+) -> None:
+    task = warm.new_task(str(tmp_path / "ws"))
+    admission = warm.exec(task.task, shell="sleep 1; echo outlived")
+    assert warm._warm is not None and warm._warm._process is not None
+    zygote = warm._warm._process.pid
+    owner = warm.store.get_session(admission.session).owner
+    assert owner is not None and owner.pid != zygote
+    warm.close()
+    assert not _alive(zygote), "closing the Runtime must end its zygote"
+    with Runtime(str(tmp_path / "home")) as reader:
+        view = reader.wait(admission.session, timeout=30)
+        assert view["receipt"]["exit"]["code"] == 0
+        assert reader.read(admission.session, "stdout") == b"outlived\n"
+
+
+def test_an_unknown_launcher_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(BadInput, match="'lukewarm'"):
+        Runtime(str(tmp_path / "home"), launcher="lukewarm")
+
+
+def test_warm_and_fresh_launchers_give_the_same_receipt_shape(tmp_path: Path) -> None:
+    (tmp_path / "ws").mkdir()
+    shapes = []
+    for mode in ("fresh", "warm"):
+        with Runtime(str(tmp_path / "home"), launcher=mode) as rt:
+            task = rt.new_task(str(tmp_path / "ws"), key="shared")
+            admission = rt.exec(task.task, shell="exit 3", key=mode)
+            receipt = rt.wait(admission.session, timeout=30)["receipt"]
+            assert receipt["exit"]["code"] == 3 and receipt["death"]["proven"]
+            shapes.append(sorted(receipt))
+    assert shapes[0] == shapes[1]
