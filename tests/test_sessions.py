@@ -171,13 +171,10 @@ def test_a_reader_resumes_from_any_cursor(rt: Runtime, task: TaskRecord, boundar
 
 
 @pytest.mark.timeout(90)
-def test_the_owner_stays_small_for_a_huge_line(rt: Runtime, task: TaskRecord) -> None:
-    receipt = run(
-        rt,
-        task,
-        "cgroup2" if _has("cgroup2") else "subreaper",
-        "head -c 268435456 /dev/zero | tr '\\0' z",
-    )
+def test_the_owner_stays_small_for_a_huge_line(
+    rt: Runtime, task: TaskRecord, boundary: str
+) -> None:
+    receipt = run(rt, task, boundary, "head -c 268435456 /dev/zero | tr '\\0' z")
     assert receipt["output"]["stdout"]["cursor"] == 256 * MIB
     assert receipt["owner"]["maxrss_kib"] < 64 * 1024, receipt["owner"]
 
@@ -246,3 +243,52 @@ def test_a_session_whose_owner_vanished_is_unknown_not_failed(
     rt.store._db.execute(
         "UPDATE sessions SET state='unknown' WHERE session=?", (admission.session,)
     )
+
+
+@pytest.mark.timeout(90)
+def test_twenty_concurrent_identical_admissions_launch_once(
+    rt: Runtime, task: TaskRecord, boundary: str
+) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    def admit(_: int) -> tuple[str, bool]:
+        with Runtime(rt.home) as own:  # its own store connection, as another process would have
+            admission = own.exec(
+                task.task, shell="echo ran >> launches", key="k", boundary=boundary
+            )
+            return admission.session, admission.reused
+
+    with ThreadPoolExecutor(20) as pool:
+        results = list(pool.map(admit, range(20)))
+    assert len({session for session, _ in results}) == 1
+    assert sorted(reused for _, reused in results) == [False] + [True] * 19
+    rt.wait(results[0][0], timeout=30)
+    assert Path(task.workspace, "launches").read_text() == "ran\n"
+
+
+def test_a_key_conflict_launches_nothing(rt: Runtime, task: TaskRecord, boundary: str) -> None:
+    from settled.errors import KeyConflict
+
+    first = rt.exec(task.task, shell="echo one", key="k", boundary=boundary)
+    with pytest.raises(KeyConflict) as conflict:
+        rt.exec(task.task, shell="echo two >> never", key="k", boundary=boundary)
+    assert conflict.value.existing_digest == first.digest
+    assert len(rt.store.list_sessions(task.task)) == 1
+    rt.wait(first.session, timeout=30)
+    assert not Path(task.workspace, "never").exists()
+
+
+@pytest.mark.timeout(120)
+def test_a_1_gib_line_with_no_newline_comes_back_whole(rt: Runtime, task: TaskRecord) -> None:
+    kind = "cgroup2" if _has("cgroup2") else "subreaper"
+    receipt = run(rt, task, kind, "head -c 1073741824 /dev/zero | tr '\\0' q")
+    stdout = receipt["output"]["stdout"]
+    hasher = blake3.blake3()
+    block = b"q" * MIB
+    for _ in range(1024):
+        hasher.update(block)
+    assert stdout["cursor"] == 1 << 30
+    assert stdout["digest"] == "blake3:" + hasher.hexdigest()
+    assert receipt["owner"]["maxrss_kib"] < 64 * 1024
+    tail = rt.read(receipt["session"], "stdout", (1 << 30) - 5, 100)
+    assert tail == b"qqqqq"

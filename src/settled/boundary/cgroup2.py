@@ -62,11 +62,9 @@ def find_hierarchy() -> str:
 
 def _require_cgroup_kill(base: str) -> None:
     """A root cgroup never has cgroup.kill, so probe with a child (mkdir + rmdir: 0.05 ms)."""
-    probe = os.path.join(base, f"{ROOT_DIR_NAME}-probe-{os.getpid()}")
+    probe = os.path.join(base, f"{ROOT_DIR_NAME}-probe-{os.getpid()}-{os.urandom(4).hex()}")
     try:
         os.mkdir(probe)
-    except FileExistsError:
-        pass
     except OSError as exc:
         raise BoundaryUnavailable(f"cgroup2: cannot create a cgroup under {base}: {exc}") from exc
     try:
