@@ -123,9 +123,21 @@ def _write_atomic(path: str, text: str) -> None:
     os.replace(tmp, path)
 
 
+def _rounded(value: Any) -> Any:
+    """Floats to 6 decimals (microseconds for seconds, nanoseconds for ms): smaller files."""
+    if isinstance(value, float):
+        return round(value, 6)
+    if isinstance(value, dict):
+        return {k: _rounded(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_rounded(v) for v in value]
+    return value
+
+
 def write_results(out_dir: str, name: str, data: dict[str, Any], markdown: str) -> None:
     os.makedirs(out_dir, exist_ok=True)
-    _write_atomic(os.path.join(out_dir, f"{name}.json"), json.dumps(data, indent=2) + "\n")
+    text = json.dumps(_rounded(data), indent=1)
+    _write_atomic(os.path.join(out_dir, f"{name}.json"), text + "\n")
     _write_atomic(os.path.join(out_dir, f"{name}.md"), markdown.rstrip() + "\n")
     write_readme(out_dir)
 
@@ -232,14 +244,22 @@ class Rig:
                 os.unlink(log_path(self.runtime.home, session, stream))
 
 
+def runtime_launchers() -> tuple[str, ...]:
+    """The owner launchers this settled offers ('fresh' interpreter, 'warm' zygote)."""
+    from settled import runtime
+
+    return tuple(getattr(runtime, "LAUNCHERS", ("fresh",)))
+
+
 @contextlib.contextmanager
-def settled_rig(name: str) -> Iterator[Rig]:
+def settled_rig(name: str, launcher: str | None = None) -> Iterator[Rig]:
     from settled.runtime import Runtime
 
     with scratch(name) as root:
         workspace = os.path.join(root, "workspace")
         os.mkdir(workspace)
-        runtime = Runtime(os.path.join(root, "home"))
+        home = os.path.join(root, "home")
+        runtime = Runtime(home) if launcher is None else Runtime(home, launcher=launcher)
         rig = Rig(root, runtime, runtime.new_task(workspace).task, workspace)
         try:
             yield rig

@@ -10,7 +10,9 @@ newlines.
 from __future__ import annotations
 
 import os
+import resource
 import subprocess
+import threading
 import time
 from typing import Any
 
@@ -29,21 +31,59 @@ from common import (
 
 RATIO_TARGET = 1.25
 RSS_TARGET_MIB = 64
-FULL = {"size": "1G", "bytes": 1 << 30, "runs": 5, "line": "256M", "line_bytes": 256 << 20}
+FULL = {"size": "1G", "bytes": 1 << 30, "runs": 9, "line": "256M", "line_bytes": 256 << 20}
 QUICK = {"size": "64M", "bytes": 64 << 20, "runs": 3, "line": "16M", "line_bytes": 16 << 20}
 WAIT_S = 600.0
 
 
-def _baseline(pipeline: str, path: str, expect: int) -> float:
+class IoSampler:
+    """Samples /proc/PID/io of the owner every 10 ms: read syscalls and bytes, so the mean
+    read size of the drain is known (the last sample falls just before the owner exits)."""
+
+    def __init__(self, pid: int | None) -> None:
+        self.pid = pid
+        self.last: dict[str, int] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        if pid is not None:
+            self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                with open(f"/proc/{self.pid}/io") as handle:
+                    sample = dict(line.split(": ") for line in handle.read().splitlines())
+            except (OSError, ValueError):
+                return
+            self.last = {k: int(v) for k, v in sample.items()}
+            self._stop.wait(0.01)
+
+    def stop(self) -> dict[str, int]:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5.0)
+        return self.last
+
+
+def _load1() -> float:
+    with open("/proc/loadavg") as handle:
+        return float(handle.read().split()[0])
+
+
+def _baseline(pipeline: str, path: str, expect: int) -> tuple[float, float]:
+    """(seconds, CPU seconds of the whole pipeline: sh, head, cat, sync)."""
     os.sync()
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     started = time.perf_counter()
     subprocess.run(["/bin/sh", "-c", pipeline], check=True, timeout=WAIT_S)
     elapsed = time.perf_counter() - started
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
     size = os.stat(path).st_size
     os.unlink(path)
     if size != expect:
         raise RuntimeError(f"baseline wrote {size} bytes, expected {expect}")
-    return elapsed
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return elapsed, cpu
 
 
 def _settled(rig: Any, expect: int, **command: Any) -> dict[str, Any]:
@@ -52,8 +92,12 @@ def _settled(rig: Any, expect: int, **command: Any) -> dict[str, Any]:
     started = time.perf_counter()
     admission = rig.exec(**command, boundary="auto")
     returned = time.perf_counter()
-    view = rig.runtime.wait(admission.session, timeout=WAIT_S)
-    elapsed = time.perf_counter() - started
+    sampler = IoSampler(admission.owner_pid)
+    try:
+        view = rig.runtime.wait(admission.session, timeout=WAIT_S)
+        elapsed = time.perf_counter() - started
+    finally:
+        io = sampler.stop()
     receipt = view["receipt"]
     out = receipt["output"]["stdout"]
     problems = []
@@ -76,6 +120,8 @@ def _settled(rig: Any, expect: int, **command: Any) -> dict[str, Any]:
         "owner_maxrss_kib": receipt["owner"]["maxrss_kib"],
         "owner_cpu_s": receipt["owner"]["cpu_s"],
         "stdout_bytes": out["cursor"],
+        "owner_read_syscalls": io.get("syscr"),
+        "owner_mean_read_kib": io["rchar"] / io["syscr"] / 1024 if io.get("syscr") else None,
     }
 
 
@@ -91,13 +137,17 @@ def run(quick: bool) -> tuple[dict[str, Any], str]:
         flood = f"head -c {p['size']} /dev/zero | cat > {target} && sync {target}"
         runs = []
         for i in range(p["runs"]):
-            base = _baseline(flood, target, p["bytes"])
+            load = _load1()
+            base, base_cpu = _baseline(flood, target, p["bytes"])
             got = _settled(rig, p["bytes"], argv=["head", "-c", p["size"], "/dev/zero"])
             got.update(
                 run=i + 1,
+                load1=load,
                 baseline_s=base,
+                baseline_cpu_s=base_cpu,
                 ratio=got["exec_to_receipt_s"] / base,
                 ratio_to_settled_at=got["exec_to_settled_at_s"] / base,
+                ratio_after_admission=(got["exec_to_receipt_s"] - got["exec_return_s"]) / base,
             )
             runs.append(got)
             log(
@@ -106,7 +156,7 @@ def run(quick: bool) -> tuple[dict[str, Any], str]:
                 f"{got['owner_maxrss_kib'] / 1024:.1f} MiB"
             )
         line_cmd = f"head -c {p['line']} /dev/zero | tr '\\0' x"
-        line_base = _baseline(
+        line_base, _ = _baseline(
             f"{line_cmd} | cat > {target} && sync {target}", target, p["line_bytes"]
         )
         line = _settled(rig, p["line_bytes"], shell=line_cmd)
@@ -128,6 +178,8 @@ def run(quick: bool) -> tuple[dict[str, Any], str]:
         "ratio_of_medians": median([r["exec_to_receipt_s"] for r in runs])
         / median([r["baseline_s"] for r in runs]),
         "median_ratio_to_settled_at": median([r["ratio_to_settled_at"] for r in runs]),
+        "median_ratio_after_admission": median([r["ratio_after_admission"] for r in runs]),
+        "exec_return_s": distribution([r["exec_return_s"] for r in runs]),
         "ratio_target": RATIO_TARGET,
         "ratio_met": median(ratios) <= RATIO_TARGET,
         "owner_maxrss_kib_max": max(rss),
@@ -151,6 +203,9 @@ def render(data: dict[str, Any]) -> str:
             fmt(gbs / r["exec_to_receipt_s"]),
             fmt(r["owner_maxrss_kib"] / 1024, 1),
             fmt(r["owner_cpu_s"]),
+            fmt(r["baseline_cpu_s"]),
+            fmt(r["owner_mean_read_kib"], 0),
+            fmt(r["load1"], 1),
         ]
         for r in data["runs"]
     ]
@@ -177,6 +232,9 @@ def render(data: dict[str, Any]) -> str:
                     "settled GB/s",
                     "owner peak RSS MiB",
                     "owner CPU s",
+                    "baseline pipeline CPU s",
+                    "owner mean read KiB",
+                    "load (1 min)",
                 ],
                 rows,
             ),
@@ -194,6 +252,16 @@ def render(data: dict[str, Any]) -> str:
                     [
                         "median ratio, settled timed to the receipt's settled_at",
                         fmt(s["median_ratio_to_settled_at"]),
+                        "",
+                    ],
+                    [
+                        "median ratio, settled timed from exec's return (drain only)",
+                        fmt(s["median_ratio_after_admission"]),
+                        "",
+                    ],
+                    [
+                        "median exec -> returned s (admission)",
+                        fmt(s["exec_return_s"]["p50"], 3),
                         "",
                     ],
                     [

@@ -127,8 +127,19 @@ def _settled_run(rig: Any, kind: str, i: int, p: dict[str, Any]) -> dict[str, An
 # -- raw baselines ----------------------------------------------------------------------
 
 
+def _wait_exit(proc: subprocess.Popen[bytes], limit: float) -> None:
+    """Block until the child exits (a pidfd, not Popen.wait(timeout)'s 50 ms sleep-poll)."""
+    pidfd = os.pidfd_open(proc.pid)
+    try:
+        if not select.select([pidfd], [], [], limit)[0]:
+            raise RuntimeError(f"pid {proc.pid} did not exit within {limit} s")
+    finally:
+        os.close(pidfd)
+    proc.wait(timeout=1)
+
+
 def _wait_populated_0(events_path: str, limit: float, rekill: Callable[[], None]) -> float:
-    """Poll cgroup.events (POLLPRI wakes on change) until `populated 0`; seconds waited."""
+    """Poll cgroup.events (POLLPRI wakes on change) until `populated 0`; perf_counter then."""
     started = time.perf_counter()
     fd = os.open(events_path, os.O_RDONLY)
     try:
@@ -138,7 +149,7 @@ def _wait_populated_0(events_path: str, limit: float, rekill: Callable[[], None]
         while True:
             os.lseek(fd, 0, os.SEEK_SET)
             if b"populated 0" in os.read(fd, 4096):
-                return time.perf_counter() - started
+                return time.perf_counter()
             now = time.perf_counter()
             if now - started > limit:
                 raise RuntimeError(f"{events_path} still populated after {limit} s")
@@ -190,8 +201,8 @@ def _raw_cgroup2(hierarchy: str, i: int, n: int) -> dict[str, Any]:
 
         t0 = time.perf_counter()
         kill()
-        empty = _wait_populated_0(os.path.join(path, "cgroup.events"), 30.0, kill)
-        proc.wait(timeout=10)
+        empty = _wait_populated_0(os.path.join(path, "cgroup.events"), 30.0, kill) - t0
+        _wait_exit(proc, 10.0)
         reaped = time.perf_counter() - t0
         _rmdir(path)
         removed = time.perf_counter() - t0
@@ -238,7 +249,7 @@ def _raw_pidns(i: int, n: int) -> dict[str, Any]:
             raise RuntimeError(f"unshare {proc.pid} has children {init}, expected one init")
         t0 = time.perf_counter()
         os.kill(init[0], signal.SIGKILL)
-        proc.wait(timeout=30)  # unshare exits once it reaped the init
+        _wait_exit(proc, 30.0)  # unshare exits once it reaped the init
         reaped = time.perf_counter() - t0
     finally:
         if proc.poll() is None:

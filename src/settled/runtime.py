@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import select
 import signal
 import tempfile
 import time
@@ -203,22 +204,49 @@ class Runtime:
         return task_status(record, views)
 
     def wait(self, session: str, timeout: float | None = None) -> dict[str, Any]:
-        """Block until the session has a receipt (or is unknown); the session's clock, not ours."""
+        """Block until the session has a receipt (or is unknown); the session's clock, not ours.
+
+        Sleeps on a pidfd of the owner, which writes the receipt just before it exits, so a
+        waiter wakes at once instead of on its next poll; the poll remains for everything else.
+        """
         give_up = None if timeout is None else time.monotonic() + timeout
         pause = 0.002
-        while True:
-            view = self.session_status(session)
-            if view["state"] in (SETTLED, UNKNOWN) and (
-                "receipt" in view or view["state"] == UNKNOWN
-            ):
-                return view
-            if give_up is not None and time.monotonic() >= give_up:
-                raise NotSettled(
-                    f"session {session} is still {view['state']} after {timeout} s; it goes on "
-                    f"(wait again, or read its output with `settled logs {session} --follow`)"
-                )
-            time.sleep(pause)
-            pause = min(pause * 1.5, 0.05)
+        owner_fd: int | None = None
+        try:
+            while True:
+                view = self.session_status(session)
+                if view["state"] in (SETTLED, UNKNOWN) and (
+                    "receipt" in view or view["state"] == UNKNOWN
+                ):
+                    return view
+                now = time.monotonic()
+                if give_up is not None and now >= give_up:
+                    raise NotSettled(
+                        f"session {session} is still {view['state']} after {timeout} s; it goes "
+                        f"on (wait again, or read its output with `settled logs {session} "
+                        "--follow`)"
+                    )
+                if owner_fd is None:
+                    owner_fd = self._owner_pidfd(session)
+                wait_for = pause if give_up is None else min(pause, max(0.0, give_up - now))
+                select.select([owner_fd] if owner_fd is not None else [], [], [], wait_for)
+                pause = min(pause * 1.5, 0.05)
+        finally:
+            if owner_fd is not None:
+                os.close(owner_fd)
+
+    def _owner_pidfd(self, session: str) -> int | None:
+        record = self.store.get_session(session)
+        if record.owner is None:
+            return None
+        try:
+            fd = os.pidfd_open(record.owner.pid)
+        except OSError:
+            return None
+        if procfs.start_time(record.owner.pid) != record.owner.start_time:
+            os.close(fd)  # the pid was reused: this is not the owner
+            return None
+        return fd
 
     def cancel(self, session: str, reason: str = "cancel requested") -> dict[str, Any]:
         """Ask the owner to stop the session (TERM, grace, KILL over the whole boundary)."""

@@ -173,7 +173,8 @@ class Supervisor:
         self._stopping = True
         self.settling()
         self._kill_at = now + self.grace
-        self.boundary.signal_all(signal.SIGTERM)
+        if self.grace > 0:  # with no grace, TERM one by one only delays the boundary's KILL
+            self.boundary.signal_all(signal.SIGTERM)
 
     def _on_main_exit(self) -> None:
         """The main process is gone: whoever is left in the boundary is a straggler."""
@@ -181,11 +182,12 @@ class Supervisor:
         now = time.monotonic()
         self.outcome.stop_decided = now
         self.settling()
+        self._kill_at = now + self.grace  # also bounds a straggler that appears after this look
         left = self.boundary.describe_members()
         if left:
             self.outcome.stragglers = [{**m, "stopped_by": "TERM"} for m in left]
-            self._kill_at = now + self.grace
-            self.boundary.signal_all(signal.SIGTERM)
+            if self.grace > 0:
+                self.boundary.signal_all(signal.SIGTERM)
 
     def _finish(self) -> Outcome:
         out = self.outcome
@@ -199,7 +201,7 @@ class Supervisor:
         faults.point("owner.after_death_evidence")
         if out.wait_status is None:
             out.wait_status = _await_main(self.boundary)
-            out.exited = out.exited or time.monotonic()
+            out.exited = out.exited or out.evidence_at  # it exited before the boundary was empty
         out.drain_complete = self._drain_to_eof(
             POST_EVIDENCE_DRAIN_S if out.evidence.proven else min(self.grace, 2.0)
         )

@@ -34,6 +34,8 @@ _BOOT = (
 
 def serve(sock_fd: int) -> int:
     """Loop: one request in, one owner forked, its pid out. EOF on the socket ends the zygote."""
+    import ctypes  # noqa: F401 - pidns and subreaper owners need it; import it once, here
+
     import settled.owner.main as owner_main  # imported once, before any fork
 
     sock = socket.socket(fileno=sock_fd)

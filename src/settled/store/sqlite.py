@@ -30,12 +30,14 @@ from settled.identity import new_id
 from settled.states import (
     ADMITTED,
     TASK_OPEN,
+    IllegalTransition,
     next_session_state,
+    next_task_state,
     states_accepting,
 )
 from settled.store import OwnerInfo, SessionRecord, TaskRecord, loads
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 RECEIPT_EVENTS = ("receipt", "lose", "recover")
 BUSY_TIMEOUT_S = 60.0
 
@@ -72,6 +74,25 @@ MIGRATIONS: dict[int, str] = {
         UNIQUE (task, key)
     );
     CREATE INDEX sessions_by_task ON sessions(task, created_at);
+    """,
+    2: """
+    CREATE TABLE close_steps (
+        task        TEXT NOT NULL REFERENCES tasks(task),
+        step        TEXT NOT NULL,
+        fact        TEXT NOT NULL,
+        recorded_at REAL NOT NULL,
+        PRIMARY KEY (task, step)
+    );
+    CREATE TABLE checkpoints (
+        manifest    TEXT NOT NULL,
+        task        TEXT NOT NULL REFERENCES tasks(task),
+        generation  INTEGER NOT NULL,
+        receipt     TEXT NOT NULL,
+        index_ref   TEXT,
+        created_at  REAL NOT NULL,
+        PRIMARY KEY (task, manifest)
+    );
+    CREATE INDEX checkpoints_by_task ON checkpoints(task, created_at);
     """,
 }
 
@@ -397,6 +418,94 @@ class SQLiteStore:
                 (reason, session),
             )
         return self.get_session(session)
+
+    # -- the close join and checkpoints --------------------------------------------------
+
+    def _task_transition(self, db: sqlite3.Connection, task: str, event: str) -> str:
+        row = db.execute("SELECT state FROM tasks WHERE task=?", (task,)).fetchone()
+        if row is None:
+            raise UnknownTask(task)
+        try:
+            new_state = next_task_state(row[0], event)
+        except IllegalTransition as exc:
+            raise StaleWrite(f"task {task}: {exc}") from None
+        db.execute("UPDATE tasks SET state=? WHERE task=? AND state=?", (new_state, task, row[0]))
+        return new_state
+
+    def task_event(self, task: str, event: str) -> TaskRecord:
+        with self._write() as db:
+            self._task_transition(db, task, event)
+        return self.get_task(task)
+
+    def record_close_step(self, task: str, step: str, fact: dict[str, Any]) -> dict[str, Any]:
+        """Record a step's fact once; a second recording returns the first (never re-runs)."""
+        with self._write() as db:
+            row = db.execute(
+                "SELECT fact FROM close_steps WHERE task=? AND step=?", (task, step)
+            ).fetchone()
+            if row is not None:
+                return json.loads(row[0])  # type: ignore[no-any-return]
+            db.execute(
+                "INSERT INTO close_steps VALUES (?, ?, ?, ?)",
+                (task, step, canonical_bytes(fact).decode(), time.time()),
+            )
+        return fact
+
+    def close_steps(self, task: str) -> dict[str, dict[str, Any]]:
+        rows = self._db.execute(
+            "SELECT step, fact FROM close_steps WHERE task=?", (task,)
+        ).fetchall()
+        return {step: json.loads(fact) for step, fact in rows}
+
+    def record_checkpoint(
+        self, task: str, generation: int, receipt: dict[str, Any], index_ref: str | None
+    ) -> None:
+        """Refused from a fenced generation: only the task's current generation may publish."""
+        with self._write() as db:
+            row = db.execute("SELECT generation FROM tasks WHERE task=?", (task,)).fetchone()
+            if row is None:
+                raise UnknownTask(task)
+            if row[0] != generation:
+                raise StaleWrite(
+                    f"task {task}: a checkpoint from generation {generation} is refused; the "
+                    f"runtime generation is {row[0]} (fenced)"
+                )
+            db.execute(
+                "INSERT OR IGNORE INTO checkpoints VALUES (?, ?, ?, ?, ?, ?)",
+                (
+                    receipt["manifest"],
+                    task,
+                    generation,
+                    canonical_bytes(receipt).decode(),
+                    index_ref,
+                    time.time(),
+                ),
+            )
+
+    def latest_checkpoint(self, task: str) -> tuple[dict[str, Any], str | None] | None:
+        row = self._db.execute(
+            "SELECT receipt, index_ref FROM checkpoints WHERE task=? "
+            "ORDER BY created_at DESC, rowid DESC LIMIT 1",
+            (task,),
+        ).fetchone()
+        return (json.loads(row[0]), row[1]) if row else None
+
+    def find_checkpoint(self, manifest: str) -> dict[str, Any] | None:
+        row = self._db.execute(
+            "SELECT receipt FROM checkpoints WHERE manifest=? LIMIT 1", (manifest,)
+        ).fetchone()
+        return json.loads(row[0]) if row else None
+
+    def fence(self, task: str, generation: int) -> int:
+        """Advance the runtime generation past `generation`; a stale fence is refused."""
+        with self._write() as db:
+            cursor = db.execute(
+                "UPDATE tasks SET generation=generation+1 WHERE task=? AND generation=?",
+                (task, generation),
+            )
+            if cursor.rowcount != 1:
+                raise StaleWrite(f"task {task} is not at generation {generation}: already fenced")
+        return generation + 1
 
 
 def open_sqlite(home: str) -> SQLiteStore:
