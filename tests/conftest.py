@@ -12,6 +12,7 @@ import os
 import signal
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -54,6 +55,8 @@ def kill_marked(marker: str, command: bytes = b"") -> list[int]:
                 environ = handle.read()
         except OSError:
             continue
+        if b"multiprocessing" in cmdline:
+            continue  # pytest's own resource tracker, shared by every test of this run
         if (needle in cmdline or needle in environ) and command in cmdline:
             try:
                 os.kill(int(entry), signal.SIGKILL)
@@ -68,16 +71,34 @@ def marker(request: pytest.FixtureRequest) -> str:
     return f"settled-test-{os.getpid()}-{abs(hash(request.node.nodeid)) % 10**8}"
 
 
+@pytest.fixture(autouse=True)
+def _ends_what_it_starts(
+    tmp_path: Path, marker: str, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[None]:
+    """Every test: its processes carry its marker; journals under its tmp_path are stopped and
+    anything still carrying the marker is killed when it ends."""
+    monkeypatch.setenv(MARKER_ENV, marker)  # inherited by every owner, journal and command
+    yield
+    stop_journals(tmp_path)
+    kill_marked(marker)
+
+
 @pytest.fixture
-def rt(tmp_path: object, marker: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[Runtime]:
-    monkeypatch.setenv(MARKER_ENV, marker)  # inherited by every owner and command
+def rt(tmp_path: Path) -> Iterator[Runtime]:
     runtime = Runtime(os.path.join(str(tmp_path), "home"))
     try:
         yield runtime
     finally:
         _settle_everything(runtime)
-        kill_marked(marker)
         runtime.close()
+
+
+def stop_journals(root: Path) -> None:
+    """Every task starts a journal daemon; a test ends the ones started under its tmp_path."""
+    from settled.workspace import journal
+
+    for sock in root.glob("**/run/*/journal.sock"):
+        journal.stop(str(sock))
 
 
 def _settle_everything(runtime: Runtime) -> None:
@@ -94,7 +115,7 @@ def _settle_everything(runtime: Runtime) -> None:
 
 
 @pytest.fixture
-def task(rt: Runtime, tmp_path: object) -> TaskRecord:
+def task(rt: Runtime, tmp_path: Path) -> TaskRecord:
     workspace = os.path.join(str(tmp_path), "workspace")
     os.makedirs(workspace)
     return rt.new_task(workspace)

@@ -13,8 +13,9 @@ from collections.abc import Callable
 from typing import Any
 
 from settled.errors import EXIT_BLOCKED, EXIT_OK, EXIT_USAGE, BadInput, SettledError
+from settled.faults import ALL_POINTS
 from settled.log.reader import CursorOutOfRange
-from settled.render import receipt_text, status_text
+from settled.render import blocked_text, close_text, receipt_text, status_text
 from settled.runtime import Runtime
 from settled.states import SETTLED
 
@@ -129,6 +130,50 @@ def cmd_cancel(rt: Runtime, args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_close(rt: Runtime, args: argparse.Namespace) -> int:
+    if args.list_fault_points:
+        for name in ALL_POINTS:
+            print(name)
+        return EXIT_OK
+    if args.task is None:
+        raise BadInput("close needs a TASK (or --list-fault-points)")
+    result = rt.close_task(args.task, args.final, args.deadline)
+    if result.complete:
+        _emit(args, result.to_json(), close_text(result.to_json()))
+        return EXIT_OK
+    payload = result.to_json()
+    _emit(args, payload, blocked_text(args.task, payload["blocked_on"]))
+    return EXIT_BLOCKED
+
+
+def cmd_explain(rt: Runtime, args: argparse.Namespace) -> int:
+    view = rt.explain(args.task)
+    _emit(args, view, view["words"])
+    return EXIT_OK if view["complete"] else EXIT_BLOCKED
+
+
+def cmd_restore(rt: Runtime, args: argparse.Namespace) -> int:
+    result = rt.restore(args.target, args.dest)
+    payload = {
+        "manifest": result.manifest_id,
+        "dest": result.dest,
+        "files": result.files,
+        "dirs": result.dirs,
+        "symlinks": result.symlinks,
+        "fifos": result.fifos,
+        "bytes": result.bytes_written,
+        "not_restorable": [list(item) for item in result.not_restorable],
+    }
+    text = (
+        f"restored {result.manifest_id} into {result.dest}: {result.files} files, "
+        f"{result.dirs} dirs, {result.symlinks} symlinks, {result.bytes_written} bytes"
+    )
+    if result.not_restorable:
+        text += f"; not restorable: {result.not_restorable}"
+    _emit(args, payload, text)
+    return EXIT_OK if result.complete else EXIT_BLOCKED
+
+
 def cmd_demo(rt: Runtime, args: argparse.Namespace) -> int:
     from settled.demo import run_demo
 
@@ -193,6 +238,22 @@ def build_parser() -> argparse.ArgumentParser:
     cancel.add_argument("session")
     cancel.add_argument("--reason", default="cancel requested")
     cancel.set_defaults(handler=cmd_cancel)
+
+    close = sub.add_parser("close", parents=[common], help="the close join: prove completion")
+    close.add_argument("task", nargs="?")
+    close.add_argument("--final", help="the model's final response, stored as pending")
+    close.add_argument("--deadline", type=float, help="seconds to wait for required sessions")
+    close.add_argument("--list-fault-points", action="store_true")
+    close.set_defaults(handler=cmd_close)
+
+    explain = sub.add_parser("explain", parents=[common], help="which receipts allow success")
+    explain.add_argument("task")
+    explain.set_defaults(handler=cmd_explain)
+
+    restore = sub.add_parser("restore", parents=[common], help="rebuild a checkpoint")
+    restore.add_argument("target", metavar="TASK|MANIFEST")
+    restore.add_argument("dest")
+    restore.set_defaults(handler=cmd_restore)
 
     demo = sub.add_parser("demo", parents=[common], help="the main job on the embedded default")
     demo.set_defaults(handler=cmd_demo)

@@ -1,6 +1,6 @@
 """Named fault points: a test arms one with SETTLED_FAULT=<name>:crash to SIGKILL the process there.
 
-Every step of the owner (and, later, the checkpoint and the close) calls `point(name)`. Unarmed,
+Every step of the owner, the checkpoint and the close calls `point(name)`. Unarmed,
 a point costs one dict lookup. Never used for control flow.
 """
 
@@ -17,7 +17,22 @@ OWNER_POINTS = (
     "owner.after_death_evidence",
     "owner.before_receipt",
 )
-ALL_POINTS: tuple[str, ...] = OWNER_POINTS
+CHECKPOINT_POINTS = (
+    "checkpoint.after_blobs",
+    "checkpoint.after_manifest",
+    "checkpoint.before_read_back",
+)
+CLOSE_POINTS = (
+    "close.after_final_pending",
+    "close.after_sealed",
+    "close.after_sessions_settled",
+    "close.after_receipts",
+    "close.after_final_scan",
+    "close.after_checkpoint",
+    "close.after_fenced",
+    "close.after_outcome",
+)
+ALL_POINTS: tuple[str, ...] = OWNER_POINTS + CHECKPOINT_POINTS + CLOSE_POINTS
 
 _ARMED_POINT, _, _ARMED_ACTION = os.environ.get("SETTLED_FAULT", "").partition(":")
 

@@ -43,3 +43,8 @@ def log_path(home: str, session: str, stream: str) -> str:
 
 def stdin_path(home: str, digest: str) -> str:
     return os.path.join(home, "stdin", digest.replace(":", "-"))
+
+
+def journal_socket(home: str, task: str) -> str:
+    """Where the task's mutation journal answers barriers (see settled.workspace.journal)."""
+    return os.path.join(home, "run", task, "journal.sock")

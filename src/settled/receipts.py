@@ -63,7 +63,7 @@ def process_receipt(
     exit: dict[str, Any],
     output: dict[str, Any],
     stragglers: list[dict[str, Any]],
-    terminal_mutation: int | None,
+    terminal_mutation: dict[str, Any],
     owner: dict[str, Any],
     timings: dict[str, float],
 ) -> dict[str, Any]:

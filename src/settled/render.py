@@ -73,3 +73,30 @@ def status_text(view: dict[str, Any]) -> str:
     if "receipt" in view:
         lines.append(receipt_text(view["receipt"]))
     return "\n".join(lines)
+
+
+def close_text(receipt: dict[str, Any]) -> str:
+    checkpoint = receipt["checkpoint"]
+    commands = receipt["outcome"]["commands"]
+    lines = [
+        f"close receipt for task {receipt['task']}: COMPLETE",
+        f"  sealed    {len(receipt['sessions'])} session(s), each with a process receipt",
+        f"  checkpoint {checkpoint['manifest']} ({checkpoint['entries']} entries), "
+        f"watermark {checkpoint['watermark']}, read back: {checkpoint['read_back']['verified']}",
+        f"  fence     generation {receipt['fence']['fenced_generation']} -> "
+        f"{receipt['fence']['generation']}",
+    ]
+    for group, sessions in commands.items():
+        if sessions:
+            lines.append(f"  {group:<10}{', '.join(sessions)}")
+    if not receipt["outcome"]["all_commands_succeeded"]:
+        lines.append("  note      complete is not success: some commands did not succeed")
+    lines.append(f"  digest    {receipt['digest']}")
+    return "\n".join(lines)
+
+
+def blocked_text(task: str, blocked: dict[str, Any]) -> str:
+    return (
+        f"task {task} is NOT complete: blocked on {blocked['authority']}, "
+        f"which owes {blocked['obligation']}"
+    )

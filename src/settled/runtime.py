@@ -20,6 +20,8 @@ from typing import Any
 
 from settled import boundary as boundaries
 from settled.boundary import procfs
+from settled.close.decide import explain
+from settled.close.join import CloseJoin, CloseResult
 from settled.errors import BadInput, NotSettled, OwnerLaunchFailed
 from settled.home import log_path, prepare_home, resolve_home, session_dir, stdin_path
 from settled.identity import CommandSpec, new_key, normalize_env, resolve_cwd
@@ -27,10 +29,12 @@ from settled.log.reader import follow, read_range, stored_length
 from settled.log.view import model_view
 from settled.owner.launcher import launch_owner
 from settled.owner.zygote import WarmLauncher
-from settled.states import LIVE_STATES, SETTLED, UNKNOWN
+from settled.states import LIVE_STATES, SETTLED, TASK_OPEN, UNKNOWN
 from settled.status import OwnerFacts, session_status, task_status
 from settled.store import SessionRecord, TaskRecord
 from settled.store.sqlite import SQLiteStore, open_sqlite
+from settled.workspace.checkpoint import WorkspaceService
+from settled.workspace.restore import RestoreResult, restore
 
 
 @dataclass(frozen=True)
@@ -73,6 +77,7 @@ class Runtime:
         if self.launcher not in LAUNCHERS:
             raise BadInput(f"launcher {self.launcher!r} is not one of {', '.join(LAUNCHERS)}")
         self.store: SQLiteStore = open_sqlite(self.home)
+        self.workspace = WorkspaceService(self.home, self.store)
         self._warm: WarmLauncher | None = None
 
     def close(self) -> None:
@@ -110,6 +115,8 @@ class Runtime:
                 f"task key {record.key!r} already names task {record.task} with workspace "
                 f"{record.workspace}, not {root}"
             )
+        if record.state == TASK_OPEN:
+            self.workspace.ensure_journal(record)
         return record
 
     # -- admission -----------------------------------------------------------------------
@@ -147,6 +154,7 @@ class Runtime:
         session, reused = self.store.admit(task, key, spec.digest, spec.to_json())
         if reused:
             return self._admission(session, reused=True)
+        self.workspace.ensure_journal(record)  # 0.3 ms when it runs; restarts one that idled out
         report = self._launch(session.session)
         return self._admission(self.store.get_session(session.session), False, report)
 
@@ -256,6 +264,28 @@ class Runtime:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(record.owner.pid, signal.SIGUSR1)
         return self.session_status(session)
+
+    # -- close, explain, restore ---------------------------------------------------------
+
+    def close_task(
+        self, task: str, final: str | None = None, deadline: float | None = None
+    ) -> CloseResult:
+        """Run (or resume) the close join; a repeated close returns the same receipt."""
+        return CloseJoin(self, task, final, deadline).run()
+
+    def explain(self, task: str) -> dict[str, Any]:
+        join = CloseJoin(self, task)
+        return explain(join.facts())
+
+    def restore(self, target: str, dest: str) -> RestoreResult:
+        """Rebuild a task's last checkpoint (or a manifest id) into an empty directory."""
+        manifest = target
+        if target.startswith("t_"):
+            latest = self.store.latest_checkpoint(self.store.get_task(target).task)
+            if latest is None:
+                raise BadInput(f"task {target} has no checkpoint yet: close it first")
+            manifest = latest[0]["manifest"]
+        return restore(self.workspace.objects, manifest, dest)
 
     # -- output --------------------------------------------------------------------------
 

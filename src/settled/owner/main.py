@@ -21,7 +21,7 @@ from settled import faults
 from settled.boundary import procfs
 from settled.boundary.spawn import ChildIO, SpawnFailed
 from settled.errors import BoundaryUnavailable, StaleWrite
-from settled.home import log_path, session_dir, stdin_path
+from settled.home import journal_socket, log_path, session_dir, stdin_path
 from settled.identity import CommandSpec
 from settled.log.writer import StreamWriter, enlarge_pipe
 from settled.owner.supervise import Outcome, OwnerSignals, Streams, Supervisor
@@ -163,6 +163,7 @@ class Owner:
         for fd in streams.fds.values():
             os.close(fd)
         assert outcome.evidence is not None
+        terminal_mutation = self._terminal_mutation()
         now = time.monotonic()
         self.timings.update(
             {
@@ -192,6 +193,7 @@ class Owner:
                 "drain": "complete" if outcome.drain_complete else "incomplete",
             },
             stragglers=outcome.stragglers,
+            terminal_mutation=terminal_mutation,
         )
         faults.point("owner.before_receipt")
         event = "receipt" if outcome.evidence.proven else "lose"
@@ -223,10 +225,26 @@ class Owner:
                 "drain": "complete",
             },
             stragglers=[],
+            terminal_mutation={"seq": None, "source": "none", "why": "the command never ran"},
         )
         self.store.write_receipt(self.record.session, self.generation, receipt)
         self.ready.send(state="settled", owner_pid=os.getpid(), error=error)
         return 0
+
+    def _terminal_mutation(self) -> dict[str, Any]:
+        """The journal's watermark read after death evidence: every write of the session's
+        processes completed before it, so each is at or below this sequence number."""
+        from settled.workspace import journal  # after evidence, off the launch path
+
+        socket = journal_socket(self.home, self.record.task)
+        watermark = journal.barrier(socket, timeout=2.0)
+        if watermark is None:
+            return {
+                "seq": None,
+                "source": "none",
+                "why": "the task's journal did not answer; the final scan covers this session",
+            }
+        return {"seq": watermark.seq, "source": "journal", "trustworthy": watermark.trustworthy}
 
     def _receipt(self, **facts: Any) -> dict[str, Any]:
         usage = resource.getrusage(resource.RUSAGE_SELF)
@@ -236,7 +254,6 @@ class Owner:
             key=self.record.key,
             command_digest=self.record.digest,
             generation=self.generation,
-            terminal_mutation=None,
             owner={
                 "pid": os.getpid(),
                 "maxrss_kib": usage.ru_maxrss,

@@ -37,6 +37,7 @@ def serve(sock_fd: int) -> int:
     import ctypes  # noqa: F401 - pidns and subreaper owners need it; import it once, here
 
     import settled.owner.main as owner_main  # imported once, before any fork
+    import settled.workspace.journal  # noqa: F401 - the owner's barrier client, likewise
 
     sock = socket.socket(fileno=sock_fd)
     os.chdir("/")

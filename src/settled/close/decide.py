@@ -1,0 +1,270 @@
+"""The close join as pure decisions over recorded facts: the one table of steps, complete(task),
+and explain(task). Nothing here does I/O (after h11's _state.py); join.py performs the step this
+module names and records its fact, so a crash anywhere leaves facts that this module reads again
+to resume at the first unrecorded step. A step is never re-run once recorded, and no step ever
+re-runs a command.
+
+    complete(task) =
+        admission_is_sealed
+        AND every_session_has(death_proof, final_output_cursor, terminal_mutation)
+        AND checkpoint_covers(final_scan_boundary)      -- >= every terminal mutation
+        AND checkpoint_manifest_reads_back_exactly
+        AND checkpoint_carries_runtime_fence
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from settled.states import LIVE_STATES, SETTLED, UNKNOWN
+from settled.store import SessionRecord, TaskRecord
+
+
+@dataclass(frozen=True)
+class Step:
+    name: str
+    authority: str
+    obligation: str
+
+
+# The join, in order (DESIGN.md, close). Each row is one recorded fact.
+STEPS: tuple[Step, ...] = (
+    Step("final_pending", "close", "store the final response as pending"),
+    Step("sealed", "store", "seal admission so no new command can start"),
+    Step(
+        "sessions_settled",
+        "session-owner",
+        "settle every session: wait for required commands up to the deadline, then cancel "
+        "them; stop services",
+    ),
+    Step("receipts", "session-owner", "a process receipt with death evidence for every session"),
+    Step("final_scan", "workspace-service", "a final scan covering every terminal mutation"),
+    Step(
+        "checkpoint",
+        "workspace-service",
+        "publish blobs, write the manifest last and read it back by its exact id",
+    ),
+    Step("fenced", "store", "fence the runtime generation"),
+    Step("outcome", "close", "publish the outcome"),
+)
+STEP_NAMES: tuple[str, ...] = tuple(s.name for s in STEPS)
+
+
+@dataclass(frozen=True)
+class CloseFacts:
+    """Everything the store recorded about one task's close, handed in by the driver."""
+
+    task: TaskRecord
+    sessions: list[SessionRecord]
+    steps: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Blocked:
+    authority: str
+    obligation: str
+    session: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"authority": self.authority, "obligation": self.obligation, "session": self.session}
+
+
+@dataclass(frozen=True)
+class Next:
+    step: Step
+
+
+@dataclass(frozen=True)
+class Done:
+    pass
+
+
+Decision = Next | Blocked | Done
+
+
+def _receipt_gap(session: SessionRecord) -> Blocked | None:
+    """Why a session does not (yet) have a receipt that proves it can no longer run."""
+    receipt = session.receipt
+    if session.state in LIVE_STATES:
+        return Blocked(
+            "session-owner",
+            f"a process receipt for session {session.session} (still {session.state})",
+            session.session,
+        )
+    if session.state == UNKNOWN or receipt is None or not receipt["death"].get("proven"):
+        boundary = (receipt or {}).get("death", {}).get("boundary") or session.boundary
+        return Blocked(
+            "recovery",
+            f"death evidence for session {session.session}: it is unknown (boundary "
+            f"{boundary} gave none); recover it or destroy the task's sandbox",
+            session.session,
+        )
+    return None
+
+
+def next_decision(facts: CloseFacts) -> Decision:
+    for step in STEPS:
+        if step.name in facts.steps:
+            continue
+        if step.name == "receipts":
+            for session in facts.sessions:
+                gap = _receipt_gap(session)
+                if gap is not None:
+                    return gap
+        return Next(step)
+    return Done()
+
+
+def terminal_mutations(sessions: list[SessionRecord]) -> list[int]:
+    seqs = []
+    for session in sessions:
+        mutation = (session.receipt or {}).get("terminal_mutation") or {}
+        if isinstance(mutation, dict) and mutation.get("seq") is not None:
+            seqs.append(int(mutation["seq"]))
+    return seqs
+
+
+def latest_evidence_at(sessions: list[SessionRecord]) -> float:
+    """Wall-clock time of the last death evidence: a scan that starts later covers every write."""
+    times = [float((s.receipt or {}).get("timings", {}).get("settled_at", 0.0)) for s in sessions]
+    return max(times, default=0.0)
+
+
+def coverage_gaps(facts: CloseFacts) -> list[str]:
+    """Every clause of complete(task) that does not hold, in words (empty: complete)."""
+    gaps: list[str] = []
+    if "sealed" not in facts.steps or facts.task.state == "open":
+        gaps.append("admission is not sealed")
+    for session in facts.sessions:
+        gap = _receipt_gap(session)
+        if gap is not None:
+            gaps.append(gap.obligation)
+            continue
+        receipt = session.receipt or {}
+        if "cursor" not in receipt.get("output", {}).get("stdout", {}):
+            gaps.append(f"session {session.session} names no final output cursor")
+        if "terminal_mutation" not in receipt:
+            gaps.append(f"session {session.session} records no terminal mutation")
+    checkpoint = facts.steps.get("checkpoint", {}).get("receipt")
+    scan = facts.steps.get("final_scan")
+    if checkpoint is None or scan is None:
+        gaps.append("no checkpoint of the final scan")
+    else:
+        watermark = checkpoint.get("watermark")
+        for seq in terminal_mutations(facts.sessions):
+            if watermark is None or watermark < seq:
+                gaps.append(f"checkpoint watermark {watermark} does not cover mutation {seq}")
+        if float(scan.get("started_at", 0.0)) < latest_evidence_at(facts.sessions):
+            gaps.append("the final scan started before the last session's death evidence")
+        if not checkpoint.get("read_back", {}).get("verified"):
+            gaps.append(f"manifest {checkpoint.get('manifest')} did not read back exactly")
+        fence = facts.steps.get("fenced")
+        if fence is None or fence.get("fenced_generation") != checkpoint.get("generation"):
+            gaps.append("the checkpoint does not carry the runtime fence")
+    return gaps
+
+
+def complete(facts: CloseFacts) -> bool:
+    return not coverage_gaps(facts) and "outcome" in facts.steps
+
+
+def command_outcomes(sessions: list[SessionRecord]) -> dict[str, list[str]]:
+    """Plainly which commands did what: complete is not the same as every command succeeding."""
+    groups: dict[str, list[str]] = {
+        "succeeded": [],
+        "failed": [],
+        "timed_out": [],
+        "cancelled": [],
+        "not_started": [],
+        "services_stopped": [],
+        "unknown": [],
+    }
+    for session in sessions:
+        exit_fact = (session.receipt or {}).get("exit", {})
+        reason = exit_fact.get("reason")
+        label = f"{session.session} ({session.key})"
+        if session.state != SETTLED:
+            groups["unknown"].append(label)
+        elif session.spec.get("service") and reason in ("cancelled", "exited", "timeout"):
+            groups["services_stopped"].append(label)  # a service ends when the task closes
+        elif reason == "timeout":
+            groups["timed_out"].append(label)
+        elif reason == "cancelled":
+            groups["cancelled"].append(label)
+        elif reason == "not_started":
+            groups["not_started"].append(label)
+        elif exit_fact.get("code") == 0:
+            groups["succeeded"].append(label)
+        else:
+            groups["failed"].append(label)
+    return groups
+
+
+def explain(facts: CloseFacts) -> dict[str, Any]:
+    """Which receipts allowed success, or which obligation blocks it, in words and as data."""
+    decision = next_decision(facts)
+    outcomes = command_outcomes(facts.sessions)
+    if complete(facts):
+        checkpoint = facts.steps["checkpoint"]["receipt"]
+        allowed_by = {
+            "process_receipts": [
+                {"session": s.session, "digest": (s.receipt or {}).get("digest")}
+                for s in facts.sessions
+            ],
+            "checkpoint_receipt": checkpoint.get("digest"),
+            "manifest": checkpoint.get("manifest"),
+            "fence": facts.steps["fenced"],
+        }
+        words = (
+            f"task {facts.task.task} is complete: admission was sealed, "
+            f"{len(facts.sessions)} session(s) each have a process receipt with death evidence, "
+            f"checkpoint {checkpoint.get('manifest')} covers mutation "
+            f"{checkpoint.get('watermark')} and read back exactly, and the generation is fenced."
+        )
+        return {
+            "task": facts.task.task,
+            "complete": True,
+            "allowed_by": allowed_by,
+            "commands": outcomes,
+            "words": words + _command_words(outcomes),
+        }
+    if isinstance(decision, Blocked):
+        blocked = decision.to_json()
+        words = (
+            f"task {facts.task.task} is blocked: {decision.authority} owes {decision.obligation}."
+        )
+    elif isinstance(decision, Next):
+        blocked = {
+            "authority": decision.step.authority,
+            "obligation": decision.step.obligation,
+            "session": None,
+        }
+        words = (
+            f"task {facts.task.task} is not complete: the next step is {decision.step.name} "
+            f"({decision.step.obligation}), owed by {decision.step.authority}."
+        )
+    else:
+        blocked = {
+            "authority": "close",
+            "obligation": "; ".join(coverage_gaps(facts)),
+            "session": None,
+        }
+        words = f"task {facts.task.task} is not complete: {blocked['obligation']}."
+    return {
+        "task": facts.task.task,
+        "complete": False,
+        "blocked_on": blocked,
+        "gaps": coverage_gaps(facts),
+        "commands": outcomes,
+        "words": words + _command_words(outcomes),
+    }
+
+
+def _command_words(outcomes: dict[str, list[str]]) -> str:
+    parts = [f"{len(v)} {k.replace('_', ' ')}" for k, v in outcomes.items() if v]
+    failed = outcomes["failed"] + outcomes["timed_out"] + outcomes["not_started"]
+    text = f" Commands: {', '.join(parts) or 'none'}."
+    if failed:
+        text += f" Did not succeed: {', '.join(failed)}."
+    return text

@@ -1,0 +1,188 @@
+"""The close join's driver: performs the one step decide.py names, records its fact, repeats.
+
+Owns the I/O of the close: sealing admission, settling sessions through their owners (never by
+touching processes itself), asking the workspace service for the final scan and checkpoint,
+fencing the generation and publishing the close receipt. Each step is recorded in the store
+before the next begins, so a crash at any fault point leaves a state a retried close finishes,
+and a repeated close returns the same close receipt without running anything again.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from settled import faults
+from settled.close.decide import (
+    Blocked,
+    CloseFacts,
+    Done,
+    Next,
+    command_outcomes,
+    next_decision,
+)
+from settled.errors import StaleWrite
+from settled.receipts import seal
+from settled.states import LIVE_STATES, TASK_COMPLETE, TASK_OPEN, TASK_SEALED
+
+if TYPE_CHECKING:
+    from settled.runtime import Runtime
+
+CLOSE_RECEIPT_VERSION = "settled.receipt.close/v1"
+DEFAULT_DEADLINE_S = 600.0
+CANCEL_SETTLE_S = 30.0
+
+
+@dataclass(frozen=True)
+class CloseResult:
+    complete: bool
+    receipt: dict[str, Any] | None
+    blocked_on: dict[str, Any] | None
+
+    def to_json(self) -> dict[str, Any]:
+        if self.receipt is not None:
+            return self.receipt
+        return {"complete": False, "blocked_on": self.blocked_on}
+
+
+class CloseJoin:
+    def __init__(
+        self, runtime: Runtime, task: str, final: str | None = None, deadline: float | None = None
+    ) -> None:
+        self.rt, self.task, self.final = runtime, task, final
+        self.deadline = DEFAULT_DEADLINE_S if deadline is None else deadline
+        self.store = runtime.store
+
+    def facts(self) -> CloseFacts:
+        return CloseFacts(
+            task=self.store.get_task(self.task),
+            sessions=self.store.list_sessions(self.task),
+            steps=self.store.close_steps(self.task),
+        )
+
+    def run(self) -> CloseResult:
+        while True:
+            facts = self.facts()
+            decision = next_decision(facts)
+            if isinstance(decision, Done):
+                return CloseResult(True, facts.steps["outcome"]["receipt"], None)
+            if isinstance(decision, Blocked):
+                return CloseResult(False, None, decision.to_json())
+            assert isinstance(decision, Next)
+            fact = getattr(self, f"_step_{decision.step.name}")(facts)
+            self.store.record_close_step(self.task, decision.step.name, fact)
+            faults.point(f"close.after_{decision.step.name}")
+
+    # -- the steps, in the order of decide.STEPS ------------------------------------------
+
+    def _step_final_pending(self, facts: CloseFacts) -> dict[str, Any]:
+        return {"final": self.final, "received_at": time.time()}
+
+    def _step_sealed(self, facts: CloseFacts) -> dict[str, Any]:
+        if facts.task.state == TASK_OPEN:
+            self.store.task_event(self.task, "seal")
+        sessions = self.store.list_sessions(self.task)  # the admitted set, now frozen
+        return {"sealed_at": time.time(), "sessions": [s.session for s in sessions]}
+
+    def _step_sessions_settled(self, facts: CloseFacts) -> dict[str, Any]:
+        live = [s for s in facts.sessions if s.state in LIVE_STATES]
+        services = [s for s in live if s.spec.get("service")]
+        for service in services:
+            self.rt.cancel(service.session, "service stopped at close")
+        required = [s for s in live if not s.spec.get("service")]
+        give_up = time.monotonic() + self.deadline
+        cancelled: list[str] = []
+        for session in required:
+            remaining = give_up - time.monotonic()
+            if self._settles_within(session.session, remaining):
+                continue
+            self.rt.cancel(session.session, f"close deadline of {self.deadline} s passed")
+            cancelled.append(session.session)
+        unsettled = [
+            s.session
+            for s in live
+            if not self._settles_within(s.session, CANCEL_SETTLE_S + float(s.spec["grace"]))
+        ]
+        return {
+            "settled_at": time.time(),
+            "stopped_services": [s.session for s in services],
+            "cancelled_at_deadline": cancelled,
+            "unsettled": unsettled,
+        }
+
+    def _settles_within(self, session: str, seconds: float) -> bool:
+        try:
+            self.rt.wait(session, timeout=max(0.0, seconds))
+        except Exception:
+            return False
+        return self.store.get_session(session).state not in LIVE_STATES
+
+    def _step_receipts(self, facts: CloseFacts) -> dict[str, Any]:
+        if facts.task.state == TASK_SEALED:
+            self.store.task_event(self.task, "close_begin")
+        return {
+            "sessions": [
+                {"session": s.session, "receipt": (s.receipt or {}).get("digest")}
+                for s in facts.sessions
+            ]
+        }
+
+    def _step_final_scan(self, facts: CloseFacts) -> dict[str, Any]:
+        return self.rt.workspace.final_scan(facts.task)
+
+    def _step_checkpoint(self, facts: CloseFacts) -> dict[str, Any]:
+        scan = facts.steps["final_scan"]
+        receipt = self.rt.workspace.checkpoint(facts.task, scan, facts.sessions)
+        return {"receipt": receipt}
+
+    def _step_fenced(self, facts: CloseFacts) -> dict[str, Any]:
+        generation = int(facts.steps["checkpoint"]["receipt"]["generation"])
+        try:
+            new = self.store.fence(self.task, generation)
+        except StaleWrite:
+            new = self.store.get_task(self.task).generation
+            if new != generation + 1:
+                raise
+        return {"fenced_generation": generation, "generation": new, "fenced_at": time.time()}
+
+    def _step_outcome(self, facts: CloseFacts) -> dict[str, Any]:
+        checkpoint = facts.steps["checkpoint"]["receipt"]
+        outcomes = command_outcomes(facts.sessions)
+        receipt = seal(
+            {
+                "kind": "close",
+                "v": CLOSE_RECEIPT_VERSION,
+                "authority": "close",
+                "task": self.task,
+                "generation": facts.steps["fenced"]["fenced_generation"],
+                "final": facts.steps["final_pending"]["final"],
+                "sealed_at": facts.steps["sealed"]["sealed_at"],
+                "sessions": [
+                    {
+                        "session": s.session,
+                        "key": s.key,
+                        "receipt": (s.receipt or {}).get("digest"),
+                        "exit": (s.receipt or {}).get("exit"),
+                        "terminal_mutation": (s.receipt or {}).get("terminal_mutation"),
+                    }
+                    for s in facts.sessions
+                ],
+                "final_scan": {
+                    k: v for k, v in facts.steps["final_scan"].items() if k != "index_ref"
+                },
+                "checkpoint": checkpoint,
+                "fence": facts.steps["fenced"],
+                "outcome": {
+                    "complete": True,
+                    "all_commands_succeeded": not any(
+                        v for k, v in outcomes.items() if k not in ("succeeded", "services_stopped")
+                    ),
+                    "commands": outcomes,
+                },
+            }
+        )
+        if facts.task.state != TASK_COMPLETE:
+            self.store.task_event(self.task, "complete")
+        self.rt.workspace.release(facts.task)
+        return {"receipt": receipt}

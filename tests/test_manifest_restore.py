@@ -1,0 +1,245 @@
+"""Manifests name a tree exactly; restore rebuilds it exactly, or leaves nothing behind."""
+
+from __future__ import annotations
+
+import os
+import socket
+import stat
+from pathlib import Path
+
+import pytest
+
+from settled.canonical import canonical_bytes
+from settled.workspace.hashing import DEFAULT_ALGORITHM, digest_bytes
+from settled.workspace.manifest import (
+    Manifest,
+    ManifestCorrupt,
+    ManifestInvalid,
+    MissingBlob,
+    build_manifest,
+    read_manifest,
+    verify_manifest,
+    write_manifest,
+)
+from settled.workspace.objects import LocalObjectStore
+from settled.workspace.restore import BlobCorrupt, DestinationNotEmpty, restore
+from settled.workspace.scan import scan
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> LocalObjectStore:
+    return LocalObjectStore(tmp_path / "objects")
+
+
+def make_workspace(root: Path) -> Path:
+    """Every restorable kind of entry, with modes that matter."""
+    (root / "src" / "pkg").mkdir(parents=True)
+    (root / "src" / "pkg" / "mod.py").write_bytes(b"print('hi')\n")
+    (root / "bin").mkdir()
+    (root / "bin" / "run").write_bytes(b"#!/bin/sh\necho run\n")
+    os.chmod(root / "bin" / "run", 0o755)
+    (root / "private").write_bytes(b"\x00binary\xff" * 1000)
+    os.chmod(root / "private", 0o600)
+    (root / "setuid").write_bytes(b"s")
+    os.chmod(root / "setuid", 0o4755)
+    (root / "empty").mkdir()
+    (root / "shared").mkdir(mode=0o700)
+    os.chmod(root / "shared", 0o1777)
+    (root / "readonly").mkdir()
+    (root / "readonly" / "f").write_bytes(b"r")
+    os.chmod(root / "readonly", 0o555)
+    (root / "big").write_bytes(os.urandom(3 * (1 << 20) + 5))
+    (root / "rel-link").symlink_to("src/pkg/mod.py")
+    (root / "abs-link").symlink_to("/etc/passwd")
+    (root / "dangling").symlink_to("does/not/exist")
+    os.mkfifo(root / "pipe", 0o620)
+    return root
+
+
+def checkpoint(
+    store: LocalObjectStore, workspace: Path, *, watermark: int | None = None, generation: int = 0
+) -> str:
+    result = scan(workspace, store=store)
+    manifest = build_manifest(result.index, watermark=watermark, generation=generation)
+    return write_manifest(store, manifest)
+
+
+def tree_of(root: Path) -> Manifest:
+    return build_manifest(scan(root).index)
+
+
+def test_the_manifest_id_is_the_hash_of_its_canonical_bytes_and_deterministic(
+    store: LocalObjectStore, tmp_path: Path
+) -> None:
+    first, second = tmp_path / "one", tmp_path / "two"
+    for root in (first, second):
+        (root / "d").mkdir(parents=True)
+        (root / "d" / "f").write_bytes(b"same")
+    manifest_id = checkpoint(store, first, watermark=7, generation=2)
+    assert checkpoint(store, second, watermark=7, generation=2) == manifest_id  # other inodes
+    manifest = read_manifest(store, manifest_id)
+    assert manifest_id == digest_bytes(DEFAULT_ALGORITHM, canonical_bytes(manifest.to_dict()))
+    assert store.read(manifest_id) == manifest.to_bytes()
+    assert checkpoint(store, first, watermark=8, generation=2) != manifest_id
+
+
+def test_the_manifest_has_no_stat_cache(store: LocalObjectStore, tmp_path: Path) -> None:
+    (tmp_path / "ws").mkdir()
+    (tmp_path / "ws" / "f").write_bytes(b"x")
+    raw = store.read(checkpoint(store, tmp_path / "ws"))
+    assert b"ino" not in raw and b"mtime" not in raw and b"ctime" not in raw
+    assert set(read_manifest(store, checkpoint(store, tmp_path / "ws")).to_dict()) == {
+        "v", "algorithm", "entries", "parent", "watermark", "generation",
+    }  # fmt: skip
+
+
+def test_reading_back_refuses_a_corrupted_manifest_object(
+    store: LocalObjectStore, tmp_path: Path
+) -> None:
+    manifest_id = checkpoint(store, make_workspace(tmp_path / "ws"))
+    path = store.path_of(manifest_id)
+    os.chmod(path, 0o644)
+    Path(path).write_bytes(Path(path).read_bytes().replace(b'"mode":420', b'"mode":511', 1))
+    with pytest.raises(ManifestCorrupt, match=manifest_id):
+        read_manifest(store, manifest_id)
+    assert not verify_manifest(store, manifest_id).ok
+
+
+def test_a_manifest_naming_a_missing_blob_is_never_written(
+    store: LocalObjectStore, tmp_path: Path
+) -> None:
+    (tmp_path / "ws").mkdir()
+    (tmp_path / "ws" / "unpublished").write_bytes(b"only on disk")
+    manifest = build_manifest(scan(tmp_path / "ws").index)  # scanned without a store
+    missing = digest_bytes(DEFAULT_ALGORITHM, b"only on disk")
+    with pytest.raises(MissingBlob, match=f"{missing} of 'unpublished'"):
+        write_manifest(store, manifest)
+    assert not store.has(manifest.id)
+
+
+def test_verify_names_a_tampered_blob_and_its_paths(
+    store: LocalObjectStore, tmp_path: Path
+) -> None:
+    manifest_id = checkpoint(store, make_workspace(tmp_path / "ws"))
+    assert verify_manifest(store, manifest_id).ok
+    digest = digest_bytes(DEFAULT_ALGORITHM, b"r")
+    os.chmod(store.path_of(digest), 0o644)
+    Path(store.path_of(digest)).write_bytes(b"R")
+    result = verify_manifest(store, manifest_id)
+    assert not result.ok and result.manifest_error is None
+    assert [(p.digest, p.problem, p.paths) for p in result.problems] == [
+        (digest, "mismatch", ("readonly/f",))
+    ]
+    only_other = verify_manifest(store, manifest_id, {digest_bytes(DEFAULT_ALGORITHM, b"s")})
+    assert only_other.ok and only_other.checked == 1
+
+
+def test_restore_reproduces_the_tree_bit_for_bit(store: LocalObjectStore, tmp_path: Path) -> None:
+    workspace = make_workspace(tmp_path / "ws")
+    manifest_id = checkpoint(store, workspace, watermark=3, generation=1)
+    result = restore(store, manifest_id, tmp_path / "restored")
+    restored = tmp_path / "restored"
+    assert tree_of(restored) == tree_of(workspace)
+    assert (restored / "big").read_bytes() == (workspace / "big").read_bytes()
+    assert stat.S_IMODE(os.stat(restored / "setuid").st_mode) == 0o4755
+    assert stat.S_IMODE(os.stat(restored / "shared").st_mode) == 0o1777
+    assert os.access(restored / "bin" / "run", os.X_OK)
+    assert os.readlink(restored / "abs-link") == "/etc/passwd"
+    assert stat.S_ISFIFO(os.lstat(restored / "pipe").st_mode)
+    assert (result.files, result.dirs, result.symlinks, result.fifos) == (6, 6, 3, 1)
+    assert result.complete and result.not_restorable == ()
+
+
+def test_restore_into_an_existing_empty_directory_is_allowed(
+    store: LocalObjectStore, tmp_path: Path
+) -> None:
+    workspace = make_workspace(tmp_path / "ws")
+    (tmp_path / "dest").mkdir()
+    restore(store, checkpoint(store, workspace), tmp_path / "dest")
+    assert tree_of(tmp_path / "dest") == tree_of(workspace)
+
+
+def test_restore_refuses_a_destination_that_is_not_empty(
+    store: LocalObjectStore, tmp_path: Path
+) -> None:
+    manifest_id = checkpoint(store, make_workspace(tmp_path / "ws"))
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    (dest / "keep").write_bytes(b"mine")
+    with pytest.raises(DestinationNotEmpty, match=str(dest)):
+        restore(store, manifest_id, dest)
+    assert os.listdir(dest) == ["keep"] and (dest / "keep").read_bytes() == b"mine"
+
+
+def test_restore_refuses_a_tampered_blob_and_leaves_nothing(
+    store: LocalObjectStore, tmp_path: Path
+) -> None:
+    manifest_id = checkpoint(store, make_workspace(tmp_path / "ws"))
+    digest = digest_bytes(DEFAULT_ALGORITHM, b"print('hi')\n")
+    os.chmod(store.path_of(digest), 0o644)
+    Path(store.path_of(digest)).write_bytes(b"print('pwned')\n")
+    (tmp_path / "out").mkdir()
+    with pytest.raises(BlobCorrupt, match=f"{digest} for 'src/pkg/mod.py'"):
+        restore(store, manifest_id, tmp_path / "out" / "dest")
+    assert os.listdir(tmp_path / "out") == []  # no dest, no temp directory
+
+
+def _put_manifest(store: LocalObjectStore, entries: list[dict[str, object]]) -> str:
+    raw = {"v": "settled.manifest/v1", "algorithm": DEFAULT_ALGORITHM, "entries": entries,
+           "parent": None, "watermark": None, "generation": 0}  # fmt: skip
+    return store.put_bytes(canonical_bytes(raw))
+
+
+def test_restore_refuses_paths_that_escape_or_cross_a_symlink(
+    store: LocalObjectStore, tmp_path: Path
+) -> None:
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    blob = store.put_bytes(b"evil")
+    root = {"path": ".", "type": "dir", "mode": 0o755, "size": 0}
+    file = {"type": "file", "mode": 0o644, "size": 4, "digest": blob}
+    link = {"path": "link", "type": "symlink", "mode": 0o777, "size": len(str(outside)),
+            "target": str(outside)}  # fmt: skip
+    escapes = [
+        [{**file, "path": "../evil"}, root],
+        [{**file, "path": "/tmp/evil"}, root],
+        [root, link, {**file, "path": "link/evil"}],
+    ]
+    for number, entries in enumerate(escapes):
+        with pytest.raises(ManifestInvalid):
+            restore(store, _put_manifest(store, entries), tmp_path / f"dest{number}")
+        assert not (tmp_path / f"dest{number}").exists()
+    assert os.listdir(outside) == []
+
+
+def test_sockets_are_reported_as_not_restorable(
+    store: LocalObjectStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    workspace = tmp_path / "ws"
+    workspace.mkdir()
+    monkeypatch.chdir(workspace)  # a short relative path: AF_UNIX paths are limited to 108 bytes
+    with socket.socket(socket.AF_UNIX) as listener:
+        listener.bind("sock")
+        result = restore(store, checkpoint(store, workspace), tmp_path / "dest")
+    assert result.not_restorable == (("sock", "socket"),) and not result.complete
+    assert os.listdir(tmp_path / "dest") == []
+
+
+def test_restore_itself_never_traverses_a_symlink_it_created(
+    store: LocalObjectStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from settled.workspace import restore as restore_module
+    from settled.workspace.manifest import Entry, UnsafePath
+
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    blob = store.put_bytes(b"evil")
+    unchecked = Manifest(DEFAULT_ALGORITHM, (
+        Entry(".", "dir", 0o755, 0),
+        Entry("link", "symlink", 0o777, len(str(outside)), target=str(outside)),
+        Entry("link/evil", "file", 0o644, 4, digest=blob),
+    ))  # fmt: skip
+    monkeypatch.setattr(restore_module, "read_manifest", lambda store, manifest_id: unchecked)
+    with pytest.raises(UnsafePath, match="'link/evil'"):
+        restore(store, blob, tmp_path / "dest")
+    assert os.listdir(outside) == [] and not (tmp_path / "dest").exists()

@@ -1,0 +1,256 @@
+"""The scanner: a stat cache that is never fooled, a walk that never leaves the workspace."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from settled.workspace import scan as scan_module
+from settled.workspace.hashing import DEFAULT_ALGORITHM, digest_bytes
+from settled.workspace.manifest import Entry, Index
+from settled.workspace.objects import DurabilityError, LocalObjectStore
+from settled.workspace.scan import ScanResult, TornRead, scan
+
+SETTLE_S = 2 * scan_module.CLOCK_SLACK_NS / 1e9
+
+
+def settle() -> None:
+    """Let the clock pass the racy window, so a later scan may trust what this one saw."""
+    time.sleep(SETTLE_S)
+
+
+def make_tree(root: Path, files: int = 10) -> None:
+    for i in range(files):
+        sub = root / f"d{i % 3}"
+        sub.mkdir(parents=True, exist_ok=True)
+        (sub / f"f{i}.txt").write_bytes(b"content %d\n" % i)
+
+
+def entry(result: ScanResult, path: str) -> Entry:
+    return result.index.by_path[path]
+
+
+def test_unchanged_files_are_not_read_again(tmp_path: Path) -> None:
+    make_tree(tmp_path, files=20)
+    settle()
+    first = scan(tmp_path)
+    second = scan(tmp_path, first.index)
+    assert first.stats.files_hashed == 20
+    assert (second.stats.files_hashed, second.stats.bytes_read) == (0, 0)
+    assert second.stats.entries_reused == 20
+    assert second.index.entries == first.index.entries
+
+
+def test_the_stat_cache_is_trusted_when_the_stat_matches_and_is_old(tmp_path: Path) -> None:
+    (tmp_path / "f").write_bytes(b"real")
+    settle()
+    first = scan(tmp_path)
+    bogus = entry(first, "f")._replace(digest=digest_bytes(DEFAULT_ALGORITHM, b"x"))
+    cached = dataclasses.replace(first.index, entries=(entry(first, "."), bogus))
+    assert entry(scan(tmp_path, cached), "f").digest == bogus.digest  # not re-read
+
+
+def test_a_stat_match_at_or_after_the_previous_scan_start_is_rehashed(tmp_path: Path) -> None:
+    (tmp_path / "f").write_bytes(b"real")
+    first = scan(tmp_path)
+    real = entry(first, "f")
+    bogus = real._replace(digest=digest_bytes(DEFAULT_ALGORITHM, b"x"))
+    racy = Index(DEFAULT_ALGORITHM, real.mtime_ns, real.mtime_ns, (entry(first, "."), bogus))
+    again = scan(tmp_path, racy)
+    assert entry(again, "f").digest == real.digest
+    assert again.stats.files_hashed == 1 and again.stats.entries_reused == 0
+
+
+def test_a_same_size_rewrite_with_the_same_mtime_is_detected(tmp_path: Path) -> None:
+    path = tmp_path / "f"
+    path.write_bytes(b"aaaa")
+    settle()
+    first = scan(tmp_path)
+    old = os.stat(path)
+    path.write_bytes(b"bbbb")
+    os.utime(path, ns=(old.st_atime_ns, old.st_mtime_ns))
+    assert os.stat(path).st_mtime_ns == old.st_mtime_ns
+    second = scan(tmp_path, first.index)
+    assert entry(second, "f").digest == digest_bytes(DEFAULT_ALGORITHM, b"bbbb")
+
+
+def test_an_mtime_set_backwards_like_touch_r_is_detected(tmp_path: Path) -> None:
+    reference, path = tmp_path / "reference", tmp_path / "f"
+    reference.write_bytes(b"older")
+    os.utime(reference, ns=(10**18, 10**18))
+    path.write_bytes(b"v1")
+    settle()
+    first = scan(tmp_path)
+    path.write_bytes(b"v2")
+    ref = os.stat(reference)
+    os.utime(path, ns=(ref.st_atime_ns, ref.st_mtime_ns))  # what `touch -r reference f` does
+    second = scan(tmp_path, first.index)
+    assert entry(second, "f").mtime_ns < entry(first, "f").mtime_ns
+    assert entry(second, "f").digest == digest_bytes(DEFAULT_ALGORITHM, b"v2")
+
+
+def test_a_symlink_out_of_the_workspace_is_recorded_and_never_followed(tmp_path: Path) -> None:
+    outside, workspace = tmp_path / "outside", tmp_path / "ws"
+    outside.mkdir()
+    workspace.mkdir()
+    (outside / "secret").write_bytes(b"not yours")
+    os.mkfifo(outside / "fifo")  # reading through this link would block the scan
+    (workspace / "to_dir").symlink_to(outside)
+    (workspace / "to_fifo").symlink_to(outside / "fifo")
+    result = scan(workspace)
+    assert {e.path: (e.type, e.target, e.digest) for e in result.index.entries} == {
+        ".": ("dir", None, None),
+        "to_dir": ("symlink", str(outside), None),
+        "to_fifo": ("symlink", str(outside / "fifo"), None),
+    }
+    assert result.stats.bytes_read == 0
+
+
+def test_a_fifo_is_recorded_and_never_opened(tmp_path: Path) -> None:
+    os.mkfifo(tmp_path / "pipe", 0o640)
+    results: list[ScanResult] = []
+    worker = threading.Thread(target=lambda: results.append(scan(tmp_path)), daemon=True)
+    worker.start()
+    worker.join(timeout=10)
+    assert not worker.is_alive(), "the scan blocked: it opened the FIFO"
+    pipe = entry(results[0], "pipe")
+    assert (pipe.type, pipe.mode, pipe.size, pipe.digest) == ("fifo", 0o640, 0, None)
+
+
+def test_a_directory_replaced_by_a_symlink_mid_walk_is_never_entered(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    outside, workspace = tmp_path / "outside", tmp_path / "ws"
+    (outside / "deep").mkdir(parents=True)
+    (outside / "deep" / "secret").write_bytes(b"not yours")
+    (workspace / "sub").mkdir(parents=True)
+    real_list_dir = scan_module._Scanner.list_dir
+
+    def list_then_swap(self: scan_module._Scanner, fd: int, rel: str) -> tuple[set[str], list[str]]:
+        listed = real_list_dir(self, fd, rel)
+        if rel == ".":  # "sub" was just recorded as a directory; now an attacker swaps it
+            (workspace / "sub").rmdir()
+            (workspace / "sub").symlink_to(outside)
+        return listed
+
+    monkeypatch.setattr(scan_module._Scanner, "list_dir", list_then_swap)
+    result = scan(workspace)
+    assert [(e.path, e.type) for e in result.index.entries] == [(".", "dir"), ("sub", "symlink")]
+    assert result.stats.bytes_read == 0
+
+
+def _append_during_first_reads(monkeypatch: pytest.MonkeyPatch, path: Path, times: int) -> None:
+    """Append to ``path`` just before the scanner's next ``times`` reads of it."""
+    real_readv = os.readv
+    target = os.stat(path).st_ino
+    left = [times]
+
+    def readv(fd: int, buffers: list[bytearray]) -> int:
+        if left[0] and os.fstat(fd).st_ino == target and os.lseek(fd, 0, os.SEEK_CUR) == 0:
+            left[0] -= 1
+            with open(path, "ab") as handle:
+                handle.write(b"+more")
+        return real_readv(fd, buffers)
+
+    monkeypatch.setattr(os, "readv", readv)
+
+
+def test_a_file_appended_to_during_the_read_is_reread_never_torn(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "log"
+    path.write_bytes(b"start")
+    store = LocalObjectStore(tmp_path.parent / f"{tmp_path.name}-objects")
+    _append_during_first_reads(monkeypatch, path, times=1)
+    result = scan(tmp_path, store=store)
+    final = digest_bytes(DEFAULT_ALGORITHM, b"start+more")
+    assert entry(result, "log").digest == final and entry(result, "log").size == 10
+    assert result.stats.torn_retries == 1 and result.stats.blobs_written == 1
+    assert store.has(final) and os.listdir(store.temp_dir) == []
+
+
+def test_a_file_that_keeps_changing_fails_the_scan_with_torn_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "busy"
+    path.write_bytes(b"start")
+    _append_during_first_reads(monkeypatch, path, times=100)
+    with pytest.raises(TornRead, match="'busy'"):
+        scan(tmp_path)
+
+
+def test_publishing_writes_each_new_blob_once_during_the_read(tmp_path: Path) -> None:
+    workspace, store = tmp_path / "ws", LocalObjectStore(tmp_path / "objects")
+    make_tree(workspace, files=6)
+    (workspace / "copy.txt").write_bytes(b"content 0\n")  # same content as d0/f0.txt
+    result = scan(workspace, store=store)
+    digests = {e.digest for e in result.index.entries if e.type == "file"}
+    assert result.stats.files_hashed == 7 and result.stats.blobs_written == 6
+    assert all(store.verify(d) for d in digests if d is not None)
+
+
+def test_incremental_mode_relists_only_dirty_dirs_and_matches_a_full_scan(tmp_path: Path) -> None:
+    make_tree(tmp_path, files=12)
+    (tmp_path / "d2" / "gone").mkdir()
+    (tmp_path / "d2" / "gone" / "x").write_bytes(b"x")
+    (tmp_path / "quiet").mkdir()
+    (tmp_path / "quiet" / "deep").mkdir()
+    settle()
+    before = scan(tmp_path)
+    (tmp_path / "d0" / "f0.txt").write_bytes(b"changed")
+    (tmp_path / "d1" / "new.txt").write_bytes(b"new")
+    (tmp_path / "d2" / "gone" / "x").unlink()
+    (tmp_path / "d2" / "gone").rmdir()
+    (tmp_path / "d2" / "fresh" / "inner").mkdir(parents=True)
+    (tmp_path / "d2" / "fresh" / "inner" / "y").write_bytes(b"y")
+    dirty = {"d0", "d1", "d2"}
+    incremental = scan(tmp_path, before.index, only=dirty)
+    full = scan(tmp_path, before.index)
+    assert incremental.index.entries == full.index.entries
+    assert incremental.stats.dirs_listed == len(dirty) + 2  # and the new fresh, fresh/inner
+    assert full.stats.dirs_listed == 8
+    assert incremental.stats.entries_carried == 2  # quiet and quiet/deep: never listed
+
+
+def test_an_incremental_scan_escalates_a_dirty_dir_that_is_gone(tmp_path: Path) -> None:
+    (tmp_path / "a" / "b").mkdir(parents=True)
+    (tmp_path / "a" / "b" / "f").write_bytes(b"f")
+    before = scan(tmp_path)
+    (tmp_path / "a" / "b" / "f").unlink()
+    (tmp_path / "a" / "b").rmdir()
+    (tmp_path / "a" / "b").symlink_to("/")  # a dirty set naming only the replaced directory
+    incremental = scan(tmp_path, before.index, only={"a/b"})
+    assert incremental.index.entries == scan(tmp_path).index.entries
+    assert entry(incremental, "a/b").type == "symlink"
+
+
+def test_the_index_round_trips_through_bytes(tmp_path: Path) -> None:
+    make_tree(tmp_path, files=4)
+    (tmp_path / "link").symlink_to("d0")
+    os.mkfifo(tmp_path / "fifo")
+    index = scan(tmp_path).index
+    assert Index.from_bytes(index.to_bytes()) == index
+
+
+def test_a_failed_fsync_while_publishing_fails_the_scan(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    workspace, store = tmp_path / "ws", LocalObjectStore(tmp_path / "objects")
+    make_tree(workspace, files=5)
+
+    def failing_fsync(fd: int) -> None:
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(os, "fsync", failing_fsync)
+    with pytest.raises(DurabilityError, match="Input/output error"):
+        scan(workspace, store=store)
+    monkeypatch.undo()
+    assert not any(
+        store.has(digest_bytes(DEFAULT_ALGORITHM, b"content %d\n" % i)) for i in range(5)
+    )
+    assert os.listdir(store.temp_dir) == []
