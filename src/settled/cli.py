@@ -146,6 +146,19 @@ def cmd_close(rt: Runtime, args: argparse.Namespace) -> int:
     return EXIT_BLOCKED
 
 
+def cmd_checkpoint(rt: Runtime, args: argparse.Namespace) -> int:
+    receipt = rt.checkpoint(args.task, incremental=not args.full)
+    stats = receipt["scan"]["stats"]
+    _emit(
+        args,
+        receipt,
+        f"checkpoint {receipt['manifest']} ({receipt['entries']} entries, "
+        f"{receipt['scan']['mode']} scan: {stats['files_hashed']} hashed, "
+        f"{stats['blobs_written']} blobs written), watermark {receipt['watermark']}",
+    )
+    return EXIT_OK
+
+
 def cmd_explain(rt: Runtime, args: argparse.Namespace) -> int:
     view = rt.explain(args.task)
     _emit(args, view, view["words"])
@@ -245,6 +258,11 @@ def build_parser() -> argparse.ArgumentParser:
     close.add_argument("--deadline", type=float, help="seconds to wait for required sessions")
     close.add_argument("--list-fault-points", action="store_true")
     close.set_defaults(handler=cmd_close)
+
+    checkpoint = sub.add_parser("checkpoint", parents=[common], help="checkpoint an open task")
+    checkpoint.add_argument("task")
+    checkpoint.add_argument("--full", action="store_true", help="ignore the journal; scan all")
+    checkpoint.set_defaults(handler=cmd_checkpoint)
 
     explain = sub.add_parser("explain", parents=[common], help="which receipts allow success")
     explain.add_argument("task")

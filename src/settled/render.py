@@ -88,7 +88,7 @@ def close_text(receipt: dict[str, Any]) -> str:
     ]
     for group, sessions in commands.items():
         if sessions:
-            lines.append(f"  {group:<10}{', '.join(sessions)}")
+            lines.append(f"  {group.replace('_', ' ')}: {', '.join(sessions)}")
     if not receipt["outcome"]["all_commands_succeeded"]:
         lines.append("  note      complete is not success: some commands did not succeed")
     lines.append(f"  digest    {receipt['digest']}")

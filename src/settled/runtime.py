@@ -273,6 +273,10 @@ class Runtime:
         """Run (or resume) the close join; a repeated close returns the same receipt."""
         return CloseJoin(self, task, final, deadline).run()
 
+    def checkpoint(self, task: str, *, incremental: bool = True) -> dict[str, Any]:
+        """Checkpoint an open task's workspace now (the close always does its own full scan)."""
+        return self.workspace.checkpoint_now(self.store.get_task(task), incremental=incremental)
+
     def explain(self, task: str) -> dict[str, Any]:
         join = CloseJoin(self, task)
         return explain(join.facts())

@@ -57,13 +57,21 @@ class WorkspaceService:
 
     # -- the final scan and the checkpoint ------------------------------------------------
 
-    def final_scan(self, task: TaskRecord) -> dict[str, Any]:
-        """Scan after every session's death evidence; blobs are durable when this returns."""
+    def final_scan(self, task: TaskRecord, *, incremental: bool = False) -> dict[str, Any]:
+        """Scan after every session's death evidence; blobs are durable when this returns.
+
+        Full by default (what a close must do: the watcher is a hint, the scan is the proof).
+        `incremental` re-lists only the directories the journal saw change since the last
+        checkpoint, and only when the journal vouches for that whole interval; otherwise full.
+        """
         watermark = journal.barrier(self.socket(task))
         started_at = time.time()
         latest = self.store.latest_checkpoint(task.task)
         previous = Index.from_bytes(self.objects.read(latest[1])) if latest and latest[1] else None
-        result = scan(task.workspace, previous, self.objects)
+        only = None
+        if incremental and previous is not None and watermark is not None:
+            only = watermark.dirty_dirs if watermark.trustworthy else None
+        result = scan(task.workspace, previous, self.objects, only=only)
         faults.point("checkpoint.after_blobs")
         index_ref = self.objects.put_bytes(result.index.to_bytes())
         return {
@@ -73,8 +81,17 @@ class WorkspaceService:
             "parent": latest[0]["manifest"] if latest else None,
             "index_ref": index_ref,
             "entries": len(result.index.entries),
+            "mode": "full" if only is None else "incremental",
             "stats": dataclasses.asdict(result.stats),
         }
+
+    def checkpoint_now(self, task: TaskRecord, *, incremental: bool = True) -> dict[str, Any]:
+        """A checkpoint while the task is open (not a close): what the workspace holds now."""
+        fact = self.final_scan(task, incremental=incremental)
+        receipt = self.checkpoint(task, fact, [])
+        if fact["watermark"] is not None:
+            journal.reset(self.socket(task), int(fact["watermark"]))
+        return {**receipt, "scan": {k: v for k, v in fact.items() if k != "index_ref"}}
 
     def checkpoint(
         self, task: TaskRecord, scan_fact: dict[str, Any], sessions: list[SessionRecord]
