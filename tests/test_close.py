@@ -343,3 +343,20 @@ def test_without_a_trustworthy_journal_a_checkpoint_scans_everything(
     after = rt.checkpoint(task.task)
     assert after["scan"]["mode"] == "full"
     assert "b" in {e.path for e in read_manifest(rt.workspace.objects, after["manifest"]).entries}
+
+
+def test_task_status_is_computed_from_the_close_facts(
+    rt: Runtime, task: TaskRecord, marker: str
+) -> None:
+    from conftest import kill_marked
+
+    assert rt.task_status(task.task)["state"] == "open"
+    admission = rt.exec(task.task, shell="setsid sleep 600 & true", boundary="pgroup", key="p")
+    rt.wait(admission.session, timeout=30)
+    try:
+        rt.close_task(task.task)
+        view = rt.task_status(task.task)
+        assert view["state"] == "blocked" and view["complete"] is False
+        assert view["blocked_on"]["session"] == admission.session
+    finally:
+        kill_marked(marker, b"sleep")

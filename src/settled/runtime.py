@@ -209,7 +209,16 @@ class Runtime:
     def task_status(self, task: str) -> dict[str, Any]:
         record = self.store.get_task(task)
         views = [session_status(s, self.owner_facts(s)) for s in self.store.list_sessions(task)]
-        return task_status(record, views)
+        view = task_status(record, views)
+        if record.state != TASK_OPEN:  # computed from the close's facts, never stored
+            explained = self.explain(task)
+            view["complete"] = explained["complete"]
+            if not explained["complete"]:
+                if explained["blocked"]:
+                    view["state"] = "blocked"
+                view["blocked_on"] = explained["blocked_on"]
+                view["why"] = explained["words"]
+        return view
 
     def wait(self, session: str, timeout: float | None = None) -> dict[str, Any]:
         """Block until the session has a receipt (or is unknown); the session's clock, not ours.

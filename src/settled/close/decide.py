@@ -255,6 +255,7 @@ def explain(facts: CloseFacts) -> dict[str, Any]:
         "task": facts.task.task,
         "complete": False,
         "blocked_on": blocked,
+        "blocked": isinstance(decision, Blocked),  # no step can run until the authority acts
         "gaps": coverage_gaps(facts),
         "commands": outcomes,
         "words": words + _command_words(outcomes),

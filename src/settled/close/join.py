@@ -22,7 +22,7 @@ from settled.close.decide import (
     command_outcomes,
     next_decision,
 )
-from settled.errors import StaleWrite
+from settled.errors import NotSettled, StaleWrite
 from settled.receipts import seal
 from settled.states import LIVE_STATES, TASK_COMPLETE, TASK_OPEN, TASK_SEALED
 
@@ -114,8 +114,8 @@ class CloseJoin:
     def _settles_within(self, session: str, seconds: float) -> bool:
         try:
             self.rt.wait(session, timeout=max(0.0, seconds))
-        except Exception:
-            return False
+        except NotSettled:
+            return False  # the receipts step names what is still owed
         return self.store.get_session(session).state not in LIVE_STATES
 
     def _step_receipts(self, facts: CloseFacts) -> dict[str, Any]:
