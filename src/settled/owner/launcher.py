@@ -8,55 +8,27 @@ the request, the CLI and any reader. A readiness pipe reports when the command r
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import select
 import subprocess
-import sys
 import time
 from typing import Any
 
 from settled.home import session_dir
+from settled.isolated import import_roots, python_command
 
 READY_TIMEOUT_S = 30.0
 
 
-def _import_root(module: str) -> str:
-    spec = importlib.util.find_spec(module)
-    if spec is None or spec.origin is None:
-        raise RuntimeError(f"cannot locate module {module!r} for the session owner")
-    origin = os.path.dirname(spec.origin)
-    return os.path.dirname(origin) if spec.submodule_search_locations else origin
-
-
 def owner_path() -> list[str]:
-    roots = []
-    for module in ("settled", "blake3"):
-        root = _import_root(module)
-        if root not in roots:
-            roots.append(root)
-    return roots
-
-
-_BOOT = (
-    "import sys, json; sys.path[:0] = json.loads(sys.argv[1]); "
-    "from settled.owner.main import main; sys.exit(main(sys.argv[2:]))"
-)
+    return import_roots("settled", "blake3")
 
 
 def owner_command(home: str, session: str, ready_fd: int | str) -> list[str]:
-    return [
-        sys.executable,
-        "-I",
-        "-S",
-        "-c",
-        _BOOT,
-        json.dumps(owner_path()),
-        home,
-        session,
-        str(ready_fd),
-    ]
+    return python_command(
+        "settled.owner.main:main", ("settled", "blake3"), home, session, str(ready_fd)
+    )
 
 
 def launch_owner(home: str, session: str, wait_ready: bool = True) -> dict[str, Any]:

@@ -15,21 +15,20 @@ import json
 import os
 import socket
 import subprocess
-import sys
 import threading
 from typing import Any
 
-from settled.owner.launcher import READY_TIMEOUT_S, _read_ready, owner_path
+from settled.isolated import python_command
+from settled.owner.launcher import READY_TIMEOUT_S, _read_ready
 
 MAX_REQUEST = 1 << 20
-
-_BOOT = (
-    "import sys, json; sys.path[:0] = json.loads(sys.argv[1]); "
-    "from settled.owner.zygote import serve; sys.exit(serve(int(sys.argv[2])))"
-)
-
+ZYGOTE_MODULES = ("settled", "blake3")
 
 # -- the zygote process -----------------------------------------------------------------------
+
+
+def main(argv: list[str]) -> int:
+    return serve(int(argv[0]))
 
 
 def serve(sock_fd: int) -> int:
@@ -96,15 +95,7 @@ class WarmLauncher:
     def _start(self) -> socket.socket:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self._process = subprocess.Popen(
-            [
-                sys.executable,
-                "-I",
-                "-S",
-                "-c",
-                _BOOT,
-                json.dumps(owner_path()),
-                str(theirs.fileno()),
-            ],
+            python_command("settled.owner.zygote:main", ZYGOTE_MODULES, str(theirs.fileno())),
             pass_fds=(theirs.fileno(),),
             stdin=subprocess.DEVNULL,
             start_new_session=True,

@@ -35,7 +35,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
-import importlib.util
 import json
 import os
 import select
@@ -51,6 +50,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from settled.errors import SettledError
+from settled.isolated import HelperUnavailable, python_command
 
 IN_MODIFY, IN_ATTRIB, IN_CLOSE_WRITE = 0x2, 0x4, 0x8
 IN_MOVED_FROM, IN_MOVED_TO, IN_CREATE, IN_DELETE = 0x40, 0x80, 0x100, 0x200
@@ -868,29 +868,18 @@ def _start_lock(path: str, deadline: float) -> Iterator[None]:
         os.close(fd)
 
 
-_BOOT = (
-    "import sys, json; sys.path[:0] = json.loads(sys.argv[1]); "
-    "from settled.workspace.journal import _daemon_main; sys.exit(_daemon_main(sys.argv[2:]))"
-)
-
-
-def _daemon_path() -> list[str]:
-    roots: list[str] = []
-    for module in ("settled", "inotify_simple"):
-        spec = importlib.util.find_spec(module)
-        if spec is None or spec.origin is None:
-            raise JournalUnavailable(f"cannot locate {module!r} for the journal: pip install it")
-        origin = os.path.dirname(spec.origin)
-        found = os.path.dirname(origin) if spec.submodule_search_locations else origin
-        if found not in roots:
-            roots.append(found)
-    return roots
-
-
 def _spawn(root: str, run_dir: str, idle_exit_s: float, timeout: float) -> dict[str, Any]:
     """Start `python -I -S` (about 10 ms) that forks the daemon and exits; read its report."""
-    argv = [sys.executable, "-I", "-S", "-c", _BOOT, json.dumps(_daemon_path()), root]
-    argv += [os.path.join(run_dir, SOCKET_NAME), os.path.join(run_dir, STATE_NAME)]
+    try:
+        argv = python_command(
+            "settled.workspace.journal:_daemon_main",
+            ("settled", "inotify_simple"),
+            root,
+            os.path.join(run_dir, SOCKET_NAME),
+            os.path.join(run_dir, STATE_NAME),
+        )
+    except HelperUnavailable as exc:
+        raise JournalUnavailable(f"cannot start the journal: {exc}") from exc
     ready_r, ready_w = os.pipe2(os.O_CLOEXEC)
     log_fd = os.open(
         os.path.join(run_dir, LOG_NAME),

@@ -1,0 +1,42 @@
+"""Commands for settled's own helper processes (owners, the zygote, journals).
+
+Each runs as a fresh `python -I -S` (about 10 ms to start, against ~47 ms for a default
+interpreter with site packages) with only the import roots it needs put on sys.path by hand.
+Never imports anything heavy: the launchers call it on the admission path.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import sys
+
+
+class HelperUnavailable(RuntimeError):
+    pass
+
+
+def import_roots(*modules: str) -> list[str]:
+    """The sys.path entries that hold these modules (a package's parent, a module's folder)."""
+    roots: list[str] = []
+    for module in modules:
+        spec = importlib.util.find_spec(module)
+        if spec is None or spec.origin is None:
+            raise HelperUnavailable(f"cannot locate module {module!r}: pip install it")
+        origin = os.path.dirname(spec.origin)
+        root = os.path.dirname(origin) if spec.submodule_search_locations else origin
+        if root not in roots:
+            roots.append(root)
+    return roots
+
+
+def python_command(target: str, modules: tuple[str, ...], *args: str) -> list[str]:
+    """`python -I -S -c …` that puts `modules` on sys.path and calls `target(argv)`,
+    where target is "package.module:function"; its return value is the exit status."""
+    module, _, function = target.partition(":")
+    boot = (
+        "import sys, json; sys.path[:0] = json.loads(sys.argv[1]); "
+        f"from {module} import {function}; sys.exit({function}(sys.argv[2:]))"
+    )
+    return [sys.executable, "-I", "-S", "-c", boot, json.dumps(import_roots(*modules)), *args]
