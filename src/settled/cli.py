@@ -159,6 +159,24 @@ def cmd_checkpoint(rt: Runtime, args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_recover(rt: Runtime, args: argparse.Namespace) -> int:
+    results = rt.recover(args.task)
+    still = [r for r in results if r["state"] == "unknown"]
+    lines = [f"{r['session']}: {r['state']} — {r.get('evidence') or r.get('why')}" for r in results]
+    _emit(args, {"sessions": results}, "\n".join(lines) or "no session needs recovery")
+    return EXIT_BLOCKED if still else EXIT_OK
+
+
+def cmd_task_destroy(rt: Runtime, args: argparse.Namespace) -> int:
+    result = rt.destroy_task(args.task)
+    lines = [f"sandbox of {args.task} destroyed"] + [
+        f"  {r['session']}: {r['state']} — {r.get('evidence') or r.get('why')}"
+        for r in result["sessions"]
+    ]
+    _emit(args, result, "\n".join(lines))
+    return EXIT_BLOCKED if any(r["state"] == "unknown" for r in result["sessions"]) else EXIT_OK
+
+
 def cmd_explain(rt: Runtime, args: argparse.Namespace) -> int:
     view = rt.explain(args.task)
     _emit(args, view, view["words"])
@@ -212,6 +230,9 @@ def build_parser() -> argparse.ArgumentParser:
     new.add_argument("--workspace")
     new.add_argument("--key")
     new.set_defaults(handler=cmd_task_new)
+    destroy = task.add_parser("destroy", parents=[common], help="destroy the task's sandbox")
+    destroy.add_argument("task")
+    destroy.set_defaults(handler=cmd_task_destroy)
 
     ex = sub.add_parser("exec", parents=[common], help="admit and run a command")
     ex.add_argument("--task", required=True)
@@ -263,6 +284,10 @@ def build_parser() -> argparse.ArgumentParser:
     checkpoint.add_argument("task")
     checkpoint.add_argument("--full", action="store_true", help="ignore the journal; scan all")
     checkpoint.set_defaults(handler=cmd_checkpoint)
+
+    recover = sub.add_parser("recover", parents=[common], help="settle sessions whose owner died")
+    recover.add_argument("--task", help="only this task")
+    recover.set_defaults(handler=cmd_recover)
 
     explain = sub.add_parser("explain", parents=[common], help="which receipts allow success")
     explain.add_argument("task")

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from settled import boundary as boundaries
+from settled import recovery
+from settled.boundary import inspect as boundary_inspect
 from settled.boundary import procfs
 from settled.close.decide import explain
 from settled.close.join import CloseJoin, CloseResult
@@ -150,6 +152,7 @@ class Runtime:
             service=service,
         )
         boundaries.choose(spec.boundary)  # refuse an impossible boundary before recording
+        recovery.detect(self, task)  # a session whose owner vanished freezes admission
         key = key or new_key()
         session, reused = self.store.admit(task, key, spec.digest, spec.to_json())
         if reused:
@@ -200,7 +203,15 @@ class Runtime:
             return OwnerFacts(
                 False, f"owner pid {owner.pid} is gone (or is another process now)", lease_fresh
             )
-        return OwnerFacts(True, None, lease_fresh)
+        if not lease_fresh:
+            late = time.time() - owner.lease_until
+            return OwnerFacts(
+                False,
+                f"owner pid {owner.pid} has not renewed its lease for {late:.1f} s "
+                "(stopped, hung or starved)",
+                False,
+            )
+        return OwnerFacts(True, None, True)
 
     def session_status(self, session: str) -> dict[str, Any]:
         record = self.store.get_session(session)
@@ -281,6 +292,27 @@ class Runtime:
     ) -> CloseResult:
         """Run (or resume) the close join; a repeated close returns the same receipt."""
         return CloseJoin(self, task, final, deadline).run()
+
+    def recover(self, task: str | None = None) -> list[dict[str, Any]]:
+        """Inspect every session whose owner is gone; settle those with evidence (rule 4)."""
+        return recovery.recover(self, task)
+
+    def destroy_task(self, task: str) -> dict[str, Any]:
+        """Destroy the task's sandbox (its cgroup and PID namespaces): evidence for every
+        session inside it. Sessions outside any sandbox (subreaper, pgroup) stay unknown."""
+        record = self.store.get_task(task)
+        sandbox = boundary_inspect.cgroup_path_of(record.task, "")
+        killed = boundary_inspect.kill_cgroup(sandbox.rstrip("/")) if sandbox else None
+        for session in self.store.list_sessions(task):
+            if session.boundary == "pidns" and session.boundary_ref:
+                boundary_inspect.kill_pidns_init(session.boundary_ref)
+        recovery.detect(self, task, force=True)
+        results = recovery.recover(self, task, source="sandbox-destroyed")
+        return {
+            "task": task,
+            "sandbox": killed.to_json("sandbox-destroyed") if killed else None,
+            "sessions": results,
+        }
 
     def checkpoint(self, task: str, *, incremental: bool = True) -> dict[str, Any]:
         """Checkpoint an open task's workspace now (the close always does its own full scan)."""

@@ -75,8 +75,13 @@ def _require_cgroup_kill(base: str) -> None:
 
 
 def _read_events(path: str) -> dict[str, str]:
-    with open(os.path.join(path, "cgroup.events")) as handle:
-        return dict(line.split() for line in handle if line.strip())
+    """A cgroup removed under us (the task's sandbox was destroyed) was empty when removed:
+    the kernel refuses to rmdir a populated cgroup."""
+    try:
+        with open(os.path.join(path, "cgroup.events")) as handle:
+            return dict(line.split() for line in handle if line.strip())
+    except FileNotFoundError:
+        return {"populated": "0", "removed": "1"}
 
 
 class Cgroup2Boundary(Boundary):
@@ -122,8 +127,11 @@ class Cgroup2Boundary(Boundary):
         if self._kill_started is None:
             self._kill_started = time.monotonic()
         self._kill_rounds += 1
-        with open(os.path.join(self.path, "cgroup.kill"), "w") as handle:
-            handle.write("1")
+        try:
+            with open(os.path.join(self.path, "cgroup.kill"), "w") as handle:
+                handle.write("1")
+        except FileNotFoundError:
+            pass  # removed already, which needs it empty (see _read_events)
 
     def is_empty(self) -> bool:
         if _read_events(self.path).get("populated") != "0":

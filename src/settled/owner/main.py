@@ -29,8 +29,8 @@ from settled.receipts import exit_fact, not_started_fact, process_receipt
 from settled.store import OwnerInfo, SessionRecord
 from settled.store.sqlite import SQLiteStore, open_sqlite
 
-LEASE_S = 15.0
-HEARTBEAT_S = 1.0
+LEASE_S = float(os.environ.get("SETTLED_LEASE_S") or 15.0)  # tests shorten it
+HEARTBEAT_S = min(1.0, LEASE_S / 4)
 LOG_CAP_ENV = "SETTLED_LOG_CAP"
 
 
@@ -81,6 +81,10 @@ class Owner:
             boundary.setup()
         except BoundaryUnavailable as exc:
             return self._never_ran("not_started", "boundary", str(exc))
+        # Recorded before anything can run inside it, so recovery always knows where to look.
+        self.store.record_launch(
+            record.session, self.generation, boundary.kind, boundary.ref, None, None
+        )
         faults.point("owner.after_boundary")
         task = self.store.get_task(record.task)
         streams = self._open_streams()
@@ -121,7 +125,13 @@ class Owner:
             signals=signals,
             settling=lambda: self.store.settle_begin(record.session, self.generation),
         )
-        outcome = supervisor.run(started)
+        try:
+            outcome = supervisor.run(started)
+        except StaleWrite as exc:
+            # Fenced: recovery took this session over (we were stopped or starved past our
+            # lease). Its boundary, log and receipt are recovery's now; touch nothing, leave.
+            print(f"owner fenced, exiting without a receipt: {exc}", file=sys.stderr)
+            return 3
         boundary.teardown()
         return self._settle(outcome, streams)
 

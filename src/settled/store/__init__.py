@@ -72,6 +72,7 @@ class SessionRecord:
     started_at: float | None
     settled_at: float | None
     receipt: dict[str, Any] | None
+    unknown_why: str | None = None
 
 
 class Store(Protocol):
@@ -116,6 +117,16 @@ class Store(Protocol):
     ) -> SessionRecord: ...
 
     def request_cancel(self, session: str, reason: str) -> SessionRecord: ...
+
+    def mark_unknown(self, session: str, generation: int, why: str) -> SessionRecord: ...
+
+    def take_over(self, session: str, generation: int) -> int: ...
+
+    def note_unknown(self, session: str, why: str) -> None: ...
+
+    def unknown_sessions(self, task: str | None = None) -> list[SessionRecord]: ...
+
+    def live_sessions(self) -> list[SessionRecord]: ...
 
     def task_event(self, task: str, event: str) -> TaskRecord:
         """A task transition (seal, close_begin, complete) through states.TASK_TRANSITIONS."""

@@ -19,6 +19,7 @@ from typing import Any
 
 from settled.canonical import canonical_bytes
 from settled.errors import (
+    AdmissionFrozen,
     AdmissionSealed,
     HomeUnusable,
     KeyConflict,
@@ -37,7 +38,7 @@ from settled.states import (
 )
 from settled.store import OwnerInfo, SessionRecord, TaskRecord, loads
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 RECEIPT_EVENTS = ("receipt", "lose", "recover")
 BUSY_TIMEOUT_S = 60.0
 
@@ -94,12 +95,15 @@ MIGRATIONS: dict[int, str] = {
     );
     CREATE INDEX checkpoints_by_task ON checkpoints(task, created_at);
     """,
+    3: """
+    ALTER TABLE sessions ADD COLUMN unknown_why TEXT
+    """,
 }
 
 SESSION_COLUMNS = (
     "session, task, key, digest, spec, state, generation, owner, boundary, boundary_ref, "
     "command_pid, command_start_time, stdout_durable, stderr_durable, cancel_requested, "
-    "created_at, started_at, settled_at, receipt"
+    "created_at, started_at, settled_at, receipt, unknown_why"
 )
 
 
@@ -125,6 +129,7 @@ def _session_from_row(row: tuple[Any, ...]) -> SessionRecord:
         started_at=row[16],
         settled_at=row[17],
         receipt=loads(row[18]),
+        unknown_why=row[19],
     )
 
 
@@ -248,6 +253,11 @@ class SQLiteStore:
             state, generation = found
             if state != TASK_OPEN:
                 raise AdmissionSealed(task, state)
+            unknown = db.execute(
+                "SELECT session FROM sessions WHERE task=? AND state='unknown' LIMIT 1", (task,)
+            ).fetchone()
+            if unknown is not None:
+                raise AdmissionFrozen(task, unknown[0])
             session = new_id("s")
             db.execute(
                 "INSERT INTO sessions (session, task, key, digest, spec, state, generation, "
@@ -409,6 +419,52 @@ class SQLiteStore:
                 },
             )
         return self.get_session(session)
+
+    def mark_unknown(self, session: str, generation: int, why: str) -> SessionRecord:
+        """The owner is gone without a receipt: unknown, never failed (rule 4)."""
+        with self._write() as db:
+            self._transition(db, session, generation, "lose", {"unknown_why": why})
+        return self.get_session(session)
+
+    def take_over(self, session: str, generation: int) -> int:
+        """Fence an unknown session's old owner: recovery writes at the next generation, and
+        every later write of the old owner (heartbeat, receipt) is refused."""
+        with self._write() as db:
+            cursor = db.execute(
+                "UPDATE sessions SET generation=generation+1 "
+                "WHERE session=? AND generation=? AND state='unknown'",
+                (session, generation),
+            )
+            if cursor.rowcount != 1:
+                raise StaleWrite(
+                    f"session {session} is not unknown at generation {generation}: another "
+                    "recovery took it over, or it settled"
+                )
+        return generation + 1
+
+    def note_unknown(self, session: str, why: str) -> None:
+        """Recovery inspected an unknown session and could not prove it dead: say why."""
+        with self._write() as db:
+            db.execute(
+                "UPDATE sessions SET unknown_why=? WHERE session=? AND state='unknown'",
+                (why, session),
+            )
+
+    def unknown_sessions(self, task: str | None = None) -> list[SessionRecord]:
+        where, args = ("AND task=?", (task,)) if task else ("", ())
+        rows = self._db.execute(
+            f"SELECT {SESSION_COLUMNS} FROM sessions WHERE state='unknown' {where} "
+            "ORDER BY created_at",
+            args,
+        ).fetchall()
+        return [_session_from_row(r) for r in rows]
+
+    def live_sessions(self) -> list[SessionRecord]:
+        rows = self._db.execute(
+            f"SELECT {SESSION_COLUMNS} FROM sessions "
+            "WHERE state IN ('admitted', 'running', 'settling') ORDER BY created_at"
+        ).fetchall()
+        return [_session_from_row(r) for r in rows]
 
     def request_cancel(self, session: str, reason: str) -> SessionRecord:
         with self._write() as db:
