@@ -261,3 +261,25 @@ def test_demo_runs_on_the_embedded_default(tmp_path: Path, marker: str) -> None:
     assert "4194304 bytes" in out and "(timeout)" in out and "stopped by TERM" in out
     assert "never started" in out and "reused=true" in out
     assert kill_marked(marker, b"sleep") == []
+
+
+def test_recover_settles_a_session_whose_owner_was_killed(cli: CLI, task: dict) -> None:
+    from conftest import _skip_unavailable
+
+    _skip_unavailable("cgroup2")
+    admitted = cli.json(
+        "exec", "--task", task["task"], "--boundary", "cgroup2", "--", "printf hi; sleep 300"
+    )
+    owner = admitted["owner_pid"]
+    os.kill(owner, 9)
+    deadline = time.monotonic() + 20
+    while cli.json("status", admitted["session"])["state"] != "unknown":
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    frozen = cli.run("exec", "--task", task["task"], "--", "true")
+    assert frozen.returncode == 3 and admitted["session"].encode() in frozen.stderr
+    recovered = cli.json("recover")
+    assert recovered["sessions"][0]["state"] == "settled"
+    receipt = cli.json("wait", admitted["session"])
+    assert receipt["death"]["source"] == "recovery"
+    assert cli.run("logs", admitted["session"]).stdout == b"hi"

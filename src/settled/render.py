@@ -51,10 +51,14 @@ def receipt_text(receipt: dict[str, Any]) -> str:
             f"stopped by {straggler['stopped_by']}"
         )
     owner = receipt["owner"]
-    lines.append(
-        f"  owner   pid {owner['pid']}, peak RSS {owner['maxrss_kib'] / 1024:.1f} MiB, "
-        f"cpu {owner['cpu_s']:.3f} s"
-    )
+    if owner.get("role") == "recovery":
+        lost = owner.get("lost_owner") or {}
+        lines.append(f"  owner   lost (pid {lost.get('pid')}); settled by recovery {owner['pid']}")
+    else:
+        lines.append(
+            f"  owner   pid {owner['pid']}, peak RSS {owner['maxrss_kib'] / 1024:.1f} MiB, "
+            f"cpu {owner['cpu_s']:.3f} s"
+        )
     lines.append(f"  digest  {receipt['digest']}")
     return "\n".join(lines)
 

@@ -199,7 +199,7 @@ class Runtime:
         lease_fresh = owner.lease_until > time.time()
         if owner.boot_id != procfs.boot_id():
             return OwnerFacts(False, f"owner recorded on boot {owner.boot_id}", lease_fresh)
-        if procfs.start_time(owner.pid) != owner.start_time:
+        if procfs.start_time(owner.pid) != owner.start_time or procfs.state_of(owner.pid) == "Z":
             return OwnerFacts(
                 False, f"owner pid {owner.pid} is gone (or is another process now)", lease_fresh
             )
