@@ -142,7 +142,7 @@ def write_results(out_dir: str, name: str, data: dict[str, Any], markdown: str) 
     write_readme(out_dir)
 
 
-ORDER = ("drain", "admission", "kill")
+ORDER = ("drain", "admission", "kill", "checkpoint", "close_latency")
 
 
 def write_readme(out_dir: str) -> None:

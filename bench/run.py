@@ -1,4 +1,4 @@
-"""Run settled's benchmarks: python bench/run.py [drain|admission|kill|all] [--quick] [--out DIR].
+"""Run settled's benchmarks: python bench/run.py [NAME|all] [--quick] [--out DIR].
 
 Each benchmark writes `<name>.json` (every run) and `<name>.md` (its tables) into the output
 directory and regenerates `README.md` there with every table, the machine and the date.
@@ -16,11 +16,22 @@ import sys
 import time
 
 import admission
+import checkpoint
+import close_latency
 import drain
 import kill
 from common import RESULTS_DIR, log, write_results
 
-BENCHMARKS = {"drain": drain.run, "admission": admission.run, "kill": kill.run}
+BENCHMARKS = {
+    "drain": drain.run,
+    "admission": admission.run,
+    "kill": kill.run,
+    "checkpoint": checkpoint.run,
+    "close_latency": close_latency.run,
+}
+# Benchmarks that also write a file beside their results (a plot): called with (out_dir, data),
+# they return a markdown line to append to the benchmark's section.
+ARTIFACTS = {"close_latency": close_latency.plot}
 
 
 def _terminate(signum: int, _frame: object) -> None:
@@ -44,6 +55,9 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.monotonic()
         data, markdown = BENCHMARKS[name](args.quick)
         data["duration_s"] = time.monotonic() - t0
+        artifact = ARTIFACTS.get(name)
+        if artifact is not None:
+            markdown = markdown.rstrip() + "\n\n" + artifact(out, data)
         write_results(out, name, data, markdown)
         print(markdown + "\n", flush=True)
         log(f"== {name} done in {data['duration_s']:.1f} s -> {out}/{name}.json, {name}.md")

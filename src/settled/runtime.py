@@ -73,19 +73,30 @@ class Runtime:
     ~2 ms instead of a fresh interpreter per session; worth it for a long-lived caller. The
     default comes from SETTLED_LAUNCHER, else "fresh"."""
 
-    def __init__(self, home: str | None = None, launcher: str | None = None) -> None:
+    def __init__(
+        self,
+        home: str | None = None,
+        launcher: str | None = None,
+        *,
+        shared_launcher: WarmLauncher | None = None,
+    ) -> None:
+        """One Runtime per thread (it holds one SQLite connection). Threads of one process can
+        share a warm launcher by passing the same `shared_launcher`; its creator closes it."""
         self.home = prepare_home(resolve_home(home))
         self.launcher = launcher or os.environ.get("SETTLED_LAUNCHER") or "fresh"
+        if shared_launcher is not None:
+            self.launcher = "warm"
         if self.launcher not in LAUNCHERS:
             raise BadInput(f"launcher {self.launcher!r} is not one of {', '.join(LAUNCHERS)}")
         self.store: SQLiteStore = open_sqlite(self.home)
         self.workspace = WorkspaceService(self.home, self.store)
-        self._warm: WarmLauncher | None = None
+        self._warm: WarmLauncher | None = shared_launcher
+        self._owns_warm = shared_launcher is None
 
     def close(self) -> None:
-        if self._warm is not None:
+        if self._warm is not None and self._owns_warm:
             self._warm.close()
-            self._warm = None
+        self._warm = None
         self.store.close()
 
     def _launch(self, session: str) -> dict[str, Any]:
