@@ -17,6 +17,7 @@ import platform
 import select
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -99,6 +100,22 @@ def machine() -> dict[str, Any]:
         "loadavg": load,
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
     }
+
+
+def source_revision() -> str:
+    """`git describe --always --dirty` of the checkout under test (read-only); '?' without git.
+    Other people edit src/ while benchmarks run: helpers started later import what is there."""
+    try:
+        done = subprocess.run(
+            ["git", "describe", "--always", "--dirty"],
+            cwd=BENCH_DIR,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return "?"
+    return done.stdout.strip() or "?"
 
 
 def fs_of(path: str) -> dict[str, str]:

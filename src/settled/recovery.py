@@ -50,9 +50,7 @@ def detect(rt: Runtime, task: str | None = None, *, force: bool = False) -> list
     `force` (the sandbox was destroyed) takes every live session of the task."""
     now = time.time()
     found = []
-    for record in rt.store.live_sessions():
-        if task is not None and record.task != task:
-            continue
+    for record in rt.store.live_sessions(task):
         why = "the task's sandbox was destroyed" if force else owner_missing(rt, record, now)
         if why is None:
             continue

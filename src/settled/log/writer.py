@@ -117,6 +117,8 @@ class StreamWriter:
             raise ValueError(f"sync of closed log {self._path}")
         self._check_failure()
         cursor = self._cursor
+        if cursor == self._durable and cursor > 0:
+            return cursor  # nothing new since the last fsync: a silent stream costs nothing
         try:
             os.fsync(self._fd)
         except OSError as exc:

@@ -459,10 +459,12 @@ class SQLiteStore:
         ).fetchall()
         return [_session_from_row(r) for r in rows]
 
-    def live_sessions(self) -> list[SessionRecord]:
+    def live_sessions(self, task: str | None = None) -> list[SessionRecord]:
+        where, args = ("AND task=?", (task,)) if task else ("", ())
         rows = self._db.execute(
             f"SELECT {SESSION_COLUMNS} FROM sessions "
-            "WHERE state IN ('admitted', 'running', 'settling') ORDER BY created_at"
+            f"WHERE state IN ('admitted', 'running', 'settling') {where} ORDER BY created_at",
+            args,
         ).fetchall()
         return [_session_from_row(r) for r in rows]
 
