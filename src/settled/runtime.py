@@ -163,8 +163,11 @@ class Runtime:
             service=service,
         )
         boundaries.choose(spec.boundary)  # refuse an impossible boundary before recording
-        recovery.detect(self, task)  # a session whose owner vanished freezes admission
         key = key or new_key()
+        existing = self.store.find_session(task, key)
+        if existing is not None and existing.digest == spec.digest:
+            return self._admission(existing, reused=True)  # a retry: nothing to inspect
+        recovery.detect(self, task)  # a session whose owner vanished freezes admission
         session, reused = self.store.admit(task, key, spec.digest, spec.to_json())
         if reused:
             return self._admission(session, reused=True)

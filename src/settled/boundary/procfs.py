@@ -6,12 +6,15 @@ ticks since boot, on the same boot id, is. Never sends signals: callers decide w
 
 from __future__ import annotations
 
+import functools
 import os
 
 _BOOT_ID_PATH = "/proc/sys/kernel/random/boot_id"
 
 
+@functools.cache
 def boot_id() -> str:
+    """Constant for the life of the boot, so read once per process."""
     with open(_BOOT_ID_PATH) as handle:
         return handle.read().strip()
 

@@ -286,6 +286,12 @@ class SQLiteStore:
             raise UnknownSession(session)
         return _session_from_row(row)
 
+    def find_session(self, task: str, key: str) -> SessionRecord | None:
+        row = self._db.execute(
+            f"SELECT {SESSION_COLUMNS} FROM sessions WHERE task=? AND key=?", (task, key)
+        ).fetchone()
+        return _session_from_row(row) if row else None
+
     def list_sessions(self, task: str) -> list[SessionRecord]:
         rows = self._db.execute(
             f"SELECT {SESSION_COLUMNS} FROM sessions WHERE task=? ORDER BY created_at, session",
