@@ -229,7 +229,12 @@ class Runtime:
 
     def session_status(self, session: str) -> dict[str, Any]:
         record = self.store.get_session(session)
-        return session_status(record, self.owner_facts(record))
+        facts = self.owner_facts(record)
+        if facts is not None and not facts.alive and record.state in LIVE_STATES:
+            # The owner writes its receipt before it exits: one that settled and exited between
+            # the two reads above is settled, not unknown. Read the record again to see.
+            record = self.store.get_session(session)
+        return session_status(record, facts)
 
     def task_status(self, task: str) -> dict[str, Any]:
         record = self.store.get_task(task)

@@ -30,7 +30,7 @@ from settled.store import OwnerInfo, SessionRecord
 from settled.store.sqlite import SQLiteStore, open_sqlite
 
 LEASE_S = float(os.environ.get("SETTLED_LEASE_S") or 15.0)  # tests shorten it
-HEARTBEAT_S = min(1.0, LEASE_S / 4)
+HEARTBEAT_S = LEASE_S / 5  # five renewals per lease: a starved owner has four to spare
 LOG_CAP_ENV = "SETTLED_LOG_CAP"
 
 
