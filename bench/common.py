@@ -159,7 +159,7 @@ def write_results(out_dir: str, name: str, data: dict[str, Any], markdown: str) 
     write_readme(out_dir)
 
 
-ORDER = ("drain", "admission", "kill", "checkpoint", "close_latency")
+ORDER = ("drain", "admission", "kill", "checkpoint", "close_latency", "load", "http")
 
 
 def write_readme(out_dir: str) -> None:

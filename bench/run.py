@@ -19,7 +19,9 @@ import admission
 import checkpoint
 import close_latency
 import drain
+import http_bench
 import kill
+import load
 from common import RESULTS_DIR, log, write_results
 
 BENCHMARKS = {
@@ -28,6 +30,8 @@ BENCHMARKS = {
     "kill": kill.run,
     "checkpoint": checkpoint.run,
     "close_latency": close_latency.run,
+    "load": load.run,
+    "http": http_bench.run,
 }
 # Benchmarks that also write a file beside their results (a plot): called with (out_dir, data),
 # they return a markdown line to append to the benchmark's section.

@@ -298,6 +298,13 @@ def build_parser() -> argparse.ArgumentParser:
     restore.add_argument("dest")
     restore.set_defaults(handler=cmd_restore)
 
+    sub.add_parser("mcp", parents=[common], help="the MCP tools over stdio, for agent harnesses")
+
+    srv = sub.add_parser("serve", parents=[common], help="the HTTP service (bearer tokens)")
+    srv.add_argument("--host", default="127.0.0.1")
+    srv.add_argument("--port", type=int, default=8765)
+    srv.add_argument("--tokens", metavar="FILE", help="JSON file of task-scoped tokens")
+
     demo = sub.add_parser("demo", parents=[common], help="the main job on the embedded default")
     demo.set_defaults(handler=cmd_demo)
     return parser
@@ -305,6 +312,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.verb == "mcp":  # stdio is the protocol: nothing else may print on stdout
+        from settled.mcp_server import run_stdio
+
+        return run_stdio(getattr(args, "home", None))
+    if args.verb == "serve":  # the server keeps a Runtime per worker thread of its own
+        from settled.server import serve
+
+        return serve(getattr(args, "home", None), args.host, args.port, args.tokens)
     handler: Callable[[Runtime, argparse.Namespace], int] = args.handler
     try:
         with Runtime(getattr(args, "home", None)) as rt:

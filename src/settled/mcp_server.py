@@ -1,0 +1,480 @@
+"""The MCP server of settled: the library Runtime as agent tools, over stdio (official `mcp` SDK).
+
+Owns: the tool surface a model sees — `new_task`, `run`, `read_output`, `wait`, `signal`,
+`finish` — their descriptions (written for a model), the translation of each answer into a short
+text the model reads plus structured content a harness can parse, and the translation of
+settled's typed errors into tool errors whose message names the offending value. It runs over
+`Runtime` directly (home from `--home` or SETTLED_HOME); no HTTP is involved.
+
+Must never: decide anything the runtime decides (state, receipts and completion are reported as
+computed); block a tool call past the timeout the model gave; show the model more than its byte
+budget of output, or a cut inside a UTF-8 character, or an omitted range other than the bytes
+not shown; relabel an unknown session as failed; keep a process alive after stdin closes (the
+warm launcher it owns ends with it; sessions belong to their owners and outlive it by design).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import os
+import sqlite3
+import sys
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal, ParamSpec, TypeVar
+
+from mcp.server.mcpserver import MCPServer
+from mcp.server.mcpserver.exceptions import ToolError
+from mcp.types import CallToolResult, TextContent
+from pydantic import Field
+
+from settled.errors import NotSettled, SettledError
+from settled.home import log_path
+from settled.log.reader import CursorOutOfRange, stored_length
+from settled.owner.zygote import WarmLauncher
+from settled.runtime import Runtime
+
+DEFAULT_BUDGET = 16 * 1024
+MAX_BUDGET = 1 << 20
+MAX_WAIT_S = 600.0
+DEFAULT_FINISH_DEADLINE_S = 60.0
+
+INSTRUCTIONS = """\
+settled runs your shell commands and tells you, with proof, when the work is done.
+Start with new_task(workspace) once, then run(task, command) for each command. run returns at
+once with a session id; the command keeps running on its own. Use read_output(session, cursor)
+to see output (it never floods you: you get at most `budget` bytes, with the omitted range named)
+and wait(session, timeout) to get the exit. If a run call fails or times out, call run again with
+the SAME key: it returns the same session and never runs the command twice. When you are done,
+call finish(task, final) — it answers complete only when every command is proven stopped and the
+workspace is checkpointed; otherwise it names exactly what still blocks it."""
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+# -- one Runtime per worker thread ------------------------------------------------------------
+
+
+class Runtimes:
+    """The SDK runs each sync tool in a worker thread and a Runtime serves one thread (its
+    SQLite connection), so each thread gets its own; all share one warm launcher (a long-lived
+    server is what it is for), unless SETTLED_LAUNCHER=fresh asks for a fresh owner each time."""
+
+    def __init__(self, home: str | None) -> None:
+        self.home = home
+        fresh = os.environ.get("SETTLED_LAUNCHER") == "fresh"
+        self.launcher: WarmLauncher | None = None if fresh else WarmLauncher()
+        self._local = threading.local()
+        self._lock = threading.Lock()
+        self._all: list[Runtime] = []
+
+    def get(self) -> Runtime:
+        runtime: Runtime | None = getattr(self._local, "runtime", None)
+        if runtime is None:
+            runtime = Runtime(self.home, shared_launcher=self.launcher)  # None: fresh owners
+            self._local.runtime = runtime
+            with self._lock:
+                self._all.append(runtime)
+        return runtime
+
+    def close(self) -> None:
+        """End the warm launcher; each store closes with its thread (or this process)."""
+        with self._lock:
+            for runtime in self._all:
+                # a connection of another thread is released when this process exits
+                with contextlib.suppress(sqlite3.ProgrammingError):
+                    runtime.close()
+            self._all.clear()
+        if self.launcher is not None:
+            self.launcher.close()
+
+
+# -- answers ----------------------------------------------------------------------------------
+
+
+def _answer(text: str, data: dict[str, Any]) -> CallToolResult:
+    return CallToolResult(content=[TextContent(type="text", text=text)], structured_content=data)
+
+
+def _tool_errors(fn: Callable[P, R]) -> Callable[P, R]:
+    """settled's typed errors (and bad cursors) become tool errors the model can act on."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        try:
+            return fn(*args, **kwargs)
+        except SettledError as exc:
+            raise ToolError(f"{exc.kind}: {exc}") from exc
+        except CursorOutOfRange as exc:
+            raise ToolError(f"CursorOutOfRange: {exc}") from exc
+        except ValueError as exc:
+            raise ToolError(f"BadInput: {exc}") from exc
+
+    return wrapper
+
+
+def _exit_words(exit_fact: dict[str, Any]) -> str:
+    if exit_fact.get("reason") == "not_started":
+        return f"never started: {exit_fact.get('error')}"
+    how = f"signal {exit_fact['signal']}" if exit_fact.get("signal") else "code"
+    value = "" if exit_fact.get("signal") else f" {exit_fact.get('code')}"
+    return f"exit {how}{value} ({exit_fact.get('reason')})"
+
+
+def receipt_summary(view: dict[str, Any]) -> dict[str, Any]:
+    """What a model needs of a process receipt: how it ended, whether death is proven, where
+    each stream ends."""
+    receipt = view.get("receipt") or {}
+    death, output = receipt.get("death", {}), receipt.get("output", {})
+    return {
+        "session": view["session"],
+        "state": view["state"],
+        "exit": receipt.get("exit"),
+        "death_proven": bool(death.get("proven")),
+        "evidence": death.get("evidence"),
+        "stdout_cursor": output.get("stdout", {}).get("cursor"),
+        "stderr_cursor": output.get("stderr", {}).get("cursor"),
+        "drain": output.get("drain"),
+        "stragglers": [s.get("cmdline") for s in receipt.get("stragglers", [])],
+        "why": view.get("why"),
+        "receipt_digest": receipt.get("digest"),
+    }
+
+
+def _summary_text(summary: dict[str, Any]) -> str:
+    if summary["state"] == "unknown":
+        return (
+            f"session {summary['session']} is UNKNOWN (not failed): {summary['why']}. "
+            "finish will name it as what blocks completion."
+        )
+    exit_fact = summary["exit"] or {}
+    text = f"session {summary['session']} settled: {_exit_words(exit_fact)}"
+    text += f"; stdout {summary['stdout_cursor']} bytes, stderr {summary['stderr_cursor']} bytes"
+    if summary["stragglers"]:
+        text += f"; stragglers stopped: {', '.join(map(str, summary['stragglers']))}"
+    return text + "."
+
+
+# -- the model view of a cursor window ---------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Window:
+    """Bytes [start, end) of a stream as text for a model; `omitted` is the exact byte range
+    not shown (absolute cursors), or None when every byte is in `text`."""
+
+    text: str
+    start: int
+    end: int
+    omitted: tuple[int, int] | None
+
+
+MARKER = (
+    "\n[settled: omitted {stream} bytes {a}..{b} ({n} bytes); read them with "
+    "read_output(session={session!r}, stream={stream!r}, cursor={a})]\n"
+)
+
+
+def _size(text: str) -> int:
+    return len(text.encode("utf-8", "surrogatepass"))
+
+
+def _head_cut(data: bytes, end: int) -> int:
+    """Back `end` off a multi-byte UTF-8 sequence that `data[:end]` would split."""
+    for back in range(1, min(4, end) + 1):
+        byte = data[end - back]
+        if byte < 0x80:
+            return end
+        if byte >= 0xC0:  # a lead byte: does its sequence end before `end`?
+            need = 2 if byte < 0xE0 else 3 if byte < 0xF0 else 4
+            return end - back if need > back else end
+    return end
+
+
+def _tail_cut(data: bytes, start: int) -> int:
+    """Move `start` past continuation bytes of a sequence that began before it."""
+    for _ in range(3):
+        if start >= len(data) or data[start] & 0xC0 != 0x80:
+            break
+        start += 1
+    return start
+
+
+def _fit_head(data: bytes, limit: int) -> int:
+    """The length of the longest prefix (cut on a character) whose decoded text fits `limit`."""
+    end = _head_cut(data, min(len(data), limit))
+    while (excess := _size(data[:end].decode("utf-8", "replace")) - limit) > 0:
+        end = _head_cut(data, max(0, end - excess))  # U+FFFD expands a bad byte to three
+    return end
+
+
+def _fit_tail(data: bytes, limit: int, earliest: int) -> int:
+    """The start of the longest suffix (from `earliest` on) whose decoded text fits `limit`."""
+    start = _tail_cut(data, max(earliest, len(data) - limit))
+    while (excess := _size(data[start:].decode("utf-8", "replace")) - limit) > 0:
+        start = _tail_cut(data, min(len(data), start + excess))
+    return start
+
+
+def window_view(
+    head: bytes, tail: bytes, start: int, end: int, budget: int, stream: str, session: str
+) -> Window:
+    """Pure: `head` is bytes [start, ...) and `tail` bytes [..., end) of a stream. The text, as
+    UTF-8, is never longer than `budget` bytes; the marker names the omitted range exactly."""
+    if len(head) == end - start:
+        whole = head.decode("utf-8", "replace")
+        if _size(whole) <= budget:
+            return Window(whole, start, end, None)
+    longest = MARKER.format(stream=stream, a=end, b=end, n=end, session=session)
+    room = budget - _size(longest)
+    if room < 0:
+        short = f"[settled: omitted {stream} bytes {start}..{end}]"
+        return Window(short.encode()[:budget].decode("utf-8", "ignore"), start, end, (start, end))
+    a = _fit_head(head, room // 2)
+    head_text = head[:a].decode("utf-8", "replace")
+    tail_from = end - len(tail)
+    s = _fit_tail(tail, room - _size(head_text), max(0, start + a - tail_from))
+    b = tail_from + s
+    marker = MARKER.format(stream=stream, a=start + a, b=b, n=b - start - a, session=session)
+    text = head_text + marker + tail[s:].decode("utf-8", "replace")
+    return Window(text, start, end, (start + a, b))
+
+
+def read_window(
+    rt: Runtime, session: str, stream: str, cursor: int, budget: int
+) -> tuple[Window, bool]:
+    """The window from `cursor` to what is stored now, and whether that is the final cursor;
+    reads at most 2 * budget bytes."""
+    final = rt.final_cursor(session, stream)
+    end = final if final is not None else stored_length(log_path(rt.home, session, stream))
+    if cursor < 0 or cursor > end:
+        raise CursorOutOfRange(cursor, end, stream)
+    size = min(end - cursor, budget)
+    head = rt.read(session, stream, cursor, size)
+    tail = head if size == end - cursor else rt.read(session, stream, end - size, size)
+    return window_view(head, tail, cursor, end, budget, stream, session), final == end
+
+
+# -- the tools --------------------------------------------------------------------------------
+
+SessionId = Annotated[str, Field(description="A session id returned by run, e.g. 's_...'.")]
+TaskId = Annotated[str, Field(description="A task id returned by new_task, e.g. 't_...'.")]
+
+
+class Tools:
+    """The tool functions; each docstring is what the model reads."""
+
+    def __init__(self, runtimes: Runtimes) -> None:
+        self.runtimes = runtimes
+
+    def new_task(
+        self,
+        workspace: Annotated[str, Field(description="Absolute path of an existing directory.")],
+    ) -> CallToolResult:
+        """Create a task over a workspace directory. Every command you run belongs to a task,
+        and finish(task) later proves the task complete. Returns the task id."""
+        record = self.runtimes.get().new_task(workspace)
+        data = record.to_json()
+        return _answer(f"task {record.task} over {record.workspace} ({record.state})", data)
+
+    def run(
+        self,
+        task: TaskId,
+        command: Annotated[
+            str | list[str],
+            Field(description="A shell string (run by /bin/sh -c) or an argv list."),
+        ],
+        key: Annotated[
+            str | None,
+            Field(
+                description="Idempotency key. Omit for a new command (one is made and "
+                "returned); pass the same key again to retry without running twice."
+            ),
+        ] = None,
+        timeout: Annotated[
+            float | None,
+            Field(description="Seconds before settled stops the command (TERM, then KILL).", gt=0),
+        ] = None,
+        service: Annotated[
+            bool, Field(description="A long-running service, stopped when the task finishes.")
+        ] = False,
+        cwd: Annotated[str, Field(description="Directory relative to the workspace.")] = ".",
+        boundary: Annotated[
+            Literal["auto", "cgroup2", "pidns", "subreaper", "pgroup"],
+            Field(description="How the process tree is contained; keep 'auto'."),
+        ] = "auto",
+    ) -> CallToolResult:
+        """Start a command and return at once with its session id; it runs on its own, with a
+        deadline kept by settled even if it prints nothing. Calling run again with the same key
+        returns the same session (reused=true) and never starts the command twice."""
+        shell, argv = (command, None) if isinstance(command, str) else (None, command)
+        admission = self.runtimes.get().exec(
+            task,
+            argv,
+            shell,
+            key=key,
+            timeout=timeout,
+            service=service,
+            cwd=cwd,
+            boundary=boundary,
+        )
+        data = admission.to_json()
+        text = (
+            f"session {admission.session} (key {admission.key}) is {admission.state}"
+            f"{'; reused: this key already named this command' if admission.reused else ''}. "
+            f"Next: read_output(session={admission.session!r}) or wait(session=...)."
+        )
+        return _answer(text, data)
+
+    def read_output(
+        self,
+        session: SessionId,
+        stream: Annotated[Literal["stdout", "stderr"], Field(description="Which stream.")] = (
+            "stdout"
+        ),
+        cursor: Annotated[
+            int,
+            Field(
+                description="Byte offset to read from: 0, or next_cursor of a previous read.", ge=0
+            ),
+        ] = 0,
+        budget: Annotated[
+            int,
+            Field(description="Most bytes of text to return.", ge=0, le=MAX_BUDGET),
+        ] = DEFAULT_BUDGET,
+    ) -> CallToolResult:
+        """Read a command's output from a byte cursor, as text of at most `budget` bytes. If
+        more is stored, you see its head and tail with a marker naming the omitted byte range
+        (read it with cursor=its start). next_cursor is where to continue; final=true means the
+        stream is complete and nothing more will come."""
+        window, final = read_window(self.runtimes.get(), session, stream, cursor, budget)
+        data = {
+            "session": session,
+            "stream": stream,
+            "cursor": window.start,
+            "next_cursor": window.end,
+            "final": final,
+            "omitted": list(window.omitted) if window.omitted else None,
+            "text": window.text,
+        }
+        status = "final" if final else "still running; more may come"
+        note = f"\n[settled: {stream} bytes {window.start}..{window.end}, {status}; "
+        note += f"next_cursor={window.end}]"
+        return _answer(window.text + note, data)
+
+    def wait(
+        self,
+        session: SessionId,
+        timeout: Annotated[
+            float, Field(description="Most seconds to wait.", ge=0, le=MAX_WAIT_S)
+        ] = 30.0,
+    ) -> CallToolResult:
+        """Wait up to `timeout` seconds for a command to end; returns its exit and whether its
+        death is proven, or says it is still running (it goes on; call wait again)."""
+        rt = self.runtimes.get()
+        try:
+            view = rt.wait(session, timeout)
+            if view["state"] == "unknown":  # confirm with a fresh look: a projection racing
+                view = rt.session_status(session)  # the owner's exit shows unknown an instant
+        except NotSettled:
+            view = rt.session_status(session)
+            data = {"session": session, "state": view["state"], "settled": False}
+            text = f"session {session} is still {view['state']} after {timeout} s; it goes on."
+            return _answer(text, {**data, "still_running": True})
+        summary = receipt_summary(view)
+        done = {"settled": view["state"] == "settled", "still_running": False}
+        return _answer(_summary_text(summary), {**summary, **done})
+
+    def signal(
+        self,
+        session: SessionId,
+        signal: Annotated[
+            Literal["TERM", "KILL", "INT"], Field(description="The signal you want sent.")
+        ] = "TERM",
+    ) -> CallToolResult:
+        """Stop a running command. settled's owner sends TERM to its whole process tree, waits
+        the grace period, then KILLs what is left, and writes the receipt; use wait to see it.
+        (Any of TERM, KILL, INT asks for that stop; the name is recorded as the reason.)"""
+        view = self.runtimes.get().cancel(session, f"{signal} requested by an MCP client")
+        data = {"session": session, "state": view["state"], "requested": signal}
+        return _answer(f"stop requested for session {session} (now {view['state']})", data)
+
+    def finish(
+        self,
+        task: TaskId,
+        final: Annotated[
+            str | None, Field(description="Your final answer, stored with the proof.")
+        ] = None,
+        deadline: Annotated[
+            float,
+            Field(
+                description="Seconds to let running commands end before they are stopped.",
+                ge=0,
+                le=MAX_WAIT_S,
+            ),
+        ] = DEFAULT_FINISH_DEADLINE_S,
+    ) -> CallToolResult:
+        """Close the task: no new command may start; running ones get `deadline` seconds, then
+        are stopped; the workspace is checkpointed. Answers complete with the proof and which
+        commands failed, or not complete with exactly what still blocks it (an authority and
+        its obligation). Calling finish again resumes; it never re-runs a command."""
+        rt = self.runtimes.get()
+        result = rt.close_task(task, final, deadline)
+        explained = rt.explain(task)
+        if not result.complete:
+            blocked = result.blocked_on or {}
+            data = {"task": task, "complete": False, "blocked_on": blocked}
+            text = (
+                f"NOT complete: {blocked.get('authority')} owes {blocked.get('obligation')}. "
+                f"{explained['words']}"
+            )
+            return _answer(text, data)
+        receipt = result.receipt or {}
+        commands = receipt.get("outcome", {}).get("commands", {})
+        failed = [*commands.get("failed", []), *commands.get("timed_out", [])]
+        failed += commands.get("not_started", [])
+        data = {
+            "task": task,
+            "complete": True,
+            "all_commands_succeeded": receipt.get("outcome", {}).get("all_commands_succeeded"),
+            "commands": commands,
+            "failed": failed,
+            "manifest": receipt.get("checkpoint", {}).get("manifest"),
+            "receipt_digest": receipt.get("digest"),
+        }
+        return _answer(f"complete. {explained['words']}", data)
+
+
+TOOL_NAMES = ("new_task", "run", "read_output", "wait", "signal", "finish")
+
+
+def build_server(runtimes: Runtimes) -> MCPServer[Any]:
+    server: MCPServer[Any] = MCPServer(name="settled", instructions=INSTRUCTIONS)
+    tools = Tools(runtimes)
+    for name in TOOL_NAMES:
+        server.add_tool(_tool_errors(getattr(tools, name)), name=name)
+    return server
+
+
+def run_stdio(home: str | None) -> int:
+    """Serve the tools over stdin/stdout until stdin closes; 0 on a clean end."""
+    runtimes = Runtimes(home)
+    try:
+        build_server(runtimes).run("stdio")
+    finally:
+        runtimes.close()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="settled mcp", description="settled's MCP tools (stdio)")
+    parser.add_argument("--home", help="settled home (default SETTLED_HOME, else ./.settled)")
+    return run_stdio(parser.parse_args(argv).home)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

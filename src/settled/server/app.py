@@ -1,0 +1,208 @@
+"""The HTTP service's routes: a thin async shell over ``settled.server.views`` and ``streams``.
+
+Owns: the route table (paths, methods and status codes of DESIGN.md's HTTP contract, and the
+OpenAPI document at ``/openapi.json`` that describes exactly these routes), the service's
+lifespan (a Runtime pool sharing one warm launcher, a recovery pass at start and every 10 s)
+and the choice of status code for each answer.
+
+Must never: call the Runtime on the event loop (every call goes through the pool), wait on a
+worker thread for a session (waits poll from the loop), cancel a session because a request or a
+stream ended, or answer anything but ``/healthz`` without a known bearer token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from settled.errors import BadInput
+from settled.server import bodies, streams, views
+from settled.server.auth import GRANT_SCOPE_KEY, BearerAuth, Grant, TokenTable
+from settled.server.errors import EXCEPTION_HANDLERS
+from settled.server.openapi import document
+from settled.server.pool import RECOVER_EVERY_S, Recoverer, RuntimePool, recover_once
+
+MAX_WAIT_S = 3600.0
+
+
+class Service:
+    """The state one app holds: its home, its tokens and (while running) its Runtime pool."""
+
+    def __init__(self, home: str, tokens: TokenTable) -> None:
+        self.home, self.tokens = home, tokens
+        self._pool: RuntimePool | None = None
+        self._recoverer: Recoverer | None = None
+
+    @property
+    def pool(self) -> RuntimePool:
+        if self._pool is None:
+            raise RuntimeError("the service is not running (its lifespan has not started)")
+        return self._pool
+
+    async def start(self) -> None:
+        self._pool = RuntimePool(self.home)
+        await self._pool.call(recover_once)  # sessions whose owner died while we were down
+        self._recoverer = Recoverer(self.home, self._pool.launcher, RECOVER_EVERY_S)
+        self._recoverer.start()
+
+    def stop(self) -> None:
+        if self._recoverer is not None:
+            self._recoverer.stop()
+        if self._pool is not None:
+            self._pool.close()
+        self._pool = self._recoverer = None
+
+
+def grant_of(request: Request) -> Grant:
+    grant = request.scope.get(GRANT_SCOPE_KEY)
+    assert isinstance(grant, Grant), "BearerAuth runs before every route but /healthz"
+    return grant
+
+
+def _json(payload: Any, status: int = 200) -> JSONResponse:
+    return JSONResponse(payload, status_code=status)
+
+
+class Handlers:
+    """One coroutine per route; each parses, asks the pool, and picks the status code."""
+
+    def __init__(self, service: Service) -> None:
+        self.service = service
+
+    @property
+    def pool(self) -> RuntimePool:
+        return self.service.pool
+
+    async def healthz(self, _request: Request) -> Response:
+        return _json({"ok": True})
+
+    async def openapi(self, _request: Request) -> Response:
+        return _json(document())
+
+    async def create_task(self, request: Request) -> Response:
+        body = bodies.task_request(await bodies.json_body(request, bodies.TASK_FIELDS))
+        task = await self.pool.call(
+            views.new_task, grant_of(request), body["workspace"], body["key"]
+        )
+        return _json(task, 201)
+
+    async def task_status(self, request: Request) -> Response:
+        task = request.path_params["task"]
+        return _json(await self.pool.call(views.task_status, grant_of(request), task))
+
+    async def admit(self, request: Request) -> Response:
+        body = bodies.session_request(await bodies.json_body(request, bodies.SESSION_FIELDS))
+        task = request.path_params["task"]
+        admission = await self.pool.call(views.admit, grant_of(request), task, body)
+        return _json(admission, 200 if admission["reused"] else 201)
+
+    async def close(self, request: Request) -> Response:
+        body = bodies.close_request(await bodies.json_body(request, bodies.CLOSE_FIELDS))
+        task = request.path_params["task"]
+        complete, answer = await self.pool.call_long(
+            views.close, grant_of(request), task, body["final"], body["deadline"]
+        )
+        return _json(answer, 200 if complete else 409)
+
+    async def explain(self, request: Request) -> Response:
+        task = request.path_params["task"]
+        return _json(await self.pool.call(views.explain, grant_of(request), task))
+
+    async def recover(self, request: Request) -> Response:
+        body = await bodies.json_body(request, bodies.RECOVER_FIELDS)
+        task = body.get("task")
+        if task is not None and not isinstance(task, str):
+            raise BadInput("`task` must be a task id")
+        return _json(await self.pool.call(views.recover, grant_of(request), task))
+
+    async def session(self, request: Request) -> Response:
+        """The status view; with ``?wait=S`` it first waits (polling from the event loop, no
+        thread held) up to S seconds for the receipt, and answers 202 if it is not there yet."""
+        session = request.path_params["session"]
+        wait_s = bodies.query_wait(request, MAX_WAIT_S)
+        grant = grant_of(request)
+        view = await self.pool.call(views.session_status, grant, session)
+        give_up, pause = time.monotonic() + wait_s, 0.005
+        while wait_s and not views.is_settled(view) and time.monotonic() < give_up:
+            await asyncio.sleep(max(0.0, min(pause, give_up - time.monotonic())))
+            pause = min(pause * 1.5, 0.1)
+            view = await self.pool.call(views.session_status, grant, session)
+        return _json(view, 202 if wait_s and not views.is_settled(view) else 200)
+
+    async def signal(self, request: Request) -> Response:
+        name, reason = bodies.signal_request(await bodies.json_body(request, bodies.SIGNAL_FIELDS))
+        session = request.path_params["session"]
+        delivered, answer = await self.pool.call(
+            views.signal, grant_of(request), session, name, reason
+        )
+        return _json(answer, 202 if delivered else 200)
+
+    async def _facts(self, request: Request) -> streams.StreamFacts:
+        session = request.path_params["session"]
+        stream = bodies.query_stream(request)
+        path, final, stored = await self.pool.call(
+            views.stream_facts, grant_of(request), session, stream
+        )
+        return streams.StreamFacts(session, stream, path, final, stored)
+
+    async def output(self, request: Request) -> Response:
+        start = bodies.cursor_value(request.query_params.get("from", "0"), "from")
+        follow = bodies.query_flag(request, "follow")
+        max_bytes = bodies.query_max(request)
+        if follow and max_bytes is not None:
+            raise BadInput("max and follow=1 cannot be combined: a follow ends at the end")
+        facts = await self._facts(request)
+        return streams.raw_response(self.pool, facts, start, follow, max_bytes)
+
+    async def events(self, request: Request) -> Response:
+        start = bodies.query_cursor(request)
+        facts = await self._facts(request)
+        return streams.events_response(self.pool, facts, start)
+
+
+def routes(h: Handlers) -> list[Route]:
+    return [
+        Route("/healthz", h.healthz, methods=["GET"]),
+        Route("/openapi.json", h.openapi, methods=["GET"]),
+        Route("/v1/tasks", h.create_task, methods=["POST"]),
+        Route("/v1/tasks/{task}", h.task_status, methods=["GET"]),
+        Route("/v1/tasks/{task}/sessions", h.admit, methods=["POST"]),
+        Route("/v1/tasks/{task}/close", h.close, methods=["POST"]),
+        Route("/v1/tasks/{task}/explain", h.explain, methods=["GET"]),
+        Route("/v1/sessions/{session}", h.session, methods=["GET"]),
+        Route("/v1/sessions/{session}/output", h.output, methods=["GET"]),
+        Route("/v1/sessions/{session}/events", h.events, methods=["GET"]),
+        Route("/v1/sessions/{session}/signal", h.signal, methods=["POST"]),
+        Route("/v1/recover", h.recover, methods=["POST"]),
+    ]
+
+
+def create_app(home: str, tokens: TokenTable) -> Starlette:
+    """The ASGI app over the settled home ``home``; refuses an empty token table."""
+    if len(tokens) == 0:
+        raise ValueError("no token configured: the service never runs open")
+    service = Service(home, tokens)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: Starlette) -> AsyncIterator[None]:
+        await service.start()
+        try:
+            yield
+        finally:
+            service.stop()
+
+    return Starlette(
+        routes=routes(Handlers(service)),
+        middleware=[Middleware(BearerAuth, tokens=tokens)],
+        exception_handlers=EXCEPTION_HANDLERS,
+        lifespan=lifespan,
+    )

@@ -1,0 +1,138 @@
+"""How settled's typed errors answer over HTTP: one status code per error type, JSON bodies.
+
+Owns the table from error type to HTTP status (the HTTP twin of the CLI's exit codes) and the
+JSON body of every error: ``{"error": <type name>, "message": <text naming the value and the way
+out>, ...}`` plus the fields a client needs (both digests of a key conflict, the session that
+froze a task, the cursor and end of an out-of-range read).
+
+Must never: guess a status from a message, leak what a token may not see (a task outside the
+token's scope answers with the very body an unknown task does), or turn an unexpected exception
+into anything but a logged 500.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from settled.errors import (
+    AdmissionFrozen,
+    AdmissionSealed,
+    BadInput,
+    BoundaryUnavailable,
+    HomeUnusable,
+    KeyConflict,
+    NotSettled,
+    OwnerLaunchFailed,
+    SettledError,
+    StaleWrite,
+    UnknownSession,
+    UnknownTask,
+)
+from settled.log.reader import CursorOutOfRange
+
+log = logging.getLogger("settled.server")
+
+
+class NotPermitted(SettledError):
+    """The token is valid but its scope does not allow this (e.g. a scoped token creating a
+    task); answered 403."""
+
+
+class BodyTooLarge(BadInput):
+    """A request body over the limit; answered 413 before it is parsed."""
+
+
+# First match wins: subclasses before their bases.
+STATUS_OF: tuple[tuple[type[SettledError], int], ...] = (
+    (HomeUnusable, 500),
+    (UnknownTask, 404),
+    (UnknownSession, 404),
+    (KeyConflict, 409),
+    (AdmissionSealed, 409),
+    (StaleWrite, 409),
+    (AdmissionFrozen, 423),
+    (NotSettled, 202),
+    (NotPermitted, 403),
+    (BodyTooLarge, 413),
+    (BoundaryUnavailable, 400),
+    (BadInput, 400),
+    (OwnerLaunchFailed, 500),
+    (SettledError, 500),
+)
+
+
+def status_of(exc: SettledError) -> int:
+    for kind, status in STATUS_OF:
+        if isinstance(exc, kind):
+            return status
+    return 500
+
+
+def error_body(exc: SettledError) -> dict[str, Any]:
+    body: dict[str, Any] = dict(exc.to_json())
+    if isinstance(exc, AdmissionFrozen | AdmissionSealed):
+        body["task"] = exc.task
+    if isinstance(exc, AdmissionFrozen):
+        body["session"] = exc.session
+    if isinstance(exc, AdmissionSealed):
+        body["state"] = exc.state
+    if isinstance(exc, UnknownTask):
+        body["task"] = exc.task
+    if isinstance(exc, UnknownSession):
+        body["session"] = exc.session
+    if isinstance(exc, OwnerLaunchFailed):
+        body["retry"] = "retry with the same key: it returns this session, it never relaunches"
+    return body
+
+
+def settled_error(exc: SettledError) -> JSONResponse:
+    status = status_of(exc)
+    if status >= 500:
+        log.error("%s: %s", exc.kind, exc)
+    return JSONResponse(error_body(exc), status_code=status)
+
+
+def cursor_error(exc: CursorOutOfRange) -> JSONResponse:
+    body = {
+        "error": "CursorOutOfRange",
+        "message": f"{exc}; read from a cursor in [0, {exc.end}]",
+        "cursor": exc.cursor,
+        "end": exc.end,
+        "stream": exc.stream,
+    }
+    return JSONResponse(body, status_code=416, headers={"Content-Range": f"bytes */{exc.end}"})
+
+
+async def on_settled_error(_request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, SettledError)
+    return settled_error(exc)
+
+
+async def on_cursor_error(_request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, CursorOutOfRange)
+    return cursor_error(exc)
+
+
+async def on_http_exception(_request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    body = {"error": "HTTPError", "message": exc.detail}
+    return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
+
+
+async def on_unexpected(request: Request, exc: Exception) -> Response:
+    log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
+    body = {"error": "InternalError", "message": f"{type(exc).__name__}: {exc}"}
+    return JSONResponse(body, status_code=500)
+
+
+EXCEPTION_HANDLERS: dict[Any, Any] = {
+    SettledError: on_settled_error,
+    CursorOutOfRange: on_cursor_error,
+    HTTPException: on_http_exception,
+    Exception: on_unexpected,
+}

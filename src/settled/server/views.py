@@ -1,0 +1,143 @@
+"""What each endpoint asks the Runtime, as plain functions run on a worker thread.
+
+Owns: the scope check of every task and session a request names (outside the token's scope it
+is reported exactly as unknown), and the JSON each endpoint answers with. Every function takes
+the worker's ``Runtime`` first and the request's ``Grant`` second, and returns JSON-ready data.
+
+Must never: run on the event loop, wait without a bound (the close join's deadline bounds it
+and runs on a thread of its own), touch processes (the owner does; ``signal`` only asks it), or
+decide anything the Runtime decides (status, completion, reuse are the Runtime's answers).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from settled.errors import UnknownSession, UnknownTask
+from settled.home import log_path
+from settled.log.reader import stored_length
+from settled.runtime import Runtime
+from settled.server.auth import Grant
+from settled.server.errors import NotPermitted
+from settled.states import LIVE_STATES, SETTLED, UNKNOWN
+from settled.store import SessionRecord, TaskRecord
+
+ESCALATION = (
+    "TERM, KILL and INT are all delivered as a cancel of the session: its owner (not this "
+    "server, not the reader) sends TERM to the whole boundary, waits the session's grace, then "
+    "sends KILL, and writes the receipt; the signal actually sent is in the receipt's `exit`"
+)
+
+
+def visible_task(rt: Runtime, grant: Grant, task: str) -> TaskRecord:
+    if not grant.sees(task):
+        raise UnknownTask(task)
+    return rt.store.get_task(task)
+
+
+def visible_session(rt: Runtime, grant: Grant, session: str) -> SessionRecord:
+    record = rt.store.get_session(session)
+    if not grant.sees(record.task):
+        raise UnknownSession(session)
+    return record
+
+
+def new_task(rt: Runtime, grant: Grant, workspace: str | None, key: str | None) -> dict[str, Any]:
+    if not grant.creates_tasks:
+        raise NotPermitted(
+            f"this token is scoped to task(s) {grant.describe()} and cannot create tasks; "
+            'use a token whose scope is "*"'
+        )
+    return rt.new_task(workspace, key).to_json()
+
+
+def task_status(rt: Runtime, grant: Grant, task: str) -> dict[str, Any]:
+    visible_task(rt, grant, task)
+    return rt.task_status(task)
+
+
+def explain(rt: Runtime, grant: Grant, task: str) -> dict[str, Any]:
+    visible_task(rt, grant, task)
+    return rt.explain(task)
+
+
+def admit(rt: Runtime, grant: Grant, task: str, request: dict[str, Any]) -> dict[str, Any]:
+    """``Runtime.exec``: the store decides new (201) or reused (200); a conflict raises."""
+    visible_task(rt, grant, task)
+    return rt.exec(task, **request).to_json()
+
+
+def session_status(rt: Runtime, grant: Grant, session: str) -> dict[str, Any]:
+    visible_session(rt, grant, session)
+    return rt.session_status(session)
+
+
+def is_settled(view: dict[str, Any]) -> bool:
+    """As ``Runtime.wait`` decides: a receipt exists, or the session is unknown."""
+    return view["state"] == UNKNOWN or (view["state"] == SETTLED and "receipt" in view)
+
+
+def signal(
+    rt: Runtime, grant: Grant, session: str, name: str, reason: str | None
+) -> tuple[bool, dict[str, Any]]:
+    """(delivered, answer): a live session gets a cancel request; a finished one nothing."""
+    record = visible_session(rt, grant, session)
+    live = record.state in LIVE_STATES
+    view = rt.cancel(session, reason or f"SIG{name} requested over HTTP") if live else None
+    return live, {
+        "session": session,
+        "signal": name,
+        "delivered_as": "cancel" if live else "nothing (the session is not live)",
+        "escalation": ESCALATION,
+        "grace_s": record.spec.get("grace"),
+        "status": view if view is not None else rt.session_status(session),
+    }
+
+
+def close(
+    rt: Runtime, grant: Grant, task: str, final: str | None, deadline: float | None
+) -> tuple[bool, dict[str, Any]]:
+    visible_task(rt, grant, task)
+    result = rt.close_task(task, final, deadline)
+    return result.complete, result.to_json()
+
+
+def recover(rt: Runtime, grant: Grant, task: str | None) -> dict[str, Any]:
+    if task is not None:
+        visible_task(rt, grant, task)
+        return {"sessions": rt.recover(task)}
+    if grant.tasks is None:
+        return {"sessions": rt.recover()}
+    results: list[dict[str, Any]] = []
+    for mine in sorted(grant.tasks):
+        try:
+            rt.store.get_task(mine)
+        except UnknownTask:
+            continue
+        results += rt.recover(mine)
+    return {"sessions": results}
+
+
+# -- output ---------------------------------------------------------------------------------
+
+
+def stream_facts(
+    rt: Runtime, grant: Grant, session: str, stream: str
+) -> tuple[str, int | None, int]:
+    """(log path, final cursor or None while it may grow, bytes stored now).
+
+    The final cursor is asked before the size: it is published only once its bytes are in the
+    file, so the size read after it is never short of it.
+    """
+    visible_session(rt, grant, session)
+    final = rt.final_cursor(session, stream)
+    path = log_path(rt.home, session, stream)
+    return path, final, stored_length(path)
+
+
+def end_of_stream(rt: Runtime, session: str) -> dict[str, Any]:
+    """What the SSE `end` event carries: the process receipt, or (a session that stayed
+    unknown, so it has none) its status view, whose `why` says what recovery still needs."""
+    view = rt.session_status(session)
+    receipt = view.get("receipt")
+    return receipt if isinstance(receipt, dict) else view

@@ -1,0 +1,253 @@
+"""The MCP tools as an agent harness uses them: the SDK's own stdio client spawns
+`python -m settled.mcp_server --home DIR` (inheriting the environment, so the test marker reaches
+the server, its warm launcher and every owner) and calls the tools over JSON-RPC.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+from mcp import ClientSession, StdioServerParameters, stdio_client
+from mcp.types import CallToolResult, TextContent
+
+from settled.mcp_server import TOOL_NAMES, window_view
+
+FOUR_MIB = 4 * 1024 * 1024
+DIGITS = f"''.join(str(i % 10) for i in range({FOUR_MIB})) + chr(10)"
+DIGITS_LINE = f'python3 -c "import sys; sys.stdout.write({DIGITS})"'  # one 4 MiB line
+
+
+def _live(marker: str, needle: bytes) -> list[int]:
+    """Pids of live processes carrying this test's marker whose command line has `needle`."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as handle:
+                cmdline = handle.read()
+            with open(f"/proc/{entry}/environ", "rb") as handle:
+                environ = handle.read()
+            with open(f"/proc/{entry}/stat", "rb") as handle:
+                zombie = handle.read().rsplit(b")", 1)[1].split()[0] == b"Z"
+        except OSError:
+            continue
+        if marker.encode() in environ and needle in cmdline and not zombie:
+            found.append(int(entry))
+    return found
+
+
+@asynccontextmanager
+async def mcp_session(tmp_path: Path) -> AsyncIterator[ClientSession]:
+    params = StdioServerParameters(
+        command=sys.executable,
+        args=["-m", "settled.mcp_server", "--home", str(tmp_path / "home")],
+        env=dict(os.environ),  # the marker travels with it: conftest can end what it starts
+    )
+    with open(tmp_path / "mcp-server.stderr", "w") as errlog:
+        async with (
+            stdio_client(params, errlog=errlog) as (read, write),
+            ClientSession(read, write) as session,
+        ):
+            await session.initialize()
+            yield session
+
+
+def run_with_server(tmp_path: Path, body: Callable[[ClientSession], Awaitable[None]]) -> None:
+    """Run `body` against a fresh MCP server, then check the server process has exited."""
+
+    async def main() -> None:
+        async with mcp_session(tmp_path) as session:
+            await body(session)
+
+    anyio.run(main)
+    marker = os.environ["SETTLED_TEST_MARKER"]
+    deadline = time.monotonic() + 10
+    while _live(marker, b"settled.mcp_server") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _live(marker, b"settled.mcp_server") == [], "the MCP server outlived its stdin"
+
+
+async def call(client: ClientSession, tool: str, /, **arguments: Any) -> CallToolResult:
+    result = await client.call_tool(tool, arguments)
+    assert isinstance(result, CallToolResult)
+    return result
+
+
+def text_of(result: CallToolResult) -> str:
+    block = result.content[0]
+    assert isinstance(block, TextContent)
+    return block.text
+
+
+def data_of(result: CallToolResult) -> dict[str, Any]:
+    assert not result.is_error, text_of(result)
+    assert isinstance(result.structured_content, dict)
+    return result.structured_content
+
+
+async def new_task(session: ClientSession, tmp_path: Path) -> str:
+    workspace = tmp_path / "workspace"
+    workspace.mkdir(exist_ok=True)
+    task: str = data_of(await call(session, "new_task", workspace=str(workspace)))["task"]
+    return task
+
+
+@pytest.mark.timeout(60)
+def test_lists_every_tool_with_a_description_for_a_model(tmp_path: Path) -> None:
+    async def body(session: ClientSession) -> None:
+        tools = {tool.name: tool for tool in (await session.list_tools()).tools}
+        assert set(tools) == set(TOOL_NAMES)
+        for tool in tools.values():
+            assert tool.description and len(tool.description) > 80, tool.name
+        assert set(tools["run"].input_schema["required"]) == {"task", "command"}
+
+    run_with_server(tmp_path, body)
+
+
+@pytest.mark.timeout(120)
+def test_run_read_a_4_mib_line_from_a_cursor_wait_and_finish_complete(tmp_path: Path) -> None:
+    async def body(session: ClientSession) -> None:
+        task = await new_task(session, tmp_path)
+        admitted = data_of(await call(session, "run", task=task, command=DIGITS_LINE))
+        assert admitted["key"].startswith("k_") and admitted["reused"] is False
+        again = data_of(
+            await call(session, "run", task=task, command=DIGITS_LINE, key=admitted["key"])
+        )
+        assert again["session"] == admitted["session"] and again["reused"] is True
+
+        done = data_of(await call(session, "wait", session=admitted["session"], timeout=60))
+        assert done["settled"] and done["exit"]["code"] == 0 and done["death_proven"]
+        assert done["stdout_cursor"] == FOUR_MIB + 1
+
+        await reads_the_line_within_budgets(session, admitted["session"])
+
+        finished = data_of(await call(session, "finish", task=task, final="printed the line"))
+        assert finished["complete"] is True and finished["failed"] == []
+        assert finished["all_commands_succeeded"] is True and finished["manifest"]
+
+    run_with_server(tmp_path, body)
+
+
+async def reads_the_line_within_budgets(session: ClientSession, sid: str) -> None:
+    first = data_of(await call(session, "read_output", session=sid, cursor=0, budget=4096))
+    assert len(first["text"].encode()) <= 4096
+    assert first["next_cursor"] == FOUR_MIB + 1 and first["final"] is True
+    a, b = first["omitted"]
+    assert 0 < a < b < FOUR_MIB + 1
+    assert first["text"].startswith("0123456789"[:10])
+    assert f"cursor={a}" in first["text"]  # the marker says how to read what it left out
+
+    middle = data_of(await call(session, "read_output", session=sid, cursor=a, budget=64))
+    assert middle["cursor"] == a and middle["next_cursor"] == FOUR_MIB + 1
+    expected = "".join(str(i % 10) for i in range(a, a + 8))
+    whole = data_of(await call(session, "read_output", session=sid, cursor=b - 20, budget=4096))
+    assert whole["omitted"] is None and whole["final"] is True
+    assert whole["text"] == "".join(str(i % 10) for i in range(b - 20, FOUR_MIB)) + "\n"
+    tail = data_of(await call(session, "read_output", session=sid, cursor=a, budget=1 << 20))
+    assert tail["text"].startswith(expected)
+
+    end = data_of(await call(session, "read_output", session=sid, cursor=FOUR_MIB + 1))
+    assert end["text"] == "" and end["final"] is True
+
+
+@pytest.mark.timeout(90)
+def test_a_blocked_finish_names_the_authority_and_obligation(tmp_path: Path, marker: str) -> None:
+    from conftest import kill_marked
+
+    async def body(session: ClientSession) -> None:
+        task = await new_task(session, tmp_path)
+        escapee = "setsid sleep 600 & echo x"
+        sid = data_of(await call(session, "run", task=task, command=escapee, boundary="pgroup"))[
+            "session"
+        ]
+        waited = data_of(await call(session, "wait", session=sid, timeout=30))
+        assert waited["state"] == "unknown" and waited["death_proven"] is False
+        assert waited["settled"] is False and waited["still_running"] is False
+        result = await call(session, "finish", task=task, deadline=5)
+        blocked = data_of(result)
+        assert blocked["complete"] is False
+        assert blocked["blocked_on"]["authority"] == "recovery"
+        assert blocked["blocked_on"]["session"] == sid
+        assert text_of(result).startswith("NOT complete") and sid in text_of(result)
+
+    try:
+        run_with_server(tmp_path, body)
+    finally:
+        assert kill_marked(marker, b"sleep"), "the setsid escapee must still be alive here"
+
+
+@pytest.mark.timeout(60)
+def test_wait_returns_by_its_timeout_and_signal_stops_the_command(tmp_path: Path) -> None:
+    async def body(session: ClientSession) -> None:
+        task = await new_task(session, tmp_path)
+        sid = data_of(await call(session, "run", task=task, command=["sleep", "300"]))["session"]
+        started = time.monotonic()
+        still = data_of(await call(session, "wait", session=sid, timeout=0.5))
+        assert time.monotonic() - started < 5
+        assert still["settled"] is False and still["still_running"] is True
+        assert still["state"] == "running"
+
+        data_of(await call(session, "signal", session=sid, signal="KILL"))
+        done = data_of(await call(session, "wait", session=sid, timeout=30))
+        assert done["settled"] and done["exit"] and done["exit"]["reason"] == "cancelled", done
+
+    run_with_server(tmp_path, body)
+
+
+@pytest.mark.timeout(60)
+def test_errors_are_tool_errors_that_name_the_value(tmp_path: Path) -> None:
+    async def body(session: ClientSession) -> None:
+        unknown = await call(session, "read_output", session="s_nope")
+        assert unknown.is_error and "s_nope" in text_of(unknown)
+        task = await new_task(session, tmp_path)
+        sid = data_of(await call(session, "run", task=task, command="printf abc"))["session"]
+        data_of(await call(session, "wait", session=sid, timeout=30))
+        beyond = await call(session, "read_output", session=sid, cursor=99)
+        assert beyond.is_error and "99" in text_of(beyond) and "3 bytes" in text_of(beyond)
+        no_task = await call(session, "run", task="t_missing", command="true")
+        assert no_task.is_error and "t_missing" in text_of(no_task)
+        other = await call(session, "run", task=task, command="printf other", key=None)
+        data_of(other)
+        conflict = await call(
+            session, "run", task=task, command="printf else", key=data_of(other)["key"]
+        )
+        assert conflict.is_error and "KeyConflict" in text_of(conflict)
+
+    run_with_server(tmp_path, body)
+
+
+@pytest.mark.timeout(30)
+def test_the_window_view_keeps_budget_utf8_and_the_exact_omitted_range() -> None:
+    data = ("aé€😀" * 5000).encode()  # 1-, 2-, 3- and 4-byte characters
+    start, end = 1001, len(data) - 999
+    window = data[start:end]
+    for budget in (0, 10, 150, 200, 257, 1000, 4096, len(window) * 2):
+        view = window_view(
+            window[:budget],
+            window[-budget:] if budget else b"",
+            start,
+            end,
+            budget,
+            "stdout",
+            "s_x",
+        )
+        assert len(view.text.encode()) <= budget
+        assert "\ufffd" not in view.text  # every cut is on a character boundary
+        if view.omitted is None:
+            assert view.text == window.decode("utf-8", "replace")
+            continue
+        a, b = view.omitted
+        assert start <= a <= b <= end
+        if f"omitted stdout bytes {a}..{b}" in view.text:
+            head, _, rest = view.text.partition("\n[settled: omitted")
+            assert head.encode() == data[start:a]  # the head is exactly bytes [start, a)
+            assert rest.split("]\n", 1)[1].encode() == data[b:end]  # and the tail [b, end)
