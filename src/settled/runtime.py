@@ -224,8 +224,9 @@ class Runtime:
                 f"owner pid {owner.pid} has not renewed its lease for {late:.1f} s "
                 "(stopped, hung or starved)",
                 False,
+                process_alive=True,
             )
-        return OwnerFacts(True, None, True)
+        return OwnerFacts(True, None, True, process_alive=True)
 
     def session_status(self, session: str) -> dict[str, Any]:
         record = self.store.get_session(session)
@@ -262,10 +263,10 @@ class Runtime:
         try:
             while True:
                 view = self.session_status(session)
-                if view["state"] in (SETTLED, UNKNOWN) and (
-                    "receipt" in view or view["state"] == UNKNOWN
-                ):
+                if view["state"] == SETTLED and "receipt" in view:
                     return view
+                if view["state"] == UNKNOWN and not self._owner_still_runs(session):
+                    return view  # a stale lease alone is recovery's business, not a waiter's
                 now = time.monotonic()
                 if give_up is not None and now >= give_up:
                     raise NotSettled(
@@ -281,6 +282,13 @@ class Runtime:
         finally:
             if owner_fd is not None:
                 os.close(owner_fd)
+
+    def _owner_still_runs(self, session: str) -> bool:
+        record = self.store.get_session(session)
+        if record.state not in LIVE_STATES:
+            return False
+        facts = self.owner_facts(record)
+        return facts is not None and facts.process_alive
 
     def _owner_pidfd(self, session: str) -> int | None:
         record = self.store.get_session(session)

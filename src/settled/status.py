@@ -21,6 +21,7 @@ class OwnerFacts:
     alive: bool
     why: str | None
     lease_fresh: bool
+    process_alive: bool = False  # the pid still runs with its start time (lease aside)
 
 
 def session_status(record: SessionRecord, owner: OwnerFacts | None) -> dict[str, Any]:

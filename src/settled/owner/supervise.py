@@ -171,10 +171,12 @@ class Supervisor:
         self.outcome.reason = reason
         self.outcome.stop_decided = now
         self._stopping = True
-        self.settling()
         self._kill_at = now + self.grace
-        if self.grace > 0:  # with no grace, TERM one by one only delays the boundary's KILL
+        if self.grace > 0:
             self.boundary.signal_all(signal.SIGTERM)
+        else:  # no grace: KILL over the boundary now; TERM one by one would only delay it
+            self.boundary.kill_all()
+        self.settling()  # recorded after the signal, so the store's latency is not the kill's
 
     def _on_main_exit(self) -> None:
         """The main process is gone: whoever is left in the boundary is a straggler."""
