@@ -161,7 +161,6 @@ def _recovered_receipt(
         stream: _close_log(log_path(rt.home, record.session, stream))
         for stream in ("stdout", "stderr")
     }
-    watermark = journal.barrier(journal_socket(rt.home, record.task), timeout=2.0)
     never_ran = not evidence.observed.get("claimed", True) or evidence.boundary == "none"
     return process_receipt(
         session=record.session,
@@ -180,11 +179,7 @@ def _recovered_receipt(
         },
         output={**output, "drain": "complete" if never_ran else "incomplete"},
         stragglers=[],
-        terminal_mutation=(
-            {"seq": watermark.seq, "source": "journal", "trustworthy": watermark.trustworthy}
-            if watermark
-            else {"seq": None, "source": "none", "why": "the task's journal did not answer"}
-        ),
+        terminal_mutation=journal.terminal_mutation(journal_socket(rt.home, record.task)),
         owner={
             "pid": os.getpid(),
             "role": "recovery",

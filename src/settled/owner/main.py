@@ -246,15 +246,7 @@ class Owner:
         processes completed before it, so each is at or below this sequence number."""
         from settled.workspace import journal  # after evidence, off the launch path
 
-        socket = journal_socket(self.home, self.record.task)
-        watermark = journal.barrier(socket, timeout=2.0)
-        if watermark is None:
-            return {
-                "seq": None,
-                "source": "none",
-                "why": "the task's journal did not answer; the final scan covers this session",
-            }
-        return {"seq": watermark.seq, "source": "journal", "trustworthy": watermark.trustworthy}
+        return journal.terminal_mutation(journal_socket(self.home, self.record.task))
 
     def _receipt(self, **facts: Any) -> dict[str, Any]:
         usage = resource.getrusage(resource.RUSAGE_SELF)

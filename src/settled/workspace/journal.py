@@ -758,6 +758,19 @@ def barrier(socket_path: str, timeout: float = 2.0) -> Watermark | None:
     return _watermark_of(_request(socket_path, b"barrier\n", timeout))
 
 
+def terminal_mutation(socket_path: str, timeout: float = 2.0) -> dict[str, Any]:
+    """A process receipt's `terminal_mutation`: the barrier read after death evidence, so every
+    write of the session's processes is at or below `seq`; or why there is no sequence."""
+    watermark = barrier(socket_path, timeout)
+    if watermark is None:
+        return {
+            "seq": None,
+            "source": "none",
+            "why": "the task's journal did not answer; the final scan covers this session",
+        }
+    return {"seq": watermark.seq, "source": "journal", "trustworthy": watermark.trustworthy}
+
+
 def reset(socket_path: str, upto_seq: int, timeout: float = 2.0) -> Watermark | None:
     """Tell the journal a checkpoint covers `upto_seq`; returns the watermark after the reset."""
     return _watermark_of(_request(socket_path, f"reset {int(upto_seq)}\n".encode(), timeout))
