@@ -282,8 +282,19 @@ def settled_rig(name: str, launcher: str | None = None) -> Iterator[Rig]:
             yield rig
         finally:
             _settle_all(rig)
+            _stop_journals(home)
             runtime.close()
             _check_cgroups(rig.task)
+
+
+def _stop_journals(home: str) -> None:
+    """Every task starts a journal daemon; a benchmark that does not close its task ends it."""
+    import glob
+
+    from settled.workspace import journal
+
+    for sock in glob.glob(os.path.join(home, "run", "*", "journal.sock")):
+        journal.stop(sock)
 
 
 def _settle_all(rig: Rig) -> None:
