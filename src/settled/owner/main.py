@@ -94,6 +94,7 @@ class Owner:
         env = {**os.environ, **dict(self.spec.env)}
         env.pop("SETTLED_FAULT", None)
         started = time.monotonic()
+        self.timings["spawned_at"] = time.time()  # the wall-clock twin of `started`
         try:
             pid = boundary.start(self.spec.exec_argv, cwd, env, ChildIO(stdin_fd, out_w, err_w))
         except SpawnFailed as exc:
@@ -104,7 +105,6 @@ class Owner:
             return self._never_ran("not_started", exc.stage, str(exc), streams)
         for fd in (stdin_fd, out_w, err_w):
             os.close(fd)
-        self.timings["spawned_at"] = time.time()
         self.store.record_launch(
             record.session,
             self.generation,
