@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import kill_marked
+from conftest import ESCAPEE, kill_marked
 
 SETTLED = [sys.executable, "-m", "settled.cli"]
 
@@ -234,7 +234,7 @@ def test_a_pgroup_session_is_never_proven_dead(cli: CLI, task: dict, marker: str
         "--grace",
         "0.5",
         "--",
-        "setsid sleep 600 & echo escaped",
+        ESCAPEE,
     )
     try:
         done = cli.run("wait", admitted["session"], "--json")

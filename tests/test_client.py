@@ -23,6 +23,7 @@ from typing import Any
 import anyio
 import httpx
 import pytest
+from conftest import ESCAPEE
 
 from settled.client import (
     AsyncClient,
@@ -263,7 +264,7 @@ def test_a_blocked_close_raises_blocked_naming_authority_and_obligation(
     from conftest import kill_marked
 
     task = client.new_task(workspace)["task"]
-    admitted = client.exec(task, shell="setsid sleep 600 & echo x", boundary="pgroup", grace=0.2)
+    admitted = client.exec(task, shell=ESCAPEE, boundary="pgroup", grace=0.2)
     try:
         assert client.wait(admitted.session, timeout=30)["state"] == "unknown"
         with pytest.raises(Blocked) as blocked:

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import ESCAPEE
 
 from settled.errors import AdmissionSealed, StaleWrite
 from settled.faults import ALL_POINTS, CHECKPOINT_POINTS, CLOSE_POINTS
@@ -180,9 +181,7 @@ def test_a_session_without_death_evidence_blocks_close_naming_it(
 ) -> None:
     from conftest import kill_marked
 
-    admission = rt.exec(
-        task.task, shell="setsid sleep 600 & echo x", key="pg", boundary="pgroup", grace=0.2
-    )
+    admission = rt.exec(task.task, shell=ESCAPEE, key="pg", boundary="pgroup", grace=0.2)
     rt.wait(admission.session, timeout=30)
     try:
         result = rt.close_task(task.task)
@@ -351,7 +350,7 @@ def test_task_status_is_computed_from_the_close_facts(
     from conftest import kill_marked
 
     assert rt.task_status(task.task)["state"] == "open"
-    admission = rt.exec(task.task, shell="setsid sleep 600 & true", boundary="pgroup", key="p")
+    admission = rt.exec(task.task, shell=ESCAPEE, boundary="pgroup", key="p")
     rt.wait(admission.session, timeout=30)
     try:
         rt.close_task(task.task)

@@ -15,6 +15,7 @@ from typing import Any
 
 import anyio
 import pytest
+from conftest import ESCAPEE
 from mcp import ClientSession, StdioServerParameters, stdio_client
 from mcp.types import CallToolResult, TextContent
 
@@ -165,7 +166,7 @@ def test_a_blocked_finish_names_the_authority_and_obligation(tmp_path: Path, mar
 
     async def body(session: ClientSession) -> None:
         task = await new_task(session, tmp_path)
-        escapee = "setsid sleep 600 & echo x"
+        escapee = ESCAPEE
         sid = data_of(await call(session, "run", task=task, command=escapee, boundary="pgroup"))[
             "session"
         ]
