@@ -5,7 +5,6 @@ Each test is one of issue 3's probes, run with real processes, a real journal an
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import stat
@@ -282,31 +281,8 @@ def test_each_owner_fault_point_kills_the_owner_there_and_leaves_it_unknown(
     view = rt.session_status(session)
     assert view["state"] == "unknown", (point, view["state"])
     assert record.receipt is None, "a crashed owner never leaves a receipt"
-    _end_orphaned_cgroup(rt.store.get_session(session).boundary_ref, task.task)
-    rt.store._db.execute("UPDATE sessions SET state='unknown' WHERE session=?", (session,))
-
-
-def _end_orphaned_cgroup(ref: str | None, task: str) -> None:
-    """Recovery is the next issue; until then the test ends what its crashed owner left."""
-    from settled.boundary.cgroup2 import ROOT_DIR_NAME, find_hierarchy
-
-    path = ref or ""
-    if not path:
-        root = os.path.join(find_hierarchy(), ROOT_DIR_NAME, task)
-        path = (
-            next((os.path.join(root, d) for d in os.listdir(root) if d.startswith("s_")), "")
-            if os.path.isdir(root)
-            else ""
-        )
-    if path and os.path.isdir(path):
-        Path(path, "cgroup.kill").write_text("1")
-        while "populated 1" in Path(path, "cgroup.events").read_text():
-            pass
-        os.rmdir(path)
-    for parent in (os.path.dirname(path), os.path.dirname(os.path.dirname(path))):
-        if parent and os.path.isdir(parent):
-            with contextlib.suppress(OSError):
-                os.rmdir(parent)
+    [recovered] = rt.recover(task.task)  # the runtime ends what the crashed owner left
+    assert recovered["state"] == "settled", recovered
 
 
 def test_an_incremental_checkpoint_follows_the_change_and_matches_a_full_one(
