@@ -19,30 +19,35 @@ __all__ = ["Boundary", "BoundaryUnavailable", "Evidence", "availability", "choos
 STRENGTH_ORDER = ("cgroup2", "pidns", "subreaper")
 
 
+def _unavailable(kind: str) -> str | None:
+    """Why this machine cannot give `kind`, or None when it can (probes only that kind)."""
+    if kind == "cgroup2":
+        try:
+            find_hierarchy()
+        except BoundaryUnavailable as exc:
+            return str(exc)
+        return None
+    if kind == "pidns":
+        return None if has_cap_sys_admin() else "pidns: needs CAP_SYS_ADMIN"
+    if kind in ("subreaper", "pgroup"):
+        return None
+    raise BoundaryUnavailable(f"unknown boundary {kind!r}")
+
+
 def availability() -> dict[str, str | None]:
     """Each boundary kind mapped to None when usable, else the reason it is not."""
-    reasons: dict[str, str | None] = {}
-    try:
-        find_hierarchy()
-        reasons["cgroup2"] = None
-    except BoundaryUnavailable as exc:
-        reasons["cgroup2"] = str(exc)
-    reasons["pidns"] = None if has_cap_sys_admin() else "pidns: needs CAP_SYS_ADMIN"
-    reasons["subreaper"] = None
-    reasons["pgroup"] = None
-    return reasons
+    return {kind: _unavailable(kind) for kind in (*STRENGTH_ORDER, "pgroup")}
 
 
 def choose(policy: str) -> str:
-    reasons = availability()
+    """Probe only what the policy needs: `auto` stops at the first that gives evidence (it runs
+    at admission and again in every owner, so probing everything each time was wasted work)."""
     if policy == "auto":
         for kind in STRENGTH_ORDER:
-            if reasons[kind] is None:
+            if _unavailable(kind) is None:
                 return kind
         raise BoundaryUnavailable("no boundary that gives death evidence is available")
-    if policy not in reasons:
-        raise BoundaryUnavailable(f"unknown boundary {policy!r}")
-    reason = reasons[policy]
+    reason = _unavailable(policy)
     if reason is not None:
         raise BoundaryUnavailable(reason)
     return policy

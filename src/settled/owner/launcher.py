@@ -1,9 +1,10 @@
 """Starting a session owner, detached from whoever asked for it.
 
-The owner is a fresh `python -I -S` (about 10 ms, against ~47 ms for a default interpreter) with
+The owner is a fresh `python -I -S` (10 ms to start, against ~47 ms for a default interpreter) with
 only settled and blake3 on its path. It forks once so the launcher reaps its first process at
 once and never leaves a zombie; the real owner is re-parented away from the caller and outlives
-the request, the CLI and any reader. A readiness pipe reports when the command runs.
+the request, the CLI and any reader. A readiness pipe reports when the command runs. Its imports
+cost ~50 ms more here (bench/admission.py): a long-lived caller uses the zygote instead.
 """
 
 from __future__ import annotations

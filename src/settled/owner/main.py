@@ -2,7 +2,8 @@
 
 Owns one session from claim to receipt: claim (CAS with pid, start time, boot id and a lease),
 boundary, spawn, supervision, evidence, receipt. Imports only the standard library, sqlite3 and
-blake3 so it starts in ~10 ms; never imports the CLI, the HTTP stack or anything heavy.
+blake3 (about 10 ms of interpreter and ~50 ms of imports here, bench/admission.py); never imports
+the CLI, the HTTP stack or anything heavy.
 Exit status is for the log only: the receipt in the store is the answer.
 """
 
