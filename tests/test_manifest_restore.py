@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import socket
 import stat
+import time
 from pathlib import Path
 
 import pytest
@@ -15,10 +16,10 @@ from settled.workspace.manifest import (
     Manifest,
     ManifestCorrupt,
     ManifestInvalid,
-    MissingBlob,
-    build_manifest,
+    MissingObject,
     read_manifest,
     verify_manifest,
+    verify_published,
     write_manifest,
 )
 from settled.workspace.objects import LocalObjectStore
@@ -59,13 +60,15 @@ def make_workspace(root: Path) -> Path:
 def checkpoint(
     store: LocalObjectStore, workspace: Path, *, watermark: int | None = None, generation: int = 0
 ) -> str:
-    result = scan(workspace, store=store)
-    manifest = build_manifest(result.index, watermark=watermark, generation=generation)
-    return write_manifest(store, manifest)
+    index = scan(workspace, store=store).index
+    return write_manifest(
+        store, index.algorithm, index.root, watermark=watermark, generation=generation
+    )
 
 
 def tree_of(root: Path) -> Manifest:
-    return build_manifest(scan(root).index)
+    index = scan(root).index
+    return Manifest(index.algorithm, tuple(e.without_stat() for e in index.entries))
 
 
 def test_the_manifest_id_is_the_hash_of_its_canonical_bytes_and_deterministic(
@@ -83,38 +86,49 @@ def test_the_manifest_id_is_the_hash_of_its_canonical_bytes_and_deterministic(
     assert checkpoint(store, first, watermark=8, generation=2) != manifest_id
 
 
-def test_the_manifest_has_no_stat_cache(store: LocalObjectStore, tmp_path: Path) -> None:
-    (tmp_path / "ws").mkdir()
-    (tmp_path / "ws" / "f").write_bytes(b"x")
-    raw = store.read(checkpoint(store, tmp_path / "ws"))
-    assert b"ino" not in raw and b"mtime" not in raw and b"ctime" not in raw
-    assert set(read_manifest(store, checkpoint(store, tmp_path / "ws")).to_dict()) == {
-        "v", "algorithm", "entries", "parent", "watermark", "generation",
+def test_neither_manifest_nor_tree_has_stat_cache(store: LocalObjectStore, tmp_path: Path) -> None:
+    (tmp_path / "ws" / "d").mkdir(parents=True)
+    (tmp_path / "ws" / "d" / "f").write_bytes(b"x")
+    manifest_id = checkpoint(store, tmp_path / "ws")
+    manifest = read_manifest(store, manifest_id)
+    trees = {e.tree for e in manifest.entries if e.tree is not None}
+    assert len(trees) == 2
+    for raw in [store.read(manifest_id), *(store.read(tree) for tree in trees)]:
+        assert b"ino" not in raw and b"mtime" not in raw and b"ctime" not in raw
+        assert b"node" not in raw and b"trusted" not in raw
+    assert set(manifest.to_dict()) == {
+        "v", "algorithm", "root", "parent", "watermark", "generation",
     }  # fmt: skip
 
 
-def test_reading_back_refuses_a_corrupted_manifest_object(
+def test_reading_back_refuses_a_corrupted_manifest_or_tree(
     store: LocalObjectStore, tmp_path: Path
 ) -> None:
     manifest_id = checkpoint(store, make_workspace(tmp_path / "ws"))
-    path = store.path_of(manifest_id)
-    os.chmod(path, 0o644)
-    Path(path).write_bytes(Path(path).read_bytes().replace(b'"mode":420', b'"mode":511', 1))
-    with pytest.raises(ManifestCorrupt, match=manifest_id):
-        read_manifest(store, manifest_id)
-    assert not verify_manifest(store, manifest_id).ok
+    tree = {e.path: e.tree for e in read_manifest(store, manifest_id).entries}["src/pkg"]
+    assert tree is not None
+    for object_id, old, new in [(tree, b'"mode":420', b'"mode":511'), (manifest_id, b"{", b" {")]:
+        path = store.path_of(object_id)
+        original = Path(path).read_bytes()
+        os.chmod(path, 0o644)
+        Path(path).write_bytes(original.replace(old, new, 1))
+        with pytest.raises(ManifestCorrupt, match=object_id):
+            read_manifest(store, manifest_id)
+        assert not verify_manifest(store, manifest_id).ok
+        Path(path).write_bytes(original)
+    assert verify_manifest(store, manifest_id).ok
 
 
-def test_a_manifest_naming_a_missing_blob_is_never_written(
+def test_a_manifest_whose_trees_are_not_published_is_never_written(
     store: LocalObjectStore, tmp_path: Path
 ) -> None:
     (tmp_path / "ws").mkdir()
     (tmp_path / "ws" / "unpublished").write_bytes(b"only on disk")
-    manifest = build_manifest(scan(tmp_path / "ws").index)  # scanned without a store
-    missing = digest_bytes(DEFAULT_ALGORITHM, b"only on disk")
-    with pytest.raises(MissingBlob, match=f"{missing} of 'unpublished'"):
-        write_manifest(store, manifest)
-    assert not store.has(manifest.id)
+    index = scan(tmp_path / "ws").index  # scanned without a store
+    assert index.root.tree is not None
+    with pytest.raises(MissingObject, match=f"root tree {index.root.tree}"):
+        write_manifest(store, index.algorithm, index.root)
+    assert os.listdir(store.root) == ["tmp"]  # nothing was written
 
 
 def test_verify_names_a_tampered_blob_and_its_paths(
@@ -243,3 +257,86 @@ def test_restore_itself_never_traverses_a_symlink_it_created(
     with pytest.raises(UnsafePath, match="'link/evil'"):
         restore(store, blob, tmp_path / "dest")
     assert os.listdir(outside) == [] and not (tmp_path / "dest").exists()
+
+
+def _put_tree(store: LocalObjectStore, entries: list[dict[str, object]]) -> str:
+    raw = {"v": "settled.tree/v1", "algorithm": DEFAULT_ALGORITHM, "entries": entries}
+    return store.put_bytes(canonical_bytes(raw))
+
+
+def _put_head(store: LocalObjectStore, root_tree: str) -> str:
+    raw = {"v": "settled.manifest/v2", "algorithm": DEFAULT_ALGORITHM,
+           "root": {"mode": 0o755, "tree": root_tree}, "parent": None, "watermark": None,
+           "generation": 0}  # fmt: skip
+    return store.put_bytes(canonical_bytes(raw))
+
+
+def test_restore_refuses_tree_names_that_could_climb_out(
+    store: LocalObjectStore, tmp_path: Path
+) -> None:
+    blob = store.put_bytes(b"evil")
+    file = {"type": "file", "mode": 0o644, "size": 4, "digest": blob}
+    empty = _put_tree(store, [])
+    bad_trees = [
+        [{**file, "name": ".."}],
+        [{**file, "name": "a/b"}],
+        [{**file, "name": ""}],
+        [{**file, "name": "."}],
+        [{**file, "name": "x\0y"}],
+        [{"name": "d", "type": "dir", "mode": 0o755, "size": 0}],  # a directory without a tree
+        [{"name": "d", "type": "dir", "mode": 0o755, "size": 0, "tree": empty, "digest": blob}],
+        [{**file, "name": "b"}, {**file, "name": "a"}],  # not sorted
+        [{**file, "name": "a"}, {**file, "name": "a"}],  # not unique
+    ]
+    for number, entries in enumerate(bad_trees):
+        manifest_id = _put_head(store, _put_tree(store, entries))
+        with pytest.raises(ManifestInvalid):
+            restore(store, manifest_id, tmp_path / f"dest{number}")
+        assert not (tmp_path / f"dest{number}").exists()
+    assert sorted(os.listdir(tmp_path)) == ["objects"]
+
+
+def test_identical_directories_restore_from_one_shared_tree(
+    store: LocalObjectStore, tmp_path: Path
+) -> None:
+    workspace = tmp_path / "ws"
+    for name in ("a", "b"):
+        (workspace / name / "sub").mkdir(parents=True)
+        (workspace / name / "sub" / "f").write_bytes(b"same")
+    manifest_id = checkpoint(store, workspace)
+    restore(store, manifest_id, tmp_path / "dest")
+    assert tree_of(tmp_path / "dest") == tree_of(workspace)
+    assert (tmp_path / "dest" / "b" / "sub" / "f").read_bytes() == b"same"
+
+
+def test_the_read_back_checks_what_the_checkpoint_published_and_what_it_reuses(
+    store: LocalObjectStore, tmp_path: Path
+) -> None:
+    workspace = tmp_path / "ws"
+    for d in range(5):
+        (workspace / f"d{d}").mkdir(parents=True)
+        (workspace / f"d{d}" / "f").write_bytes(b"%d" % d)
+    time.sleep(0.05)
+    first = scan(workspace, store=store)
+    (workspace / "d3" / "f").write_bytes(b"changed")
+    second = scan(workspace, first.index, store, only={"d3"})
+    index = second.index
+    manifest_id = write_manifest(store, index.algorithm, index.root)
+    result = verify_published(store, manifest_id, second.trees, second.blobs)
+    assert result.ok, result.problems
+    assert (result.trees_checked, result.checked, result.present_checked) == (2, 1, 4)
+
+    reused = first.index.by_path["d1"].tree
+    assert reused is not None
+    os.rename(store.path_of(reused), store.path_of(reused) + ".away")
+    missing = verify_published(store, manifest_id, second.trees, second.blobs)
+    assert [(p.digest, p.problem) for p in missing.problems] == [(reused, "missing")]
+    os.rename(store.path_of(reused) + ".away", store.path_of(reused))
+
+    blob = digest_bytes(DEFAULT_ALGORITHM, b"changed")
+    os.chmod(store.path_of(blob), 0o644)
+    Path(store.path_of(blob)).write_bytes(b"CHANGED")
+    tampered = verify_published(store, manifest_id, second.trees, second.blobs)
+    assert [(p.digest, p.problem, p.paths) for p in tampered.problems] == [
+        (blob, "mismatch", ("d3/f",))
+    ]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import threading
 import time
@@ -12,7 +11,8 @@ import pytest
 
 from settled.workspace import scan as scan_module
 from settled.workspace.hashing import DEFAULT_ALGORITHM, digest_bytes
-from settled.workspace.manifest import Entry, Index
+from settled.workspace.index import Index
+from settled.workspace.manifest import Entry
 from settled.workspace.objects import DurabilityError, LocalObjectStore
 from settled.workspace.scan import ScanResult, TornRead, scan
 
@@ -35,6 +35,18 @@ def entry(result: ScanResult, path: str) -> Entry:
     return result.index.by_path[path]
 
 
+def observed(result: ScanResult) -> list[Entry]:
+    """Every entry with its content and stat, but not the stat-cache node it came from (a node
+    carries the racy cutoff of the scan that listed it, so two scans' nodes differ)."""
+    return [e._replace(node=None) for e in result.index.entries]
+
+
+def cutoff(result: ScanResult) -> int:
+    node = result.index.node(".")
+    assert node is not None
+    return node.trusted_before_ns
+
+
 def test_unchanged_files_are_not_read_again(tmp_path: Path) -> None:
     make_tree(tmp_path, files=20)
     settle()
@@ -51,7 +63,9 @@ def test_the_stat_cache_is_trusted_when_the_stat_matches_and_is_old(tmp_path: Pa
     settle()
     first = scan(tmp_path)
     bogus = entry(first, "f")._replace(digest=digest_bytes(DEFAULT_ALGORITHM, b"x"))
-    cached = dataclasses.replace(first.index, entries=(entry(first, "."), bogus))
+    cached = Index.from_entries(
+        DEFAULT_ALGORITHM, [entry(first, "."), bogus], trusted_before_ns=cutoff(first)
+    )
     assert entry(scan(tmp_path, cached), "f").digest == bogus.digest  # not re-read
 
 
@@ -60,7 +74,9 @@ def test_a_stat_match_at_or_after_the_previous_scan_start_is_rehashed(tmp_path: 
     first = scan(tmp_path)
     real = entry(first, "f")
     bogus = real._replace(digest=digest_bytes(DEFAULT_ALGORITHM, b"x"))
-    racy = Index(DEFAULT_ALGORITHM, real.mtime_ns, real.mtime_ns, (entry(first, "."), bogus))
+    racy = Index.from_entries(
+        DEFAULT_ALGORITHM, [entry(first, "."), bogus], trusted_before_ns=real.mtime_ns
+    )
     again = scan(tmp_path, racy)
     assert entry(again, "f").digest == real.digest
     assert again.stats.files_hashed == 1 and again.stats.entries_reused == 0
@@ -211,7 +227,8 @@ def test_incremental_mode_relists_only_dirty_dirs_and_matches_a_full_scan(tmp_pa
     dirty = {"d0", "d1", "d2"}
     incremental = scan(tmp_path, before.index, only=dirty)
     full = scan(tmp_path, before.index)
-    assert incremental.index.entries == full.index.entries
+    assert observed(incremental) == observed(full)
+    assert incremental.index.root.tree == full.index.root.tree
     assert incremental.stats.dirs_listed == len(dirty) + 2  # and the new fresh, fresh/inner
     assert full.stats.dirs_listed == 8
     assert incremental.stats.entries_carried == 2  # quiet and quiet/deep: never listed
@@ -225,16 +242,19 @@ def test_an_incremental_scan_escalates_a_dirty_dir_that_is_gone(tmp_path: Path) 
     (tmp_path / "a" / "b").rmdir()
     (tmp_path / "a" / "b").symlink_to("/")  # a dirty set naming only the replaced directory
     incremental = scan(tmp_path, before.index, only={"a/b"})
-    assert incremental.index.entries == scan(tmp_path).index.entries
+    assert observed(incremental) == observed(scan(tmp_path))
     assert entry(incremental, "a/b").type == "symlink"
 
 
-def test_the_index_round_trips_through_bytes(tmp_path: Path) -> None:
-    make_tree(tmp_path, files=4)
-    (tmp_path / "link").symlink_to("d0")
-    os.mkfifo(tmp_path / "fifo")
-    index = scan(tmp_path).index
-    assert Index.from_bytes(index.to_bytes()) == index
+def test_the_index_round_trips_through_its_objects(tmp_path: Path) -> None:
+    workspace, store = tmp_path / "ws", LocalObjectStore(tmp_path / "objects")
+    make_tree(workspace, files=4)
+    (workspace / "link").symlink_to("d0")
+    os.mkfifo(workspace / "fifo")
+    index = scan(workspace, store=store).index
+    again = Index.from_bytes(index.to_bytes(), store)
+    assert again.entries == index.entries and again.root == index.root
+    assert again.count == len(index.entries) == 10
 
 
 def test_a_failed_fsync_while_publishing_fails_the_scan(
@@ -254,3 +274,87 @@ def test_a_failed_fsync_while_publishing_fails_the_scan(
         store.has(digest_bytes(DEFAULT_ALGORITHM, b"content %d\n" % i)) for i in range(5)
     )
     assert os.listdir(store.temp_dir) == []
+
+
+class CountingReader:
+    """An object store reader that records which objects a scan loaded."""
+
+    def __init__(self, store: LocalObjectStore) -> None:
+        self.store, self.reads = store, []  # type: ignore[var-annotated]
+
+    def read(self, digest: str) -> bytes:
+        self.reads.append(digest)
+        return self.store.read(digest)
+
+
+def test_an_incremental_scan_loads_and_builds_only_the_changed_path(tmp_path: Path) -> None:
+    workspace, store = tmp_path / "ws", LocalObjectStore(tmp_path / "objects")
+    for d in range(20):
+        (workspace / f"d{d:02d}" / "deep").mkdir(parents=True)
+        for f in range(5):
+            (workspace / f"d{d:02d}" / f"f{f}").write_bytes(b"%d/%d" % (d, f))
+    settle()
+    before = scan(workspace, store=store)
+    (workspace / "d07" / "f3").write_bytes(b"changed")
+    reader = CountingReader(store)
+    cold = Index.from_bytes(before.index.to_bytes(), reader)  # a new process: nothing loaded
+    incremental = scan(workspace, cold, store, only={"d07"})
+    root_node, d07_node = before.index.node("."), before.index.node("d07")
+    assert root_node is not None and d07_node is not None
+    assert reader.reads == [root_node.ref, d07_node.ref]
+    assert (incremental.stats.dirs_listed, incremental.stats.files_hashed) == (1, 1)
+    assert (incremental.stats.trees_built, incremental.stats.nodes_built) == (2, 2)
+    assert sorted(incremental.trees.values()) == [".", "d07"]
+    assert incremental.stats.entries_carried == incremental.index.count - 1 - 1 - 6
+    assert observed(incremental) == observed(scan(workspace))
+    assert all(store.has(tree) for tree in incremental.trees)
+
+
+def test_a_rescan_of_an_unchanged_tree_builds_no_node_and_no_tree(tmp_path: Path) -> None:
+    workspace, store = tmp_path / "ws", LocalObjectStore(tmp_path / "objects")
+    make_tree(workspace, files=12)
+    settle()
+    first = scan(workspace, store=store)
+    again = scan(workspace, first.index, store)
+    assert (again.stats.nodes_built, again.stats.trees_built, again.stats.files_hashed) == (0, 0, 0)
+    assert again.index.root == first.index.root and again.trees == {}
+
+
+def test_a_racy_entry_is_rehashed_once_then_trusted(tmp_path: Path) -> None:
+    (tmp_path / "quiet").write_bytes(b"q")
+    settle()
+    (tmp_path / "fresh").write_bytes(b"written just before the scan")
+    first = scan(tmp_path)  # "fresh" is racy: its mtime is not older than this scan's cutoff
+    settle()
+    second = scan(tmp_path, first.index)
+    third = scan(tmp_path, second.index)
+    assert (second.stats.files_hashed, second.stats.entries_reused) == (1, 1)
+    assert second.stats.nodes_built == 1 and second.stats.trees_built == 0  # same content
+    assert cutoff(second) > cutoff(first)
+    assert (third.stats.files_hashed, third.stats.nodes_built) == (0, 0)
+
+
+def test_identical_directories_share_one_tree(tmp_path: Path) -> None:
+    for name in ("a", "b"):
+        (tmp_path / name / "sub").mkdir(parents=True)
+        (tmp_path / name / "sub" / "f").write_bytes(b"same")
+    result = scan(tmp_path)
+    assert entry(result, "a").tree == entry(result, "b").tree
+    assert entry(result, "a/sub").tree == entry(result, "b/sub").tree
+    assert sorted(result.trees.values()) == [".", "a", "a/sub"]  # one path named per tree
+
+
+def test_an_unreadable_stat_cache_node_is_refused_not_trusted(tmp_path: Path) -> None:
+    from settled.workspace.manifest import IndexMismatch
+
+    workspace, store = tmp_path / "ws", LocalObjectStore(tmp_path / "objects")
+    make_tree(workspace, files=3)
+    first = scan(workspace, store=store)
+    node = first.index.node("d0")
+    assert node is not None
+    path = store.path_of(node.ref)
+    os.chmod(path, 0o644)
+    Path(path).write_bytes(Path(path).read_bytes().replace(b"f0.txt", b"f9.txt"))
+    cold = Index.from_bytes(first.index.to_bytes(), store)
+    with pytest.raises(IndexMismatch, match=f"{node.ref} of 'd0'"):
+        scan(workspace, cold, store)

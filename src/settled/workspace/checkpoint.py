@@ -1,10 +1,11 @@
 """The workspace service: the only writer of checkpoints.
 
 Owns the task's journal daemon (started with the task, stopped when the close releases it), the
-final scan (a full stat-cache scan that publishes blobs as it reads), and the checkpoint: the
-manifest written last, read back by its exact id, every blob this checkpoint added re-hashed,
-and the receipt recorded under the runtime generation (the store refuses a fenced one).
-Never touches processes and never decides a task's state.
+final scan (a full stat-cache scan that publishes blobs as it reads, then the trees and
+stat-cache nodes of the directories that changed), and the checkpoint: the manifest written
+last, read back by its exact id, every tree and blob this checkpoint published re-hashed, every
+subtree it reuses present, and the receipt recorded under the runtime generation (the store
+refuses a fenced one). Never touches processes and never decides a task's state.
 """
 
 from __future__ import annotations
@@ -23,14 +24,10 @@ from settled.receipts import seal
 from settled.store import SessionRecord, TaskRecord
 from settled.store.sqlite import SQLiteStore
 from settled.workspace import journal
-from settled.workspace.manifest import (
-    Index,
-    build_manifest,
-    verify_manifest,
-    write_manifest,
-)
-from settled.workspace.objects import LocalObjectStore
-from settled.workspace.scan import scan
+from settled.workspace.index import Index
+from settled.workspace.manifest import IndexMismatch, verify_published, write_manifest
+from settled.workspace.objects import LocalObjectStore, ObjectMissing
+from settled.workspace.scan import ScanResult, scan
 
 CHECKPOINT_RECEIPT_VERSION = "settled.receipt.checkpoint/v1"
 
@@ -60,32 +57,38 @@ class WorkspaceService:
     # -- the final scan and the checkpoint ------------------------------------------------
 
     def final_scan(self, task: TaskRecord, *, incremental: bool = False) -> dict[str, Any]:
-        """Scan after every session's death evidence; blobs are durable when this returns.
+        """Scan after every session's death evidence; blobs, trees and nodes are durable when
+        this returns.
 
         Full by default (what a close must do: the watcher is a hint, the scan is the proof).
         `incremental` re-lists only the directories the journal saw change since the last
         checkpoint, and only when the journal vouches for that whole interval; otherwise full.
+        A stat cache that cannot be read is not an error: the scan runs without it, and says so.
         """
         watermark = journal.barrier(self.socket(task))
         started_at = time.time()
         latest = self.store.latest_checkpoint(task.task)
-        previous = self._index(latest[1]) if latest and latest[1] else None
+        previous, cache = self._previous(latest[1] if latest else None)
         only = None
         if incremental and previous is not None and watermark is not None:
             only = watermark.dirty_dirs if watermark.trustworthy else None
-        result = scan(task.workspace, previous, self.objects, only=only)
+        try:
+            result = scan(task.workspace, previous, self.objects, only=only)
+        except IndexMismatch as error:
+            cache, only = f"unusable, scanned without it: {error}", None
+            result = scan(task.workspace, None, self.objects)
         faults.point("checkpoint.after_blobs")
         index_ref = self.objects.put_bytes(result.index.to_bytes())
         self._indexes = {index_ref: result.index}  # the checkpoint step reads it next
-        added = _file_digests(result.index) - (_file_digests(previous) if previous else set())
         return {
-            "added_ref": self.objects.put_bytes(canonical_bytes(sorted(added))),
+            "published_ref": self.objects.put_bytes(canonical_bytes(_published(result))),
             "started_at": started_at,
             "watermark": watermark.seq if watermark else None,
             "journal": watermark.to_json() if watermark else {"running": False},
             "parent": latest[0]["manifest"] if latest else None,
             "index_ref": index_ref,
-            "entries": len(result.index.entries),
+            "stat_cache": cache,
+            "entries": result.index.count,
             "mode": "full" if only is None else "incremental",
             "stats": dataclasses.asdict(result.stats),
         }
@@ -102,17 +105,20 @@ class WorkspaceService:
         self, task: TaskRecord, scan_fact: dict[str, Any], sessions: list[SessionRecord]
     ) -> dict[str, Any]:
         index = self._index(scan_fact["index_ref"])
-        manifest = build_manifest(
-            index,
+        manifest_id = write_manifest(
+            self.objects,
+            index.algorithm,
+            index.root,
             parent=scan_fact["parent"],
             watermark=scan_fact["watermark"],
             generation=task.generation,
         )
-        manifest_id = write_manifest(self.objects, manifest)
         faults.point("checkpoint.after_manifest")
         faults.point("checkpoint.before_read_back")
-        added = json.loads(self.objects.read(scan_fact["added_ref"]))
-        verification = verify_manifest(self.objects, manifest_id, added)
+        published = json.loads(self.objects.read(scan_fact["published_ref"]))
+        verification = verify_published(
+            self.objects, manifest_id, published["trees"], published["blobs"]
+        )
         if not verification.ok:
             problems = verification.manifest_error or ", ".join(
                 f"{p.digest} ({p.problem}: {', '.join(p.paths)})" for p in verification.problems
@@ -126,8 +132,8 @@ class WorkspaceService:
                 "task": task.task,
                 "manifest": manifest_id,
                 "parent": scan_fact["parent"],
-                "algorithm": manifest.algorithm,
-                "entries": len(manifest.entries),
+                "algorithm": index.algorithm,
+                "entries": index.count,
                 "watermark": scan_fact["watermark"],
                 "covers": {
                     "scan_started_at": scan_fact["started_at"],
@@ -138,7 +144,9 @@ class WorkspaceService:
                 "read_back": {
                     "id": manifest_id,
                     "verified": True,
+                    "trees_verified": verification.trees_checked,
                     "blobs_verified": verification.checked,
+                    "reused_present": verification.present_checked,
                 },
                 "generation": task.generation,
             }
@@ -146,17 +154,26 @@ class WorkspaceService:
         self.store.record_checkpoint(task.task, task.generation, receipt, scan_fact["index_ref"])
         return receipt
 
+    def _previous(self, ref: str | None) -> tuple[Index | None, str]:
+        """The last checkpoint's stat cache, or None and why not."""
+        if ref is None:
+            return None, "none: the first checkpoint of this workspace"
+        try:
+            return self._index(ref), "used"
+        except (IndexMismatch, ObjectMissing) as error:
+            return None, f"unusable, scanned without it: {error}"
+
     def _index(self, ref: str) -> Index:
-        """The stat cache of a scan: parsing 100,000 entries costs ~0.7 s, so the one this
-        service just wrote is kept in memory for the checkpoint step that follows."""
+        """The stat cache of a scan: the one this service just wrote is kept in memory (with
+        every node it loaded) for the checkpoint step and the next scan."""
         cached = self._indexes.get(ref)
         if cached is not None:
             return cached
-        index = Index.from_bytes(self.objects.read(ref))
+        index = Index.from_bytes(self.objects.read(ref), self.objects)
         self._indexes = {ref: index}
         return index
 
 
-def _file_digests(index: Index) -> set[str]:
-    """The blobs an index references: those a later scan did not add itself."""
-    return {e.digest for e in index.entries if e.digest is not None}
+def _published(result: ScanResult) -> dict[str, Any]:
+    """What this scan published, for the read-back: tree id -> directory, blob digests."""
+    return {"trees": result.trees, "blobs": sorted(result.blobs)}

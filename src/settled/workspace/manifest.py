@@ -1,18 +1,25 @@
-"""Workspace entries, the scan index, and manifests: the canonical record of a tree.
+"""Workspace entries, tree objects and manifests: the canonical record of a tree.
 
-Owns ``Entry`` (one path: type, mode, size, digest | target, plus the stat cache), ``Index`` (a
-scan's entries with their stat cache, serializable as the next scan's cache), ``Manifest`` (the
-same entries without the stat cache, plus parent, watermark and generation), the manifest's
-canonical bytes and id (``<algo>:<hash of the canonical bytes>``), and writing, reading back and
-verifying manifests in an ``ObjectStore``.
+Owns ``Entry`` (one path: type, mode, size, digest | target | tree | rdev, plus the stat cache
+that only an index keeps), tree objects (one directory's entries by name, each subdirectory
+named by its own tree id, as in git), the manifest object (the root tree, parent, watermark
+and generation; its id is ``<algo>:<hash of its canonical bytes>``), and writing, reading back
+and verifying manifests in an ``ObjectStore``.
+
+Why trees: a checkpoint after a small change writes the trees of the changed directories and
+their ancestors and reuses every other subtree by id, so its cost follows the change, not the
+workspace (a flat 100,000-entry manifest cost ~4 s to build, write and read back whatever
+changed). ``Manifest`` is the flat view (every entry by path, sorted) that restore and tests
+read; ``read_manifest`` also still reads the flat v1 manifests that earlier versions wrote.
 
 No ``created_at``: the id covers every byte of the manifest, and a manifest is a pure function
 of the tree and its lineage, so a checkpoint retried after a crash writes the very same object
 and reads back the very same id. Time belongs to the checkpoint receipt (``issued_at``).
 
-Must never: write a manifest that names a blob the store lacks; return a manifest whose bytes do
-not hash to the id asked for, or that is not canonical, sorted, and free of paths that escape
-the tree; put the stat cache (ino, dev, times) into a manifest; talk to the settled database.
+Must never: write a manifest whose root tree the store lacks; return a manifest or tree whose
+bytes do not hash to the id asked for, or that is not canonical, sorted, and free of names that
+escape the tree; put the stat cache (ino, dev, times) into a tree or manifest; talk to the
+settled database.
 """
 
 from __future__ import annotations
@@ -21,9 +28,8 @@ import itertools
 import json
 import os
 import stat
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from functools import cached_property
 from typing import Any, Final, NamedTuple
 
 from settled.canonical import canonical_bytes
@@ -31,8 +37,9 @@ from settled.errors import SettledError
 from settled.workspace.hashing import check_algorithm, digest_bytes, parse_digest
 from settled.workspace.objects import ObjectMissing, ObjectStore
 
-MANIFEST_VERSION: Final = "settled.manifest/v1"
-INDEX_VERSION: Final = "settled.index/v1"
+MANIFEST_VERSION: Final = "settled.manifest/v2"
+FLAT_MANIFEST_VERSION: Final = "settled.manifest/v1"  # read only: written before trees existed
+TREE_VERSION: Final = "settled.tree/v1"
 ROOT: Final = "."
 FILE, DIR, SYMLINK = "file", "dir", "symlink"
 DEVICES: Final = frozenset({"chardev", "blockdev"})
@@ -46,9 +53,12 @@ TYPES: Final = {
     stat.S_IFBLK: "blockdev",
 }
 ENTRY_TYPES: Final = tuple(TYPES.values())
-_MANIFEST_KEYS: Final = frozenset(
+_MANIFEST_KEYS: Final = frozenset({"v", "algorithm", "root", "parent", "watermark", "generation"})
+_FLAT_MANIFEST_KEYS: Final = frozenset(
     {"v", "algorithm", "entries", "parent", "watermark", "generation"}
 )
+_TREE_KEYS: Final = frozenset({"v", "algorithm", "entries"})
+_COMMON_FIELDS: Final = frozenset({"type", "mode", "size"})
 
 
 class ManifestError(SettledError):
@@ -67,23 +77,23 @@ class UnsafePath(ManifestError):
 
 class ManifestInvalid(ManifestError):
     def __init__(self, manifest_id: str, reason: str) -> None:
-        super().__init__(f"manifest {manifest_id} is not a valid {MANIFEST_VERSION}: {reason}")
+        super().__init__(f"manifest {manifest_id} is not a valid manifest: {reason}")
         self.manifest_id = manifest_id
 
 
 class ManifestCorrupt(ManifestError):
-    def __init__(self, manifest_id: str, actual: str) -> None:
-        super().__init__(f"manifest object {manifest_id} reads back as {actual}: refused")
-        self.manifest_id, self.actual = manifest_id, actual
+    def __init__(self, object_id: str, actual: str) -> None:
+        super().__init__(f"object {object_id} reads back as {actual}: refused")
+        self.manifest_id, self.actual = object_id, actual
 
 
-class MissingBlob(ManifestError):
-    def __init__(self, digest: str, path: str) -> None:
+class MissingObject(ManifestError):
+    def __init__(self, digest: str, what: str) -> None:
         super().__init__(
-            f"blob {digest} of {path!r} is not in the object store: publish blobs before the "
+            f"{what} {digest} is not in the object store: publish blobs and trees before the "
             "manifest; no manifest written"
         )
-        self.digest, self.path = digest, path
+        self.digest = digest
 
 
 def join(parent: str, name: str) -> str:
@@ -92,6 +102,10 @@ def join(parent: str, name: str) -> str:
 
 def parent_of(path: str) -> str:
     return path.rpartition("/")[0] or ROOT
+
+
+def name_of(path: str) -> str:
+    return path.rpartition("/")[2]
 
 
 def check_path(path: object) -> str:
@@ -113,9 +127,18 @@ def check_path(path: object) -> str:
     return path
 
 
+def check_name(name: object) -> str:
+    """One component of a path: what a tree may name, and nothing that could climb out."""
+    if not isinstance(name, str) or "/" in name or name == ROOT:
+        raise UnsafePath(name, "is not a single path component")
+    return check_path(name)
+
+
 class Entry(NamedTuple):
-    """One tree entry. ``ino``..``ctime_ns`` are the stat cache: kept in an ``Index``, zero in a
-    ``Manifest``, never part of a manifest's bytes. (A NamedTuple: immutable, and four times
+    """One tree entry. ``ino``..``ctime_ns`` are the stat cache, and ``node`` and ``below`` the
+    index's pointer to a directory's stat-cache node and how many entries lie below it: all kept
+    in an index, zero in a manifest, never part of a tree's or manifest's bytes. ``tree`` is a
+    directory's tree id (None in a flat v1 manifest). (A NamedTuple: immutable, and four times
     cheaper to build than a frozen dataclass, which matters at 100,000 entries per scan.)"""
 
     path: str
@@ -129,6 +152,9 @@ class Entry(NamedTuple):
     dev: int = 0
     mtime_ns: int = 0
     ctime_ns: int = 0
+    tree: str | None = None  # directories
+    node: str | None = None  # index only: the directory's stat-cache node
+    below: int = 0  # index only: how many entries lie below the directory
 
     @classmethod
     def from_stat(
@@ -145,30 +171,66 @@ class Entry(NamedTuple):
 
     def without_stat(self) -> Entry:
         return Entry(
-            self.path, self.type, self.mode, self.size, self.digest, self.target, self.rdev
-        )
+            self.path, self.type, self.mode, self.size, self.digest, self.target, self.rdev,
+            tree=self.tree,
+        )  # fmt: skip
+
+    def _content_field(self) -> tuple[str | None, Any]:
+        if self.type == FILE:
+            return "digest", self.digest
+        if self.type == SYMLINK:
+            return "target", self.target
+        if self.type == DIR:
+            return "tree", self.tree
+        if self.type in DEVICES:
+            return "rdev", self.rdev
+        return None, None
 
     def canonical(self) -> dict[str, Any]:
-        """The manifest form: path, type, mode, size and digest | target | rdev."""
+        """The flat (v1) form: path, type, mode, size and digest | target | rdev."""
         form: dict[str, Any] = {"path": self.path, "type": self.type, "mode": self.mode}
         form["size"] = self.size
-        if self.type == FILE:
-            form["digest"] = self.digest
-        elif self.type == SYMLINK:
-            form["target"] = self.target
-        elif self.type in DEVICES:
-            form["rdev"] = self.rdev
+        key, value = self._content_field()
+        if key is not None and key != "tree":
+            form[key] = value
+        return form
+
+    def tree_form(self) -> dict[str, Any]:
+        """The form inside a tree object: name, type, mode, size and digest|target|tree|rdev."""
+        form: dict[str, Any] = {"name": name_of(self.path), "type": self.type, "mode": self.mode}
+        form["size"] = self.size
+        key, value = self._content_field()
+        if key is not None:
+            form[key] = value
         return form
 
     @classmethod
     def from_canonical(cls, form: Any, algorithm: str) -> Entry:
+        """An entry of a flat v1 manifest."""
         if not isinstance(form, dict):
             raise ValueError(f"entry {form!r} is not an object")
-        kind, path = form.get("type"), check_path(form.get("path"))
+        path = check_path(form.get("path"))
+        return cls._from_form(form, path, "path", algorithm, allow_tree=False)
+
+    @classmethod
+    def from_tree_form(cls, form: Any, parent: str, algorithm: str) -> Entry:
+        """An entry of a tree object listed at ``parent``."""
+        if not isinstance(form, dict):
+            raise ValueError(f"entry {form!r} is not an object")
+        path = join(parent, check_name(form.get("name")))
+        return cls._from_form(form, path, "name", algorithm, allow_tree=True)
+
+    @classmethod
+    def _from_form(
+        cls, form: dict[str, Any], path: str, key: str, algorithm: str, *, allow_tree: bool
+    ) -> Entry:
+        kind = form.get("type")
         if kind not in ENTRY_TYPES:
             raise ValueError(f"entry {path!r} has unknown type {kind!r}")
         extra = {FILE: "digest", SYMLINK: "target"}.get(kind, "rdev" if kind in DEVICES else None)
-        if set(form) != {"path", "type", "mode", "size"} | ({extra} if extra else set()):
+        if kind == DIR and allow_tree:
+            extra = "tree"
+        if set(form) != _COMMON_FIELDS | {key} | ({extra} if extra else set()):
             raise ValueError(f"entry {path!r} has fields {sorted(form)}")
         entry = cls(
             path, kind, form["mode"], form["size"], **({extra: form[extra]} if extra else {})
@@ -187,6 +249,8 @@ class Entry(NamedTuple):
             raise ValueError(f"entry {path!r} is a {self.type} of size {self.size}, not 0")
         if self.type == FILE and parse_digest(self.digest)[0] != algorithm:
             raise ValueError(f"entry {path!r} digest {self.digest} is not {algorithm}")
+        if self.tree is not None and (self.type != DIR or parse_digest(self.tree)[0] != algorithm):
+            raise ValueError(f"entry {path!r} names tree {self.tree} but is a {self.type}")
         if self.type == SYMLINK:
             target = self.target
             if not isinstance(target, str) or not target or "\0" in target:
@@ -203,58 +267,67 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-@dataclass(frozen=True)
-class Index:
-    """A scan's entries in canonical order (sorted by path; the root is ``"."``) with the stat
-    cache. A stat match vouches for an entry only if its mtime and ctime are strictly older
-    than ``trusted_before_ns`` (the racy-git rule)."""
+# -- tree objects ------------------------------------------------------------------------------
 
-    algorithm: str
-    scan_started_ns: int
-    trusted_before_ns: int
-    entries: tuple[Entry, ...]
 
-    @cached_property
-    def by_path(self) -> dict[str, Entry]:
-        return {entry.path: entry for entry in self.entries}
+def tree_bytes(algorithm: str, entries: Iterable[Entry]) -> bytes:
+    """A directory's tree object: its entries (sorted by name by the caller), no stat cache."""
+    return canonical_bytes(
+        {"v": TREE_VERSION, "algorithm": algorithm, "entries": [e.tree_form() for e in entries]}
+    )
 
-    @cached_property
-    def paths(self) -> list[str]:
-        return [entry.path for entry in self.entries]
 
-    def to_bytes(self) -> bytes:
-        rows = [
-            [e.path, e.type, e.mode, e.size, e.digest, e.target, e.rdev,
-             e.ino, e.dev, e.mtime_ns, e.ctime_ns]
-            for e in self.entries
-        ]  # fmt: skip
-        return canonical_bytes(
-            {"v": INDEX_VERSION, "algorithm": self.algorithm, "entries": rows,
-             "scan_started_ns": self.scan_started_ns, "trusted_before_ns": self.trusted_before_ns}
-        )  # fmt: skip
+def parse_tree(data: bytes, tree_id: str, path: str) -> list[Entry]:
+    """The entries of tree ``tree_id`` listed at ``path``: re-hashed, canonical, valid."""
+    algorithm = parse_digest(tree_id)[0]
+    raw = _parse_object(data, tree_id)
+    try:
+        if not isinstance(raw, dict) or set(raw) != _TREE_KEYS:
+            raise ValueError(f"top-level fields are not {sorted(_TREE_KEYS)}")
+        if raw["v"] != TREE_VERSION or raw["algorithm"] != algorithm:
+            raise ValueError(f"version {raw['v']!r}, algorithm {raw['algorithm']!r}")
+        if not isinstance(raw["entries"], list):
+            raise ValueError("entries is not a list")
+        entries = [Entry.from_tree_form(form, path, algorithm) for form in raw["entries"]]
+        names = [name_of(e.path) for e in entries]
+        if any(a >= b for a, b in itertools.pairwise(names)):
+            raise ValueError("entries are not sorted by name and unique")
+    except (ValueError, KeyError, SettledError) as error:
+        raise ManifestInvalid(tree_id, f"tree of {path!r}: {error}") from None
+    return entries
 
-    @classmethod
-    def from_bytes(cls, data: bytes) -> Index:
-        try:
-            raw = json.loads(data)
-            if raw["v"] != INDEX_VERSION:
-                raise ValueError(f"version {raw['v']!r} is not {INDEX_VERSION}")
-            rows = raw["entries"]
-            if any(len(row) != len(Entry._fields) for row in rows):
-                raise ValueError(f"an entry row does not have the {len(Entry._fields)} fields")
-            entries = tuple(Entry(*row) for row in rows)
-            index = cls(check_algorithm(raw["algorithm"]), int(raw["scan_started_ns"]),
-                        int(raw["trusted_before_ns"]), entries)  # fmt: skip
-        except (KeyError, TypeError, ValueError, SettledError) as error:
-            raise IndexMismatch(f"stored index is unusable: {error}") from None
-        if any(a.path >= b.path for a, b in itertools.pairwise(entries)):
-            raise IndexMismatch("stored index entries are not sorted and unique")
-        return index
+
+def _parse_object(data: bytes, object_id: str) -> Any:
+    """JSON of an object read back by its id: the bytes must hash to it and be canonical."""
+    actual = digest_bytes(parse_digest(object_id)[0], data)
+    if actual != object_id:
+        raise ManifestCorrupt(object_id, actual)
+    try:
+        raw = json.loads(data)
+    except ValueError as error:
+        raise ManifestInvalid(object_id, f"not JSON: {error}") from None
+    if canonical_bytes(raw) != data:
+        raise ManifestInvalid(object_id, "bytes are not canonical JSON")
+    return raw
+
+
+def _read_object(store: ObjectStore, object_id: str, what: str) -> Any:
+    try:
+        data = store.read(object_id)
+    except ObjectMissing:
+        raise MissingObject(object_id, what) from None
+    return data
+
+
+# -- manifests ---------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
 class Manifest:
-    """A tree's canonical record. Entries carry no stat cache (see ``Entry.without_stat``)."""
+    """A tree's canonical record, flat: every entry by path, sorted, without stat cache.
+
+    Its bytes (and id) are the v2 manifest object when the root entry names a tree, else the
+    flat v1 form that earlier versions wrote."""
 
     algorithm: str
     entries: tuple[Entry, ...]
@@ -262,9 +335,19 @@ class Manifest:
     watermark: int | None = None  # the mutation sequence number the tree covers
     generation: int = 0
 
+    @property
+    def root(self) -> Entry:
+        if not self.entries or self.entries[0].path != ROOT:
+            raise ValueError("no root entry '.'")
+        return self.entries[0]
+
     def to_dict(self) -> dict[str, Any]:
+        if self.entries and self.entries[0].path == ROOT and self.entries[0].tree is not None:
+            return manifest_dict(
+                self.algorithm, self.root, self.parent, self.watermark, self.generation
+            )
         return {
-            "v": MANIFEST_VERSION,
+            "v": FLAT_MANIFEST_VERSION,
             "algorithm": self.algorithm,
             "entries": [entry.canonical() for entry in self.entries],
             "parent": self.parent,
@@ -281,11 +364,11 @@ class Manifest:
 
     @classmethod
     def from_dict(cls, raw: Any, manifest_id: str = "(unwritten)") -> Manifest:
-        """Parse and validate; ``ManifestInvalid`` names the first problem."""
+        """Parse and validate a flat v1 manifest; ``ManifestInvalid`` names the first problem."""
         try:
-            if not isinstance(raw, dict) or set(raw) != _MANIFEST_KEYS:
-                raise ValueError(f"top-level fields are not {sorted(_MANIFEST_KEYS)}")
-            if raw["v"] != MANIFEST_VERSION:
+            if not isinstance(raw, dict) or set(raw) != _FLAT_MANIFEST_KEYS:
+                raise ValueError(f"top-level fields are not {sorted(_FLAT_MANIFEST_KEYS)}")
+            if raw["v"] != FLAT_MANIFEST_VERSION:
                 raise ValueError(f"version {raw['v']!r}")
             algorithm = check_algorithm(raw["algorithm"])
             if not isinstance(raw["entries"], list):
@@ -304,12 +387,7 @@ class Manifest:
 
     def check(self) -> None:
         """Lineage fields typed, entries sorted and unique, one root, every parent a dir."""
-        if self.parent is not None:
-            parse_digest(self.parent)
-        if self.watermark is not None and (not _is_int(self.watermark) or self.watermark < 0):
-            raise ValueError(f"watermark {self.watermark!r} is not a sequence number")
-        if not _is_int(self.generation) or self.generation < 0:
-            raise ValueError(f"generation {self.generation!r} is not a generation")
+        _check_lineage(self.parent, self.watermark, self.generation)
         kinds: dict[str, str] = {}
         last = ""
         for entry in self.entries:
@@ -332,60 +410,145 @@ class Manifest:
         return found
 
 
-def build_manifest(
-    index: Index, *, parent: str | None = None, watermark: int | None = None, generation: int = 0
-) -> Manifest:
-    """The manifest of a scan: the index's entries without their stat cache."""
-    entries = tuple(entry.without_stat() for entry in index.entries)
-    return Manifest(index.algorithm, entries, parent, watermark, generation)
+def _check_lineage(parent: object, watermark: object, generation: object) -> None:
+    if parent is not None:
+        parse_digest(parent)
+    if watermark is not None and not _is_count(watermark):
+        raise ValueError(f"watermark {watermark!r} is not a sequence number")
+    if not _is_count(generation):
+        raise ValueError(f"generation {generation!r} is not a generation")
 
 
-def write_manifest(store: ObjectStore, manifest: Manifest) -> str:
-    """Store the manifest as an object, last: refuses if any blob it names is not present."""
+def _is_count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def manifest_dict(
+    algorithm: str, root: Entry, parent: str | None, watermark: int | None, generation: int
+) -> dict[str, Any]:
+    """The v2 manifest object: the root directory's mode and tree, and the lineage."""
+    return {
+        "v": MANIFEST_VERSION,
+        "algorithm": algorithm,
+        "root": {"mode": root.mode, "tree": root.tree},
+        "parent": parent,
+        "watermark": watermark,
+        "generation": generation,
+    }
+
+
+@dataclass(frozen=True)
+class ManifestHead:
+    """A v2 manifest object as read back: what it names, before any tree is read."""
+
+    manifest_id: str
+    algorithm: str
+    root: Entry  # "." with its mode and tree
+    parent: str | None
+    watermark: int | None
+    generation: int
+
+
+def write_manifest(
+    store: ObjectStore,
+    algorithm: str,
+    root: Entry,
+    *,
+    parent: str | None = None,
+    watermark: int | None = None,
+    generation: int = 0,
+) -> str:
+    """Store the manifest object, last: refused unless its root tree is already in the store."""
     try:
-        manifest.check()
+        root.check(algorithm)
+        if root.path != ROOT or root.tree is None:
+            raise ValueError(f"the root entry {root.path!r} names no tree")
+        _check_lineage(parent, watermark, generation)
     except (ValueError, SettledError) as error:
         raise ManifestInvalid("(unwritten)", str(error)) from None
-    for digest, paths in manifest.files().items():
-        if not store.has(digest):
-            raise MissingBlob(digest, paths[0])
-    return store.put_bytes(manifest.to_bytes(), manifest.algorithm)
+    if not store.has(root.tree):
+        raise MissingObject(root.tree, "root tree")
+    raw = manifest_dict(algorithm, root, parent, watermark, generation)
+    return store.put_bytes(canonical_bytes(raw), algorithm)
+
+
+def read_head(store: ObjectStore, manifest_id: str) -> ManifestHead | Manifest:
+    """Read back exactly ``manifest_id``: a v2 head (trees not yet read), or a whole v1 manifest."""
+    algorithm = parse_digest(manifest_id)[0]
+    raw = _parse_object(_read_object(store, manifest_id, "manifest"), manifest_id)
+    if isinstance(raw, dict) and raw.get("v") == FLAT_MANIFEST_VERSION:
+        manifest = Manifest.from_dict(raw, manifest_id)
+        if manifest.algorithm != algorithm:
+            raise ManifestInvalid(manifest_id, f"algorithm {manifest.algorithm} differs")
+        return manifest
+    try:
+        if not isinstance(raw, dict) or set(raw) != _MANIFEST_KEYS:
+            raise ValueError(f"top-level fields are not {sorted(_MANIFEST_KEYS)}")
+        if raw["v"] != MANIFEST_VERSION:
+            raise ValueError(f"version {raw['v']!r} is not {MANIFEST_VERSION}")
+        if raw["algorithm"] != algorithm:
+            raise ValueError(f"algorithm {raw['algorithm']!r} differs from its id")
+        root_form = raw["root"]
+        if not isinstance(root_form, dict) or set(root_form) != {"mode", "tree"}:
+            raise ValueError(f"root {root_form!r} is not {{mode, tree}}")
+        root = Entry(ROOT, DIR, root_form["mode"], 0, tree=root_form["tree"])
+        root.check(algorithm)
+        parse_digest(root.tree)
+        _check_lineage(raw["parent"], raw["watermark"], raw["generation"])
+    except (ValueError, SettledError) as error:
+        raise ManifestInvalid(manifest_id, str(error)) from None
+    return ManifestHead(
+        manifest_id, algorithm, root, raw["parent"], raw["watermark"], raw["generation"]
+    )
 
 
 def read_manifest(store: ObjectStore, manifest_id: str) -> Manifest:
-    """Read back exactly ``manifest_id``: re-hashed, canonical and valid, or refused."""
-    algorithm = parse_digest(manifest_id)[0]
-    data = store.read(manifest_id)
-    actual = digest_bytes(algorithm, data)
-    if actual != manifest_id:
-        raise ManifestCorrupt(manifest_id, actual)
+    """Read back exactly ``manifest_id`` and every tree it names, each re-hashed and valid."""
+    head = read_head(store, manifest_id)
+    if isinstance(head, Manifest):
+        return head
+    entries = [head.root]
+    pending = [head.root]
+    trees: dict[str, bytes] = {}  # identical subdirectories share a tree: read it once
+    while pending:
+        directory = pending.pop()
+        assert directory.tree is not None
+        data = trees.get(directory.tree)
+        if data is None:
+            data = trees[directory.tree] = _read_object(
+                store, directory.tree, f"tree of {directory.path!r}"
+            )
+        children = parse_tree(data, directory.tree, directory.path)
+        entries.extend(children)
+        pending.extend(child for child in children if child.type == DIR)
+    entries.sort(key=lambda entry: entry.path)
+    manifest = Manifest(
+        head.algorithm, tuple(entries), head.parent, head.watermark, head.generation
+    )
     try:
-        raw = json.loads(data)
-    except ValueError as error:
-        raise ManifestInvalid(manifest_id, f"not JSON: {error}") from None
-    if canonical_bytes(raw) != data:
-        raise ManifestInvalid(manifest_id, "bytes are not canonical JSON")
-    manifest = Manifest.from_dict(raw, manifest_id)
-    if manifest.algorithm != algorithm:
-        raise ManifestInvalid(manifest_id, f"algorithm {manifest.algorithm} differs from its id")
+        manifest.check()
+    except (ValueError, SettledError) as error:
+        raise ManifestInvalid(manifest_id, str(error)) from None
     return manifest
 
 
 @dataclass(frozen=True)
 class ObjectProblem:
     digest: str
-    problem: str  # "missing" | "mismatch" | "not in manifest"
+    problem: str  # "missing" | "mismatch" | "not in manifest" | "invalid"
     paths: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
 class ManifestVerification:
-    """What re-hashing a manifest and its blobs found; ``ok`` only if nothing was wrong."""
+    """What re-hashing a manifest and its objects found; ``ok`` only if nothing was wrong."""
 
     manifest_id: str
     manifest_error: str | None = None  # the manifest itself failed: no blob was checked
-    checked: int = 0
+    checked: int = 0  # blobs re-hashed
     problems: tuple[ObjectProblem, ...] = field(default=())
+    trees_checked: int = 0  # tree objects re-hashed and parsed
+    present_checked: int = 0  # objects only checked for presence (reused from the parent)
 
     @property
     def ok(self) -> bool:
@@ -395,7 +558,8 @@ class ManifestVerification:
 def verify_manifest(
     store: ObjectStore, manifest_id: str, digests_to_verify: Iterable[str] | None = None
 ) -> ManifestVerification:
-    """Re-hash the manifest object and each referenced blob in ``digests_to_verify`` (or all)."""
+    """Re-hash the manifest, every tree, and each referenced blob in ``digests_to_verify``
+    (or all)."""
     try:
         manifest = read_manifest(store, manifest_id)
     except (ManifestError, ObjectMissing) as error:
@@ -406,8 +570,61 @@ def verify_manifest(
     checked = 0
     for digest in (d for d in wanted if d in files):
         checked += 1
-        if not store.has(digest):
-            problems.append(ObjectProblem(digest, "missing", tuple(files[digest])))
-        elif not store.verify(digest):
-            problems.append(ObjectProblem(digest, "mismatch", tuple(files[digest])))
-    return ManifestVerification(manifest_id, None, checked, tuple(problems))
+        problem = _blob_problem(store, digest)
+        if problem is not None:
+            problems.append(ObjectProblem(digest, problem, tuple(files[digest])))
+    trees = len({e.tree for e in manifest.entries if e.tree is not None})
+    return ManifestVerification(manifest_id, None, checked, tuple(problems), trees)
+
+
+def _blob_problem(store: ObjectStore, digest: str) -> str | None:
+    if not store.has(digest):
+        return "missing"
+    return None if store.verify(digest) else "mismatch"
+
+
+def verify_published(
+    store: ObjectStore, manifest_id: str, trees: Mapping[str, str], blobs: Iterable[str]
+) -> ManifestVerification:
+    """The checkpoint's read-back, in time that follows the change: the manifest by its exact id,
+    every tree (id -> a directory path it was published for) and blob this checkpoint
+    published re-hashed (trees also parsed), and every subtree those trees reuse from the
+    parent checkpoint present. What is reused was verified by the checkpoint that published
+    it, and so on back to the first checkpoint, which published everything."""
+    try:
+        head = read_head(store, manifest_id)
+        if isinstance(head, Manifest):
+            raise ManifestInvalid(manifest_id, "a flat v1 manifest is never written any more")
+        new_trees = set(trees)
+        problems: list[ObjectProblem] = []
+        reused: set[str] = set()
+        referenced_files: dict[str, list[str]] = {}
+        for tree_id in sorted(new_trees):
+            path = trees[tree_id]
+            try:
+                children = parse_tree(_read_object(store, tree_id, "tree"), tree_id, path)
+            except ManifestError as error:
+                problems.append(ObjectProblem(tree_id, f"invalid: {error}"))
+                continue
+            for child in children:
+                if child.tree is not None and child.tree not in new_trees:
+                    reused.add(child.tree)
+                elif child.digest is not None:
+                    referenced_files.setdefault(child.digest, []).append(child.path)
+    except (ManifestError, ObjectMissing) as error:
+        return ManifestVerification(manifest_id, manifest_error=str(error))
+    root_tree = head.root.tree
+    assert root_tree is not None
+    if root_tree not in new_trees:
+        reused.add(root_tree)
+    problems += [ObjectProblem(t, "missing") for t in sorted(reused) if not store.has(t)]
+    checked = 0
+    for digest in sorted(set(blobs)):
+        checked += 1
+        problem = _blob_problem(store, digest)
+        if problem is not None:
+            paths = tuple(referenced_files.get(digest, ()))
+            problems.append(ObjectProblem(digest, problem, paths))
+    return ManifestVerification(
+        manifest_id, None, checked, tuple(problems), len(new_trees), len(reused)
+    )

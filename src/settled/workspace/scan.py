@@ -1,17 +1,22 @@
 """The workspace scanner: a stat cache like git's index, and the walk that fills it.
 
-Owns ``scan``, which fills an ``Index`` (entries and their stat cache, defined in ``manifest``):
-a walk with directory fds, ``os.scandir`` and lstat that records every entry by type and mode,
-hashes regular files (publishing them into an ``ObjectStore`` in the same read: hash and copy
-together, link only if new), and re-reads a file only when the stat cache cannot vouch for it.
+Owns ``scan``, which builds an ``Index`` (per-directory stat-cache nodes, defined in ``index``,
+each naming the tree object its directory hashes to): a walk with directory fds,
+``os.scandir`` and lstat that records every entry by type and mode, hashes regular files
+(publishing them into an ``ObjectStore`` in the same read: hash and copy together, link only if
+new), re-reads a file only when the stat cache cannot vouch for it, and publishes the trees and
+nodes it built once every blob they name is durable.
 
 Stat-cache rules. A file or symlink whose type, mode, size, ino, dev, mtime_ns and ctime_ns equal
-the previous index's is not re-read, unless its mtime or ctime is not strictly older than the
-previous index's ``trusted_before_ns`` (the racy-git rule). ``trusted_before_ns`` is the wall
-clock taken before the walk of a full scan (minus ``CLOCK_SLACK_NS``: the kernel stamps files
+its previous node's row is not re-read, unless its mtime or ctime is not strictly older than
+that node's ``trusted_before_ns`` (the racy-git rule). A node listed by this scan is trusted
+up to the wall clock taken before the walk (minus ``CLOCK_SLACK_NS``: the kernel stamps files
 from a clock that may lag ``time.time_ns()`` by a tick; 2 s when ctime is a whole second, i.e.
-on a filesystem with second timestamps). An incremental scan keeps its previous index's value,
-because entries it carries over were vouched for only up to then.
+on a filesystem with second timestamps). A directory whose rows come out exactly as before,
+with nothing re-read for being racy, keeps its previous node (and cutoff), so an unchanged
+directory costs no new object. An incremental scan rebuilds the nodes of the dirty directories
+(listed afresh) and of their ancestors (their old rows, with the changed child's row replaced),
+and carries every other directory by reference.
 
 Safety. Nothing outside the root is read: every name is resolved relative to an open directory
 fd with ``O_NOFOLLOW``; symlinks are recorded with ``os.readlink``, never followed; FIFOs,
@@ -25,13 +30,12 @@ points inside the root are crossed; hard links are recorded as separate files.
 About 500 lines, over the usual 400: the walk, its no-follow checks, the stat cache, torn-read
 retries and the incremental mode share one walker's state, and split they would share internals.
 
-Must never: follow a symlink, open a non-regular file, record a torn read, write anything but
-store objects, or talk to the settled store or database.
+Must never: follow a symlink, open a non-regular file, record a torn read, publish a tree before
+the blobs it names are durable, write anything but store objects, or talk to the settled store.
 """
 
 from __future__ import annotations
 
-import bisect
 import contextlib
 import errno
 import os
@@ -43,6 +47,7 @@ from typing import Final
 
 from settled.errors import SettledError
 from settled.workspace.hashing import DEFAULT_ALGORITHM, check_algorithm, format_digest, new_hasher
+from settled.workspace.index import DirNode, Index, MemoryObjects, build_node, with_node
 from settled.workspace.manifest import (
     DIR,
     FILE,
@@ -50,10 +55,11 @@ from settled.workspace.manifest import (
     SYMLINK,
     TYPES,
     Entry,
-    Index,
     IndexMismatch,
     check_path,
     join,
+    name_of,
+    parent_of,
 )
 from settled.workspace.objects import CHUNK, ObjectStore, Publisher
 
@@ -100,12 +106,16 @@ class ScanStats:
     entries_carried: int = 0  # incremental mode: entries of directories not re-listed
     dirs_listed: int = 0
     torn_retries: int = 0
+    trees_built: int = 0  # directories whose tree changed (published when a store is given)
+    nodes_built: int = 0  # directories whose stat-cache node changed
 
 
 @dataclass(frozen=True)
 class ScanResult:
     index: Index
     stats: ScanStats = field(default_factory=ScanStats)
+    blobs: frozenset[str] = frozenset()  # digests of the files this scan read (and published)
+    trees: dict[str, str] = field(default_factory=dict)  # new tree id -> its directory path
 
 
 def scan(
@@ -116,12 +126,12 @@ def scan(
     *,
     only: Iterable[str] | None = None,
 ) -> ScanResult:
-    """Scan the tree at ``root``; publish file contents into ``store`` if given.
+    """Scan the tree at ``root``; publish file contents, trees and nodes into ``store`` if given.
 
     ``only``: relative directory paths known dirty (``"."`` is the root). A directory is dirty
     when its own mode changed or any entry directly in it was created, removed, renamed, or
     changed in content, mode or type. Only those are re-listed, new directories found there are
-    walked in full, and every other entry is carried over from ``previous``. ``None`` (the
+    walked in full, and every other directory is carried over from ``previous``. ``None`` (the
     default) is a full scan, which is what a final scan must be.
     """
     check_algorithm(algo)
@@ -131,17 +141,13 @@ def scan(
         raise ScanError(f"{_PROC_FD} is missing: files could not be opened without following")
     root_fd = os.open(os.fspath(root), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
-        scanner = _Scanner(root_fd, previous, store, algo)
-        scanner.run(only)
+        scanner = _Scanner(root_fd, previous, store, algo, started - CLOCK_SLACK_NS)
+        top = scanner.run(only)
     finally:
         os.close(root_fd)
-    if only is None or previous is None:
-        trusted = started - CLOCK_SLACK_NS
-    else:  # carried entries were vouched for only up to the previous cutoff
-        trusted = previous.trusted_before_ns
-    out = scanner.out
-    index = Index(algo, started, trusted, tuple(out[path] for path in sorted(out)))
-    return ScanResult(index, scanner.stats)
+    index = Index(algo, started, top, scanner.reader, scanner.nodes)
+    scanner.stats.entries_carried = max(0, index.count - scanner.entries_listed)
+    return ScanResult(index, scanner.stats, frozenset(scanner.hashed), scanner.new_trees)
 
 
 def _usable(previous: Index | None, algo: str, only: Iterable[str] | None) -> Index | None:
@@ -193,90 +199,161 @@ def _torn(before: os.stat_result, after: os.stat_result, got: int) -> bool:
     )
 
 
+def _same_dir(known: Entry | None, now: Entry | os.stat_result) -> bool:
+    """The directory the previous index knew here (with a node), not one put in its place."""
+    if known is None or known.type != DIR or known.node is None:
+        return False
+    if isinstance(now, os.stat_result):
+        return (known.ino, known.dev) == (now.st_ino, now.st_dev)
+    return now.type == DIR and (known.ino, known.dev) == (now.ino, now.dev)
+
+
+class _Dir:
+    """A directory whose node this scan builds: its rows so far and its previous node.
+    ``listed``: its rows come from a listing now (else: its previous rows, with the rows of
+    changed subdirectories replaced). ``racy``: a stat match was re-read for the racy rule."""
+
+    __slots__ = ("listed", "path", "previous", "racy", "rows")
+
+    def __init__(
+        self, path: str, rows: dict[str, Entry], previous: DirNode | None, listed: bool
+    ) -> None:
+        self.path, self.rows, self.previous, self.listed = path, rows, previous, listed
+        self.racy = False
+
+
 class _Scanner:
     def __init__(
-        self, root_fd: int, previous: Index | None, store: ObjectStore | None, algo: str
+        self,
+        root_fd: int,
+        previous: Index | None,
+        store: ObjectStore | None,
+        algo: str,
+        trusted_before_ns: int,
     ) -> None:
         self.root_fd = root_fd
         self.previous = previous
-        self.cache = previous.by_path if previous is not None else {}
-        self.trusted_before_ns = previous.trusted_before_ns if previous is not None else 0
         self.store = store
         self.algo = algo
+        self.trusted_before_ns = trusted_before_ns  # for the nodes this scan lists
         self.stats = ScanStats()
-        self.out: dict[str, Entry] = {}
-        self.recorded: set[str] | None = None  # incremental mode: paths recorded afresh
+        self.memory: MemoryObjects | None = None
+        if store is None:  # nodes stay in memory, beside the previous scan's
+            earlier = previous.reader if previous is not None else None
+            self.memory = earlier if isinstance(earlier, MemoryObjects) else MemoryObjects(earlier)
+        self.nodes: dict[str, DirNode] = {}  # every node built or kept, for the new index
+        self.open: dict[str, _Dir] = {}  # incremental mode: directories whose node is rebuilt
+        self.walked: set[str] = set()  # incremental mode: new directories walked in full
+        self.passed: set[str] = set()  # incremental mode: rows refreshed on the way down
+        self.entries_listed = 0
+        self.hashed: set[str] = set()
+        self.new_trees: dict[str, str] = {}
+        self.to_publish: list[bytes] = []  # trees and nodes, published after the blobs
         self.publisher: Publisher | None = None
         self.buffer = bytearray(CHUNK)
         self.view = memoryview(self.buffer)
 
+    @property
+    def reader(self) -> ObjectStore | MemoryObjects:
+        assert self.store is not None or self.memory is not None
+        return self.store if self.store is not None else self.memory  # type: ignore[return-value]
+
     # -- modes ---------------------------------------------------------------------------------
 
-    def run(self, only: Iterable[str] | None) -> None:
-        """Full or incremental; with a store, inside one batch and through one publisher."""
+    def run(self, only: Iterable[str] | None) -> Entry:
+        """Full or incremental; with a store, blobs first (durable), then trees and nodes."""
         with contextlib.ExitStack() as stack:
             if self.store is not None:
                 stack.enter_context(self.store.batch())  # exits last: directory fsyncs
                 self.publisher = stack.enter_context(Publisher())
             if only is None or self.previous is None:
-                self.full()
+                top = self.full()
             else:
-                self.incremental(only)
+                self.nodes = self.previous.loaded()
+                top = self.incremental(only)
             if self.publisher is not None:
-                self.publisher.close()  # every blob durable before the scan returns
+                self.publisher.close()  # every blob durable before a tree names it
                 self.stats.blobs_written = self.publisher.created
+                self.publish_index_objects()
+        return top
 
-    def full(self) -> None:
-        self.out[ROOT] = Entry.from_stat(ROOT, os.fstat(self.root_fd))
-        self.walk(self.root_fd, ROOT)
+    def full(self) -> Entry:
+        top = Entry.from_stat(ROOT, os.fstat(self.root_fd))
+        self.entries_listed += 1
+        return with_node(top, self.walk(self.root_fd, ROOT))
 
-    def incremental(self, only: Iterable[str]) -> None:
-        self.out = dict(self.cache)
-        self.recorded = set()
-        self.record(Entry.from_stat(ROOT, os.fstat(self.root_fd)))
-        walked: set[str] = set()
+    def incremental(self, only: Iterable[str]) -> Entry:
+        assert self.previous is not None
+        top = Entry.from_stat(ROOT, os.fstat(self.root_fd))
+        self.entries_listed += 1
         for rel in sorted({_normalize_dirty(path) for path in only}):
-            if any(ancestor in walked for ancestor in _self_and_ancestors(rel)):
+            if self._covered(rel):
                 continue
             fd, opened = self.open_nearest(rel)
             try:
-                self.relist(fd, opened, walked)
+                if not self._covered(opened):
+                    self.relist(fd, opened)
             finally:
                 if fd != self.root_fd:
                     os.close(fd)
-        self.stats.entries_carried = len(self.out) - len(self.recorded)
+        if not self.open:  # nothing dirty: the previous root node, as it was
+            node = self.previous.node(ROOT)
+            assert node is not None
+            return with_node(top, node)
+        return with_node(top, self.finish_open())
+
+    def _covered(self, rel: str) -> bool:
+        """Listed already by this scan: relisted, or inside a directory walked in full."""
+        known = self.open.get(rel)
+        return (known is not None and known.listed) or any(
+            ancestor in self.walked for ancestor in _self_and_ancestors(rel)
+        )
 
     # -- walking -------------------------------------------------------------------------------
 
-    def walk(self, top_fd: int, top: str) -> None:
-        """List ``top`` and everything below it, holding one directory fd per level."""
-        stack = [(top, top_fd, self.list_dir(top_fd, top)[1])]
+    def walk(self, top_fd: int, top: str) -> DirNode:
+        """List ``top`` and everything below it, holding one directory fd per level; returns
+        the node of ``top`` (each directory's node is built once its children are done)."""
+        first, subdirs = self.list_dir(top_fd, top)
+        stack = [(first, top_fd, subdirs)]
         try:
-            while stack:
-                rel, fd, pending = stack[-1]
-                if not pending:
-                    stack.pop()
-                    if fd != top_fd:
-                        os.close(fd)
+            while True:
+                current, fd, pending = stack[-1]
+                if pending:
+                    name = pending.pop()
+                    sub = self.open_subdir(fd, current, name)
+                    if sub is not None:
+                        try:
+                            child, below = self.list_dir(sub, join(current.path, name))
+                        except BaseException:
+                            os.close(sub)
+                            raise
+                        stack.append((child, sub, below))
                     continue
-                child = join(rel, pending.pop())
-                sub = self.open_subdir(fd, child)
-                if sub is not None:
-                    stack.append((child, sub, self.list_dir(sub, child)[1]))
+                stack.pop()
+                if fd != top_fd:
+                    os.close(fd)
+                node = self.finish(current)
+                if not stack:
+                    return node
+                parent = stack[-1][0]
+                name = name_of(current.path)
+                parent.rows[name] = with_node(parent.rows[name], node)
         finally:
             for _, fd, _ in stack:
                 if fd != top_fd:
                     os.close(fd)
 
-    def list_dir(self, fd: int, rel: str) -> tuple[set[str], list[str]]:
-        """Record every child of the directory open at ``fd``; return names and subdir names."""
+    def list_dir(self, fd: int, rel: str) -> tuple[_Dir, list[str]]:
+        """Record every child of the directory open at ``fd``; return it and its subdir names."""
         self.stats.dirs_listed += 1
         try:
             with os.scandir(fd) as listing:
                 names = sorted(item.name for item in listing)
         except OSError as error:
             raise WorkspaceUnreadable(rel, error) from error
-        present, subdirs = set(), []
+        current = _Dir(rel, {}, self.previous_node(rel), listed=True)
+        subdirs = []
         for name in names:
             child = join(rel, name)
             try:
@@ -284,24 +361,22 @@ class _Scanner:
             except UnicodeEncodeError:
                 raise UnrepresentablePath(child) from None
             st = self.lstat(fd, name, child)
-            entry = None if st is None else self.entry(fd, name, child, st)
+            entry = None if st is None else self.entry(fd, name, child, st, current)
             if entry is None:
                 continue  # vanished while listed
-            self.record(entry)
-            present.add(name)
+            current.rows[name] = entry
             if entry.type == DIR:
                 subdirs.append(name)
+        self.entries_listed += len(current.rows)
         subdirs.reverse()  # popped from the end: walk in sorted order
-        return present, subdirs
+        return current, subdirs
 
-    def record(self, entry: Entry) -> None:
-        self.out[entry.path] = entry
-        if self.recorded is not None:
-            self.recorded.add(entry.path)
+    def previous_node(self, rel: str) -> DirNode | None:
+        return self.previous.node(rel) if self.previous is not None else None
 
-    def open_subdir(self, fd: int, child: str) -> int | None:
+    def open_subdir(self, fd: int, current: _Dir, name: str) -> int | None:
         """Open a child directory without following; re-record it if it changed since lstat."""
-        name = child.rpartition("/")[2]
+        child = join(current.path, name)
         for _ in range(TORN_ATTEMPTS):
             try:
                 sub = os.open(name, _DIR_FLAGS, dir_fd=fd)
@@ -309,15 +384,15 @@ class _Scanner:
                 if error.errno not in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP):
                     raise WorkspaceUnreadable(child, error) from error
                 st = self.lstat(fd, name, child)
-                entry = None if st is None else self.entry(fd, name, child, st)
+                entry = None if st is None else self.entry(fd, name, child, st, current)
                 if entry is None:
-                    self.out.pop(child, None)
+                    current.rows.pop(name, None)
                     return None
                 if entry.type != DIR:  # replaced (by a symlink, say): recorded, never entered
-                    self.record(entry)
+                    current.rows[name] = entry
                     return None
                 continue  # replaced by another directory: open that one
-            self.record(Entry.from_stat(child, os.fstat(sub)))
+            current.rows[name] = Entry.from_stat(child, os.fstat(sub))
             return sub
         raise TornRead(child, TORN_ATTEMPTS)
 
@@ -329,10 +404,55 @@ class _Scanner:
         except OSError as error:
             raise WorkspaceUnreadable(child, error) from error
 
+    # -- nodes and trees -----------------------------------------------------------------------
+
+    def finish(self, current: _Dir) -> DirNode:
+        """The directory's node: its previous one if nothing in it changed, else a new node
+        (and, if its content changed, a new tree), queued for publishing."""
+        previous = current.previous
+        if previous is not None and not current.racy and current.rows == previous.entries:
+            self.nodes[current.path] = previous
+            return previous
+        if current.listed:
+            trusted = self.trusted_before_ns
+        else:
+            assert previous is not None  # a directory not listed was carried from its node
+            trusted = previous.trusted_before_ns
+        made = build_node(current.path, self.algo, current.rows.values(), trusted)
+        node = made.node
+        self.stats.nodes_built += 1
+        if previous is None or node.tree != previous.tree:
+            self.stats.trees_built += 1
+            self.new_trees.setdefault(node.tree, current.path)
+            if self.store is not None:
+                self.to_publish.append(made.tree_data)
+        if self.memory is not None:
+            self.memory.put(node.ref, made.node_data)
+        else:
+            self.to_publish.append(made.node_data)
+        self.nodes[current.path] = node
+        return node
+
+    def publish_index_objects(self) -> None:
+        """Trees and nodes, once the blobs they name are durable."""
+        assert self.store is not None
+        with Publisher() as publisher:
+            for data in self.to_publish:
+                writer = self.store.writer(self.algo, size_hint=len(data))
+                writer.write(data)
+                publisher.submit(writer)
+            publisher.close()
+
     # -- entries -------------------------------------------------------------------------------
 
     def entry(
-        self, fd: int, name: str, child: str, st: os.stat_result, budget: int = TORN_ATTEMPTS
+        self,
+        fd: int,
+        name: str,
+        child: str,
+        st: os.stat_result,
+        at: _Dir,
+        budget: int = TORN_ATTEMPTS,
     ) -> Entry | None:
         """The entry for ``child`` given its lstat: from the stat cache, or read afresh."""
         if budget <= 0:
@@ -340,21 +460,24 @@ class _Scanner:
         kind = TYPES.get(stat.S_IFMT(st.st_mode))
         if kind not in (FILE, SYMLINK):
             return Entry.from_stat(child, st)
-        cached = self.cache.get(child)
+        previous = at.previous
+        cached = previous.child(name) if previous is not None else None
         if (
-            cached is not None
+            previous is not None
+            and cached is not None
             and _cached_matches(cached, st, kind)
             and (cached.digest or cached.target) is not None
-            and _trusted(cached, self.trusted_before_ns)
         ):
-            self.stats.entries_reused += 1
-            return cached
+            if _trusted(cached, previous.trusted_before_ns):
+                self.stats.entries_reused += 1
+                return cached
+            at.racy = True
         if kind == SYMLINK:
-            return self.read_link(fd, name, child, st, budget)
-        return self.read_file(fd, name, child, budget)
+            return self.read_link(fd, name, child, st, at, budget)
+        return self.read_file(fd, name, child, at, budget)
 
     def read_link(
-        self, fd: int, name: str, child: str, before: os.stat_result, budget: int
+        self, fd: int, name: str, child: str, before: os.stat_result, at: _Dir, budget: int
     ) -> Entry | None:
         for _ in range(TORN_ATTEMPTS):
             try:
@@ -365,7 +488,7 @@ class _Scanner:
             except OSError as error:
                 raise WorkspaceUnreadable(child, error) from error
             if not stat.S_ISLNK(after.st_mode):
-                return self.entry(fd, name, child, after, budget - 1)
+                return self.entry(fd, name, child, after, at, budget - 1)
             if _same_link(before, after, target):
                 try:
                     target.encode("utf-8")
@@ -376,7 +499,7 @@ class _Scanner:
             self.stats.torn_retries += 1
         raise TornRead(child, TORN_ATTEMPTS)
 
-    def read_file(self, fd: int, name: str, child: str, budget: int) -> Entry | None:
+    def read_file(self, fd: int, name: str, child: str, at: _Dir, budget: int) -> Entry | None:
         for attempt in range(TORN_ATTEMPTS):
             if attempt:
                 time.sleep(TORN_BACKOFF_S[attempt])
@@ -384,7 +507,7 @@ class _Scanner:
             if opened is None:
                 return None
             if isinstance(opened, os.stat_result):  # no longer a regular file
-                return self.entry(fd, name, child, opened, budget - 1)
+                return self.entry(fd, name, child, opened, at, budget - 1)
             file_fd, before = opened
             try:
                 digest = self.hash_open_file(file_fd, before)
@@ -392,6 +515,7 @@ class _Scanner:
                 os.close(file_fd)
             if digest is not None:
                 self.stats.files_hashed += 1
+                self.hashed.add(digest)
                 return Entry.from_stat(child, before, digest=digest)
             self.stats.torn_retries += 1
         raise TornRead(child, TORN_ATTEMPTS)
@@ -453,70 +577,91 @@ class _Scanner:
 
     # -- incremental ---------------------------------------------------------------------------
 
+    def working(self, rel: str) -> _Dir:
+        """The directory at ``rel`` as the previous index knew it, to rebuild its node."""
+        known = self.open.get(rel)
+        if known is not None:
+            return known
+        previous = self.previous_node(rel)
+        if previous is None:
+            raise IndexMismatch(f"the previous index has no directory {rel!r}")
+        made = self.open[rel] = _Dir(rel, dict(previous.entries), previous, listed=False)
+        return made
+
     def open_nearest(self, rel: str) -> tuple[int, str]:
         """Open ``rel`` component by component without following; stop at the deepest directory
-        that still is the one the previous index knew (its parent must be re-listed)."""
+        that still is the one the previous index knew (its parent must be re-listed). The rows
+        of the directories passed on the way are refreshed from what was opened."""
         fd, opened = self.root_fd, ROOT
+        self.working(ROOT)
         for name in [] if rel == ROOT else rel.split("/"):
-            child = join(opened, name)
-            known = self.cache.get(child)
+            parent = self.working(opened)
+            known = parent.rows.get(name)
+            if known is None or known.type != DIR:
+                break
             try:
                 sub = os.open(name, _DIR_FLAGS, dir_fd=fd)
             except OSError:
                 break
             st = os.fstat(sub)
-            if (
-                known is None
-                or known.type != DIR
-                or (known.ino, known.dev) != (st.st_ino, st.st_dev)
-            ):
+            if not _same_dir(known, st):
                 os.close(sub)
                 break
+            child = join(opened, name)
+            parent.rows[name] = _carried(Entry.from_stat(child, st), known)
+            if child not in self.passed:
+                self.passed.add(child)
+                self.entries_listed += 1
             if fd != self.root_fd:
                 os.close(fd)
             fd, opened = sub, child
+            self.working(child)
         return fd, opened
 
-    def relist(self, fd: int, rel: str, walked: set[str]) -> None:
-        self.record(Entry.from_stat(rel, os.fstat(fd)))  # its own mtime (and mode) moved too
-        names, subdirs = self.list_dir(fd, rel)
-        for old in self.previous_children(rel):
-            if old.rpartition("/")[2] not in names:
-                self.out.pop(old, None)
-                self.forget_below(old)
-            elif self.out[old].type != DIR:
-                self.forget_below(old)  # a directory replaced by a file or link
-        for name in reversed(subdirs):
+    def relist(self, fd: int, rel: str) -> None:
+        """List ``rel`` afresh: a subdirectory that is the one the previous index knew is
+        carried (or rebuilt later, if dirty); one that is new or replaced is walked in full."""
+        current, subdirs = self.list_dir(fd, rel)
+        self.open[rel] = current
+        previous = current.previous
+        for name in subdirs:
+            known = previous.child(name) if previous is not None else None
+            now = current.rows[name]
+            if known is not None and _same_dir(known, now):
+                current.rows[name] = _carried(now, known)
+                continue
             child = join(rel, name)
-            known, now = self.cache.get(child), self.out[child]
-            if (
-                known is not None
-                and known.type == DIR
-                and (known.ino, known.dev) == (now.ino, now.dev)
-            ):
-                continue  # same directory: its contents are carried (or re-listed if dirty)
-            self.forget_below(child)
-            sub = self.open_subdir(fd, child)
-            if sub is not None:
-                try:
-                    self.walk(sub, child)
-                finally:
-                    os.close(sub)
-                walked.add(child)
+            sub = self.open_subdir(fd, current, name)
+            if sub is None:
+                continue
+            try:
+                node = self.walk(sub, child)
+            finally:
+                os.close(sub)
+            current.rows[name] = with_node(current.rows[name], node)
+            self.walked.add(child)
 
-    def previous_children(self, rel: str) -> list[str]:
-        prefix = "" if rel == ROOT else rel + "/"
-        return [p for p in self._previous_below(prefix) if "/" not in p[len(prefix) :]]
+    def finish_open(self) -> DirNode:
+        """Build the nodes of the directories this scan rebuilt, deepest first, each one's new
+        node replacing its row in its parent; returns the root's node."""
+        for rel in sorted(self.open, key=_depth, reverse=True):
+            node = self.finish(self.open[rel])
+            if rel == ROOT:
+                return node
+            parent = self.open[parent_of(rel)]
+            row = parent.rows.get(name_of(rel))
+            if row is not None and row.type == DIR:
+                parent.rows[name_of(rel)] = with_node(row, node)
+        raise AssertionError("the root is always rebuilt with the directories below it")
 
-    def forget_below(self, rel: str) -> None:
-        for path in self._previous_below(rel + "/"):
-            self.out.pop(path, None)
 
-    def _previous_below(self, prefix: str) -> list[str]:
-        paths = self.previous.paths if self.previous is not None else []
-        start = bisect.bisect_left(paths, prefix)
-        end = len(paths) if not prefix else bisect.bisect_left(paths, prefix[:-1] + "0")
-        return [p for p in paths[start:end] if p != ROOT]
+def _carried(now: Entry, known: Entry) -> Entry:
+    """A directory's fresh stat row, still pointing at the node and tree it had."""
+    return now._replace(tree=known.tree, node=known.node, below=known.below)
+
+
+def _depth(rel: str) -> int:
+    return 0 if rel == ROOT else rel.count("/") + 1
 
 
 def _normalize_dirty(path: str) -> str:

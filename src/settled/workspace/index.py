@@ -1,0 +1,322 @@
+"""The stat cache, one node per directory, so a scan reads only what changed since the last one.
+
+Owns ``DirNode`` (a directory's children with their stat cache, the tree id they hash to, and
+the racy-git cutoff that held when they were listed), ``Index`` (the root entry plus nodes
+loaded on demand, by path, through the refs each parent row holds) and their byte forms.
+
+Why per directory, like the trees: an incremental scan loads the nodes on the paths to the dirty
+directories and writes new nodes for those directories and their ancestors; every other
+directory is carried by reference. A flat 100,000-entry index cost ~0.7 s to parse and ~0.3 s to
+write whatever changed. A node is a cache, not a record: it lives in the object store (its id
+is the hash of its bytes, checked on every load), and one that cannot be read makes the
+workspace service scan again without it.
+
+Must never: put anything into a node that a scan did not observe; hand out a node whose bytes
+do not hash to the ref its parent names; do I/O other than through the reader it is given.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any, Final, Protocol
+
+from settled.canonical import canonical_bytes
+from settled.errors import SettledError
+from settled.workspace.hashing import check_algorithm, digest_bytes
+from settled.workspace.manifest import (
+    DEVICES,
+    DIR,
+    FILE,
+    ROOT,
+    SYMLINK,
+    Entry,
+    IndexMismatch,
+    join,
+    name_of,
+    parent_of,
+    tree_bytes,
+)
+from settled.workspace.objects import ObjectMissing
+
+INDEX_VERSION: Final = "settled.index/v2"
+NODE_VERSION: Final = "settled.index-node/v1"
+_NODE_KEYS: Final = frozenset({"v", "algorithm", "tree", "trusted_before_ns", "count", "entries"})
+_ROW_FIELDS: Final = 11
+_BAD_NAMES: Final = frozenset({"", ".", ".."})
+
+
+class Reader(Protocol):
+    def read(self, digest: str) -> bytes: ...
+
+
+class MemoryObjects:
+    """Nodes of scans made without an object store, kept in memory for the next such scan;
+    anything else is read from ``fallback``."""
+
+    def __init__(self, fallback: Reader | None = None) -> None:
+        self.objects: dict[str, bytes] = {}
+        self.fallback = fallback
+
+    def put(self, digest: str, data: bytes) -> None:
+        self.objects[digest] = data
+
+    def read(self, digest: str) -> bytes:
+        data = self.objects.get(digest)
+        if data is not None:
+            return data
+        if self.fallback is None:
+            raise ObjectMissing(digest)
+        return self.fallback.read(digest)
+
+
+@dataclass(frozen=True)
+class DirNode:
+    """One directory as a scan saw it. ``entries`` maps name -> child entry, sorted by name;
+    a stat match vouches for a child only if its mtime and ctime are strictly older than
+    ``trusted_before_ns`` (the racy-git rule)."""
+
+    path: str
+    algorithm: str
+    tree: str
+    trusted_before_ns: int
+    entries: dict[str, Entry]
+    count: int  # entries below this directory, at any depth
+    ref: str  # the id of the node's bytes
+
+    def child(self, name: str) -> Entry | None:
+        return self.entries.get(name)
+
+
+@dataclass(frozen=True)
+class BuiltNode:
+    """A node made by a scan, with the bytes of its tree and of itself, for publishing."""
+
+    node: DirNode
+    tree_data: bytes
+    node_data: bytes
+
+
+def build_node(
+    path: str, algorithm: str, children: Iterable[Entry], trusted_before_ns: int
+) -> BuiltNode:
+    """The node (and tree) of a directory whose children are ``children``."""
+    ordered = sorted(children, key=lambda entry: entry.path)
+    tree_data = tree_bytes(algorithm, ordered)
+    tree = digest_bytes(algorithm, tree_data)
+    count = len(ordered) + sum(entry.below for entry in ordered if entry.type == DIR)
+    node_data = canonical_bytes(
+        {
+            "v": NODE_VERSION,
+            "algorithm": algorithm,
+            "tree": tree,
+            "trusted_before_ns": trusted_before_ns,
+            "count": count,
+            "entries": [_row(entry) for entry in ordered],
+        }
+    )
+    entries = {name_of(entry.path): entry for entry in ordered}
+    ref = digest_bytes(algorithm, node_data)
+    return BuiltNode(
+        DirNode(path, algorithm, tree, trusted_before_ns, entries, count, ref), tree_data, node_data
+    )
+
+
+def _row(entry: Entry) -> list[Any]:
+    content: Any = {FILE: entry.digest, SYMLINK: entry.target, DIR: entry.tree}.get(
+        entry.type, entry.rdev
+    )
+    return [
+        name_of(entry.path), entry.type, entry.mode, entry.size, content,
+        entry.ino, entry.dev, entry.mtime_ns, entry.ctime_ns, entry.node, entry.below,
+    ]  # fmt: skip
+
+
+def _entry(path: str, row: list[Any]) -> Entry:
+    _, kind, mode, size, content, ino, dev, mtime_ns, ctime_ns, node, below = row
+    return Entry(
+        path, kind, mode, size,
+        content if kind == FILE else None,
+        content if kind == SYMLINK else None,
+        content if kind in DEVICES else None,
+        ino, dev, mtime_ns, ctime_ns,
+        content if kind == DIR else None,
+        node, below,
+    )  # fmt: skip
+
+
+def parse_node(data: bytes, ref: str, path: str, algorithm: str) -> DirNode:
+    """A node read back by its ref; ``IndexMismatch`` if it is not exactly that node."""
+    try:
+        if digest_bytes(algorithm, data) != ref:
+            raise ValueError("its bytes do not hash to its ref")
+        raw = json.loads(data)
+        if not isinstance(raw, dict) or set(raw) != _NODE_KEYS or raw["v"] != NODE_VERSION:
+            raise ValueError(f"it is not a {NODE_VERSION}")
+        if raw["algorithm"] != algorithm:
+            raise ValueError(f"algorithm {raw['algorithm']!r} is not {algorithm}")
+        entries: dict[str, Entry] = {}
+        for row in raw["entries"]:
+            if not isinstance(row, list) or len(row) != _ROW_FIELDS:
+                raise ValueError(f"a row does not have {_ROW_FIELDS} fields")
+            name = row[0]
+            if not isinstance(name, str) or name in _BAD_NAMES or "/" in name or "\0" in name:
+                raise ValueError(f"a row names {name!r}")
+            entries[name] = _entry(join(path, name), row)
+        return DirNode(
+            path, algorithm, raw["tree"], int(raw["trusted_before_ns"]), entries,
+            int(raw["count"]), ref,
+        )  # fmt: skip
+    except (ValueError, TypeError, KeyError, SettledError) as error:
+        raise IndexMismatch(f"stat-cache node {ref} of {path!r} is unusable: {error}") from None
+
+
+class Index:
+    """A scan's result: the root entry (its tree, its node, how many entries lie below) and the
+    directory nodes, loaded on demand through ``reader`` and kept once loaded."""
+
+    def __init__(
+        self,
+        algorithm: str,
+        scan_started_ns: int,
+        root: Entry,
+        reader: Reader,
+        nodes: dict[str, DirNode] | None = None,
+    ) -> None:
+        self.algorithm = check_algorithm(algorithm)
+        self.scan_started_ns = scan_started_ns
+        self.root = root
+        self.reader = reader
+        self._nodes: dict[str, DirNode] = dict(nodes or {})
+
+    def __repr__(self) -> str:
+        return f"Index(root tree {self.root.tree}, {self.count} entries)"
+
+    @property
+    def count(self) -> int:
+        return 1 + self.root.below
+
+    def node(self, path: str) -> DirNode | None:
+        """The node of directory ``path``, or None if the index has no directory there."""
+        node = self._resolve(ROOT, self.root.node)
+        if path == ROOT or node is None:
+            return node
+        walked = ROOT
+        for name in path.split("/"):
+            row = node.child(name)
+            if row is None or row.type != DIR:
+                return None
+            walked = join(walked, name)
+            node = self._resolve(walked, row.node)
+            if node is None:
+                return None
+        return node
+
+    def _resolve(self, path: str, ref: str | None) -> DirNode | None:
+        if ref is None:
+            return None
+        known = self._nodes.get(path)
+        if known is not None and known.ref == ref:
+            return known
+        try:
+            data = self.reader.read(ref)
+        except ObjectMissing:
+            raise IndexMismatch(f"stat-cache node {ref} of {path!r} is missing") from None
+        node = self._nodes[path] = parse_node(data, ref, path, self.algorithm)
+        return node
+
+    def loaded(self) -> dict[str, DirNode]:
+        """The nodes read or built so far (a later index may start from them)."""
+        return dict(self._nodes)
+
+    def walk(self) -> Iterator[DirNode]:
+        """Every directory node, parents before children (loads them all)."""
+        pending = [ROOT]
+        while pending:
+            node = self.node(pending.pop())
+            if node is None:
+                continue
+            yield node
+            pending.extend(e.path for e in node.entries.values() if e.type == DIR)
+
+    @property
+    def entries(self) -> tuple[Entry, ...]:
+        """Every entry, sorted by path (the flat view; loads every node)."""
+        found = [self.root]
+        for node in self.walk():
+            found.extend(node.entries.values())
+        found.sort(key=lambda entry: entry.path)
+        return tuple(found)
+
+    @property
+    def by_path(self) -> dict[str, Entry]:
+        return {entry.path: entry for entry in self.entries}
+
+    def to_bytes(self) -> bytes:
+        """The index's root object (the nodes are objects of their own)."""
+        return canonical_bytes(
+            {
+                "v": INDEX_VERSION,
+                "algorithm": self.algorithm,
+                "scan_started_ns": self.scan_started_ns,
+                "root": _row(self.root),
+            }
+        )
+
+    @classmethod
+    def from_bytes(cls, data: bytes, reader: Reader) -> Index:
+        try:
+            raw = json.loads(data)
+            if raw["v"] != INDEX_VERSION:
+                raise ValueError(f"version {raw['v']!r} is not {INDEX_VERSION}")
+            if not isinstance(raw["root"], list) or len(raw["root"]) != _ROW_FIELDS:
+                raise ValueError("the root row is malformed")
+            root = _entry(ROOT, raw["root"])
+            if root.type != DIR or root.node is None:
+                raise ValueError("the root is not an indexed directory")
+            return cls(raw["algorithm"], int(raw["scan_started_ns"]), root, reader)
+        except (KeyError, TypeError, ValueError, SettledError) as error:
+            raise IndexMismatch(f"stored index is unusable: {error}") from None
+
+    @classmethod
+    def from_entries(
+        cls,
+        algorithm: str,
+        entries: Iterable[Entry],
+        *,
+        trusted_before_ns: int,
+        scan_started_ns: int = 0,
+    ) -> Index:
+        """An index (in memory) of a flat listing that includes the root ``"."``: every
+        directory's node built bottom-up, every node trusted up to ``trusted_before_ns``."""
+        by_parent: dict[str, list[Entry]] = {}
+        root: Entry | None = None
+        for entry in entries:
+            if entry.path == ROOT:
+                root = entry
+            else:
+                by_parent.setdefault(parent_of(entry.path), []).append(entry)
+        if root is None or root.type != DIR:
+            raise IndexMismatch("a listing without a root directory '.'")
+        memory = MemoryObjects()
+        dirs = sorted({ROOT} | {e.path for c in by_parent.values() for e in c if e.type == DIR},
+                      key=lambda p: -_depth(p))  # fmt: skip
+        built: dict[str, DirNode] = {}
+        for path in dirs:
+            children = [
+                with_node(e, built[e.path]) if e.type == DIR else e for e in by_parent.get(path, [])
+            ]
+            made = build_node(path, algorithm, children, trusted_before_ns)
+            memory.put(made.node.ref, made.node_data)
+            built[path] = made.node
+        return cls(algorithm, scan_started_ns, with_node(root, built[ROOT]), memory, built)
+
+
+def with_node(entry: Entry, node: DirNode) -> Entry:
+    """A directory's entry pointing at its (new) node and tree."""
+    return entry._replace(tree=node.tree, node=node.ref, below=node.count)
+
+
+def _depth(path: str) -> int:
+    return 0 if path == ROOT else path.count("/") + 1
