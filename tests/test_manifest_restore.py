@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import stat
@@ -340,3 +341,17 @@ def test_the_read_back_checks_what_the_checkpoint_published_and_what_it_reuses(
     assert [(p.digest, p.problem, p.paths) for p in tampered.problems] == [
         (blob, "mismatch", ("d3/f",))
     ]
+
+
+def test_tree_objects_are_canonical_json_of_every_entry_type(
+    store: LocalObjectStore, tmp_path: Path
+) -> None:
+    manifest = read_manifest(store, checkpoint(store, make_workspace(tmp_path / "ws")))
+    trees = {e.tree for e in manifest.entries if e.tree is not None}
+    assert len(trees) == 6  # 7 directories; "empty" and "shared" share the empty tree
+    kinds = set()
+    for tree in trees:
+        data = store.read(tree)
+        assert canonical_bytes(json.loads(data)) == data
+        kinds |= {form["type"] for form in json.loads(data)["entries"]}
+    assert kinds == {"file", "dir", "symlink", "fifo"}
