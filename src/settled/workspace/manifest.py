@@ -52,13 +52,20 @@ TYPES: Final = {
     stat.S_IFCHR: "chardev",
     stat.S_IFBLK: "blockdev",
 }
-ENTRY_TYPES: Final = tuple(TYPES.values())
 _MANIFEST_KEYS: Final = frozenset({"v", "algorithm", "root", "parent", "watermark", "generation"})
 _FLAT_MANIFEST_KEYS: Final = frozenset(
     {"v", "algorithm", "entries", "parent", "watermark", "generation"}
 )
 _TREE_KEYS: Final = frozenset({"v", "algorithm", "entries"})
-_COMMON_FIELDS: Final = frozenset({"type", "mode", "size"})
+_CONTENT_FIELD: Final[dict[str, str | None]] = {
+    FILE: "digest", SYMLINK: "target", DIR: "tree", "chardev": "rdev", "blockdev": "rdev",
+    "fifo": None, "socket": None,
+}  # fmt: skip
+_FORM_FIELDS: Final = {
+    (key, extra): frozenset({key, "type", "mode", "size"} | ({extra} if extra else set()))
+    for key in ("path", "name")
+    for extra in (*_CONTENT_FIELD.values(), None)
+}  # the fields of a flat ("path") or tree ("name") entry with that content field
 
 
 class ManifestError(SettledError):
@@ -129,9 +136,16 @@ def check_path(path: object) -> str:
 
 def check_name(name: object) -> str:
     """One component of a path: what a tree may name, and nothing that could climb out."""
-    if not isinstance(name, str) or "/" in name or name == ROOT:
+    if not isinstance(name, str) or not name or "/" in name or name in (ROOT, ".."):
         raise UnsafePath(name, "is not a single path component")
-    return check_path(name)
+    if "\0" in name:
+        raise UnsafePath(name, "contains NUL")
+    if not name.isascii():
+        try:
+            name.encode("utf-8")
+        except UnicodeEncodeError:
+            raise UnsafePath(name, "is not valid UTF-8") from None
+    return name
 
 
 class Entry(NamedTuple):
@@ -225,12 +239,12 @@ class Entry(NamedTuple):
         cls, form: dict[str, Any], path: str, key: str, algorithm: str, *, allow_tree: bool
     ) -> Entry:
         kind = form.get("type")
-        if kind not in ENTRY_TYPES:
+        if not isinstance(kind, str) or kind not in _CONTENT_FIELD:
             raise ValueError(f"entry {path!r} has unknown type {kind!r}")
-        extra = {FILE: "digest", SYMLINK: "target"}.get(kind, "rdev" if kind in DEVICES else None)
-        if kind == DIR and allow_tree:
-            extra = "tree"
-        if set(form) != _COMMON_FIELDS | {key} | ({extra} if extra else set()):
+        extra = _CONTENT_FIELD[kind]
+        if kind == DIR and not allow_tree:
+            extra = None
+        if form.keys() != _FORM_FIELDS[key, extra]:
             raise ValueError(f"entry {path!r} has fields {sorted(form)}")
         entry = cls(
             path, kind, form["mode"], form["size"], **({extra: form[extra]} if extra else {})
