@@ -26,10 +26,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import os
 import random
 import shutil
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -215,7 +217,10 @@ class Settled:
         self.socket = self.rt.workspace.socket(self.task)
         self.journal_pid = (journal.ping(self.socket) or {}).get("pid")
         self.scan_s = 0.0
-        original: Callable[..., dict[str, Any]] = self.rt.workspace.final_scan
+        self._time_scans(self.rt)
+
+    def _time_scans(self, rt: Any) -> None:
+        original: Callable[..., dict[str, Any]] = rt.workspace.final_scan
 
         def timed_scan(*args: Any, **kwargs: Any) -> dict[str, Any]:
             t0 = time.perf_counter()
@@ -224,25 +229,58 @@ class Settled:
             finally:
                 self.scan_s = time.perf_counter() - t0
 
-        self.rt.workspace.final_scan = timed_scan  # type: ignore[method-assign]
+        rt.workspace.final_scan = timed_scan
 
     def checkpoint(self, incremental: bool) -> dict[str, Any]:
         os.sync()
         started = time.perf_counter()
         receipt = self.rt.checkpoint(self.task.task, incremental=incremental)
+        return self._row(receipt, time.perf_counter() - started, self.scan_s)
+
+    def checkpoint_cold(self) -> dict[str, Any]:
+        """A new Runtime on the same home: nothing of the stat cache is in memory."""
+        from settled.runtime import Runtime
+
+        os.sync()
+        started = time.perf_counter()
+        rt = Runtime(self.home)
+        try:
+            self._time_scans(rt)
+            receipt = rt.checkpoint(self.task.task)
+            elapsed = time.perf_counter() - started
+        finally:
+            rt.close()
+        return self._row(receipt, elapsed, self.scan_s)
+
+    def checkpoint_cli(self, token: str) -> dict[str, Any]:
+        """`settled checkpoint TASK --json` in a new process, like an agent's tool call."""
+        env = {k: v for k, v in os.environ.items() if k != "SETTLED_HOME"}
+        env[MARK_ENV] = token
+        argv = [sys.executable, "-m", "settled", "--home", self.home, "checkpoint"]
+        os.sync()
+        started = time.perf_counter()
+        done = subprocess.run(
+            [*argv, self.task.task, "--json"], env=env, capture_output=True, text=True,
+            timeout=GIT_TIMEOUT_S, check=True,
+        )  # fmt: skip
         elapsed = time.perf_counter() - started
+        return self._row(json.loads(done.stdout), elapsed, None)
+
+    @staticmethod
+    def _row(receipt: dict[str, Any], elapsed: float, scan_s: float | None) -> dict[str, Any]:
         if not receipt["read_back"]["verified"]:
             raise RuntimeError(f"checkpoint {receipt['manifest']} did not read back")
         scan = receipt["scan"]
         return {
             "settled_s": elapsed,
-            "scan_s": self.scan_s,
-            "manifest_and_read_back_s": elapsed - self.scan_s,
+            "scan_s": scan_s,
+            "manifest_and_read_back_s": None if scan_s is None else elapsed - scan_s,
             "mode": scan["mode"],
             "entries": scan["entries"],
             "trustworthy": scan["journal"].get("trustworthy"),
             "dirty_dirs": len(scan["journal"].get("dirty_dirs", [])),
             "stats": scan["stats"],
+            "read_back": receipt["read_back"],
             "blobs_verified": receipt["read_back"]["blobs_verified"],
         }
 
@@ -331,6 +369,15 @@ def _full_runs(
     return runs, keep
 
 
+VARIANTS = ("incremental", "full", "cold", "cli")
+CALLS = {
+    "incremental": "`rt.checkpoint(task)`",
+    "full": "`rt.checkpoint(task, incremental=False)`",
+    "cold": "`Runtime(home).checkpoint(task)`",
+    "cli": "`settled checkpoint TASK` (new process)",
+}
+
+
 def _incremental_runs(
     rig: Settled, tree: Tree, git: Git, p: dict[str, Any], start: int
 ) -> list[dict[str, Any]]:
@@ -338,22 +385,28 @@ def _incremental_runs(
     runs: list[dict[str, Any]] = []
     salt = start
     for j in range(p["incremental_runs"]):
-        for incremental in (True, False) if j % 2 == 0 else (False, True):
+        for variant in VARIANTS if j % 2 == 0 else tuple(reversed(VARIANTS)):
             salt += 1
             files = tree.spread(p["changed"], salt)
             tree.change(files, f"change-{salt}", tree.root, git.repo)
             row: dict[str, Any] = {"run": j + 1, "changed": len(files), "load1": _load1()}
-            row.update(rig.checkpoint(incremental=incremental))
+            if variant == "cold":
+                row.update(rig.checkpoint_cold())
+            elif variant == "cli":
+                row.update(rig.checkpoint_cli(git.token))
+                git.left += len(kill_marked(git.token))
+            else:
+                row.update(rig.checkpoint(incremental=variant == "incremental"))
             row["git_s"] = git.commit()
-            row["asked"] = "incremental" if incremental else "full"
+            row["asked"] = variant
             row["ratio"] = row["settled_s"] / row["git_s"]
             runs.append(row)
             st = row["stats"]
             log(
-                f"checkpoint incremental {j + 1}/{p['incremental_runs']} ({row['asked']} -> "
+                f"checkpoint incremental {j + 1}/{p['incremental_runs']} ({variant} -> "
                 f"{row['mode']}): settled {row['settled_s'] * 1000:.0f} ms, git "
                 f"{row['git_s'] * 1000:.0f} ms; dirs listed {st['dirs_listed']}, hashed "
-                f"{st['files_hashed']}"
+                f"{st['files_hashed']}, trees built {st['trees_built']}"
             )
     return runs
 
@@ -458,7 +511,7 @@ def summarize(data: dict[str, Any]) -> dict[str, Any]:
             "git_add_s": median([r["git_add_s"] for r in rescan]),
         }
     inc = data[SMALL]["incremental"]
-    for asked in ("incremental", "full"):
+    for asked in VARIANTS:
         rows = [r for r in inc if r["asked"] == asked]
         out[f"after_change_{asked}"] = {
             "settled_s": distribution([r["settled_s"] for r in rows]),
@@ -474,24 +527,30 @@ def _kind_title(p: dict[str, Any]) -> str:
     return f"{p['files']:,} files x {size} in {p['dirs']:,} dirs"
 
 
-def _follows(rows: list[dict[str, Any]]) -> str:
-    """Say in numbers which part of an incremental checkpoint follows the change."""
-    inc = [r for r in rows if r["mode"] == "incremental"]
+def _follows(rows: list[dict[str, Any]], entries: int) -> str:
+    """Say in numbers how an incremental checkpoint's cost moves with the change."""
+    inc = [r for r in rows if r["mode"] == "incremental" and r["scan_s"] is not None]
     if not inc:
         return "No incremental checkpoint was measured (the journal never vouched)."
     few = min(inc, key=lambda r: r["changed"])
     many = max(inc, key=lambda r: r["changed"])
-    manifest = [r["manifest_and_read_back_s"] * 1000 for r in inc]
+
+    def part(r: dict[str, Any]) -> str:
+        st, rb = r["stats"], r["read_back"]
+        return (
+            f"{r['changed']} changed files: {fmt(r['settled_s'] * 1000, 0)} ms in all, scan "
+            f"{fmt(r['scan_s'] * 1000, 0)} ms ({st['dirs_listed']} dirs listed, "
+            f"{st['files_hashed']} files hashed, {st['trees_built']} trees and "
+            f"{st['nodes_built']} nodes built), manifest and read-back "
+            f"{fmt(r['manifest_and_read_back_s'] * 1000, 0)} ms ({rb['trees_verified']} trees "
+            f"and {rb['blobs_verified']} blobs re-hashed, {rb['reused_present']} reused "
+            "subtrees checked present)"
+        )
+
     return (
-        f"What follows the change is the scan: {fmt(few['scan_s'] * 1000, 0)} ms for "
-        f"{few['changed']} changed files ({few['stats']['dirs_listed']} dirs listed, "
-        f"{few['stats']['files_hashed']} hashed) against {fmt(many['scan_s'] * 1000, 0)} ms for "
-        f"{many['changed']} ({many['stats']['dirs_listed']} dirs, "
-        f"{many['stats']['files_hashed']} hashed); the scan's floor is loading and storing the "
-        f"whole stat-cache index. What does not is the rest of the checkpoint (manifest built, "
-        f"checked and written, the parent manifest read and validated to find the added blobs, "
-        f"the new one read back and validated): {fmt(min(manifest), 0)}-{fmt(max(manifest), 0)} "
-        f"ms whatever the change, linear in the tree's {inc[0]['entries']:,} entries."
+        f"In a tree of {entries:,} entries: {part(few)}; against {part(many)}. What the "
+        "checkpoint lists, hashes, builds and reads back is counted in directories and files "
+        "touched by the change; nothing is proportional to the entries it did not touch."
     )
 
 
@@ -531,12 +590,15 @@ def render(data: dict[str, Any]) -> str:
                     fmt(r["ratio_durable"]),
                     st["files_hashed"],
                     st["blobs_written"],
+                    st.get("objects_grouped", "-"),
                     _mb(st),
                     fmt(r["load1"], 1),
                 ]
             )
     parts += [
         "### Full checkpoint, fresh home (every blob published)",
+        "Past the first 64 objects of a publish, objects are staged (written without an fsync) "
+        "and made durable together by one `syncfs`, then linked (`objects grouped`).",
         md_table(
             [
                 "tree",
@@ -551,6 +613,7 @@ def render(data: dict[str, Any]) -> str:
                 "ratio vs durable",
                 "files hashed",
                 "blobs written",
+                "objects grouped",
                 "MB read",
                 "load (1 min)",
             ],
@@ -584,30 +647,31 @@ def render(data: dict[str, Any]) -> str:
         inc_rows.append(
             [
                 r["run"],
-                f"`checkpoint({'' if r['asked'] == 'incremental' else 'incremental=False'})`",
+                CALLS[r["asked"]],
                 r["mode"],
                 fmt(r["settled_s"] * 1000, 1),
-                fmt(r["scan_s"] * 1000, 1),
-                fmt(r["manifest_and_read_back_s"] * 1000, 1),
+                "-" if r["scan_s"] is None else fmt(r["scan_s"] * 1000, 1),
                 st["dirs_listed"],
                 st["files_hashed"],
                 st["entries_reused"],
                 st["entries_carried"],
+                st["trees_built"],
+                r["read_back"]["trees_verified"],
                 fmt(r["git_s"] * 1000, 1),
                 fmt(r["ratio"]),
+                fmt(r["load1"], 1),
             ]
         )
     small = _kind_title(data[SMALL]["params"])
-    ai, af = s["after_change_incremental"], s["after_change_full"]
     parts += [
         f"### After changing {p['changed']} files ({small}; one file in each of "
         f"{min(p['changed'], data[SMALL]['params']['dirs'])} directories)",
         "Every row follows its own change of the same size, applied to both trees; git is "
-        "`git add -A && git commit` after that change. `dirs listed` and `files hashed` are the "
-        "scan's own counters: the incremental scan lists only the directories the journal "
-        "reported dirty, the full one every directory. A full scan after an incremental one "
-        "re-reads the files the incremental scans changed, because an incremental scan keeps "
-        "its parent's racy-git cutoff.",
+        "`git add -A && git commit` after that change (two new processes). `dirs listed` and "
+        "`files hashed` are the scan's own counters: the incremental scan lists only the "
+        "directories the journal reported dirty, the full one every directory. A cold "
+        "checkpoint reads the stat cache from the object store (the nodes on the paths to the "
+        "dirty directories); the CLI row adds a new interpreter and its imports.",
         md_table(
             [
                 "run",
@@ -615,13 +679,15 @@ def render(data: dict[str, Any]) -> str:
                 "mode",
                 "settled ms",
                 "of which scan ms",
-                "manifest + read-back ms",
                 "dirs listed",
                 "files hashed",
                 "entries reused (stat cache)",
                 "entries carried",
+                "trees built",
+                "trees read back",
                 "git add+commit ms",
                 "ratio",
+                "load (1 min)",
             ],
             inc_rows,
         ),
@@ -629,19 +695,13 @@ def render(data: dict[str, Any]) -> str:
             ["after the change", "settled p50 ms", "settled max ms", "git p50 ms", "median ratio"],
             [
                 [
-                    "incremental (journal)",
-                    fmt(ai["settled_s"]["p50"] * 1000, 1),
-                    fmt(ai["settled_s"]["max"] * 1000, 1),
-                    fmt(ai["git_s"]["p50"] * 1000, 1),
-                    fmt(ai["ratio"]),
-                ],
-                [
-                    "full stat walk",
-                    fmt(af["settled_s"]["p50"] * 1000, 1),
-                    fmt(af["settled_s"]["max"] * 1000, 1),
-                    fmt(af["git_s"]["p50"] * 1000, 1),
-                    fmt(af["ratio"]),
-                ],
+                    CALLS[asked] + (" (full stat walk)" if asked == "full" else ""),
+                    fmt(s[f"after_change_{asked}"]["settled_s"]["p50"] * 1000, 1),
+                    fmt(s[f"after_change_{asked}"]["settled_s"]["max"] * 1000, 1),
+                    fmt(s[f"after_change_{asked}"]["git_s"]["p50"] * 1000, 1),
+                    fmt(s[f"after_change_{asked}"]["ratio"]),
+                ]
+                for asked in VARIANTS
             ],
         ),
         "Incremental cost against the size of the change (same tree, one run each, files spread "
@@ -655,6 +715,7 @@ def render(data: dict[str, Any]) -> str:
                 "manifest + read-back ms",
                 "dirs listed",
                 "files hashed",
+                "trees built",
                 "git ms",
                 "ratio",
                 "load (1 min)",
@@ -668,6 +729,7 @@ def render(data: dict[str, Any]) -> str:
                     fmt(r["manifest_and_read_back_s"] * 1000, 1),
                     r["stats"]["dirs_listed"],
                     r["stats"]["files_hashed"],
+                    r["stats"]["trees_built"],
                     fmt(r["git_s"] * 1000, 1),
                     fmt(r["ratio"]),
                     fmt(r.get("load1"), 1),
@@ -675,7 +737,10 @@ def render(data: dict[str, Any]) -> str:
                 for r in data[SMALL]["sweep"]
             ],
         ),
-        _follows(data[SMALL]["sweep"] + data[SMALL]["incremental"]),
+        _follows(
+            data[SMALL]["sweep"] + data[SMALL]["incremental"],
+            data[SMALL]["incremental"][0]["entries"],
+        ),
     ]
     resc_rows = []
     for kind in (BIG, SMALL):
