@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import sqlite3
 import stat
 import subprocess
 import sys
@@ -299,6 +300,9 @@ def test_an_incremental_checkpoint_follows_the_change_and_matches_a_full_one(
     second = rt.checkpoint(task.task)
     assert second["scan"]["mode"] == "incremental"
     assert second["scan"]["stats"]["dirs_listed"] <= 2, second["scan"]["stats"]
+    assert second["scan"]["stats"]["trees_built"] == 2  # d7 and the root; 19 subtrees reused
+    assert second["read_back"]["trees_verified"] == 2
+    assert second["read_back"]["reused_present"] == 19
     assert second["parent"] == first["manifest"]
     full = rt.checkpoint(task.task, incremental=False)
     assert full["scan"]["mode"] == "full"
@@ -306,6 +310,46 @@ def test_an_incremental_checkpoint_follows_the_change_and_matches_a_full_one(
         read_manifest(rt.workspace.objects, full["manifest"]).entries
         == read_manifest(rt.workspace.objects, second["manifest"]).entries
     )
+
+
+def test_a_new_runtime_reads_the_stat_cache_back_and_stays_incremental(
+    rt: Runtime, task: TaskRecord
+) -> None:
+    ws = Path(task.workspace)
+    for d in range(5):
+        (ws / f"d{d}").mkdir()
+        (ws / f"d{d}" / "f").write_text(str(d))
+    rt.checkpoint(task.task)
+    (ws / "d3" / "f").write_text("changed")
+    with Runtime(rt.home) as fresh:
+        after = fresh.checkpoint(task.task)
+    assert after["scan"]["mode"] == "incremental" and after["scan"]["stat_cache"] == "used"
+    assert after["scan"]["stats"]["files_hashed"] == 1
+    entries = {e.path: e for e in read_manifest(rt.workspace.objects, after["manifest"]).entries}
+    restored = Path(task.workspace).parent / "restored"
+    rt.restore(after["manifest"], str(restored))
+    assert (restored / "d3" / "f").read_text() == "changed" and len(entries) == 11
+
+
+def test_an_unreadable_stat_cache_costs_a_full_scan_not_a_wrong_checkpoint(
+    rt: Runtime, task: TaskRecord
+) -> None:
+    ws = Path(task.workspace)
+    (ws / "d").mkdir()
+    (ws / "d" / "f").write_text("one")
+    first = rt.checkpoint(task.task)
+    latest = rt.store.latest_checkpoint(task.task)
+    assert latest is not None and latest[1] is not None
+    with sqlite3.connect(Path(rt.home) / "index.db") as db:  # the stat cache's root, damaged
+        db.execute("UPDATE nodes SET data=CAST('{}' AS BLOB) WHERE ref=?", (latest[1],))
+    (ws / "d" / "f").write_text("two")
+    with Runtime(rt.home) as fresh:
+        after = fresh.checkpoint(task.task)
+    assert after["scan"]["mode"] == "full"
+    assert after["scan"]["stat_cache"].startswith("unusable, scanned without it")
+    assert after["manifest"] != first["manifest"]
+    entries = {e.path: e for e in read_manifest(rt.workspace.objects, after["manifest"]).entries}
+    assert entries["d/f"].size == 3 and after["scan"]["stats"]["files_hashed"] == 1
 
 
 def test_without_a_trustworthy_journal_a_checkpoint_scans_everything(

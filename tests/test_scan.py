@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sqlite3
 import threading
 import time
 from pathlib import Path
@@ -13,6 +14,7 @@ from settled.workspace import scan as scan_module
 from settled.workspace.hashing import DEFAULT_ALGORITHM, digest_bytes
 from settled.workspace.index import Index
 from settled.workspace.manifest import Entry
+from settled.workspace.nodecache import NodeCache
 from settled.workspace.objects import DurabilityError, LocalObjectStore
 from settled.workspace.scan import ScanResult, TornRead, scan
 
@@ -246,13 +248,14 @@ def test_an_incremental_scan_escalates_a_dirty_dir_that_is_gone(tmp_path: Path) 
     assert entry(incremental, "a/b").type == "symlink"
 
 
-def test_the_index_round_trips_through_its_objects(tmp_path: Path) -> None:
+def test_the_index_round_trips_through_the_node_cache(tmp_path: Path) -> None:
     workspace, store = tmp_path / "ws", LocalObjectStore(tmp_path / "objects")
+    cache = NodeCache(str(tmp_path / "index.db"))
     make_tree(workspace, files=4)
     (workspace / "link").symlink_to("d0")
     os.mkfifo(workspace / "fifo")
-    index = scan(workspace, store=store).index
-    again = Index.from_bytes(index.to_bytes(), store)
+    index = scan(workspace, store=store, cache=cache).index
+    again = Index.from_bytes(index.to_bytes(), NodeCache(str(tmp_path / "index.db")), index.ref)
     assert again.entries == index.entries and again.root == index.root
     assert again.count == len(index.entries) == 10
 
@@ -277,14 +280,17 @@ def test_a_failed_fsync_while_publishing_fails_the_scan(
 
 
 class CountingReader:
-    """An object store reader that records which objects a scan loaded."""
+    """A node cache that records which nodes a scan loaded."""
 
-    def __init__(self, store: LocalObjectStore) -> None:
-        self.store, self.reads = store, []  # type: ignore[var-annotated]
+    def __init__(self, cache: NodeCache) -> None:
+        self.cache, self.reads = cache, []  # type: ignore[var-annotated]
 
     def read(self, digest: str) -> bytes:
         self.reads.append(digest)
-        return self.store.read(digest)
+        return self.cache.read(digest)
+
+    def put_many(self, items: list[tuple[str, bytes]]) -> None:
+        self.cache.put_many(items)
 
 
 def test_an_incremental_scan_loads_and_builds_only_the_changed_path(tmp_path: Path) -> None:
@@ -294,11 +300,12 @@ def test_an_incremental_scan_loads_and_builds_only_the_changed_path(tmp_path: Pa
         for f in range(5):
             (workspace / f"d{d:02d}" / f"f{f}").write_bytes(b"%d/%d" % (d, f))
     settle()
-    before = scan(workspace, store=store)
+    cache = NodeCache(str(tmp_path / "index.db"))
+    before = scan(workspace, store=store, cache=cache)
     (workspace / "d07" / "f3").write_bytes(b"changed")
-    reader = CountingReader(store)
+    reader = CountingReader(cache)
     cold = Index.from_bytes(before.index.to_bytes(), reader)  # a new process: nothing loaded
-    incremental = scan(workspace, cold, store, only={"d07"})
+    incremental = scan(workspace, cold, store, only={"d07"}, cache=cache)
     root_node, d07_node = before.index.node("."), before.index.node("d07")
     assert root_node is not None and d07_node is not None
     assert reader.reads == [root_node.ref, d07_node.ref]
@@ -348,13 +355,15 @@ def test_an_unreadable_stat_cache_node_is_refused_not_trusted(tmp_path: Path) ->
     from settled.workspace.manifest import IndexMismatch
 
     workspace, store = tmp_path / "ws", LocalObjectStore(tmp_path / "objects")
+    cache = NodeCache(str(tmp_path / "index.db"))
     make_tree(workspace, files=3)
-    first = scan(workspace, store=store)
+    first = scan(workspace, store=store, cache=cache)
     node = first.index.node("d0")
     assert node is not None
-    path = store.path_of(node.ref)
-    os.chmod(path, 0o644)
-    Path(path).write_bytes(Path(path).read_bytes().replace(b"f0.txt", b"f9.txt"))
-    cold = Index.from_bytes(first.index.to_bytes(), store)
+    with sqlite3.connect(tmp_path / "index.db") as db:
+        db.execute("UPDATE nodes SET data=CAST(replace(data, 'f0.txt', 'f9.txt') AS BLOB) "
+                   "WHERE ref=?",
+                   (node.ref,))  # fmt: skip
+    cold = Index.from_bytes(first.index.to_bytes(), cache)
     with pytest.raises(IndexMismatch, match=f"{node.ref} of 'd0'"):
-        scan(workspace, cold, store)
+        scan(workspace, cold, store, cache=cache)

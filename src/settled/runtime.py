@@ -97,6 +97,7 @@ class Runtime:
         if self._warm is not None and self._owns_warm:
             self._warm.close()
         self._warm = None
+        self.workspace.close()
         self.store.close()
 
     def _launch(self, session: str) -> dict[str, Any]:

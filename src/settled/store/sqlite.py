@@ -159,22 +159,7 @@ class SQLiteStore:
         self._db.close()
 
     def _enable_wal(self) -> None:
-        """Switching to WAL takes an exclusive lock and answers SQLITE_BUSY without consulting
-        the busy timeout, so concurrent first opens of a fresh store retry here."""
-        give_up = time.monotonic() + BUSY_TIMEOUT_S
-        pause = 0.001
-        while True:
-            try:
-                mode = self._db.execute("PRAGMA journal_mode=WAL").fetchone()[0]
-            except sqlite3.OperationalError as exc:
-                if "locked" not in str(exc) or time.monotonic() > give_up:
-                    raise
-            else:
-                if mode == "wal":
-                    return
-                raise HomeUnusable(f"the store at {self.path} cannot use WAL (mode {mode!r})")
-            time.sleep(pause)
-            pause = min(pause * 2, 0.05)
+        enable_wal(self._db, self.path)
 
     @contextmanager
     def _write(self) -> Iterator[sqlite3.Connection]:
@@ -582,6 +567,25 @@ class SQLiteStore:
             if cursor.rowcount != 1:
                 raise StaleWrite(f"task {task} is not at generation {generation}: already fenced")
         return generation + 1
+
+
+def enable_wal(db: sqlite3.Connection, path: str) -> None:
+    """Switching to WAL takes an exclusive lock and answers SQLITE_BUSY without consulting
+    the busy timeout, so concurrent first opens of a fresh database retry here."""
+    give_up = time.monotonic() + BUSY_TIMEOUT_S
+    pause = 0.001
+    while True:
+        try:
+            mode = db.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) or time.monotonic() > give_up:
+                raise
+        else:
+            if mode == "wal":
+                return
+            raise HomeUnusable(f"the database at {path} cannot use WAL (mode {mode!r})")
+        time.sleep(pause)
+        pause = min(pause * 2, 0.05)
 
 
 def open_sqlite(home: str) -> SQLiteStore:

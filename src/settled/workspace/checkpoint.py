@@ -26,6 +26,7 @@ from settled.store.sqlite import SQLiteStore
 from settled.workspace import journal
 from settled.workspace.index import Index
 from settled.workspace.manifest import IndexMismatch, verify_published, write_manifest
+from settled.workspace.nodecache import NodeCache
 from settled.workspace.objects import LocalObjectStore, ObjectMissing
 from settled.workspace.scan import ScanResult, scan
 
@@ -40,7 +41,20 @@ class WorkspaceService:
     def __init__(self, home: str, store: SQLiteStore) -> None:
         self.home, self.store = home, store
         self.objects = LocalObjectStore(os.path.join(home, "objects"))
+        self._cache: NodeCache | None = None
         self._indexes: dict[str, Index] = {}
+
+    @property
+    def cache(self) -> NodeCache:
+        """The stat cache's nodes, opened at the first scan (most commands never scan)."""
+        if self._cache is None:
+            self._cache = NodeCache(os.path.join(self.home, "index.db"))
+        return self._cache
+
+    def close(self) -> None:
+        if self._cache is not None:
+            self._cache.close()
+            self._cache = None
 
     # -- the journal ----------------------------------------------------------------------
 
@@ -73,12 +87,13 @@ class WorkspaceService:
         if incremental and previous is not None and watermark is not None:
             only = watermark.dirty_dirs if watermark.trustworthy else None
         try:
-            result = scan(task.workspace, previous, self.objects, only=only)
+            result = scan(task.workspace, previous, self.objects, only=only, cache=self.cache)
         except IndexMismatch as error:
             cache, only = f"unusable, scanned without it: {error}", None
-            result = scan(task.workspace, None, self.objects)
+            result = scan(task.workspace, None, self.objects, cache=self.cache)
         faults.point("checkpoint.after_blobs")
-        index_ref = self.objects.put_bytes(result.index.to_bytes())
+        index_ref = result.index.ref
+        self.cache.put_many([(index_ref, result.index.to_bytes())])
         self._indexes = {index_ref: result.index}  # the checkpoint step reads it next
         return {
             "published_ref": self.objects.put_bytes(canonical_bytes(_published(result))),
@@ -169,7 +184,7 @@ class WorkspaceService:
         cached = self._indexes.get(ref)
         if cached is not None:
             return cached
-        index = Index.from_bytes(self.objects.read(ref), self.objects)
+        index = Index.from_bytes(self.cache.read(ref), self.cache, ref)
         self._indexes = {ref: index}
         return index
 

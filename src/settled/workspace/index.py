@@ -7,7 +7,7 @@ loaded on demand, by path, through the refs each parent row holds) and their byt
 Why per directory, like the trees: an incremental scan loads the nodes on the paths to the dirty
 directories and writes new nodes for those directories and their ancestors; every other
 directory is carried by reference. A flat 100,000-entry index cost ~0.7 s to parse and ~0.3 s to
-write whatever changed. A node is a cache, not a record: it lives in the object store (its id
+write whatever changed. A node is a cache, not a record: it lives in the ``NodeCache`` (its id
 is the hash of its bytes, checked on every load), and one that cannot be read makes the
 workspace service scan again without it.
 
@@ -24,7 +24,7 @@ from typing import Any, Final, Protocol
 
 from settled.canonical import canonical_bytes
 from settled.errors import SettledError
-from settled.workspace.hashing import check_algorithm, digest_bytes
+from settled.workspace.hashing import check_algorithm, digest_bytes, parse_digest
 from settled.workspace.manifest import (
     DEVICES,
     DIR,
@@ -59,8 +59,8 @@ class MemoryObjects:
         self.objects: dict[str, bytes] = {}
         self.fallback = fallback
 
-    def put(self, digest: str, data: bytes) -> None:
-        self.objects[digest] = data
+    def put_many(self, items: list[tuple[str, bytes]]) -> None:
+        self.objects.update(items)
 
     def read(self, digest: str) -> bytes:
         data = self.objects.get(digest)
@@ -264,9 +264,17 @@ class Index:
             }
         )
 
+    @property
+    def ref(self) -> str:
+        """The id of the root object's bytes."""
+        return digest_bytes(self.algorithm, self.to_bytes())
+
     @classmethod
-    def from_bytes(cls, data: bytes, reader: Reader) -> Index:
+    def from_bytes(cls, data: bytes, reader: Reader, ref: str | None = None) -> Index:
+        """The index whose root object is ``data`` (checked against ``ref`` if given)."""
         try:
+            if ref is not None and digest_bytes(parse_digest(ref)[0], data) != ref:
+                raise ValueError(f"its root object does not hash to {ref}")
             raw = json.loads(data)
             if raw["v"] != INDEX_VERSION:
                 raise ValueError(f"version {raw['v']!r} is not {INDEX_VERSION}")
@@ -308,7 +316,7 @@ class Index:
                 with_node(e, built[e.path]) if e.type == DIR else e for e in by_parent.get(path, [])
             ]
             made = build_node(path, algorithm, children, trusted_before_ns)
-            memory.put(made.node.ref, made.node_data)
+            memory.put_many([(made.node.ref, made.node_data)])
             built[path] = made.node
         return cls(algorithm, scan_started_ns, with_node(root, built[ROOT]), memory, built)
 

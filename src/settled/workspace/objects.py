@@ -1,4 +1,5 @@
-"""The content-addressed object store: blobs and manifests, written once, named by their digest.
+"""The content-addressed object store: blobs, trees, manifests and stat-cache nodes, written once,
+named by their digest.
 
 Owns the ``ObjectStore`` protocol (what any backend must guarantee) and ``LocalObjectStore``, its
 local-directory backend: ``<root>/<algo>/<hex[:2]>/<hex[2:]>``, read-only (0o444) objects, and

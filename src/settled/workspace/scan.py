@@ -5,7 +5,8 @@ each naming the tree object its directory hashes to): a walk with directory fds,
 ``os.scandir`` and lstat that records every entry by type and mode, hashes regular files
 (publishing them into an ``ObjectStore`` in the same read: hash and copy together, link only if
 new), re-reads a file only when the stat cache cannot vouch for it, and publishes the trees and
-nodes it built once every blob they name is durable.
+trees it built once every blob they name is durable (and its stat-cache nodes into the
+``NodeCache``).
 
 Stat-cache rules. A file or symlink whose type, mode, size, ino, dev, mtime_ns and ctime_ns equal
 its previous node's row is not re-read, unless its mtime or ctime is not strictly older than
@@ -61,6 +62,7 @@ from settled.workspace.manifest import (
     name_of,
     parent_of,
 )
+from settled.workspace.nodecache import NodeCache
 from settled.workspace.objects import CHUNK, ObjectStore
 from settled.workspace.publish import Publisher
 
@@ -127,8 +129,11 @@ def scan(
     algo: str = DEFAULT_ALGORITHM,
     *,
     only: Iterable[str] | None = None,
+    cache: NodeCache | None = None,
 ) -> ScanResult:
-    """Scan the tree at ``root``; publish file contents, trees and nodes into ``store`` if given.
+    """Scan the tree at ``root``; publish file contents and trees into ``store`` if given, and
+    the stat-cache nodes into ``cache`` (else they are kept in memory, beside the previous
+    scan's).
 
     ``only``: relative directory paths known dirty (``"."`` is the root). A directory is dirty
     when its own mode changed or any entry directly in it was created, removed, renamed, or
@@ -143,11 +148,11 @@ def scan(
         raise ScanError(f"{_PROC_FD} is missing: files could not be opened without following")
     root_fd = os.open(os.fspath(root), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
-        scanner = _Scanner(root_fd, previous, store, algo, started - CLOCK_SLACK_NS)
+        scanner = _Scanner(root_fd, previous, store, cache, algo, started - CLOCK_SLACK_NS)
         top = scanner.run(only)
     finally:
         os.close(root_fd)
-    index = Index(algo, started, top, scanner.reader, scanner.nodes)
+    index = Index(algo, started, top, scanner.sink, scanner.nodes)
     scanner.stats.entries_carried = max(0, index.count - scanner.entries_listed)
     return ScanResult(index, scanner.stats, frozenset(scanner.hashed), scanner.new_trees)
 
@@ -230,6 +235,7 @@ class _Scanner:
         root_fd: int,
         previous: Index | None,
         store: ObjectStore | None,
+        cache: NodeCache | None,
         algo: str,
         trusted_before_ns: int,
     ) -> None:
@@ -239,10 +245,13 @@ class _Scanner:
         self.algo = algo
         self.trusted_before_ns = trusted_before_ns  # for the nodes this scan lists
         self.stats = ScanStats()
-        self.memory: MemoryObjects | None = None
-        if store is None:  # nodes stay in memory, beside the previous scan's
+        self.sink: NodeCache | MemoryObjects
+        if cache is not None:
+            self.sink = cache
+        else:  # nodes stay in memory, beside the previous scan's
             earlier = previous.reader if previous is not None else None
-            self.memory = earlier if isinstance(earlier, MemoryObjects) else MemoryObjects(earlier)
+            self.sink = earlier if isinstance(earlier, MemoryObjects) else MemoryObjects(earlier)
+        self.new_nodes: list[tuple[str, bytes]] = []
         self.nodes: dict[str, DirNode] = {}  # every node built or kept, for the new index
         self.open: dict[str, _Dir] = {}  # incremental mode: directories whose node is rebuilt
         self.walked: set[str] = set()  # incremental mode: new directories walked in full
@@ -250,20 +259,15 @@ class _Scanner:
         self.entries_listed = 0
         self.hashed: set[str] = set()
         self.new_trees: dict[str, str] = {}
-        self.to_publish: list[bytes] = []  # trees and nodes, published after the blobs
+        self.to_publish: list[bytes] = []  # trees, published after the blobs they name
         self.publisher: Publisher | None = None
         self.buffer = bytearray(CHUNK)
         self.view = memoryview(self.buffer)
 
-    @property
-    def reader(self) -> ObjectStore | MemoryObjects:
-        assert self.store is not None or self.memory is not None
-        return self.store if self.store is not None else self.memory  # type: ignore[return-value]
-
     # -- modes ---------------------------------------------------------------------------------
 
     def run(self, only: Iterable[str] | None) -> Entry:
-        """Full or incremental; with a store, blobs first (durable), then trees and nodes."""
+        """Full or incremental; with a store, blobs first (durable), then trees; then nodes."""
         with contextlib.ExitStack() as stack:
             if self.store is not None:
                 stack.enter_context(self.store.batch())  # exits last: directory fsyncs
@@ -277,7 +281,8 @@ class _Scanner:
                 self.publisher.close()  # every blob durable before a tree names it
                 self.stats.blobs_written = self.publisher.created
                 self.stats.objects_grouped = self.publisher.grouped
-                self.publish_index_objects()
+                self.publish_trees()
+        self.sink.put_many(self.new_nodes)
         return top
 
     def full(self) -> Entry:
@@ -429,15 +434,12 @@ class _Scanner:
             self.new_trees.setdefault(node.tree, current.path)
             if self.store is not None:
                 self.to_publish.append(made.tree_data)
-        if self.memory is not None:
-            self.memory.put(node.ref, made.node_data)
-        else:
-            self.to_publish.append(made.node_data)
+        self.new_nodes.append((node.ref, made.node_data))
         self.nodes[current.path] = node
         return node
 
-    def publish_index_objects(self) -> None:
-        """Trees and nodes, once the blobs they name are durable."""
+    def publish_trees(self) -> None:
+        """Trees, once the blobs they name are durable."""
         assert self.store is not None
         with Publisher(self.store) as publisher:
             for data in self.to_publish:
