@@ -334,6 +334,16 @@ def test_the_read_back_checks_what_the_checkpoint_published_and_what_it_reuses(
     assert [(p.digest, p.problem) for p in missing.problems] == [(reused, "missing")]
     os.rename(store.path_of(reused) + ".away", store.path_of(reused))
 
+    new_tree = next(tree for tree, path in second.trees.items() if path == "d3")
+    original = Path(store.path_of(new_tree)).read_bytes()
+    os.chmod(store.path_of(new_tree), 0o644)
+    Path(store.path_of(new_tree)).write_bytes(original.replace(b'"f"', b'"g"'))
+    torn = verify_published(store, manifest_id, second.trees, second.blobs)
+    assert [p.digest for p in torn.problems] == [new_tree] and "reads back as" in torn.problems[
+        0
+    ].problem
+    Path(store.path_of(new_tree)).write_bytes(original)
+
     blob = digest_bytes(DEFAULT_ALGORITHM, b"changed")
     os.chmod(store.path_of(blob), 0o644)
     Path(store.path_of(blob)).write_bytes(b"CHANGED")

@@ -311,6 +311,22 @@ def parse_tree(data: bytes, tree_id: str, path: str) -> list[Entry]:
     return entries
 
 
+def _tree_forms(data: bytes, tree_id: str) -> list[dict[str, Any]]:
+    """A tree read back by its id: re-hashed, and its entries' forms (names and ids only
+    checked for type)."""
+    actual = digest_bytes(parse_digest(tree_id)[0], data)
+    if actual != tree_id:
+        raise ManifestCorrupt(tree_id, actual)
+    try:
+        forms = json.loads(data)["entries"]
+        for form in forms:
+            if not isinstance(form["name"], str) or not isinstance(form.get("tree", ""), str):
+                raise TypeError("an entry's name or tree is not a string")
+    except (ValueError, KeyError, TypeError) as error:
+        raise ManifestInvalid(tree_id, f"not a tree: {error}") from None
+    return forms  # type: ignore[no-any-return]
+
+
 def _parse_object(data: bytes, object_id: str) -> Any:
     """JSON of an object read back by its id: the bytes must hash to it and be canonical."""
     actual = digest_bytes(parse_digest(object_id)[0], data)
@@ -602,9 +618,11 @@ def verify_published(
 ) -> ManifestVerification:
     """The checkpoint's read-back, in time that follows the change: the manifest by its exact id,
     every tree (id -> a directory path it was published for) and blob this checkpoint
-    published re-hashed (trees also parsed), and every subtree those trees reuse from the
-    parent checkpoint present. What is reused was verified by the checkpoint that published
-    it, and so on back to the first checkpoint, which published everything."""
+    published re-hashed, and every subtree those trees name but did not publish present. What
+    is reused was verified by the checkpoint that published it, and so on back to the first
+    checkpoint, which published everything. (A tree is parsed here only for what it names:
+    a 100-entry tree re-hashes and yields its names in ~0.1 ms; ``read_manifest``, which
+    restore uses, validates every entry.)"""
     try:
         head = read_head(store, manifest_id)
         if isinstance(head, Manifest):
@@ -616,15 +634,16 @@ def verify_published(
         for tree_id in sorted(new_trees):
             path = trees[tree_id]
             try:
-                children = parse_tree(_read_object(store, tree_id, "tree"), tree_id, path)
+                forms = _tree_forms(_read_object(store, tree_id, "tree"), tree_id)
             except ManifestError as error:
                 problems.append(ObjectProblem(tree_id, f"invalid: {error}"))
                 continue
-            for child in children:
-                if child.tree is not None and child.tree not in new_trees:
-                    reused.add(child.tree)
-                elif child.digest is not None:
-                    referenced_files.setdefault(child.digest, []).append(child.path)
+            for form in forms:
+                if "tree" in form and form["tree"] not in new_trees:
+                    reused.add(form["tree"])
+                elif "digest" in form:
+                    name = join(path, form["name"])
+                    referenced_files.setdefault(form["digest"], []).append(name)
     except (ManifestError, ObjectMissing) as error:
         return ManifestVerification(manifest_id, manifest_error=str(error))
     root_tree = head.root.tree

@@ -188,6 +188,19 @@ def _trusted(cached: Entry, trusted_before_ns: int) -> bool:
     return cached.mtime_ns < cutoff and cached.ctime_ns < cutoff
 
 
+_REUSE, _RACY = 1, 2
+
+
+def _verdict(cached: Entry, st: os.stat_result, trusted_before_ns: int) -> int:
+    """What the stat cache says of a file or symlink: ``_REUSE`` its entry, re-read it because
+    its timestamps are ``_RACY``, or 0 (no match: read it)."""
+    if (cached.digest or cached.target) is None:
+        return 0
+    if not _cached_matches(cached, st, TYPES.get(stat.S_IFMT(st.st_mode), "")):
+        return 0
+    return _REUSE if _trusted(cached, trusted_before_ns) else _RACY
+
+
 def _same_link(before: os.stat_result, after: os.stat_result, target: str) -> bool:
     return (before.st_ino, before.st_dev, before.st_ctime_ns) == (
         after.st_ino,
@@ -360,22 +373,34 @@ class _Scanner:
                 names = sorted(item.name for item in listing)
         except OSError as error:
             raise WorkspaceUnreadable(rel, error) from error
-        current = _Dir(rel, {}, self.previous_node(rel), listed=True)
-        subdirs = []
-        for name in names:
-            child = join(rel, name)
-            try:
-                name.encode("utf-8")
-            except UnicodeEncodeError:
-                raise UnrepresentablePath(child) from None
-            st = self.lstat(fd, name, child)
-            entry = None if st is None else self.entry(fd, name, child, st, current)
-            if entry is None:
+        previous = self.previous_node(rel)
+        current = _Dir(rel, {}, previous, listed=True)
+        cached_rows = previous.entries if previous is not None else {}
+        cutoff = previous.trusted_before_ns if previous is not None else 0
+        prefix = "" if rel == ROOT else rel + "/"
+        rows, subdirs, reused = current.rows, [], 0
+        for name in names:  # the hot loop of every scan: one lstat, and the stat cache inline
+            if not name.isascii():
+                try:
+                    name.encode("utf-8")
+                except UnicodeEncodeError:
+                    raise UnrepresentablePath(prefix + name) from None
+            st = self.lstat(fd, name, prefix + name)
+            if st is None:
                 continue  # vanished while listed
-            current.rows[name] = entry
+            cached = cached_rows.get(name)
+            if cached is not None and _verdict(cached, st, cutoff) == _REUSE:
+                rows[name] = cached
+                reused += 1
+                continue
+            entry = self.entry(fd, name, prefix + name, st, current)
+            if entry is None:
+                continue  # vanished while read
+            rows[name] = entry
             if entry.type == DIR:
                 subdirs.append(name)
-        self.entries_listed += len(current.rows)
+        self.stats.entries_reused += reused
+        self.entries_listed += len(rows)
         subdirs.reverse()  # popped from the end: walk in sorted order
         return current, subdirs
 
@@ -468,16 +493,13 @@ class _Scanner:
             return Entry.from_stat(child, st)
         previous = at.previous
         cached = previous.child(name) if previous is not None else None
-        if (
-            previous is not None
-            and cached is not None
-            and _cached_matches(cached, st, kind)
-            and (cached.digest or cached.target) is not None
-        ):
-            if _trusted(cached, previous.trusted_before_ns):
+        if previous is not None and cached is not None:
+            verdict = _verdict(cached, st, previous.trusted_before_ns)
+            if verdict == _REUSE:
                 self.stats.entries_reused += 1
                 return cached
-            at.racy = True
+            if verdict == _RACY:
+                at.racy = True
         if kind == SYMLINK:
             return self.read_link(fd, name, child, st, at, budget)
         return self.read_file(fd, name, child, at, budget)
