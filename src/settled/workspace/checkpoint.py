@@ -1,11 +1,12 @@
 """The workspace service: the only writer of checkpoints.
 
 Owns the task's journal daemon (started with the task, stopped when the close releases it), the
-final scan (a full stat-cache scan that publishes blobs as it reads, then the trees and
-stat-cache nodes of the directories that changed), and the checkpoint: the manifest written
-last, read back by its exact id, every tree and blob this checkpoint published re-hashed, every
-subtree it reuses present, and the receipt recorded under the runtime generation (the store
-refuses a fenced one). Never touches processes and never decides a task's state.
+final scan (a full stat-cache scan that publishes blobs as it reads, then the trees of the
+directories that changed, and records their stat-cache nodes), and the checkpoint: the
+manifest written last, read back by its exact id, every tree and blob this checkpoint published
+re-hashed, every subtree it reuses present, and the receipt recorded under the runtime
+generation (the store refuses a fenced one). Never touches processes and never decides a
+task's state.
 """
 
 from __future__ import annotations
@@ -71,8 +72,8 @@ class WorkspaceService:
     # -- the final scan and the checkpoint ------------------------------------------------
 
     def final_scan(self, task: TaskRecord, *, incremental: bool = False) -> dict[str, Any]:
-        """Scan after every session's death evidence; blobs, trees and nodes are durable when
-        this returns.
+        """Scan after every session's death evidence; blobs and trees are durable when this
+        returns (the stat-cache nodes need not be: a lost one costs a full scan).
 
         Full by default (what a close must do: the watcher is a hint, the scan is the proof).
         `incremental` re-lists only the directories the journal saw change since the last

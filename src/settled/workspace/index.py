@@ -82,7 +82,7 @@ class DirNode:
     tree: str
     trusted_before_ns: int
     entries: dict[str, Entry]
-    count: int  # entries below this directory, at any depth
+    below: int  # entries below this directory, at any depth
     ref: str  # the id of the node's bytes
 
     def child(self, name: str) -> Entry | None:
@@ -323,7 +323,7 @@ class Index:
 
 def with_node(entry: Entry, node: DirNode) -> Entry:
     """A directory's entry pointing at its (new) node and tree."""
-    return entry._replace(tree=node.tree, node=node.ref, below=node.count)
+    return entry._replace(tree=node.tree, node=node.ref, below=node.below)
 
 
 def _depth(path: str) -> int:
