@@ -465,36 +465,18 @@ class _LocalWriter:
         return self._digest
 
     def commit(self) -> StoredObject:
-        if self._done:
-            raise ValueError("commit() after commit() or abort()")
-        digest = self.digest()
-        store = self._store
-        final = store.path_of(digest)
-        try:
-            fanout = store._fanout_dir(digest)
-            if store.has(digest):
-                store._sync_fanout(fanout, self._batch)
-                return StoredObject(digest, self._size, created=False, version=digest)
-            fd, temp = self._open_temp()
-            os.fchmod(fd, OBJECT_MODE)
-            _fsync(fd, temp)
-            self._fd = None
-            os.close(fd)
-            try:
-                os.link(temp, final)
-                created = True
-            except FileExistsError:
-                created = False  # a concurrent writer linked the same bytes first
-            store._sync_fanout(fanout, self._batch)
-            return StoredObject(digest, self._size, created=created, version=digest)
-        finally:
-            self.abort()
+        """fsync the temp file, then link it into place (the object's name, durable after the
+        fan-out directory's fsync: now, or at the end of the batch)."""
+        return self._write_temp(sync=True).publish()
 
     def stage(self) -> StagedObject:
         """Write the temp file without fsync; it is linked by ``publish()`` after the group's
         sync (an object already present needs neither)."""
+        return self._write_temp(sync=False)
+
+    def _write_temp(self, *, sync: bool) -> _LocalStaged:
         if self._done:
-            raise ValueError("stage() after commit(), stage() or abort()")
+            raise ValueError("commit() or stage() after commit(), stage() or abort()")
         digest = self.digest()
         store = self._store
         try:
@@ -503,8 +485,11 @@ class _LocalWriter:
                 return _LocalStaged(store, digest, self._size, None, fanout, self._batch)
             fd, temp = self._open_temp()
             os.fchmod(fd, OBJECT_MODE)
+            if sync:
+                _fsync(fd, temp)
+            self._fd = None
             os.close(fd)
-            self._fd = self._temp = None  # the staged object owns the temp file now
+            self._temp = None  # the staged object owns the temp file now
             return _LocalStaged(store, digest, self._size, temp, fanout, self._batch)
         finally:
             self.abort()
@@ -556,7 +541,7 @@ class _LocalStaged:
                 os.link(self._temp, self._store.path_of(self.digest))
                 created = True
             except FileExistsError:
-                pass  # the same bytes were linked by another writer first
+                pass  # a concurrent writer linked the same bytes first
             finally:
                 self.discard()
         self._store._sync_fanout(self._fanout, self._batch)

@@ -4,9 +4,8 @@ Owns ``scan``, which builds an ``Index`` (per-directory stat-cache nodes, define
 each naming the tree object its directory hashes to): a walk with directory fds,
 ``os.scandir`` and lstat that records every entry by type and mode, hashes regular files
 (publishing them into an ``ObjectStore`` in the same read: hash and copy together, link only if
-new), re-reads a file only when the stat cache cannot vouch for it, and publishes the trees and
-trees it built once every blob they name is durable (and its stat-cache nodes into the
-``NodeCache``).
+new), re-reads a file only when the stat cache cannot vouch for it, and publishes the trees it
+built once every blob they name is durable (and its stat-cache nodes into the ``NodeCache``).
 
 Stat-cache rules. A file or symlink whose type, mode, size, ino, dev, mtime_ns and ctime_ns equal
 its previous node's row is not re-read, unless its mtime or ctime is not strictly older than
