@@ -21,14 +21,14 @@ from settled.runtime import Runtime
 from settled.states import LIVE_STATES
 from settled.store import TaskRecord
 
-EVIDENCE_BOUNDARIES = ("cgroup2", "pidns", "subreaper")
+EVIDENCE_BOUNDARIES = ("cgroup2+pidns", "cgroup2", "pidns", "subreaper")
 # A descendant that leaves the process group (setsid) and holds stdout; the main process exits
 # only once it has escaped, so the owner cannot catch it still inside the group.
 ESCAPEE = (
     "setsid sh -c 'touch escaped; exec sleep 600' & "
     "while [ ! -e escaped ]; do sleep 0.01; done; echo escaped"
 )
-MARKER_ENV = "SETTLED_TEST_MARKER"
+MARKER_ENV = "TEST_SESSION_MARKER"
 
 
 def _skip_unavailable(kind: str) -> None:

@@ -56,7 +56,7 @@ def _json_before_dashdash(args: tuple[str, ...]) -> list[str]:
 
 @pytest.fixture
 def cli(tmp_path: Path, marker: str) -> Any:
-    tool = CLI(tmp_path / "home", {"SETTLED_TEST_MARKER": marker})
+    tool = CLI(tmp_path / "home", {"TEST_SESSION_MARKER": marker})
     yield tool
     for row in _sessions(tool):
         if row["state"] in ("admitted", "running", "settling"):
@@ -254,7 +254,7 @@ def test_demo_runs_on_the_embedded_default(tmp_path: Path, marker: str) -> None:
         cwd=tmp_path,
         capture_output=True,
         timeout=120,
-        env={**os.environ, "SETTLED_TEST_MARKER": marker},
+        env={**os.environ, "TEST_SESSION_MARKER": marker},
     )
     assert done.returncode == 0, done.stderr
     out = done.stdout.decode()

@@ -151,7 +151,14 @@ def test_defaults_are_what_the_contract_says() -> None:
     assert ARGV_SPEC.timeout is None
     assert ARGV_SPEC.boundary == "auto"
     assert ARGV_SPEC.service is False
-    assert set(BOUNDARY_POLICIES) == {"auto", "cgroup2", "pidns", "subreaper", "pgroup"}
+    assert set(BOUNDARY_POLICIES) == {
+        "auto",
+        "cgroup2+pidns",
+        "cgroup2",
+        "pidns",
+        "subreaper",
+        "pgroup",
+    }
 
 
 def test_round_trip_keeps_the_digest_of_an_integer_grace() -> None:

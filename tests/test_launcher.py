@@ -21,7 +21,7 @@ def _alive(pid: int) -> bool:
 
 @pytest.fixture
 def warm(tmp_path: Path, marker: str, monkeypatch: pytest.MonkeyPatch) -> Runtime:
-    monkeypatch.setenv("SETTLED_TEST_MARKER", marker)
+    monkeypatch.setenv("TEST_SESSION_MARKER", marker)
     (tmp_path / "ws").mkdir()
     return Runtime(str(tmp_path / "home"), launcher="warm")
 

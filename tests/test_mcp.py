@@ -70,7 +70,7 @@ def run_with_server(tmp_path: Path, body: Callable[[ClientSession], Awaitable[No
             await body(session)
 
     anyio.run(main)
-    marker = os.environ["SETTLED_TEST_MARKER"]
+    marker = os.environ["TEST_SESSION_MARKER"]
     deadline = time.monotonic() + 10
     while _live(marker, b"settled.mcp_server") and time.monotonic() < deadline:
         time.sleep(0.05)

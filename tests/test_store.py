@@ -35,6 +35,7 @@ from settled.errors import (
     UnknownSession,
     UnknownTask,
 )
+from settled.receipts import seal
 from settled.states import (
     ADMITTED,
     LIVE_STATES,
@@ -151,22 +152,26 @@ _keys = itertools.count()
 
 
 def receipt(stdout: int = 1234, stderr: int = 56, **extra: Any) -> dict[str, Any]:
-    return {
-        "kind": "process",
-        "v": 1,
-        "authority": "owner",
-        "death": {"boundary": "pidns", "evidence": "init reaped", "source": "owner"},
-        "exit": {"code": 0, "signal": None, "reason": "exit"},
-        "output": {
-            "stdout": {"cursor": stdout, "digest": "blake3:" + "1" * 64},
-            "stderr": {"cursor": stderr, "digest": "blake3:" + "2" * 64},
-            "drain": "complete",
-        },
-        "stragglers": [{"pid": 7, "argv": ["sleep", "∞"]}],
-        "elapsed_s": 0.1,
-        "nested": {"empty": {}, "list": [], "bool": True, "big": BIG},
-        **extra,
-    }
+    """A sealed receipt: the store refuses one whose digest does not hold, on write and read."""
+    return seal(
+        {
+            "kind": "process",
+            "v": 1,
+            "authority": "owner",
+            "death": {"boundary": "pidns", "evidence": "init reaped", "source": "owner"},
+            "exit": {"code": 0, "signal": None, "reason": "exit"},
+            "output": {
+                "stdout": {"cursor": stdout, "digest": "blake3:" + "1" * 64},
+                "stderr": {"cursor": stderr, "digest": "blake3:" + "2" * 64},
+                "drain": "complete",
+            },
+            "stragglers": [{"pid": 7, "argv": ["sleep", "∞"]}],
+            "elapsed_s": 0.1,
+            "nested": {"empty": {}, "list": [], "bool": True, "big": BIG},
+            "issued_at": 1.0,
+            **extra,
+        }
+    )
 
 
 def new_task(store: Store) -> str:

@@ -94,6 +94,24 @@ class AdmissionFrozen(SettledError):
         self.task, self.session = task, session
 
 
+class ReceiptTampered(SettledError):
+    """A stored receipt or close fact no longer hashes to the digest it was sealed with: it was
+    edited (or damaged) after it was written. Nothing is decided from it."""
+
+    exit_code = EXIT_BLOCKED
+
+    def __init__(self, what: str, recorded: object, actual: str) -> None:
+        super().__init__(
+            f"{what} does not match its digest (recorded {recorded}, its bytes hash to "
+            f"{actual}): it was changed after it was written, so nothing is decided from it"
+        )
+        self.what, self.recorded, self.actual = what, recorded, actual
+
+    def to_json(self) -> dict[str, object]:
+        return {**super().to_json(), "what": self.what, "recorded": self.recorded,
+                "actual": self.actual}  # fmt: skip
+
+
 class StaleWrite(SettledError):
     """A compare-and-set lost: the record is not in the state or generation the writer assumed."""
 

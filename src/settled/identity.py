@@ -17,7 +17,9 @@ from settled.canonical import digest_of
 from settled.errors import BadInput
 
 SPEC_VERSION = "settled.command/v1"
-BOUNDARY_POLICIES = ("auto", "cgroup2", "pidns", "subreaper", "pgroup")
+BOUNDARY_POLICIES = ("auto", "cgroup2+pidns", "cgroup2", "pidns", "subreaper", "pgroup")
+ISOLATION_POLICIES = ("auto", "strict", "none")
+MAX_ID = (1 << 32) - 2  # uid_t/gid_t, (uid_t)-1 excluded
 DEFAULT_GRACE_S = 5.0
 SHELL = "/bin/sh"
 
@@ -43,6 +45,8 @@ class CommandSpec:
     grace: float = DEFAULT_GRACE_S
     boundary: str = "auto"
     service: bool = False
+    isolation: str = "auto"
+    user: tuple[int, int] | None = None  # (uid, gid) the command runs as; None: the owner's
 
     def __post_init__(self) -> None:
         if (self.argv is None) == (self.shell is None):
@@ -65,6 +69,12 @@ class CommandSpec:
         for name, _ in self.env:
             if not name or "=" in name or "\0" in name:
                 raise BadInput(f"--env name {name!r} is not a valid variable name")
+        if self.isolation not in ISOLATION_POLICIES:
+            raise BadInput(
+                f"--isolation {self.isolation!r} is not one of {', '.join(ISOLATION_POLICIES)}"
+            )
+        if self.user is not None:
+            object.__setattr__(self, "user", check_user(self.user))
 
     @property
     def exec_argv(self) -> list[str]:
@@ -86,6 +96,9 @@ class CommandSpec:
             "grace": self.grace,
             "boundary": self.boundary,
             "service": self.service,
+            # Only when not the default, so every digest made before these existed still holds.
+            **({"isolation": self.isolation} if self.isolation != "auto" else {}),
+            **({"user": list(self.user)} if self.user is not None else {}),
         }
 
     @classmethod
@@ -103,11 +116,53 @@ class CommandSpec:
             grace=float(data.get("grace", DEFAULT_GRACE_S)),
             boundary=data.get("boundary", "auto"),
             service=bool(data.get("service", False)),
+            isolation=data.get("isolation", "auto"),
+            user=check_user(data["user"]) if data.get("user") is not None else None,
         )
 
     @property
     def digest(self) -> str:
         return digest_of(self.to_json())
+
+
+def check_user(user: object) -> tuple[int, int]:
+    if (
+        not isinstance(user, tuple | list)
+        or len(user) != 2
+        or not all(
+            isinstance(i, int) and not isinstance(i, bool) and 0 <= i <= MAX_ID for i in user
+        )
+    ):
+        raise BadInput(f"--user {user!r} must be a uid and gid, each 0..{MAX_ID}")
+    return (int(user[0]), int(user[1]))
+
+
+def parse_user(text: str) -> tuple[int, int]:
+    """`UID[:GID]` or `NAME[:GROUP]` (a name is looked up here, once, never in the owner); a
+    missing GID is the user's primary group, or the uid itself when no such user exists."""
+    import grp
+    import pwd
+
+    name, _, group = text.partition(":")
+    try:
+        if name.isascii() and name.isdigit():
+            uid = int(name)
+            try:
+                default_gid = pwd.getpwuid(uid).pw_gid
+            except KeyError:
+                default_gid = uid
+        else:
+            entry = pwd.getpwnam(name)
+            uid, default_gid = entry.pw_uid, entry.pw_gid
+        if not group:
+            gid = default_gid
+        elif group.isascii() and group.isdigit():
+            gid = int(group)
+        else:
+            gid = grp.getgrnam(group).gr_gid
+    except KeyError:
+        raise BadInput(f"--user {text!r}: no such user or group on this host") from None
+    return check_user((uid, gid))
 
 
 def normalize_env(pairs: list[str] | dict[str, str]) -> tuple[tuple[str, str], ...]:

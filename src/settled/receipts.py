@@ -12,6 +12,7 @@ import time
 from typing import Any
 
 from settled.canonical import digest_of
+from settled.errors import ReceiptTampered
 
 PROCESS_RECEIPT_VERSION = "settled.receipt.process/v1"
 SHELL_CONVENTIONS = {
@@ -52,6 +53,21 @@ def verify(receipt: dict[str, Any]) -> bool:
     return receipt.get("digest") == digest_of(body)
 
 
+def checked(receipt: Any, what: str) -> dict[str, Any]:
+    """The receipt, once its digest over its canonical bytes holds; ReceiptTampered otherwise.
+    Every read that decides anything goes through here (the store calls it on every load)."""
+    if not isinstance(receipt, dict):
+        raise ReceiptTampered(what, None, f"not a receipt object: {type(receipt).__name__}")
+    body = {k: v for k, v in receipt.items() if k != "digest"}
+    try:
+        actual = digest_of(body)
+    except (TypeError, ValueError) as exc:
+        raise ReceiptTampered(what, receipt.get("digest"), f"unencodable ({exc})") from None
+    if receipt.get("digest") != actual:
+        raise ReceiptTampered(what, receipt.get("digest"), actual)
+    return receipt
+
+
 def process_receipt(
     *,
     session: str,
@@ -66,6 +82,7 @@ def process_receipt(
     terminal_mutation: dict[str, Any],
     owner: dict[str, Any],
     timings: dict[str, float],
+    isolation: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     return seal(
         {
@@ -82,6 +99,7 @@ def process_receipt(
             "output": output,
             "stragglers": stragglers,
             "terminal_mutation": terminal_mutation,
+            "isolation": isolation,
             "owner": owner,
             "timings": timings,
         }

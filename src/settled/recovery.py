@@ -19,6 +19,7 @@ import blake3
 
 from settled.boundary import inspect as boundary_inspect
 from settled.boundary.base import Evidence
+from settled.boundary.isolation import recorded_cgroup_contained
 from settled.errors import StaleWrite
 from settled.home import journal_socket, log_path
 from settled.owner.launcher import READY_TIMEOUT_S
@@ -100,10 +101,26 @@ def _inspect(record: SessionRecord) -> Evidence:
             "the owner died before it created a boundary, so before it started the command",
             {"boundary_recorded": False},
         )
+    if kind == "cgroup2+pidns":
+        return boundary_inspect.kill_cgroup_pidns(
+            ref, boundary_inspect.cgroup_path_of(record.task, record.session)
+        )
     if kind == "cgroup2":
         path = ref or boundary_inspect.cgroup_path_of(record.task, record.session)
         if path is None:
             return Evidence(kind, False, None, {"why": "cgroup2 is not available to recovery"})
+        if not recorded_cgroup_contained(record.isolation):
+            boundary_inspect.kill_cgroup(path)  # stop what is inside, even without evidence
+            return Evidence(
+                kind,
+                False,
+                None,
+                {
+                    "why": "the command ran without a cgroup namespace, so a process of it could "
+                    "have moved to another cgroup, and only its owner (a subreaper) could have "
+                    "found it; destroy the task's sandbox"
+                },
+            )
         return boundary_inspect.kill_cgroup(path)
     if kind == "pidns":
         if ref is None:
@@ -180,6 +197,7 @@ def _recovered_receipt(
         output={**output, "drain": "complete" if never_ran else "incomplete"},
         stragglers=[],
         terminal_mutation=journal.terminal_mutation(journal_socket(rt.home, record.task)),
+        isolation=record.isolation,
         owner={
             "pid": os.getpid(),
             "role": "recovery",

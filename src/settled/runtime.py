@@ -22,11 +22,19 @@ from settled import boundary as boundaries
 from settled import recovery
 from settled.boundary import inspect as boundary_inspect
 from settled.boundary import procfs
+from settled.boundary.isolation import IsolationUnavailable, make_plan
 from settled.close.decide import explain
 from settled.close.join import CloseJoin, CloseResult
 from settled.errors import BadInput, NotSettled, OwnerLaunchFailed
 from settled.home import log_path, prepare_home, resolve_home, session_dir, stdin_path
-from settled.identity import CommandSpec, new_key, normalize_env, resolve_cwd
+from settled.identity import (
+    CommandSpec,
+    check_user,
+    new_key,
+    normalize_env,
+    parse_user,
+    resolve_cwd,
+)
 from settled.log.reader import follow, read_range, stored_length
 from settled.log.view import model_view
 from settled.owner.launcher import launch_owner
@@ -66,6 +74,33 @@ class Admission:
 
 
 LAUNCHERS = ("fresh", "warm")
+
+
+def _resolve_user(user: str | tuple[int, int] | list[int] | None) -> tuple[int, int] | None:
+    if user is None:
+        return None
+    if isinstance(user, str):
+        return parse_user(user)
+    return check_user(tuple(user))
+
+
+def _check_isolation(spec: CommandSpec, kind: str) -> None:
+    """Refuse before recording what the owner could only refuse later: `strict` on a machine
+    that lacks a protection, or a `--user` this process cannot switch to."""
+    if spec.isolation == "none" and spec.user is None:
+        return
+    uid, gid = spec.user if spec.user is not None else (None, None)
+    try:
+        make_plan(
+            "strict" if spec.isolation == "strict" else "auto",
+            workspace="/",
+            home="/",
+            pid_namespace=kind in boundaries.PID_NAMESPACE_KINDS,
+            uid=uid,
+            gid=gid,
+        )
+    except IsolationUnavailable as exc:
+        raise BadInput(str(exc)) from None
 
 
 class Runtime:
@@ -117,13 +152,22 @@ class Runtime:
 
     # -- tasks ---------------------------------------------------------------------------
 
-    def new_task(self, workspace: str | None = None, key: str | None = None) -> TaskRecord:
+    def new_task(
+        self,
+        workspace: str | None = None,
+        key: str | None = None,
+        *,
+        user: str | tuple[int, int] | None = None,
+    ) -> TaskRecord:
+        """`user` (UID[:GID], a name, or a (uid, gid) pair) is the default uid/gid of the
+        task's commands; an exec may name another."""
+        uid_gid = _resolve_user(user)
         if workspace is None:
             workspace = tempfile.mkdtemp(prefix="workspace-", dir=self.home)
         root = os.path.realpath(workspace)
         if not os.path.isdir(root):
             raise BadInput(f"--workspace {workspace!r} is not a directory")
-        record, created = self.store.create_task(key or new_key(), root)
+        record, created = self.store.create_task(key or new_key(), root, uid_gid)
         if not created and record.workspace != root:
             raise BadInput(
                 f"task key {record.key!r} already names task {record.task} with workspace "
@@ -149,8 +193,14 @@ class Runtime:
         grace: float | None = None,
         boundary: str = "auto",
         service: bool = False,
+        isolation: str = "auto",
+        user: str | tuple[int, int] | None = None,
     ) -> Admission:
-        """Admit a command idempotently; only the admission that creates it launches it."""
+        """Admit a command idempotently; only the admission that creates it launches it.
+
+        `isolation` is "auto" (every protection this machine gives; the receipt names any
+        missing), "strict" (refused unless every one is available) or "none"; `user` runs the
+        command as another uid/gid (default: the task's, else the caller's)."""
         record = self.store.get_task(task)
         spec = CommandSpec(
             argv=tuple(argv) if argv is not None else None,
@@ -162,8 +212,11 @@ class Runtime:
             grace=grace if grace is not None else CommandSpec.grace,
             boundary=boundary,
             service=service,
+            isolation=isolation,
+            user=_resolve_user(user) or record.user,
         )
-        boundaries.choose(spec.boundary)  # refuse an impossible boundary before recording
+        kind = boundaries.choose(spec.boundary)  # refuse an impossible boundary before recording
+        _check_isolation(spec, kind)
         key = key or new_key()
         existing = self.store.find_session(task, key)
         if existing is not None and existing.digest == spec.digest:
@@ -334,6 +387,8 @@ class Runtime:
         for session in self.store.list_sessions(task):
             if session.boundary == "pidns" and session.boundary_ref:
                 boundary_inspect.kill_pidns_init(session.boundary_ref)
+            elif session.boundary == "cgroup2+pidns" and session.boundary_ref:
+                boundary_inspect.kill_cgroup_pidns(session.boundary_ref, None)
         recovery.detect(self, task, force=True)
         results = recovery.recover(self, task, source="sandbox-destroyed")
         return {

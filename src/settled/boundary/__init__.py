@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from settled.boundary.base import Boundary, Evidence
 from settled.boundary.cgroup2 import Cgroup2Boundary, find_hierarchy
+from settled.boundary.combined import CgroupPidnsBoundary
+from settled.boundary.isolation import IsolationPlan
 from settled.boundary.pgroup import PgroupBoundary
 from settled.boundary.pidns import PidnsBoundary, has_cap_sys_admin
 from settled.boundary.subreaper import SubreaperBoundary
@@ -16,11 +18,14 @@ from settled.errors import BoundaryUnavailable
 
 __all__ = ["Boundary", "BoundaryUnavailable", "Evidence", "availability", "choose", "make"]
 
-STRENGTH_ORDER = ("cgroup2", "pidns", "subreaper")
+STRENGTH_ORDER = ("cgroup2+pidns", "cgroup2", "pidns", "subreaper")
+PID_NAMESPACE_KINDS = frozenset({"cgroup2+pidns", "pidns"})
 
 
 def _unavailable(kind: str) -> str | None:
     """Why this machine cannot give `kind`, or None when it can (probes only that kind)."""
+    if kind == "cgroup2+pidns":
+        return _unavailable("cgroup2") or _unavailable("pidns")
     if kind == "cgroup2":
         try:
             find_hierarchy()
@@ -53,9 +58,14 @@ def choose(policy: str) -> str:
     return policy
 
 
-def make(kind: str, task: str, session: str) -> Boundary:
+def make(kind: str, task: str, session: str, plan: IsolationPlan | None = None) -> Boundary:
+    """The boundary of `kind`; a plain cgroup2 whose command could leave it (the plan does not
+    contain it) also watches for escapes as a subreaper."""
+    if kind == "cgroup2":
+        contained = plan is not None and plan.cgroup_contained
+        return Cgroup2Boundary(task, session, watch_escapes=not contained)
     classes: dict[str, type[Boundary]] = {
-        "cgroup2": Cgroup2Boundary,
+        "cgroup2+pidns": CgroupPidnsBoundary,
         "pidns": PidnsBoundary,
         "subreaper": SubreaperBoundary,
         "pgroup": PgroupBoundary,

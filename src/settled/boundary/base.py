@@ -12,12 +12,11 @@ import os
 import signal
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import ClassVar
 
 from settled.boundary import procfs
-from settled.boundary.spawn import ChildIO, fork_exec
+from settled.boundary.spawn import Launch, fork_exec
 
 
 @dataclass
@@ -57,8 +56,8 @@ class Boundary(ABC):
     def prepare_child(self) -> None:  # noqa: B027 - a hook; subreaper needs none
         """Runs in the forked child before exec: join the boundary."""
 
-    def start(self, argv: list[str], cwd: str, env: Mapping[str, str], io: ChildIO) -> int:
-        self.main_pid = fork_exec(argv, cwd, env, io, self.prepare_child)
+    def start(self, launch: Launch) -> int:
+        self.main_pid = fork_exec(launch, self.prepare_child)
         self._pidfd = os.pidfd_open(self.main_pid)
         return self.main_pid
 

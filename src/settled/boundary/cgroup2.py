@@ -4,6 +4,13 @@ Evidence: `cgroup.kill`, then `cgroup.events` reporting `populated 0`, then a su
 The hierarchy is found from /proc/self/mountinfo and /proc/self/cgroup (here it is mounted at
 /sys/fs/cgroup/unified, not /sys/fs/cgroup). The child joins before it execs. Never trusts a
 missing pid as proof: only the kernel's populated flag counts.
+
+A root process can write its pid into the `cgroup.procs` of a cgroup above its own and leave;
+its session's cgroup then reports `populated 0` while it runs on. Isolation prevents that (a
+cgroup namespace rooted at the session's cgroup, read-only cgroup mounts, no CAP_SYS_ADMIN).
+Where the plan cannot, `watch_escapes` makes the owner a child subreaper as well: a process that
+left is still its descendant, and `populated 0` counts as evidence only once the owner has
+found, killed and reaped every such process (they are named in the evidence).
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ import time
 
 from settled.boundary import procfs
 from settled.boundary.base import Boundary, Evidence
+from settled.boundary.subreaper import EscapeWitness
 from settled.errors import BoundaryUnavailable
 
 ROOT_DIR_NAME = "settled"
@@ -87,8 +95,11 @@ def _read_events(path: str) -> dict[str, str]:
 class Cgroup2Boundary(Boundary):
     kind = "cgroup2"
 
-    def __init__(self, task: str, session: str, hierarchy: str | None = None) -> None:
+    def __init__(
+        self, task: str, session: str, hierarchy: str | None = None, *, watch_escapes: bool = False
+    ) -> None:
         super().__init__(task, session)
+        self.witness = EscapeWitness() if watch_escapes else None
         self.hierarchy = hierarchy or find_hierarchy()
         self.task_path = os.path.join(self.hierarchy, ROOT_DIR_NAME, task)
         self.path = os.path.join(self.task_path, session)
@@ -102,6 +113,8 @@ class Cgroup2Boundary(Boundary):
         return self.path
 
     def setup(self) -> None:
+        if self.witness is not None:
+            self.witness.setup()
         for _attempt in range(100):  # a sibling owner may rmdir an empty parent under us
             try:
                 os.makedirs(self.task_path, exist_ok=True)
@@ -138,11 +151,11 @@ class Cgroup2Boundary(Boundary):
             return False
         if self._emptied_after_s is None and self._kill_started is not None:
             self._emptied_after_s = time.monotonic() - self._kill_started
-        return True
+        return self.witness is None or self.witness.sweep(self.main_pid, self.collect_main)
 
     def evidence(self) -> Evidence:
         populated = _read_events(self.path).get("populated")
-        proven = populated == "0"
+        proven = populated == "0" and self.is_empty()
         if proven:
             self._remove()
         observed: dict[str, object] = {
@@ -158,6 +171,14 @@ class Cgroup2Boundary(Boundary):
             if proven and self._removed
             else None
         )
+        if self.witness is not None:
+            observed["escaped"] = self.witness.escaped
+            if text is not None:
+                text += (
+                    f"; the owner (a child subreaper) killed and reaped "
+                    f"{len(self.witness.escaped)} process(es) that had left the cgroup and "
+                    "found no other descendant"
+                )
         return Evidence(self.kind, proven and self._removed, text, observed)
 
     def _remove(self) -> None:

@@ -10,6 +10,7 @@ its orphans went to init, and no one can enumerate them.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import time
@@ -98,6 +99,10 @@ def parse_pidns_ref(ref: str) -> tuple[int, int | None]:
 
 def kill_pidns_init(ref: str) -> Evidence:
     pid, start = parse_pidns_ref(ref)
+    return kill_init(pid, start)
+
+
+def kill_init(pid: int, start: int | None) -> Evidence:
     observed: dict[str, object] = {"init_pid": pid, "init_start_time": start}
     if start is None:
         return Evidence("pidns", False, None, {**observed, "why": "init start time unrecorded"})
@@ -115,3 +120,42 @@ def kill_pidns_init(ref: str) -> Evidence:
         "every member before init's exit completes",
         observed,
     )
+
+
+def _namespace_init_in(path: str) -> tuple[int | None, int | None]:
+    """The process of this cgroup that is pid 1 of its own PID namespace (NSpid ends in 1)."""
+    try:
+        with open(os.path.join(path, "cgroup.procs")) as handle:
+            pids = [int(p) for p in handle.read().split()]
+    except FileNotFoundError:
+        return None, None
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/status") as handle:
+                nspid = next((line.split()[1:] for line in handle if line.startswith("NSpid:")), [])
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        if len(nspid) > 1 and nspid[-1] == "1":
+            return pid, procfs.start_time(pid)
+    return None, None
+
+
+def kill_cgroup_pidns(ref: str | None, fallback_path: str | None) -> Evidence:
+    """Both halves of a cgroup2+pidns session: its namespace's init killed (the kernel kills
+    every member before init's exit completes, wherever their cgroup is) and its cgroup killed
+    to `populated 0` and removed. Init joins the cgroup before it forks anything, so an init
+    the owner died before recording is found in the cgroup; a cgroup with no init in it held
+    no process of the command, or none left."""
+    fields = json.loads(ref) if ref else {}
+    path = fields.get("cgroup") or fallback_path
+    if path is None:
+        return Evidence("cgroup2+pidns", False, None, {"why": "cgroup2 is not available"})
+    init, start = fields.get("init"), fields.get("start")
+    if init is None:
+        init, start = _namespace_init_in(path)
+    pidns = kill_init(init, start) if init is not None else None
+    cgroup = kill_cgroup(path)
+    proven = cgroup.proven and (pidns is None or pidns.proven)
+    words = [e.evidence for e in (pidns, cgroup) if e is not None and e.evidence]
+    observed = {**(pidns.observed if pidns else {"init_pid": None}), **cgroup.observed}
+    return Evidence("cgroup2+pidns", proven, "; ".join(words) if proven else None, observed)

@@ -12,46 +12,60 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-from collections.abc import Mapping
+from collections.abc import Callable
 
-from settled.boundary import procfs
+from settled.boundary import linux, mountview, procfs
 from settled.boundary.base import Boundary, Evidence
-from settled.boundary.spawn import ChildIO, exec_in_child, read_spawn_error, reset_child_signals
+from settled.boundary.spawn import (
+    Launch,
+    exec_in_child,
+    fail_to_parent,
+    read_spawn_error,
+    reset_child_signals,
+)
 from settled.errors import BoundaryUnavailable
 
-CLONE_NEWPID = 0x20000000
 CAP_SYS_ADMIN = 21
 _KILLED_WITH_NAMESPACE = signal.SIGKILL  # wait status of a command killed with its namespace
 
 
 def has_cap_sys_admin() -> bool:
-    with open("/proc/self/status") as handle:
-        for line in handle:
-            if line.startswith("CapEff:"):
-                return bool(int(line.split()[1], 16) >> CAP_SYS_ADMIN & 1)
-    return False
+    return bool(procfs.effective_capabilities() >> CAP_SYS_ADMIN & 1)
 
 
 def unshare_pid_namespace() -> None:
-    import ctypes  # late: only the owner that uses this boundary pays for it
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.unshare(CLONE_NEWPID) != 0:
-        err = ctypes.get_errno()
-        raise BoundaryUnavailable(f"pidns: unshare(CLONE_NEWPID) failed: {os.strerror(err)}")
+    try:
+        linux.unshare(linux.CLONE_NEWPID)
+    except OSError as exc:
+        raise BoundaryUnavailable(f"pidns: {exc.strerror}") from None
 
 
 def _run_init(
-    argv: list[str], cwd: str, env: Mapping[str, str], io: ChildIO, errpipe: int, status: int
+    launch: Launch, errpipe: int, status: int, prepare: Callable[[], None] | None
 ) -> None:
-    """Body of pid 1. Never returns. A blanket wait is right here: every child is init's own."""
+    """Body of pid 1. Never returns. A blanket wait is right here: every child is init's own.
+
+    Init joins the boundary and builds the isolated view itself, so that every process of the
+    namespace shares them and /proc is this namespace's; it is made non-dumpable, so nothing
+    inside can read its memory, environment or descriptors through /proc/1."""
+    stage = "boundary"
     try:
         reset_child_signals()
+        if prepare is not None:
+            prepare()
+        stage = "isolation"
+        if launch.isolation.mount_namespace:
+            mountview.enter(launch.isolation)
+        linux.prctl(linux.PR_SET_DUMPABLE, 0)
+    except BaseException as exc:
+        fail_to_parent(errpipe, stage, exc, launch.cwd)
+        os._exit(127)
+    try:
         main = os.fork()
         if main == 0:
-            exec_in_child(argv, cwd, env, io, errpipe, None)
+            exec_in_child(launch, errpipe, None, build_view=False)
         os.closerange(3, status)
-        os.closerange(status + 1, 1 << 16)
+        os.closerange(status + 1, (1 << 31) - 1)
         while True:
             try:
                 pid, wait_status = os.waitpid(-1, 0)
@@ -87,14 +101,19 @@ class PidnsBoundary(Boundary):
             raise BoundaryUnavailable("pidns: needs CAP_SYS_ADMIN, which this process lacks")
         unshare_pid_namespace()
 
-    def start(self, argv: list[str], cwd: str, env: Mapping[str, str], io: ChildIO) -> int:
+    def init_prepare(self) -> Callable[[], None] | None:
+        """What init does first, before the view: nothing here; join a cgroup in cgroup2+pidns."""
+        return None
+
+    def start(self, launch: Launch) -> int:
         errpipe_r, errpipe_w = os.pipe2(os.O_CLOEXEC)
         status_r, status_w = os.pipe2(os.O_CLOEXEC)
+        prepare = self.init_prepare()
         pid = os.fork()
         if pid == 0:
             os.close(errpipe_r)
             os.close(status_r)
-            _run_init(argv, cwd, env, io, errpipe_w, status_w)
+            _run_init(launch, errpipe_w, status_w, prepare)
         os.close(errpipe_w)
         os.close(status_w)
         self.init_pid = pid
@@ -102,7 +121,7 @@ class PidnsBoundary(Boundary):
         self._status_r = status_r
         failure = read_spawn_error(errpipe_r)
         if failure is not None:
-            os.waitpid(pid, 0)
+            self._init_status = os.waitpid(pid, 0)[1]  # init exits once its command could not
             raise failure
         kids = procfs.children(pid)
         self.main_pid = kids[0] if kids else None

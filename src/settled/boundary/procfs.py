@@ -90,6 +90,27 @@ def pids_in_group(pgid: int) -> list[int]:
     return members
 
 
+def effective_capabilities() -> int:
+    """This process's effective capability set (CapEff of /proc/self/status) as a bit mask."""
+    with open("/proc/self/status") as handle:
+        for line in handle:
+            if line.startswith("CapEff:"):
+                return int(line.split()[1], 16)
+    return 0
+
+
+def cgroup_of(pid: int) -> str | None:
+    """The v2 cgroup path of a process as the host sees it (the `0::` line), or None."""
+    try:
+        with open(f"/proc/{pid}/cgroup") as handle:
+            for line in handle:
+                if line.startswith("0::"):
+                    return line[3:].strip()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    return None
+
+
 def describe(pid: int) -> dict[str, object]:
     """pid and command line; a process that exited while we looked has an empty one."""
     return {"pid": pid, "cmdline": cmdline(pid)}

@@ -7,8 +7,10 @@ status: it peeks with WNOWAIT and reaps by pid, stashing the main status when it
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+from collections.abc import Callable
 
 from settled.boundary import procfs
 from settled.boundary.base import Boundary, Evidence
@@ -18,12 +20,56 @@ PR_SET_CHILD_SUBREAPER = 36
 
 
 def become_subreaper() -> None:
-    import ctypes  # late: only the owner that uses this boundary pays for it
+    from settled.boundary import linux  # late: ctypes only where a subreaper is used
 
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
-        err = ctypes.get_errno()
-        raise BoundaryUnavailable(f"subreaper: prctl(PR_SET_CHILD_SUBREAPER) failed: {err}")
+    try:
+        linux.prctl(PR_SET_CHILD_SUBREAPER, 1)
+    except OSError as exc:
+        raise BoundaryUnavailable(f"subreaper: {exc.strerror}") from None
+
+
+def reap_orphans(main_pid: int | None, collect_main: Callable[[], object]) -> bool:
+    """Reap every exited child by pid, keeping the main child's status for `collect_main`
+    (a blanket wait would steal it); True once waitid answers ECHILD."""
+    while True:
+        try:
+            info = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        except ChildProcessError:
+            return True
+        if info is None:
+            return False
+        if info.si_pid == main_pid:
+            collect_main()
+            if main_pid is not None and procfs.state_of(main_pid) == "Z":
+                return False  # collect_main could not take it yet: it stays for the owner
+        else:
+            os.waitpid(info.si_pid, 0)
+
+
+class EscapeWitness:
+    """The owner as a child subreaper behind a cgroup that a process could leave (no cgroup
+    namespace, or a command that kept CAP_SYS_ADMIN): a process that moved itself to another
+    cgroup is still the owner's descendant, so it is found, named, killed and reaped, and the
+    receipt proves death only once no descendant is left."""
+
+    def __init__(self) -> None:
+        self.escaped: list[dict[str, object]] = []
+
+    def setup(self) -> None:
+        become_subreaper()
+
+    def sweep(self, main_pid: int | None, collect_main: Callable[[], object]) -> bool:
+        """Kill every live descendant; True when none is left alive."""
+        reap_orphans(main_pid, collect_main)
+        live = [p for p in procfs.descendants(os.getpid()) if procfs.state_of(p) not in (None, "Z")]
+        for pid in live:
+            if not any(e["pid"] == pid for e in self.escaped):
+                self.escaped.append(
+                    {**procfs.describe(pid), "cgroup": procfs.cgroup_of(pid), "stopped_by": "KILL"}
+                )
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        return not live
 
 
 class SubreaperBoundary(Boundary):

@@ -26,10 +26,9 @@ def owner_path() -> list[str]:
     return import_roots("settled", "blake3")
 
 
-def owner_command(home: str, session: str, ready_fd: int | str) -> list[str]:
-    return python_command(
-        "settled.owner.main:main", ("settled", "blake3"), home, session, str(ready_fd)
-    )
+def owner_command(session: str, ready_fd: int | str) -> list[str]:
+    """The home travels in the environment (SETTLED_OWNER_HOME), never on the command line."""
+    return python_command("settled.owner.main:main", ("settled", "blake3"), session, str(ready_fd))
 
 
 def launch_owner(home: str, session: str, wait_ready: bool = True) -> dict[str, Any]:
@@ -42,7 +41,8 @@ def launch_owner(home: str, session: str, wait_ready: bool = True) -> dict[str, 
     )
     try:
         process = subprocess.Popen(
-            owner_command(home, session, ready_w),
+            owner_command(session, ready_w),
+            env={**os.environ, "SETTLED_OWNER_HOME": home},
             stdin=subprocess.DEVNULL,
             stdout=log_fd,
             stderr=log_fd,

@@ -20,19 +20,57 @@ from typing import Any
 from settled import boundary as boundaries
 from settled import faults
 from settled.boundary import procfs
-from settled.boundary.spawn import ChildIO, SpawnFailed
+from settled.boundary.isolation import IsolationPlan, IsolationUnavailable, make_plan
+from settled.boundary.spawn import ChildIO, Launch, SpawnFailed
 from settled.errors import BoundaryUnavailable, StaleWrite
 from settled.home import journal_socket, log_path, session_dir, stdin_path
 from settled.identity import CommandSpec
 from settled.log.writer import StreamWriter, enlarge_pipe
 from settled.owner.supervise import Outcome, OwnerSignals, Streams, Supervisor
 from settled.receipts import exit_fact, not_started_fact, process_receipt
-from settled.store import OwnerInfo, SessionRecord
+from settled.store import OwnerInfo, SessionRecord, TaskRecord
 from settled.store.sqlite import SQLiteStore, open_sqlite
 
 LEASE_S = float(os.environ.get("SETTLED_LEASE_S") or 15.0)  # tests shorten it
 HEARTBEAT_S = LEASE_S / 5  # five renewals per lease: a starved owner has four to spare
 LOG_CAP_ENV = "SETTLED_LOG_CAP"
+SETTLED_ENV_PREFIX = (
+    "SETTLED_"  # the home, the store, tokens, fault points: settled's, not the command's
+)
+
+
+def command_environment(
+    inherited: dict[str, str], explicit: dict[str, str], home: str
+) -> tuple[dict[str, str], list[str]]:
+    """The command's environment and the inherited names left out of it: every SETTLED_*
+    variable and any whose value names the home. What the caller passed with --env stays."""
+    removed = sorted(
+        name for name, value in inherited.items()
+        if name.startswith(SETTLED_ENV_PREFIX) or home in value
+    )  # fmt: skip
+    kept = {k: v for k, v in inherited.items() if k not in removed}
+    return {**kept, **explicit}, removed
+
+
+def sealed_stdin(data_path: str) -> int:
+    """The stored stdin as a sealed memfd: the command reads the bytes but cannot reopen the
+    stored copy through /proc/self/fd/0 and change it for the next session that uses it."""
+    import fcntl
+
+    fd = os.memfd_create("settled-stdin", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        with open(data_path, "rb") as source:
+            while chunk := source.read(1 << 20):
+                view = memoryview(chunk)
+                while view:
+                    view = view[os.write(fd, view) :]
+        seals = fcntl.F_SEAL_SEAL | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
+        os.lseek(fd, 0, os.SEEK_SET)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 class Ready:
@@ -59,6 +97,8 @@ class Owner:
         self.generation = record.generation
         self.timings: dict[str, float] = {"admitted_at": record.created_at}
         self.boundary_kind: str | None = None
+        self.plan: IsolationPlan | None = None
+        self.env_removed: list[str] = []
 
     # -- the session, start to receipt ---------------------------------------------------
 
@@ -76,28 +116,35 @@ class Owner:
         cancel = record.cancel_requested or signals.stop_reason
         if cancel:
             return self._never_ran("cancelled", "admission", cancel)
+        task = self.store.get_task(record.task)
         try:
             self.boundary_kind = boundaries.choose(self.spec.boundary)
-            boundary = boundaries.make(self.boundary_kind, record.task, record.session)
+            self.plan = self._plan(task, self.boundary_kind)
+            boundary = boundaries.make(self.boundary_kind, record.task, record.session, self.plan)
             boundary.setup()
         except BoundaryUnavailable as exc:
             return self._never_ran("not_started", "boundary", str(exc))
-        # Recorded before anything can run inside it, so recovery always knows where to look.
+        except IsolationUnavailable as exc:
+            return self._never_ran("not_started", "isolation", str(exc))
+        # Recorded before anything can run inside it, so recovery always knows where to look
+        # and what the command could do (a cgroup it could leave is no evidence to recovery).
         self.store.record_launch(
-            record.session, self.generation, boundary.kind, boundary.ref, None, None
-        )
+            record.session, self.generation, boundary.kind, boundary.ref, None, None,
+            isolation=self.plan.to_json(),
+        )  # fmt: skip
         faults.point("owner.after_boundary")
-        task = self.store.get_task(record.task)
         streams = self._open_streams()
         stdin_fd = self._open_stdin()
         out_w, err_w = streams.fds.pop("stdout_w"), streams.fds.pop("stderr_w")
         cwd = os.path.join(task.workspace, self.spec.cwd)
-        env = {**os.environ, **dict(self.spec.env)}
-        env.pop("SETTLED_FAULT", None)
+        env, self.env_removed = command_environment(
+            dict(os.environ), dict(self.spec.env), self.home
+        )
+        launch = Launch(self.spec.exec_argv, cwd, env, ChildIO(stdin_fd, out_w, err_w), self.plan)
         started = time.monotonic()
         self.timings["spawned_at"] = time.time()  # the wall-clock twin of `started`
         try:
-            pid = boundary.start(self.spec.exec_argv, cwd, env, ChildIO(stdin_fd, out_w, err_w))
+            pid = boundary.start(launch)
         except SpawnFailed as exc:
             for fd in (stdin_fd, out_w, err_w):
                 os.close(fd)
@@ -154,10 +201,30 @@ class Owner:
             fds[name], fds[f"{name}_w"] = read_end, write_end
         return Streams(fds, writers)
 
+    def _plan(self, task: TaskRecord, kind: str) -> IsolationPlan:
+        """What the command may see and do, from facts checked here: this process's
+        capabilities, every task's workspace, the paths a server asked to hide."""
+        uid, gid = self.spec.user if self.spec.user is not None else (None, None)
+        plan = make_plan(
+            self.spec.isolation,
+            workspace=task.workspace,
+            home=self.home,
+            other_workspaces=[w for w in self.store.workspaces() if w != task.workspace],
+            hidden_files=self.store.hidden_paths(),
+            pid_namespace=kind in boundaries.PID_NAMESPACE_KINDS,
+            uid=uid,
+            gid=gid,
+        )
+        if plan.mount_namespace or plan.drop_caps:
+            from settled.boundary import linux
+
+            linux.capget()  # loads libc before the fork: the child only calls
+        return plan
+
     def _open_stdin(self) -> int:
         if self.spec.stdin_digest is None:
             return os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
-        return os.open(stdin_path(self.home, self.spec.stdin_digest), os.O_RDONLY | os.O_CLOEXEC)
+        return sealed_stdin(stdin_path(self.home, self.spec.stdin_digest))
 
     def _heartbeat(self, streams: Streams) -> str | None:
         durable = {name: writer.sync() for name, writer in streams.writers.items()}
@@ -251,7 +318,14 @@ class Owner:
 
     def _receipt(self, **facts: Any) -> dict[str, Any]:
         usage = resource.getrusage(resource.RUSAGE_SELF)
+        isolation = (
+            {**self.plan.to_json(), "env_removed": self.env_removed}
+            if self.plan is not None
+            else {"policy": self.spec.isolation, "applied": False,
+                  "why": "the command never started, so no isolation was built"}
+        )  # fmt: skip
         return process_receipt(
+            isolation=isolation,
             session=self.record.session,
             task=self.record.task,
             key=self.record.key,
@@ -267,9 +341,15 @@ class Owner:
         )
 
 
+OWNER_HOME_ENV = "SETTLED_OWNER_HOME"
+
+
 def main(argv: list[str] | None = None) -> int:
-    """argv: HOME SESSION READY_FD. Forks once so the launcher can reap the parent at once."""
-    home, session, ready_text = (argv if argv is not None else sys.argv[1:])[:3]
+    """argv: SESSION READY_FD; the home comes in SETTLED_OWNER_HOME, so that it is not on the
+    command line, which /proc shows to everyone (a PID namespace's init is a fork of this
+    process). Forks once so the launcher can reap the parent at once."""
+    session, ready_text = (argv if argv is not None else sys.argv[1:])[:2]
+    home = os.environ.pop(OWNER_HOME_ENV)
     if os.fork() != 0:
         os._exit(0)
     return run_session(home, session, int(ready_text) if ready_text != "-" else None)

@@ -39,6 +39,7 @@ class TaskRecord:
     state: str
     generation: int
     created_at: float
+    user: tuple[int, int] | None = None  # the task's default uid/gid for its commands
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -48,6 +49,7 @@ class TaskRecord:
             "state": self.state,
             "generation": self.generation,
             "created_at": self.created_at,
+            "user": list(self.user) if self.user is not None else None,
         }
 
 
@@ -73,12 +75,25 @@ class SessionRecord:
     settled_at: float | None
     receipt: dict[str, Any] | None
     unknown_why: str | None = None
+    isolation: dict[str, Any] | None = None  # the plan the command ran under, as recorded
 
 
 class Store(Protocol):
     """Every method is atomic; every state change is conditional and raises StaleWrite if lost."""
 
-    def create_task(self, key: str, workspace: str) -> tuple[TaskRecord, bool]: ...
+    def create_task(
+        self, key: str, workspace: str, user: tuple[int, int] | None = None
+    ) -> tuple[TaskRecord, bool]: ...
+
+    def workspaces(self) -> list[str]:
+        """Every task's workspace (a session hides the others')."""
+        ...
+
+    def add_hidden_paths(self, paths: list[str]) -> None:
+        """Paths no session may see from now on (a server's tokens file)."""
+        ...
+
+    def hidden_paths(self) -> list[str]: ...
 
     def get_task(self, task: str) -> TaskRecord: ...
 
@@ -104,6 +119,7 @@ class Store(Protocol):
         boundary_ref: str | None,
         command_pid: int | None,
         command_start_time: int | None,
+        isolation: dict[str, Any] | None = None,
     ) -> None: ...
 
     def heartbeat(

@@ -9,6 +9,7 @@ Never touches processes, logs or the workspace.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import sqlite3
@@ -23,11 +24,13 @@ from settled.errors import (
     AdmissionSealed,
     HomeUnusable,
     KeyConflict,
+    ReceiptTampered,
     StaleWrite,
     UnknownSession,
     UnknownTask,
 )
 from settled.identity import new_id
+from settled.receipts import checked
 from settled.states import (
     ADMITTED,
     TASK_OPEN,
@@ -38,7 +41,7 @@ from settled.states import (
 )
 from settled.store import OwnerInfo, SessionRecord, TaskRecord, loads
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 RECEIPT_EVENTS = ("receipt", "lose", "recover")
 BUSY_TIMEOUT_S = 60.0
 
@@ -98,17 +101,29 @@ MIGRATIONS: dict[int, str] = {
     3: """
     ALTER TABLE sessions ADD COLUMN unknown_why TEXT
     """,
+    4: """
+    ALTER TABLE sessions ADD COLUMN isolation TEXT;
+    ALTER TABLE tasks ADD COLUMN user TEXT;
+    ALTER TABLE close_steps ADD COLUMN digest TEXT;
+    UPDATE close_steps SET digest = 'unsealed'
+    """,
 }
+UNSEALED = "unsealed"  # close facts recorded before v4, sealed by the migration (below)
 
 SESSION_COLUMNS = (
     "session, task, key, digest, spec, state, generation, owner, boundary, boundary_ref, "
     "command_pid, command_start_time, stdout_durable, stderr_durable, cancel_requested, "
-    "created_at, started_at, settled_at, receipt, unknown_why"
+    "created_at, started_at, settled_at, receipt, unknown_why, isolation"
 )
+TASK_COLUMNS = "task, key, workspace, state, generation, created_at, user"
 
 
 def _session_from_row(row: tuple[Any, ...]) -> SessionRecord:
+    """Every load checks the receipt's digest: no caller can decide from an edited one."""
     owner = loads(row[7])
+    receipt = loads(row[18])
+    if receipt is not None:
+        receipt = checked(receipt, f"the process receipt of session {row[0]}")
     return SessionRecord(
         session=row[0],
         task=row[1],
@@ -128,13 +143,35 @@ def _session_from_row(row: tuple[Any, ...]) -> SessionRecord:
         created_at=row[15],
         started_at=row[16],
         settled_at=row[17],
-        receipt=loads(row[18]),
+        receipt=receipt,
         unknown_why=row[19],
+        isolation=loads(row[20]),
     )
 
 
 def _task_from_row(row: tuple[Any, ...]) -> TaskRecord:
-    return TaskRecord(*row)
+    user = loads(row[6])
+    task, key, workspace, state, generation, created_at = row[:6]
+    return TaskRecord(
+        task, key, workspace, state, generation, created_at,
+        (int(user[0]), int(user[1])) if user is not None else None,
+    )  # fmt: skip
+
+
+def _fact_digest(text: str) -> str:
+    return "sha256:" + hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def _checked_fact(task: str, step: str, text: str, digest: str | None) -> dict[str, Any]:
+    """A close step's fact, once its bytes match the digest recorded with them; a receipt it
+    carries (the checkpoint's, the close's) is checked as well."""
+    actual = _fact_digest(text)
+    if digest != actual:
+        raise ReceiptTampered(f"close step {step!r} of task {task}", digest, actual)
+    fact: dict[str, Any] = json.loads(text)
+    if isinstance(fact.get("receipt"), dict):
+        checked(fact["receipt"], f"the {step} receipt of task {task}")
+    return fact
 
 
 class SQLiteStore:
@@ -185,6 +222,14 @@ class SQLiteStore:
                 for statement in MIGRATIONS[step].split(";"):
                     if statement.strip():
                         db.execute(statement)
+            rows = db.execute(
+                "SELECT task, step, fact FROM close_steps WHERE digest=?", (UNSEALED,)
+            ).fetchall()
+            for task, step, fact in rows:  # facts an older settled wrote: sealed as they are
+                db.execute(
+                    "UPDATE close_steps SET digest=? WHERE task=? AND step=?",
+                    (_fact_digest(fact), task, step),
+                )
             db.execute(
                 "INSERT INTO meta(key, value) VALUES('schema_version', ?) "
                 "ON CONFLICT(key) DO UPDATE SET value=excluded.value",
@@ -193,29 +238,53 @@ class SQLiteStore:
 
     # -- tasks ---------------------------------------------------------------------------
 
-    def create_task(self, key: str, workspace: str) -> tuple[TaskRecord, bool]:
+    def create_task(
+        self, key: str, workspace: str, user: tuple[int, int] | None = None
+    ) -> tuple[TaskRecord, bool]:
         with self._write() as db:
-            row = db.execute(
-                "SELECT task, key, workspace, state, generation, created_at FROM tasks WHERE key=?",
-                (key,),
-            ).fetchone()
+            row = db.execute(f"SELECT {TASK_COLUMNS} FROM tasks WHERE key=?", (key,)).fetchone()
             if row:
                 return _task_from_row(row), False
-            record = TaskRecord(new_id("t"), key, workspace, TASK_OPEN, 1, time.time())
+            record = TaskRecord(new_id("t"), key, workspace, TASK_OPEN, 1, time.time(), user)
             db.execute(
-                "INSERT INTO tasks VALUES (?, ?, ?, ?, ?, ?)",
-                (record.task, key, workspace, record.state, 1, record.created_at),
+                f"INSERT INTO tasks ({TASK_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (
+                    record.task,
+                    key,
+                    workspace,
+                    record.state,
+                    1,
+                    record.created_at,
+                    json.dumps(list(user)) if user is not None else None,
+                ),
             )
             return record, True
 
     def get_task(self, task: str) -> TaskRecord:
-        row = self._db.execute(
-            "SELECT task, key, workspace, state, generation, created_at FROM tasks WHERE task=?",
-            (task,),
-        ).fetchone()
+        row = self._db.execute(f"SELECT {TASK_COLUMNS} FROM tasks WHERE task=?", (task,)).fetchone()
         if row is None:
             raise UnknownTask(task)
         return _task_from_row(row)
+
+    def workspaces(self) -> list[str]:
+        rows = self._db.execute("SELECT DISTINCT workspace FROM tasks").fetchall()
+        return [r[0] for r in rows]
+
+    def add_hidden_paths(self, paths: list[str]) -> None:
+        with self._write() as db:
+            row = db.execute("SELECT value FROM meta WHERE key='hidden_paths'").fetchone()
+            known = set(json.loads(row[0])) if row else set()
+            if known >= set(paths):
+                return
+            db.execute(
+                "INSERT INTO meta(key, value) VALUES('hidden_paths', ?) "
+                "ON CONFLICT(key) DO UPDATE SET value=excluded.value",
+                (json.dumps(sorted(known | set(paths))),),
+            )
+
+    def hidden_paths(self) -> list[str]:
+        row = self._db.execute("SELECT value FROM meta WHERE key='hidden_paths'").fetchone()
+        return list(json.loads(row[0])) if row else []
 
     # -- sessions ------------------------------------------------------------------------
 
@@ -345,19 +414,18 @@ class SQLiteStore:
         boundary_ref: str | None,
         command_pid: int | None,
         command_start_time: int | None,
+        isolation: dict[str, Any] | None = None,
     ) -> None:
+        sets: dict[str, Any] = {
+            "boundary": boundary,
+            "boundary_ref": boundary_ref,
+            "command_pid": command_pid,
+            "command_start_time": command_start_time,
+        }
+        if isolation is not None:
+            sets["isolation"] = canonical_bytes(isolation).decode()
         with self._write() as db:
-            self._update_live(
-                db,
-                session,
-                generation,
-                {
-                    "boundary": boundary,
-                    "boundary_ref": boundary_ref,
-                    "command_pid": command_pid,
-                    "command_start_time": command_start_time,
-                },
-            )
+            self._update_live(db, session, generation, sets)
 
     def heartbeat(
         self, session: str, generation: int, lease_until: float, stdout: int, stderr: int
@@ -404,6 +472,7 @@ class SQLiteStore:
     ) -> SessionRecord:
         if event not in RECEIPT_EVENTS:
             raise StaleWrite(f"a receipt settles a session only by {RECEIPT_EVENTS}, not {event!r}")
+        checked(receipt, f"the receipt offered for session {session}")  # refused unsealed
         output = receipt.get("output", {})
         with self._write() as db:
             self._transition(
@@ -500,23 +569,25 @@ class SQLiteStore:
 
     def record_close_step(self, task: str, step: str, fact: dict[str, Any]) -> dict[str, Any]:
         """Record a step's fact once; a second recording returns the first (never re-runs)."""
+        text = canonical_bytes(fact).decode()
         with self._write() as db:
             row = db.execute(
-                "SELECT fact FROM close_steps WHERE task=? AND step=?", (task, step)
+                "SELECT fact, digest FROM close_steps WHERE task=? AND step=?", (task, step)
             ).fetchone()
             if row is not None:
-                return json.loads(row[0])  # type: ignore[no-any-return]
+                return _checked_fact(task, step, row[0], row[1])
             db.execute(
-                "INSERT INTO close_steps VALUES (?, ?, ?, ?)",
-                (task, step, canonical_bytes(fact).decode(), time.time()),
+                "INSERT INTO close_steps (task, step, fact, recorded_at, digest) "
+                "VALUES (?, ?, ?, ?, ?)",
+                (task, step, text, time.time(), _fact_digest(text)),
             )
         return fact
 
     def close_steps(self, task: str) -> dict[str, dict[str, Any]]:
         rows = self._db.execute(
-            "SELECT step, fact FROM close_steps WHERE task=?", (task,)
+            "SELECT step, fact, digest FROM close_steps WHERE task=?", (task,)
         ).fetchall()
-        return {step: json.loads(fact) for step, fact in rows}
+        return {step: _checked_fact(task, step, fact, digest) for step, fact, digest in rows}
 
     def record_checkpoint(
         self, task: str, generation: int, receipt: dict[str, Any], index_ref: str | None
@@ -549,7 +620,9 @@ class SQLiteStore:
             "ORDER BY created_at DESC, rowid DESC LIMIT 1",
             (task,),
         ).fetchone()
-        return (json.loads(row[0]), row[1]) if row else None
+        if row is None:
+            return None
+        return checked(json.loads(row[0]), f"the checkpoint receipt of task {task}"), row[1]
 
     def find_checkpoint(self, manifest: str) -> dict[str, Any] | None:
         row = self._db.execute(

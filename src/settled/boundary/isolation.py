@@ -1,0 +1,220 @@
+"""Isolation: what a session's command can see and do, decided before it exists.
+
+Owns the *plan*: which paths are hidden from the command (the settled home, other tasks'
+workspaces, token files), which ancestors are pinned so they cannot be renamed away, whether
+/proc, /sys, /dev and the cgroup tree are replaced or made read-only, which capabilities stay in
+the bounding set, `no_new_privs`, and the uid/gid the command runs as. The owner makes the plan
+in the host's namespaces from facts it can check (its own capabilities, the store's list of
+workspaces); `mountview` and `privileges` carry it out in the child, where every step either
+succeeds or the command never starts. The plan is what the receipt reports, protection by
+protection, with why for each one that is missing: a receipt never claims a protection that was
+not applied.
+
+The threat it answers (docs/TRUST.md): the command is hostile, usually root. Without this, it
+can rewrite its own receipt in the store, move itself out of its cgroup, read the server's
+token, or open the disk's block device and read everything.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+from settled.boundary import procfs
+
+ISOLATION_POLICIES: Final = ("auto", "strict", "none")
+
+CAP_NAMES: Final = (
+    "CHOWN", "DAC_OVERRIDE", "DAC_READ_SEARCH", "FOWNER", "FSETID", "KILL", "SETGID", "SETUID",
+    "SETPCAP", "LINUX_IMMUTABLE", "NET_BIND_SERVICE", "NET_BROADCAST", "NET_ADMIN", "NET_RAW",
+    "IPC_LOCK", "IPC_OWNER", "SYS_MODULE", "SYS_RAWIO", "SYS_CHROOT", "SYS_PTRACE", "SYS_PACCT",
+    "SYS_ADMIN", "SYS_BOOT", "SYS_NICE", "SYS_RESOURCE", "SYS_TIME", "SYS_TTY_CONFIG", "MKNOD",
+    "LEASE", "AUDIT_WRITE", "AUDIT_CONTROL", "SETFCAP", "MAC_OVERRIDE", "MAC_ADMIN", "SYSLOG",
+    "WAKE_ALARM", "BLOCK_SUSPEND", "AUDIT_READ", "PERFMON", "BPF", "CHECKPOINT_RESTORE",
+)  # fmt: skip
+# What a root command keeps: a container runtime's default set without MKNOD (settled gives no
+# device cgroup, so a new block device node would be a way to the raw disk). Everything else,
+# SYS_ADMIN, SYS_PTRACE, SYS_MODULE, SYS_RAWIO, DAC_READ_SEARCH (open_by_handle_at), BPF and
+# SYS_TIME (the lease and scan clocks) among them, leaves the bounding set before exec.
+KEPT_CAPS: Final = frozenset(
+    CAP_NAMES.index(name)
+    for name in (
+        "CHOWN", "DAC_OVERRIDE", "FOWNER", "FSETID", "KILL", "SETGID", "SETUID", "SETPCAP",
+        "NET_BIND_SERVICE", "NET_RAW", "SYS_CHROOT", "AUDIT_WRITE", "SETFCAP",
+    )
+)  # fmt: skip
+CAP_SYS_ADMIN: Final = CAP_NAMES.index("SYS_ADMIN")
+CAP_SETPCAP: Final = CAP_NAMES.index("SETPCAP")
+CAP_SETUID: Final = CAP_NAMES.index("SETUID")
+CAP_SETGID: Final = CAP_NAMES.index("SETGID")
+
+
+class IsolationUnavailable(Exception):
+    """`--isolation strict` was asked for and this machine cannot give every protection."""
+
+
+def cap_name(cap: int) -> str:
+    return CAP_NAMES[cap] if cap < len(CAP_NAMES) else f"CAP_{cap}"
+
+
+@dataclass(frozen=True)
+class IsolationPlan:
+    """Everything the child will do to the command's view and privileges, decided up front."""
+
+    policy: str
+    mount_namespace: bool = False
+    cgroup_namespace: bool = False
+    private_proc: bool = False
+    pins: tuple[str, ...] = ()  # ancestors bound onto themselves: a mount point cannot be renamed
+    hide_dirs: tuple[str, ...] = ()
+    hide_files: tuple[str, ...] = ()
+    expose: str | None = None  # the workspace, re-bound inside a hidden directory that holds it
+    readonly_sys: bool = False
+    minimal_dev: bool = False
+    drop_caps: bool = False
+    no_new_privs: bool = True
+    uid: int | None = None
+    gid: int | None = None
+    home: str | None = None
+    missing: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def cgroup_contained(self) -> bool:
+        """True when a process of the command cannot move itself to another cgroup: a cgroup
+        namespace rooted at its session's cgroup, the cgroup mounts read-only, and no
+        CAP_SYS_ADMIN to mount another."""
+        return self.cgroup_namespace and self.readonly_sys and self.drop_caps
+
+    def to_json(self) -> dict[str, Any]:
+        """The receipt's `isolation`: each protection as it was applied, and why any is not."""
+        return {
+            "policy": self.policy,
+            "mount_namespace": self.mount_namespace,
+            "home_hidden": self.home is not None and self.home in self.hide_dirs,
+            "hidden": {"dirs": list(self.hide_dirs), "files": list(self.hide_files)},
+            "pinned": len(self.pins),
+            "proc": "private" if self.private_proc else "host",
+            "sys": "read-only" if self.readonly_sys else "host",
+            "dev": "minimal" if self.minimal_dev else "host",
+            "cgroup": CONTAINED_CGROUP if self.cgroup_contained else "host",
+            "capabilities": (
+                sorted(cap_name(c) for c in KEPT_CAPS) if self.drop_caps else "unchanged"
+            ),
+            "no_new_privs": self.no_new_privs,
+            "uid": self.uid if self.uid is not None else os.geteuid(),
+            "gid": self.gid if self.gid is not None else os.getegid(),
+            "descriptors": "0, 1, 2 only",
+            "missing": dict(self.missing),
+        }
+
+
+CONTAINED_CGROUP: Final = "namespace, read-only"
+
+
+def recorded_cgroup_contained(recorded: dict[str, Any] | None) -> bool:
+    """From a recorded plan (`to_json`): could none of the command's processes leave its
+    cgroup? Nothing recorded (an older settled, or no isolation) means it could."""
+    return recorded is not None and recorded.get("cgroup") == CONTAINED_CGROUP
+
+
+def _has(caps: int, cap: int) -> bool:
+    return bool(caps >> cap & 1)
+
+
+def _is_within(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip("/") + "/")
+
+
+def ancestors(path: str) -> list[str]:
+    """Every directory above `path`, outermost first, "/" excluded."""
+    found: list[str] = []
+    parent = os.path.dirname(path)
+    while parent not in ("/", ""):
+        found.append(parent)
+        parent = os.path.dirname(parent)
+    return found[::-1]
+
+
+def choose_hidden(
+    workspace: str, home: str, others: Iterable[str]
+) -> tuple[tuple[str, ...], str | None]:
+    """The directories to hide (the home, other workspaces that exist) and the workspace to
+    re-expose if one of them holds it. A directory that holds the workspace itself is never
+    hidden (the command would lose its own files): overlapping workspaces are visible to each
+    other, and the receipt lists exactly what was hidden."""
+    candidates = [home, *others]
+    kept: list[str] = []
+    for path in sorted(set(candidates), key=len):
+        if path == workspace or (_is_within(workspace, path) and path != home):
+            continue  # an ancestor of the workspace (other than the home) stays visible
+        if any(_is_within(path, outer) for outer in kept):
+            continue  # already inside a hidden directory
+        if path != home and not os.path.isdir(path):
+            continue  # a task whose workspace is gone has nothing left to hide
+        kept.append(path)
+    expose = workspace if any(_is_within(workspace, d) for d in kept) else None
+    return tuple(kept), expose
+
+
+def make_plan(
+    policy: str,
+    *,
+    workspace: str,
+    home: str,
+    other_workspaces: Iterable[str] = (),
+    hidden_files: Iterable[str] = (),
+    pid_namespace: bool,
+    uid: int | None = None,
+    gid: int | None = None,
+) -> IsolationPlan:
+    """The strongest plan this process can carry out for `policy` ("none": nothing but the
+    environment and descriptor hygiene every session gets). Raises IsolationUnavailable for
+    `strict` when a protection is missing."""
+    if policy == "none":
+        return IsolationPlan(
+            policy, no_new_privs=False, uid=uid, gid=gid,
+            missing={"all": "isolation none was asked for: the command sees and may change "
+                     "everything its uid can, the settled home included"},
+        )  # fmt: skip
+    caps = procfs.effective_capabilities()
+    missing: dict[str, str] = {}
+    namespaces = _has(caps, CAP_SYS_ADMIN)
+    if not namespaces:
+        why = "needs CAP_SYS_ADMIN, which the owner lacks"
+        for name in ("mount_namespace", "home_hidden", "sys", "dev", "cgroup"):
+            missing[name] = why
+    if not pid_namespace:
+        missing["proc"] = "no PID namespace: /proc shows the host's processes"
+    drop_caps = _has(caps, CAP_SETPCAP)
+    if not drop_caps and os.geteuid() == 0:
+        missing["capabilities"] = "needs CAP_SETPCAP to shrink the bounding set"
+    if uid is not None and not (_has(caps, CAP_SETUID) and _has(caps, CAP_SETGID)):
+        raise IsolationUnavailable(f"--user {uid}: the owner lacks CAP_SETUID/CAP_SETGID")
+    if policy == "strict" and missing:
+        raise IsolationUnavailable(
+            "--isolation strict: " + "; ".join(f"{k}: {v}" for k, v in missing.items())
+        )
+    if not namespaces:
+        return IsolationPlan(policy, drop_caps=drop_caps, uid=uid, gid=gid, missing=missing)
+    files = tuple(sorted({f for f in hidden_files if os.path.isfile(f)}))
+    dirs, expose = choose_hidden(workspace, home, other_workspaces)
+    pins = sorted({a for p in (*dirs, *files) for a in ancestors(p)}, key=lambda p: p.count("/"))
+    return IsolationPlan(
+        policy,
+        mount_namespace=True,
+        cgroup_namespace=True,
+        private_proc=pid_namespace,
+        pins=tuple(p for p in pins if not any(_is_within(p, d) for d in dirs)),
+        hide_dirs=dirs,
+        hide_files=files,
+        expose=expose,
+        readonly_sys=True,
+        minimal_dev=True,
+        drop_caps=drop_caps,
+        uid=uid,
+        gid=gid,
+        home=home,
+        missing=missing,
+    )
