@@ -100,6 +100,33 @@ def test_neither_manifest_nor_tree_has_stat_cache(store: LocalObjectStore, tmp_p
     assert set(manifest.to_dict()) == {
         "v", "algorithm", "root", "parent", "watermark", "generation",
     }  # fmt: skip
+    assert set(manifest.to_dict()["root"]) == {"mode", "tree", "uid", "gid"}  # v3: the owner
+
+
+def test_every_tree_entry_and_the_manifest_root_record_the_owner_lstat_saw(
+    store: LocalObjectStore, tmp_path: Path
+) -> None:
+    workspace = make_workspace(tmp_path / "ws")
+    manifest_id = checkpoint(store, workspace)
+    assert json.loads(store.read(manifest_id))["v"] == "settled.manifest/v3"
+    manifest = read_manifest(store, manifest_id)
+    for entry in manifest.entries:
+        st = os.lstat(workspace / entry.path)
+        assert (entry.uid, entry.gid) == (st.st_uid, st.st_gid), entry.path
+    for tree in {e.tree for e in manifest.entries if e.tree is not None}:
+        raw = json.loads(store.read(tree))
+        assert raw["v"] == "settled.tree/v2"
+        assert all({"uid", "gid"} <= set(form) for form in raw["entries"])
+
+
+def test_a_manifest_whose_root_records_no_owner_is_never_written(
+    store: LocalObjectStore, tmp_path: Path
+) -> None:
+    (tmp_path / "ws").mkdir()
+    index = scan(tmp_path / "ws", store=store).index
+    ownerless = index.root._replace(uid=None, gid=None)
+    with pytest.raises(ManifestInvalid, match="records no owner"):
+        write_manifest(store, index.algorithm, ownerless)
 
 
 def test_reading_back_refuses_a_corrupted_manifest_or_tree(
@@ -260,14 +287,23 @@ def test_restore_itself_never_traverses_a_symlink_it_created(
     assert os.listdir(outside) == [] and not (tmp_path / "dest").exists()
 
 
-def _put_tree(store: LocalObjectStore, entries: list[dict[str, object]]) -> str:
-    raw = {"v": "settled.tree/v1", "algorithm": DEFAULT_ALGORITHM, "entries": entries}
+def _put_tree(
+    store: LocalObjectStore, entries: list[dict[str, object]], version: str = "settled.tree/v2"
+) -> str:
+    raw = {"v": version, "algorithm": DEFAULT_ALGORITHM, "entries": entries}
     return store.put_bytes(canonical_bytes(raw))
 
 
-def _put_head(store: LocalObjectStore, root_tree: str) -> str:
-    raw = {"v": "settled.manifest/v2", "algorithm": DEFAULT_ALGORITHM,
-           "root": {"mode": 0o755, "tree": root_tree}, "parent": None, "watermark": None,
+def _put_head(
+    store: LocalObjectStore, root_tree: str, owner: tuple[int, int] | None = (0, 0)
+) -> str:
+    """A manifest object: v3 (the root's owner recorded), or the v2 form when ``owner`` is
+    None."""
+    root: dict[str, object] = {"mode": 0o755, "tree": root_tree}
+    if owner is not None:
+        root.update(uid=owner[0], gid=owner[1])
+    raw = {"v": "settled.manifest/v3" if owner else "settled.manifest/v2",
+           "algorithm": DEFAULT_ALGORITHM, "root": root, "parent": None, "watermark": None,
            "generation": 0}  # fmt: skip
     return store.put_bytes(canonical_bytes(raw))
 
@@ -276,16 +312,17 @@ def test_restore_refuses_tree_names_that_could_climb_out(
     store: LocalObjectStore, tmp_path: Path
 ) -> None:
     blob = store.put_bytes(b"evil")
-    file = {"type": "file", "mode": 0o644, "size": 4, "digest": blob}
+    file = {"type": "file", "mode": 0o644, "size": 4, "digest": blob, "uid": 0, "gid": 0}
     empty = _put_tree(store, [])
+    directory = {"name": "d", "type": "dir", "mode": 0o755, "size": 0, "uid": 0, "gid": 0}
     bad_trees = [
         [{**file, "name": ".."}],
         [{**file, "name": "a/b"}],
         [{**file, "name": ""}],
         [{**file, "name": "."}],
         [{**file, "name": "x\0y"}],
-        [{"name": "d", "type": "dir", "mode": 0o755, "size": 0}],  # a directory without a tree
-        [{"name": "d", "type": "dir", "mode": 0o755, "size": 0, "tree": empty, "digest": blob}],
+        [directory],  # a directory without a tree
+        [{**directory, "tree": empty, "digest": blob}],
         [{**file, "name": "b"}, {**file, "name": "a"}],  # not sorted
         [{**file, "name": "a"}, {**file, "name": "a"}],  # not unique
     ]
@@ -295,6 +332,62 @@ def test_restore_refuses_tree_names_that_could_climb_out(
             restore(store, manifest_id, tmp_path / f"dest{number}")
         assert not (tmp_path / f"dest{number}").exists()
     assert sorted(os.listdir(tmp_path)) == ["objects"]
+
+
+def test_a_tree_entry_with_a_missing_or_impossible_owner_is_refused(
+    store: LocalObjectStore,
+) -> None:
+    blob = store.put_bytes(b"x")
+    file = {"name": "f", "type": "file", "mode": 0o644, "size": 1, "digest": blob}
+    bad_owners = [
+        {},  # a v2 tree records every owner
+        {"uid": 0},
+        {"uid": -1, "gid": 0},
+        {"uid": 2**32 - 1, "gid": 0},  # (uid_t)-1: "leave unchanged" to chown
+        {"uid": 0, "gid": "0"},
+        {"uid": True, "gid": 0},
+    ]
+    for owner in bad_owners:
+        manifest_id = _put_head(store, _put_tree(store, [{**file, **owner}]))
+        with pytest.raises(ManifestInvalid, match="'f'"):
+            read_manifest(store, manifest_id)
+    legacy = _put_head(store, _put_tree(store, [{**file, "uid": 0, "gid": 0}], "settled.tree/v1"))
+    with pytest.raises(ManifestInvalid, match="has fields"):  # a v1 tree records no owner
+        read_manifest(store, legacy)
+
+
+def test_trees_and_manifests_written_before_owners_are_still_read_without_owner(
+    store: LocalObjectStore, tmp_path: Path
+) -> None:
+    blob = store.put_bytes(b"old")
+    file = {"name": "f", "type": "file", "mode": 0o644, "size": 3, "digest": blob}
+    manifest_id = _put_head(store, _put_tree(store, [file], "settled.tree/v1"), owner=None)
+    manifest = read_manifest(store, manifest_id)
+    assert [(e.path, e.uid, e.gid) for e in manifest.entries] == [
+        (".", None, None),
+        ("f", None, None),
+    ]
+    assert manifest.id == manifest_id  # read back, it gives back its v2 bytes
+    restore(store, manifest_id, tmp_path / "dest")
+    assert (tmp_path / "dest" / "f").read_bytes() == b"old"
+
+
+def test_a_flat_v1_manifest_is_still_read_without_owner(
+    store: LocalObjectStore, tmp_path: Path
+) -> None:
+    blob = store.put_bytes(b"flat")
+    manifest_id = _put_manifest(store, [
+        {"path": ".", "type": "dir", "mode": 0o755, "size": 0},
+        {"path": "f", "type": "file", "mode": 0o644, "size": 4, "digest": blob},
+    ])  # fmt: skip
+    manifest = read_manifest(store, manifest_id)
+    assert [(e.path, e.uid, e.gid) for e in manifest.entries] == [
+        (".", None, None),
+        ("f", None, None),
+    ]
+    assert manifest.id == manifest_id
+    restore(store, manifest_id, tmp_path / "dest")
+    assert (tmp_path / "dest" / "f").read_bytes() == b"flat"
 
 
 def test_identical_directories_restore_from_one_shared_tree(
@@ -363,5 +456,6 @@ def test_tree_objects_are_canonical_json_of_every_entry_type(
     for tree in trees:
         data = store.read(tree)
         assert canonical_bytes(json.loads(data)) == data
+        assert json.loads(data)["v"] == "settled.tree/v2"
         kinds |= {form["type"] for form in json.loads(data)["entries"]}
     assert kinds == {"file", "dir", "symlink", "fifo"}
