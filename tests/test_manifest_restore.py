@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
 import socket
 import stat
+import tempfile
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any, Final
 
 import pytest
 
@@ -24,8 +29,20 @@ from settled.workspace.manifest import (
     write_manifest,
 )
 from settled.workspace.objects import LocalObjectStore
-from settled.workspace.restore import BlobCorrupt, DestinationNotEmpty, restore
+from settled.workspace.restore import (
+    BlobCorrupt,
+    DestinationNotEmpty,
+    Restorer,
+    SameOwnerNeedsRoot,
+    earned_setid,
+    restore,
+)
 from settled.workspace.scan import scan
+
+NOBODY: Final = 65534  # uid of nobody and gid of nogroup here
+needs_root = pytest.mark.skipif(
+    os.geteuid() != 0, reason="the attack needs root: chown to another user, restore as root"
+)
 
 
 @pytest.fixture
@@ -190,6 +207,7 @@ def test_restore_reproduces_the_tree_bit_for_bit(store: LocalObjectStore, tmp_pa
     assert stat.S_ISFIFO(os.lstat(restored / "pipe").st_mode)
     assert (result.files, result.dirs, result.symlinks, result.fifos) == (6, 6, 3, 1)
     assert result.complete and result.not_restorable == ()
+    assert result.setid_dropped == ()  # the restorer owns "setuid" as it did in the workspace
 
 
 def test_restore_into_an_existing_empty_directory_is_allowed(
@@ -459,3 +477,255 @@ def test_tree_objects_are_canonical_json_of_every_entry_type(
         assert json.loads(data)["v"] == "settled.tree/v2"
         kinds |= {form["type"] for form in json.loads(data)["entries"]}
     assert kinds == {"file", "dir", "symlink", "fifo"}
+
+
+# -- restore grants nothing (issue 10) ----------------------------------------------------------
+
+
+def _mode(path: Path) -> int:
+    return stat.S_IMODE(os.lstat(path).st_mode)
+
+
+def _owner(path: Path) -> tuple[int, int]:
+    st = os.lstat(path)
+    return st.st_uid, st.st_gid
+
+
+def test_the_setid_rule_keeps_only_bits_the_restorer_could_set_itself() -> None:
+    from settled.workspace.manifest import Entry
+
+    root, user = Restorer(0, frozenset({0})), Restorer(1000, frozenset({1000, 50}))
+    same = Restorer(0, frozenset({0}), same_owner=True)
+
+    def kept(uid: int | None, gid: int | None, who: Restorer, now: tuple[int, int]) -> int:
+        return earned_setid(Entry("f", "file", 0o6755, 0, uid=uid, gid=gid), *now, who)
+
+    assert kept(NOBODY, NOBODY, root, (0, 0)) == 0  # root restoring nobody's: neither bit
+    assert kept(0, 0, root, (0, 0)) == 0o6000  # root restoring root's own
+    assert kept(NOBODY, NOBODY, same, (NOBODY, NOBODY)) == 0o6000  # chowned back: both
+    assert kept(NOBODY, NOBODY, same, (0, 0)) == 0  # the chown did not happen: neither
+    assert kept(1000, 50, user, (1000, 50)) == 0o6000  # its uid, one of its groups
+    assert kept(1000, 60, user, (1000, 1000)) == 0o4000  # not one of its groups
+    assert kept(0, 1000, user, (1000, 1000)) == 0o2000  # root's file: no set-uid
+    assert kept(None, None, same, (0, 0)) == 0  # no owner recorded: nothing to earn
+
+
+@needs_root
+def test_restoring_as_root_a_setuid_file_of_nobody_makes_no_setuid_root_file(
+    store: LocalObjectStore, tmp_path: Path
+) -> None:
+    workspace = tmp_path / "ws"
+    workspace.mkdir()
+    (workspace / "prog").write_bytes(b"#!/bin/sh\nid\n")
+    os.chown(workspace / "prog", NOBODY, NOBODY)
+    os.chmod(workspace / "prog", 0o4755)
+    result = restore(store, checkpoint(store, workspace), tmp_path / "dest")
+    restored = tmp_path / "dest" / "prog"
+    assert _owner(restored) == (0, 0) and _mode(restored) == 0o755
+    assert result.setid_dropped == ("prog",) and not result.owners_restored
+
+
+@needs_root
+def test_restoring_as_root_a_setgid_file_of_another_group_drops_the_bit(
+    store: LocalObjectStore, tmp_path: Path
+) -> None:
+    workspace = tmp_path / "ws"
+    workspace.mkdir()
+    (workspace / "prog").write_bytes(b"#!/bin/sh\nid\n")
+    os.chown(workspace / "prog", 0, NOBODY)
+    os.chmod(workspace / "prog", 0o2755)
+    result = restore(store, checkpoint(store, workspace), tmp_path / "dest")
+    restored = tmp_path / "dest" / "prog"
+    assert _owner(restored) == (0, 0) and _mode(restored) == 0o755
+    assert result.setid_dropped == ("prog",)
+
+
+@needs_root
+def test_a_setgid_directory_of_another_group_loses_the_bit_and_keeps_the_sticky_bit(
+    store: LocalObjectStore, tmp_path: Path
+) -> None:
+    workspace = tmp_path / "ws"
+    (workspace / "shared").mkdir(parents=True)
+    os.chown(workspace / "shared", 0, NOBODY)
+    os.chmod(workspace / "shared", 0o3775)
+    (workspace / "own").mkdir()
+    os.chmod(workspace / "own", 0o2755)  # set-gid, of root's own group: earned
+    result = restore(store, checkpoint(store, workspace), tmp_path / "dest")
+    assert _owner(tmp_path / "dest" / "shared") == (0, 0)
+    assert _mode(tmp_path / "dest" / "shared") == 0o1775
+    assert _mode(tmp_path / "dest" / "own") == 0o2755
+    assert result.setid_dropped == ("shared",)
+
+
+@needs_root
+def test_same_owner_restores_every_owner_and_the_setid_bits_that_go_with_them(
+    store: LocalObjectStore, tmp_path: Path
+) -> None:
+    workspace = tmp_path / "ws"
+    (workspace / "shared").mkdir(parents=True)
+    (workspace / "prog").write_bytes(b"#!/bin/sh\nid\n")
+    os.mkfifo(workspace / "pipe", 0o640)
+    (workspace / "link").symlink_to("/etc/passwd")
+    for name in ("prog", "pipe", "shared", "."):
+        os.chown(workspace / name, NOBODY, NOBODY)
+    os.chown(workspace / "link", NOBODY, 0, follow_symlinks=False)
+    os.chmod(workspace / "prog", 0o6755)
+    os.chmod(workspace / "shared", 0o3775)
+    result = restore(store, checkpoint(store, workspace), tmp_path / "dest", same_owner=True)
+    assert tree_of(tmp_path / "dest") == tree_of(workspace)  # owners and modes, bit for bit
+    assert _owner(tmp_path / "dest" / "prog") == (NOBODY, NOBODY)
+    assert _mode(tmp_path / "dest" / "prog") == 0o6755
+    assert _owner(tmp_path / "dest" / "link") == (NOBODY, 0)
+    assert result.owners_restored and result.setid_dropped == ()
+    assert result.owners_unrecorded == 0
+
+
+def test_same_owner_is_refused_when_not_root_and_nothing_is_written(
+    store: LocalObjectStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    manifest_id = checkpoint(store, make_workspace(tmp_path / "ws"))
+    (tmp_path / "out").mkdir()
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    with pytest.raises(SameOwnerNeedsRoot, match="needs root; this process runs as euid 1000"):
+        restore(store, manifest_id, tmp_path / "out" / "dest", same_owner=True)
+    assert os.listdir(tmp_path / "out") == []
+
+
+def _put_ownerless_setid(store: LocalObjectStore) -> str:
+    """A v1 tree (no owner recorded) holding a set-uid file and a set-gid directory."""
+    blob = store.put_bytes(b"old")
+    empty = _put_tree(store, [], "settled.tree/v1")
+    return _put_head(store, _put_tree(store, [
+        {"name": "d", "type": "dir", "mode": 0o2775, "size": 0, "tree": empty},
+        {"name": "prog", "type": "file", "mode": 0o4755, "size": 3, "digest": blob},
+    ], "settled.tree/v1"), owner=None)  # fmt: skip
+
+
+def test_an_entry_that_records_no_owner_never_keeps_a_setid_bit(
+    store: LocalObjectStore, tmp_path: Path
+) -> None:
+    result = restore(store, _put_ownerless_setid(store), tmp_path / "dest")
+    assert _mode(tmp_path / "dest" / "prog") == 0o755
+    assert _mode(tmp_path / "dest" / "d") == 0o775
+    assert result.setid_dropped == ("d", "prog") and result.owners_unrecorded == 3
+
+
+@needs_root
+def test_same_owner_without_a_recorded_owner_drops_setid_bits_and_says_so(
+    store: LocalObjectStore, tmp_path: Path
+) -> None:
+    result = restore(store, _put_ownerless_setid(store), tmp_path / "dest", same_owner=True)
+    assert _mode(tmp_path / "dest" / "prog") == 0o755
+    assert _owner(tmp_path / "dest" / "prog") == (0, 0)
+    assert result.setid_dropped == ("d", "prog")
+    assert not result.owners_restored and result.owners_unrecorded == 3
+
+
+@contextlib.contextmanager
+def _world_readable_dir() -> Iterator[Path]:
+    """A directory another user can reach (pytest's tmp_path is under a 0700 directory)."""
+    top = Path(tempfile.mkdtemp(prefix="settled-restore-", dir="/tmp"))
+    try:
+        os.chmod(top, 0o755)
+        yield top
+    finally:
+        shutil.rmtree(top)
+
+
+def _as_user(uid: int, gid: int, work: Callable[[], Any], timeout_s: float = 30.0) -> Any:
+    """Run ``work`` in a forked child that is ``uid``:``gid`` (no other groups); return what it
+    returned (JSON), or raise what it raised, as text."""
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: drop root for good, do the work, report, exit
+        code = 0
+        try:
+            os.close(read_end)
+            os.setgroups([])
+            os.setgid(gid)
+            os.setuid(uid)
+            try:
+                reply = {"ok": work()}
+            except Exception as error:
+                reply = {"error": f"{type(error).__name__}: {error}"}
+            os.write(write_end, json.dumps(reply).encode())
+        except BaseException:
+            code = 1
+        finally:
+            os._exit(code)
+    os.close(write_end)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while os.waitpid(pid, os.WNOHANG) == (0, 0):
+            if time.monotonic() > deadline:
+                os.kill(pid, 9)
+                os.waitpid(pid, 0)
+                raise TimeoutError(f"the child restoring as {uid} ran over {timeout_s} s")
+            time.sleep(0.01)
+        data = os.read(read_end, 1 << 20)
+    finally:
+        os.close(read_end)
+    reply = json.loads(data)
+    if "error" in reply:
+        raise AssertionError(reply["error"])
+    return reply["ok"]
+
+
+@needs_root
+def test_an_ordinary_user_keeps_the_setuid_bit_of_its_own_files_only() -> None:
+    with _world_readable_dir() as top:
+        workspace, out = top / "ws", top / "out"
+        workspace.mkdir()
+        out.mkdir()
+        os.chown(out, NOBODY, NOBODY)
+        for name, owner in (("mine", NOBODY), ("roots", 0)):
+            (workspace / name).write_bytes(b"#!/bin/sh\nid\n")
+            os.chown(workspace / name, owner, owner)
+            os.chmod(workspace / name, 0o4755)
+        store = LocalObjectStore(top / "objects")
+        manifest_id = checkpoint(store, workspace)
+
+        def work() -> list[str]:
+            return list(restore(store, manifest_id, out / "dest").setid_dropped)
+
+        assert _as_user(NOBODY, NOBODY, work) == ["roots"]
+        assert _owner(out / "dest" / "mine") == (NOBODY, NOBODY)
+        assert _mode(out / "dest" / "mine") == 0o4755
+        assert _owner(out / "dest" / "roots") == (NOBODY, NOBODY)
+        assert _mode(out / "dest" / "roots") == 0o755
+
+
+@needs_root
+def test_a_device_node_is_recorded_by_the_scan_and_never_created_by_restore(
+    store: LocalObjectStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    workspace = tmp_path / "ws"
+    workspace.mkdir()
+    os.mknod(workspace / "mem", 0o600 | stat.S_IFCHR, os.makedev(1, 1))  # /dev/mem
+    os.mknod(workspace / "disk", 0o600 | stat.S_IFBLK, os.makedev(7, 0))  # /dev/loop0
+    manifest_id = checkpoint(store, workspace)
+    kinds = {e.path: (e.type, e.rdev) for e in read_manifest(store, manifest_id).entries}
+    assert kinds["mem"] == ("chardev", os.makedev(1, 1))
+    assert kinds["disk"] == ("blockdev", os.makedev(7, 0))
+
+    def no_mknod(*args: object, **kwargs: object) -> None:
+        raise AssertionError(f"restore called mknod{args}")
+
+    monkeypatch.setattr(os, "mknod", no_mknod)
+    result = restore(store, manifest_id, tmp_path / "dest", same_owner=True)
+    assert result.not_restorable == (("disk", "blockdev"), ("mem", "chardev"))
+    assert not result.complete and os.listdir(tmp_path / "dest") == []
+
+
+@needs_root
+def test_a_hand_made_chardev_entry_is_reported_not_restorable_never_created(
+    store: LocalObjectStore, tmp_path: Path
+) -> None:
+    manifest_id = _put_manifest(store, [
+        {"path": ".", "type": "dir", "mode": 0o755, "size": 0},
+        {"path": "null", "type": "chardev", "mode": 0o666, "size": 0,
+         "rdev": os.makedev(1, 3)},
+    ])  # fmt: skip
+    result = restore(store, manifest_id, tmp_path / "dest", same_owner=True)
+    assert result.not_restorable == (("null", "chardev"),)
+    assert os.listdir(tmp_path / "dest") == []
