@@ -31,6 +31,7 @@ from settled.workspace.manifest import (
 from settled.workspace.objects import LocalObjectStore
 from settled.workspace.restore import (
     BlobCorrupt,
+    DestinationIsSymlink,
     DestinationNotEmpty,
     Restorer,
     SameOwnerNeedsRoot,
@@ -729,3 +730,171 @@ def test_a_hand_made_chardev_entry_is_reported_not_restorable_never_created(
     result = restore(store, manifest_id, tmp_path / "dest", same_owner=True)
     assert result.not_restorable == (("null", "chardev"),)
     assert os.listdir(tmp_path / "dest") == []
+
+
+# -- a symlink in the destination is never followed ---------------------------------------------
+
+
+def test_a_destination_that_is_a_symlink_is_refused_and_nothing_is_written(
+    store: LocalObjectStore, tmp_path: Path
+) -> None:
+    manifest_id = checkpoint(store, make_workspace(tmp_path / "ws"))
+    target, dest = tmp_path / "target", tmp_path / "dest"
+    target.mkdir()
+    dest.symlink_to(target)
+    with pytest.raises(DestinationIsSymlink, match=f"{dest}' is a symlink to '{target}'"):
+        restore(store, manifest_id, dest)
+    assert os.listdir(target) == [] and os.readlink(dest) == str(target)
+    assert sorted(os.listdir(tmp_path)) == ["dest", "objects", "target", "ws"]
+
+
+def test_a_dangling_symlink_at_the_destination_is_refused_and_its_target_never_made(
+    store: LocalObjectStore, tmp_path: Path
+) -> None:
+    manifest_id = checkpoint(store, make_workspace(tmp_path / "ws"))
+    dest = tmp_path / "dest"
+    dest.symlink_to(tmp_path / "made-by-restore")
+    with pytest.raises(DestinationIsSymlink, match="made-by-restore"):
+        restore(store, manifest_id, dest)
+    assert not (tmp_path / "made-by-restore").exists()
+
+
+def test_a_destination_under_a_symlinked_parent_is_refused_naming_the_link(
+    store: LocalObjectStore, tmp_path: Path
+) -> None:
+    manifest_id = checkpoint(store, make_workspace(tmp_path / "ws"))
+    real, link = tmp_path / "real", tmp_path / "link"
+    (real / "deeper").mkdir(parents=True)
+    link.symlink_to(real)
+    with pytest.raises(DestinationIsSymlink, match=f"goes through '{link}', which is a symlink"):
+        restore(store, manifest_id, link / "deeper" / "dest")
+    assert os.listdir(real / "deeper") == []
+
+
+def _swap_for_symlink(directory: Path, moved: Path, elsewhere: Path) -> None:
+    """Move ``directory`` away to ``moved`` and put a symlink to ``elsewhere`` in its place."""
+    os.rename(directory, moved)
+    directory.symlink_to(elsewhere)
+
+
+@pytest.fixture
+def swap_dirs(tmp_path: Path) -> tuple[Path, Path, Path]:
+    """``parent`` (where the restore goes), ``moved`` (where it is moved to mid-restore) and
+    ``elsewhere`` (where the symlink planted in its place points)."""
+    (tmp_path / "parent").mkdir()
+    (tmp_path / "elsewhere").mkdir()
+    return tmp_path / "parent", tmp_path / "moved", tmp_path / "elsewhere"
+
+
+def test_a_parent_swapped_for_a_symlink_during_the_build_is_refused_before_the_rename(
+    store: LocalObjectStore,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    swap_dirs: tuple[Path, Path, Path],
+) -> None:
+    from settled.workspace import restore as restore_module
+
+    parent, moved, elsewhere = swap_dirs
+    manifest_id = checkpoint(store, make_workspace(tmp_path / "ws"))
+    build = restore_module._Builder.build
+
+    def build_then_swap(builder: Any) -> None:
+        build(builder)
+        _swap_for_symlink(parent, moved, elsewhere)
+
+    monkeypatch.setattr(restore_module._Builder, "build", build_then_swap)
+    with pytest.raises(DestinationIsSymlink, match=f"goes through '{parent}'"):
+        restore(store, manifest_id, parent / "dest")
+    assert os.listdir(elsewhere) == [] and os.listdir(moved) == []  # temp directory removed
+
+
+def test_a_parent_swapped_for_a_symlink_at_the_rename_never_redirects_the_tree(
+    store: LocalObjectStore,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    swap_dirs: tuple[Path, Path, Path],
+) -> None:
+    parent, moved, elsewhere = swap_dirs
+    manifest_id = checkpoint(store, make_workspace(tmp_path / "ws"))
+    real_rename = os.rename
+    landed: list[str] = []
+
+    def swap_then_rename(src: Any, dst: Any, **kwargs: Any) -> None:
+        if not landed and dst == "dest":  # the rename into place, after every check
+            _swap_for_symlink(parent, moved, elsewhere)
+            real_rename(src, dst, **kwargs)
+            landed.extend(sorted(os.listdir(moved / "dest")))
+            return
+        real_rename(src, dst, **kwargs)
+
+    monkeypatch.setattr(os, "rename", swap_then_rename)
+    with pytest.raises(DestinationIsSymlink, match=f"goes through '{parent}'"):
+        restore(store, manifest_id, parent / "dest")
+    assert "src" in landed  # the rename went into the directory that was checked...
+    assert os.listdir(elsewhere) == []  # ...never through the symlink
+    assert os.listdir(moved) == []  # and, the path having moved, it was undone
+
+
+def test_a_symlink_planted_at_the_destination_at_the_rename_is_never_followed(
+    store: LocalObjectStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    manifest_id = checkpoint(store, make_workspace(tmp_path / "ws"))
+    (tmp_path / "parent").mkdir()
+    (tmp_path / "elsewhere").mkdir()
+    dest = tmp_path / "parent" / "dest"
+    real_rename = os.rename
+
+    def plant_then_rename(src: Any, dst: Any, **kwargs: Any) -> None:
+        if dst == "dest" and not dest.is_symlink():
+            dest.symlink_to(tmp_path / "elsewhere")
+        real_rename(src, dst, **kwargs)
+
+    monkeypatch.setattr(os, "rename", plant_then_rename)
+    with pytest.raises(DestinationIsSymlink, match="is a symlink to"):
+        restore(store, manifest_id, dest)
+    assert os.listdir(tmp_path / "elsewhere") == []
+    assert os.listdir(tmp_path / "parent") == ["dest"] and dest.is_symlink()
+
+
+def test_planted_symlinks_out_of_a_workspace_are_restored_as_links_never_written_through(
+    store: LocalObjectStore, tmp_path: Path
+) -> None:
+    workspace = tmp_path / "ws"
+    (workspace / "d").mkdir(parents=True)
+    (workspace / "etc").symlink_to("/etc")
+    (workspace / "up").symlink_to("..")
+    (workspace / "d" / "upup").symlink_to("../../..")
+    (workspace / "d" / "f").write_bytes(b"in d")
+    etc_before = sorted(os.listdir("/etc"))
+    manifest_id = checkpoint(store, workspace)
+    links = {e.path: (e.type, e.target) for e in read_manifest(store, manifest_id).entries}
+    assert links["etc"] == ("symlink", "/etc") and links["up"] == ("symlink", "..")
+    assert links["d/upup"] == ("symlink", "../../..")
+    out = tmp_path / "out"
+    out.mkdir()
+    restore(store, manifest_id, out / "dest")
+    for path, target in (("etc", "/etc"), ("up", ".."), ("d/upup", "../../..")):
+        assert os.readlink(out / "dest" / path) == target
+    assert os.listdir(out) == ["dest"] and sorted(os.listdir("/etc")) == etc_before
+    assert tree_of(out / "dest") == tree_of(workspace)
+
+
+def test_a_file_under_a_restored_symlink_is_refused_at_any_depth(
+    store: LocalObjectStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from settled.workspace import restore as restore_module
+    from settled.workspace.manifest import Entry, UnsafePath
+
+    with _world_readable_dir() as outside:  # a real directory under /tmp, outside dest
+        blob = store.put_bytes(b"evil")
+        target = str(outside)
+        unchecked = Manifest(DEFAULT_ALGORITHM, (
+            Entry(".", "dir", 0o755, 0),
+            Entry("d", "dir", 0o755, 0),
+            Entry("d/a", "symlink", 0o777, len(target), target=target),
+            Entry("d/a/x", "file", 0o644, 4, digest=blob),
+        ))  # fmt: skip
+        monkeypatch.setattr(restore_module, "read_manifest", lambda store, manifest_id: unchecked)
+        with pytest.raises(UnsafePath, match="'d/a/x'"):
+            restore(store, blob, tmp_path / "dest")
+        assert os.listdir(outside) == [] and not (tmp_path / "dest").exists()
