@@ -42,7 +42,7 @@ import stat
 from dataclasses import dataclass
 from typing import Final
 
-from settled.errors import SettledError
+from settled.errors import EXIT_USAGE, SettledError
 from settled.workspace.hashing import format_digest, new_hasher
 from settled.workspace.manifest import (
     DIR,
@@ -108,6 +108,8 @@ class BlobCorrupt(RestoreError):
 
 
 class SameOwnerNeedsRoot(RestoreError):
+    exit_code = EXIT_USAGE  # an option this caller cannot use: nothing was read or written
+
     def __init__(self, euid: int) -> None:
         super().__init__(
             f"restore --same-owner chowns every entry to its recorded owner, which needs root; "
