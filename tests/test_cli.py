@@ -283,3 +283,53 @@ def test_recover_settles_a_session_whose_owner_was_killed(cli: CLI, task: dict) 
     receipt = cli.json("wait", admitted["session"])
     assert receipt["death"]["source"] == "recovery"
     assert cli.run("logs", admitted["session"]).stdout == b"hi"
+
+
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="chown to nobody needs root")
+
+
+@needs_root
+def test_restore_names_the_setid_bits_it_drops_and_same_owner_restores_them(
+    cli: CLI, task: dict, tmp_path: Path
+) -> None:
+    prog = Path(task["workspace"]) / "prog"
+    prog.write_bytes(b"#!/bin/sh\nid\n")
+    os.chown(prog, 65534, 65534)
+    os.chmod(prog, 0o4755)
+    cli.json("close", task["task"])
+    mine = cli.json("restore", task["task"], str(tmp_path / "mine"))
+    assert mine["setid_dropped"] == ["prog"] and mine["owners_restored"] is False
+    assert stat.S_IMODE(os.stat(tmp_path / "mine" / "prog").st_mode) == 0o755
+    done = cli.run("restore", task["task"], str(tmp_path / "text"))
+    assert b"set-id bits dropped (not earned by this restore): prog" in done.stdout
+    same = cli.json("restore", task["task"], str(tmp_path / "same"), "--same-owner")
+    assert same["setid_dropped"] == [] and same["owners_restored"] is True
+    st = os.stat(tmp_path / "same" / "prog")
+    assert (st.st_uid, stat.S_IMODE(st.st_mode)) == (65534, 0o4755)
+
+
+def test_restore_same_owner_is_refused_clearly_when_not_root(
+    cli: CLI, task: dict, tmp_path: Path
+) -> None:
+    cli.json("close", task["task"])
+    not_root = "import os, sys; os.geteuid = lambda: 1000; from settled.cli import main; "
+    done = subprocess.run(
+        [sys.executable, "-c", not_root + "sys.exit(main(sys.argv[1:]))",
+         "restore", task["task"], str(tmp_path / "dest"), "--same-owner"],
+        capture_output=True, timeout=60, env=cli.env,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert b"SameOwnerNeedsRoot" in done.stderr and b"needs root" in done.stderr
+    assert not (tmp_path / "dest").exists()
+
+
+def test_restore_refuses_a_symlinked_destination_naming_it(
+    cli: CLI, task: dict, tmp_path: Path
+) -> None:
+    cli.json("close", task["task"])
+    (tmp_path / "target").mkdir()
+    (tmp_path / "dest").symlink_to(tmp_path / "target")
+    refused = cli.json("restore", task["task"], str(tmp_path / "dest"), code=1)
+    assert refused["error"] == "DestinationIsSymlink"
+    assert str(tmp_path / "target") in refused["message"]
+    assert os.listdir(tmp_path / "target") == []

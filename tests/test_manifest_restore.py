@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
 import socket
 import stat
+import tempfile
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any, Final
 
 import pytest
 
@@ -24,8 +29,21 @@ from settled.workspace.manifest import (
     write_manifest,
 )
 from settled.workspace.objects import LocalObjectStore
-from settled.workspace.restore import BlobCorrupt, DestinationNotEmpty, restore
+from settled.workspace.restore import (
+    BlobCorrupt,
+    DestinationIsSymlink,
+    DestinationNotEmpty,
+    Restorer,
+    SameOwnerNeedsRoot,
+    earned_setid,
+    restore,
+)
 from settled.workspace.scan import scan
+
+NOBODY: Final = 65534  # uid of nobody and gid of nogroup here
+needs_root = pytest.mark.skipif(
+    os.geteuid() != 0, reason="the attack needs root: chown to another user, restore as root"
+)
 
 
 @pytest.fixture
@@ -100,6 +118,33 @@ def test_neither_manifest_nor_tree_has_stat_cache(store: LocalObjectStore, tmp_p
     assert set(manifest.to_dict()) == {
         "v", "algorithm", "root", "parent", "watermark", "generation",
     }  # fmt: skip
+    assert set(manifest.to_dict()["root"]) == {"mode", "tree", "uid", "gid"}  # v3: the owner
+
+
+def test_every_tree_entry_and_the_manifest_root_record_the_owner_lstat_saw(
+    store: LocalObjectStore, tmp_path: Path
+) -> None:
+    workspace = make_workspace(tmp_path / "ws")
+    manifest_id = checkpoint(store, workspace)
+    assert json.loads(store.read(manifest_id))["v"] == "settled.manifest/v3"
+    manifest = read_manifest(store, manifest_id)
+    for entry in manifest.entries:
+        st = os.lstat(workspace / entry.path)
+        assert (entry.uid, entry.gid) == (st.st_uid, st.st_gid), entry.path
+    for tree in {e.tree for e in manifest.entries if e.tree is not None}:
+        raw = json.loads(store.read(tree))
+        assert raw["v"] == "settled.tree/v2"
+        assert all({"uid", "gid"} <= set(form) for form in raw["entries"])
+
+
+def test_a_manifest_whose_root_records_no_owner_is_never_written(
+    store: LocalObjectStore, tmp_path: Path
+) -> None:
+    (tmp_path / "ws").mkdir()
+    index = scan(tmp_path / "ws", store=store).index
+    ownerless = index.root._replace(uid=None, gid=None)
+    with pytest.raises(ManifestInvalid, match="records no owner"):
+        write_manifest(store, index.algorithm, ownerless)
 
 
 def test_reading_back_refuses_a_corrupted_manifest_or_tree(
@@ -163,6 +208,7 @@ def test_restore_reproduces_the_tree_bit_for_bit(store: LocalObjectStore, tmp_pa
     assert stat.S_ISFIFO(os.lstat(restored / "pipe").st_mode)
     assert (result.files, result.dirs, result.symlinks, result.fifos) == (6, 6, 3, 1)
     assert result.complete and result.not_restorable == ()
+    assert result.setid_dropped == ()  # the restorer owns "setuid" as it did in the workspace
 
 
 def test_restore_into_an_existing_empty_directory_is_allowed(
@@ -260,14 +306,23 @@ def test_restore_itself_never_traverses_a_symlink_it_created(
     assert os.listdir(outside) == [] and not (tmp_path / "dest").exists()
 
 
-def _put_tree(store: LocalObjectStore, entries: list[dict[str, object]]) -> str:
-    raw = {"v": "settled.tree/v1", "algorithm": DEFAULT_ALGORITHM, "entries": entries}
+def _put_tree(
+    store: LocalObjectStore, entries: list[dict[str, object]], version: str = "settled.tree/v2"
+) -> str:
+    raw = {"v": version, "algorithm": DEFAULT_ALGORITHM, "entries": entries}
     return store.put_bytes(canonical_bytes(raw))
 
 
-def _put_head(store: LocalObjectStore, root_tree: str) -> str:
-    raw = {"v": "settled.manifest/v2", "algorithm": DEFAULT_ALGORITHM,
-           "root": {"mode": 0o755, "tree": root_tree}, "parent": None, "watermark": None,
+def _put_head(
+    store: LocalObjectStore, root_tree: str, owner: tuple[int, int] | None = (0, 0)
+) -> str:
+    """A manifest object: v3 (the root's owner recorded), or the v2 form when ``owner`` is
+    None."""
+    root: dict[str, object] = {"mode": 0o755, "tree": root_tree}
+    if owner is not None:
+        root.update(uid=owner[0], gid=owner[1])
+    raw = {"v": "settled.manifest/v3" if owner else "settled.manifest/v2",
+           "algorithm": DEFAULT_ALGORITHM, "root": root, "parent": None, "watermark": None,
            "generation": 0}  # fmt: skip
     return store.put_bytes(canonical_bytes(raw))
 
@@ -276,16 +331,17 @@ def test_restore_refuses_tree_names_that_could_climb_out(
     store: LocalObjectStore, tmp_path: Path
 ) -> None:
     blob = store.put_bytes(b"evil")
-    file = {"type": "file", "mode": 0o644, "size": 4, "digest": blob}
+    file = {"type": "file", "mode": 0o644, "size": 4, "digest": blob, "uid": 0, "gid": 0}
     empty = _put_tree(store, [])
+    directory = {"name": "d", "type": "dir", "mode": 0o755, "size": 0, "uid": 0, "gid": 0}
     bad_trees = [
         [{**file, "name": ".."}],
         [{**file, "name": "a/b"}],
         [{**file, "name": ""}],
         [{**file, "name": "."}],
         [{**file, "name": "x\0y"}],
-        [{"name": "d", "type": "dir", "mode": 0o755, "size": 0}],  # a directory without a tree
-        [{"name": "d", "type": "dir", "mode": 0o755, "size": 0, "tree": empty, "digest": blob}],
+        [directory],  # a directory without a tree
+        [{**directory, "tree": empty, "digest": blob}],
         [{**file, "name": "b"}, {**file, "name": "a"}],  # not sorted
         [{**file, "name": "a"}, {**file, "name": "a"}],  # not unique
     ]
@@ -295,6 +351,62 @@ def test_restore_refuses_tree_names_that_could_climb_out(
             restore(store, manifest_id, tmp_path / f"dest{number}")
         assert not (tmp_path / f"dest{number}").exists()
     assert sorted(os.listdir(tmp_path)) == ["objects"]
+
+
+def test_a_tree_entry_with_a_missing_or_impossible_owner_is_refused(
+    store: LocalObjectStore,
+) -> None:
+    blob = store.put_bytes(b"x")
+    file = {"name": "f", "type": "file", "mode": 0o644, "size": 1, "digest": blob}
+    bad_owners = [
+        {},  # a v2 tree records every owner
+        {"uid": 0},
+        {"uid": -1, "gid": 0},
+        {"uid": 2**32 - 1, "gid": 0},  # (uid_t)-1: "leave unchanged" to chown
+        {"uid": 0, "gid": "0"},
+        {"uid": True, "gid": 0},
+    ]
+    for owner in bad_owners:
+        manifest_id = _put_head(store, _put_tree(store, [{**file, **owner}]))
+        with pytest.raises(ManifestInvalid, match="'f'"):
+            read_manifest(store, manifest_id)
+    legacy = _put_head(store, _put_tree(store, [{**file, "uid": 0, "gid": 0}], "settled.tree/v1"))
+    with pytest.raises(ManifestInvalid, match="has fields"):  # a v1 tree records no owner
+        read_manifest(store, legacy)
+
+
+def test_trees_and_manifests_written_before_owners_are_still_read_without_owner(
+    store: LocalObjectStore, tmp_path: Path
+) -> None:
+    blob = store.put_bytes(b"old")
+    file = {"name": "f", "type": "file", "mode": 0o644, "size": 3, "digest": blob}
+    manifest_id = _put_head(store, _put_tree(store, [file], "settled.tree/v1"), owner=None)
+    manifest = read_manifest(store, manifest_id)
+    assert [(e.path, e.uid, e.gid) for e in manifest.entries] == [
+        (".", None, None),
+        ("f", None, None),
+    ]
+    assert manifest.id == manifest_id  # read back, it gives back its v2 bytes
+    restore(store, manifest_id, tmp_path / "dest")
+    assert (tmp_path / "dest" / "f").read_bytes() == b"old"
+
+
+def test_a_flat_v1_manifest_is_still_read_without_owner(
+    store: LocalObjectStore, tmp_path: Path
+) -> None:
+    blob = store.put_bytes(b"flat")
+    manifest_id = _put_manifest(store, [
+        {"path": ".", "type": "dir", "mode": 0o755, "size": 0},
+        {"path": "f", "type": "file", "mode": 0o644, "size": 4, "digest": blob},
+    ])  # fmt: skip
+    manifest = read_manifest(store, manifest_id)
+    assert [(e.path, e.uid, e.gid) for e in manifest.entries] == [
+        (".", None, None),
+        ("f", None, None),
+    ]
+    assert manifest.id == manifest_id
+    restore(store, manifest_id, tmp_path / "dest")
+    assert (tmp_path / "dest" / "f").read_bytes() == b"flat"
 
 
 def test_identical_directories_restore_from_one_shared_tree(
@@ -363,5 +475,426 @@ def test_tree_objects_are_canonical_json_of_every_entry_type(
     for tree in trees:
         data = store.read(tree)
         assert canonical_bytes(json.loads(data)) == data
+        assert json.loads(data)["v"] == "settled.tree/v2"
         kinds |= {form["type"] for form in json.loads(data)["entries"]}
     assert kinds == {"file", "dir", "symlink", "fifo"}
+
+
+# -- restore grants nothing (issue 10) ----------------------------------------------------------
+
+
+def _mode(path: Path) -> int:
+    return stat.S_IMODE(os.lstat(path).st_mode)
+
+
+def _owner(path: Path) -> tuple[int, int]:
+    st = os.lstat(path)
+    return st.st_uid, st.st_gid
+
+
+def test_the_setid_rule_keeps_only_bits_the_restorer_could_set_itself() -> None:
+    from settled.workspace.manifest import Entry
+
+    root, user = Restorer(0, frozenset({0})), Restorer(1000, frozenset({1000, 50}))
+    same = Restorer(0, frozenset({0}), same_owner=True)
+
+    def kept(uid: int | None, gid: int | None, who: Restorer, now: tuple[int, int]) -> int:
+        return earned_setid(Entry("f", "file", 0o6755, 0, uid=uid, gid=gid), *now, who)
+
+    assert kept(NOBODY, NOBODY, root, (0, 0)) == 0  # root restoring nobody's: neither bit
+    assert kept(0, 0, root, (0, 0)) == 0o6000  # root restoring root's own
+    assert kept(NOBODY, NOBODY, same, (NOBODY, NOBODY)) == 0o6000  # chowned back: both
+    assert kept(NOBODY, NOBODY, same, (0, 0)) == 0  # the chown did not happen: neither
+    assert kept(1000, 50, user, (1000, 50)) == 0o6000  # its uid, one of its groups
+    assert kept(1000, 60, user, (1000, 1000)) == 0o4000  # not one of its groups
+    assert kept(0, 1000, user, (1000, 1000)) == 0o2000  # root's file: no set-uid
+    assert kept(None, None, same, (0, 0)) == 0  # no owner recorded: nothing to earn
+
+
+@needs_root
+def test_restoring_as_root_a_setuid_file_of_nobody_makes_no_setuid_root_file(
+    store: LocalObjectStore, tmp_path: Path
+) -> None:
+    workspace = tmp_path / "ws"
+    workspace.mkdir()
+    (workspace / "prog").write_bytes(b"#!/bin/sh\nid\n")
+    os.chown(workspace / "prog", NOBODY, NOBODY)
+    os.chmod(workspace / "prog", 0o4755)
+    result = restore(store, checkpoint(store, workspace), tmp_path / "dest")
+    restored = tmp_path / "dest" / "prog"
+    assert _owner(restored) == (0, 0) and _mode(restored) == 0o755
+    assert result.setid_dropped == ("prog",) and not result.owners_restored
+
+
+@needs_root
+def test_restoring_as_root_a_setgid_file_of_another_group_drops_the_bit(
+    store: LocalObjectStore, tmp_path: Path
+) -> None:
+    workspace = tmp_path / "ws"
+    workspace.mkdir()
+    (workspace / "prog").write_bytes(b"#!/bin/sh\nid\n")
+    os.chown(workspace / "prog", 0, NOBODY)
+    os.chmod(workspace / "prog", 0o2755)
+    result = restore(store, checkpoint(store, workspace), tmp_path / "dest")
+    restored = tmp_path / "dest" / "prog"
+    assert _owner(restored) == (0, 0) and _mode(restored) == 0o755
+    assert result.setid_dropped == ("prog",)
+
+
+@needs_root
+def test_a_setgid_directory_of_another_group_loses_the_bit_and_keeps_the_sticky_bit(
+    store: LocalObjectStore, tmp_path: Path
+) -> None:
+    workspace = tmp_path / "ws"
+    (workspace / "shared").mkdir(parents=True)
+    os.chown(workspace / "shared", 0, NOBODY)
+    os.chmod(workspace / "shared", 0o3775)
+    (workspace / "own").mkdir()
+    os.chmod(workspace / "own", 0o2755)  # set-gid, of root's own group: earned
+    result = restore(store, checkpoint(store, workspace), tmp_path / "dest")
+    assert _owner(tmp_path / "dest" / "shared") == (0, 0)
+    assert _mode(tmp_path / "dest" / "shared") == 0o1775
+    assert _mode(tmp_path / "dest" / "own") == 0o2755
+    assert result.setid_dropped == ("shared",)
+
+
+@needs_root
+def test_same_owner_restores_every_owner_and_the_setid_bits_that_go_with_them(
+    store: LocalObjectStore, tmp_path: Path
+) -> None:
+    workspace = tmp_path / "ws"
+    (workspace / "shared").mkdir(parents=True)
+    (workspace / "prog").write_bytes(b"#!/bin/sh\nid\n")
+    os.mkfifo(workspace / "pipe", 0o640)
+    (workspace / "link").symlink_to("/etc/passwd")
+    for name in ("prog", "pipe", "shared", "."):
+        os.chown(workspace / name, NOBODY, NOBODY)
+    os.chown(workspace / "link", NOBODY, 0, follow_symlinks=False)
+    os.chmod(workspace / "prog", 0o6755)
+    os.chmod(workspace / "shared", 0o3775)
+    result = restore(store, checkpoint(store, workspace), tmp_path / "dest", same_owner=True)
+    assert tree_of(tmp_path / "dest") == tree_of(workspace)  # owners and modes, bit for bit
+    assert _owner(tmp_path / "dest" / "prog") == (NOBODY, NOBODY)
+    assert _mode(tmp_path / "dest" / "prog") == 0o6755
+    assert _owner(tmp_path / "dest" / "link") == (NOBODY, 0)
+    assert result.owners_restored and result.setid_dropped == ()
+    assert result.owners_unrecorded == 0
+
+
+def test_same_owner_is_refused_when_not_root_and_nothing_is_written(
+    store: LocalObjectStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    manifest_id = checkpoint(store, make_workspace(tmp_path / "ws"))
+    (tmp_path / "out").mkdir()
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    with pytest.raises(SameOwnerNeedsRoot, match="needs root; this process runs as euid 1000"):
+        restore(store, manifest_id, tmp_path / "out" / "dest", same_owner=True)
+    assert os.listdir(tmp_path / "out") == []
+
+
+def _put_ownerless_setid(store: LocalObjectStore) -> str:
+    """A v1 tree (no owner recorded) holding a set-uid file and a set-gid directory."""
+    blob = store.put_bytes(b"old")
+    empty = _put_tree(store, [], "settled.tree/v1")
+    return _put_head(store, _put_tree(store, [
+        {"name": "d", "type": "dir", "mode": 0o2775, "size": 0, "tree": empty},
+        {"name": "prog", "type": "file", "mode": 0o4755, "size": 3, "digest": blob},
+    ], "settled.tree/v1"), owner=None)  # fmt: skip
+
+
+def test_an_entry_that_records_no_owner_never_keeps_a_setid_bit(
+    store: LocalObjectStore, tmp_path: Path
+) -> None:
+    result = restore(store, _put_ownerless_setid(store), tmp_path / "dest")
+    assert _mode(tmp_path / "dest" / "prog") == 0o755
+    assert _mode(tmp_path / "dest" / "d") == 0o775
+    assert result.setid_dropped == ("d", "prog") and result.owners_unrecorded == 3
+
+
+@needs_root
+def test_same_owner_without_a_recorded_owner_drops_setid_bits_and_says_so(
+    store: LocalObjectStore, tmp_path: Path
+) -> None:
+    result = restore(store, _put_ownerless_setid(store), tmp_path / "dest", same_owner=True)
+    assert _mode(tmp_path / "dest" / "prog") == 0o755
+    assert _owner(tmp_path / "dest" / "prog") == (0, 0)
+    assert result.setid_dropped == ("d", "prog")
+    assert not result.owners_restored and result.owners_unrecorded == 3
+
+
+@contextlib.contextmanager
+def _world_readable_dir() -> Iterator[Path]:
+    """A directory another user can reach (pytest's tmp_path is under a 0700 directory)."""
+    top = Path(tempfile.mkdtemp(prefix="settled-restore-", dir="/tmp"))
+    try:
+        os.chmod(top, 0o755)
+        yield top
+    finally:
+        shutil.rmtree(top)
+
+
+def _as_user(uid: int, gid: int, work: Callable[[], Any], timeout_s: float = 30.0) -> Any:
+    """Run ``work`` in a forked child that is ``uid``:``gid`` (no other groups); return what it
+    returned (JSON), or raise what it raised, as text."""
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: drop root for good, do the work, report, exit
+        code = 0
+        try:
+            os.close(read_end)
+            os.setgroups([])
+            os.setgid(gid)
+            os.setuid(uid)
+            try:
+                reply = {"ok": work()}
+            except Exception as error:
+                reply = {"error": f"{type(error).__name__}: {error}"}
+            os.write(write_end, json.dumps(reply).encode())
+        except BaseException:
+            code = 1
+        finally:
+            os._exit(code)
+    os.close(write_end)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while os.waitpid(pid, os.WNOHANG) == (0, 0):
+            if time.monotonic() > deadline:
+                os.kill(pid, 9)
+                os.waitpid(pid, 0)
+                raise TimeoutError(f"the child restoring as {uid} ran over {timeout_s} s")
+            time.sleep(0.01)
+        data = os.read(read_end, 1 << 20)
+    finally:
+        os.close(read_end)
+    reply = json.loads(data)
+    if "error" in reply:
+        raise AssertionError(reply["error"])
+    return reply["ok"]
+
+
+@needs_root
+def test_an_ordinary_user_keeps_the_setuid_bit_of_its_own_files_only() -> None:
+    with _world_readable_dir() as top:
+        workspace, out = top / "ws", top / "out"
+        workspace.mkdir()
+        out.mkdir()
+        os.chown(out, NOBODY, NOBODY)
+        for name, owner in (("mine", NOBODY), ("roots", 0)):
+            (workspace / name).write_bytes(b"#!/bin/sh\nid\n")
+            os.chown(workspace / name, owner, owner)
+            os.chmod(workspace / name, 0o4755)
+        store = LocalObjectStore(top / "objects")
+        manifest_id = checkpoint(store, workspace)
+
+        def work() -> list[str]:
+            return list(restore(store, manifest_id, out / "dest").setid_dropped)
+
+        assert _as_user(NOBODY, NOBODY, work) == ["roots"]
+        assert _owner(out / "dest" / "mine") == (NOBODY, NOBODY)
+        assert _mode(out / "dest" / "mine") == 0o4755
+        assert _owner(out / "dest" / "roots") == (NOBODY, NOBODY)
+        assert _mode(out / "dest" / "roots") == 0o755
+
+
+@needs_root
+def test_a_device_node_is_recorded_by_the_scan_and_never_created_by_restore(
+    store: LocalObjectStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    workspace = tmp_path / "ws"
+    workspace.mkdir()
+    os.mknod(workspace / "mem", 0o600 | stat.S_IFCHR, os.makedev(1, 1))  # /dev/mem
+    os.mknod(workspace / "disk", 0o600 | stat.S_IFBLK, os.makedev(7, 0))  # /dev/loop0
+    manifest_id = checkpoint(store, workspace)
+    kinds = {e.path: (e.type, e.rdev) for e in read_manifest(store, manifest_id).entries}
+    assert kinds["mem"] == ("chardev", os.makedev(1, 1))
+    assert kinds["disk"] == ("blockdev", os.makedev(7, 0))
+
+    def no_mknod(*args: object, **kwargs: object) -> None:
+        raise AssertionError(f"restore called mknod{args}")
+
+    monkeypatch.setattr(os, "mknod", no_mknod)
+    result = restore(store, manifest_id, tmp_path / "dest", same_owner=True)
+    assert result.not_restorable == (("disk", "blockdev"), ("mem", "chardev"))
+    assert not result.complete and os.listdir(tmp_path / "dest") == []
+
+
+@needs_root
+def test_a_hand_made_chardev_entry_is_reported_not_restorable_never_created(
+    store: LocalObjectStore, tmp_path: Path
+) -> None:
+    manifest_id = _put_manifest(store, [
+        {"path": ".", "type": "dir", "mode": 0o755, "size": 0},
+        {"path": "null", "type": "chardev", "mode": 0o666, "size": 0,
+         "rdev": os.makedev(1, 3)},
+    ])  # fmt: skip
+    result = restore(store, manifest_id, tmp_path / "dest", same_owner=True)
+    assert result.not_restorable == (("null", "chardev"),)
+    assert os.listdir(tmp_path / "dest") == []
+
+
+# -- a symlink in the destination is never followed ---------------------------------------------
+
+
+def test_a_destination_that_is_a_symlink_is_refused_and_nothing_is_written(
+    store: LocalObjectStore, tmp_path: Path
+) -> None:
+    manifest_id = checkpoint(store, make_workspace(tmp_path / "ws"))
+    target, dest = tmp_path / "target", tmp_path / "dest"
+    target.mkdir()
+    dest.symlink_to(target)
+    with pytest.raises(DestinationIsSymlink, match=f"{dest}' is a symlink to '{target}'"):
+        restore(store, manifest_id, dest)
+    assert os.listdir(target) == [] and os.readlink(dest) == str(target)
+    assert sorted(os.listdir(tmp_path)) == ["dest", "objects", "target", "ws"]
+
+
+def test_a_dangling_symlink_at_the_destination_is_refused_and_its_target_never_made(
+    store: LocalObjectStore, tmp_path: Path
+) -> None:
+    manifest_id = checkpoint(store, make_workspace(tmp_path / "ws"))
+    dest = tmp_path / "dest"
+    dest.symlink_to(tmp_path / "made-by-restore")
+    with pytest.raises(DestinationIsSymlink, match="made-by-restore"):
+        restore(store, manifest_id, dest)
+    assert not (tmp_path / "made-by-restore").exists()
+
+
+def test_a_destination_under_a_symlinked_parent_is_refused_naming_the_link(
+    store: LocalObjectStore, tmp_path: Path
+) -> None:
+    manifest_id = checkpoint(store, make_workspace(tmp_path / "ws"))
+    real, link = tmp_path / "real", tmp_path / "link"
+    (real / "deeper").mkdir(parents=True)
+    link.symlink_to(real)
+    with pytest.raises(DestinationIsSymlink, match=f"goes through '{link}', which is a symlink"):
+        restore(store, manifest_id, link / "deeper" / "dest")
+    assert os.listdir(real / "deeper") == []
+
+
+def _swap_for_symlink(directory: Path, moved: Path, elsewhere: Path) -> None:
+    """Move ``directory`` away to ``moved`` and put a symlink to ``elsewhere`` in its place."""
+    os.rename(directory, moved)
+    directory.symlink_to(elsewhere)
+
+
+@pytest.fixture
+def swap_dirs(tmp_path: Path) -> tuple[Path, Path, Path]:
+    """``parent`` (where the restore goes), ``moved`` (where it is moved to mid-restore) and
+    ``elsewhere`` (where the symlink planted in its place points)."""
+    (tmp_path / "parent").mkdir()
+    (tmp_path / "elsewhere").mkdir()
+    return tmp_path / "parent", tmp_path / "moved", tmp_path / "elsewhere"
+
+
+def test_a_parent_swapped_for_a_symlink_during_the_build_is_refused_before_the_rename(
+    store: LocalObjectStore,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    swap_dirs: tuple[Path, Path, Path],
+) -> None:
+    from settled.workspace import restore as restore_module
+
+    parent, moved, elsewhere = swap_dirs
+    manifest_id = checkpoint(store, make_workspace(tmp_path / "ws"))
+    build = restore_module._Builder.build
+
+    def build_then_swap(builder: Any) -> None:
+        build(builder)
+        _swap_for_symlink(parent, moved, elsewhere)
+
+    monkeypatch.setattr(restore_module._Builder, "build", build_then_swap)
+    with pytest.raises(DestinationIsSymlink, match=f"goes through '{parent}'"):
+        restore(store, manifest_id, parent / "dest")
+    assert os.listdir(elsewhere) == [] and os.listdir(moved) == []  # temp directory removed
+
+
+def test_a_parent_swapped_for_a_symlink_at_the_rename_never_redirects_the_tree(
+    store: LocalObjectStore,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    swap_dirs: tuple[Path, Path, Path],
+) -> None:
+    parent, moved, elsewhere = swap_dirs
+    manifest_id = checkpoint(store, make_workspace(tmp_path / "ws"))
+    real_rename = os.rename
+    landed: list[str] = []
+
+    def swap_then_rename(src: Any, dst: Any, **kwargs: Any) -> None:
+        if not landed and dst == "dest":  # the rename into place, after every check
+            _swap_for_symlink(parent, moved, elsewhere)
+            real_rename(src, dst, **kwargs)
+            landed.extend(sorted(os.listdir(moved / "dest")))
+            return
+        real_rename(src, dst, **kwargs)
+
+    monkeypatch.setattr(os, "rename", swap_then_rename)
+    with pytest.raises(DestinationIsSymlink, match=f"goes through '{parent}'"):
+        restore(store, manifest_id, parent / "dest")
+    assert "src" in landed  # the rename went into the directory that was checked...
+    assert os.listdir(elsewhere) == []  # ...never through the symlink
+    assert os.listdir(moved) == []  # and, the path having moved, it was undone
+
+
+def test_a_symlink_planted_at_the_destination_at_the_rename_is_never_followed(
+    store: LocalObjectStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    manifest_id = checkpoint(store, make_workspace(tmp_path / "ws"))
+    (tmp_path / "parent").mkdir()
+    (tmp_path / "elsewhere").mkdir()
+    dest = tmp_path / "parent" / "dest"
+    real_rename = os.rename
+
+    def plant_then_rename(src: Any, dst: Any, **kwargs: Any) -> None:
+        if dst == "dest" and not dest.is_symlink():
+            dest.symlink_to(tmp_path / "elsewhere")
+        real_rename(src, dst, **kwargs)
+
+    monkeypatch.setattr(os, "rename", plant_then_rename)
+    with pytest.raises(DestinationIsSymlink, match="is a symlink to"):
+        restore(store, manifest_id, dest)
+    assert os.listdir(tmp_path / "elsewhere") == []
+    assert os.listdir(tmp_path / "parent") == ["dest"] and dest.is_symlink()
+
+
+def test_planted_symlinks_out_of_a_workspace_are_restored_as_links_never_written_through(
+    store: LocalObjectStore, tmp_path: Path
+) -> None:
+    workspace = tmp_path / "ws"
+    (workspace / "d").mkdir(parents=True)
+    (workspace / "etc").symlink_to("/etc")
+    (workspace / "up").symlink_to("..")
+    (workspace / "d" / "upup").symlink_to("../../..")
+    (workspace / "d" / "f").write_bytes(b"in d")
+    etc_before = sorted(os.listdir("/etc"))
+    manifest_id = checkpoint(store, workspace)
+    links = {e.path: (e.type, e.target) for e in read_manifest(store, manifest_id).entries}
+    assert links["etc"] == ("symlink", "/etc") and links["up"] == ("symlink", "..")
+    assert links["d/upup"] == ("symlink", "../../..")
+    out = tmp_path / "out"
+    out.mkdir()
+    restore(store, manifest_id, out / "dest")
+    for path, target in (("etc", "/etc"), ("up", ".."), ("d/upup", "../../..")):
+        assert os.readlink(out / "dest" / path) == target
+    assert os.listdir(out) == ["dest"] and sorted(os.listdir("/etc")) == etc_before
+    assert tree_of(out / "dest") == tree_of(workspace)
+
+
+def test_a_file_under_a_restored_symlink_is_refused_at_any_depth(
+    store: LocalObjectStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from settled.workspace import restore as restore_module
+    from settled.workspace.manifest import Entry, UnsafePath
+
+    with _world_readable_dir() as outside:  # a real directory under /tmp, outside dest
+        blob = store.put_bytes(b"evil")
+        target = str(outside)
+        unchecked = Manifest(DEFAULT_ALGORITHM, (
+            Entry(".", "dir", 0o755, 0),
+            Entry("d", "dir", 0o755, 0),
+            Entry("d/a", "symlink", 0o777, len(target), target=target),
+            Entry("d/a/x", "file", 0o644, 4, digest=blob),
+        ))  # fmt: skip
+        monkeypatch.setattr(restore_module, "read_manifest", lambda store, manifest_id: unchecked)
+        with pytest.raises(UnsafePath, match="'d/a/x'"):
+            restore(store, blob, tmp_path / "dest")
+        assert os.listdir(outside) == [] and not (tmp_path / "dest").exists()

@@ -248,6 +248,34 @@ def test_an_incremental_scan_escalates_a_dirty_dir_that_is_gone(tmp_path: Path) 
     assert entry(incremental, "a/b").type == "symlink"
 
 
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="chown to another user needs root")
+
+
+@needs_root
+def test_a_chown_is_seen_by_the_stat_cache_and_changes_the_tree(tmp_path: Path) -> None:
+    (tmp_path / "f").write_bytes(b"same content")
+    settle()
+    first = scan(tmp_path)
+    os.chown(tmp_path / "f", 65534, 65534)
+    second = scan(tmp_path, first.index)
+    assert (entry(second, "f").uid, entry(second, "f").gid) == (65534, 65534)
+    assert entry(second, "f").digest == entry(first, "f").digest
+    assert second.stats.entries_reused == 0 and second.stats.trees_built == 1
+    assert entry(second, ".").tree != entry(first, ".").tree
+
+
+def test_an_index_from_before_owners_were_recorded_is_refused(tmp_path: Path) -> None:
+    from settled.canonical import canonical_bytes
+    from settled.workspace.manifest import IndexMismatch
+
+    index = scan(tmp_path).index
+    old_row = [".", "dir", 0o755, 0, index.root.tree, 1, 2, 3, 4, index.root.node, 0]
+    old = {"v": "settled.index/v2", "algorithm": index.algorithm, "scan_started_ns": 1,
+           "root": old_row}  # fmt: skip
+    with pytest.raises(IndexMismatch, match=r"settled\.index/v2"):
+        Index.from_bytes(canonical_bytes(old), index.reader)
+
+
 def test_the_index_round_trips_through_the_node_cache(tmp_path: Path) -> None:
     workspace, store = tmp_path / "ws", LocalObjectStore(tmp_path / "objects")
     cache = NodeCache(str(tmp_path / "index.db"))

@@ -184,7 +184,7 @@ def cmd_explain(rt: Runtime, args: argparse.Namespace) -> int:
 
 
 def cmd_restore(rt: Runtime, args: argparse.Namespace) -> int:
-    result = rt.restore(args.target, args.dest)
+    result = rt.restore(args.target, args.dest, same_owner=args.same_owner)
     payload = {
         "manifest": result.manifest_id,
         "dest": result.dest,
@@ -194,11 +194,28 @@ def cmd_restore(rt: Runtime, args: argparse.Namespace) -> int:
         "fifos": result.fifos,
         "bytes": result.bytes_written,
         "not_restorable": [list(item) for item in result.not_restorable],
+        "same_owner": args.same_owner,
+        "owners_restored": result.owners_restored,
+        "owners_unrecorded": result.owners_unrecorded,
+        "setid_dropped": list(result.setid_dropped),
     }
     text = (
         f"restored {result.manifest_id} into {result.dest}: {result.files} files, "
         f"{result.dirs} dirs, {result.symlinks} symlinks, {result.bytes_written} bytes"
     )
+    if result.owners_restored:
+        text += "; every recorded owner restored"
+    elif args.same_owner:
+        text += (
+            f"; owners not restored for {result.owners_unrecorded} entries: the checkpoint "
+            "records no owner for them (written before owners were recorded), so they are yours"
+        )
+    else:
+        text += "; every entry is owned by you (--same-owner, as root, restores owners)"
+    if result.setid_dropped:
+        text += (
+            f"; set-id bits dropped (not earned by this restore): {', '.join(result.setid_dropped)}"
+        )
     if result.not_restorable:
         text += f"; not restorable: {result.not_restorable}"
     _emit(args, payload, text)
@@ -296,6 +313,11 @@ def build_parser() -> argparse.ArgumentParser:
     restore = sub.add_parser("restore", parents=[common], help="rebuild a checkpoint")
     restore.add_argument("target", metavar="TASK|MANIFEST")
     restore.add_argument("dest")
+    restore.add_argument(
+        "--same-owner",
+        action="store_true",
+        help="give every entry its recorded owner and keep its set-id bits (root only)",
+    )
     restore.set_defaults(handler=cmd_restore)
 
     sub.add_parser("mcp", parents=[common], help="the MCP tools over stdio, for agent harnesses")

@@ -405,15 +405,17 @@ class Runtime:
         join = CloseJoin(self, task)
         return explain(join.facts())
 
-    def restore(self, target: str, dest: str) -> RestoreResult:
-        """Rebuild a task's last checkpoint (or a manifest id) into an empty directory."""
+    def restore(self, target: str, dest: str, *, same_owner: bool = False) -> RestoreResult:
+        """Rebuild a task's last checkpoint (or a manifest id) into an empty directory that is
+        not (and is not under) a symlink. Every entry is the caller's and set-id bits it has
+        not earned are dropped, unless ``same_owner`` (root only) restores every recorded owner."""
         manifest = target
         if target.startswith("t_"):
             latest = self.store.latest_checkpoint(self.store.get_task(target).task)
             if latest is None:
                 raise BadInput(f"task {target} has no checkpoint yet: close it first")
             manifest = latest[0]["manifest"]
-        return restore(self.workspace.objects, manifest, dest)
+        return restore(self.workspace.objects, manifest, dest, same_owner=same_owner)
 
     # -- output --------------------------------------------------------------------------
 

@@ -40,10 +40,10 @@ from settled.workspace.manifest import (
 )
 from settled.workspace.objects import ObjectMissing
 
-INDEX_VERSION: Final = "settled.index/v2"
-NODE_VERSION: Final = "settled.index-node/v1"
+INDEX_VERSION: Final = "settled.index/v3"  # v3: rows carry uid and gid (trees record owners)
+NODE_VERSION: Final = "settled.index-node/v2"  # an older node is unusable: the scan runs without
 _NODE_KEYS: Final = frozenset({"v", "algorithm", "tree", "trusted_before_ns", "count", "entries"})
-_ROW_FIELDS: Final = 11
+_ROW_FIELDS: Final = 13
 _BAD_NAMES: Final = frozenset({"", ".", ".."})
 
 
@@ -124,17 +124,19 @@ def build_node(
 
 
 def _row(entry: Entry) -> list[Any]:
+    """A child's row: what its tree entry says (the owner too, so an unchanged directory
+    rebuilds the very same tree from its node), then its stat cache and node pointer."""
     content: Any = {FILE: entry.digest, SYMLINK: entry.target, DIR: entry.tree}.get(
         entry.type, entry.rdev
     )
     return [
-        name_of(entry.path), entry.type, entry.mode, entry.size, content,
+        name_of(entry.path), entry.type, entry.mode, entry.size, content, entry.uid, entry.gid,
         entry.ino, entry.dev, entry.mtime_ns, entry.ctime_ns, entry.node, entry.below,
     ]  # fmt: skip
 
 
 def _entry(path: str, row: list[Any]) -> Entry:
-    _, kind, mode, size, content, ino, dev, mtime_ns, ctime_ns, node, below = row
+    _, kind, mode, size, content, uid, gid, ino, dev, mtime_ns, ctime_ns, node, below = row
     return Entry(
         path, kind, mode, size,
         content if kind == FILE else None,
@@ -142,7 +144,7 @@ def _entry(path: str, row: list[Any]) -> Entry:
         content if kind in DEVICES else None,
         ino, dev, mtime_ns, ctime_ns,
         content if kind == DIR else None,
-        node, below,
+        node, below, uid, gid,
     )  # fmt: skip
 
 

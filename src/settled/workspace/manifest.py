@@ -1,10 +1,16 @@
 """Workspace entries, tree objects and manifests: the canonical record of a tree.
 
-Owns ``Entry`` (one path: type, mode, size, digest | target | tree | rdev, plus the stat cache
-that only an index keeps), tree objects (one directory's entries by name, each subdirectory
-named by its own tree id, as in git), the manifest object (the root tree, parent, watermark
-and generation; its id is ``<algo>:<hash of its canonical bytes>``), and writing, reading back
-and verifying manifests in an ``ObjectStore``.
+Owns ``Entry`` (one path: type, mode, owner (uid, gid), size, digest | target | tree | rdev,
+plus the stat cache that only an index keeps), tree objects (one directory's entries by name,
+each subdirectory named by its own tree id, as in git), the manifest object (the root's mode,
+owner and tree, parent, watermark and generation; its id is ``<algo>:<hash of its canonical
+bytes>``), and writing, reading back and verifying manifests in an ``ObjectStore``.
+
+Why the owner: a mode alone cannot be restored safely. A set-uid bit means "runs as this
+file's owner"; restored without the owner it means "runs as whoever restores", so restore
+needs the recorded owner to decide which set-id bits a restore may keep (``restore``). Trees
+written before owners were recorded (``settled.tree/v1``, ``settled.manifest/v2``) and flat v1
+manifests are still read; their entries record no owner (``uid`` and ``gid`` are None).
 
 Why trees: a checkpoint after a small change writes the trees of the changed directories and
 their ancestors and reuses every other subtree by id, so its cost follows the change, not the
@@ -37,9 +43,12 @@ from settled.errors import SettledError
 from settled.workspace.hashing import check_algorithm, digest_bytes, parse_digest
 from settled.workspace.objects import ObjectMissing, ObjectStore
 
-MANIFEST_VERSION: Final = "settled.manifest/v2"
+MANIFEST_VERSION: Final = "settled.manifest/v3"
+OWNERLESS_MANIFEST_VERSION: Final = "settled.manifest/v2"  # read only: the root's owner unknown
 FLAT_MANIFEST_VERSION: Final = "settled.manifest/v1"  # read only: written before trees existed
-TREE_VERSION: Final = "settled.tree/v1"
+TREE_VERSION: Final = "settled.tree/v2"
+OWNERLESS_TREE_VERSION: Final = "settled.tree/v1"  # read only: written before owners were recorded
+MAX_ID: Final = 2**32 - 2  # uid_t and gid_t; (uid_t)-1 means "leave unchanged" to chown
 ROOT: Final = "."
 FILE, DIR, SYMLINK = "file", "dir", "symlink"
 DEVICES: Final = frozenset({"chardev", "blockdev"})
@@ -61,11 +70,21 @@ _CONTENT_FIELD: Final[dict[str, str | None]] = {
     FILE: "digest", SYMLINK: "target", DIR: "tree", "chardev": "rdev", "blockdev": "rdev",
     "fifo": None, "socket": None,
 }  # fmt: skip
+_OWNER_FIELDS: Final = frozenset({"uid", "gid"})
 _FORM_FIELDS: Final = {
-    (key, extra): frozenset({key, "type", "mode", "size"} | ({extra} if extra else set()))
+    (key, owned, extra): frozenset(
+        {key, "type", "mode", "size"}
+        | (_OWNER_FIELDS if owned else frozenset())
+        | ({extra} if extra else frozenset())
+    )
     for key in ("path", "name")
+    for owned in (False, True)
     for extra in (*_CONTENT_FIELD.values(), None)
-}  # the fields of a flat ("path") or tree ("name") entry with that content field
+}  # the fields of a flat ("path") or tree ("name") entry, owned or not, with that content field
+_ROOT_FIELDS: Final = {
+    False: frozenset({"mode", "tree"}),
+    True: frozenset({"mode", "tree"}) | _OWNER_FIELDS,
+}  # a manifest's root: v2 (no owner) or v3
 
 
 class ManifestError(SettledError):
@@ -152,8 +171,10 @@ class Entry(NamedTuple):
     """One tree entry. ``ino``..``ctime_ns`` are the stat cache, and ``node`` and ``below`` the
     index's pointer to a directory's stat-cache node and how many entries lie below it: all kept
     in an index, zero in a manifest, never part of a tree's or manifest's bytes. ``tree`` is a
-    directory's tree id (None in a flat v1 manifest). (A NamedTuple: immutable, and four times
-    cheaper to build than a frozen dataclass, which matters at 100,000 entries per scan.)"""
+    directory's tree id (None in a flat v1 manifest). ``uid`` and ``gid`` are the owner the
+    scan's lstat saw (part of a tree; None where an older format recorded none). (A NamedTuple:
+    immutable, and four times cheaper to build than a frozen dataclass, which matters at
+    100,000 entries per scan.)"""
 
     path: str
     type: str
@@ -169,6 +190,13 @@ class Entry(NamedTuple):
     tree: str | None = None  # directories
     node: str | None = None  # index only: the directory's stat-cache node
     below: int = 0  # index only: how many entries lie below the directory
+    uid: int | None = None  # the owner; None: not recorded (a v1 tree or flat v1 manifest)
+    gid: int | None = None
+
+    @property
+    def owned(self) -> bool:
+        """Whether this entry records its owner."""
+        return self.uid is not None and self.gid is not None
 
     @classmethod
     def from_stat(
@@ -181,12 +209,13 @@ class Entry(NamedTuple):
         size = st.st_size if kind in (FILE, SYMLINK) else 0
         rdev = st.st_rdev if kind in DEVICES else None
         return cls(path, kind, stat.S_IMODE(st.st_mode), size, digest, target, rdev,
-                   st.st_ino, st.st_dev, st.st_mtime_ns, st.st_ctime_ns)  # fmt: skip
+                   st.st_ino, st.st_dev, st.st_mtime_ns, st.st_ctime_ns,
+                   uid=st.st_uid, gid=st.st_gid)  # fmt: skip
 
     def without_stat(self) -> Entry:
         return Entry(
             self.path, self.type, self.mode, self.size, self.digest, self.target, self.rdev,
-            tree=self.tree,
+            tree=self.tree, uid=self.uid, gid=self.gid,
         )  # fmt: skip
 
     def _content_field(self) -> tuple[str | None, Any]:
@@ -201,7 +230,8 @@ class Entry(NamedTuple):
         return None, None
 
     def canonical(self) -> dict[str, Any]:
-        """The flat (v1) form: path, type, mode, size and digest | target | rdev."""
+        """The flat (v1) form: path, type, mode, size and digest | target | rdev (no owner:
+        the flat form is only read, and was written before owners were recorded)."""
         form: dict[str, Any] = {"path": self.path, "type": self.type, "mode": self.mode}
         form["size"] = self.size
         key, value = self._content_field()
@@ -210,9 +240,12 @@ class Entry(NamedTuple):
         return form
 
     def tree_form(self) -> dict[str, Any]:
-        """The form inside a tree object: name, type, mode, size and digest|target|tree|rdev."""
+        """The form inside a (v2) tree object: name, type, mode, uid, gid, size and
+        digest|target|tree|rdev. ``ValueError`` if the entry records no owner."""
+        if self.uid is None or self.gid is None:
+            raise ValueError(f"entry {self.path!r} records no owner; a tree records every owner")
         form: dict[str, Any] = {"name": name_of(self.path), "type": self.type, "mode": self.mode}
-        form["size"] = self.size
+        form["size"], form["uid"], form["gid"] = self.size, self.uid, self.gid
         key, value = self._content_field()
         if key is not None:
             form[key] = value
@@ -224,19 +257,27 @@ class Entry(NamedTuple):
         if not isinstance(form, dict):
             raise ValueError(f"entry {form!r} is not an object")
         path = check_path(form.get("path"))
-        return cls._from_form(form, path, "path", algorithm, allow_tree=False)
+        return cls._from_form(form, path, "path", algorithm, allow_tree=False, owned=False)
 
     @classmethod
-    def from_tree_form(cls, form: Any, parent: str, algorithm: str) -> Entry:
-        """An entry of a tree object listed at ``parent``."""
+    def from_tree_form(cls, form: Any, parent: str, algorithm: str, *, owned: bool = True) -> Entry:
+        """An entry of a tree object listed at ``parent`` (``owned``: a v2 tree, which records
+        every entry's uid and gid; a v1 tree records none)."""
         if not isinstance(form, dict):
             raise ValueError(f"entry {form!r} is not an object")
         path = join(parent, check_name(form.get("name")))
-        return cls._from_form(form, path, "name", algorithm, allow_tree=True)
+        return cls._from_form(form, path, "name", algorithm, allow_tree=True, owned=owned)
 
     @classmethod
     def _from_form(
-        cls, form: dict[str, Any], path: str, key: str, algorithm: str, *, allow_tree: bool
+        cls,
+        form: dict[str, Any],
+        path: str,
+        key: str,
+        algorithm: str,
+        *,
+        allow_tree: bool,
+        owned: bool,
     ) -> Entry:
         kind = form.get("type")
         if not isinstance(kind, str) or kind not in _CONTENT_FIELD:
@@ -244,11 +285,12 @@ class Entry(NamedTuple):
         extra = _CONTENT_FIELD[kind]
         if kind == DIR and not allow_tree:
             extra = None
-        if form.keys() != _FORM_FIELDS[key, extra]:
+        if form.keys() != _FORM_FIELDS[key, owned, extra]:
             raise ValueError(f"entry {path!r} has fields {sorted(form)}")
-        entry = cls(
-            path, kind, form["mode"], form["size"], **({extra: form[extra]} if extra else {})
-        )
+        fields: dict[str, Any] = {extra: form[extra]} if extra else {}
+        if owned:
+            fields.update(uid=form["uid"], gid=form["gid"])
+        entry = cls(path, kind, form["mode"], form["size"], **fields)
         entry.check(algorithm)
         return entry
 
@@ -273,6 +315,11 @@ class Entry(NamedTuple):
                 raise ValueError(f"entry {path!r} size {self.size} != target length")
         if self.type in DEVICES and not _is_int(self.rdev):
             raise ValueError(f"entry {path!r} has rdev {self.rdev!r}")
+        if (self.uid is None) != (self.gid is None):
+            raise ValueError(f"entry {path!r} records uid {self.uid!r} but gid {self.gid!r}")
+        for what, value in (("uid", self.uid), ("gid", self.gid)):
+            if value is not None and (not _is_int(value) or not 0 <= value <= MAX_ID):
+                raise ValueError(f"entry {path!r} has {what} {value!r}")
         if path == ROOT and self.type != DIR:
             raise ValueError(f"the root entry is a {self.type}, not a dir")
 
@@ -285,7 +332,8 @@ def _is_int(value: object) -> bool:
 
 
 def tree_bytes(algorithm: str, entries: Iterable[Entry]) -> bytes:
-    """A directory's tree object: its entries (sorted by name by the caller), no stat cache."""
+    """A directory's (v2) tree object: its entries (sorted by name by the caller), each with
+    its owner, no stat cache."""
     return canonical_bytes(
         {"v": TREE_VERSION, "algorithm": algorithm, "entries": [e.tree_form() for e in entries]}
     )
@@ -298,11 +346,16 @@ def parse_tree(data: bytes, tree_id: str, path: str) -> list[Entry]:
     try:
         if not isinstance(raw, dict) or set(raw) != _TREE_KEYS:
             raise ValueError(f"top-level fields are not {sorted(_TREE_KEYS)}")
-        if raw["v"] != TREE_VERSION or raw["algorithm"] != algorithm:
-            raise ValueError(f"version {raw['v']!r}, algorithm {raw['algorithm']!r}")
+        if raw["v"] not in (TREE_VERSION, OWNERLESS_TREE_VERSION):
+            raise ValueError(f"version {raw['v']!r}")
+        if raw["algorithm"] != algorithm:
+            raise ValueError(f"algorithm {raw['algorithm']!r}")
         if not isinstance(raw["entries"], list):
             raise ValueError("entries is not a list")
-        entries = [Entry.from_tree_form(form, path, algorithm) for form in raw["entries"]]
+        owned = raw["v"] == TREE_VERSION
+        entries = [
+            Entry.from_tree_form(form, path, algorithm, owned=owned) for form in raw["entries"]
+        ]
         names = [name_of(e.path) for e in entries]
         if any(a >= b for a, b in itertools.pairwise(names)):
             raise ValueError("entries are not sorted by name and unique")
@@ -356,8 +409,9 @@ def _read_object(store: ObjectStore, object_id: str, what: str) -> Any:
 class Manifest:
     """A tree's canonical record, flat: every entry by path, sorted, without stat cache.
 
-    Its bytes (and id) are the v2 manifest object when the root entry names a tree, else the
-    flat v1 form that earlier versions wrote."""
+    Its bytes (and id) are the manifest object when the root entry names a tree (v3 when the
+    root records its owner, else the v2 form read back), else the flat v1 form that earlier
+    versions wrote."""
 
     algorithm: str
     entries: tuple[Entry, ...]
@@ -456,11 +510,15 @@ def _is_count(value: object) -> bool:
 def manifest_dict(
     algorithm: str, root: Entry, parent: str | None, watermark: int | None, generation: int
 ) -> dict[str, Any]:
-    """The v2 manifest object: the root directory's mode and tree, and the lineage."""
+    """The manifest object: the root directory's mode, owner and tree, and the lineage (v3;
+    a root that records no owner was read from a v2 object, and gives back its v2 form)."""
+    root_form: dict[str, Any] = {"mode": root.mode, "tree": root.tree}
+    if root.uid is not None:
+        root_form.update(uid=root.uid, gid=root.gid)
     return {
-        "v": MANIFEST_VERSION,
+        "v": MANIFEST_VERSION if root.uid is not None else OWNERLESS_MANIFEST_VERSION,
         "algorithm": algorithm,
-        "root": {"mode": root.mode, "tree": root.tree},
+        "root": root_form,
         "parent": parent,
         "watermark": watermark,
         "generation": generation,
@@ -469,11 +527,11 @@ def manifest_dict(
 
 @dataclass(frozen=True)
 class ManifestHead:
-    """A v2 manifest object as read back: what it names, before any tree is read."""
+    """A manifest object (v2 or v3) as read back: what it names, before any tree is read."""
 
     manifest_id: str
     algorithm: str
-    root: Entry  # "." with its mode and tree
+    root: Entry  # "." with its mode, tree and (v3) owner
     parent: str | None
     watermark: int | None
     generation: int
@@ -488,11 +546,14 @@ def write_manifest(
     watermark: int | None = None,
     generation: int = 0,
 ) -> str:
-    """Store the manifest object, last: refused unless its root tree is already in the store."""
+    """Store the manifest object, last: refused unless its root tree is already in the store
+    and the root records its owner."""
     try:
         root.check(algorithm)
         if root.path != ROOT or root.tree is None:
             raise ValueError(f"the root entry {root.path!r} names no tree")
+        if not root.owned:
+            raise ValueError("the root entry records no owner")
         _check_lineage(parent, watermark, generation)
     except (ValueError, SettledError) as error:
         raise ManifestInvalid("(unwritten)", str(error)) from None
@@ -503,7 +564,8 @@ def write_manifest(
 
 
 def read_head(store: ObjectStore, manifest_id: str) -> ManifestHead | Manifest:
-    """Read back exactly ``manifest_id``: a v2 head (trees not yet read), or a whole v1 manifest."""
+    """Read back exactly ``manifest_id``: a v3 or v2 head (trees not yet read), or a whole v1
+    manifest."""
     algorithm = parse_digest(manifest_id)[0]
     raw = _parse_object(_read_object(store, manifest_id, "manifest"), manifest_id)
     if isinstance(raw, dict) and raw.get("v") == FLAT_MANIFEST_VERSION:
@@ -514,14 +576,18 @@ def read_head(store: ObjectStore, manifest_id: str) -> ManifestHead | Manifest:
     try:
         if not isinstance(raw, dict) or set(raw) != _MANIFEST_KEYS:
             raise ValueError(f"top-level fields are not {sorted(_MANIFEST_KEYS)}")
-        if raw["v"] != MANIFEST_VERSION:
+        if raw["v"] not in (MANIFEST_VERSION, OWNERLESS_MANIFEST_VERSION):
             raise ValueError(f"version {raw['v']!r} is not {MANIFEST_VERSION}")
         if raw["algorithm"] != algorithm:
             raise ValueError(f"algorithm {raw['algorithm']!r} differs from its id")
         root_form = raw["root"]
-        if not isinstance(root_form, dict) or set(root_form) != {"mode", "tree"}:
-            raise ValueError(f"root {root_form!r} is not {{mode, tree}}")
-        root = Entry(ROOT, DIR, root_form["mode"], 0, tree=root_form["tree"])
+        owned = raw["v"] == MANIFEST_VERSION
+        if not isinstance(root_form, dict) or set(root_form) != _ROOT_FIELDS[owned]:
+            raise ValueError(f"root {root_form!r} is not {sorted(_ROOT_FIELDS[owned])}")
+        root = Entry(
+            ROOT, DIR, root_form["mode"], 0, tree=root_form["tree"],
+            uid=root_form.get("uid"), gid=root_form.get("gid"),
+        )  # fmt: skip
         root.check(algorithm)
         parse_digest(root.tree)
         _check_lineage(raw["parent"], raw["watermark"], raw["generation"])

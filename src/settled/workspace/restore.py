@@ -1,16 +1,34 @@
 """Restore a manifest into an empty directory, exactly, or not at all.
 
-Owns ``restore``: read the manifest back by its exact id, rebuild the tree in a private temp
-directory beside ``dest`` (directories, files with content verified by hash while copying,
-symlinks as links, FIFOs with ``mkfifo``), apply modes after content (files as they are
-finished, directories last and deepest first, the root last of all), fsync, then rename the
-temp directory onto ``dest``. Sockets and devices cannot be restored and are named in the result.
+Owns ``restore``: reach ``dest``'s parent from ``/`` without following a symlink and hold it
+open, read the manifest back by its exact id, rebuild the tree in a private temp directory made
+through that fd beside ``dest`` (directories, files with content verified by hash while
+copying, symlinks as links, FIFOs with ``mkfifo``), apply owners and modes after content (files
+as they are finished, directories last and deepest first, the root last of all), fsync, then
+rename the temp directory onto ``dest`` within the parent's fd (``renameat``), so a symlink
+swapped in after the checks cannot redirect the restore. Sockets and devices cannot be restored
+and are named in the result; a device node is never created.
 
-Must never: write outside the temp directory or ``dest``; follow a symlink (a manifest path
-whose parent is not a directory restored earlier is refused, so a link created by the restore is
-never traversed); leave a partial tree at ``dest`` (on any failure the temp directory is removed
-and ``dest`` is untouched); replace a ``dest`` that exists and is not an empty directory;
-accept content that does not hash to its digest.
+Restore grants nothing (tar's convention). The command that made the workspace is hostile, and
+the restore often runs as root: a set-uid file of ``nobody`` restored by root with its mode
+would be a set-uid *root* file. So every entry is owned by whoever restores, unless
+``same_owner`` (root only) chowns each entry to its recorded uid and gid; and a set-uid bit is
+kept only with ``same_owner`` or when the recorded uid is the restoring euid, a set-gid bit only
+with ``same_owner`` or when the recorded gid is the restoring egid or one of its groups (the
+entry is then given that group). An entry that records no owner (a v1 tree) keeps no set-id
+bit, even with ``same_owner``: there is no owner to restore. The sticky bit is kept. Every bit
+dropped is named in the result (``setid_dropped``); ``earned_setid`` is the rule, without I/O.
+
+About 500 lines, over the usual 400: the destination's no-follow walk and the builder share the
+parent's fd and the one cleanup path that leaves nothing behind.
+
+Must never: write outside the temp directory or ``dest``; follow a symlink (a ``dest`` that is
+a symlink or lies under one is refused, naming it; a manifest path whose parent is not a
+directory restored earlier is refused, so a link created by the restore is never traversed);
+leave a partial tree at ``dest`` (on any failure the temp directory is removed and ``dest`` is
+untouched); replace a ``dest`` that exists and is not an empty directory; accept content that
+does not hash to its digest; create a set-id file or directory owned by anyone the
+checkpoint's author could not already run as; create a device node.
 """
 
 from __future__ import annotations
@@ -18,13 +36,13 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import secrets
 import shutil
 import stat
-import tempfile
 from dataclasses import dataclass
 from typing import Final
 
-from settled.errors import SettledError
+from settled.errors import EXIT_USAGE, SettledError
 from settled.workspace.hashing import format_digest, new_hasher
 from settled.workspace.manifest import (
     DIR,
@@ -41,7 +59,11 @@ from settled.workspace.manifest import (
 from settled.workspace.objects import CHUNK, ObjectMissing, ObjectStore
 
 FIFO: Final = "fifo"
+SETID: Final = stat.S_ISUID | stat.S_ISGID
 _CREATE: Final = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+_OPEN_FIFO: Final = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC  # never blocks
+_DIR_FLAGS: Final = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_WALK_FLAGS: Final = os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC  # needs search, not read
 
 
 class RestoreError(SettledError):
@@ -57,6 +79,25 @@ class DestinationNotEmpty(RestoreError):
         self.dest = dest
 
 
+class DestinationIsSymlink(RestoreError):
+    def __init__(self, dest: str, component: str, target: str) -> None:
+        where = "is" if component == dest else f"goes through {component!r}, which is"
+        super().__init__(
+            f"restore destination {dest!r} {where} a symlink to {target!r}; restore never "
+            "follows a symlink, so nothing was written. Name a path without symlinks"
+        )
+        self.dest, self.component, self.target = dest, component, target
+
+
+class DestinationMoved(RestoreError):
+    def __init__(self, dest: str) -> None:
+        super().__init__(
+            f"the parent of restore destination {dest!r} was moved or replaced during the "
+            "restore; nothing was left at the destination. Restore again"
+        )
+        self.dest = dest
+
+
 class BlobCorrupt(RestoreError):
     def __init__(self, digest: str, path: str, actual: str) -> None:
         super().__init__(
@@ -64,6 +105,63 @@ class BlobCorrupt(RestoreError):
             "nothing written at the destination"
         )
         self.digest, self.path, self.actual = digest, path, actual
+
+
+class SameOwnerNeedsRoot(RestoreError):
+    exit_code = EXIT_USAGE  # an option this caller cannot use: nothing was read or written
+
+    def __init__(self, euid: int) -> None:
+        super().__init__(
+            f"restore --same-owner chowns every entry to its recorded owner, which needs root; "
+            f"this process runs as euid {euid}. Restore without --same-owner (every entry is "
+            "then yours, and set-id bits you have not earned are dropped), or run it as root"
+        )
+        self.euid = euid
+
+
+class OwnerNotRestorable(RestoreError):
+    def __init__(self, path: str, uid: int, gid: int, error: OSError) -> None:
+        super().__init__(
+            f"cannot give {path!r} its recorded owner {uid}:{gid}: {error.strerror or error}; "
+            "restore refused, nothing written at the destination (restore without "
+            "--same-owner to own every entry yourself)"
+        )
+        self.path, self.uid, self.gid = path, uid, gid
+
+
+@dataclass(frozen=True)
+class Restorer:
+    """Who restores: the identity the set-id rule compares recorded owners with."""
+
+    euid: int
+    groups: frozenset[int]  # the egid and the supplementary groups
+    same_owner: bool = False
+
+    @classmethod
+    def current(cls, same_owner: bool = False) -> Restorer:
+        return cls(os.geteuid(), frozenset({os.getegid(), *os.getgroups()}), same_owner)
+
+
+def earned_setid(entry: Entry, uid: int, gid: int, restorer: Restorer) -> int:
+    """The set-id bits of ``entry.mode`` that its restored copy, now owned by ``uid``:``gid``,
+    may keep: set-uid only if that is its recorded owner and it was restored as such
+    (``same_owner``) or is the restorer's own euid; set-gid only if that is its recorded group
+    and it was restored as such or is one of the restorer's groups. An entry that records no
+    owner keeps neither."""
+    kept = 0
+    if (
+        entry.uid is not None
+        and uid == entry.uid
+        and (restorer.same_owner or entry.uid == restorer.euid)
+    ):
+        kept |= stat.S_ISUID
+    if (
+        entry.gid is not None
+        and gid == entry.gid
+        and (restorer.same_owner or entry.gid in restorer.groups)
+    ):
+        kept |= stat.S_ISGID
+    return entry.mode & SETID & kept
 
 
 @dataclass(frozen=True)
@@ -76,6 +174,9 @@ class RestoreResult:
     fifos: int
     bytes_written: int
     not_restorable: tuple[tuple[str, str], ...]  # (path, type): sockets and devices
+    setid_dropped: tuple[str, ...] = ()  # paths restored without the set-id bits they recorded
+    owners_restored: bool = False  # every entry chowned to its recorded owner (same_owner)
+    owners_unrecorded: int = 0  # entries whose checkpoint records no owner (a v1 tree)
 
     @property
     def complete(self) -> bool:
@@ -83,79 +184,216 @@ class RestoreResult:
 
 
 def restore(
-    store: ObjectStore, manifest_id: str, dest: str | os.PathLike[str], *, durable: bool = True
+    store: ObjectStore,
+    manifest_id: str,
+    dest: str | os.PathLike[str],
+    *,
+    durable: bool = True,
+    same_owner: bool = False,
 ) -> RestoreResult:
     """Rebuild the tree of ``manifest_id`` at ``dest`` (absent, or an empty directory).
 
     ``durable`` fsyncs every file and directory before the final rename (and the parent after),
-    so a restore that returned survives a crash.
+    so a restore that returned survives a crash. ``same_owner`` gives every entry its recorded
+    owner (root only: ``SameOwnerNeedsRoot`` otherwise, before anything is read or written);
+    without it every entry is the restorer's, and set-id bits follow ``earned_setid``.
     """
+    restorer = Restorer.current(same_owner)
+    if same_owner and restorer.euid != 0:
+        raise SameOwnerNeedsRoot(restorer.euid)
     dest = os.path.abspath(os.fspath(dest))
-    _check_dest(dest)
-    manifest = read_manifest(store, manifest_id)
-    parent = os.path.dirname(dest)
+    parent_fd, name = _open_parent(dest)
     try:
-        temp = tempfile.mkdtemp(prefix=f".{os.path.basename(dest)}.restore-", dir=parent)
-    except FileNotFoundError:
-        raise RestoreError(f"parent directory {parent!r} of {dest!r} does not exist") from None
-    try:
-        root_fd = os.open(temp, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        _check_dest(parent_fd, name, dest)
+        manifest = read_manifest(store, manifest_id)
+        temp = _make_temp(parent_fd, name, dest)
         try:
-            builder = _Builder(store, manifest, root_fd, durable)
-            builder.build()
-        finally:
-            os.close(root_fd)
-        _check_dest(dest)
-        try:
-            os.rename(temp, dest)
-        except OSError as error:
-            if error.errno in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR, errno.EISDIR):
-                raise DestinationNotEmpty(dest) from None
+            root_fd = os.open(temp, _DIR_FLAGS, dir_fd=parent_fd)
+            try:
+                os.fchmod(root_fd, 0o700)  # not set-gid, even in a set-gid parent
+                builder = _Builder(store, manifest, root_fd, durable, restorer)
+                builder.build()
+            finally:
+                os.close(root_fd)
+            _check_dest(parent_fd, name, dest)
+            _check_still_at(dest, parent_fd)
+            _rename(parent_fd, temp, name, dest)
+            try:
+                _check_still_at(dest, parent_fd)
+            except RestoreError:  # the parent moved between the check and the rename: undo
+                os.rename(name, temp, src_dir_fd=parent_fd, dst_dir_fd=parent_fd)
+                raise
+        except BaseException:
+            _remove_tree(parent_fd, temp)
             raise
-    except BaseException:
-        _remove_tree(temp)
-        raise
-    if durable:
-        _fsync_path(parent)
+        if durable:
+            os.fsync(parent_fd)
+    finally:
+        os.close(parent_fd)
     counts = builder.counts
     return RestoreResult(
         manifest_id, dest, counts[FILE], counts[DIR], counts[SYMLINK], counts[FIFO],
-        builder.bytes_written, tuple(builder.not_restorable),
+        builder.bytes_written, tuple(builder.not_restorable), tuple(sorted(builder.dropped)),
+        same_owner and not builder.unrecorded, builder.unrecorded,
     )  # fmt: skip
 
 
-def _check_dest(dest: str) -> None:
-    try:
-        st = os.lstat(dest)
-    except FileNotFoundError:
-        return
-    if not stat.S_ISDIR(st.st_mode) or os.listdir(dest):
-        raise DestinationNotEmpty(dest)
+# -- the destination: reached without following, worked on through its parent's fd -----------
+#
+# Every step after ``_open_parent`` is relative to ``parent_fd``: the temp directory is made
+# with ``mkdir(dir_fd=)``, the tree is built through the temp directory's own fd, and the
+# rename is ``renameat`` within ``parent_fd``. So a symlink swapped in after the check, at
+# the parent or at any ancestor, cannot redirect the restore: the fd is the directory that was
+# checked, wherever it is now. ``_check_still_at`` re-walks the path before the rename (refused:
+# nothing written) and after it (undone: the tree is renamed back and removed), so the result
+# never names a path that does not hold the tree. A swap at ``dest`` itself cannot be followed
+# either: ``rename`` replaces a final-component symlink rather than following it, and a
+# directory cannot replace a symlink (ENOTDIR), so that restore is refused.
 
 
-def _fsync_path(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+def _open_parent(dest: str) -> tuple[int, str]:
+    """An fd of ``dest``'s parent (readable, for fsync) and ``dest``'s name, reached from ``/``
+    one component at a time with ``O_NOFOLLOW``: ``DestinationIsSymlink`` names the first
+    component that is a symlink, and nothing is followed to find it."""
+    head, name = os.path.split(dest)
+    if not name:
+        raise RestoreError(f"restore destination {dest!r} is the root directory; choose a path")
+    fd = os.open("/", _WALK_FLAGS)
     try:
-        os.fsync(fd)
+        walked = ""
+        for part in filter(None, head.split("/")):
+            walked += "/" + part
+            try:
+                next_fd = os.open(part, _WALK_FLAGS | os.O_NOFOLLOW, dir_fd=fd)
+            except OSError as error:
+                raise _refusal(fd, part, walked, dest, error) from None
+            os.close(fd)
+            fd = next_fd
+        try:
+            return os.open(".", _DIR_FLAGS, dir_fd=fd), name
+        except OSError as error:
+            raise _refusal(fd, ".", head, dest, error) from None
     finally:
         os.close(fd)
 
 
-def _remove_tree(path: str) -> None:
-    """Remove a failed restore's temp tree, even where modes were already applied."""
+def _refusal(dir_fd: int, name: str, shown: str, dest: str, error: OSError) -> RestoreError:
+    """Why ``name`` (shown as ``shown``) on the way to ``dest`` cannot be entered."""
+    try:
+        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return RestoreError(f"parent directory {shown!r} of {dest!r} does not exist")
+    except OSError:
+        st = None
+    if st is not None and stat.S_ISLNK(st.st_mode):
+        return DestinationIsSymlink(dest, shown, _readlink(dir_fd, name))
+    if st is not None and not stat.S_ISDIR(st.st_mode):
+        return RestoreError(f"{shown!r} on the way to restore destination {dest!r} is no directory")
+    return RestoreError(f"cannot open {shown!r} on the way to {dest!r}: {error.strerror or error}")
+
+
+def _readlink(dir_fd: int, name: str) -> str:
+    try:
+        return os.readlink(name, dir_fd=dir_fd)
+    except OSError as error:
+        return f"(unreadable: {error.strerror or error})"
+
+
+def _check_dest(parent_fd: int, name: str, dest: str) -> None:
+    """``dest`` is absent or an empty directory (not a symlink to one)."""
+    try:
+        st = os.stat(name, dir_fd=parent_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return
+    if stat.S_ISLNK(st.st_mode):
+        raise DestinationIsSymlink(dest, dest, _readlink(parent_fd, name))
+    if not stat.S_ISDIR(st.st_mode):
+        raise DestinationNotEmpty(dest)
+    try:
+        fd = os.open(name, _DIR_FLAGS, dir_fd=parent_fd)
+    except OSError as error:
+        raise _refusal(parent_fd, name, dest, dest, error) from None
+    try:
+        if os.listdir(fd):
+            raise DestinationNotEmpty(dest)
+    finally:
+        os.close(fd)
+
+
+def _check_still_at(dest: str, parent_fd: int) -> None:
+    """The path to ``dest`` still leads, without a symlink, to the directory ``parent_fd`` is."""
+    again, _ = _open_parent(dest)
+    try:
+        now, then = os.fstat(again), os.fstat(parent_fd)
+    finally:
+        os.close(again)
+    if (now.st_dev, now.st_ino) != (then.st_dev, then.st_ino):
+        raise DestinationMoved(dest)
+
+
+def _make_temp(parent_fd: int, name: str, dest: str) -> str:
+    """A new private directory beside ``dest``, made through the parent's fd."""
+    for _ in range(100):
+        temp = f".{name[:64]}.restore-{secrets.token_hex(6)}"
+        try:
+            os.mkdir(temp, 0o700, dir_fd=parent_fd)
+        except FileExistsError:
+            continue
+        except OSError as error:
+            raise RestoreError(
+                f"cannot make a temp directory beside {dest!r}: {error.strerror or error}"
+            ) from None
+        return temp
+    raise RestoreError(f"no unused temp directory name beside {dest!r} in 100 tries")
+
+
+def _rename(parent_fd: int, temp: str, name: str, dest: str) -> None:
+    try:
+        os.rename(temp, name, src_dir_fd=parent_fd, dst_dir_fd=parent_fd)
+    except OSError as error:
+        if error.errno == errno.ENOTDIR:  # something not a directory was put at dest
+            _check_dest(parent_fd, name, dest)
+        if error.errno in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR, errno.EISDIR):
+            raise DestinationNotEmpty(dest) from None
+        raise
+
+
+def _remove_tree(parent_fd: int, temp: str) -> None:
+    """Remove a failed restore's temp tree, even where modes were already applied, without
+    following a symlink (``fwalk`` and ``rmtree`` work through directory fds)."""
     with contextlib.suppress(FileNotFoundError):
-        for top, _, _ in os.walk(path):  # never follows symlinks
-            with contextlib.suppress(OSError):
-                os.chmod(top, 0o700)
-        shutil.rmtree(path)
+        _unlock(parent_fd, temp)
+        for _, subdirs, _, dir_fd in os.fwalk(temp, dir_fd=parent_fd):
+            for subdir in subdirs:
+                _unlock(dir_fd, subdir)
+        shutil.rmtree(temp, dir_fd=parent_fd)
+
+
+def _unlock(dir_fd: int, name: str) -> None:
+    """Make the directory ``name`` (never what a symlink there names) 0o700."""
+    try:
+        fd = os.open(name, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+    except OSError:
+        return
+    try:
+        os.chmod(f"/proc/self/fd/{fd}", 0o700)  # an O_PATH fd cannot be fchmod'ed
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 class _Builder:
-    def __init__(self, store: ObjectStore, manifest: Manifest, root_fd: int, durable: bool) -> None:
+    def __init__(
+        self, store: ObjectStore, manifest: Manifest, root_fd: int, durable: bool, who: Restorer
+    ) -> None:
         self.store = store
         self.manifest = manifest
         self.root_fd = root_fd
         self.durable = durable
+        self.who = who
+        self.dropped: list[str] = []  # paths whose set-id bits were not earned
+        self.unrecorded = 0  # entries that record no owner
         self.dirs: list[Entry] = []
         self.made_dirs: set[str] = {ROOT}
         self.counts = {FILE: 0, DIR: 0, SYMLINK: 0, FIFO: 0}
@@ -173,8 +411,8 @@ class _Builder:
                 raise UnsafePath(path, "is not inside a directory this restore created")
             self.make(entry)
         for entry in sorted(self.dirs, key=lambda e: e.path.count("/"), reverse=True):
-            self.finish_dir(entry.path, entry.mode)
-        self.finish_dir(ROOT, root.mode if root is not None else 0o755)
+            self.finish_dir(entry)
+        self.finish_dir(root if root is not None else Entry(ROOT, DIR, 0o755, 0))
 
     def make(self, entry: Entry) -> None:
         path, fd = entry.path, self.root_fd
@@ -186,10 +424,15 @@ class _Builder:
             self.write_file(entry)
         elif entry.type == SYMLINK and entry.target is not None:
             os.symlink(entry.target, path, dir_fd=fd)
+            self.give_link_owner(entry)
         elif entry.type == FIFO:
             os.mkfifo(path, 0o600, dir_fd=fd)
-            os.chmod(path, entry.mode, dir_fd=fd)  # the FIFO this restore just made
-        else:
+            fifo = os.open(path, _OPEN_FIFO, dir_fd=fd)  # the FIFO this restore just made
+            try:
+                self.settle(fifo, entry)
+            finally:
+                os.close(fifo)
+        else:  # sockets, and devices: never mknod'ed
             self.not_restorable.append((path, entry.type))
             return
         self.counts[entry.type] += 1
@@ -202,7 +445,7 @@ class _Builder:
             actual, size = self.copy(digest, path, out)
             if actual != digest or size != entry.size:
                 raise BlobCorrupt(digest, path, actual)
-            os.fchmod(out, entry.mode)  # after the content: a write would clear set-id bits
+            self.settle(out, entry)  # after the content: a write would clear set-id bits
             if self.durable:
                 os.fsync(out)
         except BaseException:
@@ -230,11 +473,55 @@ class _Builder:
                 size += len(data)
         return format_digest(algo, hasher.hexdigest()), size
 
-    def finish_dir(self, path: str, mode: int) -> None:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=self.root_fd)
+    def finish_dir(self, entry: Entry) -> None:
+        fd = os.open(entry.path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=self.root_fd)
         try:
             if self.durable:
                 os.fsync(fd)
-            os.fchmod(fd, mode)
+            self.settle(fd, entry)
         finally:
             os.close(fd)
+
+    # -- owners and modes ----------------------------------------------------------------------
+
+    def settle(self, fd: int, entry: Entry) -> None:
+        """Give the open entry its owner (``same_owner``) and then its mode, set-id bits only
+        where earned. The owner first: a chown clears set-id bits."""
+        if not entry.owned:
+            self.unrecorded += 1
+        elif self.who.same_owner:
+            assert entry.uid is not None and entry.gid is not None
+            try:
+                os.fchown(fd, entry.uid, entry.gid)
+            except OSError as error:
+                raise OwnerNotRestorable(entry.path, entry.uid, entry.gid, error) from None
+        mode = entry.mode
+        if mode & SETID:
+            st = os.fstat(fd)
+            if (
+                mode & stat.S_ISGID
+                and entry.gid is not None
+                and st.st_gid != entry.gid
+                and entry.gid in self.who.groups
+            ):  # a member may give its file that group: no privilege is needed, none granted
+                with contextlib.suppress(OSError):
+                    os.fchown(fd, -1, entry.gid)
+                    st = os.fstat(fd)
+            kept = earned_setid(entry, st.st_uid, st.st_gid, self.who)
+            if kept != mode & SETID:
+                self.dropped.append(entry.path)
+            mode = (mode & ~SETID) | kept
+        os.fchmod(fd, mode)
+
+    def give_link_owner(self, entry: Entry) -> None:
+        """A symlink's owner (its mode means nothing on Linux, and it has no set-id bits)."""
+        if not entry.owned:
+            self.unrecorded += 1
+        elif self.who.same_owner:
+            assert entry.uid is not None and entry.gid is not None
+            try:
+                os.chown(
+                    entry.path, entry.uid, entry.gid, dir_fd=self.root_fd, follow_symlinks=False
+                )
+            except OSError as error:
+                raise OwnerNotRestorable(entry.path, entry.uid, entry.gid, error) from None

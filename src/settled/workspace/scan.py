@@ -7,8 +7,8 @@ each naming the tree object its directory hashes to): a walk with directory fds,
 new), re-reads a file only when the stat cache cannot vouch for it, and publishes the trees it
 built once every blob they name is durable (and its stat-cache nodes into the ``NodeCache``).
 
-Stat-cache rules. A file or symlink whose type, mode, size, ino, dev, mtime_ns and ctime_ns equal
-its previous node's row is not re-read, unless its mtime or ctime is not strictly older than
+Stat-cache rules. A file or symlink whose type, mode, owner, size, ino, dev, mtime_ns and ctime_ns
+equal its previous node's row is not re-read, unless its mtime or ctime is not strictly older than
 that node's ``trusted_before_ns`` (the racy-git rule). A node listed by this scan is trusted
 up to the wall clock taken before the walk (minus ``CLOCK_SLACK_NS``: the kernel stamps files
 from a clock that may lag ``time.time_ns()`` by a tick; 2 s when ctime is a whole second, i.e.
@@ -176,6 +176,8 @@ def _cached_matches(cached: Entry, st: os.stat_result, kind: str) -> bool:
         and cached.ino == st.st_ino
         and cached.dev == st.st_dev
         and cached.mode == stat.S_IMODE(st.st_mode)
+        and cached.uid == st.st_uid  # a chown changes ctime too; the owner is in the tree
+        and cached.gid == st.st_gid
         and cached.type == kind
     )
 
