@@ -14,6 +14,7 @@ from typing import Any
 
 from settled.errors import EXIT_BLOCKED, EXIT_OK, EXIT_USAGE, BadInput, SettledError
 from settled.faults import ALL_POINTS
+from settled.identity import BOUNDARY_POLICIES, ISOLATION_POLICIES
 from settled.log.reader import CursorOutOfRange
 from settled.render import blocked_text, close_text, receipt_text, status_text
 from settled.runtime import Runtime
@@ -33,7 +34,7 @@ def _settled_code(view: dict[str, Any]) -> int:
 
 
 def cmd_task_new(rt: Runtime, args: argparse.Namespace) -> int:
-    record = rt.new_task(args.workspace, args.key)
+    record = rt.new_task(args.workspace, args.key, user=args.user)
     _emit(args, record.to_json(), f"task {record.task} (key {record.key}) at {record.workspace}")
     return EXIT_OK
 
@@ -68,6 +69,8 @@ def cmd_exec(rt: Runtime, args: argparse.Namespace) -> int:
         grace=args.grace,
         boundary=args.boundary,
         service=args.service,
+        isolation=args.isolation,
+        user=args.user,
     )
     payload = admission.to_json()
     verb = "reused" if admission.reused else "admitted"
@@ -246,6 +249,9 @@ def build_parser() -> argparse.ArgumentParser:
     new = task.add_parser("new", parents=[common], help="create a task")
     new.add_argument("--workspace")
     new.add_argument("--key")
+    new.add_argument(
+        "--user", metavar="UID[:GID]", help="run the task's commands as this user (or NAME)"
+    )
     new.set_defaults(handler=cmd_task_new)
     destroy = task.add_parser("destroy", parents=[common], help="destroy the task's sandbox")
     destroy.add_argument("task")
@@ -260,9 +266,15 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--env", action="append", default=[], metavar="K=V")
     ex.add_argument("--stdin", metavar="FILE|-", help="bytes for the command's stdin")
     ex.add_argument("--service", action="store_true")
+    ex.add_argument("--boundary", default="auto", choices=list(BOUNDARY_POLICIES))
     ex.add_argument(
-        "--boundary", default="auto", choices=["auto", "cgroup2", "pidns", "subreaper", "pgroup"]
+        "--isolation",
+        default="auto",
+        choices=list(ISOLATION_POLICIES),
+        help="auto: every protection this machine gives, the receipt names any missing; "
+        "strict: refuse unless all are available; none: the command sees everything",
     )
+    ex.add_argument("--user", metavar="UID[:GID]", help="run as this user (default: the task's)")
     ex.add_argument("--wait", action="store_true", help="wait for the process receipt")
     ex.add_argument("command", nargs=argparse.REMAINDER)
     ex.set_defaults(handler=cmd_exec)

@@ -636,11 +636,13 @@ class Client(_Base):
         env: Mapping[str, str] | None = None,
         service: bool = False,
         boundary: str | None = None,
+        isolation: str | None = None,
+        user: str | None = None,
     ) -> Admission:
         """Admit a command; retried with the same key and body until the server answers."""
         key = key or new_key()
         options: dict[str, Any] = {"timeout": timeout, "grace": grace, "cwd": cwd, "env": env}
-        options.update(service=service, boundary=boundary)
+        options.update(service=service, boundary=boundary, isolation=isolation, user=user)
         call = _admission_call(task, key, shell, argv, options)
         response, tries = self._send(call)
         return _admission(_json(call, response), key, tries)
@@ -820,11 +822,13 @@ class AsyncClient(_Base):
         env: Mapping[str, str] | None = None,
         service: bool = False,
         boundary: str | None = None,
+        isolation: str | None = None,
+        user: str | None = None,
     ) -> Admission:
         """Admit a command; retried with the same key and body until the server answers."""
         key = key or new_key()
         options: dict[str, Any] = {"timeout": timeout, "grace": grace, "cwd": cwd, "env": env}
-        options.update(service=service, boundary=boundary)
+        options.update(service=service, boundary=boundary, isolation=isolation, user=user)
         call = _admission_call(task, key, shell, argv, options)
         response, tries = await self._send(call)
         return _admission(_json(call, response), key, tries)

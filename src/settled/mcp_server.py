@@ -304,7 +304,7 @@ class Tools:
         ] = False,
         cwd: Annotated[str, Field(description="Directory relative to the workspace.")] = ".",
         boundary: Annotated[
-            Literal["auto", "cgroup2", "pidns", "subreaper", "pgroup"],
+            Literal["auto", "cgroup2+pidns", "cgroup2", "pidns", "subreaper", "pgroup"],
             Field(description="How the process tree is contained; keep 'auto'."),
         ] = "auto",
     ) -> CallToolResult:

@@ -158,7 +158,7 @@ def _close_log(path: str) -> dict[str, Any]:
             size += len(chunk)
         copy.flush()
         os.fsync(copy.fileno())
-    os.chmod(tmp, 0o440)
+    os.chmod(tmp, 0o400)
     os.replace(tmp, path)
     dir_fd = os.open(os.path.dirname(path), os.O_RDONLY | os.O_DIRECTORY)
     try:

@@ -45,6 +45,16 @@ def receipt_text(receipt: dict[str, Any]) -> str:
         _stream_line("stderr", output["stderr"]),
         f"  drain   {output['drain']}",
     ]
+    isolation = receipt.get("isolation") or {}
+    if isolation.get("missing"):
+        for name, why in isolation["missing"].items():
+            lines.append(f"  missing {name}: {why}")
+    elif isolation:
+        lines.append(
+            f"  isolated uid {isolation.get('uid')}: home hidden, own /proc "
+            f"({isolation.get('proc')}), /sys {isolation.get('sys')}, cgroup "
+            f"{isolation.get('cgroup')}, no_new_privs"
+        )
     for straggler in receipt.get("stragglers", []):
         lines.append(
             f"  straggler pid {straggler['pid']} `{straggler['cmdline']}` "

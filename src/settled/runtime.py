@@ -26,7 +26,7 @@ from settled.boundary.isolation import IsolationUnavailable, make_plan
 from settled.close.decide import explain
 from settled.close.join import CloseJoin, CloseResult
 from settled.errors import BadInput, NotSettled, OwnerLaunchFailed
-from settled.home import log_path, prepare_home, resolve_home, session_dir, stdin_path
+from settled.home import log_path, make_session_dir, prepare_home, resolve_home, stdin_path
 from settled.identity import (
     CommandSpec,
     check_user,
@@ -140,8 +140,7 @@ class Runtime:
             return launch_owner(self.home, session)
         if self._warm is None:
             self._warm = WarmLauncher()
-        directory = session_dir(self.home, session)
-        os.makedirs(directory, exist_ok=True)
+        directory = make_session_dir(self.home, session)
         return self._warm.launch(self.home, session, os.path.join(directory, "owner.log"))
 
     def __enter__(self) -> Runtime:
@@ -164,6 +163,8 @@ class Runtime:
         uid_gid = _resolve_user(user)
         if workspace is None:
             workspace = tempfile.mkdtemp(prefix="workspace-", dir=self.home)
+            if uid_gid is not None:
+                os.chown(workspace, *uid_gid)  # the task's commands run as its user
         root = os.path.realpath(workspace)
         if not os.path.isdir(root):
             raise BadInput(f"--workspace {workspace!r} is not a directory")

@@ -45,6 +45,9 @@ def session_status(record: SessionRecord, owner: OwnerFacts | None) -> dict[str,
         view["receipt"] = record.receipt
         exit_fact = record.receipt.get("exit", {})
         view["exit"] = exit_fact
+    if record.isolation is not None:
+        # What the command could do: a missing protection is stated, never left to be assumed.
+        view["protections_missing"] = record.isolation.get("missing", {})
     if record.state in LIVE_STATES and owner is not None and not owner.alive:
         view["state"] = UNKNOWN
         view["why"] = (

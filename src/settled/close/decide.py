@@ -201,8 +201,72 @@ def command_outcomes(sessions: list[SessionRecord]) -> dict[str, list[str]]:
     return groups
 
 
+def protections(isolation: dict[str, Any] | None) -> tuple[list[str], dict[str, str]]:
+    """The protections a session ran under, in words, and the missing ones with why."""
+    if not isolation or "missing" not in isolation:
+        return [], {"all": "no isolation was recorded for this session"}
+    held = []
+    if isolation.get("home_hidden"):
+        held.append("settled home hidden")
+    hidden = isolation.get("hidden", {})
+    if len(hidden.get("dirs", [])) > 1 or hidden.get("files"):
+        held.append(
+            f"{len(hidden.get('dirs', [])) - 1} other workspace(s) and "
+            f"{len(hidden.get('files', []))} token file(s) hidden"
+        )
+    for key, value, words in (
+        ("proc", "private", "its own /proc"),
+        ("sys", "read-only", "/sys read-only"),
+        ("dev", "minimal", "no block devices"),
+        ("cgroup", "namespace, read-only", "cgroup namespace, cgroup tree read-only"),
+    ):
+        if isolation.get(key) == value:
+            held.append(words)
+    if isinstance(isolation.get("capabilities"), list):
+        held.append("bounding set of " + ", ".join(isolation["capabilities"]))
+    if isolation.get("no_new_privs"):
+        held.append("no_new_privs")
+    held.append(f"uid {isolation.get('uid')} gid {isolation.get('gid')}")
+    return held, dict(isolation.get("missing", {}))
+
+
+def session_evidence(session: SessionRecord) -> dict[str, Any]:
+    """Per session: what proved its death, in the boundary's words, and under what isolation."""
+    receipt = session.receipt or {}
+    death = receipt.get("death", {})
+    held, missing = protections(receipt.get("isolation") or session.isolation)
+    return {
+        "session": session.session,
+        "state": session.state,
+        "boundary": death.get("boundary") or session.boundary,
+        "proven": bool(death.get("proven")),
+        "evidence": death.get("evidence"),
+        "source": death.get("source"),
+        "receipt": receipt.get("digest"),
+        "protections": held,
+        "missing_protections": missing,
+    }
+
+
+def _session_words(view: dict[str, Any]) -> str:
+    proof = view["evidence"] if view["proven"] else "no death evidence"
+    text = f" Session {view['session']}: {proof}"
+    if view["missing_protections"]:
+        gaps = "; ".join(f"{k}: {v}" for k, v in view["missing_protections"].items())
+        text += f" (protections missing: {gaps})"
+    return text + "."
+
+
 def explain(facts: CloseFacts) -> dict[str, Any]:
     """Which receipts allowed success, or which obligation blocks it, in words and as data."""
+    result = _explain(facts)
+    views = [session_evidence(s) for s in facts.sessions]
+    result["sessions"] = views
+    result["words"] += "".join(_session_words(v) for v in views)
+    return result
+
+
+def _explain(facts: CloseFacts) -> dict[str, Any]:
     decision = next_decision(facts)
     outcomes = command_outcomes(facts.sessions)
     if complete(facts):

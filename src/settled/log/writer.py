@@ -27,7 +27,7 @@ F_SETPIPE_SZ: Final = 1031
 F_GETPIPE_SZ: Final = 1032
 
 _OPEN_FLAGS: Final = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_CLOEXEC
-_FILE_MODE: Final = 0o640
+_FILE_MODE: Final = 0o600
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ import subprocess
 import time
 from typing import Any
 
-from settled.home import session_dir
+from settled.home import make_session_dir
 from settled.isolated import import_roots, python_command
 
 READY_TIMEOUT_S = 30.0
@@ -33,11 +33,10 @@ def owner_command(session: str, ready_fd: int | str) -> list[str]:
 
 def launch_owner(home: str, session: str, wait_ready: bool = True) -> dict[str, Any]:
     """Start the owner; with wait_ready, return its readiness report (or why there is none)."""
-    directory = session_dir(home, session)
-    os.makedirs(directory, exist_ok=True)
+    directory = make_session_dir(home, session)
     ready_r, ready_w = os.pipe2(os.O_CLOEXEC)
     log_fd = os.open(
-        os.path.join(directory, "owner.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o640
+        os.path.join(directory, "owner.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600
     )
     try:
         process = subprocess.Popen(

@@ -23,7 +23,7 @@ from settled.boundary import procfs
 from settled.boundary.isolation import IsolationPlan, IsolationUnavailable, make_plan
 from settled.boundary.spawn import ChildIO, Launch, SpawnFailed
 from settled.errors import BoundaryUnavailable, StaleWrite
-from settled.home import journal_socket, log_path, session_dir, stdin_path
+from settled.home import journal_socket, log_path, make_session_dir, stdin_path
 from settled.identity import CommandSpec
 from settled.log.writer import StreamWriter, enlarge_pipe
 from settled.owner.supervise import Outcome, OwnerSignals, Streams, Supervisor
@@ -186,8 +186,7 @@ class Owner:
     # -- pieces --------------------------------------------------------------------------
 
     def _open_streams(self) -> Streams:
-        directory = session_dir(self.home, self.record.session)
-        os.makedirs(directory, exist_ok=True)
+        make_session_dir(self.home, self.record.session)
         cap_text = os.environ.get(LOG_CAP_ENV)
         cap = int(cap_text) if cap_text else None
         writers = {

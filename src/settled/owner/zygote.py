@@ -67,7 +67,7 @@ def _become_owner(request: dict[str, Any], ready_fd: int | None, run: Any) -> No
         os.environ.clear()
         os.environ.update(request["env"])
         os.umask(request["umask"])
-        log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o640)
+        log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         null = os.open(os.devnull, os.O_RDONLY)
         os.dup2(null, 0)
         os.dup2(log, 1)

@@ -24,10 +24,13 @@ from settled.server.errors import BodyTooLarge
 MAX_BODY_BYTES = 1 << 20
 STREAMS = ("stdout", "stderr")
 SIGNALS = ("TERM", "KILL", "INT")
-TASK_FIELDS = frozenset({"workspace", "key"})
+TASK_FIELDS = frozenset({"workspace", "key", "user"})
 SESSION_FIELDS = frozenset(
-    {"key", "shell", "argv", "timeout", "grace", "cwd", "env", "service", "boundary"}
-)
+    {
+        "key", "shell", "argv", "timeout", "grace", "cwd", "env", "service", "boundary",
+        "isolation", "user",
+    }
+)  # fmt: skip
 CLOSE_FIELDS = frozenset({"final", "deadline"})
 SIGNAL_FIELDS = frozenset({"signal", "reason"})
 RECOVER_FIELDS = frozenset({"task"})
@@ -85,6 +88,7 @@ def task_request(body: dict[str, Any]) -> dict[str, Any]:
     return {
         "workspace": _optional(body, "workspace", str, "a directory path on the server"),
         "key": _optional(body, "key", str, "a string"),
+        "user": _optional(body, "user", str, "UID[:GID] or a user name"),
     }
 
 
@@ -110,6 +114,8 @@ def session_request(body: dict[str, Any]) -> dict[str, Any]:
         "env": _env(body),
         "service": bool(_optional(body, "service", bool, "true or false")),
         "boundary": _optional(body, "boundary", str, "a boundary policy") or "auto",
+        "isolation": _optional(body, "isolation", str, "auto, strict or none") or "auto",
+        "user": _optional(body, "user", str, "UID[:GID] or a user name"),
     }
 
 

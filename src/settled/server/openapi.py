@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from settled.identity import BOUNDARY_POLICIES, ISOLATION_POLICIES
+
 VERSION = "1"
 JSON = "application/json"
 
@@ -276,7 +278,7 @@ def _schemas() -> dict[str, Any]:
             "properties": {"error": s, "message": s},
         },
         "Task": {"type": "object", "required": ["task", "key", "workspace", "state"]},
-        "TaskRequest": _obj({"workspace": s, "key": s}),
+        "TaskRequest": _obj({"workspace": s, "key": s, "user": s}),
         "SessionRequest": _obj(
             {
                 "key": s,
@@ -287,10 +289,9 @@ def _schemas() -> dict[str, Any]:
                 "cwd": s,
                 "env": {"type": "object", "additionalProperties": s},
                 "service": b,
-                "boundary": {
-                    "type": "string",
-                    "enum": ["auto", "cgroup2", "pidns", "subreaper", "pgroup"],
-                },
+                "boundary": {"type": "string", "enum": list(BOUNDARY_POLICIES)},
+                "isolation": {"type": "string", "enum": list(ISOLATION_POLICIES)},
+                "user": s,
             },
             ["key"],
         ),

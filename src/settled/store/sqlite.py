@@ -29,6 +29,7 @@ from settled.errors import (
     UnknownSession,
     UnknownTask,
 )
+from settled.home import private_file
 from settled.identity import new_id
 from settled.receipts import checked
 from settled.states import (
@@ -180,7 +181,9 @@ class SQLiteStore:
     def __init__(self, path: str) -> None:
         self.path = path
         try:
-            self._db = sqlite3.connect(path, timeout=BUSY_TIMEOUT_S, isolation_level=None)
+            self._db = sqlite3.connect(
+                private_file(path), timeout=BUSY_TIMEOUT_S, isolation_level=None
+            )
             self._enable_wal()
             self._db.execute("PRAGMA synchronous=FULL")
             self._db.execute("PRAGMA foreign_keys=ON")

@@ -20,6 +20,7 @@ import threading
 from collections.abc import Iterable
 
 from settled.errors import HomeUnusable
+from settled.home import private_file
 from settled.store.sqlite import BUSY_TIMEOUT_S, enable_wal
 from settled.workspace.objects import ObjectMissing
 
@@ -32,7 +33,10 @@ class NodeCache:
         self._lock = threading.Lock()
         try:
             self._db = sqlite3.connect(
-                path, timeout=BUSY_TIMEOUT_S, isolation_level=None, check_same_thread=False
+                private_file(path),
+                timeout=BUSY_TIMEOUT_S,
+                isolation_level=None,
+                check_same_thread=False,
             )
             enable_wal(self._db, path)
             self._db.execute("PRAGMA synchronous=NORMAL")
