@@ -149,6 +149,11 @@ class Runtime:
     def __exit__(self, *_exc: object) -> None:
         self.close()
 
+    def hide_paths(self, paths: list[str]) -> None:
+        """Files no session of this home may see from now on (a server's tokens file): each
+        is covered in every command's mount namespace."""
+        self.store.add_hidden_paths([os.path.realpath(p) for p in paths])
+
     # -- tasks ---------------------------------------------------------------------------
 
     def new_task(

@@ -64,6 +64,9 @@ def _run_init(
         main = os.fork()
         if main == 0:
             exec_in_child(launch, errpipe, None, build_view=False)
+        null = os.open(os.devnull, os.O_RDWR)  # init keeps nothing of the owner's (its log)
+        for fd in (0, 1, 2):
+            os.dup2(null, fd)
         os.closerange(3, status)
         os.closerange(status + 1, (1 << 31) - 1)
         while True:

@@ -6,7 +6,9 @@ socket (127.0.0.1 by default; port 0 picks a free one, and the address actually 
 on stderr as ``settled serve: listening on http://HOST:PORT``), and running uvicorn until SIGINT
 or SIGTERM.
 
-Must never: run open (no token configured is exit 2), pass its token to a command, or stop a
+Must never: run open (no token configured is exit 2), pass its token to a command (it is
+removed from the environment commands inherit and wiped from the process's original
+environment block; the tokens file is hidden from every session of the home), or stop a
 session when it stops: owners are detached and outlive the server, and a restarted server
 resumes every stream from its cursor.
 
@@ -31,6 +33,7 @@ from settled.errors import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, SettledError
 from settled.home import prepare_home, resolve_home
 from settled.server.app import create_app
 from settled.server.auth import TOKEN_ENV, Grant, TokenConfigError, TokenTable
+from settled.server.scrub import scrub_environ
 
 __all__ = ["Grant", "TokenTable", "create_app", "serve"]
 
@@ -59,6 +62,14 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _hide_from_sessions(home: str, tokens_file: str) -> None:
+    """Every session of this home, whoever launches it, gets the tokens file covered."""
+    from settled.runtime import Runtime
+
+    with Runtime(home) as runtime:
+        runtime.hide_paths([tokens_file])
+
+
 def _tokens(tokens_file: str | None) -> TokenTable | None:
     try:
         tokens = TokenTable.load(os.environ, tokens_file)
@@ -83,8 +94,12 @@ def serve(
     if tokens is None:
         return EXIT_USAGE
     os.environ.pop(TOKEN_ENV, None)  # every command inherits this process's environment
+    with contextlib.suppress(OSError):
+        scrub_environ(TOKEN_ENV)  # and /proc/<pid>/environ would still show the original bytes
     try:
         home = prepare_home(resolve_home(home))
+        if tokens_file is not None:
+            _hide_from_sessions(home, tokens_file)
         sock = _bind(host, port)
     except SettledError as exc:
         _say(str(exc))

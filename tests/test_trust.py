@@ -1,0 +1,367 @@
+"""A command cannot escape its boundary, forge its receipts or read another's secrets.
+
+Each test is an attack a hostile root command would try (docs/TRUST.md names the test for each
+claim), run as root in a real session with the default isolation, and asserts that it failed and
+that what settled then claims is still true. The strong paths need CAP_SYS_ADMIN and a writable
+cgroup2; elsewhere they are skipped with the reason (and fail under CI=true, which has both).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import sqlite3
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from conftest import _skip_unavailable, kill_marked, stop_journals
+
+from settled.boundary import find_hierarchy, procfs
+from settled.boundary.isolation import make_plan
+from settled.errors import ReceiptTampered
+from settled.runtime import Runtime
+from settled.store import TaskRecord
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the attacks are those of a root command")
+
+
+@pytest.fixture(autouse=True)
+def _strong_paths() -> None:
+    _skip_unavailable("cgroup2+pidns")
+
+
+def attack(rt: Runtime, task: TaskRecord, shell: str, **kw: object) -> tuple[dict, str, str]:
+    """Run `shell` as the command; returns its receipt, stdout and stderr."""
+    admission = rt.exec(task.task, shell=shell, **kw)  # type: ignore[arg-type]
+    view = rt.wait(admission.session, timeout=60)
+    assert view["state"] == "settled", view
+    receipt: dict = view["receipt"]
+    out = rt.read(admission.session, "stdout").decode(errors="replace")
+    err = rt.read(admission.session, "stderr").decode(errors="replace")
+    return receipt, out, err
+
+
+# -- 1. leave the boundary -------------------------------------------------------------------
+
+
+def test_a_command_cannot_move_itself_into_another_cgroup(rt: Runtime, task: TaskRecord) -> None:
+    root = find_hierarchy()
+    receipt, out, err = attack(
+        rt,
+        task,
+        f"cat /proc/self/cgroup | grep '^0::'; echo $$ > {root}/cgroup.procs && echo MOVED; "
+        f"mkdir {root}/escape && echo MADE; "
+        "mkdir -p /tmp/cg && mount -t cgroup2 none /tmp/cg && echo MOUNTED; true",
+    )
+    assert "0::/\n" in out, "the cgroup namespace is rooted at the session's cgroup"
+    assert "MOVED" not in out and "MADE" not in out and "MOUNTED" not in out
+    assert "Read-only file system" in err
+    assert not os.path.exists(f"{root}/escape")
+    assert receipt["death"]["proven"] and receipt["death"]["boundary"] == "cgroup2+pidns"
+    assert receipt["isolation"]["cgroup"] == "namespace, read-only"
+
+
+def test_an_escape_from_a_plain_cgroup_is_found_killed_and_named(
+    rt: Runtime, task: TaskRecord, marker: str
+) -> None:
+    """Without isolation a root process can leave a plain cgroup; the owner, a subreaper,
+    still finds it among its descendants, kills it, and says so in the evidence."""
+    root = find_hierarchy()
+    escapee = (
+        f"sh -c 'echo $$ > {root}/cgroup.procs; touch left; exec sleep 300' & "
+        "while [ ! -e left ]; do sleep 0.01; done; echo main exits"
+    )
+    receipt, _out, _ = attack(rt, task, escapee, isolation="none", boundary="cgroup2", grace=0.5)
+    death = receipt["death"]
+    assert death["proven"] is True
+    [escaped] = death["observed"]["escaped"]
+    assert "sleep 300" in escaped["cmdline"] and escaped["cgroup"] != death["observed"]["cgroup"]
+    assert "left the cgroup" in death["evidence"]
+    assert not _alive(escaped["pid"])
+    assert kill_marked(marker, b"sleep 300") == []
+
+
+def test_recovery_does_not_take_a_leavable_cgroup_as_proof(
+    rt: Runtime, task: TaskRecord, marker: str
+) -> None:
+    admission = rt.exec(task.task, shell="sleep 300", isolation="none", boundary="cgroup2")
+    owner = rt.store.get_session(admission.session).owner
+    assert owner is not None
+    os.kill(owner.pid, signal.SIGKILL)
+    _wait(lambda: not _alive(owner.pid))
+    [result] = rt.recover(task.task)
+    assert result["state"] == "unknown" and "cgroup namespace" in result["why"]
+    assert rt.session_status(admission.session)["state"] == "unknown"
+    kill_marked(marker, b"sleep 300")
+
+
+def test_recovery_of_a_contained_session_proves_death_from_its_cgroup_and_namespace(
+    rt: Runtime, task: TaskRecord, marker: str
+) -> None:
+    admission = rt.exec(task.task, shell="setsid sleep 300 & exec sleep 301")
+    owner = rt.store.get_session(admission.session).owner
+    assert owner is not None
+    os.kill(owner.pid, signal.SIGKILL)
+    _wait(lambda: not _alive(owner.pid))
+    [result] = rt.recover(task.task)
+    assert result["state"] == "settled"
+    assert "PID namespace" in result["evidence"] and "populated 0" in result["evidence"]
+    assert kill_marked(marker, b"sleep 30") == [], "every process of the session is dead"
+
+
+# -- 2. rewrite the record -------------------------------------------------------------------
+
+
+def test_the_home_does_not_exist_for_the_command(rt: Runtime, task: TaskRecord) -> None:
+    home = rt.home
+    _, out, _ = attack(
+        rt,
+        task,
+        f"ls -A {home} | wc -l; test -e {home}/settled.db && echo DB; env; "
+        f"cat /proc/1/cmdline | tr '\\0' ' '; echo; grep -c '{home}' /proc/1/cmdline",
+    )
+    lines = out.splitlines()
+    assert lines[0] == "0", "the home is an empty directory"
+    assert "DB" not in lines
+    assert not any(line.startswith("SETTLED_") for line in lines)
+    assert home not in out.replace(f"grep -c '{home}'", "")
+
+
+def test_a_command_cannot_rename_the_homes_parents_to_plant_a_forged_home(
+    rt: Runtime, task: TaskRecord, tmp_path: Path
+) -> None:
+    home = Path(rt.home)
+    _, out, err = attack(
+        rt,
+        task,
+        f"mv {home.parent} {tmp_path}/moved && echo MOVED; mv {home} {tmp_path}/h2 && echo MOVED2;"
+        f" rmdir {home} && echo REMOVED; true",
+    )
+    assert "MOVED" not in out and "REMOVED" not in out
+    assert "busy" in err.lower()
+    assert (home / "settled.db").exists()
+
+
+def test_a_receipt_edited_in_the_store_is_refused_by_status_close_and_explain(
+    rt: Runtime, task: TaskRecord
+) -> None:
+    receipt, _, _ = attack(rt, task, "exit 1")
+    forged = json.dumps({**receipt, "exit": {**receipt["exit"], "code": 0}}, sort_keys=True)
+    with sqlite3.connect(os.path.join(rt.home, "settled.db")) as db:
+        db.execute("UPDATE sessions SET receipt=? WHERE session=?", (forged, receipt["session"]))
+    with pytest.raises(ReceiptTampered, match=receipt["session"]):
+        rt.session_status(receipt["session"])
+    with pytest.raises(ReceiptTampered):
+        rt.close_task(task.task)
+    with pytest.raises(ReceiptTampered):
+        rt.explain(task.task)
+    cli = subprocess.run(
+        [sys.executable, "-m", "settled.cli", "--home", rt.home, "status", receipt["session"]],
+        capture_output=True,
+        timeout=60,
+    )
+    assert cli.returncode == 3 and b"ReceiptTampered" in cli.stderr
+
+
+def test_a_close_fact_edited_in_the_store_is_refused(rt: Runtime, task: TaskRecord) -> None:
+    attack(rt, task, "true")
+    assert rt.close_task(task.task).complete
+    with sqlite3.connect(os.path.join(rt.home, "settled.db")) as db:
+        (fact,) = db.execute(
+            "SELECT fact FROM close_steps WHERE task=? AND step='fenced'", (task.task,)
+        ).fetchone()
+        edited = fact.replace('"fenced_at":', '"fenced_at":1,"x":')
+        db.execute(
+            "UPDATE close_steps SET fact=? WHERE task=? AND step='fenced'", (edited, task.task)
+        )
+    with pytest.raises(ReceiptTampered, match="fenced"):
+        rt.explain(task.task)
+
+
+def test_stdin_reaches_the_command_but_its_stored_copy_cannot_be_changed(
+    rt: Runtime, task: TaskRecord
+) -> None:
+    _receipt, out, _err = attack(
+        rt, task, "cat; echo forged >> /proc/self/fd/0 && echo WROTE; true", stdin=b"payload\n"
+    )
+    assert out.startswith("payload\n") and "WROTE" not in out
+    stored = [p for p in Path(rt.home, "stdin").iterdir()]
+    assert [p.read_bytes() for p in stored] == [b"payload\n"]
+
+
+# -- 4. read the secrets ---------------------------------------------------------------------
+
+
+def test_other_tasks_workspaces_and_hidden_files_are_empty_to_the_command(
+    rt: Runtime, task: TaskRecord, tmp_path: Path
+) -> None:
+    other = tmp_path / "other-workspace"
+    other.mkdir()
+    (other / "secret").write_text("another task's secret")
+    rt.new_task(str(other))
+    tokens = tmp_path / "tokens.json"
+    tokens.write_text('{"tokens": [{"token": "a-very-secret-token-value", "tasks": "*"}]}')
+    rt.hide_paths([str(tokens)])
+    receipt, out, _ = attack(rt, task, f"ls -A {other}; cat {tokens}; echo END")
+    assert out == "END\n"
+    assert str(other) in receipt["isolation"]["hidden"]["dirs"]
+    assert str(tokens) in receipt["isolation"]["hidden"]["files"]
+
+
+def test_the_command_sees_only_its_own_processes(rt: Runtime, task: TaskRecord) -> None:
+    _, out, _err = attack(
+        rt,
+        task,
+        f"ls /proc | grep -c '^[0-9]'; test -e /proc/{os.getpid()} && echo SEES-US; "
+        "cat /proc/1/environ > /dev/null && echo READ-INIT; cat /proc/1/fd/1 && echo FDS; "
+        "readlink /proc/1/fd/1 && echo LINK; cat /proc/1/mem && echo MEM; true",
+    )
+    assert int(out.splitlines()[0]) <= 4, "init, sh and what it runs, nothing of the host"
+    for leak in ("SEES-US", "READ-INIT", "FDS", "LINK", "MEM"):
+        assert leak not in out
+
+
+def test_ptrace_and_namespace_tools_are_refused(rt: Runtime, task: TaskRecord) -> None:
+    probe = (
+        "import ctypes, os; libc = ctypes.CDLL(None, use_errno=True); "
+        "r = libc.ptrace(16, 1, 0, 0); print('ptrace', r, os.strerror(ctypes.get_errno()))"
+    )
+    _, out, _ = attack(
+        rt,
+        task,
+        f'{sys.executable} -I -S -c "{probe}"; nsenter -t 1 -m true && echo NSENTER; '
+        "unshare -m true && echo UNSHARE; mount -t tmpfs none /mnt && echo MOUNT; "
+        "grep CapBnd /proc/self/status; true",
+    )
+    assert "ptrace -1 Operation not permitted" in out
+    assert "NSENTER" not in out and "UNSHARE" not in out and "MOUNT" not in out
+    bounding = int(out.split("CapBnd:")[1].split()[0], 16)
+    for cap in (16, 17, 19, 21, 2, 27):  # SYS_MODULE, SYS_RAWIO, SYS_PTRACE, SYS_ADMIN, ...
+        assert not bounding >> cap & 1
+
+
+def test_a_user_namespace_cannot_uncover_the_home(rt: Runtime, task: TaskRecord) -> None:
+    _, out, _ = attack(
+        rt,
+        task,
+        f"unshare -Urm sh -c 'umount {rt.home} && echo UNCOVERED; ls -A {rt.home} | wc -l'; true",
+    )
+    assert "UNCOVERED" not in out
+    assert out.strip().splitlines()[-1:] in (["0"], [])
+
+
+def test_there_is_no_way_to_the_raw_disk_or_the_kernels_knobs(
+    rt: Runtime, task: TaskRecord
+) -> None:
+    _, out, _err = attack(
+        rt,
+        task,
+        "ls /dev; mknod /dev/disk b 254 0 && echo MKNOD; "
+        "echo '|/bin/sh' > /proc/sys/kernel/core_pattern && echo CORE; "
+        "echo 1 > /proc/sysrq-trigger && echo SYSRQ; "
+        "test -w /sys/kernel/uevent_helper && echo > /sys/kernel/uevent_helper && echo UEVENT;"
+        " true",
+    )
+    devices = set(out.split())
+    assert devices >= {"null", "zero", "urandom", "pts", "shm"}
+    assert not {d for d in devices if d.startswith(("vd", "sd", "nvme", "loop", "mem", "kmem"))}
+    for escaped in ("MKNOD", "CORE", "SYSRQ", "UEVENT"):
+        assert escaped not in out
+
+
+def test_only_stdin_stdout_and_stderr_are_inherited(rt: Runtime, task: TaskRecord) -> None:
+    _, out, _ = attack(rt, task, "ls /proc/$$/fd")
+    assert out.split() == ["0", "1", "2"]
+
+
+# -- as another user, and what the receipt says ----------------------------------------------
+
+
+@pytest.fixture
+def open_dir() -> Iterator[Path]:
+    """A directory another uid can reach (pytest's tmp_path sits under a 0700 parent)."""
+    path = Path(tempfile.mkdtemp(prefix="settled-trust-", dir="/tmp"))
+    os.chmod(path, 0o755)
+    try:
+        yield path
+    finally:
+        with contextlib.suppress(Exception), Runtime(str(path / "home")) as runtime:
+            runtime.recover()
+        stop_journals(path)
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def test_a_command_runs_as_the_user_asked_for(open_dir: Path) -> None:
+    workspace = open_dir / "ws"
+    workspace.mkdir(mode=0o777)
+    os.chmod(workspace, 0o777)
+    with Runtime(str(open_dir / "home")) as rt:
+        task = rt.new_task(str(workspace))
+        receipt, out, _ = attack(
+            rt, task, "id -u; id -g; grep CapEff /proc/self/status", user="65534"
+        )
+    uid, gid, caps = out.split("\n")[:3]
+    assert (uid, gid) == ("65534", "65534")
+    assert int(caps.split()[1], 16) == 0
+    assert (receipt["isolation"]["uid"], receipt["isolation"]["gid"]) == (65534, 65534)
+
+
+def test_a_task_default_user_applies_to_its_commands(open_dir: Path) -> None:
+    with Runtime(str(open_dir / "home")) as rt:
+        task = rt.new_task(user="65534:65534")  # its workspace, in the home, is the user's
+        _, out, _ = attack(rt, task, "id -u; touch mine && stat -c %u mine")
+    assert out.split() == ["65534", "65534"]
+
+
+def test_isolation_none_is_said_in_the_receipt_and_explain(rt: Runtime, task: TaskRecord) -> None:
+    receipt, _, _ = attack(rt, task, "true", isolation="none")
+    assert "all" in receipt["isolation"]["missing"]
+    view = rt.explain(task.task)
+    [session] = view["sessions"]
+    assert session["missing_protections"]["all"].startswith("isolation none")
+    assert "protections missing" in view["words"]
+
+
+def test_explain_names_each_sessions_evidence_and_protections(
+    rt: Runtime, task: TaskRecord
+) -> None:
+    attack(rt, task, "true")
+    rt.close_task(task.task)
+    [session] = rt.explain(task.task)["sessions"]
+    assert "init" in session["evidence"] and "populated 0" in session["evidence"]
+    assert "settled home hidden" in session["protections"]
+    assert session["missing_protections"] == {}
+
+
+def test_strict_isolation_is_refused_where_a_protection_is_missing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(procfs, "effective_capabilities", lambda: 0)
+    plan = make_plan("auto", workspace="/w", home="/h", pid_namespace=False)
+    assert set(plan.missing) >= {"mount_namespace", "home_hidden", "proc", "cgroup"}
+    assert plan.to_json()["home_hidden"] is False
+    with pytest.raises(Exception, match="strict"):
+        make_plan("strict", workspace="/w", home="/h", pid_namespace=True)
+
+
+# -- helpers ---------------------------------------------------------------------------------
+
+
+def _alive(pid: int) -> bool:
+    state = procfs.state_of(pid)
+    return state is not None and state != "Z"
+
+
+def _wait(predicate: object, timeout: float = 20.0) -> None:
+    give_up = time.monotonic() + timeout
+    while not predicate():  # type: ignore[operator]
+        assert time.monotonic() < give_up, "timed out"
+        time.sleep(0.01)
