@@ -710,3 +710,51 @@ def test_serve_refuses_to_start_without_a_token(home: Path) -> None:
     )
     assert done.returncode == 2
     assert "no token configured" in done.stderr
+
+
+# -- secrets (issue 10): what a command started through the service can read ----------------
+
+
+def _grep_token(server: Server, workspace: Path, key: str, **command: Any) -> str:
+    half = len(TOKEN) // 2  # never whole on a command line, so grep does not find itself
+    probe = (
+        f"T={TOKEN[:half]}; T=${{T}}{TOKEN[half:]}; "
+        'printf %s "$T" | grep -l -a -F -f - /proc/[0-9]*/environ /proc/[0-9]*/cmdline '
+        '2>/dev/null; env | grep -c -F -e "$T"; echo END'
+    )
+    with server.client() as client:
+        task = new_task(client, workspace)
+        session = run(client, task, key, shell=probe, **command)
+        receipt_of(client, session)
+        return client.get(f"/v1/sessions/{session}/output").text
+
+
+def test_a_command_of_the_service_cannot_find_its_token_anywhere(
+    server: Server, workspace: Path
+) -> None:
+    assert _grep_token(server, workspace, "k-grep") == "0\nEND\n"
+
+
+def test_the_token_is_wiped_from_the_servers_environ_even_for_an_unisolated_command(
+    server: Server, workspace: Path
+) -> None:
+    """With no isolation the command sees every process's /proc, the server's included: the
+    server's original environment block no longer holds the token's bytes."""
+    environ = Path(f"/proc/{server.process.pid}/environ").read_bytes()
+    assert TOKEN.encode() not in environ and b"SETTLED_TOKEN=" in environ
+    out = _grep_token(server, workspace, "k-none", isolation="none", boundary="subreaper")
+    assert out == "0\nEND\n"
+
+
+def test_the_tokens_file_is_hidden_from_every_session(
+    start_server: Callable[..., Server], tmp_path: Path, workspace: Path
+) -> None:
+    tokens = tmp_path / "tokens.json"
+    tokens.write_text(json.dumps({"tokens": [{"token": SCOPED, "tasks": "*"}]}))
+    server = start_server(tokens)
+    with server.client(SCOPED) as client:
+        task = new_task(client, workspace)
+        session = run(client, task, "k-cat", shell=f"cat {tokens}; echo END")
+        receipt = receipt_of(client, session)
+        assert client.get(f"/v1/sessions/{session}/output").text == "END\n"
+    assert str(tokens) in receipt["isolation"]["hidden"]["files"]
