@@ -20,6 +20,7 @@ import checkpoint
 import close_latency
 import drain
 import http_bench
+import isolation
 import kill
 import load
 from common import RESULTS_DIR, log, write_results
@@ -32,6 +33,7 @@ BENCHMARKS = {
     "close_latency": close_latency.run,
     "load": load.run,
     "http": http_bench.run,
+    "isolation": isolation.run,
 }
 # Benchmarks that also write a file beside their results (a plot): called with (out_dir, data),
 # they return a markdown line to append to the benchmark's section.

@@ -118,14 +118,14 @@ def test_writer_refuses_an_existing_file(tmp_path: Path) -> None:
     assert path.read_bytes() == b"earlier run"
 
 
-def test_writer_creates_the_file_mode_0640(tmp_path: Path) -> None:
+def test_writer_creates_the_file_private_0600_whatever_the_umask(tmp_path: Path) -> None:
     path = tmp_path / "stdout.log"
     old = os.umask(0)
     try:
         StreamWriter(str(path)).close()
     finally:
         os.umask(old)
-    assert path.stat().st_mode & 0o777 == 0o640
+    assert path.stat().st_mode & 0o777 == 0o600
 
 
 def test_durable_cursor_advances_only_after_sync(tmp_path: Path) -> None:

@@ -365,3 +365,41 @@ def _wait(predicate: object, timeout: float = 20.0) -> None:
     while not predicate():  # type: ignore[operator]
         assert time.monotonic() < give_up, "timed out"
         time.sleep(0.01)
+
+
+# -- the host outside the workspace ----------------------------------------------------------
+
+
+def test_the_host_is_read_only_but_for_the_workspace_and_tmp(rt: Runtime, task: TaskRecord) -> None:
+    """settled's own code and interpreter, the loader's configuration, root's shell files: what a
+    host process would run next cannot be changed from inside a session."""
+    import settled
+
+    code = os.path.dirname(settled.__file__)
+    receipt, out, err = attack(
+        rt,
+        task,
+        f"echo 'import os' >> {code}/owner/main.py && echo CODE; "
+        f"touch {sys.base_prefix}/x && echo PYTHON; touch /etc/ld.so.preload && echo PRELOAD; "
+        "echo x >> /root/.bashrc && echo RC; touch inside && echo WORKSPACE; "
+        "touch /tmp/settled-trust-$$ && rm /tmp/settled-trust-$$ && echo TMP; true",
+    )
+    assert out.split() == ["WORKSPACE", "TMP"]
+    assert err.count("Read-only file system") >= 4
+    assert receipt["isolation"]["host"] == "read-only"
+
+
+def test_a_granted_path_is_writable_and_the_whole_host_only_when_said(
+    rt: Runtime, task: TaskRecord, tmp_path: Path
+) -> None:
+    granted = Path(tempfile.mkdtemp(prefix="settled-grant-", dir="/var/lib"))
+    try:
+        receipt, out, _ = attack(
+            rt, task, f"touch {granted}/made && echo GRANTED", writable=[str(granted)]
+        )
+        assert out == "GRANTED\n" and str(granted) in receipt["isolation"]["writable"]
+        receipt, _, _ = attack(rt, task, "true", writable=["/"])
+        assert receipt["isolation"]["host"] == "writable"
+        assert "--writable /" in receipt["isolation"]["missing"]["host"]
+    finally:
+        shutil.rmtree(granted)

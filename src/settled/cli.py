@@ -71,6 +71,7 @@ def cmd_exec(rt: Runtime, args: argparse.Namespace) -> int:
         service=args.service,
         isolation=args.isolation,
         user=args.user,
+        writable=args.writable,
     )
     payload = admission.to_json()
     verb = "reused" if admission.reused else "admitted"
@@ -275,6 +276,14 @@ def build_parser() -> argparse.ArgumentParser:
         "strict: refuse unless all are available; none: the command sees everything",
     )
     ex.add_argument("--user", metavar="UID[:GID]", help="run as this user (default: the task's)")
+    ex.add_argument(
+        "--writable",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="a host directory the command may write besides its workspace, /tmp and /var/tmp "
+        "(the host is read-only to it otherwise; --writable / grants all, and says so)",
+    )
     ex.add_argument("--wait", action="store_true", help="wait for the process receipt")
     ex.add_argument("command", nargs=argparse.REMAINDER)
     ex.set_defaults(handler=cmd_exec)

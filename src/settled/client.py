@@ -638,11 +638,13 @@ class Client(_Base):
         boundary: str | None = None,
         isolation: str | None = None,
         user: str | None = None,
+        writable: Sequence[str] | None = None,
     ) -> Admission:
         """Admit a command; retried with the same key and body until the server answers."""
         key = key or new_key()
         options: dict[str, Any] = {"timeout": timeout, "grace": grace, "cwd": cwd, "env": env}
         options.update(service=service, boundary=boundary, isolation=isolation, user=user)
+        options.update(writable=list(writable) if writable else None)
         call = _admission_call(task, key, shell, argv, options)
         response, tries = self._send(call)
         return _admission(_json(call, response), key, tries)
@@ -824,11 +826,13 @@ class AsyncClient(_Base):
         boundary: str | None = None,
         isolation: str | None = None,
         user: str | None = None,
+        writable: Sequence[str] | None = None,
     ) -> Admission:
         """Admit a command; retried with the same key and body until the server answers."""
         key = key or new_key()
         options: dict[str, Any] = {"timeout": timeout, "grace": grace, "cwd": cwd, "env": env}
         options.update(service=service, boundary=boundary, isolation=isolation, user=user)
+        options.update(writable=list(writable) if writable else None)
         call = _admission_call(task, key, shell, argv, options)
         response, tries = await self._send(call)
         return _admission(_json(call, response), key, tries)

@@ -47,6 +47,7 @@ class CommandSpec:
     service: bool = False
     isolation: str = "auto"
     user: tuple[int, int] | None = None  # (uid, gid) the command runs as; None: the owner's
+    writable: tuple[str, ...] = ()  # host paths granted writable beside the workspace and /tmp
 
     def __post_init__(self) -> None:
         if (self.argv is None) == (self.shell is None):
@@ -75,6 +76,10 @@ class CommandSpec:
             )
         if self.user is not None:
             object.__setattr__(self, "user", check_user(self.user))
+        for path in self.writable:
+            if not isinstance(path, str) or not path.startswith("/") or "\0" in path:
+                raise BadInput(f"--writable {path!r} must be an absolute path")
+        object.__setattr__(self, "writable", tuple(sorted(set(self.writable))))
 
     @property
     def exec_argv(self) -> list[str]:
@@ -99,6 +104,7 @@ class CommandSpec:
             # Only when not the default, so every digest made before these existed still holds.
             **({"isolation": self.isolation} if self.isolation != "auto" else {}),
             **({"user": list(self.user)} if self.user is not None else {}),
+            **({"writable": list(self.writable)} if self.writable else {}),
         }
 
     @classmethod
@@ -118,6 +124,7 @@ class CommandSpec:
             service=bool(data.get("service", False)),
             isolation=data.get("isolation", "auto"),
             user=check_user(data["user"]) if data.get("user") is not None else None,
+            writable=tuple(data.get("writable", ())),
         )
 
     @property

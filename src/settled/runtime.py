@@ -84,6 +84,18 @@ def _resolve_user(user: str | tuple[int, int] | list[int] | None) -> tuple[int, 
     return check_user(tuple(user))
 
 
+def _real_writable(paths: list[str] | tuple[str, ...]) -> list[str]:
+    """Each granted path, resolved (a mount follows links; the digest names what was granted)."""
+    real = []
+    for path in paths:
+        if not isinstance(path, str) or not path.startswith("/"):
+            raise BadInput(f"--writable {path!r} must be an absolute path")
+        if not os.path.isdir(path):
+            raise BadInput(f"--writable {path!r} is not a directory on this host")
+        real.append(os.path.realpath(path))
+    return real
+
+
 def _check_isolation(spec: CommandSpec, kind: str) -> None:
     """Refuse before recording what the owner could only refuse later: `strict` on a machine
     that lacks a protection, or a `--user` this process cannot switch to."""
@@ -201,12 +213,15 @@ class Runtime:
         service: bool = False,
         isolation: str = "auto",
         user: str | tuple[int, int] | None = None,
+        writable: list[str] | tuple[str, ...] = (),
     ) -> Admission:
         """Admit a command idempotently; only the admission that creates it launches it.
 
         `isolation` is "auto" (every protection this machine gives; the receipt names any
         missing), "strict" (refused unless every one is available) or "none"; `user` runs the
-        command as another uid/gid (default: the task's, else the caller's)."""
+        command as another uid/gid (default: the task's, else the caller's). The host is
+        read-only to the command but for its workspace, /tmp, /var/tmp and the `writable`
+        paths (`["/"]`: all of it, which the receipt states)."""
         record = self.store.get_task(task)
         spec = CommandSpec(
             argv=tuple(argv) if argv is not None else None,
@@ -220,6 +235,7 @@ class Runtime:
             service=service,
             isolation=isolation,
             user=_resolve_user(user) or record.user,
+            writable=tuple(_real_writable(writable)),
         )
         kind = boundaries.choose(spec.boundary)  # refuse an impossible boundary before recording
         _check_isolation(spec, kind)

@@ -1,9 +1,17 @@
 """Isolation: what a session's command can see and do, decided before it exists.
 
 Owns the *plan*: which paths are hidden from the command (the settled home, other tasks'
-workspaces, token files), which ancestors are pinned so they cannot be renamed away, whether
-/proc, /sys, /dev and the cgroup tree are replaced or made read-only, which capabilities stay in
-the bounding set, `no_new_privs`, and the uid/gid the command runs as. The owner makes the plan
+workspaces, token files), which ancestors are pinned so they cannot be renamed away, which
+paths stay writable on an otherwise read-only host (the workspace, /tmp, /var/tmp and what the
+caller grants with --writable), whether /proc, /sys, /dev and the cgroup tree are replaced or
+made read-only, which capabilities stay in the bounding set, `no_new_privs`, and the uid/gid the
+command runs as.
+
+Why a read-only host by default: a root command that can write the host's files can change
+what host processes run later (settled's own interpreter and code, the shared libraries and the
+loader's configuration, cron, a shell's rc files), and through them forge every later receipt.
+A command that must install into the system is granted that path (`--writable /usr/local`), or
+the whole host (`--writable /`), and its receipt says so. The owner makes the plan
 in the host's namespaces from facts it can check (its own capabilities, the store's list of
 workspaces); `mountview` and `privileges` carry it out in the child, where every step either
 succeeds or the command never starts. The plan is what the receipt reports, protection by
@@ -68,6 +76,8 @@ class IsolationPlan:
     cgroup_namespace: bool = False
     private_proc: bool = False
     pins: tuple[str, ...] = ()  # ancestors bound onto themselves: a mount point cannot be renamed
+    readonly_host: bool = False
+    writable: tuple[str, ...] = ()  # on a read-only host, bound back writable
     hide_dirs: tuple[str, ...] = ()
     hide_files: tuple[str, ...] = ()
     expose: str | None = None  # the workspace, re-bound inside a hidden directory that holds it
@@ -95,6 +105,8 @@ class IsolationPlan:
             "home_hidden": self.home is not None and self.home in self.hide_dirs,
             "hidden": {"dirs": list(self.hide_dirs), "files": list(self.hide_files)},
             "pinned": len(self.pins),
+            "host": "read-only" if self.readonly_host else "writable",
+            "writable": list(self.writable) if self.readonly_host else ["/"],
             "proc": "private" if self.private_proc else "host",
             "sys": "read-only" if self.readonly_sys else "host",
             "dev": "minimal" if self.minimal_dev else "host",
@@ -158,6 +170,26 @@ def choose_hidden(
     return tuple(kept), expose
 
 
+DEFAULT_WRITABLE: Final = ("/tmp", "/var/tmp")
+
+
+def choose_writable(
+    workspace: str, granted: Iterable[str], hidden: Iterable[str]
+) -> tuple[str, ...]:
+    """The outermost of the workspace, /tmp, /var/tmp and the granted paths that exist; never
+    one inside a hidden directory (no grant reaches into the home)."""
+    hidden = tuple(hidden)
+    wanted = sorted({workspace, *DEFAULT_WRITABLE, *granted}, key=len)
+    kept: list[str] = []
+    for path in wanted:
+        if any(_is_within(path, h) for h in hidden) and path != workspace:
+            continue
+        if any(_is_within(path, outer) for outer in kept) or not os.path.isdir(path):
+            continue
+        kept.append(path)
+    return tuple(kept)
+
+
 def make_plan(
     policy: str,
     *,
@@ -168,6 +200,7 @@ def make_plan(
     pid_namespace: bool,
     uid: int | None = None,
     gid: int | None = None,
+    writable: Iterable[str] = (),
 ) -> IsolationPlan:
     """The strongest plan this process can carry out for `policy` ("none": nothing but the
     environment and descriptor hygiene every session gets). Raises IsolationUnavailable for
@@ -181,10 +214,17 @@ def make_plan(
     caps = procfs.effective_capabilities()
     missing: dict[str, str] = {}
     namespaces = _has(caps, CAP_SYS_ADMIN)
+    granted = tuple(writable)
     if not namespaces:
         why = "needs CAP_SYS_ADMIN, which the owner lacks"
-        for name in ("mount_namespace", "home_hidden", "sys", "dev", "cgroup"):
+        for name in ("mount_namespace", "home_hidden", "host", "sys", "dev", "cgroup"):
             missing[name] = why
+    elif "/" in granted:
+        missing["host"] = (
+            "writable, as asked (--writable /): the command may change programs that host "
+            "processes run later, settled's own included, so receipts written after it are "
+            "only as trustworthy as the host"
+        )
     if not pid_namespace:
         missing["proc"] = "no PID namespace: /proc shows the host's processes"
     drop_caps = _has(caps, CAP_SETPCAP)
@@ -192,7 +232,7 @@ def make_plan(
         missing["capabilities"] = "needs CAP_SETPCAP to shrink the bounding set"
     if uid is not None and not (_has(caps, CAP_SETUID) and _has(caps, CAP_SETGID)):
         raise IsolationUnavailable(f"--user {uid}: the owner lacks CAP_SETUID/CAP_SETGID")
-    if policy == "strict" and missing:
+    if policy == "strict" and set(missing) - {"host"}:
         raise IsolationUnavailable(
             "--isolation strict: " + "; ".join(f"{k}: {v}" for k, v in missing.items())
         )
@@ -201,12 +241,15 @@ def make_plan(
     files = tuple(sorted({f for f in hidden_files if os.path.isfile(f)}))
     dirs, expose = choose_hidden(workspace, home, other_workspaces)
     pins = sorted({a for p in (*dirs, *files) for a in ancestors(p)}, key=lambda p: p.count("/"))
+    readonly_host = "/" not in granted
     return IsolationPlan(
         policy,
         mount_namespace=True,
         cgroup_namespace=True,
         private_proc=pid_namespace,
         pins=tuple(p for p in pins if not any(_is_within(p, d) for d in dirs)),
+        readonly_host=readonly_host,
+        writable=choose_writable(workspace, granted, dirs) if readonly_host else (),
         hide_dirs=dirs,
         hide_files=files,
         expose=expose,

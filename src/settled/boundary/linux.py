@@ -103,7 +103,21 @@ def mount(
 def make_readonly(path: str, *, recursive: bool) -> None:
     """mount_setattr(2): one call makes a mount (and, recursive, every mount below it) read-only,
     where a remount per submount would be dozens of calls."""
-    attr = _MountAttr(MOUNT_ATTR_RDONLY, 0, 0, 0)
+    _set_readonly(path, recursive=recursive, readonly=True)
+
+
+def make_writable(path: str, *, recursive: bool) -> None:
+    """The opposite: clear the read-only flag of a mount made read-only by make_readonly (a new
+    bind mount inherits the flags of the mount it copies)."""
+    _set_readonly(path, recursive=recursive, readonly=False)
+
+
+def _set_readonly(path: str, *, recursive: bool, readonly: bool) -> None:
+    attr = (
+        _MountAttr(MOUNT_ATTR_RDONLY, 0, 0, 0)
+        if readonly
+        else _MountAttr(0, MOUNT_ATTR_RDONLY, 0, 0)
+    )
     flags = AT_RECURSIVE if recursive else 0
     result = _libc().syscall(
         _SYS_MOUNT_SETATTR,
@@ -113,7 +127,7 @@ def make_readonly(path: str, *, recursive: bool) -> None:
         ctypes.byref(attr),
         ctypes.c_size_t(ctypes.sizeof(attr)),
     )
-    _check(int(result), f"mount_setattr(read-only) on {path}")
+    _check(int(result), f"mount_setattr({'read-only' if readonly else 'writable'}) on {path}")
 
 
 def prctl(option: int, arg2: int = 0, arg3: int = 0, arg4: int = 0, arg5: int = 0) -> int:

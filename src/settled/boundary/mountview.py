@@ -11,12 +11,14 @@ at which step):
    point in this namespace and cannot be renamed or removed (otherwise `mv` of a parent would
    move the home out from under its mount and let a later session see it, or plant a forged
    home at the old path);
-3. hidden directories covered by an empty read-only tmpfs (the workspace, if one holds it, bound
+3. the host read-only, every mount at once, and the writable paths (the workspace, /tmp, ...)
+   bound back onto themselves and made writable again;
+4. hidden directories covered by an empty read-only tmpfs (the workspace, if one holds it, bound
    back at its own path from a descriptor opened before the cover), hidden files by /dev/null;
-4. /proc: a new procfs of the PID namespace when there is one; /proc/sys and the kernel's other
+5. /proc: a new procfs of the PID namespace when there is one; /proc/sys and the kernel's other
    writable knobs read-only, and the files that leak kernel memory or keys masked;
-5. /sys read-only, every submount included (the cgroup hierarchies with it);
-6. /dev: a fresh tmpfs with null, zero, full, random, urandom and tty, a new devpts instance and
+6. /sys read-only, every submount included (the cgroup hierarchies with it);
+7. /dev: a fresh tmpfs with null, zero, full, random, urandom and tty, a new devpts instance and
    a /dev/shm: no block device, so no way to the raw disk under the hidden home.
 
 Never runs in the owner itself, and never decides what to hide (isolation.py does).
@@ -46,8 +48,13 @@ def enter(plan: IsolationPlan) -> None:
     try:
         for path in plan.pins:
             linux.mount(path, path, None, linux.MS_BIND | linux.MS_REC)
+        if plan.readonly_host:
+            linux.make_readonly("/", recursive=True)
+            for path in plan.writable:
+                linux.mount(path, path, None, linux.MS_BIND | linux.MS_REC)
+                linux.make_writable(path, recursive=True)
         for path in plan.hide_dirs:
-            _cover_dir(path, plan.expose, exposed)
+            _cover_dir(path, plan.expose, exposed, writable=plan.readonly_host)
         for path in plan.hide_files:
             _cover_file(path)
     finally:
@@ -64,14 +71,17 @@ def _open_path(path: str) -> int:
     return os.open(path, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
 
 
-def _cover_dir(path: str, expose: str | None, exposed: int | None) -> None:
-    """An empty tmpfs over `path`; the workspace it holds (if any) bound back in, then the
-    tmpfs made read-only, so nothing can be created in place of what it hides."""
+def _cover_dir(path: str, expose: str | None, exposed: int | None, *, writable: bool) -> None:
+    """An empty tmpfs over `path`; the workspace it holds (if any) bound back in (and made
+    writable again on a read-only host), then the tmpfs made read-only, so nothing can be
+    created in place of what it hides."""
     linux.mount("tmpfs", path, "tmpfs", _COVER_FLAGS, "size=16k,nr_inodes=64,mode=0555")
     inside = expose is not None and expose.startswith(path.rstrip("/") + "/")
     if inside and expose is not None and exposed is not None:
         os.makedirs(expose, mode=0o555, exist_ok=True)
         linux.mount(f"/proc/self/fd/{exposed}", expose, None, linux.MS_BIND | linux.MS_REC)
+        if writable:
+            linux.make_writable(expose, recursive=True)
     linux.mount(None, path, None, linux.MS_REMOUNT | linux.MS_RDONLY | _COVER_FLAGS)
 
 

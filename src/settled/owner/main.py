@@ -151,6 +151,8 @@ class Owner:
             boundary.await_empty(5.0)
             boundary.teardown()
             return self._never_ran("not_started", exc.stage, str(exc), streams)
+        # fork, boundary, isolated view, privileges and exec, until exec is known to succeed
+        self.timings["spawn_s"] = round(time.monotonic() - started, 6)
         for fd in (stdin_fd, out_w, err_w):
             os.close(fd)
         self.store.record_launch(
@@ -213,6 +215,7 @@ class Owner:
             pid_namespace=kind in boundaries.PID_NAMESPACE_KINDS,
             uid=uid,
             gid=gid,
+            writable=self.spec.writable,
         )
         if plan.mount_namespace or plan.drop_caps:
             from settled.boundary import linux

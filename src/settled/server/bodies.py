@@ -28,7 +28,7 @@ TASK_FIELDS = frozenset({"workspace", "key", "user"})
 SESSION_FIELDS = frozenset(
     {
         "key", "shell", "argv", "timeout", "grace", "cwd", "env", "service", "boundary",
-        "isolation", "user",
+        "isolation", "user", "writable",
     }
 )  # fmt: skip
 CLOSE_FIELDS = frozenset({"final", "deadline"})
@@ -116,7 +116,17 @@ def session_request(body: dict[str, Any]) -> dict[str, Any]:
         "boundary": _optional(body, "boundary", str, "a boundary policy") or "auto",
         "isolation": _optional(body, "isolation", str, "auto, strict or none") or "auto",
         "user": _optional(body, "user", str, "UID[:GID] or a user name"),
+        "writable": _writable(body),
     }
+
+
+def _writable(body: dict[str, Any]) -> list[str]:
+    paths = body.get("writable")
+    if paths is None:
+        return []
+    if not isinstance(paths, list) or not all(isinstance(p, str) for p in paths):
+        raise BadInput(f"`writable` must be a list of absolute paths, got {json.dumps(paths)}")
+    return paths
 
 
 def _argv(body: dict[str, Any]) -> list[str] | None:

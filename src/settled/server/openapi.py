@@ -292,6 +292,7 @@ def _schemas() -> dict[str, Any]:
                 "boundary": {"type": "string", "enum": list(BOUNDARY_POLICIES)},
                 "isolation": {"type": "string", "enum": list(ISOLATION_POLICIES)},
                 "user": s,
+                "writable": {"type": "array", "items": s},
             },
             ["key"],
         ),
