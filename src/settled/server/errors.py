@@ -28,6 +28,7 @@ from settled.errors import (
     KeyConflict,
     NotSettled,
     OwnerLaunchFailed,
+    ReceiptTampered,
     SettledError,
     StaleWrite,
     UnknownSession,
@@ -62,6 +63,7 @@ STATUS_OF: tuple[tuple[type[SettledError], int], ...] = (
     (BoundaryUnavailable, 400),
     (BadInput, 400),
     (OwnerLaunchFailed, 500),
+    (ReceiptTampered, 500),  # the server's own evidence is damaged: nothing is decided from it
     (SettledError, 500),
 )
 
