@@ -238,8 +238,16 @@ def make_plan(
         )
     if not namespaces:
         return IsolationPlan(policy, drop_caps=drop_caps, uid=uid, gid=gid, missing=missing)
-    files = tuple(sorted({f for f in hidden_files if os.path.isfile(f)}))
     dirs, expose = choose_hidden(workspace, home, other_workspaces)
+    files = tuple(
+        sorted(
+            {
+                f
+                for f in hidden_files
+                if os.path.isfile(f) and not any(_is_within(f, d) for d in dirs)
+            }
+        )
+    )  # a file inside a hidden directory is hidden with it
     pins = sorted({a for p in (*dirs, *files) for a in ancestors(p)}, key=lambda p: p.count("/"))
     readonly_host = "/" not in granted
     return IsolationPlan(
