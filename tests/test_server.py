@@ -758,3 +758,24 @@ def test_the_tokens_file_is_hidden_from_every_session(
         receipt = receipt_of(client, session)
         assert client.get(f"/v1/sessions/{session}/output").text == "END\n"
     assert str(tokens) in receipt["isolation"]["hidden"]["files"]
+
+
+def test_a_scoped_token_cannot_loosen_the_sandbox_of_its_task(
+    start_server: Callable[..., Server], home: Path, workspace: Path, tmp_path: Path
+) -> None:
+    with Runtime(str(home)) as rt:
+        task = rt.new_task(str(workspace)).task
+    tokens = tmp_path / "tokens.json"
+    tokens.write_text(json.dumps({"tokens": [{"token": SCOPED, "tasks": [task]}]}))
+    server = start_server(tokens)
+    with server.client(SCOPED) as scoped, server.client() as full:
+        for key, loosened in (
+            ("k-none", {"isolation": "none"}),
+            ("k-host", {"writable": ["/"]}),
+            ("k-root", {"user": "0"}),
+        ):
+            answer = admit(scoped, task, key, argv=["true"], **loosened)
+            assert answer.status_code == 403, answer.text
+        assert scoped.get(f"/v1/tasks/{task}").json()["sessions"] == []
+        assert admit(scoped, task, "k-ok", argv=["true"], isolation="strict").status_code == 201
+        assert admit(full, task, "k-full", argv=["true"], isolation="none").status_code == 201

@@ -15,6 +15,7 @@ from typing import Any
 
 from settled.errors import UnknownSession, UnknownTask
 from settled.home import log_path
+from settled.identity import parse_user
 from settled.log.reader import stored_length
 from settled.runtime import Runtime
 from settled.server.auth import Grant
@@ -65,8 +66,27 @@ def explain(rt: Runtime, grant: Grant, task: str) -> dict[str, Any]:
 
 def admit(rt: Runtime, grant: Grant, task: str, request: dict[str, Any]) -> dict[str, Any]:
     """``Runtime.exec``: the store decides new (201) or reused (200); a conflict raises."""
-    visible_task(rt, grant, task)
+    record = visible_task(rt, grant, task)
+    if not grant.creates_tasks:
+        _refuse_weakening(grant, record, request)
     return rt.exec(task, **request).to_json()
+
+
+def _refuse_weakening(grant: Grant, task: TaskRecord, request: dict[str, Any]) -> None:
+    """A task-scoped token is what an agent holds: it may run commands in its task, never
+    loosen the sandbox they run in (no isolation, a writable host path, another user)."""
+    weakened = []
+    if request.get("isolation") == "none":
+        weakened.append("isolation none")
+    if request.get("writable"):
+        weakened.append(f"writable {request['writable']}")
+    if request.get("user") is not None and parse_user(request["user"]) != task.user:
+        weakened.append(f"user {request['user']}")
+    if weakened:
+        raise NotPermitted(
+            f"this token is scoped to task(s) {grant.describe()}: it cannot ask for "
+            f"{', '.join(weakened)}; the task's own isolation and user apply"
+        )
 
 
 def session_status(rt: Runtime, grant: Grant, session: str) -> dict[str, Any]:
