@@ -1,5 +1,6 @@
 """A read-back that reads: every object a checkpoint's manifest reaches is checked, or the receipt
-says what it trusted; and damage found at a close is healed from the workspace when it can be.
+says what it trusted; damage found at a close is healed from the workspace when it can be; and
+`settled verify` audits a checkpoint like `restic check [--read-data]`.
 
 Issue 10's probes, with real files: an object in `<home>/objects` damaged (overwritten after a
 chmod) or deleted after the checkpoint that published it, then reused by the next one.
@@ -7,8 +8,11 @@ chmod) or deleted after the checkpoint that published it, then reused by the nex
 
 from __future__ import annotations
 
+import json
 import os
 import sqlite3
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -20,6 +24,8 @@ from settled.store import TaskRecord
 from settled.workspace.checkpoint import CheckpointUnverified
 from settled.workspace.manifest import FILE, read_manifest
 from settled.workspace.verified import Verified, VerifiedRecord, key_of
+
+SETTLED = [sys.executable, "-m", "settled.cli"]
 
 
 def blob_of(rt: Runtime, manifest_id: str, path: str) -> str:
@@ -45,6 +51,15 @@ def restored(rt: Runtime, target: str, dest: Path) -> dict[str, bytes]:
     result = rt.restore(target, str(dest))
     assert result.complete
     return {str(p.relative_to(dest)): p.read_bytes() for p in dest.rglob("*") if p.is_file()}
+
+
+def verify_cli(rt: Runtime, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*SETTLED, "--home", rt.home, "verify", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 def make_files(task: TaskRecord) -> Path:
@@ -198,6 +213,60 @@ def test_objects_and_their_directories_are_private(rt: Runtime, task: TaskRecord
     for path in [root, *root.rglob("*")]:
         mode = path.lstat().st_mode & 0o777
         assert mode == (0o700 if path.is_dir() else 0o400), (path, oct(mode))
+
+
+# -- settled verify ---------------------------------------------------------------------------
+
+
+def test_verify_checks_every_object_of_a_tasks_last_checkpoint(
+    rt: Runtime, task: TaskRecord
+) -> None:
+    make_files(task)
+    manifest = rt.checkpoint(task.task)["manifest"]
+    done = verify_cli(rt, task.task, "--json")
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    assert result["manifest"] == manifest and result["verified"] is True
+    assert (result["objects"], result["trees"], result["blobs"]) == (5, 2, 2)
+    assert result["problems"] == []
+    with_data = json.loads(verify_cli(rt, manifest, "--read-data", "--json").stdout)
+    assert with_data["verified"] and with_data["read_data"]
+    assert with_data["bytes_read"] == result["bytes_read"] + len(b"alpha") + len(b"beta")
+
+
+def test_verify_names_each_missing_or_damaged_object_with_its_paths_and_exits_3(
+    rt: Runtime, task: TaskRecord
+) -> None:
+    make_files(task)
+    manifest = rt.checkpoint(task.task)["manifest"]
+    alpha, beta = blob_of(rt, manifest, "a.txt"), blob_of(rt, manifest, "d/b.txt")
+    os.unlink(rt.workspace.objects.path_of(alpha))
+    damage(rt, beta, b"BETA")
+    presence = verify_cli(rt, task.task, "--json")
+    assert presence.returncode == 3
+    assert json.loads(presence.stdout)["problems"] == [
+        {"object": alpha, "problem": "missing", "paths": ["a.txt", "d/copy.txt"]}
+    ]  # a same-size overwrite needs --read-data
+    data = verify_cli(rt, task.task, "--read-data")
+    assert data.returncode == 3
+    *problems, summary = data.stdout.splitlines()
+    assert sorted(problems, key=lambda line: line.split()[0] != alpha)[0] == (
+        f"{alpha} missing: a.txt, d/copy.txt"
+    )
+    [damaged] = [line for line in problems if line.startswith(beta)]
+    assert damaged.startswith(f"{beta} damaged (reads back as ") and damaged.endswith("): d/b.txt")
+    assert summary.endswith("2 problems: NOT verified")
+
+
+def test_verify_exits_2_for_an_unknown_task_or_manifest_and_a_task_without_a_checkpoint(
+    rt: Runtime, task: TaskRecord
+) -> None:
+    unknown = "blake3:" + "0" * 64
+    for target in (unknown, "t_nonexistent", task.task, "not-a-digest"):
+        done = verify_cli(rt, target)
+        assert done.returncode == 2, (target, done.stdout, done.stderr)
+    assert "no checkpoint yet" in verify_cli(rt, task.task).stderr
+    assert "unknown manifest" in verify_cli(rt, unknown).stderr
 
 
 def test_a_rehash_racy_with_the_objects_last_change_vouches_for_nothing(tmp_path: Path) -> None:
