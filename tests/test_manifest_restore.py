@@ -339,6 +339,8 @@ def test_the_read_back_checks_what_the_checkpoint_published_and_what_it_reuses(
 
     closure = check(CLOSURE)
     assert closure.ok, closure.problems
+    unindexed = read_back(store, manifest_id, record=None)  # every tree read and parsed
+    assert unindexed.ok and unindexed.objects_reached == closure.objects_reached
     # the manifest, 6 trees and 6 blobs: five "f" and the "same" that every directory shares
     assert (closure.objects_reached, closure.rehashed, closure.trusted) == (13, 13, 0)
     since = check(SINCE_PARENT)

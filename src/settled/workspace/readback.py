@@ -15,14 +15,22 @@ that uses it.
 Two scopes. ``closure`` (the close, and any full scan) walks everything the manifest reaches.
 The listing of a tree comes from the scan's in-memory index when its node is there and names
 that very tree (a node's tree id is the hash of the tree bytes built from its rows, so the
-listing is the tree's content); otherwise the tree is read, re-hashed and parsed. Cost, on this
-machine: an lstat and a record compare per object, ~3-5 us, so ~0.4 s for a 100,000-file
-workspace whose objects are all unchanged since verified. ``since_parent`` (an incremental
-checkpoint while the task is open) descends only into the trees this checkpoint published:
-it checks each of their entries (blobs, and the roots of the subtrees they reuse) the same way,
-but does not descend into a reused subtree; its contents are trusted from the parent
-checkpoint, whose read-back checked them (in its own scope, back to a closure read-back). The
-receipt says so: ``trusted_subtrees`` and ``trusted_from``.
+listing is the tree's content, and re-hashing the tree is all its check needs: no parse, which
+cost ~0.5 ms a 100-entry tree here); otherwise the tree is read, re-hashed and parsed.
+Cost: an lstat and a record compare per object. Measured here (2 shared vCPUs, load 2-4, where
+an lstat alone costs ~5 us): 1.2-1.35 s for a 100,000-file workspace whose objects are all
+unchanged since verified, where the read-back that checked only what was published took 0.06 s.
+
+``since_parent`` (an incremental checkpoint while the task is open) descends only into the
+trees this checkpoint published: it checks each of their entries (blobs, and the roots of the
+subtrees they reuse) the same way, but does not descend into a reused subtree; its contents
+are trusted from the parent checkpoint, whose read-back checked them (in its own scope, back to
+a closure read-back). The receipt says so: ``trusted_subtrees`` and ``trusted_from``. Its cost
+follows the change: the entries of the directories that changed (after 100 changed files in
+100 directories of 100 files, ~11,000 objects: 0.14-0.16 s here, against 0.03-0.06 s before).
+
+About 430 lines, over the usual 400: the walk, its two sources of listings, the trust check
+and the naming of paths share one walker's state, and split they would share internals.
 
 Must never: trust an object the record does not vouch for; count an object as checked that
 was neither re-hashed nor trusted; follow a symlink or open anything but a regular file in the
@@ -237,14 +245,11 @@ class _Walk:
             if open_trees is not None and tree not in open_trees:
                 self.subtrees += 1  # checked below; its contents are trusted from the parent
                 continue
-            listing: Listing | None = None
-            if tree not in self.fresh:
-                listing = self._from_index(tree, path)
+            # What a tree names: its index node (re-hashed or trusted below, like any object;
+            # if it is damaged, what it should name is still walked), else the tree read now.
+            listing: Listing | None = self._from_index(tree, path)
             if listing is None:
-                # re-hashed now; if it is damaged, what the index says it names is still walked
                 listing = self._read_tree(tree)
-                if listing is None:
-                    listing = self._from_index(tree, path)
                 if listing is None:
                     continue
             self.listings[tree] = listing
@@ -335,7 +340,7 @@ class _Walk:
             if len(vouched) < len(candidates):
                 rehash += [d for d in candidates if known.get(d) is None]
             trusted, is_reg, lstat, path_of = 0, stat.S_ISREG, os.lstat, self.store.path_of
-            for digest in vouched:  # the hot loop of a closure: ~3-5 us an object here
+            for digest in vouched:  # the hot loop of a closure: ~12 us an object here
                 try:
                     st = lstat(path_of(digest))
                 except FileNotFoundError:
