@@ -213,6 +213,8 @@ def test_objects_and_their_directories_are_private(rt: Runtime, task: TaskRecord
     for path in [root, *root.rglob("*")]:
         mode = path.lstat().st_mode & 0o777
         assert mode == (0o700 if path.is_dir() else 0o400), (path, oct(mode))
+    for db in Path(rt.home).glob("index.db*"):  # the nodes and the verified-object record
+        assert db.stat().st_mode & 0o777 == 0o600, db
 
 
 # -- settled verify ---------------------------------------------------------------------------

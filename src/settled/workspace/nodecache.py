@@ -9,12 +9,17 @@ checkpoint's nodes are one transaction. WAL with ``synchronous=NORMAL``: a crash
 last nodes written, never corrupt older ones, and a lost node makes the next scan run without
 the cache (``IndexMismatch``), which costs time, not correctness.
 
+The file is the owner's alone (0600, like everything in the settled home; SQLite gives its
+``-wal`` and ``-shm`` files the database file's mode), and so is the verified-object record that
+shares it (``verified``).
+
 Must never: hold anything a checkpoint's correctness depends on (blobs, trees and manifests
 live in the object store); be read without the caller checking the bytes against the ref.
 """
 
 from __future__ import annotations
 
+import os
 import sqlite3
 import threading
 from collections.abc import Iterable
@@ -24,6 +29,16 @@ from settled.store.sqlite import BUSY_TIMEOUT_S, enable_wal
 from settled.workspace.objects import ObjectMissing
 
 
+def private_file(path: str) -> None:
+    """Create ``path`` 0600 if it is missing, and take group and other bits off it if not."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        if os.fstat(fd).st_mode & 0o077:
+            os.fchmod(fd, 0o600)
+    finally:
+        os.close(fd)
+
+
 class NodeCache:
     """Stat-cache nodes (and index roots) by ref; safe to share between threads."""
 
@@ -31,6 +46,7 @@ class NodeCache:
         self.path = path
         self._lock = threading.Lock()
         try:
+            private_file(path)
             self._db = sqlite3.connect(
                 path, timeout=BUSY_TIMEOUT_S, isolation_level=None, check_same_thread=False
             )
@@ -40,7 +56,7 @@ class NodeCache:
                 "CREATE TABLE IF NOT EXISTS nodes (ref TEXT PRIMARY KEY, data BLOB NOT NULL) "
                 "WITHOUT ROWID"
             )
-        except sqlite3.Error as error:
+        except (sqlite3.Error, OSError) as error:
             raise HomeUnusable(f"cannot open the stat cache at {path}: {error}") from error
 
     def read(self, ref: str) -> bytes:

@@ -38,6 +38,7 @@ from collections.abc import Collection, Iterable, Mapping
 from typing import Final, NamedTuple
 
 from settled.store.sqlite import BUSY_TIMEOUT_S, enable_wal
+from settled.workspace.nodecache import private_file
 from settled.workspace.scan import CLOCK_SLACK_NS, COARSE_FS_SLACK_NS
 
 _BATCH: Final = 10_000  # digests per lookup query (SQLite allows 32,766 variables)
@@ -103,6 +104,7 @@ class VerifiedRecord:
         self._db: sqlite3.Connection | None = None
         self.unusable: str | None = None  # why the record could not be used, if it could not
         try:
+            private_file(path)
             db = sqlite3.connect(
                 path, timeout=BUSY_TIMEOUT_S, isolation_level=None, check_same_thread=False
             )
