@@ -543,8 +543,8 @@ def _follows(rows: list[dict[str, Any]], entries: int) -> str:
             f"{st['files_hashed']} files hashed, {st['trees_built']} trees and "
             f"{st['nodes_built']} nodes built), manifest and read-back "
             f"{fmt(r['manifest_and_read_back_s'] * 1000, 0)} ms ({rb['trees_verified']} trees "
-            f"and {rb['blobs_verified']} blobs re-hashed, {rb['reused_present']} reused "
-            "subtrees checked present)"
+            f"and {rb['blobs_verified']} blobs re-hashed, {rb['trusted']} objects unchanged "
+            f"since verified, {rb['trusted_subtrees']} reused subtrees trusted from the parent)"
         )
 
     return (
@@ -552,6 +552,13 @@ def _follows(rows: list[dict[str, Any]], entries: int) -> str:
         "checkpoint lists, hashes, builds and reads back is counted in directories and files "
         "touched by the change; nothing is proportional to the entries it did not touch."
     )
+
+
+def _read_back_cell(rb: dict[str, Any]) -> str:
+    """What the read-back checked: objects reached, re-hashed, trusted unchanged since verified,
+    and (incremental) reused subtrees whose contents it trusted from the parent checkpoint."""
+    cell = f"{rb['objects_reached']} / {rb['rehashed']} / {rb['trusted']}"
+    return cell + (f" (+{rb['trusted_subtrees']})" if rb["trusted_subtrees"] else "")
 
 
 def _mb(stats: dict[str, Any]) -> str:
@@ -657,6 +664,7 @@ def render(data: dict[str, Any]) -> str:
                 st["entries_carried"],
                 st["trees_built"],
                 r["read_back"]["trees_verified"],
+                _read_back_cell(r["read_back"]),
                 fmt(r["git_s"] * 1000, 1),
                 fmt(r["ratio"]),
                 fmt(r["load1"], 1),
@@ -671,7 +679,10 @@ def render(data: dict[str, Any]) -> str:
         "`files hashed` are the scan's own counters: the incremental scan lists only the "
         "directories the journal reported dirty, the full one every directory. A cold "
         "checkpoint reads the stat cache from the object store (the nodes on the paths to the "
-        "dirty directories); the CLI row adds a new interpreter and its imports.",
+        "dirty directories); the CLI row adds a new interpreter and its imports. The read-back "
+        "of a full scan checks every object the manifest reaches (re-hashed, or trusted: an "
+        "lstat shows it unchanged since it last hashed right); an incremental one checks what "
+        "the new trees name and trusts the reused subtrees' contents from the parent.",
         md_table(
             [
                 "run",
@@ -685,6 +696,7 @@ def render(data: dict[str, Any]) -> str:
                 "entries carried",
                 "trees built",
                 "trees read back",
+                "read-back: reached / re-hashed / trusted (+ subtrees)",
                 "git add+commit ms",
                 "ratio",
                 "load (1 min)",

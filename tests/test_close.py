@@ -301,8 +301,12 @@ def test_an_incremental_checkpoint_follows_the_change_and_matches_a_full_one(
     assert second["scan"]["mode"] == "incremental"
     assert second["scan"]["stats"]["dirs_listed"] <= 2, second["scan"]["stats"]
     assert second["scan"]["stats"]["trees_built"] == 2  # d7 and the root; 19 subtrees reused
-    assert second["read_back"]["trees_verified"] == 2
-    assert second["read_back"]["reused_present"] == 19
+    read_back = second["read_back"]
+    assert read_back["scope"] == "since_parent" and read_back["trees_verified"] == 2
+    assert read_back["trusted_subtrees"] == 19 and read_back["trusted_from"] == first["manifest"]
+    # the manifest, two new trees, d7's 11 blobs and the roots of the 19 subtrees it reuses
+    assert read_back["objects_reached"] == 1 + 2 + 11 + 19
+    assert read_back["objects_reached"] == read_back["rehashed"] + read_back["trusted"]
     assert second["parent"] == first["manifest"]
     full = rt.checkpoint(task.task, incremental=False)
     assert full["scan"]["mode"] == "full"

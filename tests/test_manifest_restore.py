@@ -24,11 +24,10 @@ from settled.workspace.manifest import (
     ManifestInvalid,
     MissingObject,
     read_manifest,
-    verify_manifest,
-    verify_published,
     write_manifest,
 )
 from settled.workspace.objects import LocalObjectStore
+from settled.workspace.readback import CLOSURE, SINCE_PARENT, read_back
 from settled.workspace.restore import (
     BlobCorrupt,
     DestinationIsSymlink,
@@ -39,6 +38,8 @@ from settled.workspace.restore import (
     restore,
 )
 from settled.workspace.scan import scan
+from settled.workspace.verified import VerifiedRecord
+from settled.workspace.verify import verify_manifest
 
 NOBODY: Final = 65534  # uid of nobody and gid of nogroup here
 needs_root = pytest.mark.skipif(
@@ -185,13 +186,16 @@ def test_verify_names_a_tampered_blob_and_its_paths(
     digest = digest_bytes(DEFAULT_ALGORITHM, b"r")
     os.chmod(store.path_of(digest), 0o644)
     Path(store.path_of(digest)).write_bytes(b"R")
-    result = verify_manifest(store, manifest_id)
-    assert not result.ok and result.manifest_error is None
-    assert [(p.digest, p.problem, p.paths) for p in result.problems] == [
-        (digest, "mismatch", ("readonly/f",))
+    assert verify_manifest(store, manifest_id).ok  # same size: only --read-data can tell
+    result = verify_manifest(store, manifest_id, read_data=True)
+    assert [(p.object, p.problem, p.paths) for p in result.problems] == [
+        (digest, "damaged", ("readonly/f",))
     ]
-    only_other = verify_manifest(store, manifest_id, {digest_bytes(DEFAULT_ALGORITHM, b"s")})
-    assert only_other.ok and only_other.checked == 1
+    Path(store.path_of(digest)).write_bytes(b"RR")
+    shorter = verify_manifest(store, manifest_id)
+    assert [(p.object, p.problem, p.detail) for p in shorter.problems] == [
+        (digest, "damaged", "is 2 bytes; its entries say 1")
+    ]
 
 
 def test_restore_reproduces_the_tree_bit_for_bit(store: LocalObjectStore, tmp_path: Path) -> None:
@@ -429,40 +433,89 @@ def test_the_read_back_checks_what_the_checkpoint_published_and_what_it_reuses(
     for d in range(5):
         (workspace / f"d{d}").mkdir(parents=True)
         (workspace / f"d{d}" / "f").write_bytes(b"%d" % d)
+        (workspace / f"d{d}" / "same").write_bytes(b"same")
     time.sleep(0.05)
     first = scan(workspace, store=store)
     (workspace / "d3" / "f").write_bytes(b"changed")
     second = scan(workspace, first.index, store, only={"d3"})
     index = second.index
     manifest_id = write_manifest(store, index.algorithm, index.root)
-    result = verify_published(store, manifest_id, second.trees, second.blobs)
-    assert result.ok, result.problems
-    assert (result.trees_checked, result.checked, result.present_checked) == (2, 1, 4)
+
+    def check(scope: str) -> Any:
+        return read_back(
+            store, manifest_id, record=None, index=index, root_tree=index.root.tree,
+            fresh=set(second.trees) | second.blobs,
+            open_trees=set(second.trees) if scope == SINCE_PARENT else None,
+        )  # fmt: skip
+
+    closure = check(CLOSURE)
+    assert closure.ok, closure.problems
+    unindexed = read_back(store, manifest_id, record=None)  # every tree read and parsed
+    assert unindexed.ok and unindexed.objects_reached == closure.objects_reached
+    # the manifest, 6 trees and 6 blobs: five "f" and the "same" that every directory shares
+    assert (closure.objects_reached, closure.rehashed, closure.trusted) == (13, 13, 0)
+    since = check(SINCE_PARENT)
+    assert since.ok
+    # the manifest, the new root and d3 trees, d3's two blobs and the four reused subtrees
+    assert (since.objects_reached, since.trusted_subtrees) == (9, 4)
 
     reused = first.index.by_path["d1"].tree
     assert reused is not None
     os.rename(store.path_of(reused), store.path_of(reused) + ".away")
-    missing = verify_published(store, manifest_id, second.trees, second.blobs)
-    assert [(p.digest, p.problem) for p in missing.problems] == [(reused, "missing")]
+    missing = check(SINCE_PARENT)
+    assert [(p.object, p.problem, p.paths) for p in missing.problems] == [
+        (reused, "missing", ("d1",))
+    ]
     os.rename(store.path_of(reused) + ".away", store.path_of(reused))
 
     new_tree = next(tree for tree, path in second.trees.items() if path == "d3")
     original = Path(store.path_of(new_tree)).read_bytes()
     os.chmod(store.path_of(new_tree), 0o644)
     Path(store.path_of(new_tree)).write_bytes(original.replace(b'"f"', b'"g"'))
-    torn = verify_published(store, manifest_id, second.trees, second.blobs)
-    assert [p.digest for p in torn.problems] == [new_tree] and "reads back as" in torn.problems[
-        0
-    ].problem
+    torn = check(SINCE_PARENT)
+    assert [(p.object, p.problem) for p in torn.problems] == [(new_tree, "damaged")]
+    assert "reads back as" in torn.problems[0].detail
     Path(store.path_of(new_tree)).write_bytes(original)
 
-    blob = digest_bytes(DEFAULT_ALGORITHM, b"changed")
-    os.chmod(store.path_of(blob), 0o644)
-    Path(store.path_of(blob)).write_bytes(b"CHANGED")
-    tampered = verify_published(store, manifest_id, second.trees, second.blobs)
-    assert [(p.digest, p.problem, p.paths) for p in tampered.problems] == [
-        (blob, "mismatch", ("d3/f",))
+    reused_blob = digest_bytes(DEFAULT_ALGORITHM, b"same")  # in d3, not re-read by the scan
+    os.chmod(store.path_of(reused_blob), 0o644)
+    Path(store.path_of(reused_blob)).write_bytes(b"SAME")
+    tampered = check(SINCE_PARENT)
+    assert [(p.object, p.problem, p.paths) for p in tampered.problems] == [
+        (reused_blob, "damaged", ("d3/same",))
     ]
+    everywhere = check(CLOSURE)
+    assert [p.paths for p in everywhere.problems] == [tuple(f"d{d}/same" for d in range(5))]
+
+
+def test_the_read_back_trusts_only_objects_unchanged_since_they_hashed_right(
+    store: LocalObjectStore, tmp_path: Path
+) -> None:
+    workspace = tmp_path / "ws"
+    (workspace / "d").mkdir(parents=True)
+    (workspace / "d" / "f").write_bytes(b"content")
+    index = scan(workspace, store=store).index
+    manifest_id = write_manifest(store, index.algorithm, index.root)
+    record = VerifiedRecord(str(tmp_path / "index.db"))
+    time.sleep(0.05)  # older than the racy slack: what is re-hashed now can be trusted later
+
+    def check() -> Any:
+        return read_back(store, manifest_id, record=record, index=index)
+
+    first = check()
+    assert first.ok and (first.rehashed, first.trusted) == (first.objects_reached, 0) == (4, 0)
+    again = check()
+    assert again.ok and (again.rehashed, again.trusted) == (1, 3)  # only the manifest re-read
+    blob = digest_bytes(DEFAULT_ALGORITHM, b"content")
+    os.chmod(store.path_of(blob), 0o444)  # a chmod changes the ctime: no longer vouched for
+    os.chmod(store.path_of(blob), 0o400)
+    touched = check()
+    assert touched.ok and (touched.rehashed, touched.trusted, touched.blobs_rehashed) == (2, 2, 1)
+    record.close()
+    fresh = VerifiedRecord(str(tmp_path / "other.db"))  # the record lost: re-hashing, not trust
+    lost = read_back(store, manifest_id, record=fresh, index=index)
+    assert lost.ok and (lost.rehashed, lost.trusted) == (4, 0)
+    fresh.close()
 
 
 def test_tree_objects_are_canonical_json_of_every_entry_type(
@@ -685,6 +738,10 @@ def test_an_ordinary_user_keeps_the_setuid_bit_of_its_own_files_only() -> None:
             os.chmod(workspace / name, 0o4755)
         store = LocalObjectStore(top / "objects")
         manifest_id = checkpoint(store, workspace)
+        for below, dirs, files in os.walk(top / "objects"):  # the user's own (private) store
+            for name in [*dirs, *files]:
+                os.chown(os.path.join(below, name), NOBODY, NOBODY)
+        os.chown(top / "objects", NOBODY, NOBODY)
 
         def work() -> list[str]:
             return list(restore(store, manifest_id, out / "dest").setid_dropped)

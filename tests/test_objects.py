@@ -41,7 +41,7 @@ def test_put_bytes_is_readable_verifiable_and_read_only(store: LocalObjectStore)
     assert store.has(digest) and store.read(digest) == b"hello" and store.verify(digest)
     algo, hexdigest = parse_digest(digest)
     assert store.path_of(digest) == os.path.join(store.root, algo, hexdigest[:2], hexdigest[2:])
-    assert os.stat(store.path_of(digest)).st_mode & 0o777 == 0o444
+    assert os.stat(store.path_of(digest)).st_mode & 0o777 == 0o400
     assert not store.has(digest_bytes(DEFAULT_ALGORITHM, b"other"))
     assert temps(store) == []
 
@@ -128,6 +128,34 @@ def test_a_tampered_object_fails_verify(store: LocalObjectStore) -> None:
     os.chmod(path, 0o644)
     Path(path).write_bytes(b"tampered bytes")
     assert store.has(digest) and not store.verify(digest)
+
+
+def test_a_quarantined_object_is_kept_aside_and_its_bytes_can_be_written_again(
+    store: LocalObjectStore,
+) -> None:
+    digest = store.put_bytes(b"original bytes")
+    os.chmod(store.path_of(digest), 0o600)
+    Path(store.path_of(digest)).write_bytes(b"tampered bytes")
+    assert store.put_bytes(b"original bytes") == digest and not store.verify(digest)  # dedupe
+    moved = store.quarantine(digest)
+    assert moved is not None and Path(moved).read_bytes() == b"tampered bytes"
+    assert os.path.dirname(moved) == os.path.join(store.root, "quarantine")
+    assert not store.has(digest) and store.quarantine(digest) is None
+    assert store.put_bytes(b"original bytes") == digest and store.verify(digest)
+
+
+def test_directories_an_earlier_version_made_readable_to_others_are_made_private(
+    tmp_path: Path,
+) -> None:
+    root = tmp_path / "objects"
+    digest = LocalObjectStore(root).put_bytes(b"x")
+    fanout = os.path.dirname(LocalObjectStore(root).path_of(digest))
+    for path in (root, root / "tmp", Path(fanout).parent, Path(fanout)):
+        os.chmod(path, 0o755)
+    store = LocalObjectStore(root)
+    store.put_bytes(b"x")
+    for path in (root, root / "tmp", Path(fanout).parent, Path(fanout)):
+        assert path.stat().st_mode & 0o777 == 0o700, path
 
 
 def test_a_failed_fsync_raises_and_links_nothing(

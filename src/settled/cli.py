@@ -226,6 +226,24 @@ def cmd_restore(rt: Runtime, args: argparse.Namespace) -> int:
     return EXIT_OK if result.complete else EXIT_BLOCKED
 
 
+def cmd_verify(rt: Runtime, args: argparse.Namespace) -> int:
+    result = rt.verify(args.target, read_data=args.read_data)
+    lines = []
+    for problem in result["problems"]:
+        detail = f" ({problem['detail']})" if problem.get("detail") else ""
+        used_by = ", ".join(problem["paths"]) or "the manifest"
+        lines.append(f"{problem['object']} {problem['problem']}{detail}: {used_by}")
+    checked = "re-hashed" if result["read_data"] else "present at their size"
+    verdict = "verified" if result["verified"] else f"{len(lines)} problems: NOT verified"
+    lines.append(
+        f"manifest {result['manifest']}: {result['objects']} objects, {result['trees']} trees "
+        f"re-hashed and parsed, {result['blobs']} blobs {checked}, {result['bytes_read']} bytes "
+        f"read; {verdict}"
+    )
+    _emit(args, result, "\n".join(lines))
+    return EXIT_OK if result["verified"] else EXIT_BLOCKED
+
+
 def cmd_demo(rt: Runtime, args: argparse.Namespace) -> int:
     from settled.demo import run_demo
 
@@ -340,6 +358,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="give every entry its recorded owner and keep its set-id bits (root only)",
     )
     restore.set_defaults(handler=cmd_restore)
+
+    verify = sub.add_parser(
+        "verify", parents=[common], help="check every object a checkpoint reaches"
+    )
+    verify.add_argument("target", metavar="TASK|MANIFEST")
+    verify.add_argument(
+        "--read-data", action="store_true", help="re-hash every blob, not only its presence"
+    )
+    verify.set_defaults(handler=cmd_verify)
 
     sub.add_parser("mcp", parents=[common], help="the MCP tools over stdio, for agent harnesses")
 

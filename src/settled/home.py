@@ -10,7 +10,6 @@ rewrite the link could point every later settled at a home it forged.
 
 from __future__ import annotations
 
-import contextlib
 import os
 
 from settled.errors import HomeUnusable
@@ -56,10 +55,16 @@ def prepare_home(home: str) -> str:
 
 
 def private_file(path: str) -> str:
-    """Create `path` empty and 0600 if it does not exist (SQLite gives its -wal and -shm files
-    the mode of the database file), so no umask makes it readable by others."""
-    with contextlib.suppress(FileExistsError):
+    """Create `path` empty and 0600 if it does not exist, or take group and other bits off one
+    an older settled made (SQLite gives its -wal and -shm files the mode of the database
+    file), so no umask makes it readable by others."""
+    # Never open an existing database file here: closing any descriptor of it drops every POSIX
+    # lock this process holds on it, and another connection of this process may hold one.
+    try:
         os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, PRIVATE_FILE))
+    except FileExistsError:
+        if os.stat(path).st_mode & 0o077:
+            os.chmod(path, PRIVATE_FILE)
     return path
 
 

@@ -25,7 +25,7 @@ from settled.boundary import procfs
 from settled.boundary.isolation import IsolationUnavailable, make_plan
 from settled.close.decide import explain
 from settled.close.join import CloseJoin, CloseResult
-from settled.errors import BadInput, NotSettled, OwnerLaunchFailed
+from settled.errors import BadInput, NotSettled, OwnerLaunchFailed, SettledError
 from settled.home import log_path, make_session_dir, prepare_home, resolve_home, stdin_path
 from settled.identity import (
     CommandSpec,
@@ -44,7 +44,9 @@ from settled.status import OwnerFacts, session_status, task_status
 from settled.store import SessionRecord, TaskRecord
 from settled.store.sqlite import SQLiteStore, open_sqlite
 from settled.workspace.checkpoint import WorkspaceService
+from settled.workspace.hashing import parse_digest
 from settled.workspace.restore import RestoreResult, restore
+from settled.workspace.verify import verify_manifest
 
 
 @dataclass(frozen=True)
@@ -438,6 +440,33 @@ class Runtime:
                 raise BadInput(f"task {target} has no checkpoint yet: close it first")
             manifest = latest[0]["manifest"]
         return restore(self.workspace.objects, manifest, dest, same_owner=same_owner)
+
+    def verify(self, target: str, *, read_data: bool = False) -> dict[str, Any]:
+        """Check everything a task's last checkpoint (or a manifest id) reaches, like ``restic
+        check``: the manifest and every tree re-hashed and parsed, every blob present at its
+        size, or with ``read_data`` re-hashed. Nothing is trusted and nothing is repaired;
+        ``verified`` is False and ``problems`` names each object (and its paths) otherwise."""
+        task = None
+        if target.startswith("t_"):
+            task = self.store.get_task(target).task
+            latest = self.store.latest_checkpoint(task)
+            if latest is None:
+                raise BadInput(f"task {target} has no checkpoint yet: checkpoint or close it")
+            manifest = str(latest[0]["manifest"])
+        else:
+            manifest = target
+            try:
+                parse_digest(manifest)
+            except SettledError:
+                raise BadInput(
+                    f"{target!r} is neither a task (t_...) nor a manifest id (<algo>:<hex>)"
+                ) from None
+            if not self.workspace.objects.has(manifest):
+                raise BadInput(f"unknown manifest {manifest}: not in {self.workspace.objects.root}")
+        result = verify_manifest(
+            self.workspace.objects, manifest, read_data=read_data, record=self.workspace.verified
+        )
+        return {"task": task, **result.to_json()}
 
     # -- output --------------------------------------------------------------------------
 

@@ -3,10 +3,21 @@
 Owns the task's journal daemon (started with the task, stopped when the close releases it), the
 final scan (a full stat-cache scan that publishes blobs as it reads, then the trees of the
 directories that changed, and records their stat-cache nodes), and the checkpoint: the
-manifest written last, read back by its exact id, every tree and blob this checkpoint published
-re-hashed, every subtree it reuses present, and the receipt recorded under the runtime
-generation (the store refuses a fenced one). Never touches processes and never decides a
-task's state.
+manifest written last, read back by its exact id (``readback``: after a full scan, which every
+close is, every object the manifest reaches is re-hashed or unchanged since the verified-object
+record saw it hash right; after an incremental one, everything this checkpoint published or
+names directly, and the reused subtrees' contents trusted from the parent checkpoint, as the
+receipt says), and the receipt recorded under the runtime generation (the store refuses a
+fenced one).
+
+A read-back that finds an object missing or damaged is not yet a failure: the workspace usually
+still holds those bytes. A damaged object is quarantined (moved aside, kept as evidence), the
+workspace is scanned again without the stat cache (every file re-read, every absent object
+published again), the same manifest is written (same bytes, same id) and read back again; only
+if that fails too is ``CheckpointUnverified`` raised, naming each object and the paths that use
+it. The receipt of a healed checkpoint says what was found, moved and rescanned.
+
+Never touches processes and never decides a task's state.
 """
 
 from __future__ import annotations
@@ -25,17 +36,26 @@ from settled.receipts import seal
 from settled.store import SessionRecord, TaskRecord
 from settled.store.sqlite import SQLiteStore
 from settled.workspace import journal
+from settled.workspace.hashing import algorithm_of, digest_bytes
 from settled.workspace.index import Index
-from settled.workspace.manifest import IndexMismatch, verify_published, write_manifest
+from settled.workspace.manifest import IndexMismatch, ManifestError, write_manifest
 from settled.workspace.nodecache import NodeCache
 from settled.workspace.objects import LocalObjectStore, ObjectMissing
-from settled.workspace.scan import ScanResult, scan
+from settled.workspace.readback import QUARANTINABLE, Problem, ReadBack, read_back
+from settled.workspace.scan import ScanError, ScanResult, scan
+from settled.workspace.verified import VerifiedRecord
 
 CHECKPOINT_RECEIPT_VERSION = "settled.receipt.checkpoint/v1"
 
 
 class CheckpointUnverified(SettledError):
-    """The manifest or a blob did not read back exactly: no checkpoint receipt is issued."""
+    """The manifest or an object it reaches did not read back exactly, even after a rescan:
+    no checkpoint receipt is issued."""
+
+    def __init__(self, manifest_id: str, problems: tuple[Problem, ...], why: str) -> None:
+        named = "; ".join(str(problem) for problem in problems)
+        super().__init__(f"manifest {manifest_id} did not read back: {named}. {why}")
+        self.manifest_id, self.problems = manifest_id, problems
 
 
 class WorkspaceService:
@@ -43,6 +63,7 @@ class WorkspaceService:
         self.home, self.store = home, store
         self.objects = LocalObjectStore(os.path.join(home, "objects"))
         self._cache: NodeCache | None = None
+        self._verified: VerifiedRecord | None = None
         self._indexes: dict[str, Index] = {}
 
     @property
@@ -52,10 +73,20 @@ class WorkspaceService:
             self._cache = NodeCache(os.path.join(self.home, "index.db"))
         return self._cache
 
+    @property
+    def verified(self) -> VerifiedRecord:
+        """The verified-object record, beside the nodes (opened at the first read-back)."""
+        if self._verified is None:
+            self._verified = VerifiedRecord(os.path.join(self.home, "index.db"))
+        return self._verified
+
     def close(self) -> None:
         if self._cache is not None:
             self._cache.close()
             self._cache = None
+        if self._verified is not None:
+            self._verified.close()
+            self._verified = None
 
     # -- the journal ----------------------------------------------------------------------
 
@@ -121,25 +152,17 @@ class WorkspaceService:
         self, task: TaskRecord, scan_fact: dict[str, Any], sessions: list[SessionRecord]
     ) -> dict[str, Any]:
         index = self._index(scan_fact["index_ref"])
-        manifest_id = write_manifest(
-            self.objects,
-            index.algorithm,
-            index.root,
-            parent=scan_fact["parent"],
-            watermark=scan_fact["watermark"],
-            generation=task.generation,
-        )
+        manifest_id = self._write_manifest(task, index, scan_fact)
         faults.point("checkpoint.after_manifest")
         faults.point("checkpoint.before_read_back")
-        published = json.loads(self.objects.read(scan_fact["published_ref"]))
-        verification = verify_published(
-            self.objects, manifest_id, published["trees"], published["blobs"]
-        )
-        if not verification.ok:
-            problems = verification.manifest_error or ", ".join(
-                f"{p.digest} ({p.problem}: {', '.join(p.paths)})" for p in verification.problems
-            )
-            raise CheckpointUnverified(f"manifest {manifest_id} did not read back: {problems}")
+        fresh, open_trees = self._fresh(scan_fact)
+        check = self._read_back(manifest_id, index, fresh, open_trees)
+        healed = None
+        if not check.ok:
+            healed, check = self._heal(task, index, scan_fact, check, fresh, open_trees)
+        read_back_fact = check.summary(trusted_from=scan_fact["parent"])
+        if healed is not None:
+            read_back_fact["healed"] = healed
         receipt = seal(
             {
                 "kind": "checkpoint",
@@ -157,18 +180,102 @@ class WorkspaceService:
                         s.session: (s.receipt or {}).get("terminal_mutation") for s in sessions
                     },
                 },
-                "read_back": {
-                    "id": manifest_id,
-                    "verified": True,
-                    "trees_verified": verification.trees_checked,
-                    "blobs_verified": verification.checked,
-                    "reused_present": verification.present_checked,
-                },
+                "read_back": read_back_fact,
                 "generation": task.generation,
             }
         )
         self.store.record_checkpoint(task.task, task.generation, receipt, scan_fact["index_ref"])
         return receipt
+
+    def _write_manifest(self, task: TaskRecord, index: Index, scan_fact: dict[str, Any]) -> str:
+        return write_manifest(
+            self.objects,
+            index.algorithm,
+            index.root,
+            parent=scan_fact["parent"],
+            watermark=scan_fact["watermark"],
+            generation=task.generation,
+        )
+
+    def _fresh(self, scan_fact: dict[str, Any]) -> tuple[set[str], set[str] | None]:
+        """What the scan published (never trusted: re-hashed), and the trees the read-back
+        descends into: every tree after a full scan (None), the published ones after an
+        incremental scan. A list that cannot be read back costs the closure, never trust."""
+        try:
+            ref = scan_fact["published_ref"]
+            data = self.objects.read(ref)
+            if digest_bytes(algorithm_of(ref), data) != ref:
+                raise ValueError("the list does not hash to its name")
+            published = json.loads(data)
+            trees, blobs = set(published["trees"]), set(published["blobs"])
+        except (ObjectMissing, ValueError, KeyError, TypeError, SettledError):
+            return set(), None
+        incremental = scan_fact.get("mode") == "incremental"
+        return trees | blobs, trees if incremental else None
+
+    def _read_back(
+        self, manifest_id: str, index: Index, fresh: set[str], open_trees: set[str] | None
+    ) -> ReadBack:
+        return read_back(
+            self.objects,
+            manifest_id,
+            record=self.verified,
+            index=index,
+            root_tree=index.root.tree,
+            fresh=fresh,
+            open_trees=open_trees,
+        )
+
+    def _heal(
+        self,
+        task: TaskRecord,
+        index: Index,
+        scan_fact: dict[str, Any],
+        first: ReadBack,
+        fresh: set[str],
+        open_trees: set[str] | None,
+    ) -> tuple[dict[str, Any], ReadBack]:
+        """Quarantine what is damaged, rescan without the stat cache (every file re-read and
+        every absent object published again), write the same manifest and read it back again."""
+        moved: dict[str, str | None] = {
+            problem.object: self.objects.quarantine(problem.object)
+            for problem in first.problems
+            if problem.problem in QUARANTINABLE
+        }
+        quarantined = [{"object": key, "moved_to": path} for key, path in moved.items()]
+        started_at = time.time()
+        try:
+            rescan = scan(task.workspace, None, self.objects, index.algorithm)
+        except (ScanError, OSError) as error:
+            why = f"The rescan that could have published them again failed: {error}"
+            raise CheckpointUnverified(first.manifest_id, first.problems, why) from error
+        healed: dict[str, Any] = {
+            "problems": [problem.to_json() for problem in first.problems],
+            "quarantined": quarantined,
+            "rescan": {
+                "started_at": started_at,
+                "same_tree": rescan.index.root.tree == index.root.tree,
+                **dataclasses.asdict(rescan.stats),
+            },
+        }
+        suspects = fresh | {problem.object for problem in first.problems}
+        try:
+            manifest_id = self._write_manifest(task, index, scan_fact)
+        except ManifestError as error:
+            raise CheckpointUnverified(first.manifest_id, first.problems, str(error)) from None
+        again = self._read_back(manifest_id, index, suspects, open_trees)
+        if not again.ok:
+            why = (
+                "A rescan of the workspace without the stat cache did not publish these bytes "
+                "again: the workspace no longer holds them"
+                + ("" if healed["rescan"]["same_tree"] else " (it changed since the scan)")
+            )
+            found = {problem.object: problem for problem in first.problems}
+            still = tuple(
+                _as_found(p, found.get(p.object), moved.get(p.object)) for p in again.problems
+            )
+            raise CheckpointUnverified(manifest_id, still, why)
+        return healed, again
 
     def _previous(self, ref: str | None) -> tuple[Index | None, str]:
         """The last checkpoint's stat cache, or None and why not."""
@@ -188,6 +295,15 @@ class WorkspaceService:
         index = Index.from_bytes(self.cache.read(ref), self.cache, ref)
         self._indexes = {ref: index}
         return index
+
+
+def _as_found(now: Problem, first: Problem | None, moved_to: str | None) -> Problem:
+    """An object still wrong after the heal, as the first read-back found it (a damaged one
+    is missing now only because it was quarantined), and where its bytes were moved."""
+    if first is None or moved_to is None:
+        return now
+    detail = "; ".join(part for part in (first.detail, f"quarantined as {moved_to}") if part)
+    return Problem(first.object, first.problem, now.paths or first.paths, detail)
 
 
 def _published(result: ScanResult) -> dict[str, Any]:

@@ -4,7 +4,9 @@ Owns ``Entry`` (one path: type, mode, owner (uid, gid), size, digest | target | 
 plus the stat cache that only an index keeps), tree objects (one directory's entries by name,
 each subdirectory named by its own tree id, as in git), the manifest object (the root's mode,
 owner and tree, parent, watermark and generation; its id is ``<algo>:<hash of its canonical
-bytes>``), and writing, reading back and verifying manifests in an ``ObjectStore``.
+bytes>``), and writing and reading
+back manifests in an ``ObjectStore`` (checking everything a manifest reaches is ``readback``'s,
+for a checkpoint, and ``verify``'s, for ``settled verify``).
 
 Why the owner: a mode alone cannot be restored safely. A set-uid bit means "runs as this
 file's owner"; restored without the owner it means "runs as whoever restores", so restore
@@ -34,8 +36,8 @@ import itertools
 import json
 import os
 import stat
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any, Final, NamedTuple
 
 from settled.canonical import canonical_bytes
@@ -364,22 +366,6 @@ def parse_tree(data: bytes, tree_id: str, path: str) -> list[Entry]:
     return entries
 
 
-def _tree_forms(data: bytes, tree_id: str) -> list[dict[str, Any]]:
-    """A tree read back by its id: re-hashed, and its entries' forms (names and ids only
-    checked for type)."""
-    actual = digest_bytes(parse_digest(tree_id)[0], data)
-    if actual != tree_id:
-        raise ManifestCorrupt(tree_id, actual)
-    try:
-        forms = json.loads(data)["entries"]
-        for form in forms:
-            if not isinstance(form["name"], str) or not isinstance(form.get("tree", ""), str):
-                raise TypeError("an entry's name or tree is not a string")
-    except (ValueError, KeyError, TypeError) as error:
-        raise ManifestInvalid(tree_id, f"not a tree: {error}") from None
-    return forms  # type: ignore[no-any-return]
-
-
 def _parse_object(data: bytes, object_id: str) -> Any:
     """JSON of an object read back by its id: the bytes must hash to it and be canonical."""
     actual = digest_bytes(parse_digest(object_id)[0], data)
@@ -626,104 +612,3 @@ def read_manifest(store: ObjectStore, manifest_id: str) -> Manifest:
     except (ValueError, SettledError) as error:
         raise ManifestInvalid(manifest_id, str(error)) from None
     return manifest
-
-
-@dataclass(frozen=True)
-class ObjectProblem:
-    digest: str
-    problem: str  # "missing" | "mismatch" | "not in manifest" | "invalid"
-    paths: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True)
-class ManifestVerification:
-    """What re-hashing a manifest and its objects found; ``ok`` only if nothing was wrong."""
-
-    manifest_id: str
-    manifest_error: str | None = None  # the manifest itself failed: no blob was checked
-    checked: int = 0  # blobs re-hashed
-    problems: tuple[ObjectProblem, ...] = field(default=())
-    trees_checked: int = 0  # tree objects re-hashed and parsed
-    present_checked: int = 0  # objects only checked for presence (reused from the parent)
-
-    @property
-    def ok(self) -> bool:
-        return self.manifest_error is None and not self.problems
-
-
-def verify_manifest(
-    store: ObjectStore, manifest_id: str, digests_to_verify: Iterable[str] | None = None
-) -> ManifestVerification:
-    """Re-hash the manifest, every tree, and each referenced blob in ``digests_to_verify``
-    (or all)."""
-    try:
-        manifest = read_manifest(store, manifest_id)
-    except (ManifestError, ObjectMissing) as error:
-        return ManifestVerification(manifest_id, manifest_error=str(error))
-    files = manifest.files()
-    wanted = list(files) if digests_to_verify is None else sorted(set(digests_to_verify))
-    problems = [ObjectProblem(d, "not in manifest") for d in wanted if d not in files]
-    checked = 0
-    for digest in (d for d in wanted if d in files):
-        checked += 1
-        problem = _blob_problem(store, digest)
-        if problem is not None:
-            problems.append(ObjectProblem(digest, problem, tuple(files[digest])))
-    trees = len({e.tree for e in manifest.entries if e.tree is not None})
-    return ManifestVerification(manifest_id, None, checked, tuple(problems), trees)
-
-
-def _blob_problem(store: ObjectStore, digest: str) -> str | None:
-    if not store.has(digest):
-        return "missing"
-    return None if store.verify(digest) else "mismatch"
-
-
-def verify_published(
-    store: ObjectStore, manifest_id: str, trees: Mapping[str, str], blobs: Iterable[str]
-) -> ManifestVerification:
-    """The checkpoint's read-back, in time that follows the change: the manifest by its exact id,
-    every tree (id -> a directory path it was published for) and blob this checkpoint
-    published re-hashed, and every subtree those trees name but did not publish present. What
-    is reused was verified by the checkpoint that published it, and so on back to the first
-    checkpoint, which published everything. (A tree is parsed here only for what it names:
-    a 100-entry tree re-hashes and yields its names in ~0.1 ms; ``read_manifest``, which
-    restore uses, validates every entry.)"""
-    try:
-        head = read_head(store, manifest_id)
-        if isinstance(head, Manifest):
-            raise ManifestInvalid(manifest_id, "a flat v1 manifest is never written any more")
-        new_trees = set(trees)
-        problems: list[ObjectProblem] = []
-        reused: set[str] = set()
-        referenced_files: dict[str, list[str]] = {}
-        for tree_id in sorted(new_trees):
-            path = trees[tree_id]
-            try:
-                forms = _tree_forms(_read_object(store, tree_id, "tree"), tree_id)
-            except ManifestError as error:
-                problems.append(ObjectProblem(tree_id, f"invalid: {error}"))
-                continue
-            for form in forms:
-                if "tree" in form and form["tree"] not in new_trees:
-                    reused.add(form["tree"])
-                elif "digest" in form:
-                    name = join(path, form["name"])
-                    referenced_files.setdefault(form["digest"], []).append(name)
-    except (ManifestError, ObjectMissing) as error:
-        return ManifestVerification(manifest_id, manifest_error=str(error))
-    root_tree = head.root.tree
-    assert root_tree is not None
-    if root_tree not in new_trees:
-        reused.add(root_tree)
-    problems += [ObjectProblem(t, "missing") for t in sorted(reused) if not store.has(t)]
-    checked = 0
-    for digest in sorted(set(blobs)):
-        checked += 1
-        problem = _blob_problem(store, digest)
-        if problem is not None:
-            paths = tuple(referenced_files.get(digest, ()))
-            problems.append(ObjectProblem(digest, problem, paths))
-    return ManifestVerification(
-        manifest_id, None, checked, tuple(problems), len(new_trees), len(reused)
-    )

@@ -9,6 +9,10 @@ checkpoint's nodes are one transaction. WAL with ``synchronous=NORMAL``: a crash
 last nodes written, never corrupt older ones, and a lost node makes the next scan run without
 the cache (``IndexMismatch``), which costs time, not correctness.
 
+The file is the owner's alone (0600, like everything in the settled home; SQLite gives its
+``-wal`` and ``-shm`` files the database file's mode), and so is the verified-object record that
+shares it (``verified``).
+
 Must never: hold anything a checkpoint's correctness depends on (blobs, trees and manifests
 live in the object store); be read without the caller checking the bytes against the ref.
 """
@@ -44,7 +48,7 @@ class NodeCache:
                 "CREATE TABLE IF NOT EXISTS nodes (ref TEXT PRIMARY KEY, data BLOB NOT NULL) "
                 "WITHOUT ROWID"
             )
-        except sqlite3.Error as error:
+        except (sqlite3.Error, OSError) as error:
             raise HomeUnusable(f"cannot open the stat cache at {path}: {error}") from error
 
     def read(self, ref: str) -> bytes:

@@ -2,10 +2,13 @@
 named by their digest.
 
 Owns the ``ObjectStore`` protocol (what any backend must guarantee) and ``LocalObjectStore``, its
-local-directory backend: ``<root>/<algo>/<hex[:2]>/<hex[2:]>``, read-only (0o444) objects, and
-temporary files in ``<root>/tmp`` (same filesystem, so a link is atomic).
+local-directory backend: ``<root>/<algo>/<hex[:2]>/<hex[2:]>``, private read-only (0o400) objects
+in private (0o700) directories (the settled home is the owner's alone; nothing reads an object as
+another user), temporary files in ``<root>/tmp`` (same filesystem, so a link is atomic), and
+``<root>/quarantine``, where an object that no longer hashes to its name is moved (never deleted:
+it is evidence) so that the next write of those bytes can put the right ones in place.
 
-A local write is: temp file, write, fchmod 0o444, fsync, ``os.link`` into place (which never
+A local write is: temp file, write, fchmod 0o400, fsync, ``os.link`` into place (which never
 replaces an existing name), fsync of the fan-out directory (and of every directory it had to
 create, and of their parents). If the object is already present the temp is removed and the
 existing object stands (dedupe). Inside ``batch()`` the fan-out directory fsyncs are deferred to
@@ -16,10 +19,11 @@ durable by one ``syncfs(2)`` for the whole group, and only then linked (``publis
 decides which to use). (About 600 lines, over the usual 400: most of the excess is the
 protocol's contract for other backends, written out.)
 
-Must never: overwrite or modify an existing object; link an object whose bytes were not fsynced;
-swallow or silently retry a failed fsync; accept a digest it cannot parse (a digest is a path);
-hold more than one chunk (1 MiB) of a stream in memory; know about manifests, scans or the
-settled store and database.
+Must never: overwrite or modify an existing object, or take an object's name away except to
+quarantine it (``quarantine``: only for an object just found not to hash to its name); link an
+object whose bytes were not fsynced; swallow or silently retry a failed fsync; accept a digest
+it cannot parse (a digest is a path); hold more than one chunk (1 MiB) of a stream in memory;
+know about manifests, scans or the settled store and database.
 """
 
 from __future__ import annotations
@@ -47,9 +51,10 @@ from settled.workspace.hashing import (
 )
 
 CHUNK: Final = 1 << 20
-OBJECT_MODE: Final = 0o444
-DIR_MODE: Final = 0o755
+OBJECT_MODE: Final = 0o400
+DIR_MODE: Final = 0o700
 TEMP_DIR: Final = "tmp"
+QUARANTINE_DIR: Final = "quarantine"
 
 
 class ObjectMissing(SettledError):
@@ -269,6 +274,7 @@ class LocalObjectStore:
 
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = os.path.abspath(os.fspath(root))  # may be a symlink; nothing below it may
+        self._prefix = os.path.join(self.root, "")  # the root and one "/"
         self._known_dirs: set[str] = set()
         self._lock = threading.Lock()
         self._batch = _Batch()
@@ -282,8 +288,8 @@ class LocalObjectStore:
     # -- naming --------------------------------------------------------------------------------
 
     def path_of(self, digest: str) -> str:
-        algo, hexdigest = parse_digest(digest)
-        return os.path.join(self.root, algo, hexdigest[:2], hexdigest[2:])
+        algo, hexdigest = parse_digest(digest)  # a concatenation: os.path.join cost 6 us here
+        return f"{self._prefix}{algo}/{hexdigest[:2]}/{hexdigest[2:]}"
 
     # -- writing -------------------------------------------------------------------------------
 
@@ -349,6 +355,26 @@ class LocalObjectStore:
         finally:
             os.close(fd)
 
+    def quarantine(self, digest: str) -> str | None:
+        """Move whatever holds ``digest``'s name out of it, into ``<root>/quarantine/`` (kept as
+        evidence, never deleted), so the next write of those bytes can link the right ones.
+        Returns where it went, or None if nothing held the name. Only for an object found not
+        to hash to its name (or not a regular file): the caller has just re-hashed it."""
+        source = self.path_of(digest)
+        algo, hexdigest = parse_digest(digest)
+        quarantine = os.path.join(self.root, QUARANTINE_DIR)
+        self._ensure_dir(quarantine)
+        target = os.path.join(
+            quarantine, f"{algo}-{hexdigest}.{time.time_ns()}.{secrets.token_hex(4)}"
+        )
+        try:
+            os.rename(source, target)  # same filesystem; the new name is fresh, never replaced
+        except FileNotFoundError:
+            return None
+        _fsync_dir(quarantine)
+        _fsync_dir(os.path.dirname(source))
+        return target
+
     def sweep_temps(self, older_than_s: float = 86_400.0) -> int:
         """Remove temp files abandoned by crashed writers; returns how many were removed."""
         cutoff = time.time() - older_than_s
@@ -405,6 +431,8 @@ class LocalObjectStore:
             os.mkdir(path, DIR_MODE)
         if not os.path.isdir(path) or (path != self.root and os.path.islink(path)):
             raise StoreUnusable(path)
+        if os.stat(path).st_mode & 0o077:  # made by an earlier version (0o755), or by umask
+            os.chmod(path, DIR_MODE)
         # Made here or by a concurrent writer: either way its name must be durable before use.
         _fsync_dir(parent)
         with self._lock:
@@ -412,6 +440,7 @@ class LocalObjectStore:
 
     def _fanout_dir(self, digest: str) -> str:
         algo, hexdigest = parse_digest(digest)
+        self._ensure_dir(os.path.join(self.root, algo))  # made private too, if it exists
         path = os.path.join(self.root, algo, hexdigest[:2])
         self._ensure_dir(path)
         return path
