@@ -26,7 +26,7 @@ from conftest import _skip_unavailable, kill_marked, stop_journals
 
 from settled.boundary import find_hierarchy, procfs
 from settled.boundary.isolation import make_plan
-from settled.errors import ReceiptTampered
+from settled.errors import HomeUnusable, ReceiptTampered
 from settled.runtime import Runtime
 from settled.store import TaskRecord
 
@@ -403,3 +403,33 @@ def test_a_granted_path_is_writable_and_the_whole_host_only_when_said(
         assert "--writable /" in receipt["isolation"]["missing"]["host"]
     finally:
         shutil.rmtree(granted)
+
+
+def test_every_file_and_directory_of_the_home_is_private_whatever_the_umask(
+    tmp_path: Path,
+) -> None:
+    old = os.umask(0o000)
+    try:
+        workspace = tmp_path / "ws"
+        workspace.mkdir()
+        with Runtime(str(tmp_path / "home")) as rt:
+            task = rt.new_task(str(workspace))
+            attack(rt, task, "echo out; echo err >&2", stdin=b"in")
+            assert rt.close_task(task.task).complete
+    finally:
+        os.umask(old)
+    exposed = []
+    for below, dirs, files in os.walk(tmp_path / "home"):
+        for name in [*dirs, *files]:
+            mode = os.lstat(os.path.join(below, name)).st_mode
+            if mode & 0o077:
+                exposed.append((os.path.join(below, name), oct(mode)))
+    assert exposed == []
+    assert os.stat(tmp_path / "home").st_mode & 0o777 == 0o700
+
+
+def test_a_home_reached_through_a_symlink_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "real").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    with pytest.raises(HomeUnusable, match="symlink"):
+        Runtime(str(tmp_path / "link" / "home"))
