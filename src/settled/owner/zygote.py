@@ -37,6 +37,9 @@ def serve(sock_fd: int) -> int:
 
     import settled.owner.main as owner_main  # imported once, before any fork
     import settled.workspace.journal  # noqa: F401 - the owner's barrier client, likewise
+    from settled.boundary import linux
+
+    linux.capget()  # libc loaded once here, not in every owner that isolates its command
 
     sock = socket.socket(fileno=sock_fd)
     os.chdir("/")
