@@ -78,6 +78,7 @@ class IsolationPlan:
     pins: tuple[str, ...] = ()  # ancestors bound onto themselves: a mount point cannot be renamed
     readonly_host: bool = False
     writable: tuple[str, ...] = ()  # on a read-only host, bound back writable
+    protect: tuple[str, ...] = ()  # settled's own code under a writable path: bound read-only
     hide_dirs: tuple[str, ...] = ()
     hide_files: tuple[str, ...] = ()
     expose: str | None = None  # the workspace, re-bound inside a hidden directory that holds it
@@ -107,6 +108,7 @@ class IsolationPlan:
             "pinned": len(self.pins),
             "host": "read-only" if self.readonly_host else "writable",
             "writable": list(self.writable) if self.readonly_host else ["/"],
+            "protected": list(self.protect),
             "proc": "private" if self.private_proc else "host",
             "sys": "read-only" if self.readonly_sys else "host",
             "dev": "minimal" if self.minimal_dev else "host",
@@ -171,6 +173,31 @@ def choose_hidden(
 
 
 DEFAULT_WRITABLE: Final = ("/tmp", "/var/tmp")
+
+
+def settled_runtime_paths() -> tuple[str, ...]:
+    """What settled's own processes execute: its code, blake3, the interpreter's prefixes. A
+    command must never change them (the next owner would run its code), even where they lie
+    under a path it may write, such as a clone in /tmp."""
+    import sys
+
+    from settled.isolated import import_roots
+
+    paths = {*import_roots("settled", "blake3"), sys.prefix, sys.base_prefix}
+    paths.add(os.path.dirname(os.path.realpath(sys.executable)))
+    return tuple(sorted(os.path.realpath(p) for p in paths))
+
+
+def choose_protected(writable: Iterable[str], runtime: Iterable[str]) -> tuple[str, ...]:
+    """The outermost of settled's runtime paths that a writable path would otherwise expose."""
+    writable = tuple(writable)
+    kept: list[str] = []
+    for path in sorted(set(runtime), key=len):
+        if any(_is_within(path, outer) for outer in kept):
+            continue
+        if any(_is_within(path, w) for w in writable) and os.path.isdir(path):
+            kept.append(path)
+    return tuple(kept)
 
 
 def choose_writable(
@@ -250,6 +277,7 @@ def make_plan(
     )  # a file inside a hidden directory is hidden with it
     pins = sorted({a for p in (*dirs, *files) for a in ancestors(p)}, key=lambda p: p.count("/"))
     readonly_host = "/" not in granted
+    open_paths = choose_writable(workspace, granted, dirs) if readonly_host else ()
     return IsolationPlan(
         policy,
         mount_namespace=True,
@@ -257,7 +285,10 @@ def make_plan(
         private_proc=pid_namespace,
         pins=tuple(p for p in pins if not any(_is_within(p, d) for d in dirs)),
         readonly_host=readonly_host,
-        writable=choose_writable(workspace, granted, dirs) if readonly_host else (),
+        writable=open_paths,
+        protect=choose_protected((*open_paths, workspace), settled_runtime_paths())
+        if readonly_host
+        else (),
         hide_dirs=dirs,
         hide_files=files,
         expose=expose,

@@ -12,7 +12,8 @@ at which step):
    move the home out from under its mount and let a later session see it, or plant a forged
    home at the old path);
 3. the host read-only, every mount at once, and the writable paths (the workspace, /tmp, ...)
-   bound back onto themselves and made writable again;
+   bound back onto themselves and made writable again, but for settled's own code and
+   interpreter where a writable path holds them (bound read-only again);
 4. hidden directories covered by an empty read-only tmpfs (the workspace, if one holds it, bound
    back at its own path from a descriptor opened before the cover), hidden files by /dev/null;
 5. /proc: a new procfs of the PID namespace when there is one; /proc/sys and the kernel's other
@@ -53,6 +54,9 @@ def enter(plan: IsolationPlan) -> None:
             for path in plan.writable:
                 linux.mount(path, path, None, linux.MS_BIND | linux.MS_REC)
                 linux.make_writable(path, recursive=True)
+            for path in plan.protect:  # settled's own code, where a writable path holds it
+                linux.mount(path, path, None, linux.MS_BIND | linux.MS_REC)
+                linux.make_readonly(path, recursive=True)
         for path in plan.hide_dirs:
             _cover_dir(path, plan.expose, exposed, writable=plan.readonly_host)
         for path in plan.hide_files:
