@@ -114,5 +114,16 @@ class Boundary(ABC):
             self._pidfd = None
 
     def describe_members(self) -> list[dict[str, object]]:
-        described = (procfs.describe(pid) for pid in self.members())
-        return [d for d in described if d["cmdline"]]  # a process gone while we looked is not left
+        """Every live member, named. One caught mid-exec has an empty cmdline for an instant
+        and is still a member; one gone (or a zombie) while we looked is not left."""
+        described = []
+        for pid in self.members():
+            entry = procfs.describe(pid)
+            for _ in range(5):  # an exec finishes in microseconds
+                if entry["cmdline"] or procfs.state_of(pid) in (None, "Z"):
+                    break
+                time.sleep(0.001)
+                entry = procfs.describe(pid)
+            if procfs.state_of(pid) not in (None, "Z"):
+                described.append(entry if entry["cmdline"] else {**entry, "cmdline": "(exec)"})
+        return described
