@@ -31,6 +31,7 @@ from settled.errors import (
     AdmissionSealed,
     HomeUnusable,
     KeyConflict,
+    ReceiptTampered,
     StaleWrite,
     UnknownSession,
     UnknownTask,
@@ -972,3 +973,32 @@ def test_concurrent_first_opens_of_a_fresh_store_all_succeed(backend: Backend) -
             os.mkdir(directory)
             errors = _open_fresh_concurrently(backend, directory, 4)
             assert not errors, f"round {attempt}: {errors}"
+
+
+def test_close_facts_of_an_older_store_are_sealed_once_by_the_migration(tmp_path: Any) -> None:
+    """A v3 store's close facts are sealed as they are when it is migrated, and only then: a
+    fact whose digest is later reset is refused, not sealed again on the next open."""
+    path = os.path.join(str(tmp_path), "settled.db")
+    SQLiteStore(path).close()
+    with sqlite3.connect(path) as db:
+        db.execute(
+            "INSERT INTO tasks (task, key, workspace, state, generation, created_at) "
+            "VALUES ('t_1', 'k', '/w', 'sealed', 1, 0)"
+        )
+        db.execute(
+            "INSERT INTO close_steps (task, step, fact, recorded_at) "
+            "VALUES ('t_1', 'sealed', '{\"sealed_at\":1}', 0)"
+        )
+        db.execute("UPDATE meta SET value='3' WHERE key='schema_version'")
+        db.execute("ALTER TABLE close_steps DROP COLUMN digest")
+        db.execute("ALTER TABLE sessions DROP COLUMN isolation")
+        db.execute("ALTER TABLE tasks DROP COLUMN user")
+    store = SQLiteStore(path)
+    assert store.close_steps("t_1") == {"sealed": {"sealed_at": 1}}
+    store.close()
+    with sqlite3.connect(path) as db:
+        db.execute("UPDATE close_steps SET digest='unsealed'")  # the old marker
+    store = SQLiteStore(path)
+    with pytest.raises(ReceiptTampered, match="sealed"):
+        store.close_steps("t_1")
+    store.close()

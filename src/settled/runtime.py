@@ -22,7 +22,7 @@ from settled import boundary as boundaries
 from settled import recovery
 from settled.boundary import inspect as boundary_inspect
 from settled.boundary import procfs
-from settled.boundary.isolation import IsolationUnavailable, make_plan
+from settled.boundary.isolation import IsolationUnavailable, check_available
 from settled.close.decide import explain
 from settled.close.join import CloseJoin, CloseResult
 from settled.errors import BadInput, NotSettled, OwnerLaunchFailed, SettledError
@@ -103,15 +103,12 @@ def _check_isolation(spec: CommandSpec, kind: str) -> None:
     that lacks a protection, or a `--user` this process cannot switch to."""
     if spec.isolation == "none" and spec.user is None:
         return
-    uid, gid = spec.user if spec.user is not None else (None, None)
     try:
-        make_plan(
+        check_available(
             "strict" if spec.isolation == "strict" else "auto",
-            workspace="/",
-            home="/",
             pid_namespace=kind in boundaries.PID_NAMESPACE_KINDS,
-            uid=uid,
-            gid=gid,
+            uid=spec.user[0] if spec.user is not None else None,
+            writable=spec.writable,
         )
     except IsolationUnavailable as exc:
         raise BadInput(str(exc)) from None

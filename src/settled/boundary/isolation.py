@@ -217,6 +217,37 @@ def choose_writable(
     return tuple(kept)
 
 
+def check_available(
+    policy: str, *, pid_namespace: bool, uid: int | None = None, writable: Iterable[str] = ()
+) -> tuple[int, dict[str, str]]:
+    """This process's effective capabilities and each protection it cannot give, with why.
+    Raises IsolationUnavailable for `strict` when one is missing, or for a `--user` it cannot
+    switch to. One read of /proc/self/status: admission calls it before recording anything."""
+    caps = procfs.effective_capabilities()
+    missing: dict[str, str] = {}
+    if not _has(caps, CAP_SYS_ADMIN):
+        why = "needs CAP_SYS_ADMIN, which the owner lacks"
+        for name in ("mount_namespace", "home_hidden", "host", "sys", "dev", "cgroup"):
+            missing[name] = why
+    elif "/" in writable:
+        missing["host"] = (
+            "writable, as asked (--writable /): the command may change programs that host "
+            "processes run later, settled's own included, so receipts written after it are "
+            "only as trustworthy as the host"
+        )
+    if not pid_namespace:
+        missing["proc"] = "no PID namespace: /proc shows the host's processes"
+    if not _has(caps, CAP_SETPCAP) and os.geteuid() == 0:
+        missing["capabilities"] = "needs CAP_SETPCAP to shrink the bounding set"
+    if uid is not None and not (_has(caps, CAP_SETUID) and _has(caps, CAP_SETGID)):
+        raise IsolationUnavailable(f"--user {uid}: the owner lacks CAP_SETUID/CAP_SETGID")
+    if policy == "strict" and set(missing) - {"host"}:
+        raise IsolationUnavailable(
+            "--isolation strict: " + "; ".join(f"{k}: {v}" for k, v in missing.items())
+        )
+    return caps, missing
+
+
 def make_plan(
     policy: str,
     *,
@@ -238,32 +269,10 @@ def make_plan(
             missing={"all": "isolation none was asked for: the command sees and may change "
                      "everything its uid can, the settled home included"},
         )  # fmt: skip
-    caps = procfs.effective_capabilities()
-    missing: dict[str, str] = {}
-    namespaces = _has(caps, CAP_SYS_ADMIN)
     granted = tuple(writable)
-    if not namespaces:
-        why = "needs CAP_SYS_ADMIN, which the owner lacks"
-        for name in ("mount_namespace", "home_hidden", "host", "sys", "dev", "cgroup"):
-            missing[name] = why
-    elif "/" in granted:
-        missing["host"] = (
-            "writable, as asked (--writable /): the command may change programs that host "
-            "processes run later, settled's own included, so receipts written after it are "
-            "only as trustworthy as the host"
-        )
-    if not pid_namespace:
-        missing["proc"] = "no PID namespace: /proc shows the host's processes"
+    caps, missing = check_available(policy, pid_namespace=pid_namespace, uid=uid, writable=granted)
     drop_caps = _has(caps, CAP_SETPCAP)
-    if not drop_caps and os.geteuid() == 0:
-        missing["capabilities"] = "needs CAP_SETPCAP to shrink the bounding set"
-    if uid is not None and not (_has(caps, CAP_SETUID) and _has(caps, CAP_SETGID)):
-        raise IsolationUnavailable(f"--user {uid}: the owner lacks CAP_SETUID/CAP_SETGID")
-    if policy == "strict" and set(missing) - {"host"}:
-        raise IsolationUnavailable(
-            "--isolation strict: " + "; ".join(f"{k}: {v}" for k, v in missing.items())
-        )
-    if not namespaces:
+    if not _has(caps, CAP_SYS_ADMIN):
         return IsolationPlan(policy, drop_caps=drop_caps, uid=uid, gid=gid, missing=missing)
     dirs, expose = choose_hidden(workspace, home, other_workspaces)
     files = tuple(

@@ -2,8 +2,9 @@
 prctl and capget/capset.
 
 Owns only the calling convention and the errno: each function raises OSError naming the call
-and its argument on failure, never returns a status to be forgotten. Loaded on first use (the
-owner's launch path imports it only when a session is isolated). Never decides what to call.
+and its argument on failure, never returns a status to be forgotten. libc is loaded on the
+first call, which an owner makes before it forks (the zygote once for all its owners), so the
+child only calls. Never decides what to call.
 """
 
 from __future__ import annotations
@@ -31,11 +32,9 @@ AT_FDCWD: Final = -100
 AT_RECURSIVE: Final = 0x8000
 _SYS_MOUNT_SETATTR: Final = 442  # same number on every architecture (added in 5.12)
 
-PR_CAPBSET_READ: Final = 23
 PR_CAPBSET_DROP: Final = 24
 PR_SET_DUMPABLE: Final = 4
 PR_SET_NO_NEW_PRIVS: Final = 38
-PR_GET_NO_NEW_PRIVS: Final = 39
 PR_CAP_AMBIENT: Final = 47
 PR_CAP_AMBIENT_CLEAR_ALL: Final = 4
 _LINUX_CAPABILITY_VERSION_3: Final = 0x20080522

@@ -48,14 +48,14 @@ def enter(plan: IsolationPlan) -> None:
     exposed = _open_path(plan.expose) if plan.expose else None
     try:
         for path in plan.pins:
-            linux.mount(path, path, None, linux.MS_BIND | linux.MS_REC)
+            _bind_onto_itself(path)
         if plan.readonly_host:
             linux.make_readonly("/", recursive=True)
             for path in plan.writable:
-                linux.mount(path, path, None, linux.MS_BIND | linux.MS_REC)
+                _bind_onto_itself(path)
                 linux.make_writable(path, recursive=True)
             for path in plan.protect:  # settled's own code, where a writable path holds it
-                linux.mount(path, path, None, linux.MS_BIND | linux.MS_REC)
+                _bind_onto_itself(path)
                 linux.make_readonly(path, recursive=True)
         for path in plan.hide_dirs:
             _cover_dir(path, plan.expose, exposed, writable=plan.readonly_host)
@@ -69,6 +69,12 @@ def enter(plan: IsolationPlan) -> None:
         linux.make_readonly("/sys", recursive=True)
     if plan.minimal_dev:
         _minimal_dev()
+
+
+def _bind_onto_itself(path: str) -> None:
+    """A mount point of its own (with everything mounted below it): one that cannot be renamed,
+    and whose flags can then be set apart from its parent's."""
+    linux.mount(path, path, None, linux.MS_BIND | linux.MS_REC)
 
 
 def _open_path(path: str) -> int:
@@ -100,7 +106,7 @@ def _private_proc(new_instance: bool) -> None:
     for name in _PROC_READ_ONLY:
         path = f"/proc/{name}"
         if os.path.exists(path):
-            linux.mount(path, path, None, linux.MS_BIND | linux.MS_REC)
+            _bind_onto_itself(path)
             linux.make_readonly(path, recursive=True)
     for name in _PROC_MASKED:
         path = f"/proc/{name}"

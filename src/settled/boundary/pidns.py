@@ -157,9 +157,7 @@ class PidnsBoundary(Boundary):
     def members(self) -> list[int]:
         if self.init_pid is None or self._init_status is not None:
             return []
-        return [
-            p for p in procfs.descendants(self.init_pid) if procfs.state_of(p) not in (None, "Z")
-        ]
+        return procfs.live_descendants(self.init_pid)
 
     def kill_all(self) -> None:
         if self.init_pid is not None and self._init_status is None:

@@ -70,6 +70,11 @@ def descendants(pid: int) -> list[int]:
     return seen
 
 
+def live_descendants(pid: int) -> list[int]:
+    """Descendants that can still run: zombies and processes gone while we looked left out."""
+    return [p for p in descendants(pid) if state_of(p) not in (None, "Z")]
+
+
 def cmdline(pid: int) -> str:
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as handle:

@@ -28,9 +28,11 @@ def become_subreaper() -> None:
         raise BoundaryUnavailable(f"subreaper: {exc.strerror}") from None
 
 
-def reap_orphans(main_pid: int | None, collect_main: Callable[[], object]) -> bool:
-    """Reap every exited child by pid, keeping the main child's status for `collect_main`
-    (a blanket wait would steal it); True once waitid answers ECHILD."""
+def reap_orphans(
+    main_pid: int | None, collect_main: Callable[[], object], reaped: list[int] | None = None
+) -> bool:
+    """Reap every exited child by pid (appended to `reaped`), keeping the main child's status
+    for `collect_main` (a blanket wait would steal it); True once waitid answers ECHILD."""
     while True:
         try:
             info = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
@@ -44,6 +46,8 @@ def reap_orphans(main_pid: int | None, collect_main: Callable[[], object]) -> bo
                 return False  # collect_main could not take it yet: it stays for the owner
         else:
             os.waitpid(info.si_pid, 0)
+            if reaped is not None:
+                reaped.append(info.si_pid)
 
 
 class EscapeWitness:
@@ -61,7 +65,7 @@ class EscapeWitness:
     def sweep(self, main_pid: int | None, collect_main: Callable[[], object]) -> bool:
         """Kill every live descendant; True when none is left alive."""
         reap_orphans(main_pid, collect_main)
-        live = [p for p in procfs.descendants(os.getpid()) if procfs.state_of(p) not in (None, "Z")]
+        live = procfs.live_descendants(os.getpid())
         for pid in live:
             if not any(e["pid"] == pid for e in self.escaped):
                 self.escaped.append(
@@ -88,26 +92,15 @@ class SubreaperBoundary(Boundary):
         become_subreaper()
 
     def members(self) -> list[int]:
-        return [p for p in procfs.descendants(os.getpid()) if procfs.state_of(p) not in (None, "Z")]
+        return procfs.live_descendants(os.getpid())
 
     def kill_all(self) -> None:
         self.signal_all(signal.SIGKILL)
 
     def _reap_available(self) -> None:
         """Reap every exited child by pid; the main child's status is kept, not lost."""
-        while True:
-            try:
-                info = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
-            except ChildProcessError:
-                self._echild = True
-                return
-            if info is None:
-                return
-            if info.si_pid == self.main_pid:
-                self.collect_main()
-            else:
-                os.waitpid(info.si_pid, 0)
-                self.reaped.append(info.si_pid)
+        if reap_orphans(self.main_pid, self.collect_main, self.reaped):
+            self._echild = True
 
     def collect_main(self) -> int | None:
         if self._main_status is None and self.main_pid is not None:

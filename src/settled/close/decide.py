@@ -209,10 +209,10 @@ def protections(isolation: dict[str, Any] | None) -> tuple[list[str], dict[str, 
     if isolation.get("home_hidden"):
         held.append("settled home hidden")
     hidden = isolation.get("hidden", {})
-    if len(hidden.get("dirs", [])) > 1 or hidden.get("files"):
+    others = len(hidden.get("dirs", [])) - (1 if isolation.get("home_hidden") else 0)
+    if others or hidden.get("files"):
         held.append(
-            f"{len(hidden.get('dirs', [])) - 1} other workspace(s) and "
-            f"{len(hidden.get('files', []))} token file(s) hidden"
+            f"{others} other workspace(s) and {len(hidden.get('files', []))} token file(s) hidden"
         )
     for key, value, words in (
         ("proc", "private", "its own /proc"),

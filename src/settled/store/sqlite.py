@@ -9,7 +9,6 @@ Never touches processes, logs or the workspace.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import sqlite3
@@ -18,7 +17,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from settled.canonical import canonical_bytes
+from settled.canonical import canonical_bytes, digest_of_canonical
 from settled.errors import (
     AdmissionFrozen,
     AdmissionSealed,
@@ -105,11 +104,10 @@ MIGRATIONS: dict[int, str] = {
     4: """
     ALTER TABLE sessions ADD COLUMN isolation TEXT;
     ALTER TABLE tasks ADD COLUMN user TEXT;
-    ALTER TABLE close_steps ADD COLUMN digest TEXT;
-    UPDATE close_steps SET digest = 'unsealed'
+    ALTER TABLE close_steps ADD COLUMN digest TEXT
     """,
 }
-UNSEALED = "unsealed"  # close facts recorded before v4, sealed by the migration (below)
+SEALS_CLOSE_FACTS = 4  # the migration that seals the close facts an older settled wrote
 
 SESSION_COLUMNS = (
     "session, task, key, digest, spec, state, generation, owner, boundary, boundary_ref, "
@@ -160,7 +158,8 @@ def _task_from_row(row: tuple[Any, ...]) -> TaskRecord:
 
 
 def _fact_digest(text: str) -> str:
-    return "sha256:" + hashlib.sha256(text.encode("utf-8")).hexdigest()
+    """A fact is stored as its canonical JSON text, so its digest is that of the text's bytes."""
+    return digest_of_canonical(text.encode("utf-8"))
 
 
 def _checked_fact(task: str, step: str, text: str, digest: str | None) -> dict[str, Any]:
@@ -225,18 +224,21 @@ class SQLiteStore:
                 for statement in MIGRATIONS[step].split(";"):
                     if statement.strip():
                         db.execute(statement)
-            rows = db.execute(
-                "SELECT task, step, fact FROM close_steps WHERE digest=?", (UNSEALED,)
-            ).fetchall()
-            for task, step, fact in rows:  # facts an older settled wrote: sealed as they are
-                db.execute(
-                    "UPDATE close_steps SET digest=? WHERE task=? AND step=?",
-                    (_fact_digest(fact), task, step),
-                )
+                if step == SEALS_CLOSE_FACTS:  # once, in the migration: never on a later open
+                    self._seal_old_close_facts(db)
             db.execute(
                 "INSERT INTO meta(key, value) VALUES('schema_version', ?) "
                 "ON CONFLICT(key) DO UPDATE SET value=excluded.value",
                 (str(SCHEMA_VERSION),),
+            )
+
+    @staticmethod
+    def _seal_old_close_facts(db: sqlite3.Connection) -> None:
+        rows = db.execute("SELECT task, step, fact FROM close_steps").fetchall()
+        for task, step, fact in rows:  # facts an older settled wrote: sealed as they are
+            db.execute(
+                "UPDATE close_steps SET digest=? WHERE task=? AND step=?",
+                (_fact_digest(fact), task, step),
             )
 
     # -- tasks ---------------------------------------------------------------------------
