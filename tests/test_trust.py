@@ -186,6 +186,39 @@ def test_a_close_fact_edited_in_the_store_is_refused(rt: Runtime, task: TaskReco
         rt.explain(task.task)
 
 
+def test_a_checkpoint_receipt_edited_in_the_store_is_refused_by_restore(
+    rt: Runtime, task: TaskRecord, tmp_path: Path
+) -> None:
+    attack(rt, task, "echo hi > file")
+    assert rt.close_task(task.task).complete
+    with sqlite3.connect(os.path.join(rt.home, "settled.db")) as db:
+        (text,) = db.execute(
+            "SELECT receipt FROM checkpoints WHERE task=?", (task.task,)
+        ).fetchone()
+        edited = text.replace('"verified":true', '"verified":true,"x":1', 1)
+        db.execute("UPDATE checkpoints SET receipt=? WHERE task=?", (edited, task.task))
+    with pytest.raises(ReceiptTampered, match="checkpoint receipt"):
+        rt.restore(task.task, str(tmp_path / "restored"))
+    assert not (tmp_path / "restored").exists()
+
+
+def test_an_unknown_sessions_receipt_edited_to_claim_proof_is_refused_by_recovery(
+    rt: Runtime, task: TaskRecord, marker: str
+) -> None:
+    """A pgroup receipt is never proof; rewritten to say `proven: true`, recovery refuses it."""
+    admission = rt.exec(task.task, shell="true", boundary="pgroup")
+    rt.wait(admission.session, timeout=60)
+    with sqlite3.connect(os.path.join(rt.home, "settled.db")) as db:
+        (text,) = db.execute(
+            "SELECT receipt FROM sessions WHERE session=?", (admission.session,)
+        ).fetchone()
+        forged = text.replace('"proven":false', '"proven":true', 1)
+        assert forged != text
+        db.execute("UPDATE sessions SET receipt=? WHERE session=?", (forged, admission.session))
+    with pytest.raises(ReceiptTampered, match=admission.session):
+        rt.recover(task.task)
+
+
 def test_stdin_reaches_the_command_but_its_stored_copy_cannot_be_changed(
     rt: Runtime, task: TaskRecord
 ) -> None:
@@ -239,8 +272,9 @@ def test_ptrace_and_namespace_tools_are_refused(rt: Runtime, task: TaskRecord) -
         task,
         f'{sys.executable} -I -S -c "{probe}"; nsenter -t 1 -m true && echo NSENTER; '
         "unshare -m true && echo UNSHARE; mount -t tmpfs none /mnt && echo MOUNT; "
-        "grep CapBnd /proc/self/status; true",
+        "grep CapBnd /proc/self/status; grep NoNewPrivs /proc/self/status; true",
     )
+    assert "NoNewPrivs:\t1" in out
     assert "ptrace -1 Operation not permitted" in out
     assert "NSENTER" not in out and "UNSHARE" not in out and "MOUNT" not in out
     bounding = int(out.split("CapBnd:")[1].split()[0], 16)
@@ -324,6 +358,7 @@ def test_a_task_default_user_applies_to_its_commands(open_dir: Path) -> None:
 def test_isolation_none_is_said_in_the_receipt_and_explain(rt: Runtime, task: TaskRecord) -> None:
     receipt, _, _ = attack(rt, task, "true", isolation="none")
     assert "all" in receipt["isolation"]["missing"]
+    assert "all" in rt.session_status(receipt["session"])["protections_missing"]
     view = rt.explain(task.task)
     [session] = view["sessions"]
     assert session["missing_protections"]["all"].startswith("isolation none")
