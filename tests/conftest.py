@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 
 from settled.boundary import availability
+from settled.records import TaskRecord
 from settled.runtime import Runtime
 from settled.states import LIVE_STATES
-from settled.store import TaskRecord
 
 EVIDENCE_BOUNDARIES = ("cgroup2+pidns", "cgroup2", "pidns", "subreaper")
 # A descendant that leaves the process group (setsid) and holds stdout; the main process exits

@@ -20,8 +20,8 @@ from conftest import ESCAPEE
 
 from settled.errors import AdmissionSealed, StaleWrite
 from settled.faults import ALL_POINTS, CHECKPOINT_POINTS, CLOSE_POINTS
+from settled.records import TaskRecord
 from settled.runtime import Runtime
-from settled.store import TaskRecord
 from settled.workspace import journal
 from settled.workspace.manifest import read_manifest
 

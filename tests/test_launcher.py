@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from settled.errors import BadInput
+from settled.owner.zygote import WarmLauncher
 from settled.runtime import Runtime
 
 
@@ -52,8 +53,9 @@ def test_the_zygote_ends_with_its_runtime_and_owners_outlive_it(
 ) -> None:
     task = warm.new_task(str(tmp_path / "ws"))
     admission = warm.exec(task.task, shell="sleep 1; echo outlived")
-    assert warm._warm is not None and warm._warm._process is not None
-    zygote = warm._warm._process.pid
+    launcher = warm._launcher
+    assert isinstance(launcher, WarmLauncher) and launcher._process is not None
+    zygote = launcher._process.pid
     owner = warm.store.get_session(admission.session).owner
     assert owner is not None and owner.pid != zygote
     warm.close()

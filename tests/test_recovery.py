@@ -15,8 +15,8 @@ from conftest import _skip_unavailable, kill_marked
 
 from settled.errors import AdmissionFrozen, OwnerLaunchFailed
 from settled.faults import OWNER_POINTS
+from settled.records import TaskRecord
 from settled.runtime import Runtime
-from settled.store import TaskRecord
 
 TICKER = "i=0; while [ $i -lt 100000 ]; do printf tick; i=$((i+1)); sleep 0.02; done"
 

@@ -13,8 +13,8 @@ import blake3
 import pytest
 from conftest import kill_marked
 
+from settled.records import TaskRecord
 from settled.runtime import Runtime
-from settled.store import TaskRecord
 
 MIB = 1 << 20
 

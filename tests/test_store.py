@@ -37,6 +37,7 @@ from settled.errors import (
     UnknownTask,
 )
 from settled.receipts import seal
+from settled.records import OwnerInfo, SessionRecord
 from settled.states import (
     ADMITTED,
     LIVE_STATES,
@@ -47,7 +48,7 @@ from settled.states import (
     SETTLING,
     UNKNOWN,
 )
-from settled.store import OwnerInfo, SessionRecord, Store
+from settled.store import Store
 from settled.store.sqlite import SCHEMA_VERSION, SQLiteStore
 
 # --- backends -----------------------------------------------------------------------------

@@ -27,8 +27,8 @@ from conftest import _skip_unavailable, kill_marked, stop_journals
 from settled.boundary import find_hierarchy, procfs
 from settled.boundary.isolation import make_plan
 from settled.errors import HomeUnusable, ReceiptTampered
+from settled.records import TaskRecord
 from settled.runtime import Runtime
-from settled.store import TaskRecord
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the attacks are those of a root command")
 

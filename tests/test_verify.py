@@ -19,8 +19,8 @@ from typing import Any
 
 import pytest
 
+from settled.records import TaskRecord
 from settled.runtime import Runtime
-from settled.store import TaskRecord
 from settled.workspace.checkpoint import CheckpointUnverified
 from settled.workspace.manifest import FILE, read_manifest
 from settled.workspace.verified import Verified, VerifiedRecord, key_of

@@ -34,8 +34,7 @@ from pydantic import Field
 from settled.errors import NotSettled, SettledError
 from settled.home import log_path
 from settled.log.reader import CursorOutOfRange, stored_length
-from settled.owner.zygote import WarmLauncher
-from settled.runtime import Runtime
+from settled.runtime import Launcher, Runtime, open_launcher
 
 DEFAULT_BUDGET = 16 * 1024
 MAX_BUDGET = 1 << 20
@@ -67,7 +66,7 @@ class Runtimes:
     def __init__(self, home: str | None) -> None:
         self.home = home
         fresh = os.environ.get("SETTLED_LAUNCHER") == "fresh"
-        self.launcher: WarmLauncher | None = None if fresh else WarmLauncher()
+        self.launcher: Launcher = open_launcher("fresh" if fresh else "warm")
         self._local = threading.local()
         self._lock = threading.Lock()
         self._all: list[Runtime] = []
@@ -75,7 +74,7 @@ class Runtimes:
     def get(self) -> Runtime:
         runtime: Runtime | None = getattr(self._local, "runtime", None)
         if runtime is None:
-            runtime = Runtime(self.home, shared_launcher=self.launcher)  # None: fresh owners
+            runtime = Runtime(self.home, shared_launcher=self.launcher)
             self._local.runtime = runtime
             with self._lock:
                 self._all.append(runtime)
@@ -89,8 +88,7 @@ class Runtimes:
                 with contextlib.suppress(sqlite3.ProgrammingError):
                     runtime.close()
             self._all.clear()
-        if self.launcher is not None:
-            self.launcher.close()
+        self.launcher.close()
 
 
 # -- answers ----------------------------------------------------------------------------------

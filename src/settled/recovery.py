@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import blake3
 
+from settled.atomic import replacing
 from settled.boundary import inspect as boundary_inspect
 from settled.boundary.base import Evidence
 from settled.boundary.isolation import recorded_cgroup_contained
@@ -24,8 +25,8 @@ from settled.errors import StaleWrite
 from settled.home import journal_socket, log_path
 from settled.owner.launcher import READY_TIMEOUT_S
 from settled.receipts import process_receipt
-from settled.states import ADMITTED, LIVE_STATES, UNKNOWN
-from settled.store import SessionRecord
+from settled.records import SessionRecord
+from settled.states import ADMITTED, UNKNOWN
 
 if TYPE_CHECKING:
     from settled.runtime import Runtime
@@ -35,7 +36,7 @@ COPY_CHUNK = 1 << 20
 
 def owner_missing(rt: Runtime, record: SessionRecord, now: float) -> str | None:
     """Why this live session has no owner, or None while it has one (or may still get one)."""
-    if record.state not in LIVE_STATES:
+    if not record.live:
         return None
     if record.owner is None:
         waited = now - record.created_at
@@ -146,25 +147,13 @@ def _close_log(path: str) -> dict[str, Any]:
     """The stream ends at the bytes on disk. The file is replaced by a copy of exactly those
     bytes, so a fenced owner that wakes up appends to an orphaned inode, never to this log."""
     hasher = blake3.blake3()
-    if not os.path.exists(path):
-        return {"cursor": 0, "digest": "blake3:" + hasher.hexdigest(), "drained": None,
-                "not_stored": None, "cap": None}  # fmt: skip
-    tmp = f"{path}.recovered"
     size = 0
-    with open(path, "rb") as source, open(tmp, "wb") as copy:
-        while chunk := source.read(COPY_CHUNK):
-            hasher.update(chunk)
-            copy.write(chunk)
-            size += len(chunk)
-        copy.flush()
-        os.fsync(copy.fileno())
-    os.chmod(tmp, 0o400)
-    os.replace(tmp, path)
-    dir_fd = os.open(os.path.dirname(path), os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    if os.path.exists(path):
+        with open(path, "rb") as source, replacing(path, 0o400) as copy:
+            while chunk := source.read(COPY_CHUNK):
+                hasher.update(chunk)
+                copy.write(chunk)
+                size += len(chunk)
     return {"cursor": size, "digest": "blake3:" + hasher.hexdigest(), "drained": None,
             "not_stored": None, "cap": None}  # fmt: skip
 

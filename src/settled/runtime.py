@@ -20,13 +20,14 @@ from typing import Any
 
 from settled import boundary as boundaries
 from settled import recovery
+from settled.atomic import write_atomic
 from settled.boundary import inspect as boundary_inspect
 from settled.boundary import procfs
 from settled.boundary.isolation import IsolationUnavailable, check_available
 from settled.close.decide import explain
 from settled.close.join import CloseJoin, CloseResult
 from settled.errors import BadInput, NotSettled, OwnerLaunchFailed, SettledError
-from settled.home import log_path, make_session_dir, prepare_home, resolve_home, stdin_path
+from settled.home import log_path, prepare_home, resolve_home, stdin_path
 from settled.identity import (
     CommandSpec,
     check_user,
@@ -37,11 +38,12 @@ from settled.identity import (
 )
 from settled.log.reader import follow, read_range, stored_length
 from settled.log.view import model_view
-from settled.owner.launcher import launch_owner
+from settled.owner.launcher import FreshLauncher
+from settled.owner.launcher import Launcher as Launcher
 from settled.owner.zygote import WarmLauncher
-from settled.states import LIVE_STATES, SETTLED, TASK_OPEN, UNKNOWN
+from settled.records import SessionRecord, TaskRecord
+from settled.states import SETTLED, TASK_OPEN, UNKNOWN
 from settled.status import OwnerFacts, session_status, task_status
-from settled.store import SessionRecord, TaskRecord
 from settled.store.sqlite import SQLiteStore, open_sqlite
 from settled.workspace.checkpoint import WorkspaceService
 from settled.workspace.hashing import parse_digest
@@ -76,6 +78,17 @@ class Admission:
 
 
 LAUNCHERS = ("fresh", "warm")
+
+
+def open_launcher(kind: str | None = None) -> Launcher:
+    """A launcher of `kind` ("fresh" or "warm"; default SETTLED_LAUNCHER, else "fresh") that
+    many Runtimes of one process may share; its opener closes it."""
+    kind = kind or os.environ.get("SETTLED_LAUNCHER") or "fresh"
+    if kind == "fresh":
+        return FreshLauncher()
+    if kind == "warm":
+        return WarmLauncher()
+    raise BadInput(f"launcher {kind!r} is not one of {', '.join(LAUNCHERS)}")
 
 
 def _resolve_user(user: str | tuple[int, int] | list[int] | None) -> tuple[int, int] | None:
@@ -124,35 +137,31 @@ class Runtime:
         home: str | None = None,
         launcher: str | None = None,
         *,
-        shared_launcher: WarmLauncher | None = None,
+        shared_launcher: Launcher | None = None,
     ) -> None:
         """One Runtime per thread (it holds one SQLite connection). Threads of one process can
-        share a warm launcher by passing the same `shared_launcher`; its creator closes it."""
+        share a launcher (`open_launcher()`) by passing the same `shared_launcher`; its opener
+        closes it. Without one, this Runtime opens its own on first use and closes it."""
         self.home = prepare_home(resolve_home(home))
-        self.launcher = launcher or os.environ.get("SETTLED_LAUNCHER") or "fresh"
-        if shared_launcher is not None:
-            self.launcher = "warm"
-        if self.launcher not in LAUNCHERS:
-            raise BadInput(f"launcher {self.launcher!r} is not one of {', '.join(LAUNCHERS)}")
+        if shared_launcher is None:
+            open_launcher(launcher)  # refuse an unknown kind now, not at the first exec
+        self._launcher_kind = launcher
         self.store: SQLiteStore = open_sqlite(self.home)
         self.workspace = WorkspaceService(self.home, self.store)
-        self._warm: WarmLauncher | None = shared_launcher
-        self._owns_warm = shared_launcher is None
+        self._launcher: Launcher | None = shared_launcher
+        self._owns_launcher = shared_launcher is None
 
     def close(self) -> None:
-        if self._warm is not None and self._owns_warm:
-            self._warm.close()
-        self._warm = None
+        if self._launcher is not None and self._owns_launcher:
+            self._launcher.close()
+        self._launcher = None
         self.workspace.close()
         self.store.close()
 
     def _launch(self, session: str) -> dict[str, Any]:
-        if self.launcher == "fresh":
-            return launch_owner(self.home, session)
-        if self._warm is None:
-            self._warm = WarmLauncher()
-        directory = make_session_dir(self.home, session)
-        return self._warm.launch(self.home, session, os.path.join(directory, "owner.log"))
+        if self._launcher is None:
+            self._launcher = open_launcher(self._launcher_kind)
+        return self._launcher.launch(self.home, session)
 
     def __enter__(self) -> Runtime:
         return self
@@ -254,12 +263,7 @@ class Runtime:
         digest = "sha256:" + hashlib.sha256(data).hexdigest()
         path = stdin_path(self.home, digest)
         if not os.path.exists(path):
-            fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path))
-            with os.fdopen(fd, "wb") as handle:
-                handle.write(data)
-                handle.flush()
-                os.fsync(handle.fileno())
-            os.replace(tmp, path)
+            write_atomic(path, data)
         return digest
 
     def _admission(
@@ -306,7 +310,7 @@ class Runtime:
     def session_status(self, session: str) -> dict[str, Any]:
         record = self.store.get_session(session)
         facts = self.owner_facts(record)
-        if facts is not None and not facts.alive and record.state in LIVE_STATES:
+        if facts is not None and not facts.alive and record.live:
             # The owner writes its receipt before it exits: one that settled and exited between
             # the two reads above is settled, not unknown. Read the record again to see.
             record = self.store.get_session(session)
@@ -360,7 +364,7 @@ class Runtime:
 
     def _owner_still_runs(self, session: str) -> bool:
         record = self.store.get_session(session)
-        if record.state not in LIVE_STATES:
+        if not record.live:
             return False
         facts = self.owner_facts(record)
         return facts is not None and facts.process_alive
@@ -472,7 +476,7 @@ class Runtime:
         record = self.store.get_session(session)
         if record.receipt is not None:
             return int(record.receipt["output"][stream]["cursor"])
-        if record.state not in LIVE_STATES:
+        if not record.live:
             return stored_length(log_path(self.home, session, stream))
         return None
 

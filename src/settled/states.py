@@ -25,6 +25,12 @@ UNKNOWN: Final = "unknown"
 SESSION_STATES: Final = (ADMITTED, RUNNING, SETTLING, SETTLED, UNKNOWN)
 LIVE_STATES: Final = frozenset({ADMITTED, RUNNING, SETTLING})
 
+
+def is_live(state: str) -> bool:
+    """The one "is this session still its owner's" predicate: every layer asks this."""
+    return state in LIVE_STATES
+
+
 SESSION_TRANSITIONS: Final[dict[tuple[str, str], str]] = {
     (ADMITTED, "claim"): RUNNING,
     (RUNNING, "settle_begin"): SETTLING,

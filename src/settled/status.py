@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from settled.states import LIVE_STATES, SETTLED, UNKNOWN
-from settled.store import SessionRecord, TaskRecord
+from settled.records import SessionRecord, TaskRecord
+from settled.states import SETTLED, UNKNOWN
 
 
 @dataclass(frozen=True)
@@ -48,7 +48,7 @@ def session_status(record: SessionRecord, owner: OwnerFacts | None) -> dict[str,
     if record.isolation is not None:
         # What the command could do: a missing protection is stated, never left to be assumed.
         view["protections_missing"] = record.isolation.get("missing", {})
-    if record.state in LIVE_STATES and owner is not None and not owner.alive:
+    if record.live and owner is not None and not owner.alive:
         view["state"] = UNKNOWN
         view["why"] = (
             f"{owner.why}; the process tree has not been proven dead, so the session is unknown "

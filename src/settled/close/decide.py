@@ -17,8 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from settled.states import LIVE_STATES, SETTLED, UNKNOWN
-from settled.store import SessionRecord, TaskRecord
+from settled.records import SessionRecord, TaskRecord
+from settled.states import SETTLED, UNKNOWN
 
 
 @dataclass(frozen=True)
@@ -48,7 +48,6 @@ STEPS: tuple[Step, ...] = (
     Step("fenced", "store", "fence the runtime generation"),
     Step("outcome", "close", "publish the outcome"),
 )
-STEP_NAMES: tuple[str, ...] = tuple(s.name for s in STEPS)
 
 
 @dataclass(frozen=True)
@@ -86,7 +85,7 @@ Decision = Next | Blocked | Done
 def _receipt_gap(session: SessionRecord) -> Blocked | None:
     """Why a session does not (yet) have a receipt that proves it can no longer run."""
     receipt = session.receipt
-    if session.state in LIVE_STATES:
+    if session.live:
         return Blocked(
             "session-owner",
             f"a process receipt for session {session.session} (still {session.state})",

@@ -24,7 +24,7 @@ from settled.close.decide import (
 )
 from settled.errors import NotSettled, StaleWrite
 from settled.receipts import seal
-from settled.states import LIVE_STATES, TASK_COMPLETE, TASK_OPEN, TASK_SEALED
+from settled.states import TASK_COMPLETE, TASK_OPEN, TASK_SEALED
 
 if TYPE_CHECKING:
     from settled.runtime import Runtime
@@ -86,7 +86,7 @@ class CloseJoin:
         return {"sealed_at": time.time(), "sessions": [s.session for s in sessions]}
 
     def _step_sessions_settled(self, facts: CloseFacts) -> dict[str, Any]:
-        live = [s for s in facts.sessions if s.state in LIVE_STATES]
+        live = [s for s in facts.sessions if s.live]
         services = [s for s in live if s.spec.get("service")]
         for service in services:
             self.rt.cancel(service.session, "service stopped at close")
@@ -116,7 +116,7 @@ class CloseJoin:
             self.rt.wait(session, timeout=max(0.0, seconds))
         except NotSettled:
             return False  # the receipts step names what is still owed
-        return self.store.get_session(session).state not in LIVE_STATES
+        return not self.store.get_session(session).live
 
     def _step_receipts(self, facts: CloseFacts) -> dict[str, Any]:
         if facts.task.state == TASK_SEALED:

@@ -1,4 +1,8 @@
-"""Starting a session owner, detached from whoever asked for it.
+"""Starting a session owner, detached from whoever asked for it: the `Launcher` seam.
+
+A `Launcher` turns an admitted session into a running owner and returns the owner's readiness
+report. Two implement it: `FreshLauncher` here, and the zygote's `WarmLauncher`
+(`owner/zygote.py`); a third (an owner started inside a remote sandbox) is a new module.
 
 The owner is a fresh `python -I -S` (10 ms to start, against ~47 ms for a default interpreter) with
 only settled and blake3 on its path. It forks once so the launcher reaps its first process at
@@ -14,12 +18,34 @@ import os
 import select
 import subprocess
 import time
-from typing import Any
+from typing import Any, Protocol
 
 from settled.home import make_session_dir
 from settled.isolated import import_roots, python_command
 
 READY_TIMEOUT_S = 30.0
+
+
+class Launcher(Protocol):
+    """Starts one detached owner per call; thread-safe, so one may serve many Runtimes."""
+
+    def launch(self, home: str, session: str) -> dict[str, Any]:
+        """The owner's readiness report, or {"error": why} when it never reported."""
+        ...
+
+    def close(self) -> None:
+        """End what the launcher keeps (a zygote); owners it started run on."""
+        ...
+
+
+class FreshLauncher:
+    """A fresh interpreter per owner: nothing kept, nothing to close."""
+
+    def launch(self, home: str, session: str) -> dict[str, Any]:
+        return launch_owner(home, session)
+
+    def close(self) -> None:
+        return None
 
 
 def owner_path() -> list[str]:

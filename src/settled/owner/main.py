@@ -28,7 +28,7 @@ from settled.identity import CommandSpec
 from settled.log.writer import StreamWriter, enlarge_pipe
 from settled.owner.supervise import Outcome, OwnerSignals, Streams, Supervisor
 from settled.receipts import exit_fact, not_started_fact, process_receipt
-from settled.store import OwnerInfo, SessionRecord, TaskRecord
+from settled.records import OwnerInfo, SessionRecord, TaskRecord
 from settled.store.sqlite import SQLiteStore, open_sqlite
 
 LEASE_S = float(os.environ.get("SETTLED_LEASE_S") or 15.0)  # tests shorten it

@@ -18,6 +18,7 @@ import subprocess
 import threading
 from typing import Any
 
+from settled.home import make_session_dir
 from settled.isolated import python_command
 from settled.owner.launcher import READY_TIMEOUT_S, _read_ready
 
@@ -106,7 +107,8 @@ class WarmLauncher:
         theirs.close()
         return ours
 
-    def launch(self, home: str, session: str, log: str) -> dict[str, Any]:
+    def launch(self, home: str, session: str) -> dict[str, Any]:
+        log = os.path.join(make_session_dir(home, session), "owner.log")
         ready_r, ready_w = os.pipe2(os.O_CLOEXEC)
         umask = os.umask(0o022)
         os.umask(umask)

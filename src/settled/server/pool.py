@@ -1,7 +1,7 @@
 """Where the HTTP service's Runtime calls run: worker threads, each with its own Runtime.
 
 Owns: a fixed pool of worker threads, one ``Runtime`` per thread (a Runtime holds one SQLite
-connection and is used from its thread only), the one ``WarmLauncher`` those Runtimes share for
+connection and is used from its thread only), the one warm launcher those Runtimes share for
 the whole process, a dedicated thread for each call that may block for long (the close join),
 and the background thread that runs ``Runtime.recover()`` every ``RECOVER_EVERY_S`` seconds.
 
@@ -22,8 +22,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
-from settled.owner.zygote import WarmLauncher
-from settled.runtime import Runtime
+from settled.runtime import Launcher, Runtime, open_launcher
 
 P = ParamSpec("P")
 T = TypeVar("T")
@@ -42,7 +41,7 @@ class RuntimePool:
 
     def __init__(self, home: str, threads: int = WORKER_THREADS) -> None:
         self.home = home
-        self.launcher = WarmLauncher()
+        self.launcher = open_launcher("warm")
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._long: set[threading.Thread] = set()
@@ -151,7 +150,7 @@ class Recoverer:
     """Runs ``Runtime.recover()`` now and then every ``interval`` seconds on its own thread,
     so a session whose owner died is inspected (and settled on evidence) without a request."""
 
-    def __init__(self, home: str, launcher: WarmLauncher, interval: float = RECOVER_EVERY_S):
+    def __init__(self, home: str, launcher: Launcher, interval: float = RECOVER_EVERY_S):
         self.home, self.launcher, self.interval = home, launcher, interval
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="settled-recover", daemon=True)

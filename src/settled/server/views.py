@@ -17,11 +17,11 @@ from settled.errors import UnknownSession, UnknownTask
 from settled.home import log_path
 from settled.identity import parse_user
 from settled.log.reader import stored_length
+from settled.records import SessionRecord, TaskRecord
 from settled.runtime import Runtime
 from settled.server.auth import Grant
 from settled.server.errors import NotPermitted
-from settled.states import LIVE_STATES, SETTLED, UNKNOWN
-from settled.store import SessionRecord, TaskRecord
+from settled.states import SETTLED, UNKNOWN
 
 ESCALATION = (
     "TERM, KILL and INT are all delivered as a cancel of the session: its owner (not this "
@@ -104,7 +104,7 @@ def signal(
 ) -> tuple[bool, dict[str, Any]]:
     """(delivered, answer): a live session gets a cancel request; a finished one nothing."""
     record = visible_session(rt, grant, session)
-    live = record.state in LIVE_STATES
+    live = record.live
     view = rt.cancel(session, reason or f"SIG{name} requested over HTTP") if live else None
     return live, {
         "session": session,

@@ -9,73 +9,9 @@ Never touches processes, logs or the workspace.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from typing import Any, Protocol
 
-
-@dataclass(frozen=True)
-class OwnerInfo:
-    """Who owns a session: a pid is only the owner with the same start time on the same boot."""
-
-    pid: int
-    start_time: int
-    boot_id: str
-    lease_until: float
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "pid": self.pid,
-            "start_time": self.start_time,
-            "boot_id": self.boot_id,
-            "lease_until": self.lease_until,
-        }
-
-
-@dataclass(frozen=True)
-class TaskRecord:
-    task: str
-    key: str
-    workspace: str
-    state: str
-    generation: int
-    created_at: float
-    user: tuple[int, int] | None = None  # the task's default uid/gid for its commands
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "task": self.task,
-            "key": self.key,
-            "workspace": self.workspace,
-            "state": self.state,
-            "generation": self.generation,
-            "created_at": self.created_at,
-            "user": list(self.user) if self.user is not None else None,
-        }
-
-
-@dataclass(frozen=True)
-class SessionRecord:
-    session: str
-    task: str
-    key: str
-    digest: str
-    spec: dict[str, Any]
-    state: str
-    generation: int
-    owner: OwnerInfo | None
-    boundary: str | None
-    boundary_ref: str | None
-    command_pid: int | None
-    command_start_time: int | None
-    stdout_durable: int
-    stderr_durable: int
-    cancel_requested: str | None
-    created_at: float
-    started_at: float | None
-    settled_at: float | None
-    receipt: dict[str, Any] | None
-    unknown_why: str | None = None
-    isolation: dict[str, Any] | None = None  # the plan the command ran under, as recorded
+from settled.records import OwnerInfo, SessionRecord, TaskRecord
 
 
 class Store(Protocol):
@@ -159,8 +95,6 @@ class Store(Protocol):
     ) -> None: ...
 
     def latest_checkpoint(self, task: str) -> tuple[dict[str, Any], str | None] | None: ...
-
-    def find_checkpoint(self, manifest: str) -> dict[str, Any] | None: ...
 
     def fence(self, task: str, generation: int) -> int: ...
 

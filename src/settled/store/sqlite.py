@@ -31,6 +31,7 @@ from settled.errors import (
 from settled.home import private_file
 from settled.identity import new_id
 from settled.receipts import checked
+from settled.records import OwnerInfo, SessionRecord, TaskRecord
 from settled.states import (
     ADMITTED,
     TASK_OPEN,
@@ -39,7 +40,7 @@ from settled.states import (
     next_task_state,
     states_accepting,
 )
-from settled.store import OwnerInfo, SessionRecord, TaskRecord, loads
+from settled.store import loads
 
 SCHEMA_VERSION = 4
 RECEIPT_EVENTS = ("receipt", "lose", "recover")
@@ -628,12 +629,6 @@ class SQLiteStore:
         if row is None:
             return None
         return checked(json.loads(row[0]), f"the checkpoint receipt of task {task}"), row[1]
-
-    def find_checkpoint(self, manifest: str) -> dict[str, Any] | None:
-        row = self._db.execute(
-            "SELECT receipt FROM checkpoints WHERE manifest=? LIMIT 1", (manifest,)
-        ).fetchone()
-        return json.loads(row[0]) if row else None
 
     def fence(self, task: str, generation: int) -> int:
         """Advance the runtime generation past `generation`; a stale fence is refused."""

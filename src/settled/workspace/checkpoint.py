@@ -33,7 +33,7 @@ from settled.canonical import canonical_bytes
 from settled.errors import SettledError
 from settled.home import journal_socket
 from settled.receipts import seal
-from settled.store import SessionRecord, TaskRecord
+from settled.records import SessionRecord, TaskRecord
 from settled.store.sqlite import SQLiteStore
 from settled.workspace import journal
 from settled.workspace.hashing import algorithm_of, digest_bytes

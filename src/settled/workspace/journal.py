@@ -49,6 +49,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from settled.atomic import write_atomic
 from settled.errors import SettledError
 from settled.isolated import HelperUnavailable, python_command
 
@@ -682,20 +683,7 @@ def _read_state(state_path: str) -> int | None:
 
 
 def _write_state(state_path: str, seq: int, clean: bool) -> None:
-    """Atomic and durable: a temporary file, fsync, rename, fsync of the directory."""
-    tmp = f"{state_path}.tmp.{os.getpid()}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-    try:
-        os.write(fd, json.dumps({"seq": seq, "clean": clean, "pid": os.getpid()}).encode())
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, state_path)
-    dir_fd = os.open(os.path.dirname(state_path), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    write_atomic(state_path, json.dumps({"seq": seq, "clean": clean, "pid": os.getpid()}).encode())
 
 
 @contextlib.contextmanager

@@ -375,17 +375,6 @@ class LocalObjectStore:
         _fsync_dir(os.path.dirname(source))
         return target
 
-    def sweep_temps(self, older_than_s: float = 86_400.0) -> int:
-        """Remove temp files abandoned by crashed writers; returns how many were removed."""
-        cutoff = time.time() - older_than_s
-        removed = 0
-        for entry in os.scandir(self.temp_dir):
-            with contextlib.suppress(FileNotFoundError):
-                if entry.stat(follow_symlinks=False).st_mtime < cutoff:
-                    os.unlink(entry.path)
-                    removed += 1
-        return removed
-
     # -- reading -------------------------------------------------------------------------------
 
     def has(self, digest: str) -> bool:
