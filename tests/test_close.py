@@ -383,3 +383,10 @@ def test_task_status_is_computed_from_the_close_facts(
         assert view["blocked_on"]["session"] == admission.session
     finally:
         kill_marked(marker, b"sleep")
+
+
+def test_every_step_of_the_table_has_one_function_that_performs_it() -> None:
+    from settled.close.decide import STEPS
+    from settled.close.join import PERFORM
+
+    assert list(PERFORM) == [step.name for step in STEPS]

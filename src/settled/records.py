@@ -32,6 +32,16 @@ class OwnerInfo:
 
 
 @dataclass(frozen=True)
+class OwnerFacts:
+    """What was observed of the recorded owner at the moment it asked."""
+
+    alive: bool
+    why: str | None
+    lease_fresh: bool
+    process_alive: bool = False  # the pid still runs with its start time (lease aside)
+
+
+@dataclass(frozen=True)
 class TaskRecord:
     task: str
     key: str

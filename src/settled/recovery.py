@@ -13,158 +13,87 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-import blake3
-
-from settled.atomic import replacing
-from settled.boundary import inspect as boundary_inspect
 from settled.boundary.base import Evidence
-from settled.boundary.isolation import recorded_cgroup_contained
+from settled.boundary.sandbox import SandboxProvider
 from settled.errors import StaleWrite
 from settled.home import journal_socket, log_path
+from settled.log.recovered import close_at_disk
 from settled.owner.launcher import READY_TIMEOUT_S
 from settled.receipts import process_receipt
 from settled.records import SessionRecord
+from settled.sessions import SessionWatch
 from settled.states import ADMITTED, UNKNOWN
-
-if TYPE_CHECKING:
-    from settled.runtime import Runtime
-
-COPY_CHUNK = 1 << 20
+from settled.store import Store
 
 
-def owner_missing(rt: Runtime, record: SessionRecord, now: float) -> str | None:
-    """Why this live session has no owner, or None while it has one (or may still get one)."""
-    if not record.live:
-        return None
-    if record.owner is None:
-        waited = now - record.created_at
-        if record.state == ADMITTED and waited > READY_TIMEOUT_S:
-            return f"no owner claimed it in {waited:.0f} s (its launcher died)"
-        return None
-    facts = rt.owner_facts(record)
-    return None if facts is None or facts.alive else facts.why
+class Recovery:
+    """Detects owners that are gone and settles their sessions from the sandbox's evidence.
 
+    Given the narrow things it uses: the store (every change a compare-and-set), the sessions'
+    liveness view, the sandbox provider that inspects boundaries, and the home (where logs and
+    the journal socket are)."""
 
-def detect(rt: Runtime, task: str | None = None, *, force: bool = False) -> list[str]:
-    """Mark every live session whose owner is missing as unknown; returns their ids.
-    `force` (the sandbox was destroyed) takes every live session of the task."""
-    now = time.time()
-    found = []
-    for record in rt.store.live_sessions(task):
-        why = "the task's sandbox was destroyed" if force else owner_missing(rt, record, now)
-        if why is None:
-            continue
-        with contextlib.suppress(StaleWrite):  # it settled (or another detector won) meanwhile
-            rt.store.mark_unknown(record.session, record.generation, why)
-            found.append(record.session)
-    return found
+    def __init__(
+        self, store: Store, sessions: SessionWatch, sandbox: SandboxProvider, home: str
+    ) -> None:
+        self.store, self.sessions, self.sandbox, self.home = store, sessions, sandbox, home
 
+    def owner_missing(self, record: SessionRecord, now: float) -> str | None:
+        """Why this live session has no owner, or None while it has one (or may still get one)."""
+        if not record.live:
+            return None
+        if record.owner is None:
+            waited = now - record.created_at
+            if record.state == ADMITTED and waited > READY_TIMEOUT_S:
+                return f"no owner claimed it in {waited:.0f} s (its launcher died)"
+            return None
+        facts = self.sessions.owner_facts(record)
+        return None if facts is None or facts.alive else facts.why
 
-def recover(
-    rt: Runtime, task: str | None = None, *, source: str = "recovery"
-) -> list[dict[str, Any]]:
-    detect(rt, task)
-    return [recover_session(rt, record, source) for record in rt.store.unknown_sessions(task)]
+    def detect(self, task: str | None = None, *, force: bool = False) -> list[str]:
+        """Mark every live session whose owner is missing as unknown; returns their ids.
+        `force` (the sandbox was destroyed) takes every live session of the task."""
+        now = time.time()
+        found = []
+        for record in self.store.live_sessions(task):
+            why = "the task's sandbox was destroyed" if force else self.owner_missing(record, now)
+            if why is None:
+                continue
+            with contextlib.suppress(StaleWrite):  # it settled (or another detector won)
+                self.store.mark_unknown(record.session, record.generation, why)
+                found.append(record.session)
+        return found
 
+    def recover(self, task: str | None = None, *, source: str = "recovery") -> list[dict[str, Any]]:
+        self.detect(task)
+        return [self.recover_session(r, source) for r in self.store.unknown_sessions(task)]
 
-def recover_session(rt: Runtime, record: SessionRecord, source: str) -> dict[str, Any]:
-    try:
-        generation = rt.store.take_over(record.session, record.generation)
-    except StaleWrite as exc:
-        return {"session": record.session, "state": "skipped", "why": str(exc)}
-    evidence = _inspect(record)
-    if not evidence.proven:
-        why = str(evidence.observed.get("why") or f"boundary {evidence.boundary} gave no evidence")
-        rt.store.note_unknown(record.session, why)
-        return {"session": record.session, "state": UNKNOWN, "why": why}
-    receipt = _recovered_receipt(rt, record, generation, evidence, source)
-    rt.store.write_receipt(record.session, generation, receipt, event="recover")
-    return {"session": record.session, "state": "settled", "evidence": evidence.evidence}
-
-
-def _inspect(record: SessionRecord) -> Evidence:
-    """Positive evidence that nothing of this session can run, or why there is none."""
-    if record.owner is None:
-        return Evidence(
-            "none",
-            True,
-            "no owner ever claimed this session and its claim is now fenced: its command can "
-            "never start",
-            {"claimed": False},
-        )
-    kind, ref = record.boundary, record.boundary_ref
-    if kind is None:
-        return Evidence(
-            "none",
-            True,
-            "the owner died before it created a boundary, so before it started the command",
-            {"boundary_recorded": False},
-        )
-    if kind == "cgroup2+pidns":
-        return boundary_inspect.kill_cgroup_pidns(
-            ref, boundary_inspect.cgroup_path_of(record.task, record.session)
-        )
-    if kind == "cgroup2":
-        path = ref or boundary_inspect.cgroup_path_of(record.task, record.session)
-        if path is None:
-            return Evidence(kind, False, None, {"why": "cgroup2 is not available to recovery"})
-        if not recorded_cgroup_contained(record.isolation):
-            boundary_inspect.kill_cgroup(path)  # stop what is inside, even without evidence
-            return Evidence(
-                kind,
-                False,
-                None,
-                {
-                    "why": "the command ran without a cgroup namespace, so a process of it could "
-                    "have moved to another cgroup, and only its owner (a subreaper) could have "
-                    "found it; destroy the task's sandbox"
-                },
+    def recover_session(self, record: SessionRecord, source: str) -> dict[str, Any]:
+        try:
+            generation = self.store.take_over(record.session, record.generation)
+        except StaleWrite as exc:
+            return {"session": record.session, "state": "skipped", "why": str(exc)}
+        evidence = self.sandbox.inspect(record)
+        if not evidence.proven:
+            why = str(
+                evidence.observed.get("why") or f"boundary {evidence.boundary} gave no evidence"
             )
-        return boundary_inspect.kill_cgroup(path)
-    if kind == "pidns":
-        if ref is None:
-            return Evidence(
-                kind,
-                False,
-                None,
-                {"why": "the owner died between forking the namespace init and recording it"},
-            )
-        return boundary_inspect.kill_pidns_init(ref)
-    return Evidence(
-        kind,
-        False,
-        None,
-        {
-            "why": f"boundary {kind} gives no evidence once its owner is gone: its orphans "
-            "were re-parented to init and cannot be enumerated; destroy the task's sandbox"
-        },
-    )
-
-
-def _close_log(path: str) -> dict[str, Any]:
-    """The stream ends at the bytes on disk. The file is replaced by a copy of exactly those
-    bytes, so a fenced owner that wakes up appends to an orphaned inode, never to this log."""
-    hasher = blake3.blake3()
-    size = 0
-    if os.path.exists(path):
-        with open(path, "rb") as source, replacing(path, 0o400) as copy:
-            while chunk := source.read(COPY_CHUNK):
-                hasher.update(chunk)
-                copy.write(chunk)
-                size += len(chunk)
-    return {"cursor": size, "digest": "blake3:" + hasher.hexdigest(), "drained": None,
-            "not_stored": None, "cap": None}  # fmt: skip
+            self.store.note_unknown(record.session, why)
+            return {"session": record.session, "state": UNKNOWN, "why": why}
+        receipt = _recovered_receipt(self.home, record, generation, evidence, source)
+        self.store.write_receipt(record.session, generation, receipt, event="recover")
+        return {"session": record.session, "state": "settled", "evidence": evidence.evidence}
 
 
 def _recovered_receipt(
-    rt: Runtime, record: SessionRecord, generation: int, evidence: Evidence, source: str
+    home: str, record: SessionRecord, generation: int, evidence: Evidence, source: str
 ) -> dict[str, Any]:
     from settled.workspace import journal
 
     output = {
-        stream: _close_log(log_path(rt.home, record.session, stream))
+        stream: close_at_disk(log_path(home, record.session, stream))
         for stream in ("stdout", "stderr")
     }
     never_ran = not evidence.observed.get("claimed", True) or evidence.boundary == "none"
@@ -185,7 +114,7 @@ def _recovered_receipt(
         },
         output={**output, "drain": "complete" if never_ran else "incomplete"},
         stragglers=[],
-        terminal_mutation=journal.terminal_mutation(journal_socket(rt.home, record.task)),
+        terminal_mutation=journal.terminal_mutation(journal_socket(home, record.task)),
         isolation=record.isolation,
         owner={
             "pid": os.getpid(),

@@ -7,26 +7,21 @@ admission belongs to the owner; the runtime only reads facts and asks the owner 
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import os
-import select
-import signal
 import tempfile
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from settled import boundary as boundaries
-from settled import recovery
 from settled.atomic import write_atomic
-from settled.boundary import inspect as boundary_inspect
-from settled.boundary import procfs
 from settled.boundary.isolation import IsolationUnavailable, check_available
+from settled.boundary.local import LocalSandbox
+from settled.boundary.sandbox import SandboxProvider
 from settled.close.decide import explain
 from settled.close.join import CloseJoin, CloseResult
-from settled.errors import BadInput, NotSettled, OwnerLaunchFailed, SettledError
+from settled.errors import BadInput, OwnerLaunchFailed, SettledError
 from settled.home import log_path, prepare_home, resolve_home, stdin_path
 from settled.identity import (
     CommandSpec,
@@ -40,11 +35,14 @@ from settled.log.reader import follow, read_range, stored_length
 from settled.log.view import model_view
 from settled.owner.launcher import FreshLauncher
 from settled.owner.launcher import Launcher as Launcher
+from settled.owner.liveness import LocalOwners
 from settled.owner.zygote import WarmLauncher
-from settled.records import SessionRecord, TaskRecord
-from settled.states import SETTLED, TASK_OPEN, UNKNOWN
-from settled.status import OwnerFacts, session_status, task_status
-from settled.store.sqlite import SQLiteStore, open_sqlite
+from settled.records import OwnerFacts, SessionRecord, TaskRecord
+from settled.recovery import Recovery
+from settled.sessions import SessionWatch
+from settled.states import SETTLED, TASK_OPEN
+from settled.status import session_status, task_status
+from settled.store import Store, open_store
 from settled.workspace.checkpoint import WorkspaceService
 from settled.workspace.hashing import parse_digest
 from settled.workspace.restore import RestoreResult, restore
@@ -146,8 +144,11 @@ class Runtime:
         if shared_launcher is None:
             open_launcher(launcher)  # refuse an unknown kind now, not at the first exec
         self._launcher_kind = launcher
-        self.store: SQLiteStore = open_sqlite(self.home)
+        self.store: Store = open_store(self.home)
         self.workspace = WorkspaceService(self.home, self.store)
+        self.sessions = SessionWatch(self.store, LocalOwners())
+        self.sandbox: SandboxProvider = LocalSandbox()
+        self.recovery = Recovery(self.store, self.sessions, self.sandbox, self.home)
         self._launcher: Launcher | None = shared_launcher
         self._owns_launcher = shared_launcher is None
 
@@ -251,7 +252,7 @@ class Runtime:
         existing = self.store.find_session(task, key)
         if existing is not None and existing.digest == spec.digest:
             return self._admission(existing, reused=True)  # a retry: nothing to inspect
-        recovery.detect(self, task)  # a session whose owner vanished freezes admission
+        self.recovery.detect(task)  # a session whose owner vanished freezes admission
         session, reused = self.store.admit(task, key, spec.digest, spec.to_json())
         if reused:
             return self._admission(session, reused=True)
@@ -286,35 +287,10 @@ class Runtime:
     # -- facts ---------------------------------------------------------------------------
 
     def owner_facts(self, record: SessionRecord) -> OwnerFacts | None:
-        owner = record.owner
-        if owner is None:
-            return None
-        lease_fresh = owner.lease_until > time.time()
-        if owner.boot_id != procfs.boot_id():
-            return OwnerFacts(False, f"owner recorded on boot {owner.boot_id}", lease_fresh)
-        if procfs.start_time(owner.pid) != owner.start_time or procfs.state_of(owner.pid) == "Z":
-            return OwnerFacts(
-                False, f"owner pid {owner.pid} is gone (or is another process now)", lease_fresh
-            )
-        if not lease_fresh:
-            late = time.time() - owner.lease_until
-            return OwnerFacts(
-                False,
-                f"owner pid {owner.pid} has not renewed its lease for {late:.1f} s "
-                "(stopped, hung or starved)",
-                False,
-                process_alive=True,
-            )
-        return OwnerFacts(True, None, True, process_alive=True)
+        return self.sessions.owner_facts(record)
 
     def session_status(self, session: str) -> dict[str, Any]:
-        record = self.store.get_session(session)
-        facts = self.owner_facts(record)
-        if facts is not None and not facts.alive and record.live:
-            # The owner writes its receipt before it exits: one that settled and exited between
-            # the two reads above is settled, not unknown. Read the record again to see.
-            record = self.store.get_session(session)
-        return session_status(record, facts)
+        return self.sessions.status(session)
 
     def task_status(self, task: str) -> dict[str, Any]:
         record = self.store.get_task(task)
@@ -332,64 +308,12 @@ class Runtime:
 
     def wait(self, session: str, timeout: float | None = None) -> dict[str, Any]:
         """Block until the session has a receipt (or is unknown); the session's clock, not ours.
-
-        Sleeps on a pidfd of the owner, which writes the receipt just before it exits, so a
-        waiter wakes at once instead of on its next poll; the poll remains for everything else.
-        """
-        give_up = None if timeout is None else time.monotonic() + timeout
-        pause = 0.002
-        owner_fd: int | None = None
-        try:
-            while True:
-                view = self.session_status(session)
-                if view["state"] == SETTLED and "receipt" in view:
-                    return view
-                if view["state"] == UNKNOWN and not self._owner_still_runs(session):
-                    return view  # a stale lease alone is recovery's business, not a waiter's
-                now = time.monotonic()
-                if give_up is not None and now >= give_up:
-                    raise NotSettled(
-                        f"session {session} is still {view['state']} after {timeout} s; it goes "
-                        f"on (wait again, or read its output with `settled logs {session} "
-                        "--follow`)"
-                    )
-                if owner_fd is None:
-                    owner_fd = self._owner_pidfd(session)
-                wait_for = pause if give_up is None else min(pause, max(0.0, give_up - now))
-                select.select([owner_fd] if owner_fd is not None else [], [], [], wait_for)
-                pause = min(pause * 1.5, 0.05)
-        finally:
-            if owner_fd is not None:
-                os.close(owner_fd)
-
-    def _owner_still_runs(self, session: str) -> bool:
-        record = self.store.get_session(session)
-        if not record.live:
-            return False
-        facts = self.owner_facts(record)
-        return facts is not None and facts.process_alive
-
-    def _owner_pidfd(self, session: str) -> int | None:
-        record = self.store.get_session(session)
-        if record.owner is None:
-            return None
-        try:
-            fd = os.pidfd_open(record.owner.pid)
-        except OSError:
-            return None
-        if procfs.start_time(record.owner.pid) != record.owner.start_time:
-            os.close(fd)  # the pid was reused: this is not the owner
-            return None
-        return fd
+        Raises NotSettled when `timeout` passes first; the session goes on."""
+        return self.sessions.wait(session, timeout)
 
     def cancel(self, session: str, reason: str = "cancel requested") -> dict[str, Any]:
         """Ask the owner to stop the session (TERM, grace, KILL over the whole boundary)."""
-        record = self.store.request_cancel(session, reason)
-        facts = self.owner_facts(record)
-        if record.owner is not None and facts is not None and facts.alive:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(record.owner.pid, signal.SIGUSR1)
-        return self.session_status(session)
+        return self.sessions.cancel(session, reason)
 
     # -- close, explain, restore ---------------------------------------------------------
 
@@ -397,38 +321,32 @@ class Runtime:
         self, task: str, final: str | None = None, deadline: float | None = None
     ) -> CloseResult:
         """Run (or resume) the close join; a repeated close returns the same receipt."""
-        return CloseJoin(self, task, final, deadline).run()
+        return self._close_join(task, final, deadline).run()
+
+    def _close_join(
+        self, task: str, final: str | None = None, deadline: float | None = None
+    ) -> CloseJoin:
+        return CloseJoin(self.store, self.workspace, self.sessions, task, final, deadline)
 
     def recover(self, task: str | None = None) -> list[dict[str, Any]]:
         """Inspect every session whose owner is gone; settle those with evidence (rule 4)."""
-        return recovery.recover(self, task)
+        return self.recovery.recover(task)
 
     def destroy_task(self, task: str) -> dict[str, Any]:
-        """Destroy the task's sandbox (its cgroup and PID namespaces): evidence for every
-        session inside it. Sessions outside any sandbox (subreaper, pgroup) stay unknown."""
+        """Destroy the task's sandbox: evidence for every session inside it. Sessions outside
+        any sandbox (subreaper, pgroup) stay unknown."""
         record = self.store.get_task(task)
-        sandbox = boundary_inspect.cgroup_path_of(record.task, "")
-        killed = boundary_inspect.kill_cgroup(sandbox.rstrip("/")) if sandbox else None
-        for session in self.store.list_sessions(task):
-            if session.boundary == "pidns" and session.boundary_ref:
-                boundary_inspect.kill_pidns_init(session.boundary_ref)
-            elif session.boundary == "cgroup2+pidns" and session.boundary_ref:
-                boundary_inspect.kill_cgroup_pidns(session.boundary_ref, None)
-        recovery.detect(self, task, force=True)
-        results = recovery.recover(self, task, source="sandbox-destroyed")
-        return {
-            "task": task,
-            "sandbox": killed.to_json("sandbox-destroyed") if killed else None,
-            "sessions": results,
-        }
+        destroyed = self.sandbox.destroy(record.task, self.store.list_sessions(task))
+        self.recovery.detect(task, force=True)
+        results = self.recovery.recover(task, source="sandbox-destroyed")
+        return {"task": task, "sandbox": destroyed, "sessions": results}
 
     def checkpoint(self, task: str, *, incremental: bool = True) -> dict[str, Any]:
         """Checkpoint an open task's workspace now (the close always does its own full scan)."""
         return self.workspace.checkpoint_now(self.store.get_task(task), incremental=incremental)
 
     def explain(self, task: str) -> dict[str, Any]:
-        join = CloseJoin(self, task)
-        return explain(join.facts())
+        return explain(self._close_join(task).facts())
 
     def restore(self, target: str, dest: str, *, same_owner: bool = False) -> RestoreResult:
         """Rebuild a task's last checkpoint (or a manifest id) into an empty directory that is

@@ -7,21 +7,10 @@ why; it is never shown as failed, and nothing here may relaunch it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
-from settled.records import SessionRecord, TaskRecord
+from settled.records import OwnerFacts, SessionRecord, TaskRecord
 from settled.states import SETTLED, UNKNOWN
-
-
-@dataclass(frozen=True)
-class OwnerFacts:
-    """What the runtime observed of the recorded owner at the moment it asked."""
-
-    alive: bool
-    why: str | None
-    lease_fresh: bool
-    process_alive: bool = False  # the pid still runs with its start time (lease aside)
 
 
 def session_status(record: SessionRecord, owner: OwnerFacts | None) -> dict[str, Any]:

@@ -10,8 +10,9 @@ and a repeated close returns the same close receipt without running anything aga
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from settled import faults
 from settled.close.decide import (
@@ -22,12 +23,11 @@ from settled.close.decide import (
     command_outcomes,
     next_decision,
 )
-from settled.errors import NotSettled, StaleWrite
+from settled.errors import StaleWrite
 from settled.receipts import seal
+from settled.records import SessionRecord, TaskRecord
 from settled.states import TASK_COMPLETE, TASK_OPEN, TASK_SEALED
-
-if TYPE_CHECKING:
-    from settled.runtime import Runtime
+from settled.store import Store
 
 CLOSE_RECEIPT_VERSION = "settled.receipt.close/v1"
 DEFAULT_DEADLINE_S = 600.0
@@ -46,13 +46,42 @@ class CloseResult:
         return {"complete": False, "blocked_on": self.blocked_on}
 
 
+class Sessions(Protocol):
+    """What the close asks of sessions: it never touches their processes (their owners do)."""
+
+    def cancel(self, session: str, reason: str) -> Any: ...
+
+    def settles_within(self, session: str, seconds: float) -> bool: ...
+
+
+class Workspace(Protocol):
+    """The workspace service's part of the close: the final scan and the checkpoint."""
+
+    def final_scan(self, task: TaskRecord) -> dict[str, Any]: ...
+
+    def checkpoint(
+        self, task: TaskRecord, scan_fact: dict[str, Any], sessions: list[SessionRecord]
+    ) -> dict[str, Any]: ...
+
+    def release(self, task: TaskRecord) -> None: ...
+
+
+StepFunction = Callable[["CloseJoin", CloseFacts], dict[str, Any]]
+
+
 class CloseJoin:
     def __init__(
-        self, runtime: Runtime, task: str, final: str | None = None, deadline: float | None = None
+        self,
+        store: Store,
+        workspace: Workspace,
+        sessions: Sessions,
+        task: str,
+        final: str | None = None,
+        deadline: float | None = None,
     ) -> None:
-        self.rt, self.task, self.final = runtime, task, final
+        self.store, self.workspace, self.sessions = store, workspace, sessions
+        self.task, self.final = task, final
         self.deadline = DEFAULT_DEADLINE_S if deadline is None else deadline
-        self.store = runtime.store
 
     def facts(self) -> CloseFacts:
         return CloseFacts(
@@ -70,7 +99,7 @@ class CloseJoin:
             if isinstance(decision, Blocked):
                 return CloseResult(False, None, decision.to_json())
             assert isinstance(decision, Next)
-            fact = getattr(self, f"_step_{decision.step.name}")(facts)
+            fact = PERFORM[decision.step.name](self, facts)
             self.store.record_close_step(self.task, decision.step.name, fact)
             faults.point(f"close.after_{decision.step.name}")
 
@@ -89,20 +118,20 @@ class CloseJoin:
         live = [s for s in facts.sessions if s.live]
         services = [s for s in live if s.spec.get("service")]
         for service in services:
-            self.rt.cancel(service.session, "service stopped at close")
+            self.sessions.cancel(service.session, "service stopped at close")
         required = [s for s in live if not s.spec.get("service")]
         give_up = time.monotonic() + self.deadline
         cancelled: list[str] = []
         for session in required:
             remaining = give_up - time.monotonic()
-            if self._settles_within(session.session, remaining):
+            if self.sessions.settles_within(session.session, remaining):
                 continue
-            self.rt.cancel(session.session, f"close deadline of {self.deadline} s passed")
+            self.sessions.cancel(session.session, f"close deadline of {self.deadline} s passed")
             cancelled.append(session.session)
         unsettled = [
             s.session
             for s in live
-            if not self._settles_within(s.session, CANCEL_SETTLE_S + float(s.spec["grace"]))
+            if not self.sessions.settles_within(s.session, CANCEL_SETTLE_S + float(s.spec["grace"]))
         ]
         return {
             "settled_at": time.time(),
@@ -110,13 +139,6 @@ class CloseJoin:
             "cancelled_at_deadline": cancelled,
             "unsettled": unsettled,
         }
-
-    def _settles_within(self, session: str, seconds: float) -> bool:
-        try:
-            self.rt.wait(session, timeout=max(0.0, seconds))
-        except NotSettled:
-            return False  # the receipts step names what is still owed
-        return not self.store.get_session(session).live
 
     def _step_receipts(self, facts: CloseFacts) -> dict[str, Any]:
         if facts.task.state == TASK_SEALED:
@@ -129,11 +151,11 @@ class CloseJoin:
         }
 
     def _step_final_scan(self, facts: CloseFacts) -> dict[str, Any]:
-        return self.rt.workspace.final_scan(facts.task)
+        return self.workspace.final_scan(facts.task)
 
     def _step_checkpoint(self, facts: CloseFacts) -> dict[str, Any]:
         scan = facts.steps["final_scan"]
-        receipt = self.rt.workspace.checkpoint(facts.task, scan, facts.sessions)
+        receipt = self.workspace.checkpoint(facts.task, scan, facts.sessions)
         return {"receipt": receipt}
 
     def _step_fenced(self, facts: CloseFacts) -> dict[str, Any]:
@@ -184,5 +206,18 @@ class CloseJoin:
         )
         if facts.task.state != TASK_COMPLETE:
             self.store.task_event(self.task, "complete")
-        self.rt.workspace.release(facts.task)
+        self.workspace.release(facts.task)
         return {"receipt": receipt}
+
+
+# The function that performs each step, by the names of decide.STEPS (test_close checks both).
+PERFORM: dict[str, StepFunction] = {
+    "final_pending": CloseJoin._step_final_pending,
+    "sealed": CloseJoin._step_sealed,
+    "sessions_settled": CloseJoin._step_sessions_settled,
+    "receipts": CloseJoin._step_receipts,
+    "final_scan": CloseJoin._step_final_scan,
+    "checkpoint": CloseJoin._step_checkpoint,
+    "fenced": CloseJoin._step_fenced,
+    "outcome": CloseJoin._step_outcome,
+}

@@ -29,7 +29,7 @@ from settled.log.writer import StreamWriter, enlarge_pipe
 from settled.owner.supervise import Outcome, OwnerSignals, Streams, Supervisor
 from settled.receipts import exit_fact, not_started_fact, process_receipt
 from settled.records import OwnerInfo, SessionRecord, TaskRecord
-from settled.store.sqlite import SQLiteStore, open_sqlite
+from settled.store import Store, open_store
 
 LEASE_S = float(os.environ.get("SETTLED_LEASE_S") or 15.0)  # tests shorten it
 HEARTBEAT_S = LEASE_S / 5  # five renewals per lease: a starved owner has four to spare
@@ -91,7 +91,7 @@ class Ready:
 
 
 class Owner:
-    def __init__(self, store: SQLiteStore, home: str, record: SessionRecord, ready: Ready) -> None:
+    def __init__(self, store: Store, home: str, record: SessionRecord, ready: Ready) -> None:
         self.store, self.home, self.record, self.ready = store, home, record, ready
         self.spec = CommandSpec.from_json(record.spec)
         self.generation = record.generation
@@ -360,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
 def run_session(home: str, session: str, ready_fd: int | None) -> int:
     os.chdir("/")
     ready = Ready(ready_fd)
-    store = open_sqlite(home)
+    store = open_store(home)
     try:
         record = store.get_session(session)
         return Owner(store, home, record, ready).run()

@@ -1,8 +1,11 @@
 """The authority store: the one place state lives, and the only code that decides it.
 
 Owns task and session records and every state change, each a compare-and-set on (state,
-generation) through the transition table in `settled.states`. SQLite is the embedded default;
-PostgreSQL will satisfy the same `Store` protocol and run the same contract tests.
+generation) through the transition table in `settled.states`. `Store` is the seam: the Runtime,
+the owner, the close join, recovery and the workspace service depend on it and on nothing else of
+this package; `open_store` is the one place an implementation is chosen. SQLite
+(`store/sqlite.py`) is the embedded default; PostgreSQL will be a new module beside it that
+passes the same contract tests (`tests/test_store.py` runs against the protocol).
 Never touches processes, logs or the workspace.
 """
 
@@ -99,6 +102,13 @@ class Store(Protocol):
     def fence(self, task: str, generation: int) -> int: ...
 
     def close(self) -> None: ...
+
+
+def open_store(home: str) -> Store:
+    """The store of a settled home: its embedded SQLite database."""
+    from settled.store.sqlite import open_sqlite  # the implementation stays behind the seam
+
+    return open_sqlite(home)
 
 
 def loads(text: str | None) -> Any:

@@ -34,7 +34,7 @@ from settled.errors import SettledError
 from settled.home import journal_socket
 from settled.receipts import seal
 from settled.records import SessionRecord, TaskRecord
-from settled.store.sqlite import SQLiteStore
+from settled.store import Store
 from settled.workspace import journal
 from settled.workspace.hashing import algorithm_of, digest_bytes
 from settled.workspace.index import Index
@@ -59,7 +59,7 @@ class CheckpointUnverified(SettledError):
 
 
 class WorkspaceService:
-    def __init__(self, home: str, store: SQLiteStore) -> None:
+    def __init__(self, home: str, store: Store) -> None:
         self.home, self.store = home, store
         self.objects = LocalObjectStore(os.path.join(home, "objects"))
         self._cache: NodeCache | None = None

@@ -1,0 +1,88 @@
+"""The local sandbox: a task's cgroup v2 subtree and its sessions' PID namespaces on this host.
+
+The task's cgroup (`<hierarchy>/settled/<task>`) is made by the first session's boundary, not
+here, so `create` only names it; destroying it kills every session cgroup below it. A session's
+own evidence comes from the boundary its owner recorded: a cgroup watched to `populated 0` and
+removed, a PID-namespace init reaped. A subreaper or process group whose owner died gives none:
+its orphans were re-parented to init and cannot be enumerated.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from settled.boundary import inspect as boundary_inspect
+from settled.boundary.base import Evidence
+from settled.boundary.isolation import recorded_cgroup_contained
+from settled.records import SessionRecord
+
+
+class LocalSandbox:
+    name = "local"
+
+    def create(self, task: str) -> dict[str, Any]:
+        return {"provider": self.name, "cgroup": boundary_inspect.cgroup_path_of(task, "")}
+
+    def destroy(self, task: str, sessions: list[SessionRecord]) -> dict[str, Any] | None:
+        sandbox = boundary_inspect.cgroup_path_of(task, "")
+        killed = boundary_inspect.kill_cgroup(sandbox.rstrip("/")) if sandbox else None
+        for session in sessions:  # a namespace init outside the cgroup tree dies by its pid
+            if session.boundary == "pidns" and session.boundary_ref:
+                boundary_inspect.kill_pidns_init(session.boundary_ref)
+            elif session.boundary == "cgroup2+pidns" and session.boundary_ref:
+                boundary_inspect.kill_cgroup_pidns(session.boundary_ref, None)
+        return killed.to_json("sandbox-destroyed") if killed else None
+
+    def inspect(self, session: SessionRecord) -> Evidence:
+        if session.owner is None:
+            return Evidence(
+                "none",
+                True,
+                "no owner ever claimed this session and its claim is now fenced: its command can "
+                "never start",
+                {"claimed": False},
+            )
+        kind, ref = session.boundary, session.boundary_ref
+        if kind is None:
+            return Evidence(
+                "none",
+                True,
+                "the owner died before it created a boundary, so before it started the command",
+                {"boundary_recorded": False},
+            )
+        if kind == "cgroup2+pidns":
+            return boundary_inspect.kill_cgroup_pidns(
+                ref, boundary_inspect.cgroup_path_of(session.task, session.session)
+            )
+        if kind == "cgroup2":
+            return _inspect_cgroup(session, ref)
+        if kind == "pidns":
+            if ref is None:
+                return _no_evidence(
+                    kind, "the owner died between forking the namespace init and recording it"
+                )
+            return boundary_inspect.kill_pidns_init(ref)
+        return _no_evidence(
+            kind,
+            f"boundary {kind} gives no evidence once its owner is gone: its orphans were "
+            "re-parented to init and cannot be enumerated; destroy the task's sandbox",
+        )
+
+
+def _inspect_cgroup(session: SessionRecord, ref: str | None) -> Evidence:
+    path = ref or boundary_inspect.cgroup_path_of(session.task, session.session)
+    if path is None:
+        return _no_evidence("cgroup2", "cgroup2 is not available to recovery")
+    if not recorded_cgroup_contained(session.isolation):
+        boundary_inspect.kill_cgroup(path)  # stop what is inside, even without evidence
+        return _no_evidence(
+            "cgroup2",
+            "the command ran without a cgroup namespace, so a process of it could have moved "
+            "to another cgroup, and only its owner (a subreaper) could have found it; destroy "
+            "the task's sandbox",
+        )
+    return boundary_inspect.kill_cgroup(path)
+
+
+def _no_evidence(kind: str, why: str) -> Evidence:
+    return Evidence(kind, False, None, {"why": why})
