@@ -38,7 +38,7 @@ from collections.abc import Collection, Iterable, Mapping
 from typing import Final, NamedTuple
 
 from settled.home import private_file
-from settled.store.sqlite import BUSY_TIMEOUT_S, enable_wal
+from settled.localdb import BUSY_TIMEOUT_S, enable_wal
 from settled.workspace.scan import CLOCK_SLACK_NS, COARSE_FS_SLACK_NS
 
 _BATCH: Final = 10_000  # digests per lookup query (SQLite allows 32,766 variables)
