@@ -40,7 +40,8 @@ from settled.workspace.hashing import algorithm_of, digest_bytes
 from settled.workspace.index import Index
 from settled.workspace.manifest import IndexMismatch, ManifestError, write_manifest
 from settled.workspace.nodecache import NodeCache
-from settled.workspace.objects import LocalObjectStore, ObjectMissing
+from settled.workspace.objects import LocalObjectStore
+from settled.workspace.objectstore import ObjectMissing
 from settled.workspace.readback import QUARANTINABLE, Problem, ReadBack, read_back
 from settled.workspace.scan import ScanError, ScanResult, scan
 from settled.workspace.verified import VerifiedRecord

@@ -26,7 +26,7 @@ from collections.abc import Iterable
 from settled.errors import HomeUnusable
 from settled.home import private_file
 from settled.localdb import BUSY_TIMEOUT_S, enable_wal
-from settled.workspace.objects import ObjectMissing
+from settled.workspace.objectstore import ObjectMissing
 
 
 class NodeCache:

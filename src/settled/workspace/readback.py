@@ -62,7 +62,8 @@ from settled.workspace.manifest import (
     join,
     read_head,
 )
-from settled.workspace.objects import CHUNK, LocalObjectStore
+from settled.workspace.objects import LocalObjectStore
+from settled.workspace.objectstore import CHUNK
 from settled.workspace.verified import Verified, VerifiedRecord
 
 CLOSURE: Final = "closure"
