@@ -16,7 +16,7 @@ the end of the batch, each directory once; the object's own bytes are still fsyn
 link, so a name in the store never points at bytes that were not durable. A staged write
 (``ObjectWriter.stage()`` inside ``staging()``) skips the per-object fsync: its temp file is made
 durable by one ``syncfs(2)`` for the whole group, and only then linked (``publish.Publisher``
-decides which to use). (About 600 lines, over the usual 400: the writer, the staged object and
+decides which to use). (About 540 lines, over the usual 400: the writer, the staged object and
 the store share the batch's and the directories' state, and split they would share internals.)
 
 Must never: overwrite or modify an existing object, or take an object's name away except to
