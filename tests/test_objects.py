@@ -1,11 +1,19 @@
-"""The local object store: content-addressed, create-only, durable before it says so."""
+"""The object store: content-addressed, create-only, durable before it says so.
+
+The contract tests take ``store``, one of ``IMPLEMENTATIONS`` typed as the ``ObjectStore``
+protocol: a new backend is one more line there. Tests of the local directory layout (fan-out
+directories, modes, temp files, fsync ordering, quarantine by rename) take ``local`` and run
+against ``LocalObjectStore`` only.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import io
 import os
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -17,17 +25,37 @@ from settled.workspace.hashing import (
     digest_bytes,
     parse_digest,
 )
-from settled.workspace.objects import (
+from settled.workspace.objects import LocalObjectStore
+from settled.workspace.objectstore import (
     DigestMismatch,
     DurabilityError,
-    LocalObjectStore,
     ObjectMissing,
     ObjectStore,
+    ObjectUnreadable,
+    StagingUnavailable,
+    VersionMissing,
 )
 
 
+def _local(tmp_path: Path) -> ObjectStore:
+    return LocalObjectStore(tmp_path / "objects")
+
+
+# Every implementation of the protocol; the contract tests below run against each of them.
+IMPLEMENTATIONS = [
+    pytest.param(_local, id="local"),
+]
+
+
+@pytest.fixture(params=IMPLEMENTATIONS)
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> ObjectStore:
+    make: Callable[[Path], ObjectStore] = request.param
+    return make(tmp_path)
+
+
 @pytest.fixture
-def store(tmp_path: Path) -> LocalObjectStore:
+def local(tmp_path: Path) -> LocalObjectStore:
+    """For the tests of the local directory layout only (fan-out, modes, temps, fsyncs)."""
     return LocalObjectStore(tmp_path / "objects")
 
 
@@ -35,28 +63,23 @@ def temps(store: LocalObjectStore) -> list[str]:
     return os.listdir(store.temp_dir)
 
 
-def test_put_bytes_is_readable_verifiable_and_read_only(store: LocalObjectStore) -> None:
+# -- the contract: every ObjectStore -------------------------------------------------------------
+
+
+def test_a_put_object_exists_reads_back_and_verifies(store: ObjectStore) -> None:
     digest = store.put_bytes(b"hello")
     assert digest == digest_bytes(DEFAULT_ALGORITHM, b"hello")
     assert store.has(digest) and store.read(digest) == b"hello" and store.verify(digest)
-    algo, hexdigest = parse_digest(digest)
-    assert store.path_of(digest) == os.path.join(store.root, algo, hexdigest[:2], hexdigest[2:])
-    assert os.stat(store.path_of(digest)).st_mode & 0o777 == 0o400
     assert not store.has(digest_bytes(DEFAULT_ALGORITHM, b"other"))
-    assert temps(store) == []
+    assert store.writer().size == 0
 
 
-def test_local_store_satisfies_the_protocol(store: LocalObjectStore) -> None:
-    backend: ObjectStore = store
-    assert backend.writer().size == 0
-
-
-def test_a_store_holds_objects_of_either_algorithm(store: LocalObjectStore) -> None:
+def test_a_store_holds_objects_of_either_algorithm(store: ObjectStore) -> None:
     digest = store.put_bytes(b"x", SHA256)
     assert digest.startswith("sha256:") and store.verify(digest)
 
 
-def test_put_stream_reads_fds_and_files_in_chunks(store: LocalObjectStore, tmp_path: Path) -> None:
+def test_put_stream_reads_fds_and_files_in_chunks(store: ObjectStore, tmp_path: Path) -> None:
     data = os.urandom(3 * (1 << 20) + 17)
     source = tmp_path / "big"
     source.write_bytes(data)
@@ -71,34 +94,31 @@ def test_put_stream_reads_fds_and_files_in_chunks(store: LocalObjectStore, tmp_p
 
 
 def test_put_stream_refuses_content_that_does_not_match_the_expected_digest(
-    store: LocalObjectStore,
+    store: ObjectStore,
 ) -> None:
     expected = digest_bytes(DEFAULT_ALGORITHM, b"promised")
     with pytest.raises(DigestMismatch, match=expected):
         store.put_stream(io.BytesIO(b"delivered" * 200_000), expected_digest=expected)
     assert not store.has(expected)
     assert not store.has(digest_bytes(DEFAULT_ALGORITHM, b"delivered" * 200_000))
-    assert temps(store) == []
 
 
-def test_dedupe_does_not_rewrite_an_existing_object(store: LocalObjectStore) -> None:
+def test_a_put_is_create_only_the_existing_object_stands(store: ObjectStore) -> None:
     data = os.urandom(2 << 20)  # past one chunk: the second put stages a temp file too
-    digest = store.put_bytes(data)
-    before = os.stat(store.path_of(digest))
     with store.writer() as writer:
         writer.write(data)
-        stored = writer.commit()
-    after = os.stat(store.path_of(digest))
-    assert stored.digest == digest and not stored.created and stored.version == digest
-    assert (after.st_ino, after.st_mtime_ns, after.st_ctime_ns) == (
-        before.st_ino,
-        before.st_mtime_ns,
-        before.st_ctime_ns,
-    )
-    assert temps(store) == []
+        first = writer.commit()
+    with store.writer() as writer:
+        writer.write(data)
+        second = writer.commit()
+    assert first.created and not second.created
+    assert first.digest == second.digest == digest_bytes(DEFAULT_ALGORITHM, data)
+    assert first.size == second.size == len(data)
+    assert store.stamp(first.digest) == store.stamp(second.digest)
+    assert store.read(first.digest) == data
 
 
-def test_concurrent_puts_of_the_same_content_end_with_one_object(store: LocalObjectStore) -> None:
+def test_concurrent_puts_of_the_same_content_end_with_one_object(store: ObjectStore) -> None:
     data = os.urandom((1 << 20) + 1)
     barrier = threading.Barrier(8)
     results: list[tuple[str, bool]] = []
@@ -117,31 +137,182 @@ def test_concurrent_puts_of_the_same_content_end_with_one_object(store: LocalObj
         thread.join(timeout=30)
     digest = digest_bytes(DEFAULT_ALGORITHM, data)
     assert sorted(results) == [(digest, False)] * 7 + [(digest, True)]
-    fanout = os.path.dirname(store.path_of(digest))
-    assert os.listdir(fanout) == [os.path.basename(store.path_of(digest))]
-    assert store.verify(digest) and temps(store) == []
+    assert store.verify(digest) and list(store.list_digests()) == [digest]
 
 
-def test_a_tampered_object_fails_verify(store: LocalObjectStore) -> None:
-    digest = store.put_bytes(b"original bytes")
-    path = store.path_of(digest)
+def test_the_version_a_write_returned_reads_exactly_that_object(store: ObjectStore) -> None:
+    with store.writer() as writer:
+        writer.write(b"pinned")
+        stored = writer.commit()
+    assert store.read(stored.digest, version=stored.version) == b"pinned"
+    with store.open(stored.digest, version=stored.version) as handle:
+        assert handle.read() == b"pinned"
+    with pytest.raises(VersionMissing, match="no version 'not-a-version'") as missing:
+        store.read(stored.digest, version="not-a-version")
+    assert isinstance(missing.value, ObjectMissing)
+
+
+def test_list_digests_names_every_object_and_only_objects(store: ObjectStore) -> None:
+    blake = {store.put_bytes(b"one"), store.put_bytes(b"two")}
+    sha = {store.put_bytes(b"three", SHA256)}
+    assert set(store.list_digests()) == blake | sha
+    assert set(store.list_digests(DEFAULT_ALGORITHM)) == blake
+    assert set(store.list_digests(SHA256)) == sha
+
+
+def test_a_reread_hashes_every_byte_and_names_the_copy_it_read(store: ObjectStore) -> None:
+    data = os.urandom((1 << 20) * 2 + 5)
+    digest = store.put_bytes(data)
+    kept = store.reread(digest, keep=True)
+    assert (kept.actual, kept.size, kept.data) == (digest, len(data), data)
+    assert kept.stamp is not None and kept.stamp == store.stamp(digest)
+    assert kept.stamp.size == len(data)
+    assert store.reread(digest).data is None
+
+
+def test_an_absent_object_is_missing_to_every_reader(store: ObjectStore) -> None:
+    absent = digest_bytes(DEFAULT_ALGORITHM, b"never written")
+    assert not store.has(absent) and not store.verify(absent)
+    for read in (store.read, store.open, store.stamp, store.reread):
+        with pytest.raises(ObjectMissing, match=absent):
+            read(absent)
+
+
+def test_a_staged_object_is_stored_once_synced_and_published(store: ObjectStore) -> None:
+    with contextlib.ExitStack() as group:
+        try:
+            sync = group.enter_context(store.staging())
+        except StagingUnavailable:
+            pytest.skip("this store cannot group writes")
+        with store.writer() as writer:
+            writer.write(b"staged")
+            staged = writer.stage()
+        sync()
+        assert staged.publish().created and store.read(staged.digest) == b"staged"
+
+
+def test_a_digest_that_is_not_a_digest_is_refused_by_every_operation(store: ObjectStore) -> None:
+    for bad in ("blake3:../../etc/passwd", "md5:" + "0" * 64, "blake3:" + "A" * 64, "nocolon"):
+        for operation in (store.has, store.read, store.open, store.stamp, store.reread):
+            with pytest.raises(BadDigest):
+                operation(bad)
+
+
+# -- the local directory store only: its layout, modes, temp files and fsyncs -------------------
+
+
+def test_local_objects_are_read_only_files_under_their_fan_out_directory(
+    local: LocalObjectStore,
+) -> None:
+    digest = local.put_bytes(b"hello")
+    algo, hexdigest = parse_digest(digest)
+    assert local.path_of(digest) == os.path.join(local.root, algo, hexdigest[:2], hexdigest[2:])
+    assert os.stat(local.path_of(digest)).st_mode & 0o777 == 0o400
+    assert local.location == local.root and temps(local) == []
+
+
+def test_local_store_satisfies_the_protocol(local: LocalObjectStore) -> None:
+    backend: ObjectStore = local
+    assert backend.writer().size == 0
+
+
+def test_local_refused_and_deduped_writes_leave_no_temp_file(local: LocalObjectStore) -> None:
+    expected = digest_bytes(DEFAULT_ALGORITHM, b"promised")
+    with pytest.raises(DigestMismatch):
+        local.put_stream(io.BytesIO(b"delivered" * 200_000), expected_digest=expected)
+    assert temps(local) == []
+
+
+def test_local_dedupe_does_not_rewrite_an_existing_object(local: LocalObjectStore) -> None:
+    data = os.urandom(2 << 20)  # past one chunk: the second put stages a temp file too
+    digest = local.put_bytes(data)
+    before = os.stat(local.path_of(digest))
+    with local.writer() as writer:
+        writer.write(data)
+        stored = writer.commit()
+    after = os.stat(local.path_of(digest))
+    assert stored.digest == digest and not stored.created and stored.version == digest
+    assert (after.st_ino, after.st_mtime_ns, after.st_ctime_ns) == (
+        before.st_ino,
+        before.st_mtime_ns,
+        before.st_ctime_ns,
+    )
+    assert temps(local) == []
+
+
+def test_local_concurrent_puts_leave_one_file_and_no_temp(local: LocalObjectStore) -> None:
+    data = os.urandom((1 << 20) + 1)
+    threads = [threading.Thread(target=local.put_bytes, args=(data,)) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    digest = digest_bytes(DEFAULT_ALGORITHM, data)
+    fanout = os.path.dirname(local.path_of(digest))
+    assert os.listdir(fanout) == [os.path.basename(local.path_of(digest))]
+    assert temps(local) == []
+
+
+def test_local_version_is_the_digest_itself(local: LocalObjectStore) -> None:
+    digest = local.put_bytes(b"one version")
+    assert local.read(digest, version=digest) == b"one version"
+    with pytest.raises(VersionMissing):
+        local.read(digest, version=digest_bytes(DEFAULT_ALGORITHM, b"another"))
+
+
+def test_local_stamp_is_the_lstat_identity_and_follows_any_change(local: LocalObjectStore) -> None:
+    digest = local.put_bytes(b"stamped")
+    path = local.path_of(digest)
+    st = os.lstat(path)
+    stamp = local.stamp(digest)
+    assert stamp == (st.st_ctime_ns, st.st_ino, st.st_mtime_ns, st.st_size, st.st_dev)
+    os.chmod(path, 0o444)  # a chmod changes the ctime
+    assert local.stamp(digest) != stamp
+
+
+def test_local_a_name_that_holds_no_regular_file_is_unreadable(
+    local: LocalObjectStore, tmp_path: Path
+) -> None:
+    linked = digest_bytes(DEFAULT_ALGORITHM, b"a symlink holds my name")
+    local.put_bytes(b"warm")  # makes the algorithm's directory
+    os.makedirs(os.path.dirname(local.path_of(linked)), exist_ok=True)
+    (tmp_path / "elsewhere").write_bytes(b"a symlink holds my name")
+    os.symlink(tmp_path / "elsewhere", local.path_of(linked))
+    with pytest.raises(ObjectUnreadable, match="not a regular file"):
+        local.stamp(linked)
+    with pytest.raises(ObjectUnreadable, match="cannot open"):
+        local.reread(linked)
+    assert not local.has(linked) and linked not in set(local.list_digests())
+
+
+def test_local_listing_skips_what_is_not_an_object(local: LocalObjectStore) -> None:
+    digest = local.put_bytes(b"listed")
+    fanout = os.path.dirname(local.path_of(digest))
+    Path(fanout, "stray").write_bytes(b"")
+    Path(local.root, DEFAULT_ALGORITHM, "zz").mkdir()
+    assert list(local.list_digests()) == [digest]
+
+
+def test_a_tampered_object_fails_verify(local: LocalObjectStore) -> None:
+    digest = local.put_bytes(b"original bytes")
+    path = local.path_of(digest)
     os.chmod(path, 0o644)
     Path(path).write_bytes(b"tampered bytes")
-    assert store.has(digest) and not store.verify(digest)
+    assert local.has(digest) and not local.verify(digest)
 
 
 def test_a_quarantined_object_is_kept_aside_and_its_bytes_can_be_written_again(
-    store: LocalObjectStore,
+    local: LocalObjectStore,
 ) -> None:
-    digest = store.put_bytes(b"original bytes")
-    os.chmod(store.path_of(digest), 0o600)
-    Path(store.path_of(digest)).write_bytes(b"tampered bytes")
-    assert store.put_bytes(b"original bytes") == digest and not store.verify(digest)  # dedupe
-    moved = store.quarantine(digest)
+    digest = local.put_bytes(b"original bytes")
+    os.chmod(local.path_of(digest), 0o600)
+    Path(local.path_of(digest)).write_bytes(b"tampered bytes")
+    assert local.put_bytes(b"original bytes") == digest and not local.verify(digest)  # dedupe
+    moved = local.quarantine(digest)
     assert moved is not None and Path(moved).read_bytes() == b"tampered bytes"
-    assert os.path.dirname(moved) == os.path.join(store.root, "quarantine")
-    assert not store.has(digest) and store.quarantine(digest) is None
-    assert store.put_bytes(b"original bytes") == digest and store.verify(digest)
+    assert os.path.dirname(moved) == os.path.join(local.root, "quarantine")
+    assert not local.has(digest) and local.quarantine(digest) is None
+    assert local.put_bytes(b"original bytes") == digest and local.verify(digest)
 
 
 def test_directories_an_earlier_version_made_readable_to_others_are_made_private(
@@ -159,23 +330,23 @@ def test_directories_an_earlier_version_made_readable_to_others_are_made_private
 
 
 def test_a_failed_fsync_raises_and_links_nothing(
-    store: LocalObjectStore, monkeypatch: pytest.MonkeyPatch
+    local: LocalObjectStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     def failing_fsync(fd: int) -> None:
         raise OSError(errno.EIO, "Input/output error")
 
     monkeypatch.setattr(os, "fsync", failing_fsync)
     with pytest.raises(DurabilityError, match="Input/output error"):
-        store.put_bytes(b"never durable")
+        local.put_bytes(b"never durable")
     monkeypatch.undo()
-    assert not store.has(digest_bytes(DEFAULT_ALGORITHM, b"never durable"))
-    assert temps(store) == []
+    assert not local.has(digest_bytes(DEFAULT_ALGORITHM, b"never durable"))
+    assert temps(local) == []
 
 
 def test_a_batch_fsyncs_each_fanout_directory_once_at_its_end(
-    store: LocalObjectStore, monkeypatch: pytest.MonkeyPatch
+    local: LocalObjectStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    store.put_bytes(b"warm the fan-out directory")
+    local.put_bytes(b"warm the fan-out directory")
     synced: list[str] = []
     real_fsync = os.fsync
 
@@ -184,18 +355,18 @@ def test_a_batch_fsyncs_each_fanout_directory_once_at_its_end(
         real_fsync(fd)
 
     monkeypatch.setattr(os, "fsync", counting_fsync)
-    with store.batch():
-        digests = [store.put_bytes(b"same fan-out %d" % i) for i in range(40)]
+    with local.batch():
+        digests = [local.put_bytes(b"same fan-out %d" % i) for i in range(40)]
         inside = list(synced)
-    fanouts = {os.path.dirname(store.path_of(d)) for d in digests}
-    assert sum(path.startswith(store.temp_dir) for path in inside) == 40  # bytes before links
+    fanouts = {os.path.dirname(local.path_of(d)) for d in digests}
+    assert sum(path.startswith(local.temp_dir) for path in inside) == 40  # bytes before links
     assert not fanouts & set(inside)  # no fan-out directory synced per object...
     assert sorted(synced[len(inside) :]) == sorted(fanouts)  # ...but each once, at the end
 
 
-def test_a_digest_that_is_not_a_digest_is_never_a_path(store: LocalObjectStore) -> None:
+def test_a_digest_that_is_not_a_digest_is_never_a_path(local: LocalObjectStore) -> None:
     for bad in ("blake3:../../etc/passwd", "md5:" + "0" * 64, "blake3:" + "A" * 64, "nocolon"):
         with pytest.raises(BadDigest):
-            store.path_of(bad)
+            local.path_of(bad)
     with pytest.raises(ObjectMissing, match="blake3:" + "0" * 64):
-        store.read("blake3:" + "0" * 64)
+        local.read("blake3:" + "0" * 64)

@@ -9,7 +9,8 @@ import pytest
 
 from settled.workspace import objects as objects_module
 from settled.workspace.hashing import DEFAULT_ALGORITHM, digest_bytes
-from settled.workspace.objects import DurabilityError, LocalObjectStore
+from settled.workspace.objects import LocalObjectStore
+from settled.workspace.objectstore import DurabilityError
 from settled.workspace.publish import Publisher
 from settled.workspace.scan import scan
 

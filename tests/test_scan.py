@@ -15,7 +15,8 @@ from settled.workspace.hashing import DEFAULT_ALGORITHM, digest_bytes
 from settled.workspace.index import Index
 from settled.workspace.manifest import Entry
 from settled.workspace.nodecache import NodeCache
-from settled.workspace.objects import DurabilityError, LocalObjectStore
+from settled.workspace.objects import LocalObjectStore
+from settled.workspace.objectstore import DurabilityError
 from settled.workspace.scan import ScanResult, TornRead, scan
 
 SETTLE_S = 2 * scan_module.CLOCK_SLACK_NS / 1e9

@@ -381,7 +381,9 @@ class Runtime:
                     f"{target!r} is neither a task (t_...) nor a manifest id (<algo>:<hex>)"
                 ) from None
             if not self.workspace.objects.has(manifest):
-                raise BadInput(f"unknown manifest {manifest}: not in {self.workspace.objects.root}")
+                raise BadInput(
+                    f"unknown manifest {manifest}: not in {self.workspace.objects.location}"
+                )
         result = verify_manifest(
             self.workspace.objects, manifest, read_data=read_data, record=self.workspace.verified
         )

@@ -30,6 +30,7 @@ from settled.errors import (
 )
 from settled.home import private_file
 from settled.identity import new_id
+from settled.localdb import BUSY_TIMEOUT_S, enable_wal
 from settled.receipts import checked
 from settled.records import OwnerInfo, SessionRecord, TaskRecord
 from settled.states import (
@@ -44,7 +45,6 @@ from settled.store import loads
 
 SCHEMA_VERSION = 4
 RECEIPT_EVENTS = ("receipt", "lose", "recover")
-BUSY_TIMEOUT_S = 60.0
 
 MIGRATIONS: dict[int, str] = {
     1: """
@@ -640,25 +640,6 @@ class SQLiteStore:
             if cursor.rowcount != 1:
                 raise StaleWrite(f"task {task} is not at generation {generation}: already fenced")
         return generation + 1
-
-
-def enable_wal(db: sqlite3.Connection, path: str) -> None:
-    """Switching to WAL takes an exclusive lock and answers SQLITE_BUSY without consulting
-    the busy timeout, so concurrent first opens of a fresh database retry here."""
-    give_up = time.monotonic() + BUSY_TIMEOUT_S
-    pause = 0.001
-    while True:
-        try:
-            mode = db.execute("PRAGMA journal_mode=WAL").fetchone()[0]
-        except sqlite3.OperationalError as exc:
-            if "locked" not in str(exc) or time.monotonic() > give_up:
-                raise
-        else:
-            if mode == "wal":
-                return
-            raise HomeUnusable(f"the database at {path} cannot use WAL (mode {mode!r})")
-        time.sleep(pause)
-        pause = min(pause * 2, 0.05)
 
 
 def open_sqlite(home: str) -> SQLiteStore:

@@ -17,6 +17,9 @@ published again), the same manifest is written (same bytes, same id) and read ba
 if that fails too is ``CheckpointUnverified`` raised, naming each object and the paths that use
 it. The receipt of a healed checkpoint says what was found, moved and rescanned.
 
+It depends on the ``Store`` and ``ObjectStore`` protocols, never on their implementations,
+and is the one place that chooses the object store's (``open_object_store``).
+
 Never touches processes and never decides a task's state.
 """
 
@@ -40,7 +43,8 @@ from settled.workspace.hashing import algorithm_of, digest_bytes
 from settled.workspace.index import Index
 from settled.workspace.manifest import IndexMismatch, ManifestError, write_manifest
 from settled.workspace.nodecache import NodeCache
-from settled.workspace.objects import LocalObjectStore, ObjectMissing
+from settled.workspace.objects import LocalObjectStore
+from settled.workspace.objectstore import ObjectMissing, ObjectStore
 from settled.workspace.readback import QUARANTINABLE, Problem, ReadBack, read_back
 from settled.workspace.scan import ScanError, ScanResult, scan
 from settled.workspace.verified import VerifiedRecord
@@ -58,10 +62,16 @@ class CheckpointUnverified(SettledError):
         self.manifest_id, self.problems = manifest_id, problems
 
 
+def open_object_store(home: str) -> ObjectStore:
+    """The object store of a settled home: the one place that chooses its implementation
+    (today the local directory ``<home>/objects``)."""
+    return LocalObjectStore(os.path.join(home, "objects"))
+
+
 class WorkspaceService:
     def __init__(self, home: str, store: Store) -> None:
         self.home, self.store = home, store
-        self.objects = LocalObjectStore(os.path.join(home, "objects"))
+        self.objects: ObjectStore = open_object_store(home)
         self._cache: NodeCache | None = None
         self._verified: VerifiedRecord | None = None
         self._indexes: dict[str, Index] = {}

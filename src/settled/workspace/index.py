@@ -38,7 +38,7 @@ from settled.workspace.manifest import (
     parent_of,
     tree_bytes,
 )
-from settled.workspace.objects import ObjectMissing
+from settled.workspace.objectstore import ObjectMissing
 
 INDEX_VERSION: Final = "settled.index/v3"  # v3: rows carry uid and gid (trees record owners)
 NODE_VERSION: Final = "settled.index-node/v2"  # an older node is unusable: the scan runs without

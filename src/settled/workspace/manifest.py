@@ -43,7 +43,7 @@ from typing import Any, Final, NamedTuple
 from settled.canonical import canonical_bytes
 from settled.errors import SettledError
 from settled.workspace.hashing import check_algorithm, digest_bytes, parse_digest
-from settled.workspace.objects import ObjectMissing, ObjectStore
+from settled.workspace.objectstore import ObjectMissing, ObjectStore
 
 MANIFEST_VERSION: Final = "settled.manifest/v3"
 OWNERLESS_MANIFEST_VERSION: Final = "settled.manifest/v2"  # read only: the root's owner unknown

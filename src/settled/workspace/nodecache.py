@@ -25,8 +25,8 @@ from collections.abc import Iterable
 
 from settled.errors import HomeUnusable
 from settled.home import private_file
-from settled.store.sqlite import BUSY_TIMEOUT_S, enable_wal
-from settled.workspace.objects import ObjectMissing
+from settled.localdb import BUSY_TIMEOUT_S, enable_wal
+from settled.workspace.objectstore import ObjectMissing
 
 
 class NodeCache:

@@ -1,12 +1,12 @@
-"""The content-addressed object store: blobs, trees, manifests and stat-cache nodes, written once,
-named by their digest.
+"""The local object store: the ``ObjectStore`` protocol (``objectstore``) on a directory.
 
-Owns the ``ObjectStore`` protocol (what any backend must guarantee) and ``LocalObjectStore``, its
-local-directory backend: ``<root>/<algo>/<hex[:2]>/<hex[2:]>``, private read-only (0o400) objects
-in private (0o700) directories (the settled home is the owner's alone; nothing reads an object as
-another user), temporary files in ``<root>/tmp`` (same filesystem, so a link is atomic), and
-``<root>/quarantine``, where an object that no longer hashes to its name is moved (never deleted:
-it is evidence) so that the next write of those bytes can put the right ones in place.
+Owns ``LocalObjectStore``: ``<root>/<algo>/<hex[:2]>/<hex[2:]>``, private read-only (0o400)
+objects in private (0o700) directories (the settled home is the owner's alone; nothing reads an
+object as another user), temporary files in ``<root>/tmp`` (same filesystem, so a link is
+atomic), and ``<root>/quarantine``, where an object that no longer hashes to its name is moved
+(never deleted: it is evidence) so that the next write of those bytes can put the right ones in
+place. An object has one version here, its digest (see ``objectstore``), and its ``Stamp`` is
+its file's ``lstat`` identity.
 
 A local write is: temp file, write, fchmod 0o400, fsync, ``os.link`` into place (which never
 replaces an existing name), fsync of the fan-out directory (and of every directory it had to
@@ -16,14 +16,15 @@ the end of the batch, each directory once; the object's own bytes are still fsyn
 link, so a name in the store never points at bytes that were not durable. A staged write
 (``ObjectWriter.stage()`` inside ``staging()``) skips the per-object fsync: its temp file is made
 durable by one ``syncfs(2)`` for the whole group, and only then linked (``publish.Publisher``
-decides which to use). (About 600 lines, over the usual 400: most of the excess is the
-protocol's contract for other backends, written out.)
+decides which to use). (About 540 lines, over the usual 400: the writer, the staged object and
+the store share the batch's and the directories' state, and split they would share internals.)
 
 Must never: overwrite or modify an existing object, or take an object's name away except to
 quarantine it (``quarantine``: only for an object just found not to hash to its name); link an
 object whose bytes were not fsynced; swallow or silently retry a failed fsync; accept a digest
 it cannot parse (a digest is a path); hold more than one chunk (1 MiB) of a stream in memory;
-know about manifests, scans or the settled store and database.
+follow a symlink or open anything but a regular file when reading an object back; know about
+manifests, scans or the settled store and database.
 """
 
 from __future__ import annotations
@@ -36,161 +37,45 @@ import stat
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager
-from dataclasses import dataclass
-from typing import BinaryIO, Final, Protocol
+from typing import BinaryIO, Final
 
 from settled.errors import SettledError
 from settled.workspace.hashing import (
+    ALGORITHMS,
     DEFAULT_ALGORITHM,
+    HEX_LENGTH,
     Buffer,
     check_algorithm,
     format_digest,
     new_hasher,
     parse_digest,
 )
+from settled.workspace.objectstore import (
+    CHUNK,
+    DigestMismatch,
+    DurabilityError,
+    ObjectMissing,
+    ObjectUnreadable,
+    ObjectWriter,
+    Reread,
+    StagedObject,
+    StagingUnavailable,
+    Stamp,
+    StoredObject,
+    VersionMissing,
+)
 
-CHUNK: Final = 1 << 20
 OBJECT_MODE: Final = 0o400
 DIR_MODE: Final = 0o700
 TEMP_DIR: Final = "tmp"
 QUARANTINE_DIR: Final = "quarantine"
-
-
-class ObjectMissing(SettledError):
-    def __init__(self, digest: str) -> None:
-        super().__init__(f"object {digest} is not in the object store")
-        self.digest = digest
-
-
-class DigestMismatch(SettledError):
-    """Streamed bytes did not hash to the digest the caller announced; nothing was stored."""
-
-    def __init__(self, expected: str, actual: str) -> None:
-        super().__init__(f"content hashes to {actual}, not the expected {expected}; not stored")
-        self.expected, self.actual = expected, actual
-
-
-class DurabilityError(SettledError):
-    """An fsync (or the write before it) failed: the object is not known to be durable."""
-
-    def __init__(self, path: str, error: OSError) -> None:
-        super().__init__(f"could not make {path} durable: {error}; nothing is claimed stored")
-        self.path = path
-
-
-class StagingUnavailable(SettledError):
-    """The store cannot make a group of writes durable at once; commit them one by one."""
+_REREAD_FLAGS: Final = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
 
 class StoreUnusable(SettledError):
     def __init__(self, path: str) -> None:
         super().__init__(f"object store path {path!r} is not a directory; move it aside")
         self.path = path
-
-
-@dataclass(frozen=True)
-class StoredObject:
-    """What a committed write left in the store."""
-
-    digest: str
-    size: int
-    created: bool  # False: the object was already present (dedupe), nothing was written
-    version: str  # the backend's version id of the object; the local store uses the digest
-
-
-class StagedObject(Protocol):
-    """An object whose bytes were handed to the store without waiting for the disk.
-
-    ``publish()`` makes it visible under its digest and may be called only after the ``sync``
-    of the ``staging()`` group it was staged in returned; ``discard()`` drops it instead.
-    """
-
-    @property
-    def digest(self) -> str: ...
-
-    def publish(self) -> StoredObject: ...
-
-    def discard(self) -> None: ...
-
-
-class ObjectWriter(Protocol):
-    """One object being written: bytes in, then ``commit()``, ``stage()`` or ``abort()``.
-
-    ``write`` hashes and stages the bytes; ``digest()`` ends the input and names the object;
-    ``commit()`` makes it durable and visible (or finds it already there); ``stage()`` writes it
-    without waiting for the disk (see ``StagedObject``); ``abort()`` discards what was staged.
-    Leaving the context without ``commit()`` or ``stage()`` aborts.
-    """
-
-    @property
-    def size(self) -> int: ...
-
-    def write(self, data: Buffer) -> None: ...
-
-    def digest(self) -> str: ...
-
-    def commit(self) -> StoredObject: ...
-
-    def stage(self) -> StagedObject: ...
-
-    def abort(self) -> None: ...
-
-    def __enter__(self) -> ObjectWriter: ...
-
-    def __exit__(self, *exc: object) -> None: ...
-
-
-class ObjectStore(Protocol):
-    """A create-only, content-addressed blob store.
-
-    Guarantees every backend gives: an object, once visible, is never replaced and its bytes hash
-    to its name; ``put_*`` returns only after the object is durable; writing an object that is
-    already present is a success that changes nothing.
-
-    Mapping to an S3-compatible backend: the key is ``<prefix>/<algo>/<hex>``; ``put_*`` and
-    ``ObjectWriter.commit()`` are one ``PUT`` with ``If-None-Match: *`` (a create-only write);
-    ``412 Precondition Failed`` means the object exists, which is dedupe, not an error. Because
-    the key is the digest, a writer whose digest is not known in advance spools to a local temp
-    file (bounded memory) and PUTs at ``commit()``; ``put_stream`` with ``expected_digest`` can
-    stream the PUT directly and still verifies the bytes (with the checksum header). The
-    response's ``x-amz-version-id`` is the ``version`` of ``StoredObject``; the backend records it
-    beside the digest (a manifest names objects by digest only, since content addressing makes
-    the version redundant for integrity; the version pins the exact upload for audits). The local
-    backend's version is the digest itself. ``has`` is ``HEAD``, ``open``/``read`` are ``GET``,
-    ``verify`` is ``GET`` + re-hash; ``batch`` may be a no-op. A PUT is durable when it returns,
-    so ``stage()`` is the PUT, ``staging()`` yields a ``sync`` that does nothing, and
-    ``publish()`` returns what the PUT stored.
-
-    ``staging()`` is a group of staged writes: it yields ``sync``, which returns once every
-    object staged (by any writer) since the group began is durable, and raises
-    ``DurabilityError`` if any may not be; ``StagingUnavailable`` if the backend cannot.
-    """
-
-    def writer(
-        self, algo: str = DEFAULT_ALGORITHM, *, size_hint: int | None = None
-    ) -> ObjectWriter: ...
-
-    def put_bytes(self, data: Buffer, algo: str = DEFAULT_ALGORITHM) -> str: ...
-
-    def put_stream(
-        self,
-        source: BinaryIO | int,
-        expected_digest: str | None = None,
-        algo: str = DEFAULT_ALGORITHM,
-    ) -> str: ...
-
-    def has(self, digest: str) -> bool: ...
-
-    def open(self, digest: str) -> BinaryIO: ...
-
-    def read(self, digest: str) -> bytes: ...
-
-    def verify(self, digest: str) -> bool: ...
-
-    def batch(self) -> AbstractContextManager[None]: ...
-
-    def staging(self) -> AbstractContextManager[Callable[[], None]]: ...
 
 
 def _fsync(fd: int, path: str) -> None:
@@ -250,6 +135,17 @@ def _read_into(source: BinaryIO | int, buffer: bytearray) -> int:
     return len(data)
 
 
+def _stamp_of(st: os.stat_result) -> Stamp:
+    return Stamp(st.st_ctime_ns, st.st_ino, st.st_mtime_ns, st.st_size, st.st_dev)
+
+
+def _names_in(directory: str) -> list[str]:
+    try:
+        return sorted(os.listdir(directory))
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+
+
 class _BatchDirs:
     """Fan-out directories whose fsync a batch owes; a commit after the batch ended syncs now."""
 
@@ -284,6 +180,10 @@ class LocalObjectStore:
 
     def __repr__(self) -> str:
         return f"LocalObjectStore({self.root!r})"
+
+    @property
+    def location(self) -> str:
+        return self.root
 
     # -- naming --------------------------------------------------------------------------------
 
@@ -383,16 +283,65 @@ class LocalObjectStore:
         except FileNotFoundError:
             return False
 
-    def open(self, digest: str) -> BinaryIO:
+    def open(self, digest: str, version: str | None = None) -> BinaryIO:
+        """The object's bytes; its only version is its digest (``VersionMissing`` otherwise)."""
+        path = self.path_of(digest)
+        if version is not None and version != digest:
+            raise VersionMissing(digest, version)
         try:
-            fd = os.open(self.path_of(digest), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except FileNotFoundError:
             raise ObjectMissing(digest) from None
         return os.fdopen(fd, "rb")
 
-    def read(self, digest: str) -> bytes:
-        with self.open(digest) as handle:
+    def read(self, digest: str, version: str | None = None) -> bytes:
+        with self.open(digest, version) as handle:
             return handle.read()
+
+    def stamp(self, digest: str) -> Stamp:
+        """The ``lstat`` identity of the object file (the read-back's hot loop: one syscall)."""
+        try:
+            st = os.lstat(self.path_of(digest))
+        except FileNotFoundError:
+            raise ObjectMissing(digest) from None
+        if not stat.S_ISREG(st.st_mode):
+            raise ObjectUnreadable(digest, "not a regular file")
+        return _stamp_of(st)
+
+    def reread(self, digest: str, *, keep: bool = False) -> Reread:
+        """Open without following, fstat before and after, hash every byte: the copy's stamp
+        is returned only if the two fstats agree (nothing changed it while it was read)."""
+        algo = parse_digest(digest)[0]
+        path = self.path_of(digest)
+        started = time.time_ns()
+        try:
+            fd = os.open(path, _REREAD_FLAGS)
+        except FileNotFoundError:
+            raise ObjectMissing(digest) from None
+        except OSError as error:  # ELOOP: a symlink holds the name
+            raise ObjectUnreadable(digest, f"cannot open: {error.strerror}") from None
+        try:
+            before = os.fstat(fd)
+            if not stat.S_ISREG(before.st_mode):
+                raise ObjectUnreadable(digest, "not a regular file")
+            hasher = new_hasher(algo, size_hint=before.st_size)
+            chunks: list[bytes] = []
+            size = 0
+            while chunk := os.read(fd, CHUNK):
+                hasher.update(chunk)
+                size += len(chunk)
+                if keep:
+                    chunks.append(chunk)
+            after = os.fstat(fd)
+        except OSError as error:
+            raise ObjectUnreadable(digest, f"cannot read: {error.strerror}") from None
+        finally:
+            os.close(fd)
+        stamp = _stamp_of(after)
+        unchanged = _stamp_of(before) == stamp
+        data = b"".join(chunks) if keep else None
+        actual = format_digest(algo, hasher.hexdigest())
+        return Reread(actual, size, data, stamp if unchanged else None, started)
 
     def verify(self, digest: str) -> bool:
         """Re-hash the stored bytes; False if they do not match ``digest`` or it is missing."""
@@ -406,6 +355,20 @@ class LocalObjectStore:
             while chunk := handle.read(CHUNK):
                 hasher.update(chunk)
         return format_digest(algo, hasher.hexdigest()) == digest
+
+    def list_digests(self, algo: str | None = None) -> Iterator[str]:
+        """Walk ``<root>/<algo>/<xx>/``, sorted; anything there that is not a regular file
+        named by a digest (a temp, a stray) is not an object and is skipped."""
+        for name in ALGORITHMS if algo is None else (check_algorithm(algo),):
+            top = os.path.join(self.root, name)
+            for fanout in _names_in(top):
+                for rest in _names_in(os.path.join(top, fanout)):
+                    if len(fanout) + len(rest) != HEX_LENGTH:
+                        continue
+                    digest = f"{name}:{fanout}{rest}"
+                    with contextlib.suppress(SettledError):  # not a digest: not an object
+                        if self.has(digest):
+                            yield digest
 
     # -- directories ---------------------------------------------------------------------------
 

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Final
 
-from settled.workspace.objects import (
+from settled.workspace.objectstore import (
     ObjectStore,
     ObjectWriter,
     StagedObject,

@@ -2,15 +2,16 @@
 which subtrees it trusted and from where.
 
 Owns ``read_back`` and what it reports (``ReadBack``, ``Problem``), and ``rehash``, the one way
-an object is re-read here: opened without following, fstat before and after, every byte hashed.
+an object is re-read here: the store's ``reread`` (for the local store: opened without
+following, fstat before and after, every byte hashed), its outcome named as a ``Problem``.
 
 What "checked" means. The manifest is re-read by its exact id and re-hashed, always. Then every
 tree and blob it reaches is either re-hashed now, or trusted because the verified-object record
-(``verified``) holds the identity its file had when it last hashed right and an ``lstat`` now
-gives that identity unchanged (the racy-git rule applied to the object store). Objects this
-checkpoint published (``fresh``) are always re-hashed. A re-hash that matches refreshes the
-record; one that does not, or an object that is gone, is a ``Problem``, named with every path
-that uses it.
+(``verified``) holds the identity its stored copy had when it last hashed right and the store's
+``stamp`` now (an ``lstat``, for the local store) gives that identity unchanged (the racy-git
+rule applied to the object store). Objects this checkpoint published (``fresh``) are always
+re-hashed. A re-hash that matches refreshes the record; one that does not, or an object that is
+gone, is a ``Problem``, named with every path that uses it.
 
 Two scopes. ``closure`` (the close, and any full scan) walks everything the manifest reaches.
 The listing of a tree comes from the scan's in-memory index when its node is there and names
@@ -40,15 +41,11 @@ store; modify the store (quarantining is the caller's decision).
 from __future__ import annotations
 
 import json
-import os
-import stat
-import time
 from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Final
 
 from settled.errors import SettledError
-from settled.workspace.hashing import format_digest, new_hasher, parse_digest
 from settled.workspace.index import DirNode, Index
 from settled.workspace.manifest import (
     DIR,
@@ -62,14 +59,13 @@ from settled.workspace.manifest import (
     join,
     read_head,
 )
-from settled.workspace.objects import CHUNK, LocalObjectStore
+from settled.workspace.objectstore import ObjectMissing, ObjectStore, ObjectUnreadable
 from settled.workspace.verified import Verified, VerifiedRecord
 
 CLOSURE: Final = "closure"
 SINCE_PARENT: Final = "since_parent"
 MISSING, DAMAGED, INVALID = "missing", "damaged", "invalid"
 QUARANTINABLE: Final = frozenset({DAMAGED, INVALID})  # present, but not what its name says
-_OPEN_FLAGS: Final = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
 
 @dataclass(frozen=True)
@@ -108,44 +104,20 @@ class Rehash:
     identity: Verified | None = None
 
 
-def rehash(store: LocalObjectStore, digest: str, *, keep: bool = False) -> Rehash:
+def rehash(store: ObjectStore, digest: str, *, keep: bool = False) -> Rehash:
     """Re-read ``digest`` from the store and hash every byte; ``keep`` returns the bytes."""
     try:
-        algo = parse_digest(digest)[0]
-        path = store.path_of(digest)
-    except SettledError as error:
-        return Rehash(Problem(digest, INVALID, detail=str(error)))
-    started = time.time_ns()
-    try:
-        fd = os.open(path, _OPEN_FLAGS)
-    except FileNotFoundError:
+        got = store.reread(digest, keep=keep)
+    except ObjectMissing:
         return Rehash(Problem(digest, MISSING))
-    except OSError as error:  # ELOOP: a symlink holds the name
-        return Rehash(Problem(digest, INVALID, detail=f"cannot open: {error.strerror}"))
-    try:
-        before = os.fstat(fd)
-        if not stat.S_ISREG(before.st_mode):
-            return Rehash(Problem(digest, INVALID, detail="not a regular file"))
-        hasher = new_hasher(algo, size_hint=before.st_size)
-        chunks: list[bytes] = []
-        size = 0
-        while chunk := os.read(fd, CHUNK):
-            hasher.update(chunk)
-            size += len(chunk)
-            if keep:
-                chunks.append(chunk)
-        after = os.fstat(fd)
-    except OSError as error:
-        return Rehash(Problem(digest, INVALID, detail=f"cannot read: {error.strerror}"))
-    finally:
-        os.close(fd)
-    actual = format_digest(algo, hasher.hexdigest())
-    if actual != digest:
-        return Rehash(Problem(digest, DAMAGED, detail=f"reads back as {actual}"), size=size)
-    identity = Verified.of(after, started)
-    unchanged = Verified.of(before, started) == identity
-    data = b"".join(chunks) if keep else None
-    return Rehash(None, data, size, identity if unchanged else None)
+    except ObjectUnreadable as error:  # a symlink holds the name, or not a regular file
+        return Rehash(Problem(digest, INVALID, detail=error.detail))
+    except SettledError as error:  # not a digest
+        return Rehash(Problem(digest, INVALID, detail=str(error)))
+    if got.actual != digest:
+        return Rehash(Problem(digest, DAMAGED, detail=f"reads back as {got.actual}"), size=got.size)
+    identity = None if got.stamp is None else Verified.of_stamp(got.stamp, got.started_ns)
+    return Rehash(None, got.data, got.size, identity)
 
 
 @dataclass(frozen=True)
@@ -192,7 +164,7 @@ Listing = DirNode | list[dict[str, Any]]  # a tree's entries: its index node, or
 
 
 def read_back(
-    store: LocalObjectStore,
+    store: ObjectStore,
     manifest_id: str,
     *,
     record: VerifiedRecord | None,
@@ -216,7 +188,7 @@ def read_back(
 class _Walk:
     def __init__(
         self,
-        store: LocalObjectStore,
+        store: ObjectStore,
         record: VerifiedRecord | None,
         index: Index | None,
         fresh: frozenset[str],
@@ -329,7 +301,7 @@ class _Walk:
         return forms  # type: ignore[no-any-return]
 
     def _check(self, digests: list[str], *, trees: bool) -> None:
-        """Each object: trusted if the record vouches for it now (one lstat, and its identity
+        """Each object: trusted if the record vouches for it now (one stamp, and its identity
         compared with the record's), else re-hashed. Fresh objects are never looked up."""
         fresh = self.fresh
         candidates = [d for d in digests if d not in fresh] if fresh else digests
@@ -339,20 +311,18 @@ class _Walk:
             vouched = [d for d in candidates if known.get(d) is not None]
             if len(vouched) < len(candidates):
                 rehash += [d for d in candidates if known.get(d) is None]
-            trusted, is_reg, lstat, path_of = 0, stat.S_ISREG, os.lstat, self.store.path_of
+            trusted, stamp_of = 0, self.store.stamp
             for digest in vouched:  # the hot loop of a closure: ~12 us an object here
                 try:
-                    st = lstat(path_of(digest))
-                except FileNotFoundError:
+                    stamp = stamp_of(digest)
+                except ObjectMissing:
                     self.done.add(digest)
                     self.problems[digest] = Problem(digest, MISSING)
                     continue
                 except (OSError, SettledError):
                     rehash.append(digest)  # which names the problem
                     continue
-                if (st.st_ctime_ns, st.st_ino, st.st_mtime_ns, st.st_size, st.st_dev) == known.get(
-                    digest
-                ) and is_reg(st.st_mode):
+                if stamp == known.get(digest):
                     trusted += 1
                 else:
                     rehash.append(digest)  # changed since verified: re-hashed, maybe a problem

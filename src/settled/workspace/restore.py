@@ -56,7 +56,7 @@ from settled.workspace.manifest import (
     parent_of,
     read_manifest,
 )
-from settled.workspace.objects import CHUNK, ObjectMissing, ObjectStore
+from settled.workspace.objectstore import CHUNK, ObjectMissing, ObjectStore
 
 FIFO: Final = "fifo"
 SETID: Final = stat.S_ISUID | stat.S_ISGID

@@ -62,7 +62,7 @@ from settled.workspace.manifest import (
     parent_of,
 )
 from settled.workspace.nodecache import NodeCache
-from settled.workspace.objects import CHUNK, ObjectStore
+from settled.workspace.objectstore import CHUNK, ObjectStore
 from settled.workspace.publish import Publisher
 
 CLOCK_SLACK_NS: Final = 20_000_000

@@ -3,8 +3,9 @@
 Owns ``VerifiedRecord``, a table ``verified_objects`` in ``<home>/index.db`` (beside the stat
 cache's nodes): ``digest -> (st_dev, st_ino, st_size, st_mtime_ns, st_ctime_ns, verified_at_ns)``,
 the identity taken by ``fstat`` of the object file at the moment its bytes were last re-hashed
-and found to hash to its name, and ``Verified.vouches_for``, the rule by which a read-back may
-trust an object without reading it again: the racy-git rule applied to the object store.
+and found to hash to its name (the local store's ``Stamp`` of that copy), and
+``Verified.vouches_for``, the rule by which a read-back may trust an object without reading it
+again: the racy-git rule applied to the object store.
 
 The rule. An ``lstat`` of the object's name now must give a regular file with exactly the
 recorded device, inode, size, mtime and ctime. Any write, truncate, replace or chmod of the file
@@ -38,7 +39,8 @@ from collections.abc import Collection, Iterable, Mapping
 from typing import Final, NamedTuple
 
 from settled.home import private_file
-from settled.store.sqlite import BUSY_TIMEOUT_S, enable_wal
+from settled.localdb import BUSY_TIMEOUT_S, enable_wal
+from settled.workspace.objectstore import Stamp
 from settled.workspace.scan import CLOCK_SLACK_NS, COARSE_FS_SLACK_NS
 
 _BATCH: Final = 10_000  # digests per lookup query (SQLite allows 32,766 variables)
@@ -75,6 +77,15 @@ class Verified(NamedTuple):
     @classmethod
     def of(cls, st: os.stat_result, verified_at_ns: int) -> Verified:
         return cls(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, verified_at_ns)
+
+    @classmethod
+    def of_stamp(cls, stamp: Stamp, verified_at_ns: int) -> Verified:
+        """The identity of the copy an ``ObjectStore.reread`` read (the local store's stamp is
+        the object file's fstat identity, so this is ``of`` that fstat)."""
+        return cls(
+            stamp.volume, stamp.copy, stamp.size, stamp.modified_ns, stamp.changed_ns,
+            verified_at_ns,
+        )  # fmt: skip
 
     @property
     def settled(self) -> bool:

@@ -15,8 +15,6 @@ Must never: modify the store; stop at the first problem; count an object it did 
 
 from __future__ import annotations
 
-import os
-import stat
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,7 +28,7 @@ from settled.workspace.manifest import (
     parse_tree,
     read_head,
 )
-from settled.workspace.objects import LocalObjectStore
+from settled.workspace.objectstore import ObjectMissing, ObjectStore, ObjectUnreadable
 from settled.workspace.readback import DAMAGED, INVALID, MISSING, Problem, rehash
 from settled.workspace.verified import Verified, VerifiedRecord
 
@@ -63,7 +61,7 @@ class Verification:
 
 
 def verify_manifest(
-    store: LocalObjectStore,
+    store: ObjectStore,
     manifest_id: str,
     *,
     read_data: bool = False,
@@ -79,7 +77,7 @@ def verify_manifest(
 
 
 class _Check:
-    def __init__(self, store: LocalObjectStore) -> None:
+    def __init__(self, store: ObjectStore) -> None:
         self.store = store
         self.problems: dict[str, Problem] = {}
         self.tree_paths: dict[str, list[str]] = {}
@@ -161,17 +159,18 @@ class _Check:
 
     def _stat_blob(self, digest: str) -> None:
         try:
-            st = os.lstat(self.store.path_of(digest))
-        except FileNotFoundError:
+            size = self.store.stamp(digest).size
+        except ObjectMissing:
             self.problems[digest] = Problem(digest, MISSING)
+            return
+        except ObjectUnreadable as error:  # not a regular file
+            self.problems[digest] = Problem(digest, INVALID, detail=error.detail)
             return
         except (OSError, SettledError) as error:
             self.problems[digest] = Problem(digest, INVALID, detail=str(error))
             return
-        if not stat.S_ISREG(st.st_mode):
-            self.problems[digest] = Problem(digest, INVALID, detail="not a regular file")
-        elif self.sizes[digest] != {st.st_size}:
-            self._wrong_size(digest, st.st_size)
+        if self.sizes[digest] != {size}:
+            self._wrong_size(digest, size)
 
     def _wrong_size(self, digest: str, size: int) -> None:
         said = ", ".join(str(s) for s in sorted(self.sizes[digest]))

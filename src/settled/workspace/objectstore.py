@@ -1,0 +1,285 @@
+"""The object store's contract: what every backend of content-addressed objects guarantees.
+
+Owns the ``ObjectStore`` protocol and the vocabulary its callers (scan, publish, manifest,
+restore, readback, verify, checkpoint) use: ``ObjectWriter`` and ``StagedObject`` (an object
+being written), ``StoredObject`` (what a write left), ``Stamp`` and ``Reread`` (what identifies
+a stored copy, and what re-reading it found), and the errors a backend raises. A backend is a
+module of its own (``objects.LocalObjectStore``, a directory; an S3 bucket next); the
+workspace service chooses one (``checkpoint.open_object_store``), everything else takes the
+protocol.
+
+The cut follows restic's backend (Save, Load, Stat, List, Remove over named blobs) with two
+differences that content addressing allows. There is no Remove: an object, once visible, is
+never replaced or deleted, and the only way its name is taken away is ``quarantine``, for an
+object just found not to hash to its name (moved aside and kept as evidence, so the right bytes
+can be written again). And Save is create-only: writing an object that is already present is a
+success that changes nothing (dedupe), as an S3 ``PutObject`` with ``If-None-Match: *`` is
+(``412 Precondition Failed`` is that success, not an error).
+
+    restic / S3                       here
+    Save / PutObject If-None-Match:*  writer().commit(), put_bytes, put_stream
+    Load / GetObject [versionId]      open(digest, version=), read(digest, version=)
+    Stat / HeadObject                 has(digest) (exists), stamp(digest) (which copy, its size)
+    List / ListObjectsV2              list_digests(algo)
+    Remove / DeleteObject             none; quarantine(digest) for a damaged object only
+
+Versions. An object's id is its digest, and its bytes can never change under that id, so the
+digest already pins the content; a version names one stored upload of it. S3 keeps versions (the
+``x-amz-version-id`` of the PUT that created the object), and pinning it lets an audit name the
+exact upload. The local store keeps exactly one copy per digest, written once and never
+replaced, so its only version is the digest itself: ``StoredObject.version`` is the digest, and
+``open``/``read`` with ``version=`` equal to the digest read the object, any other version is
+``VersionMissing``. A caller asks for "exactly this version" by passing the ``version`` a
+write returned; ``version=None`` means "the object, whichever upload holds it", which is what
+every reader here wants, since the bytes are checked against the digest anyway.
+
+Must never: know a path, a bucket or a key layout (those are a backend's); know about
+manifests, scans, or the settled store and database.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import BinaryIO, Final, NamedTuple, Protocol
+
+from settled.errors import SettledError
+from settled.workspace.hashing import DEFAULT_ALGORITHM, Buffer
+
+CHUNK: Final = 1 << 20  # the most of one object's bytes a stream holds in memory at once
+
+
+class ObjectMissing(SettledError):
+    def __init__(self, digest: str) -> None:
+        super().__init__(f"object {digest} is not in the object store")
+        self.digest = digest
+
+
+class VersionMissing(ObjectMissing):
+    """The store holds no such version of the object (the local store's only one is its digest)."""
+
+    def __init__(self, digest: str, version: str) -> None:
+        SettledError.__init__(
+            self,
+            f"object {digest} has no version {version!r} in the object store; "
+            "read it without a version, or with the version its write returned",
+        )
+        self.digest, self.version = digest, version
+
+
+class ObjectUnreadable(SettledError):
+    """Something holds the object's name that is not a readable object (for the local store:
+    not a regular file, a symlink, or a file that cannot be opened or read)."""
+
+    def __init__(self, digest: str, detail: str) -> None:
+        super().__init__(f"object {digest} cannot be read back: {detail}")
+        self.digest, self.detail = digest, detail
+
+
+class DigestMismatch(SettledError):
+    """Streamed bytes did not hash to the digest the caller announced; nothing was stored."""
+
+    def __init__(self, expected: str, actual: str) -> None:
+        super().__init__(f"content hashes to {actual}, not the expected {expected}; not stored")
+        self.expected, self.actual = expected, actual
+
+
+class DurabilityError(SettledError):
+    """An fsync (or the write before it) failed: the object is not known to be durable."""
+
+    def __init__(self, path: str, error: OSError) -> None:
+        super().__init__(f"could not make {path} durable: {error}; nothing is claimed stored")
+        self.path = path
+
+
+class StagingUnavailable(SettledError):
+    """The store cannot make a group of writes durable at once; commit them one by one."""
+
+
+@dataclass(frozen=True)
+class StoredObject:
+    """What a committed write left in the store."""
+
+    digest: str
+    size: int
+    created: bool  # False: the object was already present (dedupe), nothing was written
+    version: str  # the backend's version id of the object; the local store uses the digest
+
+
+class Stamp(NamedTuple):
+    """What identifies one stored copy of an object, read without reading its bytes.
+
+    Two equal stamps mean the very same copy, changed since in no way the backend records; the
+    verified-object record trusts an object whose stamp is the one it had when it last hashed
+    right (``verified``). Fields in the order that fails fastest when compared. Local: from an
+    ``lstat`` of the object file, ``changed_ns`` its ctime (which user space cannot set),
+    ``copy`` its inode, ``modified_ns`` its mtime, ``volume`` its device.
+    """
+
+    changed_ns: int
+    copy: int
+    modified_ns: int
+    size: int
+    volume: int
+
+
+@dataclass(frozen=True)
+class Reread:
+    """One stored object read again in full: what its bytes hash to (in the algorithm of the
+    digest asked for), how many there were, the bytes if asked to keep them, and the copy's
+    stamp, or None if the copy changed while it was being read."""
+
+    actual: str
+    size: int
+    data: bytes | None
+    stamp: Stamp | None
+    started_ns: int  # the wall clock (time.time_ns) just before the read began
+
+
+class StagedObject(Protocol):
+    """An object whose bytes were handed to the store without waiting for the disk.
+
+    ``publish()`` makes it visible under its digest and may be called only after the ``sync``
+    of the ``staging()`` group it was staged in returned; ``discard()`` drops it instead.
+    """
+
+    @property
+    def digest(self) -> str: ...
+
+    def publish(self) -> StoredObject: ...
+
+    def discard(self) -> None: ...
+
+
+class ObjectWriter(Protocol):
+    """One object being written: bytes in, then ``commit()``, ``stage()`` or ``abort()``.
+
+    ``write`` hashes and stages the bytes; ``digest()`` ends the input and names the object;
+    ``commit()`` makes it durable and visible (or finds it already there); ``stage()`` writes it
+    without waiting for the disk (see ``StagedObject``); ``abort()`` discards what was staged.
+    Leaving the context without ``commit()`` or ``stage()`` aborts.
+    """
+
+    @property
+    def size(self) -> int: ...
+
+    def write(self, data: Buffer) -> None: ...
+
+    def digest(self) -> str: ...
+
+    def commit(self) -> StoredObject: ...
+
+    def stage(self) -> StagedObject: ...
+
+    def abort(self) -> None: ...
+
+    def __enter__(self) -> ObjectWriter: ...
+
+    def __exit__(self, *exc: object) -> None: ...
+
+
+class ObjectStore(Protocol):
+    """A create-only, content-addressed blob store.
+
+    Guarantees every backend gives: an object, once visible, is never replaced and its bytes hash
+    to its name; a write returns only after the object is durable; writing an object that is
+    already present is a success that changes nothing. Every ``digest`` argument is parsed
+    (``hashing.BadDigest`` if it is not one) before anything is looked up.
+
+    Mapping to an S3-compatible backend: the key is ``<prefix>/<algo>/<hex>``; ``put_*`` and
+    ``ObjectWriter.commit()`` are one ``PUT`` with ``If-None-Match: *`` (a create-only write);
+    ``412 Precondition Failed`` means the object exists, which is dedupe, not an error. Because
+    the key is the digest, a writer whose digest is not known in advance spools to a local temp
+    file (bounded memory) and PUTs at ``commit()``; ``put_stream`` with ``expected_digest`` can
+    stream the PUT directly and still verifies the bytes (with the checksum header). The
+    response's ``x-amz-version-id`` is the ``version`` of ``StoredObject``; the backend records it
+    beside the digest (a manifest names objects by digest only, since content addressing makes
+    the version redundant for integrity; the version pins the exact upload for audits). ``has``
+    and ``stamp`` are ``HEAD``, ``open``/``read`` are ``GET`` (with ``versionId`` if a version
+    is asked for), ``reread`` and ``verify`` are ``GET`` + re-hash, ``list_digests`` is
+    ``ListObjectsV2`` under ``<prefix>/<algo>/``; ``batch`` may be a no-op. A PUT is durable
+    when it returns, so ``stage()`` is the PUT, ``staging()`` yields a ``sync`` that does
+    nothing, and ``publish()`` returns what the PUT stored.
+    """
+
+    @property
+    def location(self) -> str:
+        """Where the objects are, for messages: a directory, a bucket URL."""
+        ...
+
+    # -- writing (Save) --------------------------------------------------------------------
+
+    def writer(
+        self, algo: str = DEFAULT_ALGORITHM, *, size_hint: int | None = None
+    ) -> ObjectWriter:
+        """A writer for one object; ``size_hint`` (bytes expected) only tunes the hasher."""
+        ...
+
+    def put_bytes(self, data: Buffer, algo: str = DEFAULT_ALGORITHM) -> str:
+        """Store ``data``, create-only; returns its digest (its id), whether it was written now
+        or was already present. ``writer().commit()`` says which, and the version."""
+        ...
+
+    def put_stream(
+        self,
+        source: BinaryIO | int,
+        expected_digest: str | None = None,
+        algo: str = DEFAULT_ALGORITHM,
+    ) -> str:
+        """Store everything ``source`` yields, ``CHUNK`` bytes at a time; returns the digest.
+        ``DigestMismatch`` (nothing stored) if the bytes do not hash to ``expected_digest``."""
+        ...
+
+    def batch(self) -> AbstractContextManager[None]:
+        """Writers made in this thread inside the batch may defer what makes their names
+        durable to the batch's end (once for all of them). Commit them before it ends."""
+        ...
+
+    def staging(self) -> AbstractContextManager[Callable[[], None]]:
+        """A group of staged writes: yields ``sync``, which returns once every object staged (by
+        any writer) since the group began is durable, and raises ``DurabilityError`` if any may
+        not be. ``StagingUnavailable`` if the backend cannot group writes."""
+        ...
+
+    def quarantine(self, digest: str) -> str | None:
+        """Take the name away from what holds ``digest``, keeping those bytes aside as evidence
+        (never deleted), so that the next write of the right bytes can create the object again.
+        Returns where the evidence went, or None if nothing held the name. Only for an object
+        the caller has just found not to hash to its name (or not to be an object at all)."""
+        ...
+
+    # -- reading (Load, Stat, List) --------------------------------------------------------
+
+    def has(self, digest: str) -> bool:
+        """The object exists (a name that holds something that is not an object: False)."""
+        ...
+
+    def open(self, digest: str, version: str | None = None) -> BinaryIO:
+        """The object's bytes as a stream; ``version``: exactly that version (see the module's
+        docstring). ``ObjectMissing`` (``VersionMissing``) if the store does not hold it."""
+        ...
+
+    def read(self, digest: str, version: str | None = None) -> bytes:
+        """All of the object's bytes (``open``, read to the end); for small objects."""
+        ...
+
+    def stamp(self, digest: str) -> Stamp:
+        """What identifies the stored copy now, without reading it. ``ObjectMissing`` if
+        nothing holds the name, ``ObjectUnreadable`` if what holds it is not an object."""
+        ...
+
+    def reread(self, digest: str, *, keep: bool = False) -> Reread:
+        """Read every byte of the stored copy again and hash it; ``keep`` returns the bytes.
+        ``ObjectMissing`` if nothing holds the name, ``ObjectUnreadable`` if it cannot be read
+        (never following a link, never opening anything but an object)."""
+        ...
+
+    def verify(self, digest: str) -> bool:
+        """Re-hash the stored bytes; False if they do not match ``digest`` or it is missing."""
+        ...
+
+    def list_digests(self, algo: str | None = None) -> Iterator[str]:
+        """Every object's digest (of ``algo`` only, if given), in no promised order; an object
+        written while the listing runs may or may not be in it."""
+        ...
