@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from blake3 import blake3
 
+from settled import errors
 from settled.log import (
     CursorOutOfRange,
     StreamWriter,
@@ -255,6 +256,17 @@ def test_read_range_past_the_end_names_the_cursor(log400: str) -> None:
         read_range(log400, 500, 10)
     with pytest.raises(CursorOutOfRange, match="cursor -1"):
         read_range(log400, -1, 10)
+
+
+def test_the_cursor_error_is_the_one_every_face_maps_and_stays_a_value_error(
+    log400: str,
+) -> None:
+    with pytest.raises(errors.CursorOutOfRange) as caught:
+        read_range(log400, 401, 1)
+    assert CursorOutOfRange is errors.CursorOutOfRange
+    assert isinstance(caught.value, ValueError)
+    assert not isinstance(caught.value, errors.SettledError)
+    assert (caught.value.cursor, caught.value.end, caught.value.stream) == (401, 400, "stdout")
 
 
 def test_read_range_of_a_stream_not_yet_created(tmp_path: Path) -> None:

@@ -31,9 +31,9 @@ from mcp.server.mcpserver.exceptions import ToolError
 from mcp.types import CallToolResult, TextContent
 from pydantic import Field
 
-from settled.errors import NotSettled, SettledError
+from settled.errors import CursorOutOfRange, NotSettled, SettledError
 from settled.home import log_path
-from settled.log.reader import CursorOutOfRange, stored_length
+from settled.log.reader import stored_length
 from settled.runtime import Launcher, Runtime, open_launcher
 
 DEFAULT_BUDGET = 16 * 1024

@@ -12,7 +12,8 @@ from __future__ import annotations
 import os
 from typing import Final
 
-from settled.log.reader import CursorOutOfRange, follow, read_range, stored_length
+from settled.errors import CursorOutOfRange
+from settled.log.reader import follow, read_range, stored_length
 from settled.log.view import model_view, render_view
 from settled.log.writer import (
     DIGEST_ALGORITHM,

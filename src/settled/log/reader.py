@@ -1,7 +1,8 @@
 """Read a stream's byte log by cursor: ranges, and following a log that is still being written.
 
 Owns: byte ranges ``[start, start + max)`` addressed by cursor (a byte offset counting only
-stored bytes), the out-of-range error, and ``follow`` up to the stream's final cursor.
+stored bytes), and ``follow`` up to the stream's final cursor. A cursor outside what is stored
+raises ``settled.errors.CursorOutOfRange``.
 
 Must never: split on lines, decode, or otherwise interpret the bytes; read past the file's size
 or past a known final cursor; wait without a bound when given a timeout; load a whole log to
@@ -14,19 +15,7 @@ import os
 import time
 from collections.abc import Callable, Iterator
 
-
-class CursorOutOfRange(ValueError):
-    """A cursor outside ``[0, end]`` of the stored stream."""
-
-    def __init__(self, cursor: int, end: int, stream: str, what: str = "cursor") -> None:
-        self.cursor = cursor
-        self.end = end
-        self.stream = stream
-        if cursor < 0:
-            message = f"{what} {cursor} is negative ({stream} has {end} bytes stored)"
-        else:
-            message = f"{what} {cursor} is beyond the end of {stream} ({end} bytes stored)"
-        super().__init__(message)
+from settled.errors import CursorOutOfRange
 
 
 def stream_name(path: str) -> str:

@@ -32,7 +32,8 @@ from typing import Any
 
 from starlette.responses import Response, StreamingResponse
 
-from settled.log.reader import CursorOutOfRange, pread_exact
+from settled.errors import CursorOutOfRange
+from settled.log.reader import pread_exact
 from settled.runtime import Runtime
 from settled.server import views
 from settled.server.pool import RuntimePool
