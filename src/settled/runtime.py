@@ -37,7 +37,7 @@ from settled.identity import (
     resolve_cwd,
 )
 from settled.log.reader import follow, read_range, stored_length
-from settled.log.view import model_view
+from settled.log.view import MARKER, Window, model_view, read_window
 from settled.owner.launcher import FreshLauncher
 from settled.owner.launcher import Launcher as Launcher
 from settled.owner.zygote import WarmLauncher
@@ -496,3 +496,17 @@ class Runtime:
         return model_view(
             log_path(self.home, session, stream), budget, stream=stream, session=session
         )
+
+    def window(
+        self, session: str, stream: str, cursor: int, budget: int, *, marker: str = MARKER
+    ) -> tuple[Window, bool]:
+        """The model view of the stream from ``cursor`` to what exists now (its final cursor
+        once settled, else the bytes stored), within ``budget`` UTF-8 bytes; and whether that
+        end is the final cursor. ``marker`` words the line naming the omitted range (a
+        template over stream, a, b, n and session). Reads at most ``2 * budget`` bytes; a
+        cursor past the end raises CursorOutOfRange."""
+        final = self.final_cursor(session, stream)
+        path = log_path(self.home, session, stream)
+        end = final if final is not None else stored_length(path)
+        view = read_window(path, cursor, end, budget, stream, session, marker=marker)
+        return view, final == end
