@@ -36,6 +36,7 @@ from settled.identity import (
     parse_user,
     resolve_cwd,
 )
+from settled.log.reader import StreamLog as StreamLog
 from settled.log.reader import follow, read_range, stored_length
 from settled.log.view import MARKER, Window, model_view, read_window
 from settled.owner.launcher import FreshLauncher
@@ -510,3 +511,20 @@ class Runtime:
         end = final if final is not None else stored_length(path)
         view = read_window(path, cursor, end, budget, stream, session, marker=marker)
         return view, final == end
+
+    def stream_log(self, session: str, stream: str) -> StreamLog:
+        """The session's ``stream`` log ("stdout" or "stderr"), to read by cursor without a
+        Runtime: its reads touch only the file, so an async streamer can poll it from worker
+        threads that hold no store. The session is not looked up here."""
+        return StreamLog(log_path(self.home, session, stream), stream)
+
+    def task_record(self, task: str) -> TaskRecord:
+        """The task as recorded (UnknownTask if there is none): what a face checks a caller's
+        scope against, or shows."""
+        return self.store.get_task(task)
+
+    def session_record(self, session: str) -> SessionRecord:
+        """The session as recorded (UnknownSession if there is none); its state is the
+        stored one, not the status projection ``session_status`` computes."""
+        return self.store.get_session(session)
+
