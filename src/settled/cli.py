@@ -20,10 +20,9 @@ from settled.errors import (
     CursorOutOfRange,
     SettledError,
 )
-from settled.faults import ALL_POINTS
 from settled.identity import BOUNDARY_POLICIES, ISOLATION_POLICIES
 from settled.render import blocked_text, close_text, receipt_text, status_text
-from settled.runtime import Runtime
+from settled.runtime import ALL_POINTS, Runtime
 from settled.states import SETTLED
 
 

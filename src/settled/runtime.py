@@ -27,6 +27,7 @@ from settled.boundary.isolation import IsolationUnavailable, check_available
 from settled.close.decide import explain
 from settled.close.join import CloseJoin, CloseResult
 from settled.errors import BadInput, NotSettled, OwnerLaunchFailed, SettledError
+from settled.faults import ALL_POINTS as ALL_POINTS  # named for `settled close --list-fault-points`
 from settled.home import log_path, prepare_home, resolve_home, stdin_path
 from settled.identity import (
     CommandSpec,
@@ -528,3 +529,9 @@ class Runtime:
         stored one, not the status projection ``session_status`` computes."""
         return self.store.get_session(session)
 
+
+def ready_home(home: str | None = None) -> str:
+    """The settled home ``home`` names (None: SETTLED_HOME, else ./.settled) as an absolute
+    path, created private if missing; HomeUnusable if it cannot hold the store, the logs and
+    the objects. What a Runtime opens, for a face that checks it before making any."""
+    return prepare_home(resolve_home(home))
