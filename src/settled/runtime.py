@@ -483,17 +483,23 @@ class Runtime:
         return None
 
     def read(self, session: str, stream: str, start: int = 0, size: int = 1 << 20) -> bytes:
+        """Up to ``size`` stored bytes of the stream from cursor ``start`` (CursorOutOfRange
+        past what is stored)."""
         self.store.get_session(session)
         return read_range(log_path(self.home, session, stream), start, size)
 
     def follow(
         self, session: str, stream: str, start: int = 0, timeout: float | None = None
     ) -> Iterator[bytes]:
+        """The stream from cursor ``start`` as it grows, ending exactly at its final cursor;
+        ``timeout`` bounds the whole follow (TimeoutError names the cursor reached)."""
         self.store.get_session(session)
         path = log_path(self.home, session, stream)
         return follow(path, start, lambda: self.final_cursor(session, stream), timeout=timeout)
 
     def view(self, session: str, stream: str, budget: int) -> str:
+        """The model view of everything stored of the stream, within ``budget`` UTF-8 bytes,
+        its marker naming the omitted range as ``settled logs --from`` reads it."""
         self.store.get_session(session)
         return model_view(
             log_path(self.home, session, stream), budget, stream=stream, session=session

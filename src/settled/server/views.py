@@ -93,7 +93,8 @@ def session_status(rt: Runtime, grant: Grant, session: str) -> dict[str, Any]:
 
 
 def is_settled(view: dict[str, Any]) -> bool:
-    """As ``Runtime.wait`` decides: a receipt exists, or the session is unknown."""
+    """The long poll's end: a receipt exists, or the session is unknown. (``Runtime.wait``
+    also waits out an unknown whose owner process still runs; the long poll answers it.)"""
     return view["state"] == UNKNOWN or (view["state"] == SETTLED and "receipt" in view)
 
 
