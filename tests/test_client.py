@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import inspect
 import os
 import signal
 import socket
@@ -203,10 +204,19 @@ def sessions_in(home: str, task: str) -> list[Any]:
         return rt.store.list_sessions(task)
 
 
+@pytest.mark.timeout(10)
+def test_every_exec_takes_task_argv_shell_in_that_order() -> None:
+    from settled.runtime import Runtime
+
+    for exec_ in (Runtime.exec, Client.exec, AsyncClient.exec):
+        names = list(inspect.signature(exec_).parameters)
+        assert names[:4] == ["self", "task", "argv", "shell"], exec_.__qualname__
+
+
 @pytest.mark.timeout(60)
 def test_exec_wait_and_stream_every_byte_over_sse(client: Client, workspace: str) -> None:
     task = client.new_task(workspace)["task"]
-    admitted = client.exec(task, argv=["python3", "-c", PRINT_ALL_BYTES])
+    admitted = client.exec(task, ["python3", "-c", PRINT_ALL_BYTES])  # argv comes first
     assert admitted.reused is False and admitted.key.startswith("k_") and admitted.attempts == 1
     done = client.wait(admitted.session, timeout=30)
     assert done["state"] == "settled" and done["receipt"]["exit"]["code"] == 0

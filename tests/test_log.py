@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from blake3 import blake3
 
+from settled import errors
 from settled.log import (
     CursorOutOfRange,
     StreamWriter,
@@ -21,6 +22,7 @@ from settled.log import (
     follow,
     model_view,
     read_range,
+    read_window,
     render_view,
     stored_length,
     stream_path,
@@ -257,6 +259,17 @@ def test_read_range_past_the_end_names_the_cursor(log400: str) -> None:
         read_range(log400, -1, 10)
 
 
+def test_the_cursor_error_is_the_one_every_face_maps_and_stays_a_value_error(
+    log400: str,
+) -> None:
+    with pytest.raises(errors.CursorOutOfRange) as caught:
+        read_range(log400, 401, 1)
+    assert CursorOutOfRange is errors.CursorOutOfRange
+    assert isinstance(caught.value, ValueError)
+    assert not isinstance(caught.value, errors.SettledError)
+    assert (caught.value.cursor, caught.value.end, caught.value.stream) == (401, 400, "stdout")
+
+
 def test_read_range_of_a_stream_not_yet_created(tmp_path: Path) -> None:
     path = str(tmp_path / "stderr.log")
     assert stored_length(path) == 0
@@ -426,6 +439,39 @@ def test_model_view_below_the_marker_size_is_the_short_marker_cut_to_budget(
     assert model_view(str(path), 0) == ""
     for budget in range(0, 128):
         assert len(model_view(str(path), budget).encode()) <= budget
+
+
+def test_a_window_from_a_cursor_shows_exactly_its_bytes_with_the_marker_it_is_given(
+    tmp_path: Path,
+) -> None:
+    data = ("aé€😀" * 2000).encode()
+    path = tmp_path / "stdout.log"
+    write_log(path, data).close()
+    start, end = 1001, len(data) - 999  # the window stops short of what is stored
+    marker = "\n[settled: omitted {stream} bytes {a}..{b} ({n} bytes); cursor={a}]\n"
+    for budget in (0, 30, 150, 1000, 4096):
+        window = read_window(str(path), start, end, budget, "stdout", "s_x", marker=marker)
+        assert (window.start, window.end) == (start, end)
+        assert len(window.text.encode()) <= budget
+        if budget >= 150:  # room for the whole marker: head [start, a) and tail [b, end)
+            assert window.omitted is not None
+            a, b = window.omitted
+            head, _, rest = window.text.partition("\n[settled: omitted")
+            assert f"cursor={a}]" in rest and rest.split("]\n", 1)[1].encode() == data[b:end]
+            assert head.encode() == data[start:a]
+    whole = read_window(str(path), start, end, 2 * (end - start), "stdout")
+    assert whole.omitted is None and whole.text.encode() == data[start:end]
+    with pytest.raises(CursorOutOfRange, match=f"cursor {end + 1} is beyond the end of stdout"):
+        read_window(str(path), end + 1, end, 100, "stdout")
+
+
+def test_the_model_view_is_the_window_of_the_whole_stream(tmp_path: Path) -> None:
+    data = random.Random(3).randbytes(20_000)
+    path = tmp_path / "stderr.log"
+    write_log(path, data).close()
+    for budget in (0, 100, 999, 30_000):
+        window = read_window(str(path), 0, len(data), budget, "stderr", "s_1")
+        assert model_view(str(path), budget, stream="stderr", session="s_1") == window.text
 
 
 def test_stream_path_names_only_known_streams(tmp_path: Path) -> None:

@@ -19,7 +19,8 @@ from conftest import ESCAPEE
 from mcp import ClientSession, StdioServerParameters, stdio_client
 from mcp.types import CallToolResult, TextContent
 
-from settled.mcp_server import TOOL_NAMES, window_view
+from settled.log.view import window_view
+from settled.mcp_server import MARKER, TOOL_NAMES
 
 FOUR_MIB = 4 * 1024 * 1024
 DIGITS = f"''.join(str(i % 10) for i in range({FOUR_MIB})) + chr(10)"
@@ -240,6 +241,7 @@ def test_the_window_view_keeps_budget_utf8_and_the_exact_omitted_range() -> None
             budget,
             "stdout",
             "s_x",
+            marker=MARKER,
         )
         assert len(view.text.encode()) <= budget
         assert "\ufffd" not in view.text  # every cut is on a character boundary

@@ -12,12 +12,17 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from settled.errors import EXIT_BLOCKED, EXIT_OK, EXIT_USAGE, BadInput, SettledError
-from settled.faults import ALL_POINTS
+from settled.errors import (
+    EXIT_BLOCKED,
+    EXIT_OK,
+    EXIT_USAGE,
+    BadInput,
+    CursorOutOfRange,
+    SettledError,
+)
 from settled.identity import BOUNDARY_POLICIES, ISOLATION_POLICIES
-from settled.log.reader import CursorOutOfRange
 from settled.render import blocked_text, close_text, receipt_text, status_text
-from settled.runtime import Runtime
+from settled.runtime import ALL_POINTS, Runtime
 from settled.states import SETTLED
 
 

@@ -219,7 +219,7 @@ def _task_call(workspace: str, key: str) -> _Call:
 
 
 def _admission_call(
-    task: str, key: str, shell: str | None, argv: Sequence[str] | None, options: dict[str, Any]
+    task: str, argv: Sequence[str] | None, shell: str | None, key: str, options: dict[str, Any]
 ) -> _Call:
     """The admission body: exactly the keys given, so every retry sends the same digest."""
     if (shell is None) == (argv is None):
@@ -229,7 +229,7 @@ def _admission_call(
     ):
         raise UsageError(f"argv must be a non-empty list of strings, got {argv!r}")
     body: dict[str, Any] = {"key": key}
-    body.update({"shell": shell} if argv is None else {"argv": list(argv)})
+    body.update({"argv": list(argv)} if argv is not None else {"shell": shell})
     if options.get("env") is not None:
         options["env"] = dict(options["env"])
     if not options.get("service"):
@@ -627,8 +627,8 @@ class Client(_Base):
     def exec(
         self,
         task: str,
-        shell: str | None = None,
         argv: Sequence[str] | None = None,
+        shell: str | None = None,
         key: str | None = None,
         timeout: float | None = None,
         grace: float | None = None,
@@ -645,7 +645,7 @@ class Client(_Base):
         options: dict[str, Any] = {"timeout": timeout, "grace": grace, "cwd": cwd, "env": env}
         options.update(service=service, boundary=boundary, isolation=isolation, user=user)
         options.update(writable=list(writable) if writable else None)
-        call = _admission_call(task, key, shell, argv, options)
+        call = _admission_call(task, argv, shell, key, options)
         response, tries = self._send(call)
         return _admission(_json(call, response), key, tries)
 
@@ -815,8 +815,8 @@ class AsyncClient(_Base):
     async def exec(
         self,
         task: str,
-        shell: str | None = None,
         argv: Sequence[str] | None = None,
+        shell: str | None = None,
         key: str | None = None,
         timeout: float | None = None,
         grace: float | None = None,
@@ -833,7 +833,7 @@ class AsyncClient(_Base):
         options: dict[str, Any] = {"timeout": timeout, "grace": grace, "cwd": cwd, "env": env}
         options.update(service=service, boundary=boundary, isolation=isolation, user=user)
         options.update(writable=list(writable) if writable else None)
-        call = _admission_call(task, key, shell, argv, options)
+        call = _admission_call(task, argv, shell, key, options)
         response, tries = await self._send(call)
         return _admission(_json(call, response), key, tries)
 

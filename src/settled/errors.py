@@ -128,3 +128,20 @@ class NotSettled(SettledError):
 
 class OwnerLaunchFailed(SettledError):
     """The session was admitted but its owner did not report; recovery will decide its fate."""
+
+
+class CursorOutOfRange(ValueError):
+    """A cursor outside ``[0, end]`` of the stored stream.
+
+    A ValueError, not a SettledError: every face maps it on its own (HTTP 416 with the end,
+    exit 2, a tool error naming the cursor)."""
+
+    def __init__(self, cursor: int, end: int, stream: str, what: str = "cursor") -> None:
+        self.cursor = cursor
+        self.end = end
+        self.stream = stream
+        if cursor < 0:
+            message = f"{what} {cursor} is negative ({stream} has {end} bytes stored)"
+        else:
+            message = f"{what} {cursor} is beyond the end of {stream} ({end} bytes stored)"
+        super().__init__(message)

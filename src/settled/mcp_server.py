@@ -23,7 +23,6 @@ import sqlite3
 import sys
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Annotated, Any, Literal, ParamSpec, TypeVar
 
 from mcp.server.mcpserver import MCPServer
@@ -31,9 +30,7 @@ from mcp.server.mcpserver.exceptions import ToolError
 from mcp.types import CallToolResult, TextContent
 from pydantic import Field
 
-from settled.errors import NotSettled, SettledError
-from settled.home import log_path
-from settled.log.reader import CursorOutOfRange, stored_length
+from settled.errors import CursorOutOfRange, NotSettled, SettledError
 from settled.runtime import Launcher, Runtime, open_launcher
 
 DEFAULT_BUDGET = 16 * 1024
@@ -159,102 +156,11 @@ def _summary_text(summary: dict[str, Any]) -> str:
 
 # -- the model view of a cursor window ---------------------------------------------------------
 
-
-@dataclass(frozen=True)
-class Window:
-    """Bytes [start, end) of a stream as text for a model; `omitted` is the exact byte range
-    not shown (absolute cursors), or None when every byte is in `text`."""
-
-    text: str
-    start: int
-    end: int
-    omitted: tuple[int, int] | None
-
-
+# How the MCP view names what it left out: the read_output call that reads it.
 MARKER = (
     "\n[settled: omitted {stream} bytes {a}..{b} ({n} bytes); read them with "
     "read_output(session={session!r}, stream={stream!r}, cursor={a})]\n"
 )
-
-
-def _size(text: str) -> int:
-    return len(text.encode("utf-8", "surrogatepass"))
-
-
-def _head_cut(data: bytes, end: int) -> int:
-    """Back `end` off a multi-byte UTF-8 sequence that `data[:end]` would split."""
-    for back in range(1, min(4, end) + 1):
-        byte = data[end - back]
-        if byte < 0x80:
-            return end
-        if byte >= 0xC0:  # a lead byte: does its sequence end before `end`?
-            need = 2 if byte < 0xE0 else 3 if byte < 0xF0 else 4
-            return end - back if need > back else end
-    return end
-
-
-def _tail_cut(data: bytes, start: int) -> int:
-    """Move `start` past continuation bytes of a sequence that began before it."""
-    for _ in range(3):
-        if start >= len(data) or data[start] & 0xC0 != 0x80:
-            break
-        start += 1
-    return start
-
-
-def _fit_head(data: bytes, limit: int) -> int:
-    """The length of the longest prefix (cut on a character) whose decoded text fits `limit`."""
-    end = _head_cut(data, min(len(data), limit))
-    while (excess := _size(data[:end].decode("utf-8", "replace")) - limit) > 0:
-        end = _head_cut(data, max(0, end - excess))  # U+FFFD expands a bad byte to three
-    return end
-
-
-def _fit_tail(data: bytes, limit: int, earliest: int) -> int:
-    """The start of the longest suffix (from `earliest` on) whose decoded text fits `limit`."""
-    start = _tail_cut(data, max(earliest, len(data) - limit))
-    while (excess := _size(data[start:].decode("utf-8", "replace")) - limit) > 0:
-        start = _tail_cut(data, min(len(data), start + excess))
-    return start
-
-
-def window_view(
-    head: bytes, tail: bytes, start: int, end: int, budget: int, stream: str, session: str
-) -> Window:
-    """Pure: `head` is bytes [start, ...) and `tail` bytes [..., end) of a stream. The text, as
-    UTF-8, is never longer than `budget` bytes; the marker names the omitted range exactly."""
-    if len(head) == end - start:
-        whole = head.decode("utf-8", "replace")
-        if _size(whole) <= budget:
-            return Window(whole, start, end, None)
-    longest = MARKER.format(stream=stream, a=end, b=end, n=end, session=session)
-    room = budget - _size(longest)
-    if room < 0:
-        short = f"[settled: omitted {stream} bytes {start}..{end}]"
-        return Window(short.encode()[:budget].decode("utf-8", "ignore"), start, end, (start, end))
-    a = _fit_head(head, room // 2)
-    head_text = head[:a].decode("utf-8", "replace")
-    tail_from = end - len(tail)
-    s = _fit_tail(tail, room - _size(head_text), max(0, start + a - tail_from))
-    b = tail_from + s
-    marker = MARKER.format(stream=stream, a=start + a, b=b, n=b - start - a, session=session)
-    text = head_text + marker + tail[s:].decode("utf-8", "replace")
-    return Window(text, start, end, (start + a, b))
-
-
-def read_window(
-    rt: Runtime, session: str, stream: str, cursor: int, budget: int
-) -> tuple[Window, bool]:
-    """The window from `cursor` to what is stored now, and whether that is the final cursor;
-    reads at most 2 * budget bytes."""
-    final = rt.final_cursor(session, stream)
-    end = final if final is not None else stored_length(log_path(rt.home, session, stream))
-    if cursor < 0 or cursor > end:
-        raise CursorOutOfRange(cursor, end, stream)
-    size = min(end - cursor, budget)
-    head = rt.read(session, stream, cursor, size)
-    tail = head if size == end - cursor else rt.read(session, stream, end - size, size)
-    return window_view(head, tail, cursor, end, budget, stream, session), final == end
 
 
 # -- the tools --------------------------------------------------------------------------------
@@ -349,7 +255,8 @@ class Tools:
         more is stored, you see its head and tail with a marker naming the omitted byte range
         (read it with cursor=its start). next_cursor is where to continue; final=true means the
         stream is complete and nothing more will come."""
-        window, final = read_window(self.runtimes.get(), session, stream, cursor, budget)
+        rt = self.runtimes.get()
+        window, final = rt.window(session, stream, cursor, budget, marker=MARKER)
         data = {
             "session": session,
             "stream": stream,

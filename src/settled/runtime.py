@@ -22,6 +22,7 @@ from settled.boundary.sandbox import SandboxProvider
 from settled.close.decide import explain
 from settled.close.join import CloseJoin, CloseResult
 from settled.errors import BadInput, OwnerLaunchFailed, SettledError
+from settled.faults import ALL_POINTS as ALL_POINTS  # named for `settled close --list-fault-points`
 from settled.home import log_path, prepare_home, resolve_home, stdin_path
 from settled.identity import (
     CommandSpec,
@@ -31,8 +32,9 @@ from settled.identity import (
     parse_user,
     resolve_cwd,
 )
+from settled.log.reader import StreamLog as StreamLog
 from settled.log.reader import follow, read_range, stored_length
-from settled.log.view import model_view
+from settled.log.view import MARKER, Window, model_view, read_window
 from settled.owner.launcher import FreshLauncher
 from settled.owner.launcher import Launcher as Launcher
 from settled.owner.liveness import LocalOwners
@@ -401,18 +403,61 @@ class Runtime:
         return None
 
     def read(self, session: str, stream: str, start: int = 0, size: int = 1 << 20) -> bytes:
+        """Up to ``size`` stored bytes of the stream from cursor ``start`` (CursorOutOfRange
+        past what is stored)."""
         self.store.get_session(session)
         return read_range(log_path(self.home, session, stream), start, size)
 
     def follow(
         self, session: str, stream: str, start: int = 0, timeout: float | None = None
     ) -> Iterator[bytes]:
+        """The stream from cursor ``start`` as it grows, ending exactly at its final cursor;
+        ``timeout`` bounds the whole follow (TimeoutError names the cursor reached)."""
         self.store.get_session(session)
         path = log_path(self.home, session, stream)
         return follow(path, start, lambda: self.final_cursor(session, stream), timeout=timeout)
 
     def view(self, session: str, stream: str, budget: int) -> str:
+        """The model view of everything stored of the stream, within ``budget`` UTF-8 bytes,
+        its marker naming the omitted range as ``settled logs --from`` reads it."""
         self.store.get_session(session)
         return model_view(
             log_path(self.home, session, stream), budget, stream=stream, session=session
         )
+
+    def window(
+        self, session: str, stream: str, cursor: int, budget: int, *, marker: str = MARKER
+    ) -> tuple[Window, bool]:
+        """The model view of the stream from ``cursor`` to what exists now (its final cursor
+        once settled, else the bytes stored), within ``budget`` UTF-8 bytes; and whether that
+        end is the final cursor. ``marker`` words the line naming the omitted range (a
+        template over stream, a, b, n and session). Reads at most ``2 * budget`` bytes; a
+        cursor past the end raises CursorOutOfRange."""
+        final = self.final_cursor(session, stream)
+        path = log_path(self.home, session, stream)
+        end = final if final is not None else stored_length(path)
+        view = read_window(path, cursor, end, budget, stream, session, marker=marker)
+        return view, final == end
+
+    def stream_log(self, session: str, stream: str) -> StreamLog:
+        """The session's ``stream`` log ("stdout" or "stderr"), to read by cursor without a
+        Runtime: its reads touch only the file, so an async streamer can poll it from worker
+        threads that hold no store. The session is not looked up here."""
+        return StreamLog(log_path(self.home, session, stream), stream)
+
+    def task_record(self, task: str) -> TaskRecord:
+        """The task as recorded (UnknownTask if there is none): what a face checks a caller's
+        scope against, or shows."""
+        return self.store.get_task(task)
+
+    def session_record(self, session: str) -> SessionRecord:
+        """The session as recorded (UnknownSession if there is none); its state is the
+        stored one, not the status projection ``session_status`` computes."""
+        return self.store.get_session(session)
+
+
+def ready_home(home: str | None = None) -> str:
+    """The settled home ``home`` names (None: SETTLED_HOME, else ./.settled) as an absolute
+    path, created private if missing; HomeUnusable if it cannot hold the store, the logs and
+    the objects. What a Runtime opens, for a face that checks it before making any."""
+    return prepare_home(resolve_home(home))

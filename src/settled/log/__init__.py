@@ -12,8 +12,9 @@ from __future__ import annotations
 import os
 from typing import Final
 
-from settled.log.reader import CursorOutOfRange, follow, read_range, stored_length
-from settled.log.view import model_view, render_view
+from settled.errors import CursorOutOfRange
+from settled.log.reader import follow, read_range, stored_length
+from settled.log.view import Window, model_view, read_window, render_view, window_view
 from settled.log.writer import (
     DIGEST_ALGORITHM,
     StreamSummary,
@@ -38,12 +39,15 @@ __all__ = [
     "CursorOutOfRange",
     "StreamSummary",
     "StreamWriter",
+    "Window",
     "drain_once",
     "enlarge_pipe",
     "follow",
     "model_view",
     "read_range",
+    "read_window",
     "render_view",
     "stored_length",
     "stream_path",
+    "window_view",
 ]

@@ -1,7 +1,9 @@
 """Read a stream's byte log by cursor: ranges, and following a log that is still being written.
 
 Owns: byte ranges ``[start, start + max)`` addressed by cursor (a byte offset counting only
-stored bytes), the out-of-range error, and ``follow`` up to the stream's final cursor.
+stored bytes), one short read at a cursor (``StreamLog``, what an async streamer polls), and
+``follow`` up to the stream's final cursor. A cursor outside what is stored
+raises ``settled.errors.CursorOutOfRange``.
 
 Must never: split on lines, decode, or otherwise interpret the bytes; read past the file's size
 or past a known final cursor; wait without a bound when given a timeout; load a whole log to
@@ -13,20 +15,9 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
-
-class CursorOutOfRange(ValueError):
-    """A cursor outside ``[0, end]`` of the stored stream."""
-
-    def __init__(self, cursor: int, end: int, stream: str, what: str = "cursor") -> None:
-        self.cursor = cursor
-        self.end = end
-        self.stream = stream
-        if cursor < 0:
-            message = f"{what} {cursor} is negative ({stream} has {end} bytes stored)"
-        else:
-            message = f"{what} {cursor} is beyond the end of {stream} ({end} bytes stored)"
-        super().__init__(message)
+from settled.errors import CursorOutOfRange
 
 
 def stream_name(path: str) -> str:
@@ -57,6 +48,43 @@ def pread_exact(fd: int, offset: int, size: int) -> bytes:
         parts.append(part)
         got += len(part)
     return b"".join(parts)
+
+
+def read_at(path: str, cursor: int, size: int, limit: int | None) -> tuple[bytes, int]:
+    """Up to ``size`` bytes at ``cursor``, never past ``limit``; and the bytes stored now.
+
+    A file not created yet reads as empty. Opens and closes the file each call, so a cancelled
+    reader never leaves a descriptor (or a read racing its close) behind.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return b"", 0
+    try:
+        stored = os.fstat(fd).st_size
+        end = stored if limit is None else min(stored, limit)
+        count = min(size, end - cursor)
+        return (pread_exact(fd, cursor, count) if count > 0 else b""), stored
+    finally:
+        os.close(fd)
+
+
+@dataclass(frozen=True)
+class StreamLog:
+    """One stream's log file, named so its reader never needs the layout of the home: each
+    call is one short read (open, fstat, pread, close) that holds nothing between calls, so
+    any thread may make it, and an event loop can hand each one to a worker."""
+
+    path: str
+    stream: str
+
+    def stored_length(self) -> int:
+        """The bytes stored so far (0 before the file exists)."""
+        return stored_length(self.path)
+
+    def read_at(self, cursor: int, size: int, limit: int | None = None) -> tuple[bytes, int]:
+        """Up to ``size`` bytes at ``cursor``, never past ``limit``; and the bytes stored now."""
+        return read_at(self.path, cursor, size, limit)
 
 
 def read_range(path: str, start: int, max_bytes: int) -> bytes:

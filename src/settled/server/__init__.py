@@ -30,7 +30,7 @@ from collections.abc import Iterator
 import uvicorn
 
 from settled.errors import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, SettledError
-from settled.home import prepare_home, resolve_home
+from settled.runtime import ready_home
 from settled.server.app import create_app
 from settled.server.auth import TOKEN_ENV, Grant, TokenConfigError, TokenTable
 from settled.server.scrub import scrub_environ
@@ -97,7 +97,7 @@ def serve(
     with contextlib.suppress(OSError):
         scrub_environ(TOKEN_ENV)  # and /proc/<pid>/environ would still show the original bytes
     try:
-        home = prepare_home(resolve_home(home))
+        home = ready_home(home)
         if tokens_file is not None:
             _hide_from_sessions(home, tokens_file)
         sock = _bind(host, port)

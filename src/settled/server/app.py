@@ -149,10 +149,10 @@ class Handlers:
     async def _facts(self, request: Request) -> streams.StreamFacts:
         session = request.path_params["session"]
         stream = bodies.query_stream(request)
-        path, final, stored = await self.pool.call(
+        log, final, stored = await self.pool.call(
             views.stream_facts, grant_of(request), session, stream
         )
-        return streams.StreamFacts(session, stream, path, final, stored)
+        return streams.StreamFacts(session, stream, log, final, stored)
 
     async def output(self, request: Request) -> Response:
         start = bodies.cursor_value(request.query_params.get("from", "0"), "from")

@@ -27,7 +27,7 @@ SIGNALS = ("TERM", "KILL", "INT")
 TASK_FIELDS = frozenset({"workspace", "key", "user"})
 SESSION_FIELDS = frozenset(
     {
-        "key", "shell", "argv", "timeout", "grace", "cwd", "env", "service", "boundary",
+        "argv", "shell", "key", "timeout", "grace", "cwd", "env", "service", "boundary",
         "isolation", "user", "writable",
     }
 )  # fmt: skip
@@ -105,9 +105,9 @@ def session_request(body: dict[str, Any]) -> dict[str, Any]:
     if (shell is None) == (argv is None):
         raise BadInput("give exactly one of `shell` (a string) or `argv` (a list of strings)")
     return {
-        "key": key,
-        "shell": shell,
         "argv": argv,
+        "shell": shell,
+        "key": key,
         "timeout": _seconds(body, "timeout"),
         "grace": _seconds(body, "grace"),
         "cwd": _optional(body, "cwd", str, "a path relative to the workspace") or ".",

@@ -24,6 +24,7 @@ from settled.errors import (
     AdmissionSealed,
     BadInput,
     BoundaryUnavailable,
+    CursorOutOfRange,
     HomeUnusable,
     KeyConflict,
     NotSettled,
@@ -34,7 +35,6 @@ from settled.errors import (
     UnknownSession,
     UnknownTask,
 )
-from settled.log.reader import CursorOutOfRange
 
 log = logging.getLogger("settled.server")
 

@@ -281,9 +281,9 @@ def _schemas() -> dict[str, Any]:
         "TaskRequest": _obj({"workspace": s, "key": s, "user": s}),
         "SessionRequest": _obj(
             {
-                "key": s,
-                "shell": s,
                 "argv": {"type": "array", "items": s, "minItems": 1},
+                "shell": s,
+                "key": s,
                 "timeout": n,
                 "grace": n,
                 "cwd": s,

@@ -1,11 +1,12 @@
 """Output over HTTP: raw bytes from a cursor (a range, or followed to the final cursor) and
 Server-Sent Events whose ids are cursors.
 
-Owns: reading a stream's log file by cursor on worker threads, following it while the session
-runs (polling the file from the event loop, asking the Runtime for the final cursor only once
-the bytes on disk are caught up), the response headers (``Settled-From``, ``Settled-Cursor``,
-``Settled-Final-Cursor``) and the SSE framing (``id: <cursor after the chunk>``, ``data: <base64
-of up to 64 KiB>``, a final ``event: end`` carrying the process receipt).
+Owns: reading a stream's log (the Runtime's ``StreamLog``) by cursor on worker threads,
+following it while the session runs (polling the file from the event loop, asking the Runtime
+for the final cursor only once the bytes on disk are caught up), the response headers
+(``Settled-From``, ``Settled-Cursor``, ``Settled-Final-Cursor``) and the SSE framing (``id:
+<cursor after the chunk>``, ``data: <base64 of up to 64 KiB>``, a final ``event: end`` carrying
+the process receipt).
 
 Must never: write to a log, signal or cancel a session (a reader that is slow or goes away only
 ends its own response; the owner writes the log and readers only read files), hold a file
@@ -24,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
-import os
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -32,8 +32,8 @@ from typing import Any
 
 from starlette.responses import Response, StreamingResponse
 
-from settled.log.reader import CursorOutOfRange, pread_exact
-from settled.runtime import Runtime
+from settled.errors import CursorOutOfRange
+from settled.runtime import Runtime, StreamLog
 from settled.server import views
 from settled.server.pool import RuntimePool
 
@@ -60,7 +60,7 @@ class LostBytes(RuntimeError):
 class StreamFacts:
     session: str
     stream: str
-    path: str
+    log: StreamLog
     final: int | None
     stored: int
 
@@ -74,25 +74,6 @@ class StreamFacts:
             raise CursorOutOfRange(start, self.end, self.stream)
 
 
-def read_at(path: str, cursor: int, size: int, limit: int | None) -> tuple[bytes, int]:
-    """Up to ``size`` bytes at ``cursor``, never past ``limit``; and the bytes stored now.
-
-    Opens and closes the file each call, so a cancelled reader never leaves a descriptor (or a
-    read racing its close) behind.
-    """
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return b"", 0
-    try:
-        stored = os.fstat(fd).st_size
-        end = stored if limit is None else min(stored, limit)
-        count = min(size, end - cursor)
-        return (pread_exact(fd, cursor, count) if count > 0 else b""), stored
-    finally:
-        os.close(fd)
-
-
 async def tail(
     pool: RuntimePool, facts: StreamFacts, start: int, end: int | None, chunk: int
 ) -> AsyncIterator[bytes | None]:
@@ -103,7 +84,7 @@ async def tail(
     """
     cursor, pause, quiet_since = start, POLL_MIN_S, time.monotonic()
     while True:
-        data, stored = await pool.io(read_at, facts.path, cursor, chunk, end)
+        data, stored = await pool.io(facts.log.read_at, cursor, chunk, end)
         if data:
             cursor += len(data)
             pause, quiet_since = POLL_MIN_S, time.monotonic()

@@ -14,11 +14,9 @@ from __future__ import annotations
 from typing import Any
 
 from settled.errors import UnknownSession, UnknownTask
-from settled.home import log_path
 from settled.identity import parse_user
-from settled.log.reader import stored_length
 from settled.records import SessionRecord, TaskRecord
-from settled.runtime import Runtime
+from settled.runtime import Runtime, StreamLog
 from settled.server.auth import Grant
 from settled.server.errors import NotPermitted
 from settled.states import SETTLED, UNKNOWN
@@ -33,11 +31,11 @@ ESCALATION = (
 def visible_task(rt: Runtime, grant: Grant, task: str) -> TaskRecord:
     if not grant.sees(task):
         raise UnknownTask(task)
-    return rt.store.get_task(task)
+    return rt.task_record(task)
 
 
 def visible_session(rt: Runtime, grant: Grant, session: str) -> SessionRecord:
-    record = rt.store.get_session(session)
+    record = rt.session_record(session)
     if not grant.sees(record.task):
         raise UnknownSession(session)
     return record
@@ -95,7 +93,8 @@ def session_status(rt: Runtime, grant: Grant, session: str) -> dict[str, Any]:
 
 
 def is_settled(view: dict[str, Any]) -> bool:
-    """As ``Runtime.wait`` decides: a receipt exists, or the session is unknown."""
+    """The long poll's end: a receipt exists, or the session is unknown. (``Runtime.wait``
+    also waits out an unknown whose owner process still runs; the long poll answers it.)"""
     return view["state"] == UNKNOWN or (view["state"] == SETTLED and "receipt" in view)
 
 
@@ -133,7 +132,7 @@ def recover(rt: Runtime, grant: Grant, task: str | None) -> dict[str, Any]:
     results: list[dict[str, Any]] = []
     for mine in sorted(grant.tasks):
         try:
-            rt.store.get_task(mine)
+            rt.task_record(mine)
         except UnknownTask:
             continue
         results += rt.recover(mine)
@@ -145,16 +144,16 @@ def recover(rt: Runtime, grant: Grant, task: str | None) -> dict[str, Any]:
 
 def stream_facts(
     rt: Runtime, grant: Grant, session: str, stream: str
-) -> tuple[str, int | None, int]:
-    """(log path, final cursor or None while it may grow, bytes stored now).
+) -> tuple[StreamLog, int | None, int]:
+    """(the stream's log, final cursor or None while it may grow, bytes stored now).
 
     The final cursor is asked before the size: it is published only once its bytes are in the
     file, so the size read after it is never short of it.
     """
     visible_session(rt, grant, session)
     final = rt.final_cursor(session, stream)
-    path = log_path(rt.home, session, stream)
-    return path, final, stored_length(path)
+    log = rt.stream_log(session, stream)
+    return log, final, log.stored_length()
 
 
 def end_of_stream(rt: Runtime, session: str) -> dict[str, Any]:
