@@ -161,7 +161,7 @@ def _close_log(path: str) -> dict[str, Any]:
 def _recovered_receipt(
     rt: Runtime, record: SessionRecord, generation: int, evidence: Evidence, source: str
 ) -> dict[str, Any]:
-    from settled.workspace import journal
+    from settled.workspace.journal import client as journal_client
 
     output = {
         stream: _close_log(log_path(rt.home, record.session, stream))
@@ -185,7 +185,7 @@ def _recovered_receipt(
         },
         output={**output, "drain": "complete" if never_ran else "incomplete"},
         stragglers=[],
-        terminal_mutation=journal.terminal_mutation(journal_socket(rt.home, record.task)),
+        terminal_mutation=journal_client.terminal_mutation(journal_socket(rt.home, record.task)),
         isolation=record.isolation,
         owner={
             "pid": os.getpid(),

@@ -314,9 +314,10 @@ class Owner:
     def _terminal_mutation(self) -> dict[str, Any]:
         """The journal's watermark read after death evidence: every write of the session's
         processes completed before it, so each is at or below this sequence number."""
-        from settled.workspace import journal  # after evidence, off the launch path
+        # imported after evidence, off the launch path
+        from settled.workspace.journal import client as journal_client
 
-        return journal.terminal_mutation(journal_socket(self.home, self.record.task))
+        return journal_client.terminal_mutation(journal_socket(self.home, self.record.task))
 
     def _receipt(self, **facts: Any) -> dict[str, Any]:
         usage = resource.getrusage(resource.RUSAGE_SELF)
