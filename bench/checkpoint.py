@@ -209,13 +209,13 @@ class Settled:
 
     def __init__(self, home: str, tree: str) -> None:
         from settled.runtime import Runtime
-        from settled.workspace import journal
+        from settled.workspace.journal import client as journal_client
 
         self.home = home
         self.rt = Runtime(home)
         self.task = self.rt.new_task(tree)
         self.socket = self.rt.workspace.socket(self.task)
-        self.journal_pid = (journal.ping(self.socket) or {}).get("pid")
+        self.journal_pid = (journal_client.ping(self.socket) or {}).get("pid")
         self.scan_s = 0.0
         self._time_scans(self.rt)
 
@@ -285,10 +285,10 @@ class Settled:
         }
 
     def close(self) -> None:
-        from settled.workspace import journal
+        from settled.workspace.journal import lifecycle as journal_lifecycle
 
         try:
-            journal.stop(self.socket)
+            journal_lifecycle.stop(self.socket)
         finally:
             self.rt.close()
         if not await_exit(self.journal_pid, 10.0):

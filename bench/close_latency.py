@@ -120,23 +120,23 @@ class Variant:
         self.unclosed: list[Any] = []
 
     def close(self) -> None:
-        from settled.workspace import journal
+        from settled.workspace.journal import lifecycle as journal_lifecycle
 
         for task in self.unclosed:  # tasks whose close did not finish: their journals run on
             with contextlib.suppress(Exception):
-                journal.stop(self.rt.workspace.socket(task))
+                journal_lifecycle.stop(self.rt.workspace.socket(task))
         self.db.close()
         self.rt.close()
 
     def once(self, root: str, p: dict[str, Any], i: int) -> dict[str, Any]:
-        from settled.workspace import journal
+        from settled.workspace.journal import client as journal_client
 
         workspace = os.path.join(root, f"ws-{self.launcher}-{int(self.checkpoint_first)}-{i}")
         tree = _build(workspace, p, SEED + 1000 * i + len(self.name))
         try:
             task = self.rt.new_task(workspace)
             self.unclosed.append(task)
-            journal_pid = (journal.ping(self.rt.workspace.socket(task)) or {}).get("pid")
+            journal_pid = (journal_client.ping(self.rt.workspace.socket(task)) or {}).get("pid")
             if self.checkpoint_first:
                 self.rt.checkpoint(task.task)
             files = tree.spread(p["changed"], i)

@@ -291,10 +291,10 @@ def _stop_journals(home: str) -> None:
     """Every task starts a journal daemon; a benchmark that does not close its task ends it."""
     import glob
 
-    from settled.workspace import journal
+    from settled.workspace.journal import lifecycle as journal_lifecycle
 
     for sock in glob.glob(os.path.join(home, "run", "*", "journal.sock")):
-        journal.stop(sock)
+        journal_lifecycle.stop(sock)
 
 
 def _settle_all(rig: Rig) -> None:

@@ -573,7 +573,8 @@ def _latencies(admissions: list[dict[str, Any]], facts: dict[str, Any]) -> dict[
 def run_once(root: str, variant: str, p: dict[str, Any]) -> dict[str, Any]:
     from settled.runtime import Runtime
     from settled.states import LIVE_STATES
-    from settled.workspace import journal
+    from settled.workspace.journal import client as journal_client
+    from settled.workspace.journal import lifecycle as journal_lifecycle
 
     launcher, share = VARIANTS[variant]
     base = os.path.join(root, variant)
@@ -604,7 +605,7 @@ def run_once(root: str, variant: str, p: dict[str, Any]) -> dict[str, Any]:
         rt = Runtime(home, launcher=launcher)
         task = rt.new_task(workspace)
         socket = rt.workspace.socket(task)
-        journal_pid = (journal.ping(socket) or {}).get("pid")
+        journal_pid = (journal_client.ping(socket) or {}).get("pid")
         db_path = os.path.join(rt.home, "settled.db")
         sampler = SamplerProcess(token, os.path.join(base, "memory.json"), db_path)
         gate = Gate(gate_path) if use_gate else None
@@ -727,7 +728,7 @@ def run_once(root: str, variant: str, p: dict[str, Any]) -> dict[str, Any]:
             result["cgroups_left"] = _tidy_cgroups(task.task)
             if not closed:
                 with contextlib.suppress(Exception):
-                    journal.stop(rt.workspace.socket(task))
+                    journal_lifecycle.stop(rt.workspace.socket(task))
         if rt is not None:
             rt.close()
         if shared is not None:

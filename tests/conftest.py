@@ -110,10 +110,10 @@ def rt(tmp_path: Path) -> Iterator[Runtime]:
 
 def stop_journals(root: Path) -> None:
     """Every task starts a journal daemon; a test ends the ones started under its tmp_path."""
-    from settled.workspace import journal
+    from settled.workspace.journal import lifecycle as journal_lifecycle
 
     for sock in root.glob("**/run/*/journal.sock"):
-        journal.stop(str(sock))
+        journal_lifecycle.stop(str(sock))
 
 
 def _settle_everything(runtime: Runtime) -> None:

@@ -22,7 +22,7 @@ from settled.errors import AdmissionSealed, StaleWrite
 from settled.faults import ALL_POINTS, CHECKPOINT_POINTS, CLOSE_POINTS
 from settled.records import TaskRecord
 from settled.runtime import Runtime
-from settled.workspace import journal
+from settled.workspace.journal import lifecycle as journal_lifecycle
 from settled.workspace.manifest import read_manifest
 
 SETTLED = [sys.executable, "-m", "settled.cli"]
@@ -72,7 +72,7 @@ def test_a_file_written_just_before_exit_is_in_the_manifest_without_the_watcher(
 ) -> None:
     admission = rt.exec(task.task, shell="sleep 0.2; printf last > late.txt", key="late")
     rt.wait(admission.session, timeout=30)
-    journal.stop(rt.workspace.socket(task))  # no watcher event can report it now
+    journal_lifecycle.stop(rt.workspace.socket(task))  # no watcher event can report it now
     Path(task.workspace, "after-the-watcher.txt").write_text("seen by the final scan")
     receipt = close(rt, task)
     entries = manifest_of(rt, receipt)
@@ -361,7 +361,7 @@ def test_without_a_trustworthy_journal_a_checkpoint_scans_everything(
 ) -> None:
     Path(task.workspace, "a").write_text("1")
     rt.checkpoint(task.task)
-    journal.stop(rt.workspace.socket(task))
+    journal_lifecycle.stop(rt.workspace.socket(task))
     Path(task.workspace, "b").write_text("2")  # no journal saw this
     after = rt.checkpoint(task.task)
     assert after["scan"]["mode"] == "full"

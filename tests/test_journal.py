@@ -8,6 +8,7 @@ reports the exit); any journal process still serving a test's run directory fail
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import errno
 import json
@@ -25,18 +26,13 @@ from typing import Any
 import pytest
 
 from settled.owner.launcher import owner_path
-from settled.workspace import journal as journal_module
-from settled.workspace.journal import (
-    Journal,
-    JournalUnavailable,
-    Watermark,
-    barrier,
-    ensure_running,
-    ping,
-    reset,
-    serve,
-    stop,
-)
+from settled.workspace.journal import client as client_module
+from settled.workspace.journal import daemon
+from settled.workspace.journal.client import Watermark, barrier, ping, reset
+from settled.workspace.journal.daemon import serve
+from settled.workspace.journal.errors import JournalUnavailable
+from settled.workspace.journal.inotify import Journal
+from settled.workspace.journal.lifecycle import ensure_running, stop
 
 
 def _exited(pidfd: int, timeout: float) -> bool:
@@ -452,7 +448,7 @@ def test_a_killed_daemon_never_reuses_a_sequence_number(
 def test_every_seq_a_client_sees_is_persisted_first(
     ws: Path, run: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(journal_module, "RESERVE", 3)  # re-reserve every few events
+    monkeypatch.setattr(daemon, "RESERVE", 3)  # re-reserve every few events
     run.mkdir()
     socket_path, state = str(run / "journal.sock"), run / "journal.state"
     server = threading.Thread(target=serve, args=(str(ws), socket_path, str(state), 30.0))
@@ -475,7 +471,8 @@ def test_every_seq_a_client_sees_is_persisted_first(
 
 _RACER = """
 import json, os, sys, time
-from settled.workspace.journal import ensure_running, ping
+from settled.workspace.journal.client import ping
+from settled.workspace.journal.lifecycle import ensure_running
 open(sys.argv[4], "w").close()
 while not os.path.exists(sys.argv[3]):
     time.sleep(0.0005)
@@ -632,7 +629,7 @@ def test_a_session_owner_can_ask_for_a_barrier_with_only_its_own_path(
     socket_path = daemons.start(ws, run)
     probe = (
         "import sys, json; sys.path[:0] = json.loads(sys.argv[1]); "
-        "from settled.workspace.journal import barrier; mark = barrier(sys.argv[2]); "
+        "from settled.workspace.journal.client import barrier; mark = barrier(sys.argv[2]); "
         "assert 'inotify_simple' not in sys.modules; print(json.dumps(mark.to_json()))"
     )
     done = subprocess.run(
@@ -642,3 +639,51 @@ def test_a_session_owner_can_ask_for_a_barrier_with_only_its_own_path(
         timeout=20,
     )
     assert json.loads(done.stdout)["trustworthy"] is True
+
+
+def _imports(source: Path) -> list[tuple[int, str]]:
+    """(line, top-level module) of every import in `source`; a relative import names itself."""
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(ast.parse(source.read_text(), str(source))):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name.partition(".")[0]) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            relative = "." * node.level + (node.module or "")
+            found.append((node.lineno, relative if node.level else relative.partition(".")[0]))
+    return found
+
+
+def test_the_client_imports_only_the_standard_library() -> None:
+    source = Path(client_module.__file__ or "")
+    foreign = [
+        f"{source.name}:{line} imports {module}"
+        for line, module in _imports(source)
+        if module not in sys.stdlib_module_names
+    ]
+    assert not foreign, f"a session owner started with -I -S cannot import: {foreign}"
+
+
+def test_the_journal_package_itself_imports_nothing() -> None:
+    package = Path(client_module.__file__ or "").with_name("__init__.py")
+    assert _imports(package) == []
+
+
+@pytest.mark.timeout(30)
+def test_importing_the_client_loads_no_other_settled_module() -> None:
+    probe = (
+        "import sys, json; sys.path[:0] = json.loads(sys.argv[1]); "
+        "import settled.workspace.journal.client; "
+        "print(json.dumps(sorted(m for m in sys.modules if m.startswith('settled'))))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-I", "-S", "-c", probe, json.dumps(owner_path())],
+        capture_output=True,
+        check=True,
+        timeout=20,
+    )
+    assert json.loads(done.stdout) == [
+        "settled",
+        "settled.workspace",
+        "settled.workspace.journal",
+        "settled.workspace.journal.client",
+    ]

@@ -90,7 +90,7 @@ class Recovery:
 def _recovered_receipt(
     home: str, record: SessionRecord, generation: int, evidence: Evidence, source: str
 ) -> dict[str, Any]:
-    from settled.workspace import journal
+    from settled.workspace.journal import client as journal_client
 
     output = {
         stream: close_at_disk(log_path(home, record.session, stream))
@@ -114,7 +114,7 @@ def _recovered_receipt(
         },
         output={**output, "drain": "complete" if never_ran else "incomplete"},
         stragglers=[],
-        terminal_mutation=journal.terminal_mutation(journal_socket(home, record.task)),
+        terminal_mutation=journal_client.terminal_mutation(journal_socket(home, record.task)),
         isolation=record.isolation,
         owner={
             "pid": os.getpid(),

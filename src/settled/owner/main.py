@@ -15,6 +15,7 @@ import os
 import resource
 import sys
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from settled import boundary as boundaries
@@ -26,6 +27,7 @@ from settled.errors import BoundaryUnavailable, StaleWrite
 from settled.home import journal_socket, log_path, make_session_dir, stdin_path
 from settled.identity import CommandSpec
 from settled.log.writer import StreamWriter, enlarge_pipe
+from settled.owner.lease import STALE_BEATS, LeaseKeeper, Renew
 from settled.owner.supervise import Outcome, OwnerSignals, Streams, Supervisor
 from settled.receipts import exit_fact, not_started_fact, process_receipt
 from settled.records import OwnerInfo, SessionRecord, TaskRecord
@@ -99,6 +101,8 @@ class Owner:
         self.boundary_kind: str | None = None
         self.plan: IsolationPlan | None = None
         self.env_removed: list[str] = []
+        self.streams: Streams | None = None
+        self.lease = LeaseKeeper(self._renewals, stale_after=STALE_BEATS * HEARTBEAT_S)
 
     # -- the session, start to receipt ---------------------------------------------------
 
@@ -116,6 +120,18 @@ class Owner:
         cancel = record.cancel_requested or signals.stop_reason
         if cancel:
             return self._never_ran("cancelled", "admission", cancel)
+        # Started before the boundary: once this process has unshared a PID namespace for its
+        # children, the kernel refuses it any new thread (CLONE_THREAD across PID namespaces).
+        # It idles until the supervise loop asks for its first renewal.
+        self.lease.start()
+        try:
+            return self._launch(record, signals)
+        finally:
+            self.lease.close()
+
+    def _launch(self, record: SessionRecord, signals: OwnerSignals) -> int:
+        """From the claimed session to its receipt: boundary, spawn, supervision, settle."""
+        me = os.getpid()
         task = self.store.get_task(record.task)
         try:
             self.boundary_kind = boundaries.choose(self.spec.boundary)
@@ -133,7 +149,7 @@ class Owner:
             isolation=self.plan.to_json(),
         )  # fmt: skip
         faults.point("owner.after_boundary")
-        streams = self._open_streams()
+        streams = self.streams = self._open_streams()
         stdin_fd = self._open_stdin()
         out_w, err_w = streams.fds.pop("stdout_w"), streams.fds.pop("stderr_w")
         cwd = os.path.join(task.workspace, self.spec.cwd)
@@ -170,7 +186,7 @@ class Owner:
             streams,
             timeout=self.spec.timeout,
             grace=self.spec.grace,
-            heartbeat=lambda: self._heartbeat(streams),
+            lease=self.lease,
             heartbeat_every=HEARTBEAT_S,
             signals=signals,
             settling=lambda: self.store.settle_begin(record.session, self.generation),
@@ -228,17 +244,32 @@ class Owner:
             return os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
         return sealed_stdin(stdin_path(self.home, self.spec.stdin_digest))
 
-    def _heartbeat(self, streams: Streams) -> str | None:
-        durable = {name: writer.sync() for name, writer in streams.writers.items()}
-        return self.store.heartbeat(
+    @contextlib.contextmanager
+    def _renewals(self) -> Iterator[Renew]:
+        """Entered in the lease keeper's thread at its first renewal: a store connection of its
+        own (a SQLite connection serves one thread), opened by the factory the owner's came from."""
+        store = open_store(self.home)
+        try:
+            yield lambda alive_at: self._heartbeat(store, alive_at)
+        finally:
+            store.close()
+
+    def _heartbeat(self, store: Store, alive_at: float) -> str | None:
+        """Renew the lease from `alive_at` (when the loop asked) and publish the durable cursors.
+        Safe beside the loop's appends: `sync` reads a writer's cursor once, and an append moves
+        the cursor only after its write returned, so the fsync covers every byte it names."""
+        assert self.streams is not None  # the loop asks only once the streams exist
+        durable = {name: writer.sync() for name, writer in self.streams.writers.items()}
+        return store.heartbeat(
             self.record.session,
             self.generation,
-            time.time() + LEASE_S,
+            alive_at + LEASE_S,
             durable["stdout"],
             durable["stderr"],
         )
 
     def _settle(self, outcome: Outcome, streams: Streams) -> int:
+        self.lease.close()  # ended by the supervisor already; no thread outlives the settle
         summaries = {name: w.close() for name, w in streams.writers.items()}
         for fd in streams.fds.values():
             os.close(fd)
@@ -284,6 +315,7 @@ class Owner:
         self, reason: str, stage: str, error: str, streams: Streams | None = None
     ) -> int:
         """Settle a session whose command never started: its receipt says why, not an exit code."""
+        self.lease.close()  # it never renewed; it ends before the receipt all the same
         if streams is None:
             streams = self._open_streams()
         for fd in streams.fds.values():
@@ -314,9 +346,10 @@ class Owner:
     def _terminal_mutation(self) -> dict[str, Any]:
         """The journal's watermark read after death evidence: every write of the session's
         processes completed before it, so each is at or below this sequence number."""
-        from settled.workspace import journal  # after evidence, off the launch path
+        # imported after evidence, off the launch path
+        from settled.workspace.journal import client as journal_client
 
-        return journal.terminal_mutation(journal_socket(self.home, self.record.task))
+        return journal_client.terminal_mutation(journal_socket(self.home, self.record.task))
 
     def _receipt(self, **facts: Any) -> dict[str, Any]:
         usage = resource.getrusage(resource.RUSAGE_SELF)

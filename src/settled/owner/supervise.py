@@ -1,9 +1,13 @@
 """The owner's event loop: drain both pipes, keep the deadline, stop the tree, gather evidence.
 
-One thread, one selector: output fds, the boundary's exit fd, a signal wake-up pipe and timers.
-The deadline is checked on every turn of the loop on the owner's monotonic clock, so it fires on a
-silent command and on a flooding one alike. The final drain to EOF happens only after the boundary
-is proven empty: never wait for EOF while a descendant may hold a pipe.
+One thread, one selector: output fds, the boundary's exit fd, a signal wake-up pipe, the lease
+keeper's eventfd and timers. The deadline is checked on every turn of the loop on the owner's
+monotonic clock, so it fires on a silent command and on a flooding one alike. The lease is renewed
+by the keeper's thread (lease.py) and only when this loop asks, every heartbeat period, so nothing
+here blocks on the store while a pipe waits to be drained; a loop that was away for more than
+`STALE_BEATS` periods waits for its renewal before it acts, as the inline renewal made it do.
+The final drain to EOF happens only after the boundary is proven empty: never wait for EOF while
+a descendant may hold a pipe.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from dataclasses import dataclass, field
 from settled import faults
 from settled.boundary import Boundary, Evidence
 from settled.log.writer import StreamWriter, drain_once
+from settled.owner.lease import STALE_BEATS, LeaseKeeper
 
 READ_BUFFER = 1 << 20
 STOP_POLL_S = 0.005
@@ -86,14 +91,14 @@ class Supervisor:
         *,
         timeout: float | None,
         grace: float,
-        heartbeat: Callable[[], str | None],
+        lease: LeaseKeeper,
         heartbeat_every: float,
         signals: OwnerSignals,
         settling: Callable[[], None],
     ) -> None:
         self.boundary, self.streams = boundary, streams
         self.timeout, self.grace = timeout, grace
-        self.heartbeat, self.heartbeat_every = heartbeat, heartbeat_every
+        self.lease, self.heartbeat_every = lease, heartbeat_every
         self.signals = signals
         self.settling = settling
         self.outcome = Outcome()
@@ -105,21 +110,37 @@ class Supervisor:
     # -- the loop ------------------------------------------------------------------------
 
     def run(self, started: float) -> Outcome:
+        """Supervise to death evidence. The lease keeper (started by the owner) renews only when
+        this loop asks and is closed before this returns; a renewal's failure is raised here,
+        even one that came back after the loop's last look."""
+        try:
+            self._supervise(started)
+            self.lease.stop()  # no renewal is asked for after the loop, as before
+            outcome = self._finish()
+        finally:
+            self.lease.close()
+        self.lease.collect()
+        return outcome
+
+    def _supervise(self, started: float) -> None:
         out = self.outcome
         out.started = started
         deadline = started + self.timeout if self.timeout is not None else None
-        next_beat = started + self.heartbeat_every
+        next_beat, last_turn = started + self.heartbeat_every, started
         for name, fd in self.streams.fds.items():
             os.set_blocking(fd, False)
             self._selector.register(fd, selectors.EVENT_READ, name)
         self._selector.register(self.boundary.exit_fd(), selectors.EVENT_READ, "exit")
         self._selector.register(self.signals.wake_r, selectors.EVENT_READ, "wake")
+        self._selector.register(self.lease.fileno(), selectors.EVENT_READ, "lease")
         drained_once = False
         while True:
             now = time.monotonic()
             if now >= next_beat:
-                self._cancel = self._cancel or self.heartbeat()
+                if self._cancel is None:  # once cancelled, no more renewals (as inline)
+                    self._renew(away=now - last_turn)
                 next_beat = now + self.heartbeat_every
+            last_turn = now
             if not self._stopping:
                 if deadline is not None and now >= deadline:
                     self._begin_stop(now, "timeout")
@@ -142,12 +163,23 @@ class Supervisor:
                         faults.point("owner.mid_drain")
                 elif name == "exit":
                     self._on_exit_fd(key.fd)
+                elif name == "lease":
+                    self._cancel = self._cancel or self.lease.on_wake()
                 else:
                     self.signals.drain()
-                    self._cancel = self._cancel or self.signals.stop_reason or self.heartbeat()
+                    self._cancel = self._cancel or self.signals.stop_reason
+                    if self._cancel is None:  # USR1: look at the store now
+                        self.lease.request()
             if out.exited is not None and not self._stopping:
                 self._on_main_exit()
-        return self._finish()
+
+    def _renew(self, away: float) -> None:
+        """Ask the keeper for a renewal. After a gap in the loop (stopped, starved) the lease may
+        have run out and the session been fenced: wait for the store's answer before acting."""
+        if away > STALE_BEATS * self.heartbeat_every:
+            self._cancel = self._cancel or self.lease.confirm()
+        else:
+            self.lease.request()
 
     def _next_wait(self, now: float, deadline: float | None, next_beat: float) -> float:
         candidates = [next_beat - now]

@@ -37,7 +37,7 @@ def serve(sock_fd: int) -> int:
     import ctypes  # noqa: F401 - pidns and subreaper owners need it; import it once, here
 
     import settled.owner.main as owner_main  # imported once, before any fork
-    import settled.workspace.journal  # noqa: F401 - the owner's barrier client, likewise
+    import settled.workspace.journal.client  # noqa: F401 - the owner's barrier client, likewise
     from settled.boundary import linux
 
     linux.capget()  # libc loaded once here, not in every owner that isolates its command

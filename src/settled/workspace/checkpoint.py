@@ -38,9 +38,10 @@ from settled.home import journal_socket
 from settled.receipts import seal
 from settled.records import SessionRecord, TaskRecord
 from settled.store import Store
-from settled.workspace import journal
 from settled.workspace.hashing import algorithm_of, digest_bytes
 from settled.workspace.index import Index
+from settled.workspace.journal import client as journal_client
+from settled.workspace.journal import lifecycle as journal_lifecycle
 from settled.workspace.manifest import IndexMismatch, ManifestError, write_manifest
 from settled.workspace.nodecache import NodeCache
 from settled.workspace.objects import LocalObjectStore
@@ -101,14 +102,14 @@ class WorkspaceService:
     # -- the journal ----------------------------------------------------------------------
 
     def ensure_journal(self, task: TaskRecord) -> str:
-        return journal.ensure_running(task.workspace, os.path.dirname(self.socket(task)))
+        return journal_lifecycle.ensure_running(task.workspace, os.path.dirname(self.socket(task)))
 
     def socket(self, task: TaskRecord) -> str:
         return journal_socket(self.home, task.task)
 
     def release(self, task: TaskRecord) -> None:
         """The close is done with this workspace: stop its journal."""
-        journal.stop(self.socket(task))
+        journal_lifecycle.stop(self.socket(task))
 
     # -- the final scan and the checkpoint ------------------------------------------------
 
@@ -121,7 +122,7 @@ class WorkspaceService:
         checkpoint, and only when the journal vouches for that whole interval; otherwise full.
         A stat cache that cannot be read is not an error: the scan runs without it, and says so.
         """
-        watermark = journal.barrier(self.socket(task))
+        watermark = journal_client.barrier(self.socket(task))
         started_at = time.time()
         latest = self.store.latest_checkpoint(task.task)
         previous, cache = self._previous(latest[1] if latest else None)
@@ -155,7 +156,7 @@ class WorkspaceService:
         fact = self.final_scan(task, incremental=incremental)
         receipt = self.checkpoint(task, fact, [])
         if fact["watermark"] is not None:
-            journal.reset(self.socket(task), int(fact["watermark"]))
+            journal_client.reset(self.socket(task), int(fact["watermark"]))
         return {**receipt, "scan": {k: v for k, v in fact.items() if k != "index_ref"}}
 
     def checkpoint(

@@ -1,0 +1,141 @@
+"""The journal's client: the wire protocol every caller speaks and the `Watermark` it returns.
+
+One request per connection, one JSON line back: `barrier`, `reset SEQ`, `ping`, `stop`. A journal
+that does not answer within the timeout is None here (never an exception), and the caller records
+that and falls back to a full scan.
+
+Must never import anything outside the standard library (no `settled.*`, no inotify_simple): a
+session owner started with `python -I -S` and only its own import roots imports this module on
+the path from death evidence to its receipt (tests/test_journal.py checks every import).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Watermark:
+    """Where the journal stood at a barrier. `trustworthy` False: do a full scan."""
+
+    seq: int
+    overflowed: bool
+    trustworthy: bool
+    dirty_dirs: frozenset[str]
+    lost_watches: frozenset[str] = frozenset()
+    reasons: tuple[str, ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "seq": self.seq,
+            "overflowed": self.overflowed,
+            "trustworthy": self.trustworthy,
+            "dirty_dirs": sorted(self.dirty_dirs),
+            "lost_watches": sorted(self.lost_watches),
+            "reasons": list(self.reasons),
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Watermark:
+        return cls(
+            seq=int(data["seq"]),
+            overflowed=bool(data["overflowed"]),
+            trustworthy=bool(data["trustworthy"]),
+            dirty_dirs=frozenset(data["dirty_dirs"]),
+            lost_watches=frozenset(data.get("lost_watches", ())),
+            reasons=tuple(data.get("reasons", ())),
+        )
+
+
+@contextlib.contextmanager
+def unix_address(path: str) -> Iterator[str]:
+    """An AF_UNIX address for `path`: sun_path holds 107 bytes, a run directory may be longer."""
+    if len(os.fsencode(path)) < 100:
+        yield path
+        return
+    fd = os.open(os.path.dirname(path), os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        yield f"/proc/self/fd/{fd}/{os.path.basename(path)}"
+    finally:
+        os.close(fd)
+
+
+def _request(socket_path: str, line: bytes, timeout: float) -> dict[str, Any] | None:
+    deadline = time.monotonic() + timeout
+    data = b""
+    try:
+        with (
+            socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC) as sock,
+            unix_address(socket_path) as address,
+        ):
+            sock.settimeout(timeout)
+            sock.connect(address)
+            sock.sendall(line)
+            sock.shutdown(
+                socket.SHUT_WR
+            )  # one request per connection: the journal drops it at once
+            while b"\n" not in data:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return None
+                sock.settimeout(remaining)
+                chunk = sock.recv(1 << 16)
+                if not chunk:
+                    return None
+                data += chunk
+        reply = json.loads(data.partition(b"\n")[0])
+    except (OSError, ValueError):
+        return None
+    return reply if isinstance(reply, dict) else None
+
+
+def _watermark_of(reply: dict[str, Any] | None) -> Watermark | None:
+    if reply is None:
+        return None
+    try:
+        return Watermark.from_json(reply)
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def barrier(socket_path: str, timeout: float = 2.0) -> Watermark | None:
+    """The journal's watermark after every change completed before this call; None if no journal
+    answers within `timeout` (record that the journal was down and do a full scan)."""
+    return _watermark_of(_request(socket_path, b"barrier\n", timeout))
+
+
+def terminal_mutation(socket_path: str, timeout: float = 2.0) -> dict[str, Any]:
+    """A process receipt's `terminal_mutation`: the barrier read after death evidence, so every
+    write of the session's processes is at or below `seq`; or why there is no sequence."""
+    watermark = barrier(socket_path, timeout)
+    if watermark is None:
+        return {
+            "seq": None,
+            "source": "none",
+            "why": "the task's journal did not answer; the final scan covers this session",
+        }
+    return {"seq": watermark.seq, "source": "journal", "trustworthy": watermark.trustworthy}
+
+
+def reset(socket_path: str, upto_seq: int, timeout: float = 2.0) -> Watermark | None:
+    """Tell the journal a checkpoint covers `upto_seq`; returns the watermark after the reset."""
+    return _watermark_of(_request(socket_path, f"reset {int(upto_seq)}\n".encode(), timeout))
+
+
+def ping(socket_path: str, timeout: float = 2.0) -> dict[str, Any] | None:
+    """`{"ok", "pid", "root", "seq"}` of the journal answering on `socket_path`, or None."""
+    reply = _request(socket_path, b"ping\n", timeout)
+    return reply if reply is not None and reply.get("ok") is True else None
+
+
+def send_stop(socket_path: str, timeout: float = 5.0) -> bool:
+    """Ask the journal on `socket_path` to stop; False if nobody answers. It may still hold its
+    lock when this returns: `lifecycle.stop` also waits until the lock is released."""
+    return _request(socket_path, b"stop\n", timeout) is not None
