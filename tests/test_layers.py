@@ -1,0 +1,223 @@
+"""The layers of docs/ARCHITECTURE.md, checked against the imports of src/settled.
+
+Every `import settled...` (including those under TYPE_CHECKING and inside functions: a loop
+hidden from the interpreter is still a loop for a reader) must point down or sideways into a
+unit its own unit may use. A failure names the file, the line, both modules and the rule, so the
+picture in ARCHITECTURE.md and the code cannot drift apart silently.
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parent.parent / "src"
+
+# Modules every layer may import: pure, no I/O policy, no process work.
+FOUNDATION = {
+    "settled",
+    "settled.atomic",
+    "settled.canonical",
+    "settled.errors",
+    "settled.faults",
+    "settled.home",
+    "settled.identity",
+    "settled.isolated",
+    "settled.localdb",
+    "settled.receipts",
+    "settled.records",
+    "settled.render",
+    "settled.states",
+}
+# What a face may import besides the Runtime and other faces: types and words, no paths.
+FACE_NEUTRAL = {
+    "settled.canonical",
+    "settled.errors",
+    "settled.identity",
+    "settled.records",
+    "settled.render",
+    "settled.states",
+}
+FACES = {"settled.cli", "settled.client", "settled.demo", "settled.mcp_server", "settled.__main__"}
+
+# (unit, module prefix), most specific first.
+UNITS: list[tuple[str, str]] = [
+    ("journal-client", "settled.workspace.journal.client"),
+    ("journal", "settled.workspace.journal"),
+    ("store-sqlite", "settled.store.sqlite"),
+    ("store", "settled.store"),
+    ("decisions", "settled.close.decide"),
+    ("decisions", "settled.status"),
+    ("close", "settled.close.join"),
+    ("decisions", "settled.close"),  # the package: a docstring
+    ("boundary", "settled.boundary"),
+    ("log", "settled.log"),
+    ("workspace", "settled.workspace"),
+    ("owner", "settled.owner"),
+    ("sessions", "settled.sessions"),
+    ("recovery", "settled.recovery"),
+    ("runtime", "settled.runtime"),
+    ("faces", "settled.server"),
+]
+
+BELOW_RUNTIME = {
+    "foundation",
+    "decisions",
+    "store",
+    "store-sqlite",
+    "boundary",
+    "log",
+    "journal-client",
+    "journal",
+    "workspace",
+    "owner",
+    "sessions",
+    "close",
+    "recovery",
+}
+# unit -> the units it may import (its own included where listed).
+ALLOWED: dict[str, set[str]] = {
+    "foundation": {"foundation"},
+    "decisions": {"foundation", "decisions"},
+    "store": {"foundation", "store", "store-sqlite"},  # open_store is the one chooser
+    "store-sqlite": {"foundation", "store"},
+    "boundary": {"foundation", "boundary"},
+    "log": {"foundation", "log"},
+    "journal-client": set(),  # standard library only: the owner imports it under -I -S
+    "journal": {"foundation", "journal", "journal-client"},
+    "workspace": {"foundation", "workspace", "journal", "journal-client", "store"},
+    "owner": {"foundation", "owner", "boundary", "log", "store", "journal", "journal-client"},
+    "sessions": {"foundation", "decisions", "store"},
+    "close": {"foundation", "decisions", "store"},
+    "recovery": {"foundation", "store", "boundary", "log", "owner", "journal-client", "sessions"},
+    "runtime": BELOW_RUNTIME | {"runtime"},
+    "faces": {"face-neutral", "runtime", "faces"},
+}
+WHY = {
+    "decisions": "a decision takes facts (records), never a component",
+    "store": "the store decides state and touches nothing else",
+    "store-sqlite": "an implementation sees only its protocol and the foundation",
+    "boundary": "the boundary is the bottom of process work",
+    "log": "logs are bytes with cursors and know nothing of sessions",
+    "journal-client": "the barrier client imports only the standard library",
+    "workspace": "the workspace service uses the Store protocol, not an implementation",
+    "owner": "the owner uses boundaries, logs, the journal and the Store protocol",
+    "sessions": "liveness is injected; sessions never touch a process",
+    "close": "the close join gets its store, workspace and sessions in its constructor",
+    "recovery": "recovery gets its store, sessions and sandbox in its constructor",
+    "runtime": "the Runtime composes everything below it and no face",
+    "faces": "a face talks to the Runtime only",
+}
+
+
+# An implementation behind a seam is named by the one module that chooses it, and by no caller:
+# a second implementation is then a new module and an edit of the chooser only.
+CHOSEN_ONLY_BY: dict[str, set[str]] = {
+    "settled.store.sqlite": {"settled.store"},
+    "settled.workspace.objects": {"settled.workspace.checkpoint"},
+    "settled.owner.zygote": {"settled.runtime"},
+    "settled.owner.liveness": {"settled.runtime"},
+    "settled.boundary.local": {"settled.runtime"},
+}
+
+
+def unit_of(module: str) -> str:
+    if module in FACES:
+        return "faces"
+    if module in FOUNDATION:
+        return "foundation"
+    for unit, prefix in UNITS:
+        if module == prefix or module.startswith(prefix + "."):
+            return unit
+    raise AssertionError(f"{module} is in no unit of tests/test_layers.py: add it to one")
+
+
+def allowed(importer: str, target: str) -> bool:
+    if target in CHOSEN_ONLY_BY and importer not in CHOSEN_ONLY_BY[target] | {target}:
+        return False
+    unit, wanted = unit_of(importer), unit_of(target)
+    if unit == "faces":
+        return target in FACE_NEUTRAL or wanted in {"runtime", "faces"}
+    return wanted in ALLOWED[unit]
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(SRC).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def settled_imports(path: Path, module: str) -> Iterator[tuple[int, str]]:
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield node.lineno, alias.name
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                base = ".".join([*anchor, base] if base else anchor)
+            for alias in node.names:  # `from settled.x import y`: y may be a module itself
+                yield node.lineno, _submodule(f"{base}.{alias.name}") or base
+
+
+def _submodule(name: str) -> str | None:
+    path = SRC.joinpath(*name.split("."))
+    return name if path.with_suffix(".py").is_file() or path.is_dir() else None
+
+
+def violations() -> Iterator[str]:
+    for path in sorted((SRC / "settled").rglob("*.py")):
+        importer = module_name(path)
+        for line, target in settled_imports(path, importer):
+            if target.split(".")[0] != "settled":
+                if unit_of(importer) == "journal-client" and not _stdlib(target):
+                    yield f"{path.relative_to(SRC.parent)}:{line}: {importer} imports {target}"
+                continue
+            if not allowed(importer, target):
+                rule = WHY.get(unit_of(importer), "")
+                if target in CHOSEN_ONLY_BY:
+                    chooser = ", ".join(sorted(CHOSEN_ONLY_BY[target]))
+                    rule = f"an implementation behind a seam is chosen by {chooser} only"
+                yield (
+                    f"{path.relative_to(SRC.parent)}:{line}: {importer} "
+                    f"({unit_of(importer)}) imports {target} ({unit_of(target)}): {rule}"
+                )
+
+
+def _stdlib(module: str) -> bool:
+    return module.split(".")[0] in sys.stdlib_module_names or module == "__future__"
+
+
+def test_every_import_points_down_or_through_the_runtime() -> None:
+    found = list(violations())
+    assert not found, "imports against docs/ARCHITECTURE.md:\n" + "\n".join(found)
+
+
+def test_every_module_is_in_a_unit() -> None:
+    for path in (SRC / "settled").rglob("*.py"):
+        unit_of(module_name(path))
+
+
+@pytest.mark.parametrize(
+    ("importer", "target", "ok"),
+    [
+        ("settled.server.views", "settled.log.reader", False),  # a face skipping the Runtime
+        ("settled.server.views", "settled.runtime", True),
+        ("settled.close.join", "settled.runtime", False),  # an arrow pointing up
+        ("settled.status", "settled.store", False),  # a decision reading a component
+        ("settled.workspace.checkpoint", "settled.store.sqlite", False),  # past the protocol
+        ("settled.workspace.checkpoint", "settled.store", True),
+        ("settled.owner.main", "settled.workspace.journal.client", True),
+        ("settled.recovery", "settled.boundary.local", False),  # the sandbox is injected
+        ("settled.store", "settled.store.sqlite", True),  # the one chooser
+    ],
+)
+def test_the_rules_catch_what_they_are_for(importer: str, target: str, ok: bool) -> None:
+    assert allowed(importer, target) is ok
