@@ -142,7 +142,7 @@ class Runtime:
         """One Runtime per thread (it holds one SQLite connection). Threads of one process can
         share a launcher (`open_launcher()`) by passing the same `shared_launcher`; its opener
         closes it. Without one, this Runtime opens its own on first use and closes it."""
-        self.home = prepare_home(resolve_home(home))
+        self.home = ready_home(home)
         if shared_launcher is None:
             open_launcher(launcher)  # refuse an unknown kind now, not at the first exec
         self._launcher_kind = launcher

@@ -38,7 +38,10 @@ def serve(sock_fd: int) -> int:
 
     import settled.owner.main as owner_main  # imported once, before any fork
     import settled.workspace.journal.client  # noqa: F401 - the owner's barrier client, likewise
+    from settled import store
     from settled.boundary import linux
+
+    store.load_implementation()  # the store the owner opens, likewise
 
     linux.capget()  # libc loaded once here, not in every owner that isolates its command
 
