@@ -96,9 +96,14 @@ def test_destroying_the_sandbox_is_evidence_for_every_session_in_it(
     _kill_owner(rt, first.session)
     result = rt.destroy_task(task.task)
     assert {r["state"] for r in result["sessions"]} == {"settled"}
-    for admission in (first, second):
-        receipt = rt.store.get_session(admission.session).receipt
-        assert receipt is not None and receipt["death"]["source"] == "sandbox-destroyed"
+    orphaned = rt.store.get_session(first.session).receipt
+    assert orphaned is not None and orphaned["death"]["source"] == "sandbox-destroyed"
+    # The second session's owner is alive: it may see its cgroup empty and write its own
+    # receipt (with its exit status and a complete drain) before recovery takes the session.
+    # Either way the receipt's evidence is proven and nothing of it runs.
+    owned = rt.wait(second.session, timeout=30)["receipt"]
+    assert owned["death"]["source"] in ("sandbox-destroyed", "owner"), owned["death"]
+    assert owned["death"]["proven"] is True
     assert kill_marked(marker, b"sleep") == []
 
 
