@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import resource
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -82,3 +84,37 @@ def test_warm_and_fresh_launchers_give_the_same_receipt_shape(tmp_path: Path) ->
             assert receipt["exit"]["code"] == 3 and receipt["death"]["proven"]
             shapes.append(sorted(receipt))
     assert shapes[0] == shapes[1]
+
+
+@pytest.fixture
+def many_descriptors() -> Iterator[int]:
+    """More than FD_SETSIZE (1,024) descriptors open in this process, as in a busy server, so
+    that every pipe a launcher makes next is numbered past what select() accepts."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = 1_200
+    if hard != resource.RLIM_INFINITY and hard < wanted + 64:
+        pytest.skip(f"RLIMIT_NOFILE hard limit {hard} is below {wanted + 64}")
+    if soft != resource.RLIM_INFINITY and soft < wanted + 64:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (wanted + 64, hard))
+    held = [os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC) for _ in range(wanted)]
+    try:
+        yield max(held)
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+@pytest.mark.parametrize("launcher", ["fresh", "warm"])
+def test_a_launcher_with_more_than_1024_descriptors_open_still_launches(
+    tmp_path: Path, launcher: str, many_descriptors: int
+) -> None:
+    assert many_descriptors > 1024
+    (tmp_path / "ws").mkdir()
+    with Runtime(str(tmp_path / "home"), launcher=launcher) as rt:
+        task = rt.new_task(str(tmp_path / "ws"))  # starts the task's journal: its report too
+        admission = rt.exec(task.task, shell="echo many", key="k")
+        view = rt.wait(admission.session, timeout=30)
+        assert view["receipt"]["exit"]["code"] == 0
+        assert rt.read(admission.session, "stdout") == b"many\n"
+        assert rt.close_task(task.task).complete

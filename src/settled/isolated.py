@@ -1,8 +1,12 @@
-"""Commands for settled's own helper processes (owners, the zygote, journals).
+"""Commands for settled's own helper processes (owners, the zygote, journals), and their reports.
 
 Each runs as a fresh `python -I -S` (about 10 ms to start, against ~47 ms for a default
 interpreter with site packages) with only the import roots it needs put on sys.path by hand.
 Never imports anything heavy: the launchers call it on the admission path.
+
+A helper reports readiness as one JSON line on a pipe. `read_report` waits for it with poll(),
+never select(): a launcher in a process with more than 1,024 descriptors open (a busy server)
+gets a pipe numbered past FD_SETSIZE, which select() refuses.
 """
 
 from __future__ import annotations
@@ -10,7 +14,10 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import select
 import sys
+import time
+from typing import Any
 
 
 class HelperUnavailable(RuntimeError):
@@ -40,3 +47,30 @@ def python_command(target: str, modules: tuple[str, ...], *args: str) -> list[st
         f"from {module} import {function}; sys.exit({function}(sys.argv[2:]))"
     )
     return [sys.executable, "-I", "-S", "-c", boot, json.dumps(import_roots(*modules)), *args]
+
+
+class NoReport(Exception):
+    """The helper did not report: `timeout` (the deadline passed) or `eof` (it exited first)."""
+
+    def __init__(self, why: str) -> None:
+        super().__init__(why)
+        self.why = why
+
+
+def read_report(fd: int, give_up: float) -> Any:
+    """The first line a helper writes on `fd`, parsed as JSON, by the monotonic `give_up`.
+    Raises NoReport; a line that is not JSON raises ValueError."""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    data = b""
+    while b"\n" not in data:
+        remaining = give_up - time.monotonic()
+        if remaining <= 0:
+            raise NoReport("timeout")
+        if not poller.poll(remaining * 1000.0):
+            continue
+        chunk = os.read(fd, 4096)
+        if not chunk:
+            raise NoReport("eof")
+        data += chunk
+    return json.loads(data.partition(b"\n")[0])

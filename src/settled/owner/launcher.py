@@ -13,15 +13,13 @@ cost ~50 ms more here (bench/admission.py): a long-lived caller uses the zygote 
 
 from __future__ import annotations
 
-import json
 import os
-import select
 import subprocess
 import time
 from typing import Any, Protocol
 
 from settled.home import make_session_dir
-from settled.isolated import import_roots, python_command
+from settled.isolated import NoReport, import_roots, python_command, read_report
 
 READY_TIMEOUT_S = 30.0
 
@@ -88,18 +86,10 @@ def launch_owner(home: str, session: str, wait_ready: bool = True) -> dict[str, 
 
 
 def _read_ready(fd: int, timeout: float) -> dict[str, Any]:
-    give_up = time.monotonic() + timeout
-    data = b""
-    while b"\n" not in data:
-        remaining = give_up - time.monotonic()
-        if remaining <= 0:
+    try:
+        report: dict[str, Any] = read_report(fd, time.monotonic() + timeout)
+    except NoReport as exc:
+        if exc.why == "timeout":
             return {"error": f"the owner did not report within {timeout:.0f} s"}
-        readable, _, _ = select.select([fd], [], [], remaining)
-        if not readable:
-            continue
-        chunk = os.read(fd, 4096)
-        if not chunk:
-            return {"error": "the owner exited before it reported; see owner.log"}
-        data += chunk
-    report: dict[str, Any] = json.loads(data.split(b"\n", 1)[0])
+        return {"error": "the owner exited before it reported; see owner.log"}
     return report

@@ -13,15 +13,13 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import json
 import os
-import select
 import subprocess
 import time
 from collections.abc import Iterator
 from typing import Any
 
-from settled.isolated import HelperUnavailable, python_command
+from settled.isolated import HelperUnavailable, NoReport, python_command, read_report
 from settled.workspace.journal.client import ping, send_stop
 from settled.workspace.journal.errors import JournalUnavailable
 
@@ -173,20 +171,12 @@ def _spawn(root: str, run_dir: str, idle_exit_s: float, timeout: float) -> dict[
 
 
 def _read_report(fd: int, give_up: float) -> dict[str, Any]:
-    data = b""
-    while b"\n" not in data:
-        remaining = give_up - time.monotonic()
-        if remaining <= 0:
-            return {"state": "error", "error": "the journal did not report in time"}
-        readable, _, _ = select.select([fd], [], [], remaining)
-        if not readable:
-            continue
-        chunk = os.read(fd, 4096)
-        if not chunk:
-            return {"state": "error", "error": "the journal exited before it reported"}
-        data += chunk
     try:
-        report = json.loads(data.partition(b"\n")[0])
+        report = read_report(fd, give_up)
+    except NoReport as exc:
+        if exc.why == "timeout":
+            return {"state": "error", "error": "the journal did not report in time"}
+        return {"state": "error", "error": "the journal exited before it reported"}
     except ValueError:
         report = None
     return report if isinstance(report, dict) else {"state": "error", "error": "bad report"}
