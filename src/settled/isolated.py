@@ -15,8 +15,10 @@ import importlib.util
 import json
 import os
 import select
+import subprocess
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 
@@ -47,6 +49,42 @@ def python_command(target: str, modules: tuple[str, ...], *args: str) -> list[st
         f"from {module} import {function}; sys.exit({function}(sys.argv[2:]))"
     )
     return [sys.executable, "-I", "-S", "-c", boot, json.dumps(import_roots(*modules)), *args]
+
+
+def start_helper(
+    command: Callable[[int], list[str]],
+    log: str,
+    *,
+    env: dict[str, str] | None = None,
+    cwd: str | None = None,
+) -> tuple[subprocess.Popen[bytes], int]:
+    """Start a helper detached from the caller (its own session, stdin /dev/null, stdout and
+    stderr appended to `log`), handing it the write end of a readiness pipe as `command(fd)`.
+    Returns the first process (the caller waits for it) and the pipe's read end (the caller
+    reads the report with `read_report` and closes it)."""
+    ready_r, ready_w = os.pipe2(os.O_CLOEXEC)
+    try:
+        log_fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
+        try:
+            process = subprocess.Popen(
+                command(ready_w),
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=log_fd,
+                stderr=log_fd,
+                pass_fds=(ready_w,),
+                start_new_session=True,
+                close_fds=True,
+                cwd=cwd,
+            )
+        finally:
+            os.close(log_fd)
+    except BaseException:
+        os.close(ready_r)
+        raise
+    finally:
+        os.close(ready_w)
+    return process, ready_r
 
 
 class NoReport(Exception):

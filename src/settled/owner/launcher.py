@@ -14,12 +14,17 @@ cost ~50 ms more here (bench/admission.py): a long-lived caller uses the zygote 
 from __future__ import annotations
 
 import os
-import subprocess
 import time
 from typing import Any, Protocol
 
 from settled.home import make_session_dir
-from settled.isolated import NoReport, import_roots, python_command, read_report
+from settled.isolated import (
+    NoReport,
+    import_roots,
+    python_command,
+    read_report,
+    start_helper,
+)
 
 READY_TIMEOUT_S = 30.0
 
@@ -58,24 +63,11 @@ def owner_command(session: str, ready_fd: int | str) -> list[str]:
 def launch_owner(home: str, session: str, wait_ready: bool = True) -> dict[str, Any]:
     """Start the owner; with wait_ready, return its readiness report (or why there is none)."""
     directory = make_session_dir(home, session)
-    ready_r, ready_w = os.pipe2(os.O_CLOEXEC)
-    log_fd = os.open(
-        os.path.join(directory, "owner.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600
+    process, ready_r = start_helper(
+        lambda ready_w: owner_command(session, ready_w),
+        os.path.join(directory, "owner.log"),
+        env={**os.environ, "SETTLED_OWNER_HOME": home},
     )
-    try:
-        process = subprocess.Popen(
-            owner_command(session, ready_w),
-            env={**os.environ, "SETTLED_OWNER_HOME": home},
-            stdin=subprocess.DEVNULL,
-            stdout=log_fd,
-            stderr=log_fd,
-            pass_fds=(ready_w,),
-            start_new_session=True,
-            close_fds=True,
-        )
-    finally:
-        os.close(ready_w)
-        os.close(log_fd)
     process.wait()  # the first process only forks the real owner and exits
     try:
         if not wait_ready:

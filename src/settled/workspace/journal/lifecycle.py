@@ -19,7 +19,13 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from settled.isolated import HelperUnavailable, NoReport, python_command, read_report
+from settled.isolated import (
+    HelperUnavailable,
+    NoReport,
+    python_command,
+    read_report,
+    start_helper,
+)
 from settled.workspace.journal.client import ping, send_stop
 from settled.workspace.journal.errors import JournalUnavailable
 
@@ -137,26 +143,11 @@ def _spawn(root: str, run_dir: str, idle_exit_s: float, timeout: float) -> dict[
         )
     except HelperUnavailable as exc:
         raise JournalUnavailable(f"cannot start the journal: {exc}") from exc
-    ready_r, ready_w = os.pipe2(os.O_CLOEXEC)
-    log_fd = os.open(
+    process, ready_r = start_helper(
+        lambda ready_w: [*argv, repr(float(idle_exit_s)), str(ready_w)],
         os.path.join(run_dir, LOG_NAME),
-        os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC,
-        0o600,
+        cwd="/",
     )
-    try:
-        process = subprocess.Popen(
-            [*argv, repr(float(idle_exit_s)), str(ready_w)],
-            stdin=subprocess.DEVNULL,
-            stdout=log_fd,
-            stderr=log_fd,
-            pass_fds=(ready_w,),
-            start_new_session=True,
-            close_fds=True,
-            cwd="/",
-        )
-    finally:
-        os.close(ready_w)
-        os.close(log_fd)
     try:
         give_up = time.monotonic() + timeout
         try:
