@@ -221,3 +221,49 @@ def test_every_module_is_in_a_unit() -> None:
 )
 def test_the_rules_catch_what_they_are_for(importer: str, target: str, ok: bool) -> None:
     assert allowed(importer, target) is ok
+
+
+# The Runtime and the services decide and ask; only owner/ and boundary/ touch processes.
+ASKERS = ["settled/runtime.py", "settled/sessions.py", "settled/recovery.py", "settled/status.py"]
+ASKERS += [f"settled/{d}" for d in ("close", "store")]
+PROCESS_CALLS = {"kill", "killpg", "pidfd_open", "waitpid", "pidfd_send_signal"}
+PROCESS_MODULES = {"signal", "select"}
+
+
+def _asker_files() -> Iterator[Path]:
+    for name in ASKERS:
+        path = SRC / name
+        yield from sorted(path.rglob("*.py")) if path.is_dir() else [path]
+
+
+def test_process_work_stays_in_the_owner_and_the_boundary() -> None:
+    found = []
+    for path in _asker_files():
+        text = path.read_text()
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            elif isinstance(node, ast.Attribute) and node.attr in PROCESS_CALLS:
+                names = [f"os.{node.attr}"]
+            elif isinstance(node, ast.Constant) and str(node.value).startswith("/proc/"):
+                names = [f"a path {node.value!r}"]  # an f-string's first part included
+            else:
+                continue
+            for name in names:
+                if name in PROCESS_MODULES or name.startswith(("os.", "a path")):
+                    found.append(f"{path.relative_to(SRC.parent)}:{node.lineno}: {name}")
+    assert not found, "process work outside owner/ and boundary/:\n" + "\n".join(found)
+
+
+def test_one_live_predicate() -> None:
+    """`states.is_live` / `SessionRecord.live` is the only "is it still its owner's" test."""
+    found = [
+        f"{path.relative_to(SRC.parent)}:{number}"
+        for path in sorted((SRC / "settled").rglob("*.py"))
+        if path.name != "states.py"
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if "LIVE_STATES" in line
+    ]
+    assert not found, "use SessionRecord.live or states.is_live instead:\n" + "\n".join(found)
