@@ -125,10 +125,14 @@ def build_node(
 
 def _row(entry: Entry) -> list[Any]:
     """A child's row: what its tree entry says (the owner too, so an unchanged directory
-    rebuilds the very same tree from its node), then its stat cache and node pointer."""
+    rebuilds the very same tree from its node), then its stat cache and node pointer. A sparse
+    file's content is ``[digest, extents]`` (a dense file's, as before, its digest): nodes
+    written before sparse files were recorded still read the same."""
     content: Any = {FILE: entry.digest, SYMLINK: entry.target, DIR: entry.tree}.get(
         entry.type, entry.rdev
     )
+    if entry.extents is not None:
+        content = [entry.digest, [list(extent) for extent in entry.extents]]
     return [
         name_of(entry.path), entry.type, entry.mode, entry.size, content, entry.uid, entry.gid,
         entry.ino, entry.dev, entry.mtime_ns, entry.ctime_ns, entry.node, entry.below,
@@ -137,6 +141,10 @@ def _row(entry: Entry) -> list[Any]:
 
 def _entry(path: str, row: list[Any]) -> Entry:
     _, kind, mode, size, content, uid, gid, ino, dev, mtime_ns, ctime_ns, node, below = row
+    extents = None
+    if kind == FILE and isinstance(content, list):  # a sparse file: [digest, extents]
+        content, raw = content
+        extents = tuple((offset, length, digest) for offset, length, digest in raw)
     return Entry(
         path, kind, mode, size,
         content if kind == FILE else None,
@@ -144,7 +152,7 @@ def _entry(path: str, row: list[Any]) -> Entry:
         content if kind in DEVICES else None,
         ino, dev, mtime_ns, ctime_ns,
         content if kind == DIR else None,
-        node, below, uid, gid,
+        node, below, uid, gid, extents,
     )  # fmt: skip
 
 

@@ -1,12 +1,12 @@
 """Workspace entries, tree objects and manifests: the canonical record of a tree.
 
 Owns ``Entry`` (one path: type, mode, owner (uid, gid), size, digest | target | tree | rdev,
-plus the stat cache that only an index keeps), tree objects (one directory's entries by name,
-each subdirectory named by its own tree id, as in git), the manifest object (the root's mode,
-owner and tree, parent, watermark and generation; its id is ``<algo>:<hash of its canonical
-bytes>``), and writing and reading
-back manifests in an ``ObjectStore`` (checking everything a manifest reaches is ``readback``'s,
-for a checkpoint, and ``verify``'s, for ``settled verify``).
+a sparse file's extents, plus the stat cache that only an index keeps), tree objects (one
+directory's entries by name, each subdirectory named by its own tree id, as in git), the
+manifest object (the root's mode, owner and tree, parent, watermark and generation; its id is
+``<algo>:<hash of its canonical bytes>``), and writing and reading back manifests in an
+``ObjectStore`` (checking everything a manifest reaches is ``readback``'s, for a checkpoint,
+and ``verify``'s, for ``settled verify``).
 
 Why the owner: a mode alone cannot be restored safely. A set-uid bit means "runs as this
 file's owner"; restored without the owner it means "runs as whoever restores", so restore
@@ -19,6 +19,15 @@ their ancestors and reuses every other subtree by id, so its cost follows the ch
 workspace (a flat 100,000-entry manifest cost ~4 s to build, write and read back whatever
 changed). ``Manifest`` is the flat view (every entry by path, sorted) that restore and tests
 read; ``read_manifest`` also still reads the flat v1 manifests that earlier versions wrote.
+
+Sparse files. A file with holes (``sparse``) is recorded with ``extents``: ``[[offset, length,
+blob digest], ...]``, sorted, apart (a hole between each two), inside ``size``, covering less than
+it; every byte outside them is a hole, which reads as zero. Its ``digest`` still names its whole
+logical content (holes as zeros), so equal files hash equal, sparse or not, but it is not an
+object: the store holds each extent's bytes under the extent's digest, and nothing for a hole.
+An entry without ``extents`` is a dense file, exactly as before (its digest is its blob's).
+``extents: []`` is a file that is one hole. Only a tree entry with its owner may carry
+extents; an older reader refuses such a tree, naming the field, rather than misreading it.
 
 No ``created_at``: the id covers every byte of the manifest, and a manifest is a pure function
 of the tree and its lineage, so a checkpoint retried after a crash writes the very same object
@@ -44,6 +53,7 @@ from settled.canonical import canonical_bytes
 from settled.errors import SettledError
 from settled.workspace.hashing import check_algorithm, digest_bytes, parse_digest
 from settled.workspace.objectstore import ObjectMissing, ObjectStore
+from settled.workspace.sparse import Extent
 
 MANIFEST_VERSION: Final = "settled.manifest/v3"
 OWNERLESS_MANIFEST_VERSION: Final = "settled.manifest/v2"  # read only: the root's owner unknown
@@ -73,6 +83,7 @@ _CONTENT_FIELD: Final[dict[str, str | None]] = {
     "fifo": None, "socket": None,
 }  # fmt: skip
 _OWNER_FIELDS: Final = frozenset({"uid", "gid"})
+EXTENTS: Final = "extents"
 _FORM_FIELDS: Final = {
     (key, owned, extra): frozenset(
         {key, "type", "mode", "size"}
@@ -194,6 +205,19 @@ class Entry(NamedTuple):
     below: int = 0  # index only: how many entries lie below the directory
     uid: int | None = None  # the owner; None: not recorded (a v1 tree or flat v1 manifest)
     gid: int | None = None
+    extents: tuple[Extent, ...] | None = None  # a sparse file's data; None: a dense file
+
+    @property
+    def sparse(self) -> bool:
+        return self.extents is not None
+
+    def blobs(self) -> tuple[str, ...]:
+        """The objects holding this file's bytes: its blob, or its extents' (none for others)."""
+        if self.type != FILE or self.digest is None:
+            return ()
+        if self.extents is None:
+            return (self.digest,)
+        return tuple(digest for _, _, digest in self.extents)
 
     @property
     def owned(self) -> bool:
@@ -202,9 +226,15 @@ class Entry(NamedTuple):
 
     @classmethod
     def from_stat(
-        cls, path: str, st: os.stat_result, digest: str | None = None, target: str | None = None
+        cls,
+        path: str,
+        st: os.stat_result,
+        digest: str | None = None,
+        target: str | None = None,
+        extents: tuple[Extent, ...] | None = None,
     ) -> Entry:
-        """The entry an lstat describes (``digest`` for files, ``target`` for symlinks)."""
+        """The entry an lstat describes (``digest`` and, if sparse, ``extents`` for files,
+        ``target`` for symlinks)."""
         kind = TYPES.get(stat.S_IFMT(st.st_mode))
         if kind is None:
             raise UnsafePath(path, f"has an unknown file type {oct(st.st_mode)}")
@@ -212,12 +242,12 @@ class Entry(NamedTuple):
         rdev = st.st_rdev if kind in DEVICES else None
         return cls(path, kind, stat.S_IMODE(st.st_mode), size, digest, target, rdev,
                    st.st_ino, st.st_dev, st.st_mtime_ns, st.st_ctime_ns,
-                   uid=st.st_uid, gid=st.st_gid)  # fmt: skip
+                   uid=st.st_uid, gid=st.st_gid, extents=extents)  # fmt: skip
 
     def without_stat(self) -> Entry:
         return Entry(
             self.path, self.type, self.mode, self.size, self.digest, self.target, self.rdev,
-            tree=self.tree, uid=self.uid, gid=self.gid,
+            tree=self.tree, uid=self.uid, gid=self.gid, extents=self.extents,
         )  # fmt: skip
 
     def _content_field(self) -> tuple[str | None, Any]:
@@ -251,6 +281,8 @@ class Entry(NamedTuple):
         key, value = self._content_field()
         if key is not None:
             form[key] = value
+        if self.extents is not None:
+            form[EXTENTS] = [list(extent) for extent in self.extents]
         return form
 
     @classmethod
@@ -287,9 +319,13 @@ class Entry(NamedTuple):
         extra = _CONTENT_FIELD[kind]
         if kind == DIR and not allow_tree:
             extra = None
-        if form.keys() != _FORM_FIELDS[key, owned, extra]:
-            raise ValueError(f"entry {path!r} has fields {sorted(form)}")
         fields: dict[str, Any] = {extra: form[extra]} if extra else {}
+        expected = _FORM_FIELDS[key, owned, extra]
+        if kind == FILE and owned and key == "name" and EXTENTS in form:
+            expected |= {EXTENTS}
+            fields[EXTENTS] = _extents_of(form[EXTENTS], path)
+        if form.keys() != expected:
+            raise ValueError(f"entry {path!r} has fields {sorted(form)}")
         if owned:
             fields.update(uid=form["uid"], gid=form["gid"])
         entry = cls(path, kind, form["mode"], form["size"], **fields)
@@ -315,6 +351,8 @@ class Entry(NamedTuple):
                 raise ValueError(f"entry {path!r} has symlink target {target!r}")
             if self.size != len(target.encode("utf-8")):
                 raise ValueError(f"entry {path!r} size {self.size} != target length")
+        if self.extents is not None:
+            _check_extents(self, algorithm)
         if self.type in DEVICES and not _is_int(self.rdev):
             raise ValueError(f"entry {path!r} has rdev {self.rdev!r}")
         if (self.uid is None) != (self.gid is None):
@@ -328,6 +366,31 @@ class Entry(NamedTuple):
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _extents_of(raw: object, path: str) -> tuple[Extent, ...]:
+    """A tree entry's ``extents`` as tuples (checked by ``Entry.check``)."""
+    if not isinstance(raw, list) or not all(isinstance(x, list) and len(x) == 3 for x in raw):
+        raise ValueError(f"entry {path!r} extents are not [[offset, length, digest], ...]")
+    return tuple((x[0], x[1], x[2]) for x in raw)
+
+
+def _check_extents(entry: Entry, algorithm: str) -> None:
+    """A sparse file's extents: sorted, apart, positive, inside its size, leaving a hole."""
+    path, end, data = entry.path, -1, 0
+    if entry.type != FILE:
+        raise ValueError(f"entry {path!r} is a {entry.type} with extents")
+    for extent in entry.extents or ():
+        offset, length, digest = extent
+        if not (_is_int(offset) and _is_int(length)) or offset <= end or length <= 0:
+            raise ValueError(f"entry {path!r} extent {list(extent)} overlaps, touches or is empty")
+        if parse_digest(digest)[0] != algorithm:
+            raise ValueError(f"entry {path!r} extent digest {digest} is not {algorithm}")
+        end, data = offset + length, data + length
+    if end > entry.size:
+        raise ValueError(f"entry {path!r} has an extent past its size {entry.size}")
+    if data >= entry.size:
+        raise ValueError(f"entry {path!r} is sparse without a hole; a dense entry records it")
 
 
 # -- tree objects ------------------------------------------------------------------------------

@@ -18,6 +18,8 @@ The listing of a tree comes from the scan's in-memory index when its node is the
 that very tree (a node's tree id is the hash of the tree bytes built from its rows, so the
 listing is the tree's content, and re-hashing the tree is all its check needs: no parse, which
 cost ~0.5 ms a 100-entry tree here); otherwise the tree is read, re-hashed and parsed.
+A sparse file's objects are its extents' (its digest names its logical content, which no object
+holds; the scan computed it from the very bytes it published as extents).
 Cost: an lstat and a record compare per object. Measured here (2 shared vCPUs, load 2-4, where
 an lstat alone costs ~5 us): 1.2-1.35 s for a 100,000-file workspace whose objects are all
 unchanged since verified, where the read-back that checked only what was published took 0.06 s.
@@ -49,6 +51,7 @@ from settled.errors import SettledError
 from settled.workspace.index import DirNode, Index
 from settled.workspace.manifest import (
     DIR,
+    EXTENTS,
     FILE,
     ROOT,
     IndexMismatch,
@@ -263,13 +266,19 @@ class _Walk:
             for entry in listing.entries.values():
                 kind = entry.type
                 if kind == FILE and entry.digest is not None:
-                    add(entry.digest)
+                    if entry.extents is None:
+                        add(entry.digest)
+                    else:  # a sparse file's digest is not an object: its extents are
+                        self.blobs.update(digest for _, _, digest in entry.extents)
                 elif kind == DIR and entry.tree is not None and entry.tree not in trees:
                     pending.append((entry.tree, entry.path))
             return
         for form in listing:
             if form["type"] == FILE:
-                add(form["digest"])
+                if EXTENTS in form:
+                    self.blobs.update(extent[2] for extent in form[EXTENTS])
+                else:
+                    add(form["digest"])
             elif form["type"] == DIR and form["tree"] not in trees:
                 pending.append((form["tree"], join(path, form["name"])))
 
@@ -295,6 +304,8 @@ class _Walk:
                 content = form.get("tree" if form["type"] == DIR else "digest")
                 if form["type"] in (DIR, FILE) and not isinstance(content, str):
                     raise TypeError(f"entry {form['name']!r} names no object")
+                if EXTENTS in form and not _extent_forms(form[EXTENTS]):
+                    raise TypeError(f"entry {form['name']!r} has malformed extents")
         except (ValueError, KeyError, TypeError) as error:
             self.problems[tree] = Problem(tree, INVALID, detail=f"not a tree: {error}")
             return None
@@ -361,19 +372,29 @@ class _Walk:
         )  # fmt: skip
 
 
+def _extent_forms(raw: object) -> bool:
+    """Whether a tree form's ``extents`` is a list of ``[offset, length, digest string]``."""
+    return isinstance(raw, list) and all(
+        isinstance(x, list) and len(x) == 3 and isinstance(x[2], str) for x in raw
+    )
+
+
 def _children(listing: Listing, path: str) -> Iterator[tuple[str, str | None, str | None]]:
-    """``(path, blob digest, subtree id)`` of each entry of a tree listed at ``path``."""
+    """``(path, blob digest, subtree id)`` of each entry of a tree listed at ``path`` (a
+    sparse file once for each of its extents)."""
     if isinstance(listing, DirNode):
         for name, entry in listing.entries.items():
             if entry.type == FILE:
-                yield join(path, name), entry.digest, None
+                for digest in entry.blobs():
+                    yield join(path, name), digest, None
             elif entry.type == DIR:
                 yield join(path, name), None, entry.tree
         return
     for form in listing:
         kind = form["type"]
         if kind == FILE:
-            yield join(path, form["name"]), form["digest"], None
+            for extent in form.get(EXTENTS, ((0, 0, form["digest"]),)):
+                yield join(path, form["name"]), extent[2], None
         elif kind == DIR:
             yield join(path, form["name"]), None, form["tree"]
 

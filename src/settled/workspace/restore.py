@@ -3,11 +3,12 @@
 Owns ``restore``: reach ``dest``'s parent from ``/`` without following a symlink and hold it
 open, read the manifest back by its exact id, rebuild the tree in a private temp directory made
 through that fd beside ``dest`` (directories, files with content verified by hash while
-copying, symlinks as links, FIFOs with ``mkfifo``), apply owners and modes after content (files
-as they are finished, directories last and deepest first, the root last of all), fsync, then
-rename the temp directory onto ``dest`` within the parent's fd (``renameat``), so a symlink
-swapped in after the checks cannot redirect the restore. Sockets and devices cannot be restored
-and are named in the result; a device node is never created.
+copying, symlinks as links, FIFOs with ``mkfifo``; a sparse file sized by ``ftruncate`` and its
+extents written at their offsets, so its holes stay holes), apply owners and modes after
+content (files as they are finished, directories last and deepest first, the root last of
+all), fsync, then rename the temp directory onto ``dest`` within the parent's fd
+(``renameat``), so a symlink swapped in after the checks cannot redirect the restore. Sockets
+and devices cannot be restored and are named in the result; a device node is never created.
 
 Restore grants nothing (tar's convention). The command that made the workspace is hostile, and
 the restore often runs as root: a set-uid file of ``nobody`` restored by root with its mode
@@ -43,7 +44,7 @@ from dataclasses import dataclass
 from typing import Final
 
 from settled.errors import EXIT_USAGE, SettledError
-from settled.workspace.hashing import format_digest, new_hasher
+from settled.workspace.hashing import Hasher, format_digest, new_hasher
 from settled.workspace.manifest import (
     DIR,
     FILE,
@@ -57,6 +58,7 @@ from settled.workspace.manifest import (
     read_manifest,
 )
 from settled.workspace.objectstore import CHUNK, ObjectMissing, ObjectStore
+from settled.workspace.sparse import hash_zeros
 
 FIFO: Final = "fifo"
 SETID: Final = stat.S_ISUID | stat.S_ISGID
@@ -442,9 +444,12 @@ class _Builder:
         assert digest is not None  # a valid manifest's files all have digests
         out = os.open(path, _CREATE, 0o600, dir_fd=self.root_fd)
         try:
-            actual, size = self.copy(digest, path, out)
-            if actual != digest or size != entry.size:
-                raise BlobCorrupt(digest, path, actual)
+            if entry.extents is not None:
+                size = self.write_sparse(entry, out)
+            else:
+                actual, size = self.copy(digest, path, out)
+                if actual != digest or size != entry.size:
+                    raise BlobCorrupt(digest, path, actual)
             self.settle(out, entry)  # after the content: a write would clear set-id bits
             if self.durable:
                 os.fsync(out)
@@ -456,8 +461,34 @@ class _Builder:
         os.close(out)
         self.bytes_written += size
 
-    def copy(self, digest: str, path: str, out: int) -> tuple[str, int]:
-        """Copy the object into ``out`` while hashing it; returns what it hashed to."""
+    def write_sparse(self, entry: Entry, out: int) -> int:
+        """A sparse file: its size set by ``ftruncate`` (a hole throughout), then each extent
+        written at its offset, so every hole stays a hole and no zero is written for one. Each
+        extent is checked against its own digest and the whole, holes as zeros, against the
+        file's; returns the bytes written."""
+        assert entry.digest is not None and entry.extents is not None
+        algo, path = self.manifest.algorithm, entry.path
+        os.ftruncate(out, entry.size)
+        logical = new_hasher(algo, size_hint=entry.size)
+        pos = written = 0
+        for offset, length, digest in entry.extents:
+            hash_zeros(logical, offset - pos)
+            os.lseek(out, offset, os.SEEK_SET)
+            actual, size = self.copy(digest, path, out, also=logical)
+            if actual != digest or size != length:
+                raise BlobCorrupt(digest, path, actual)
+            pos, written = offset + length, written + length
+        hash_zeros(logical, entry.size - pos)
+        actual = format_digest(algo, logical.hexdigest())
+        if actual != entry.digest:
+            raise BlobCorrupt(entry.digest, path, actual)
+        return written
+
+    def copy(
+        self, digest: str, path: str, out: int, *, also: Hasher | None = None
+    ) -> tuple[str, int]:
+        """Copy the object into ``out`` while hashing it (into ``also`` too, if given);
+        returns what it hashed to."""
         algo = self.manifest.algorithm
         try:
             source = self.store.open(digest)
@@ -467,6 +498,8 @@ class _Builder:
         with source:
             while data := source.read(CHUNK):
                 hasher.update(data)
+                if also is not None:
+                    also.update(data)
                 chunk = memoryview(data)
                 while chunk:
                     chunk = chunk[os.write(out, chunk) :]

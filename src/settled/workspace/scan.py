@@ -24,8 +24,12 @@ sockets and devices are recorded from lstat and never opened (a regular file is 
 ``O_PATH`` first, checked with fstat, and only then reopened for reading through
 ``/proc/self/fd``, so even a FIFO swapped in mid-walk is never opened). A file that changes while
 it is read is retried, then the scan fails with ``TornRead``; a torn digest is never recorded.
-A directory moved elsewhere mid-walk is listed as it was when opened (its fd is held); mount
-points inside the root are crossed; hard links are recorded as separate files.
+A sparse file (``sparse.data_ranges``: holes found with ``SEEK_DATA``/``SEEK_HOLE`` on the
+open file) is read range by range, each data range an object of its own, its holes never read
+and hashed as zeros into its digest; the same fstat checks (after every range) make a change
+during the read a torn read. A directory moved elsewhere mid-walk is listed as it was when
+opened (its fd is held); mount points inside the root are crossed; hard links are recorded as
+separate files.
 
 About 500 lines, over the usual 400: the walk, its no-follow checks, the stat cache, torn-read
 retries and the incremental mode share one walker's state, and split they would share internals.
@@ -46,7 +50,13 @@ from dataclasses import dataclass, field
 from typing import Final
 
 from settled.errors import SettledError
-from settled.workspace.hashing import DEFAULT_ALGORITHM, check_algorithm, format_digest, new_hasher
+from settled.workspace.hashing import (
+    DEFAULT_ALGORITHM,
+    Hasher,
+    check_algorithm,
+    format_digest,
+    new_hasher,
+)
 from settled.workspace.index import DirNode, Index, MemoryObjects, build_node, with_node
 from settled.workspace.manifest import (
     DIR,
@@ -64,6 +74,7 @@ from settled.workspace.manifest import (
 from settled.workspace.nodecache import NodeCache
 from settled.workspace.objectstore import CHUNK, ObjectStore
 from settled.workspace.publish import Publisher
+from settled.workspace.sparse import Extent, data_ranges, hash_zeros, may_have_holes
 
 CLOCK_SLACK_NS: Final = 20_000_000
 COARSE_FS_SLACK_NS: Final = 2_000_000_000
@@ -111,13 +122,14 @@ class ScanStats:
     trees_built: int = 0  # directories whose tree changed (published when a store is given)
     nodes_built: int = 0  # directories whose stat-cache node changed
     objects_grouped: int = 0  # objects made durable by one group sync, not an fsync each
+    sparse_files: int = 0  # files read as data extents and holes (the holes never read)
 
 
 @dataclass(frozen=True)
 class ScanResult:
     index: Index
     stats: ScanStats = field(default_factory=ScanStats)
-    blobs: frozenset[str] = frozenset()  # digests of the files this scan read (and published)
+    blobs: frozenset[str] = frozenset()  # objects of the files this scan read (and published)
     trees: dict[str, str] = field(default_factory=dict)  # new tree id -> its directory path
 
 
@@ -539,13 +551,19 @@ class _Scanner:
                 return self.entry(fd, name, child, opened, at, budget - 1)
             file_fd, before = opened
             try:
-                digest = self.hash_open_file(file_fd, before)
+                ranges = data_ranges(file_fd, before.st_size) if may_have_holes(before) else None
+                if ranges is None:
+                    digest, extents = self.hash_open_file(file_fd, before), None
+                else:
+                    digest, extents = self.hash_sparse_file(file_fd, before, ranges)
             finally:
                 os.close(file_fd)
             if digest is not None:
+                entry = Entry.from_stat(child, before, digest=digest, extents=extents)
                 self.stats.files_hashed += 1
-                self.hashed.add(digest)
-                return Entry.from_stat(child, before, digest=digest)
+                self.stats.sparse_files += extents is not None
+                self.hashed.update(entry.blobs())
+                return entry
             self.stats.torn_retries += 1
         raise TornRead(child, TORN_ATTEMPTS)
 
@@ -589,6 +607,73 @@ class _Scanner:
         digest = writer.digest()
         self.publisher.submit(writer)  # fsync and link on a publisher thread
         return digest
+
+    def hash_sparse_file(
+        self, fd: int, before: os.stat_result, ranges: list[tuple[int, int]]
+    ) -> tuple[str | None, tuple[Extent, ...]]:
+        """Hash the whole logical content (holes as zeros, never read) and publish each data
+        range as an object of its own; (None, ()) if the file changed while it was read. Each
+        range is checked unchanged (fstat) before it is handed to the publisher, so what a torn
+        read publishes is at most what was read before the change, never a torn object."""
+        size = before.st_size
+        logical = new_hasher(self.algo, size_hint=size)
+        extents: list[Extent] = []
+        pos = 0
+        for offset, length in ranges:
+            hash_zeros(logical, offset - pos)
+            digest = self._hash_range(fd, before, offset, length, logical)
+            if digest is None:
+                return None, ()
+            extents.append((offset, length, digest))
+            pos = offset + length
+        hash_zeros(logical, size - pos)
+        return format_digest(self.algo, logical.hexdigest()), tuple(extents)
+
+    def _hash_range(
+        self, fd: int, before: os.stat_result, offset: int, length: int, logical: Hasher
+    ) -> str | None:
+        """One data range: hashed into ``logical`` and into its own object, published if the
+        file is unchanged after it (else None, nothing published)."""
+        size = before.st_size
+        if self.store is None or self.publisher is None:
+            own = new_hasher(self.algo, size_hint=length)
+            got = self._read_range(fd, offset, length, (logical.update, own.update))
+            torn = _torn(before, os.fstat(fd), size if got == length else -1)
+            return None if torn else format_digest(self.algo, own.hexdigest())
+        writer = self.store.writer(self.algo, size_hint=length)
+        try:
+            got = self._read_range(fd, offset, length, (logical.update, writer.write))
+            torn = _torn(before, os.fstat(fd), size if got == length else -1)
+        except BaseException:
+            writer.abort()
+            raise
+        if torn:
+            writer.abort()
+            return None
+        digest = writer.digest()
+        self.publisher.submit(writer)  # fsync and link on a publisher thread
+        return digest
+
+    def _read_range(
+        self,
+        fd: int,
+        offset: int,
+        length: int,
+        sinks: tuple[Callable[[memoryview], object], Callable[[memoryview], object]],
+    ) -> int:
+        """Read ``length`` bytes at ``offset`` into both sinks (fewer only if the file shrank)."""
+        got = 0
+        view = self.view
+        first, second = sinks
+        while got < length:
+            count = os.preadv(fd, [view[: min(CHUNK, length - got)]], offset + got)
+            if not count:
+                break
+            first(view[:count])
+            second(view[:count])
+            got += count
+        self.stats.bytes_read += got
+        return got
 
     def _read_all(self, fd: int, size: int, sink: Callable[[memoryview], object]) -> int:
         got = 0

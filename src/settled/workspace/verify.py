@@ -3,8 +3,11 @@
 Owns ``verify_manifest`` and its report, ``Verification``: read the manifest by its exact id and
 re-hash it; read, re-hash and fully parse (``parse_tree``: every entry valid, names sorted and
 safe) every tree it reaches; then each blob is checked present, a regular file and of the size
-its entries give (the default), or, with ``read_data``, re-hashed byte for byte. Every missing,
-damaged or invalid object is named with every path that uses it.
+its entries give (the default), or, with ``read_data``, re-hashed byte for byte. A sparse file's
+objects are its extents (each of its extent's length); with ``read_data`` its digest is checked
+too, over its extents' bytes and its holes as zeros (``sparse.logical_digest``: CPU for the
+holes, never a read of them), so every byte the entry names is checked. Every missing, damaged
+or invalid object is named with every path that uses it.
 
 Unlike the checkpoint's read-back (``readback``), nothing is trusted: the verified-object record
 is never consulted, only refreshed for each object that re-hashed right (so a later read-back
@@ -19,10 +22,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from settled.errors import SettledError
+from settled.workspace.hashing import algorithm_of
 from settled.workspace.manifest import (
     DIR,
     FILE,
     ROOT,
+    Entry,
     Manifest,
     ManifestError,
     parse_tree,
@@ -30,7 +35,15 @@ from settled.workspace.manifest import (
 )
 from settled.workspace.objectstore import ObjectMissing, ObjectStore, ObjectUnreadable
 from settled.workspace.readback import DAMAGED, INVALID, MISSING, Problem, rehash
+from settled.workspace.sparse import Extent, logical_digest
 from settled.workspace.verified import Verified, VerifiedRecord
+
+_SparseKey = tuple[str, int, tuple[Extent, ...]]  # a sparse file's digest, size and extents
+
+
+def _sparse_key(entry: Entry) -> _SparseKey:
+    assert entry.digest is not None and entry.extents is not None
+    return entry.digest, entry.size, entry.extents
 
 
 @dataclass(frozen=True)
@@ -83,6 +96,7 @@ class _Check:
         self.tree_paths: dict[str, list[str]] = {}
         self.blob_paths: dict[str, list[str]] = {}
         self.sizes: dict[str, set[int]] = {}
+        self.sparse: dict[_SparseKey, list[str]] = {}  # sparse files' content -> their paths
         self.identities: list[tuple[str, Verified]] = []
         self.bytes_read = 0
 
@@ -107,6 +121,21 @@ class _Check:
                 self._read_blob(digest)
             else:
                 self._stat_blob(digest)
+        if read_data:
+            for key in sorted(self.sparse):
+                self._check_sparse(key, algorithm_of(manifest_id))
+
+    def _check_sparse(self, key: _SparseKey, algo: str) -> None:
+        """A sparse file's digest against its extents and holes (extents found damaged are
+        named already: the file is not hashed again over them)."""
+        digest, size, extents = key
+        if any(extent[2] in self.problems for extent in extents):
+            return
+        actual = logical_digest(self.store, algo, size, extents)
+        self.bytes_read += sum(length for _, length, _ in extents)
+        if actual != digest:
+            detail = f"its extents and holes hash to {actual or '(an extent is missing)'}"
+            self.problems[digest] = Problem(digest, DAMAGED, detail=detail)
 
     def _trees(self, root: str) -> None:
         """Every tree, each occurrence of a shared one walked (for its paths), each read once."""
@@ -127,7 +156,11 @@ class _Check:
                 read[tree] = None
                 continue
             for entry in entries:
-                if entry.type == FILE and entry.digest is not None:
+                if entry.type == FILE and entry.digest is not None and entry.extents is not None:
+                    for _, length, digest in entry.extents:
+                        self._blob(digest, entry.path, length)
+                    self.sparse.setdefault(_sparse_key(entry), []).append(entry.path)
+                elif entry.type == FILE and entry.digest is not None:
                     self._blob(entry.digest, entry.path, entry.size)
                 elif entry.type == DIR and entry.tree is not None:
                     pending.append((entry.tree, entry.path))
@@ -179,6 +212,8 @@ class _Check:
 
     def result(self, manifest_id: str, read_data: bool) -> Verification:
         paths = {**self.blob_paths, **self.tree_paths}
+        for (digest, _, _), used_by in self.sparse.items():
+            paths[digest] = [*paths.get(digest, []), *used_by]
         problems = tuple(
             Problem(p.object, p.problem, tuple(sorted(paths.get(d, []))), p.detail)
             for d, p in sorted(self.problems.items())
