@@ -420,3 +420,26 @@ def test_a_sparse_entry_round_trips_through_its_tree_and_its_index_row(
     assert node is not None
     reread = Index(index.algorithm, 0, index.root, index.reader)  # rows parsed from the node
     assert reread.by_path["f"] == entry
+
+
+def test_a_damaged_extent_is_found_by_a_full_checkpoint_and_healed_from_the_workspace(
+    rt: Runtime, task: TaskRecord, tmp_path: Path
+) -> None:
+    ws = Path(task.workspace)
+    content = sparse_file(ws / "f", 8 * MIB, {0: b"h" * 8192, 5 * MIB: os.urandom(8192)})
+    aged()
+    first = rt.checkpoint(task.task)
+    objects = rt.workspace.objects
+    assert isinstance(objects, LocalObjectStore)
+    extents = entry_of(objects, first["manifest"], "f").extents
+    assert extents is not None
+    damaged = extents[1][2]
+    damage(objects, damaged, bytes(8192))  # same size: only a re-hash can tell
+
+    second = rt.checkpoint(task.task, incremental=False)
+    assert second["read_back"]["verified"]
+    healed = second["read_back"]["healed"]
+    assert [(p["object"], p["paths"]) for p in healed["problems"]] == [(damaged, ["f"])]
+    assert [q["object"] for q in healed["quarantined"]] == [damaged]
+    restore(objects, second["manifest"], tmp_path / "out")
+    assert (tmp_path / "out" / "f").read_bytes() == content
