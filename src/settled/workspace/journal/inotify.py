@@ -79,14 +79,25 @@ def _refused_instance(exc: OSError) -> str:
     if exc.errno == errno.EMFILE:
         return (
             f"the kernel refused an inotify instance ({name}: the per-user limit "
-            f"fs.inotify.max_user_instances = {_sysctl('max_user_instances')} is reached)"
+            f"{_limit('instances')} is reached)"
         )
     return f"the kernel refused an inotify instance ({name}: {exc.strerror})"
 
 
-def _sysctl(name: str) -> str:
+def _limit(kind: str) -> str:
+    """The limit on inotify `kind` ("instances", "watches") as the kernel applies it: the
+    host's sysctl, and this user namespace's own when it is lower (both are enforced)."""
+    host = _read(f"/proc/sys/fs/inotify/max_user_{kind}")
+    text = f"fs.inotify.max_user_{kind} = {host}"
+    own = _read(f"/proc/sys/user/max_inotify_{kind}")
+    if own.isdigit() and host.isdigit() and int(own) < int(host):
+        text += f", user.max_inotify_{kind} = {own} in this user namespace"
+    return text
+
+
+def _read(path: str) -> str:
     try:
-        with open(f"/proc/sys/fs/inotify/{name}") as handle:
+        with open(path) as handle:
             return handle.read().strip()
     except OSError:
         return "unknown"
@@ -95,8 +106,8 @@ def _sysctl(name: str) -> str:
 def _why(exc: OSError) -> str:
     if exc.errno == errno.ENOSPC:
         return (
-            "ENOSPC: the inotify watch limit is reached (fs.inotify.max_user_watches = "
-            f"{_sysctl('max_user_watches')}); raise it with sysctl"
+            f"ENOSPC: the inotify watch limit is reached ({_limit('watches')}); "
+            "raise it with sysctl"
         )
     return f"{errno.errorcode.get(exc.errno or 0, exc.errno)}: {exc.strerror}"
 
