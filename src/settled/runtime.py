@@ -278,7 +278,7 @@ class Runtime:
         session, reused = self.store.admit(task, key, spec.digest, spec.to_json())
         if reused:
             return self._admission(session, reused=True)
-        self.workspace.ensure_journal(record)  # 0.3 ms when it runs; restarts one that idled out
+        self.workspace.ensure_journal(record)  # one request when watched; restarts a lost daemon
         report = self._launch(session.session)
         return self._admission(self.store.get_session(session.session), False, report)
 
