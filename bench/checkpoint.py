@@ -214,7 +214,7 @@ class Settled:
         self.home = home
         self.rt = Runtime(home)
         self.task = self.rt.new_task(tree)
-        self.socket = self.rt.workspace.socket(self.task)
+        self.socket = self.rt.workspace.socket()
         self.journal_pid = (journal_client.ping(self.socket) or {}).get("pid")
         self.scan_s = 0.0
         self._time_scans(self.rt)

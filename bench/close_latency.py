@@ -122,9 +122,9 @@ class Variant:
     def close(self) -> None:
         from settled.workspace.journal import lifecycle as journal_lifecycle
 
-        for task in self.unclosed:  # tasks whose close did not finish: their journals run on
+        if self.unclosed:  # tasks whose close did not finish: the home's journal runs on
             with contextlib.suppress(Exception):
-                journal_lifecycle.stop(self.rt.workspace.socket(task))
+                journal_lifecycle.stop(self.rt.workspace.socket())
         self.db.close()
         self.rt.close()
 
@@ -136,7 +136,7 @@ class Variant:
         try:
             task = self.rt.new_task(workspace)
             self.unclosed.append(task)
-            journal_pid = (journal_client.ping(self.rt.workspace.socket(task)) or {}).get("pid")
+            journal_pid = (journal_client.ping(self.rt.workspace.socket()) or {}).get("pid")
             if self.checkpoint_first:
                 self.rt.checkpoint(task.task)
             files = tree.spread(p["changed"], i)

@@ -288,12 +288,12 @@ def settled_rig(name: str, launcher: str | None = None) -> Iterator[Rig]:
 
 
 def _stop_journals(home: str) -> None:
-    """Every task starts a journal daemon; a benchmark that does not close its task ends it."""
+    """Every home starts a journal daemon; a benchmark that does not close its task ends it."""
     import glob
 
     from settled.workspace.journal import lifecycle as journal_lifecycle
 
-    for sock in glob.glob(os.path.join(home, "run", "*", "journal.sock")):
+    for sock in glob.glob(os.path.join(home, "run", "journal.sock")):
         journal_lifecycle.stop(sock)
 
 

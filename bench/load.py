@@ -604,7 +604,7 @@ def run_once(root: str, variant: str, p: dict[str, Any]) -> dict[str, Any]:
     try:
         rt = Runtime(home, launcher=launcher)
         task = rt.new_task(workspace)
-        socket = rt.workspace.socket(task)
+        socket = rt.workspace.socket()
         journal_pid = (journal_client.ping(socket) or {}).get("pid")
         db_path = os.path.join(rt.home, "settled.db")
         sampler = SamplerProcess(token, os.path.join(base, "memory.json"), db_path)
@@ -728,7 +728,7 @@ def run_once(root: str, variant: str, p: dict[str, Any]) -> dict[str, Any]:
             result["cgroups_left"] = _tidy_cgroups(task.task)
             if not closed:
                 with contextlib.suppress(Exception):
-                    journal_lifecycle.stop(rt.workspace.socket(task))
+                    journal_lifecycle.stop(rt.workspace.socket())
         if rt is not None:
             rt.close()
         if shared is not None:

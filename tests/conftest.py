@@ -109,10 +109,10 @@ def rt(tmp_path: Path) -> Iterator[Runtime]:
 
 
 def stop_journals(root: Path) -> None:
-    """Every task starts a journal daemon; a test ends the ones started under its tmp_path."""
+    """Every home starts a journal daemon; a test ends the ones started under its tmp_path."""
     from settled.workspace.journal import lifecycle as journal_lifecycle
 
-    for sock in root.glob("**/run/*/journal.sock"):
+    for sock in root.glob("**/journal.sock"):
         journal_lifecycle.stop(str(sock))
 
 

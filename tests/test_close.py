@@ -73,7 +73,7 @@ def test_a_file_written_just_before_exit_is_in_the_manifest_without_the_watcher(
 ) -> None:
     admission = rt.exec(task.task, shell="sleep 0.2; printf last > late.txt", key="late")
     rt.wait(admission.session, timeout=30)
-    journal_lifecycle.stop(rt.workspace.socket(task))  # no watcher event can report it now
+    journal_lifecycle.stop(rt.workspace.socket())  # no watcher event can report it now
     Path(task.workspace, "after-the-watcher.txt").write_text("seen by the final scan")
     receipt = close(rt, task)
     entries = manifest_of(rt, receipt)
@@ -368,7 +368,7 @@ def test_without_a_trustworthy_journal_a_checkpoint_scans_everything(
 ) -> None:
     Path(task.workspace, "a").write_text("1")
     rt.checkpoint(task.task)
-    journal_lifecycle.stop(rt.workspace.socket(task))
+    journal_lifecycle.stop(rt.workspace.socket())
     Path(task.workspace, "b").write_text("2")  # no journal saw this
     after = rt.checkpoint(task.task)
     assert after["scan"]["mode"] == "full"

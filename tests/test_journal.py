@@ -1,9 +1,10 @@
 """The mutation journal: inotify as a hint that is never silently wrong.
 
 Real inotify on tmp_path. The in-process `Journal` is pumped only by the test, so the test decides
-what is queued when; the daemon tests go through the Unix socket like a session owner would.
-Every daemon a test starts is stopped by the `daemons` finalizer and verified gone (its pidfd
-reports the exit); any journal process still serving a test's run directory fails the test.
+what is queued when; the daemon tests go through the Unix socket like a session owner would, each
+request naming its task (one daemon per run directory watches every task). Every daemon a test
+starts is stopped by the `daemons` finalizer and verified gone (its pidfd reports the exit); any
+journal process still serving a test's run directory fails the test.
 """
 
 from __future__ import annotations
@@ -28,11 +29,23 @@ import pytest
 from settled.owner.launcher import owner_path
 from settled.workspace.journal import client as client_module
 from settled.workspace.journal import daemon
-from settled.workspace.journal.client import Watermark, barrier, ping, reset
+from settled.workspace.journal.client import Watermark, ping, release
+from settled.workspace.journal.client import barrier as task_barrier
+from settled.workspace.journal.client import reset as task_reset
 from settled.workspace.journal.daemon import serve
 from settled.workspace.journal.errors import JournalUnavailable
-from settled.workspace.journal.inotify import Journal
-from settled.workspace.journal.lifecycle import ensure_running, stop
+from settled.workspace.journal.inotify import Journal, Watcher
+from settled.workspace.journal.lifecycle import ensure_running, ensure_watching, stop
+
+TASK = "t_test"
+
+
+def barrier(socket_path: str, task: str = TASK, timeout: float = 2.0) -> Watermark | None:
+    return task_barrier(socket_path, task, timeout)
+
+
+def reset(socket_path: str, seq: int, task: str = TASK) -> Watermark | None:
+    return task_reset(socket_path, task, seq)
 
 
 def _exited(pidfd: int, timeout: float) -> bool:
@@ -42,7 +55,7 @@ def _exited(pidfd: int, timeout: float) -> bool:
 
 def _journal_pids(run_dir: Path) -> set[int]:
     """Live processes running a journal daemon for this run directory."""
-    needle = os.fsencode(str(run_dir / "journal.sock"))
+    needle = b"\0" + os.fsencode(str(run_dir)) + b"\0"
     found = set()
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -62,8 +75,8 @@ class Daemons:
         self.pidfds: dict[int, tuple[str, int]] = {}  # pid -> (socket, pidfd)
         self.run_dirs: list[Path] = []
 
-    def start(self, root: Path, run_dir: Path, **options: Any) -> str:
-        socket_path = ensure_running(str(root), str(run_dir), **options)
+    def start(self, root: Path, run_dir: Path, task: str = TASK, **options: Any) -> str:
+        socket_path = ensure_watching(task, str(root), str(run_dir), **options)
         self.adopt(socket_path, run_dir)
         return socket_path
 
@@ -334,8 +347,8 @@ class _RefusingInotify:
 def test_a_watch_that_could_not_be_added_is_visible_until_it_exists(
     journal: Journal, ws: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    refusing = _RefusingInotify(journal._ino, "blocked")
-    monkeypatch.setattr(journal, "_ino", refusing)
+    refusing = _RefusingInotify(journal._watcher._ino, "blocked")
+    monkeypatch.setattr(journal._watcher, "_ino", refusing)
     (ws / "blocked").mkdir()
     lost = journal.barrier()
     assert lost.lost_watches == {"blocked"} and not lost.trustworthy
@@ -450,14 +463,15 @@ def test_every_seq_a_client_sees_is_persisted_first(
 ) -> None:
     monkeypatch.setattr(daemon, "RESERVE", 3)  # re-reserve every few events
     run.mkdir()
-    socket_path, state = str(run / "journal.sock"), run / "journal.state"
-    server = threading.Thread(target=serve, args=(str(ws), socket_path, str(state), 30.0))
+    socket_path, state = str(run / "journal.sock"), run / "journal" / f"{TASK}.state"
+    server = threading.Thread(target=serve, args=(str(run), 30.0))
     server.start()
     try:
         give_up = time.monotonic() + 5
         while ping(socket_path) is None:
             assert time.monotonic() < give_up, "the in-process journal did not answer"
             time.sleep(0.01)
+        assert ensure_watching(TASK, str(ws), str(run)) == socket_path
         for index in range(20):
             (ws / f"f{index}").write_text("x")
             mark = barrier(socket_path)
@@ -472,11 +486,11 @@ def test_every_seq_a_client_sees_is_persisted_first(
 _RACER = """
 import json, os, sys, time
 from settled.workspace.journal.client import ping
-from settled.workspace.journal.lifecycle import ensure_running
+from settled.workspace.journal.lifecycle import ensure_watching
 open(sys.argv[4], "w").close()
 while not os.path.exists(sys.argv[3]):
     time.sleep(0.0005)
-socket_path = ensure_running(sys.argv[1], sys.argv[2])
+socket_path = ensure_watching("t_race", sys.argv[1], sys.argv[2])
 print(json.dumps({"socket": socket_path, "pid": ping(socket_path)["pid"]}))
 """
 
@@ -508,18 +522,16 @@ def test_concurrent_ensure_running_calls_start_one_daemon(
     assert len({answer["pid"] for answer in answers}) == 1
     assert _journal_pids(run) == {answers[0]["pid"]}
     log = (run / "journal.log").read_text()
-    assert log.count(" watching ") == 1 and "another journal holds" not in log  # one ever spawned
+    assert log.count(" serving on ") == 1 and "another journal holds" not in log  # one spawned
+    assert log.count(" watching ") == 1  # and the task was walked once
 
 
 @pytest.mark.timeout(30)
-def test_a_second_journal_for_the_same_workspace_exits_at_once(
+def test_a_second_journal_for_the_same_run_dir_exits_at_once(
     daemons: Daemons, ws: Path, run: Path
 ) -> None:
     socket_path = daemons.start(ws, run)
-    started = time.monotonic()
-    assert serve(str(ws), socket_path, str(run / "other.state"), idle_exit_s=30) == 0
-    assert time.monotonic() - started < 1.0
-    assert not (run / "other.state").exists()
+    assert serve(str(run), idle_exit_s=30) == 0  # it found the lock held
     assert ping(socket_path) is not None  # the first one still serves
 
 
@@ -562,52 +574,58 @@ def test_sigterm_stops_a_journal_cleanly_with_its_last_seq_persisted(
     assert mark is not None
     os.kill(pid, signal.SIGTERM)
     assert _exited(daemons.pidfd(pid), 5.0)
-    state = json.loads((run / "journal.state").read_text())
+    state = json.loads((run / "journal" / f"{TASK}.state").read_text())
     assert state["clean"] is True and state["seq"] >= mark.seq
     assert not os.path.exists(socket_path) and "signal SIGTERM" in (run / "journal.log").read_text()
 
 
 @pytest.mark.timeout(30)
-def test_an_idle_journal_exits_by_itself(daemons: Daemons, ws: Path, run: Path) -> None:
-    socket_path = daemons.start(ws, run, idle_exit_s=0.5)
+def test_a_journal_with_no_task_exits_by_itself(daemons: Daemons, run: Path) -> None:
+    socket_path = ensure_running(str(run), idle_exit_s=0.5)
     pid = daemons.adopt(socket_path, run)
     assert _exited(daemons.pidfd(pid), 10.0)
-    assert barrier(socket_path) is None and not os.path.exists(socket_path)
-    assert "idle for 0.5 s" in (run / "journal.log").read_text()
+    assert ping(socket_path) is None and not os.path.exists(socket_path)
+    assert "idle for 0.5 s with no task" in (run / "journal.log").read_text()
 
 
 @pytest.mark.timeout(30)
-def test_events_keep_a_journal_from_idling_out(daemons: Daemons, ws: Path, run: Path) -> None:
-    socket_path = daemons.start(ws, run, idle_exit_s=1.5)
+def test_a_watched_task_keeps_the_journal_running_until_it_is_released(
+    daemons: Daemons, ws: Path, run: Path
+) -> None:
+    socket_path = daemons.start(ws, run, idle_exit_s=0.3)
     pid = daemons.adopt(socket_path, run)
-    for index in range(30):  # 3 s of writes, each 0.1 s apart, and no client
-        (ws / "f").write_text(str(index))
-        time.sleep(0.1)
-    assert not _exited(daemons.pidfd(pid), 0)
-    assert _exited(daemons.pidfd(pid), 10.0)  # quiet again: it leaves
+    assert not _exited(daemons.pidfd(pid), 1.5)  # five idle periods, no client, no event
+    assert barrier(socket_path) is not None
+    assert release(socket_path, TASK)
+    assert barrier(socket_path) is None  # released: no longer watched
+    assert _exited(daemons.pidfd(pid), 10.0)  # no task left: it leaves
 
 
 @pytest.mark.timeout(30)
-def test_ensure_running_fails_clearly_when_the_workspace_is_missing(
+def test_ensure_watching_fails_clearly_when_the_workspace_is_missing(
     daemons: Daemons, tmp_path: Path, run: Path
 ) -> None:
     daemons.run_dirs.append(run)
     missing = tmp_path / "missing"
-    started = time.monotonic()
-    with pytest.raises(JournalUnavailable, match="not a directory"):
-        ensure_running(str(missing), str(run))
-    assert time.monotonic() - started < 5.0
+    try:
+        with pytest.raises(JournalUnavailable, match="not a directory"):
+            ensure_watching(TASK, str(missing), str(run))
+    finally:
+        if ping(str(run / "journal.sock")) is not None:
+            daemons.adopt(str(run / "journal.sock"), run)
+    assert not (run / "journal" / f"{TASK}.state").exists()
 
 
 @pytest.mark.timeout(30)
-def test_a_run_dir_serving_another_workspace_is_refused(
+def test_a_task_watched_at_one_workspace_is_refused_another(
     daemons: Daemons, ws: Path, run: Path, tmp_path: Path
 ) -> None:
-    daemons.start(ws, run)
+    socket_path = daemons.start(ws, run)
     other = tmp_path / "other"
     other.mkdir()
-    with pytest.raises(JournalUnavailable, match="one run directory per workspace"):
-        ensure_running(str(other), str(run))
+    with pytest.raises(JournalUnavailable, match="is watched at"):
+        ensure_watching(TASK, str(other), str(run))
+    assert ensure_watching("t_other", str(other), str(run)) == socket_path  # another task may
 
 
 @pytest.mark.timeout(30)
@@ -629,11 +647,12 @@ def test_a_session_owner_can_ask_for_a_barrier_with_only_its_own_path(
     socket_path = daemons.start(ws, run)
     probe = (
         "import sys, json; sys.path[:0] = json.loads(sys.argv[1]); "
-        "from settled.workspace.journal.client import barrier; mark = barrier(sys.argv[2]); "
+        "from settled.workspace.journal.client import barrier; "
+        "mark = barrier(sys.argv[2], sys.argv[3]); "
         "assert 'inotify_simple' not in sys.modules; print(json.dumps(mark.to_json()))"
     )
     done = subprocess.run(
-        [sys.executable, "-I", "-S", "-c", probe, json.dumps(owner_path()), socket_path],
+        [sys.executable, "-I", "-S", "-c", probe, json.dumps(owner_path()), socket_path, TASK],
         capture_output=True,
         check=True,
         timeout=20,
@@ -687,3 +706,110 @@ def test_importing_the_client_loads_no_other_settled_module() -> None:
         "settled.workspace.journal",
         "settled.workspace.journal.client",
     ]
+
+
+# -- one daemon, many tasks ---------------------------------------------------------------
+
+
+@pytest.mark.timeout(60)
+def test_one_daemon_watches_every_task_and_keeps_them_apart(
+    daemons: Daemons, tmp_path: Path, run: Path
+) -> None:
+    roots = [tmp_path / f"ws{index}" for index in range(5)]
+    for root in roots:
+        root.mkdir()
+    sockets = {daemons.start(root, run, task=f"t_{index}") for index, root in enumerate(roots)}
+    assert len(sockets) == 1 and len(_journal_pids(run)) == 1  # one process for all of them
+    socket_path = sockets.pop()
+    info = ping(socket_path)
+    assert info is not None and info["tasks"] == 5
+    before = {index: barrier(socket_path, f"t_{index}") for index in range(5)}
+    (roots[2] / "sub").mkdir()
+    (roots[2] / "sub" / "f").write_text("x")
+    for index in range(5):
+        mark, old = barrier(socket_path, f"t_{index}"), before[index]
+        assert mark is not None and old is not None and mark.trustworthy
+        if index == 2:
+            assert mark.seq > old.seq and {".", "sub"} <= mark.dirty_dirs
+        else:
+            assert mark.seq == old.seq and mark.dirty_dirs == frozenset()
+
+
+@pytest.mark.timeout(60)
+def test_tasks_that_share_a_directory_share_its_watch_until_both_release_it(
+    daemons: Daemons, ws: Path, run: Path
+) -> None:
+    inner = ws / "inner"
+    inner.mkdir()
+    socket_path = daemons.start(ws, run, task="t_outer")
+    daemons.start(inner, run, task="t_inner")  # the same directory, one watch descriptor
+    assert release(socket_path, "t_inner")
+    outer = barrier(socket_path, "t_outer")
+    assert outer is not None
+    (inner / "f").write_text("x")  # the outer task must still see it
+    after = barrier(socket_path, "t_outer")
+    assert after is not None and after.seq > outer.seq and after.dirty_dirs == {"inner"}
+    assert after.trustworthy
+    assert barrier(socket_path, "t_inner") is None
+
+
+@pytest.mark.timeout(30)
+def test_a_released_task_watched_again_continues_its_sequence_and_reports_the_gap(
+    daemons: Daemons, ws: Path, run: Path
+) -> None:
+    socket_path = daemons.start(ws, run)
+    (ws / "f").write_text("x")
+    first = barrier(socket_path)
+    assert first is not None and release(socket_path, TASK)
+    (ws / "g").write_text("made while nobody watched")
+    daemons.start(ws, run)
+    again = barrier(socket_path)
+    assert again is not None and again.seq > first.seq and not again.trustworthy
+    assert any("restarted" in reason for reason in again.reasons)
+
+
+@pytest.mark.timeout(30)
+def test_a_forgotten_task_leaves_no_state(daemons: Daemons, ws: Path, run: Path) -> None:
+    socket_path = daemons.start(ws, run)
+    state = run / "journal" / f"{TASK}.state"
+    assert state.exists()
+    assert release(socket_path, TASK, forget=True)
+    assert not state.exists() and barrier(socket_path) is None
+    daemons.start(ws, run)  # a new start: nothing to continue, nothing untrusted
+    fresh = barrier(socket_path)
+    assert fresh is not None and fresh.trustworthy
+
+
+@pytest.mark.timeout(30)
+def test_requests_that_name_no_valid_task_are_refused(
+    daemons: Daemons, ws: Path, run: Path
+) -> None:
+    from settled.workspace.journal.client import request
+
+    socket_path = daemons.start(ws, run)
+    for task in ("../escape", "", ".hidden", "a/b", "x" * 200, 7):
+        reply = request(socket_path, {"op": "barrier", "task": task}, 2.0)
+        assert reply is not None and "no valid task" in reply["error"]
+        if isinstance(task, str):
+            with pytest.raises(JournalUnavailable, match="no valid task"):
+                ensure_watching(task, str(ws), str(run))
+    assert request(socket_path, {"op": "nonsense", "task": TASK}, 2.0) == {
+        "error": "unknown request 'nonsense': watch, barrier, reset, ping, release or stop"
+    }
+    assert barrier(socket_path) is not None  # the daemon serves on
+
+
+def test_a_journal_without_its_own_watcher_shares_the_one_it_is_given(
+    tmp_path: Path,
+) -> None:
+    first, second = tmp_path / "a", tmp_path / "b"
+    first.mkdir()
+    second.mkdir()
+    watcher = Watcher()
+    try:
+        with Journal(str(first), watcher=watcher) as one, Journal(str(second), watcher=watcher):
+            assert one.fileno() == watcher.fileno() is not None
+            (second / "f").write_text("x")
+            assert one.barrier().dirty_dirs == frozenset()
+    finally:
+        watcher.close()

@@ -253,6 +253,26 @@ def test_get_task_of_an_unknown_id_raises_unknown_task(store: Store) -> None:
     assert caught.value.task == "t_nope"
 
 
+def test_a_task_still_as_created_can_be_discarded_and_its_key_reused(store: Store) -> None:
+    record, _ = store.create_task("tk", "/ws")
+    assert store.discard_task(record.task) is True
+    with pytest.raises(UnknownTask):
+        store.get_task(record.task)
+    again, created = store.create_task("tk", "/other")
+    assert created and again.task != record.task and again.workspace == "/other"
+    assert store.discard_task(record.task) is False  # already gone
+
+
+def test_a_task_that_was_used_is_never_discarded(store: Store) -> None:
+    used, _ = store.create_task("tk-used", "/ws")
+    store.admit(used.task, "k1", DIGEST_A, SPEC)
+    sealed, _ = store.create_task("tk-sealed", "/ws")
+    store.task_event(sealed.task, "seal")
+    for record in (used, sealed):
+        assert store.discard_task(record.task) is False
+        assert store.get_task(record.task).task == record.task
+
+
 def test_get_session_of_an_unknown_id_raises_unknown_session(store: Store) -> None:
     with pytest.raises(UnknownSession, match="s_nope"):
         store.get_session("s_nope")

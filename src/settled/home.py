@@ -88,6 +88,12 @@ def stdin_path(home: str, digest: str) -> str:
     return os.path.join(home, "stdin", digest.replace(":", "-"))
 
 
-def journal_socket(home: str, task: str) -> str:
-    """Where the task's mutation journal answers barriers (see settled.workspace.journal)."""
-    return os.path.join(home, "run", task, "journal.sock")
+def run_dir(home: str) -> str:
+    """The home's run directory: its one journal daemon's socket, lock, log and task states."""
+    return os.path.join(home, "run")
+
+
+def journal_socket(home: str) -> str:
+    """Where the home's mutation journal answers every task's barriers (one daemon watches
+    every open task's workspace; each request names its task, see settled.workspace.journal)."""
+    return os.path.join(run_dir(home), "journal.sock")

@@ -114,7 +114,7 @@ def _recovered_receipt(
         },
         output={**output, "drain": "complete" if never_ran else "incomplete"},
         stragglers=[],
-        terminal_mutation=journal_client.terminal_mutation(journal_socket(home, record.task)),
+        terminal_mutation=journal_client.terminal_mutation(journal_socket(home), record.task),
         isolation=record.isolation,
         owner={
             "pid": os.getpid(),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -189,22 +190,41 @@ class Runtime:
         """`user` (UID[:GID], a name, or a (uid, gid) pair) is the default uid/gid of the
         task's commands; an exec may name another."""
         uid_gid = _resolve_user(user)
+        made = None
         if workspace is None:
-            workspace = tempfile.mkdtemp(prefix="workspace-", dir=self.home)
-            if uid_gid is not None:
-                os.chown(workspace, *uid_gid)  # the task's commands run as its user
-        root = os.path.realpath(workspace)
-        if not os.path.isdir(root):
-            raise BadInput(f"--workspace {workspace!r} is not a directory")
-        record, created = self.store.create_task(key or new_key(), root, uid_gid)
-        if not created and record.workspace != root:
-            raise BadInput(
-                f"task key {record.key!r} already names task {record.task} with workspace "
-                f"{record.workspace}, not {root}"
-            )
-        if record.state == TASK_OPEN:
-            self.workspace.ensure_journal(record)
+            workspace = made = tempfile.mkdtemp(prefix="workspace-", dir=self.home)
+        try:  # all or nothing: a creation that fails leaves no row, directory or journal state
+            if made is not None and uid_gid is not None:
+                os.chown(made, *uid_gid)  # the task's commands run as its user
+            root = os.path.realpath(workspace)
+            if not os.path.isdir(root):
+                raise BadInput(f"--workspace {workspace!r} is not a directory")
+            record, created = self.store.create_task(key or new_key(), root, uid_gid)
+            try:
+                if not created and record.workspace != root:
+                    raise BadInput(
+                        f"task key {record.key!r} already names task {record.task} with "
+                        f"workspace {record.workspace}, not {root}"
+                    )
+                if record.state == TASK_OPEN:
+                    self.workspace.ensure_journal(record)
+            except BaseException:
+                if created and not self._undo_task(record):
+                    made = None  # the task was used meanwhile: its workspace stays
+                raise
+        except BaseException:
+            if made is not None:
+                shutil.rmtree(made, ignore_errors=True)
+            raise
         return record
+
+    def _undo_task(self, record: TaskRecord) -> bool:
+        """Delete a task whose creation failed, and its journal state; False if it was used
+        meanwhile (a concurrent creation with the same key admitted a command), then it stays."""
+        if not self.store.discard_task(record.task):
+            return False
+        self.workspace.forget_journal(record)
+        return True
 
     # -- admission -----------------------------------------------------------------------
 
@@ -258,7 +278,7 @@ class Runtime:
         session, reused = self.store.admit(task, key, spec.digest, spec.to_json())
         if reused:
             return self._admission(session, reused=True)
-        self.workspace.ensure_journal(record)  # 0.3 ms when it runs; restarts one that idled out
+        self.workspace.ensure_journal(record)  # one request when watched; restarts a lost daemon
         report = self._launch(session.session)
         return self._admission(self.store.get_session(session.session), False, report)
 

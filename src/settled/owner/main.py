@@ -349,7 +349,7 @@ class Owner:
         # imported after evidence, off the launch path
         from settled.workspace.journal import client as journal_client
 
-        return journal_client.terminal_mutation(journal_socket(self.home, self.record.task))
+        return journal_client.terminal_mutation(journal_socket(self.home), self.record.task)
 
     def _receipt(self, **facts: Any) -> dict[str, Any]:
         usage = resource.getrusage(resource.RUSAGE_SELF)

@@ -24,6 +24,12 @@ class Store(Protocol):
         self, key: str, workspace: str, user: tuple[int, int] | None = None
     ) -> tuple[TaskRecord, bool]: ...
 
+    def discard_task(self, task: str) -> bool:
+        """Undo a creation that failed after `create_task`: delete the task if it is still
+        as created (open, generation 1, no session, close step or checkpoint). Returns
+        whether it was deleted; one that was used since is kept."""
+        ...
+
     def workspaces(self) -> list[str]:
         """Every task's workspace (a session hides the others')."""
         ...

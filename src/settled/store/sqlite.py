@@ -266,6 +266,17 @@ class SQLiteStore:
             )
             return record, True
 
+    def discard_task(self, task: str) -> bool:
+        with self._write() as db:
+            deleted = db.execute(
+                "DELETE FROM tasks WHERE task=? AND state=? AND generation=1"
+                " AND NOT EXISTS (SELECT 1 FROM sessions WHERE sessions.task=tasks.task)"
+                " AND NOT EXISTS (SELECT 1 FROM close_steps WHERE close_steps.task=tasks.task)"
+                " AND NOT EXISTS (SELECT 1 FROM checkpoints WHERE checkpoints.task=tasks.task)",
+                (task, TASK_OPEN),
+            )
+            return deleted.rowcount == 1
+
     def get_task(self, task: str) -> TaskRecord:
         row = self._db.execute(f"SELECT {TASK_COLUMNS} FROM tasks WHERE task=?", (task,)).fetchone()
         if row is None:

@@ -1,6 +1,7 @@
 """The workspace service: the only writer of checkpoints.
 
-Owns the task's journal daemon (started with the task, stopped when the close releases it), the
+Owns the tasks' journal (the home's one daemon, told to watch a task's workspace when the task
+is made or runs a command, and to release it when the close is done), the
 final scan (a full stat-cache scan that publishes blobs as it reads, then the trees of the
 directories that changed, and records their stat-cache nodes), and the checkpoint: the
 manifest written last, read back by its exact id (``readback``: after a full scan, which every
@@ -34,7 +35,7 @@ from typing import Any
 from settled import faults
 from settled.canonical import canonical_bytes
 from settled.errors import SettledError
-from settled.home import journal_socket
+from settled.home import journal_socket, run_dir
 from settled.receipts import seal
 from settled.records import SessionRecord, TaskRecord
 from settled.store import Store
@@ -102,14 +103,23 @@ class WorkspaceService:
     # -- the journal ----------------------------------------------------------------------
 
     def ensure_journal(self, task: TaskRecord) -> str:
-        return journal_lifecycle.ensure_running(task.workspace, os.path.dirname(self.socket(task)))
+        """Have the home's journal watch the task's workspace (one request when it already
+        runs; it is started otherwise). A kernel that refuses the watches or the inotify
+        instance is not an error here: the journal then says it cannot vouch, and the scans
+        are full. Raises JournalUnavailable if no journal can be started or reached."""
+        return journal_lifecycle.ensure_watching(task.task, task.workspace, run_dir(self.home))
 
-    def socket(self, task: TaskRecord) -> str:
-        return journal_socket(self.home, task.task)
+    def socket(self) -> str:
+        return journal_socket(self.home)
 
     def release(self, task: TaskRecord) -> None:
-        """The close is done with this workspace: stop its journal."""
-        journal_lifecycle.stop(self.socket(task))
+        """The close is done with this workspace: the journal stops watching it."""
+        journal_lifecycle.release(self.socket(), task.task)
+
+    def forget_journal(self, task: TaskRecord) -> None:
+        """The task's creation is undone: no watch and no sequence state of it remain."""
+        if not journal_lifecycle.release(self.socket(), task.task, forget=True):
+            journal_lifecycle.forget_state(run_dir(self.home), task.task)
 
     # -- the final scan and the checkpoint ------------------------------------------------
 
@@ -122,7 +132,7 @@ class WorkspaceService:
         checkpoint, and only when the journal vouches for that whole interval; otherwise full.
         A stat cache that cannot be read is not an error: the scan runs without it, and says so.
         """
-        watermark = journal_client.barrier(self.socket(task))
+        watermark = journal_client.barrier(self.socket(), task.task)
         started_at = time.time()
         latest = self.store.latest_checkpoint(task.task)
         previous, cache = self._previous(latest[1] if latest else None)
@@ -143,6 +153,7 @@ class WorkspaceService:
             "started_at": started_at,
             "watermark": watermark.seq if watermark else None,
             "journal": watermark.to_json() if watermark else {"running": False},
+            **_journal_trust(watermark),
             "parent": latest[0]["manifest"] if latest else None,
             "index_ref": index_ref,
             "stat_cache": cache,
@@ -156,7 +167,7 @@ class WorkspaceService:
         fact = self.final_scan(task, incremental=incremental)
         receipt = self.checkpoint(task, fact, [])
         if fact["watermark"] is not None:
-            journal_client.reset(self.socket(task), int(fact["watermark"]))
+            journal_client.reset(self.socket(), task.task, int(fact["watermark"]))
         return {**receipt, "scan": {k: v for k, v in fact.items() if k != "index_ref"}}
 
     def checkpoint(
@@ -315,6 +326,18 @@ def _as_found(now: Problem, first: Problem | None, moved_to: str | None) -> Prob
         return now
     detail = "; ".join(part for part in (first.detail, f"quarantined as {moved_to}") if part)
     return Problem(first.object, first.problem, now.paths or first.paths, detail)
+
+
+def _journal_trust(watermark: journal_client.Watermark | None) -> dict[str, Any]:
+    """Whether the journal vouched for the interval, and if not, why (a kernel that refused
+    the watches or the inotify instance, an overflow, a restart, no journal at all): the
+    scan fact says it, whatever the scan's mode."""
+    if watermark is None:
+        return {"journal_trusted": False, "journal_untrusted_because": ["no journal answered"]}
+    return {
+        "journal_trusted": watermark.trustworthy,
+        "journal_untrusted_because": [] if watermark.trustworthy else list(watermark.reasons),
+    }
 
 
 def _published(result: ScanResult) -> dict[str, Any]:

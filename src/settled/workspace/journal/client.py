@@ -1,8 +1,12 @@
 """The journal's client: the wire protocol every caller speaks and the `Watermark` it returns.
 
-One request per connection, one JSON line back: `barrier`, `reset SEQ`, `ping`, `stop`. A journal
-that does not answer within the timeout is None here (never an exception), and the caller records
-that and falls back to a full scan.
+One home runs one journal daemon that watches every open task's workspace. One request per
+connection, one JSON object per line each way; every request but `stop` names its task:
+`{"op": "watch", "task", "root"}` (start watching a task's workspace; cheap when it already
+is), `barrier`, `reset` (with `seq`), `ping` (the task optional), `release` (stop watching the
+task; `forget` also drops its state, for a task whose creation is undone) and `stop` (the
+whole daemon). A journal that does not answer within the timeout, or does not watch the task,
+is None here (never an exception), and the caller records that and falls back to a full scan.
 
 Must never import anything outside the standard library (no `settled.*`, no inotify_simple): a
 session owner started with `python -I -S` and only its own import roots imports this module on
@@ -23,7 +27,7 @@ from typing import Any
 
 @dataclass(frozen=True)
 class Watermark:
-    """Where the journal stood at a barrier. `trustworthy` False: do a full scan."""
+    """Where a task's journal stood at a barrier. `trustworthy` False: do a full scan."""
 
     seq: int
     overflowed: bool
@@ -67,7 +71,9 @@ def unix_address(path: str) -> Iterator[str]:
         os.close(fd)
 
 
-def _request(socket_path: str, line: bytes, timeout: float) -> dict[str, Any] | None:
+def request(socket_path: str, fields: dict[str, Any], timeout: float) -> dict[str, Any] | None:
+    """Send one request and read its one-line reply; None if nobody answers within `timeout`."""
+    line = json.dumps(fields, separators=(",", ":")).encode() + b"\n"
     deadline = time.monotonic() + timeout
     data = b""
     try:
@@ -78,9 +84,7 @@ def _request(socket_path: str, line: bytes, timeout: float) -> dict[str, Any] | 
             sock.settimeout(timeout)
             sock.connect(address)
             sock.sendall(line)
-            sock.shutdown(
-                socket.SHUT_WR
-            )  # one request per connection: the journal drops it at once
+            sock.shutdown(socket.SHUT_WR)  # one request per connection: the journal drops it
             while b"\n" not in data:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
@@ -97,7 +101,7 @@ def _request(socket_path: str, line: bytes, timeout: float) -> dict[str, Any] | 
 
 
 def _watermark_of(reply: dict[str, Any] | None) -> Watermark | None:
-    if reply is None:
+    if reply is None or "error" in reply:
         return None
     try:
         return Watermark.from_json(reply)
@@ -105,16 +109,16 @@ def _watermark_of(reply: dict[str, Any] | None) -> Watermark | None:
         return None
 
 
-def barrier(socket_path: str, timeout: float = 2.0) -> Watermark | None:
-    """The journal's watermark after every change completed before this call; None if no journal
-    answers within `timeout` (record that the journal was down and do a full scan)."""
-    return _watermark_of(_request(socket_path, b"barrier\n", timeout))
+def barrier(socket_path: str, task: str, timeout: float = 2.0) -> Watermark | None:
+    """The task's watermark after every change completed before this call; None if no journal
+    answers within `timeout` or it does not watch the task (record that and do a full scan)."""
+    return _watermark_of(request(socket_path, {"op": "barrier", "task": task}, timeout))
 
 
-def terminal_mutation(socket_path: str, timeout: float = 2.0) -> dict[str, Any]:
+def terminal_mutation(socket_path: str, task: str, timeout: float = 2.0) -> dict[str, Any]:
     """A process receipt's `terminal_mutation`: the barrier read after death evidence, so every
     write of the session's processes is at or below `seq`; or why there is no sequence."""
-    watermark = barrier(socket_path, timeout)
+    watermark = barrier(socket_path, task, timeout)
     if watermark is None:
         return {
             "seq": None,
@@ -124,18 +128,34 @@ def terminal_mutation(socket_path: str, timeout: float = 2.0) -> dict[str, Any]:
     return {"seq": watermark.seq, "source": "journal", "trustworthy": watermark.trustworthy}
 
 
-def reset(socket_path: str, upto_seq: int, timeout: float = 2.0) -> Watermark | None:
-    """Tell the journal a checkpoint covers `upto_seq`; returns the watermark after the reset."""
-    return _watermark_of(_request(socket_path, f"reset {int(upto_seq)}\n".encode(), timeout))
+def reset(socket_path: str, task: str, upto_seq: int, timeout: float = 2.0) -> Watermark | None:
+    """Tell the task's journal a checkpoint covers `upto_seq`; the watermark after the reset."""
+    fields = {"op": "reset", "task": task, "seq": int(upto_seq)}
+    return _watermark_of(request(socket_path, fields, timeout))
 
 
-def ping(socket_path: str, timeout: float = 2.0) -> dict[str, Any] | None:
-    """`{"ok", "pid", "root", "seq"}` of the journal answering on `socket_path`, or None."""
-    reply = _request(socket_path, b"ping\n", timeout)
+def watch(socket_path: str, task: str, root: str, timeout: float = 30.0) -> dict[str, Any] | None:
+    """Ask the journal to watch `root` for `task` (a no-op if it already does): the reply is
+    the task's watermark, or `{"error": ...}` naming why it cannot; None if nobody answers.
+    The first watch walks the workspace, hence the longer timeout."""
+    return request(socket_path, {"op": "watch", "task": task, "root": root}, timeout)
+
+
+def release(socket_path: str, task: str, *, forget: bool = False, timeout: float = 5.0) -> bool:
+    """Stop watching the task (`forget`: and drop its sequence state); False if nobody answers."""
+    fields = {"op": "release", "task": task, "forget": forget}
+    return request(socket_path, fields, timeout) is not None
+
+
+def ping(socket_path: str, task: str | None = None, timeout: float = 2.0) -> dict[str, Any] | None:
+    """`{"ok", "pid", "tasks"}` of the journal answering on `socket_path` (with `task`: also
+    that task's `root` and `seq`, `root` None if it is not watched), or None."""
+    fields: dict[str, Any] = {"op": "ping"} if task is None else {"op": "ping", "task": task}
+    reply = request(socket_path, fields, timeout)
     return reply if reply is not None and reply.get("ok") is True else None
 
 
 def send_stop(socket_path: str, timeout: float = 5.0) -> bool:
     """Ask the journal on `socket_path` to stop; False if nobody answers. It may still hold its
     lock when this returns: `lifecycle.stop` also waits until the lock is released."""
-    return _request(socket_path, b"stop\n", timeout) is not None
+    return request(socket_path, {"op": "stop"}, timeout) is not None

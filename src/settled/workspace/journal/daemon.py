@@ -1,13 +1,20 @@
-"""The journal daemon: one `Journal` served over a Unix socket, its state file, its entry point.
+"""The journal daemon: one per home, serving every open task's `Journal` over one Unix socket.
 
-Owns, for one workspace: the lock beside the socket (one daemon per socket, ever), the socket
-server that answers the client's verbs (`client.py` speaks them), the state file that persists a
-reservation above every seq a client has seen (so a crash restarts the sequence above it, and
-says so), and the exit on `stop`, a signal or idleness. Started by `lifecycle.ensure_running`
-as `python -I -S` through `main`.
+Owns, for one run directory: the lock beside the socket (one daemon per socket, ever), the one
+inotify instance (a `Watcher`) every task's journal shares, the socket server that answers the
+client's verbs (`client.py` speaks them; each names its task), one state file per task that
+persists a reservation above every seq a client has seen (so a crash or a release restarts
+that task's sequence above it, and says so), and the exit on `stop`, a signal, or idleness with
+no task watched. Started by `lifecycle.ensure_running` as `python -I -S` through `main`.
+
+A kernel that refuses the instance (EMFILE past fs.inotify.max_user_instances) does not stop
+the daemon: every journal is then untrusted, naming why, and the instance is tried again at
+each watch and reset. Requests are served one at a time: a first `watch` walks the workspace,
+and a barrier that waits behind a long walk times out (the caller then does a full scan).
 
 Must never: answer with a seq before its reservation is on disk, serve a socket whose lock it
-does not hold, or outlive `stop` by more than the reply it owes.
+does not hold, let one request's failure take the other tasks' journals down, or outlive `stop`
+by more than the reply it owes.
 """
 
 from __future__ import annotations
@@ -23,28 +30,30 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from settled.atomic import write_atomic
 from settled.workspace.journal.client import unix_address
 from settled.workspace.journal.errors import JournalUnavailable
-from settled.workspace.journal.inotify import Journal
+from settled.workspace.journal.inotify import Journal, Watcher
 
+SOCKET_NAME, LOG_NAME, STATE_DIR = "journal.sock", "journal.log", "journal"
 RESERVE = 1 << 16  # sequence numbers reserved on disk ahead of the last one reported
-_MAX_LINE = 4096
+_MAX_LINE = 1 << 16
+_MAX_TASK = 128
 
 
 def serve(
-    root: str,
-    socket_path: str,
-    state_path: str,
-    idle_exit_s: float = 600.0,
+    run_dir: str,
+    idle_exit_s: float = 60.0,
     on_ready: Callable[[dict[str, Any]], None] | None = None,
 ) -> int:
-    """Run the journal of `root` until `stop`, a signal, or `idle_exit_s` with no client and no
-    event. Exits 0 at once if another journal holds the lock beside the socket."""
+    """Run the home's journal until `stop`, a signal, or `idle_exit_s` with no task watched
+    and no client. Exits 0 at once if another journal holds the lock beside the socket."""
     report = on_ready or (lambda fields: None)
-    socket_path, state_path = os.path.abspath(socket_path), os.path.abspath(state_path)
+    run_dir = os.path.abspath(run_dir)
+    socket_path = os.path.join(run_dir, SOCKET_NAME)
     lock_fd = os.open(socket_path + ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
         try:
@@ -55,36 +64,37 @@ def serve(
             return 0
         os.ftruncate(lock_fd, 0)
         os.pwrite(lock_fd, f"{os.getpid()}\n".encode(), 0)
+        watcher = Watcher()
         try:
-            previous = _read_state(state_path)
-            journal = Journal(root, 0 if previous is None else previous + 1)
-        except JournalUnavailable as exc:
-            _log(f"cannot start: {exc}")
-            report({"state": "error", "error": str(exc)})
-            return 1
-        with journal:
-            if previous is not None:
-                journal.mark_untrusted(
-                    f"the journal restarted after seq {previous}: changes made while no journal "
-                    "ran were not observed"
-                )
             try:
-                server = _Server(journal, socket_path, state_path, idle_exit_s)
+                server = _Server(watcher, run_dir, idle_exit_s)
             except OSError as exc:
-                why = f"cannot serve on {socket_path} (state {state_path}): {exc}"
+                why = f"cannot serve on {socket_path}: {exc}"
                 _log(why)
                 report({"state": "error", "error": why})
                 return 1
-            _log(f"watching {journal.root} from seq {journal.seq} on {socket_path}")
-            report({"state": "ready", "pid": os.getpid(), "seq": journal.seq})
+            refused = watcher.refused()
+            _log(f"serving on {socket_path}" + (f"; {refused}" if refused else ""))
+            report({"state": "ready", "pid": os.getpid(), "instance": refused or "ok"})
             try:
                 server.run()
             finally:
                 server.close()
-            _log(f"exiting at seq {journal.seq}: {server.reason}")
+            _log(f"exiting: {server.reason}")
             return 0
+        finally:
+            watcher.close()
     finally:
         os.close(lock_fd)
+
+
+@dataclass
+class _Task:
+    """One watched task: its journal, its state file and the seq reserved there."""
+
+    journal: Journal
+    state_path: str
+    ceiling: int
 
 
 class _Conn:
@@ -95,26 +105,23 @@ class _Conn:
 
 
 class _Server:
-    def __init__(self, journal: Journal, socket_path: str, state_path: str, idle: float) -> None:
-        self.journal, self.socket_path, self.state_path, self.idle = (
-            journal,
-            socket_path,
-            state_path,
-            idle,
-        )
-        self.stopping, self.reason = False, f"idle for {idle:g} s"
-        self.ceiling = journal.seq + RESERVE  # a crash restarts above every seq ever reported
-        _write_state(state_path, self.ceiling, clean=False)
+    def __init__(self, watcher: Watcher, run_dir: str, idle: float) -> None:
+        self.watcher, self.run_dir, self.idle = watcher, run_dir, idle
+        self.socket_path = os.path.join(run_dir, SOCKET_NAME)
+        self.state_dir = os.path.join(run_dir, STATE_DIR)
+        os.makedirs(self.state_dir, mode=0o700, exist_ok=True)
+        self.tasks: dict[str, _Task] = {}
+        self.stopping, self.reason = False, f"idle for {idle:g} s with no task"
         self.conns: dict[socket.socket, _Conn] = {}
         self.sel = selectors.DefaultSelector()
         with contextlib.suppress(FileNotFoundError):  # stale: we hold the lock, nobody serves it
-            os.unlink(socket_path)
+            os.unlink(self.socket_path)
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         try:
-            with unix_address(socket_path) as address:
+            with unix_address(self.socket_path) as address:
                 self.listener.bind(address)
-            os.chmod(socket_path, 0o600)
-            self.listener.listen(128)
+            os.chmod(self.socket_path, 0o600)
+            self.listener.listen(512)
         except OSError:
             self.listener.close()
             raise
@@ -122,7 +129,8 @@ class _Server:
         self.wake_r, self.wake_w = socket.socketpair()
         self.wake_r.setblocking(False)
         self.wake_w.setblocking(False)
-        self.sel.register(journal.fileno(), selectors.EVENT_READ, self._on_inotify)
+        self.inotify_fd: int | None = None
+        self._register_inotify()
         self.sel.register(self.listener, selectors.EVENT_READ, self._on_accept)
         self.sel.register(self.wake_r, selectors.EVENT_READ, self._on_wake)
         self.old_wakeup: int | None = None
@@ -136,7 +144,7 @@ class _Server:
         last = time.monotonic()
         while not self.stopping:
             timeout = None
-            if not self.conns:
+            if not self.conns and not self.tasks:
                 timeout = last + self.idle - time.monotonic()
                 if timeout <= 0:
                     return
@@ -157,7 +165,9 @@ class _Server:
                     conn.sock.sendall(conn.outbuf)
             conn.sock.close()
         self.conns.clear()
-        _write_state(self.state_path, self.journal.seq, clean=True)
+        for task in list(self.tasks):
+            with contextlib.suppress(OSError):
+                self._release(task, forget=False)
         if self.old_wakeup is not None:
             signal.set_wakeup_fd(self.old_wakeup)
             for signum, handler in self.old_handlers.items():
@@ -167,6 +177,13 @@ class _Server:
         self.wake_r.close()
         self.wake_w.close()
 
+    def _register_inotify(self) -> None:
+        """Read the instance once it exists (at start, or when a later watch could make it)."""
+        fd = self.watcher.fileno()
+        if fd is not None and self.inotify_fd is None:
+            self.sel.register(fd, selectors.EVENT_READ, self._on_inotify)
+            self.inotify_fd = fd
+
     def _on_signal(self, signum: int, frame: object) -> None:
         self.stopping, self.reason = True, f"signal {signal.Signals(signum).name}"
 
@@ -175,7 +192,7 @@ class _Server:
             self.wake_r.recv(256)
 
     def _on_inotify(self, fileobj: Any, events: int) -> None:
-        self.journal.pump()
+        self.watcher.pump()
 
     def _on_accept(self, fileobj: Any, events: int) -> None:
         while True:
@@ -211,35 +228,120 @@ class _Server:
             conn.inbuf += data
             while b"\n" in conn.inbuf and not self.stopping and sock in self.conns:
                 line, _, conn.inbuf = conn.inbuf.partition(b"\n")
-                self._send(conn, self._command(line.strip()))
+                self._send(conn, self._answer(line.strip()))
             if len(conn.inbuf) > _MAX_LINE:
                 self._drop(conn)
 
-    def _command(self, line: bytes) -> dict[str, Any]:
-        verb, _, arg = line.partition(b" ")
-        if verb == b"barrier":
-            return self._barrier()
-        if verb == b"ping":
-            seq = self._covered(self.journal.pump())
-            return {"ok": True, "pid": os.getpid(), "root": self.journal.root, "seq": seq}
-        if verb == b"reset" and arg.strip().isdigit():
-            self.journal.reset_dirty(int(arg))
-            return self._barrier()
-        if verb == b"stop":
-            self.stopping, self.reason = True, "stop requested by a client"
-            return {"stopped": True, **self._barrier()}
-        return {"error": f"unknown command {line[:64]!r}: barrier, reset SEQ, ping or stop"}
+    def _answer(self, line: bytes) -> dict[str, Any]:
+        """The reply to one request line; a request that fails is an error reply, never the
+        end of the daemon that every other task's journal lives in."""
+        try:
+            request = json.loads(line)
+            if not isinstance(request, dict):
+                raise ValueError("not a JSON object")
+        except ValueError as exc:
+            return {"error": f"bad request {line[:64]!r}: {exc}"}
+        try:
+            return self._command(request)
+        except (OSError, JournalUnavailable) as exc:
+            _log(f"{request.get('op')!r} for {request.get('task')!r} failed: {exc}")
+            return {"error": f"{request.get('op')!r} failed: {exc}"}
+        finally:
+            self._register_inotify()
 
-    def _barrier(self) -> dict[str, Any]:
-        watermark = self.journal.barrier()
-        self._covered(watermark.seq)
+    def _command(self, request: dict[str, Any]) -> dict[str, Any]:
+        op, task = request.get("op"), request.get("task")
+        if op == "stop":
+            self.stopping, self.reason = True, "stop requested by a client"
+            return {"stopped": True, "tasks": len(self.tasks)}
+        if op == "ping" and task is None:
+            return self._ping()
+        if not _valid_task(task):
+            return {"error": f"request {op!r} names no valid task: {str(task)[:64]!r}"}
+        assert isinstance(task, str)
+        if op == "watch":
+            return self._watch(task, request.get("root"))
+        if op == "release":
+            return self._release(task, forget=request.get("forget") is True)
+        entry = self.tasks.get(task)
+        if op == "ping":
+            root = entry.journal.root if entry else None
+            seq = self._covered(entry, entry.journal.pump()) if entry else None
+            return {**self._ping(), "task": task, "root": root, "seq": seq}
+        if entry is None:
+            return {"error": f"task {task} is not watched by this journal"}
+        if op == "barrier":
+            return self._barrier(entry)
+        seq = request.get("seq")
+        if op == "reset" and type(seq) is int and seq >= 0:
+            entry.journal.reset_dirty(seq)
+            return self._barrier(entry)
+        return {"error": f"unknown request {op!r}: watch, barrier, reset, ping, release or stop"}
+
+    def _ping(self) -> dict[str, Any]:
+        return {
+            "ok": True,
+            "pid": os.getpid(),
+            "run_dir": self.run_dir,
+            "tasks": len(self.tasks),
+            "directories": sum(entry.journal.watched for entry in self.tasks.values()),
+            "instance": self.watcher.refused() or "ok",
+        }
+
+    def _watch(self, task: str, root: Any) -> dict[str, Any]:
+        """Start watching `root` for `task`; for a task already watched, its watermark."""
+        if not isinstance(root, str) or not root or "\0" in root:
+            return {"error": f"watch {task}: the root {str(root)[:64]!r} is not a path"}
+        entry = self.tasks.get(task)
+        if entry is not None:
+            if entry.journal.root != os.path.realpath(root):
+                return {"error": f"task {task} is watched at {entry.journal.root}, not {root}"}
+            return {"ok": True, **self._barrier(entry)}
+        state_path = os.path.join(self.state_dir, f"{task}.state")
+        previous = _read_state(state_path)
+        if previous is None:  # where a per-task journal of an older settled kept it
+            previous = _read_state(os.path.join(self.run_dir, task, "journal.state"))
+        journal = Journal(root, 0 if previous is None else previous + 1, self.watcher)
+        try:
+            if previous is not None:
+                journal.mark_untrusted(
+                    f"the journal restarted after seq {previous}: changes made while no journal "
+                    "watched this task were not observed"
+                )
+            entry = _Task(journal, state_path, journal.seq + RESERVE)
+            _write_state(state_path, entry.ceiling, clean=False)
+        except BaseException:
+            journal.close()
+            raise
+        self.tasks[task] = entry
+        _log(f"watching {journal.root} for {task} from seq {journal.seq} ({journal.watched} dirs)")
+        return {"ok": True, **self._barrier(entry)}
+
+    def _release(self, task: str, forget: bool) -> dict[str, Any]:
+        """Stop watching `task`; its state keeps the last seq (a later watch continues above
+        it and reports the gap), unless `forget` (the task's creation was undone)."""
+        entry = self.tasks.pop(task, None)
+        state_path = os.path.join(self.state_dir, f"{task}.state")
+        if entry is not None:
+            entry.journal.close()
+            _log(f"released {task} at seq {entry.journal.seq}{' (forgotten)' if forget else ''}")
+        if forget:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(state_path)
+        elif entry is not None:
+            _write_state(state_path, entry.journal.seq, clean=True)
+        return {"released": entry is not None, "tasks": len(self.tasks)}
+
+    def _barrier(self, entry: _Task) -> dict[str, Any]:
+        watermark = entry.journal.barrier()
+        self._covered(entry, watermark.seq)
         return watermark.to_json()
 
-    def _covered(self, seq: int) -> int:
+    def _covered(self, entry: _Task, seq: int) -> int:
         """Persist a reservation above `seq` before any client sees it."""
-        if seq > self.ceiling:
-            self.ceiling = seq + RESERVE
-            _write_state(self.state_path, self.ceiling, clean=False)
+        if seq > entry.ceiling:
+            _write_state(entry.state_path, seq + RESERVE, clean=False)
+            entry.ceiling = seq + RESERVE
         return seq
 
     def _send(self, conn: _Conn, reply: dict[str, Any]) -> None:
@@ -270,6 +372,16 @@ class _Server:
             conn.sock.close()
 
 
+def _valid_task(task: Any) -> bool:
+    """A task id names its state file: one plain path component, nothing else."""
+    return (
+        isinstance(task, str)
+        and 0 < len(task) <= _MAX_TASK
+        and not task.startswith(".")
+        and all(c.isascii() and (c.isalnum() or c in "_-.") for c in task)
+    )
+
+
 def _log(message: str) -> None:
     stamp = time.strftime("%Y-%m-%dT%H:%M:%S")
     print(f"{stamp} journal[{os.getpid()}] {message}", file=sys.stderr, flush=True)
@@ -296,8 +408,8 @@ def _write_state(state_path: str, seq: int, clean: bool) -> None:
 
 
 def main(argv: list[str]) -> int:
-    """argv: ROOT SOCKET STATE IDLE_EXIT_S READY_FD. Forks once so the starter reaps at once."""
-    root, socket_path, state_path, idle_text, ready_text = argv[:5]
+    """argv: RUN_DIR IDLE_EXIT_S READY_FD. Forks once so the starter reaps at once."""
+    run_dir, idle_text, ready_text = argv[:3]
     if os.fork() != 0:
         os._exit(0)
     ready_fd = int(ready_text)
@@ -312,6 +424,6 @@ def main(argv: list[str]) -> int:
             ready_fd = -1
 
     try:
-        return serve(root, socket_path, state_path, float(idle_text), on_ready=report)
+        return serve(run_dir, float(idle_text), on_ready=report)
     finally:
         report({"state": "error", "error": "the journal exited before it was ready"})

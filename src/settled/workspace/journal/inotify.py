@@ -1,13 +1,19 @@
-"""The in-process journal: inotify watches on a workspace, the mutation sequence, dirty dirs.
+"""The in-process journal: inotify watches on workspaces, their mutation sequences, dirty dirs.
 
-Owns the watches on every directory under one root (each opened with O_NOFOLLOW from its
-parent's descriptor), the sequence that every reported change advances, the directories changed
-since the consumer's last reset, and the reasons the journal cannot vouch for an interval (an
-overflow, an unmount, a watch that could not be added, a restart gap). Single-threaded; the
-daemon serves it. Why a barrier is sound, and what it does not catch: the package docstring.
+`Watcher` owns the one inotify instance of a daemon and routes each event to the journals that
+watch its directory (two tasks may watch the same directory: one watch descriptor, shared, and
+removed only when neither needs it). `Journal` owns, for one task, the watches on every
+directory under its root (each opened with O_NOFOLLOW from its parent's descriptor), the
+sequence that every reported change advances, the directories changed since the consumer's
+last reset, and the reasons it cannot vouch for an interval (an overflow, an unmount, a watch or
+an instance the kernel refused, a restart gap). Single-threaded; the daemon serves them. Why a
+barrier is sound, and what it does not catch: the package docstring.
+
+Cost: one instance per daemon whatever the number of tasks; per watched directory, one kernel
+watch and one entry (watch descriptor -> relative path) in its journal; per task, one Journal.
 
 Must never: follow a symlink, read file contents, or report an interval as trustworthy while a
-reason against it stands. inotify_simple is imported only when a Journal is made.
+reason against it stands. inotify_simple is imported only when the instance is made.
 """
 
 from __future__ import annotations
@@ -56,25 +62,42 @@ class _Inotify(Protocol):  # the narrow, typed face of inotify_simple.INotify
 
 
 def _open_inotify() -> _Inotify:
+    """A new inotify instance. OSError when the kernel refuses one (EMFILE: the per-user
+    limit fs.inotify.max_user_instances is reached; ENFILE, ENOMEM)."""
     try:
         import inotify_simple  # type: ignore[import-untyped]
     except ImportError as exc:
         raise JournalUnavailable(
             "the journal needs inotify_simple: pip install inotify_simple"
         ) from exc
-    try:
-        handle: _Inotify = inotify_simple.INotify(nonblocking=True)
-    except OSError as exc:
-        raise JournalUnavailable(
-            f"cannot create an inotify instance ({exc.strerror}); the per-user limit is "
-            f"fs.inotify.max_user_instances = {_sysctl('max_user_instances')}"
-        ) from exc
+    handle: _Inotify = inotify_simple.INotify(nonblocking=True)
     return handle
 
 
-def _sysctl(name: str) -> str:
+def _refused_instance(exc: OSError) -> str:
+    name = errno.errorcode.get(exc.errno or 0, str(exc.errno))
+    if exc.errno == errno.EMFILE:
+        return (
+            f"the kernel refused an inotify instance ({name}: the per-user limit "
+            f"{_limit('instances')} is reached)"
+        )
+    return f"the kernel refused an inotify instance ({name}: {exc.strerror})"
+
+
+def _limit(kind: str) -> str:
+    """The limit on inotify `kind` ("instances", "watches") as the kernel applies it: the
+    host's sysctl, and this user namespace's own when it is lower (both are enforced)."""
+    host = _read(f"/proc/sys/fs/inotify/max_user_{kind}")
+    text = f"fs.inotify.max_user_{kind} = {host}"
+    own = _read(f"/proc/sys/user/max_inotify_{kind}")
+    if own.isdigit() and host.isdigit() and int(own) < int(host):
+        text += f", user.max_inotify_{kind} = {own} in this user namespace"
+    return text
+
+
+def _read(path: str) -> str:
     try:
-        with open(f"/proc/sys/fs/inotify/{name}") as handle:
+        with open(path) as handle:
             return handle.read().strip()
     except OSError:
         return "unknown"
@@ -83,8 +106,8 @@ def _sysctl(name: str) -> str:
 def _why(exc: OSError) -> str:
     if exc.errno == errno.ENOSPC:
         return (
-            "ENOSPC: the inotify watch limit is reached (fs.inotify.max_user_watches = "
-            f"{_sysctl('max_user_watches')}); raise it with sysctl"
+            f"ENOSPC: the inotify watch limit is reached ({_limit('watches')}); "
+            "raise it with sysctl"
         )
     return f"{errno.errorcode.get(exc.errno or 0, exc.errno)}: {exc.strerror}"
 
@@ -97,14 +120,92 @@ def _under(path: str, top: str) -> bool:
     return top == "." or path == top or path.startswith(top + "/")
 
 
-class Journal:
-    """The in-process core: watches, sequence, dirty directories. Single-threaded."""
+class Watcher:
+    """One inotify instance shared by every journal of a daemon, made on first need and
+    retried while the kernel refuses it (then each journal says why it cannot vouch)."""
 
-    def __init__(self, root: str, start_seq: int = 0) -> None:
+    def __init__(self) -> None:
+        self._ino: _Inotify | None = None
+        self._subscribers: dict[int, set[Journal]] = {}  # watch descriptor -> its journals
+        self._journals: set[Journal] = set()
+        self._closed = False
+
+    def refused(self) -> str | None:
+        """None once the instance exists (it is made here if it can be); else why not."""
+        if self._ino is None and not self._closed:
+            try:
+                self._ino = _open_inotify()
+            except OSError as exc:
+                return _refused_instance(exc)
+        return None if self._ino is not None else "the watcher is closed"
+
+    def fileno(self) -> int | None:
+        return None if self._ino is None else self._ino.fileno()
+
+    def attach(self, journal: Journal) -> None:
+        self._journals.add(journal)
+
+    def detach(self, journal: Journal) -> None:
+        self._journals.discard(journal)
+
+    def add_watch(self, journal: Journal, path: str) -> int:
+        """Watch `path` for `journal`; OSError (ENOSPC past max_user_watches) if refused."""
+        why = self.refused()
+        if self._ino is None:
+            raise OSError(errno.EMFILE, why)
+        wd = self._ino.add_watch(path, WATCH_MASK)
+        self._subscribers.setdefault(wd, set()).add(journal)
+        return wd
+
+    def drop(self, journal: Journal, wd: int) -> None:
+        """`journal` no longer needs `wd`; the kernel watch goes when no journal needs it."""
+        subscribers = self._subscribers.get(wd)
+        if subscribers is None:
+            return
+        subscribers.discard(journal)
+        if not subscribers:
+            del self._subscribers[wd]
+            if self._ino is not None:
+                with contextlib.suppress(OSError):
+                    self._ino.rm_watch(wd)
+
+    def pump(self) -> None:
+        """Read every queued event without blocking and hand each to its journals."""
+        if self._ino is None:
+            return
+        for _ in range(_MAX_READS):
+            events = self._ino.read(timeout=0)
+            if not events:
+                break
+            for wd, mask, _cookie, name in events:
+                if mask & IN_Q_OVERFLOW:  # the shared queue dropped events of every journal
+                    for journal in self._journals:
+                        journal._event(wd, mask, name)
+                    continue
+                for journal in list(self._subscribers.get(wd, ())):
+                    journal._event(wd, mask, name)
+                if mask & IN_IGNORED:
+                    self._subscribers.pop(wd, None)
+        for journal in list(self._journals):
+            journal._settle()
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            if self._ino is not None:
+                self._ino.close()
+
+
+class Journal:
+    """One workspace's watches, sequence and dirty directories. Single-threaded. Without a
+    `watcher` it makes its own (the in-process tests); a daemon passes its shared one."""
+
+    def __init__(self, root: str, start_seq: int = 0, watcher: Watcher | None = None) -> None:
         self.root = os.path.realpath(root)
         if not os.path.isdir(self.root):
             raise JournalUnavailable(f"workspace root {root!r} is not a directory")
-        self._ino = _open_inotify()
+        self._own_watcher = watcher is None
+        self._watcher = Watcher() if watcher is None else watcher
         self._seq = start_seq
         self._paths: dict[int, str] = {}  # watch descriptor -> directory relative to root
         self._dirty: dict[str, int] = {}  # directory -> seq of its last change
@@ -114,36 +215,40 @@ class Journal:
         self._detached: set[int] = set()  # watches of directories moved away, pending a MOVED_TO
         self._rewatch = False
         self._closed = False
+        self._watcher.attach(self)
         try:
             self._walk(".", count=False)
         except BaseException:
-            self._ino.close()
+            self.close()
             raise
 
     @property
     def seq(self) -> int:
         return self._seq
 
-    def fileno(self) -> int:
-        return self._ino.fileno()
+    @property
+    def watched(self) -> int:
+        """How many directories this journal watches."""
+        return len(self._paths)
+
+    def fileno(self) -> int | None:
+        return self._watcher.fileno()
 
     def pump(self) -> int:
         """Read every queued event without blocking; each reported change advances seq."""
         if self._closed:
             raise JournalUnavailable(f"the journal of {self.root} is closed")
-        for _ in range(_MAX_READS):
-            events = self._ino.read(timeout=0)
-            if not events:
-                break
-            for wd, mask, _cookie, name in events:
-                self._event(wd, mask, name)
+        self._watcher.pump()
+        return self._seq
+
+    def _settle(self) -> None:
+        """After a pump: drop watches of what moved away, watch what an overflow hid."""
         for wd in self._detached:  # moved out of the workspace: stop watching them
             self._forget(wd)
         self._detached.clear()
         if self._rewatch:
             self._rewatch = False
             self._rewatch_all()
-        return self._seq
 
     def barrier(self) -> Watermark:
         """Consume every event of every change that completed before this call (the package doc)."""
@@ -170,9 +275,14 @@ class Journal:
         self._untrusted[reason] = self._seq
 
     def close(self) -> None:
+        """Stop watching: each of its watches goes unless another journal shares it."""
         if not self._closed:
             self._closed = True
-            self._ino.close()
+            for wd in list(self._paths):
+                self._forget(wd)
+            self._watcher.detach(self)
+            if self._own_watcher:
+                self._watcher.close()
 
     def __enter__(self) -> Journal:
         return self
@@ -224,7 +334,12 @@ class Journal:
         before its directory's watch existed is found by the listing (and counted when `count`).
         Each directory is opened with O_NOFOLLOW from its parent's descriptor and watched through
         that descriptor: no symlink is followed anywhere in the path, not only in the last
-        component (all IN_DONT_FOLLOW would guard), even if one replaces a directory mid-walk."""
+        component (all IN_DONT_FOLLOW would guard), even if one replaces a directory mid-walk.
+        Without an inotify instance nothing is watched: `top` is lost, saying why."""
+        refused = self._watcher.refused()
+        if refused is not None:
+            self._lose(top, refused)
+            return
         fd = self._open_path(top)
         if fd is None:
             return
@@ -303,7 +418,7 @@ class Journal:
     def _watch(self, path: str, fd: int) -> int:
         """The watch descriptor of the open directory `fd`, or -1 if it could not be watched."""
         try:
-            wd = self._ino.add_watch(f"/proc/self/fd/{fd}", WATCH_MASK)
+            wd = self._watcher.add_watch(self, f"/proc/self/fd/{fd}")
         except OSError as exc:
             self._lose(path, _why(exc))
             return -1
@@ -322,8 +437,7 @@ class Journal:
 
     def _forget(self, wd: int) -> None:
         if self._paths.pop(wd, None) is not None:
-            with contextlib.suppress(OSError):
-                self._ino.rm_watch(wd)
+            self._watcher.drop(self, wd)
 
     def _rewatch_all(self) -> None:
         """After an overflow: watch what was missed, drop watches of what left the workspace."""

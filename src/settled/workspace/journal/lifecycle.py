@@ -1,12 +1,13 @@
-"""Starting and stopping a workspace's journal daemon.
+"""Starting the home's journal daemon, handing it tasks to watch, and stopping it.
 
-Owns the run directory's layout (socket, state file, log), the start lock that serializes
-concurrent `ensure_running` calls so only one daemon is ever started, the spawn of `python -I -S`
-that forks the daemon and reports readiness on a pipe, and `stop`, which waits until the stopped
-daemon has released its lock.
+Owns the run directory's layout (socket, per-task state, log), the start lock that serializes
+concurrent starts so only one daemon is ever started per run directory, the spawn of
+`python -I -S` that forks the daemon and reports readiness on a pipe, `ensure_watching` (a
+task's workspace added to the running daemon: one request), `release`, and `stop`, which waits
+until the stopped daemon has released its lock.
 
-Must never: start a second daemon for a run directory that has one, serve one run directory for
-two workspaces, or return from `stop` while the journal still holds its lock (it raises instead).
+Must never: start a second daemon for a run directory that has one, report a task watched that
+the daemon refused, or return from `stop` while the journal still holds its lock (it raises).
 """
 
 from __future__ import annotations
@@ -26,15 +27,57 @@ from settled.isolated import (
     read_report,
     start_helper,
 )
-from settled.workspace.journal.client import ping, send_stop
+from settled.workspace.journal import client
+from settled.workspace.journal.daemon import LOG_NAME, SOCKET_NAME, STATE_DIR
 from settled.workspace.journal.errors import JournalUnavailable
 
-SOCKET_NAME, STATE_NAME, LOG_NAME = "journal.sock", "journal.state", "journal.log"
+IDLE_EXIT_S = 60.0  # how long a daemon with no task watched and no client stays
+
+
+def ensure_watching(
+    task: str,
+    root: str,
+    run_dir: str,
+    *,
+    idle_exit_s: float = IDLE_EXIT_S,
+    timeout: float = 30.0,
+) -> str:
+    """Make the run directory's journal watch `root` for `task`, starting the daemon unless
+    one answers; return its socket path. Raises JournalUnavailable naming why it cannot."""
+    root, run_dir = os.path.realpath(root), os.path.abspath(run_dir)
+    socket_path = os.path.join(run_dir, SOCKET_NAME)
+    deadline = time.monotonic() + timeout
+    while True:
+        reply = client.watch(socket_path, task, root, max(deadline - time.monotonic(), 0.05))
+        if reply is not None and reply.get("ok") is True:
+            return socket_path
+        if reply is not None:
+            raise JournalUnavailable(
+                f"the journal cannot watch {root} for task {task}: {reply.get('error')}"
+            )
+        if time.monotonic() > deadline:
+            raise JournalUnavailable(
+                f"the journal on {socket_path} did not answer a watch of {root} for task "
+                f"{task} within {timeout:g} s; see {os.path.join(run_dir, LOG_NAME)}"
+            )
+        ensure_running(run_dir, idle_exit_s=idle_exit_s, timeout=deadline - time.monotonic())
+
+
+def release(socket_path: str, task: str, *, forget: bool = False) -> bool:
+    """Stop watching `task` (`forget`: and drop its sequence state, for a creation undone).
+    False if no journal answers (then none watches it)."""
+    return client.release(socket_path, task, forget=forget)
+
+
+def forget_state(run_dir: str, task: str) -> None:
+    """Remove the task's state when no journal answers to forget it (a creation undone)."""
+    with contextlib.suppress(FileNotFoundError, NotADirectoryError):  # no state: nothing to do
+        os.unlink(os.path.join(os.path.abspath(run_dir), STATE_DIR, f"{task}.state"))
 
 
 def stop(socket_path: str, timeout: float = 5.0) -> None:
     """Stop the journal on `socket_path` and wait until it has released its lock."""
-    if not send_stop(socket_path, timeout):
+    if not client.send_stop(socket_path, timeout):
         return  # nobody answers: nothing to stop
     lock_path = socket_path + ".lock"
     give_up = time.monotonic() + timeout
@@ -69,52 +112,46 @@ def _lock_owner(lock_path: str) -> str:
         return "unknown"
 
 
-def ensure_running(
-    root: str, run_dir: str, *, idle_exit_s: float = 600.0, timeout: float = 5.0
-) -> str:
-    """Start the journal of `root` detached unless one answers; return its socket path.
+def ensure_running(run_dir: str, *, idle_exit_s: float = IDLE_EXIT_S, timeout: float = 5.0) -> str:
+    """Start the run directory's journal detached unless one answers; return its socket path.
     Concurrent callers are serialized by a start lock, so only one daemon is ever started."""
-    root, run_dir = os.path.realpath(root), os.path.abspath(run_dir)
+    run_dir = os.path.abspath(run_dir)
     socket_path = os.path.join(run_dir, SOCKET_NAME)
-    if _answers(socket_path, root, 0.5):
+    if client.ping(socket_path, timeout=0.5) is not None:
         return socket_path
-    os.makedirs(run_dir, mode=0o700, exist_ok=True)
     log_path = os.path.join(run_dir, LOG_NAME)
-    deadline = time.monotonic() + timeout
+    try:
+        os.makedirs(run_dir, mode=0o700, exist_ok=True)
+    except OSError as exc:
+        raise JournalUnavailable(
+            f"cannot make the journal's run directory {run_dir}: {exc}"
+        ) from exc
+    deadline = time.monotonic() + max(timeout, 0.05)
     with _start_lock(os.path.join(run_dir, "journal.start"), deadline):
         while True:
             remaining = deadline - time.monotonic()
-            if _answers(socket_path, root, min(0.5, max(remaining, 0.05))):
+            if client.ping(socket_path, timeout=min(0.5, max(remaining, 0.05))) is not None:
                 return socket_path
             if remaining <= 0:
                 raise JournalUnavailable(
-                    f"no journal for {root} answered on {socket_path} within {timeout:g} s "
+                    f"no journal answered on {socket_path} within {timeout:g} s "
                     f"(lock held by pid {_lock_owner(socket_path + '.lock')}); see {log_path}"
                 )
-            report = _spawn(root, run_dir, idle_exit_s, remaining)
+            report = _spawn(run_dir, idle_exit_s, remaining)
             if report.get("state") == "locked":
                 time.sleep(0.01)  # a journal holds the lock: it answers soon, or is exiting
             elif report.get("state") != "ready":
                 raise JournalUnavailable(
-                    f"the journal for {root} did not start: {report.get('error')}; see {log_path}"
+                    f"the journal in {run_dir} did not start: {report.get('error')}; see {log_path}"
                 )
-
-
-def _answers(socket_path: str, root: str, timeout: float) -> bool:
-    reply = ping(socket_path, timeout)
-    if reply is None:
-        return False
-    if reply.get("root") != root:
-        raise JournalUnavailable(
-            f"{socket_path} serves the journal of {reply.get('root')!r}, not {root!r}: "
-            "use one run directory per workspace"
-        )
-    return True
 
 
 @contextlib.contextmanager
 def _start_lock(path: str, deadline: float) -> Iterator[None]:
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        raise JournalUnavailable(f"cannot open the journal's start lock {path}: {exc}") from exc
     try:
         while True:
             try:
@@ -131,23 +168,22 @@ def _start_lock(path: str, deadline: float) -> Iterator[None]:
         os.close(fd)
 
 
-def _spawn(root: str, run_dir: str, idle_exit_s: float, timeout: float) -> dict[str, Any]:
+def _spawn(run_dir: str, idle_exit_s: float, timeout: float) -> dict[str, Any]:
     """Start `python -I -S` (about 10 ms) that forks the daemon and exits; read its report."""
     try:
         argv = python_command(
-            "settled.workspace.journal.daemon:main",
-            ("settled", "inotify_simple"),
-            root,
-            os.path.join(run_dir, SOCKET_NAME),
-            os.path.join(run_dir, STATE_NAME),
+            "settled.workspace.journal.daemon:main", ("settled", "inotify_simple"), run_dir
         )
     except HelperUnavailable as exc:
         raise JournalUnavailable(f"cannot start the journal: {exc}") from exc
-    process, ready_r = start_helper(
-        lambda ready_w: [*argv, repr(float(idle_exit_s)), str(ready_w)],
-        os.path.join(run_dir, LOG_NAME),
-        cwd="/",
-    )
+    try:
+        process, ready_r = start_helper(
+            lambda ready_w: [*argv, repr(float(idle_exit_s)), str(ready_w)],
+            os.path.join(run_dir, LOG_NAME),
+            cwd="/",
+        )
+    except OSError as exc:
+        raise JournalUnavailable(f"cannot start the journal in {run_dir}: {exc}") from exc
     try:
         give_up = time.monotonic() + timeout
         try:
