@@ -1,8 +1,9 @@
 """Typed errors of settled, each mapped to one CLI exit code.
 
-Owns the error vocabulary and the exit-code table of the CLI contract (DESIGN.md):
-2 usage or bad input, 3 blocked / not complete, 4 key conflict or sealed admission.
-Every message names the offending value and, where there is one, the way out.
+Owns the error vocabulary and the exit-code table of the CLI contract (DESIGN.md), `EXIT_CODES`:
+the one list `settled --help` prints and the README repeats (tests/test_verbs.py checks all
+three agree). The CLI exits with no code outside it. Every message names the offending value
+and, where there is one, the way out.
 """
 
 from __future__ import annotations
@@ -12,6 +13,23 @@ EXIT_FAILURE = 1
 EXIT_USAGE = 2
 EXIT_BLOCKED = 3
 EXIT_CONFLICT = 4
+EXIT_INTERRUPTED = 130
+
+# Every exit code the CLI can return, and what it means: one row per code, in order.
+EXIT_CODES: dict[int, str] = {
+    EXIT_OK: "success: done, complete, or a receipt with proven death exists",
+    EXIT_FAILURE: "failure: settled could not do it and the one line on stderr names why; "
+    "`internal error` there is a bug, please report it",
+    EXIT_USAGE: "usage or bad input: nothing was recorded or launched",
+    EXIT_BLOCKED: "blocked, not settled or not proven: the output names by what",
+    EXIT_CONFLICT: "key conflict or sealed admission: the first command stands",
+    EXIT_INTERRUPTED: "interrupted (SIGINT): what was recorded stands",
+}
+
+
+def exit_code_lines() -> list[str]:
+    """The exit-code table as `settled --help` prints it, one line per code."""
+    return [f"  {code:>3}  {meaning}" for code, meaning in EXIT_CODES.items()]
 
 
 class SettledError(Exception):
