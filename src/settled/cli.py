@@ -43,7 +43,9 @@ def _settled_code(view: dict[str, Any]) -> int:
 
 
 def cmd_task_new(rt: Runtime, args: argparse.Namespace) -> int:
-    record = rt.new_task(args.workspace, args.key, user=args.user)
+    record = rt.new_task(
+        args.workspace, args.key, user=args.user, shared_workspace=args.shared_workspace
+    )
     _emit(args, record.to_json(), f"task {record.task} (key {record.key}) at {record.workspace}")
     return EXIT_OK
 
@@ -285,6 +287,11 @@ def build_parser() -> argparse.ArgumentParser:
     new.add_argument("--key")
     new.add_argument(
         "--user", metavar="UID[:GID]", help="run the task's commands as this user (or NAME)"
+    )
+    new.add_argument(
+        "--shared-workspace",
+        action="store_true",
+        help="allow a workspace that overlaps another open task's; both close receipts say so",
     )
     new.set_defaults(handler=cmd_task_new)
     destroy = task.add_parser("destroy", parents=[common], help="destroy the task's sandbox")

@@ -67,6 +67,42 @@ class HomeUnusable(BadInput):
     """The settled home cannot hold the store, logs and objects."""
 
 
+class WorkspaceOverlap(BadInput):
+    """The workspace is, holds or lies in another open task's: two tasks' checkpoints would
+    each claim the other's writes. Asked for with `--shared-workspace`, it is allowed and both
+    close receipts say so."""
+
+    def __init__(self, workspace: str, others: list[tuple[str, str]]) -> None:
+        named = ", ".join(f"{task} ({path})" for task, path in others)
+        super().__init__(
+            f"--workspace {workspace!r} overlaps the workspace of open task(s) {named}; close "
+            "them first, choose another directory, or pass --shared-workspace to share it"
+        )
+        self.workspace, self.others = workspace, others
+
+    def to_json(self) -> dict[str, object]:
+        tasks = [{"task": task, "workspace": path} for task, path in self.others]
+        return {**super().to_json(), "workspace": self.workspace, "overlaps": tasks}
+
+
+class StoreMissing(HomeUnusable):
+    """The home's store is gone but what it accounted for remains (logs, objects, the home's
+    identity): a fresh store there would forget every task, so nothing is opened."""
+
+    def __init__(self, home: str, store: str, remains: dict[str, int]) -> None:
+        found = ", ".join(f"{count} {what}" for what, count in remains.items() if count)
+        super().__init__(
+            f"{store} is missing but {found} remain in {home}: restore the store (from a "
+            "backup of that file) or move the home away; settled never starts a new store "
+            "beside another one's logs and objects"
+        )
+        self.home, self.store, self.remains = home, store, remains
+
+    def to_json(self) -> dict[str, object]:
+        return {**super().to_json(), "home": self.home, "store": self.store,
+                "remains": self.remains}  # fmt: skip
+
+
 class KeyConflict(SettledError):
     """Same invocation key, different command: the first one stands, nothing is launched."""
 

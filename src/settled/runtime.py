@@ -47,6 +47,7 @@ from settled.status import session_status, task_status
 from settled.store import Store, open_store
 from settled.workspace.checkpoint import WorkspaceService
 from settled.workspace.hashing import parse_digest
+from settled.workspace.placement import check_workspace, default_workspaces
 from settled.workspace.restore import RestoreResult, restore
 from settled.workspace.verify import verify_manifest
 
@@ -185,18 +186,24 @@ class Runtime:
         key: str | None = None,
         *,
         user: str | tuple[int, int] | None = None,
+        shared_workspace: bool = False,
     ) -> TaskRecord:
         """`user` (UID[:GID], a name, or a (uid, gid) pair) is the default uid/gid of the
-        task's commands; an exec may name another."""
+        task's commands; an exec may name another. A workspace that cannot be right is
+        refused (placement.check_workspace), and so is one overlapping another open task's
+        unless `shared_workspace` (then both tasks' close receipts name each other)."""
         uid_gid = _resolve_user(user)
         if workspace is None:
-            workspace = tempfile.mkdtemp(prefix="workspace-", dir=self.home)
+            workspace = tempfile.mkdtemp(prefix="workspace-", dir=self._default_workspaces())
             if uid_gid is not None:
                 os.chown(workspace, *uid_gid)  # the task's commands run as its user
         root = os.path.realpath(workspace)
         if not os.path.isdir(root):
             raise BadInput(f"--workspace {workspace!r} is not a directory")
-        record, created = self.store.create_task(key or new_key(), root, uid_gid)
+        check_workspace(workspace, root, self.home)
+        record, created = self.store.create_task(
+            key or new_key(), root, uid_gid, shared_workspace=shared_workspace
+        )
         if not created and record.workspace != root:
             raise BadInput(
                 f"task key {record.key!r} already names task {record.task} with workspace "
@@ -205,6 +212,11 @@ class Runtime:
         if record.state == TASK_OPEN:
             self.workspace.ensure_journal(record)
         return record
+
+    def _default_workspaces(self) -> str:
+        path = default_workspaces(self.home)
+        os.makedirs(path, mode=0o700, exist_ok=True)
+        return path
 
     # -- admission -----------------------------------------------------------------------
 

@@ -194,6 +194,11 @@ class CloseJoin:
                 "task": self.task,
                 "generation": facts.steps["fenced"]["fenced_generation"],
                 "final": facts.steps["final_pending"]["final"],
+                "workspace": {  # the checkpoint is this task's work alone only if shared by none
+                    "path": facts.task.workspace,
+                    "shared_workspace": facts.task.shared_workspace,
+                    "shared_with": self.store.workspace_shares(self.task),
+                },
                 "sealed_at": facts.steps["sealed"]["sealed_at"],
                 "sessions": [
                     {
