@@ -30,6 +30,7 @@ from settled.client import (
     AsyncClient,
     Blocked,
     Client,
+    ClientError,
     KeyConflict,
     NotFound,
     NotSettled,
@@ -413,3 +414,27 @@ def test_streams_resume_from_their_cursor_across_a_server_kill_and_restart(
     for session in sessions:
         assert got[session] == expected(30), f"{session}: a byte was lost or doubled"
         assert receipts[session]["exit"]["code"] == 0  # the command ran through the restart
+
+
+@pytest.mark.timeout(60)
+def test_a_shared_workspace_is_asked_for_over_http_and_both_closes_say_so(
+    client: Client, server: Server, workspace: str
+) -> None:
+    first = client.new_task(workspace)["task"]
+    with pytest.raises(ClientError) as caught:
+        client.new_task(workspace)
+    assert caught.value.status == 400 and caught.value.body["error"] == "WorkspaceOverlap"
+    assert first in str(caught.value)
+    second = client.new_task(workspace, shared_workspace=True)
+    assert second["shared_workspace"] is True
+
+    async def close_async() -> dict[str, Any]:
+        async with AsyncClient(server.url, TOKEN) as http:
+            third = await http.new_task(workspace, shared_workspace=True)
+            assert third["shared_workspace"] is True
+            return await http.close(third["task"])
+
+    third_receipt = anyio.run(close_async)
+    assert set(third_receipt["workspace"]["shared_with"]) == {first, second["task"]}
+    receipt = client.close(first)
+    assert set(receipt["workspace"]["shared_with"]) == {second["task"], third_receipt["task"]}

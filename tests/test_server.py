@@ -266,7 +266,9 @@ def test_a_scoped_token_sees_only_its_tasks_and_cannot_create_tasks(
     start_server: Callable[..., Server], home: Path, workspace: Path, tmp_path: Path
 ) -> None:
     with Runtime(str(home)) as rt:
-        mine, theirs = rt.new_task(str(workspace)).task, rt.new_task(str(workspace)).task
+        other_workspace = tmp_path / "other-workspace"
+        other_workspace.mkdir()  # two open tasks never share one workspace unless asked
+        mine, theirs = rt.new_task(str(workspace)).task, rt.new_task(str(other_workspace)).task
     tokens = tmp_path / "tokens.json"
     tokens.write_text(json.dumps({"tokens": [{"token": SCOPED, "tasks": [mine]}]}))
     server = start_server(tokens)

@@ -35,6 +35,7 @@ from settled.errors import (
     StaleWrite,
     UnknownSession,
     UnknownTask,
+    WorkspaceOverlap,
 )
 from settled.receipts import seal
 from settled.records import OwnerInfo, SessionRecord
@@ -177,7 +178,8 @@ def receipt(stdout: int = 1234, stderr: int = 56, **extra: Any) -> dict[str, Any
 
 
 def new_task(store: Store) -> str:
-    record, _ = store.create_task(f"task-key-{next(_keys)}", "/workspace")
+    n = next(_keys)  # each task its own workspace: overlapping an open task's is refused
+    record, _ = store.create_task(f"task-key-{n}", f"/workspace-{n}")
     return record.task
 
 
@@ -233,10 +235,38 @@ def test_create_task_again_returns_the_first_workspace(store: Store) -> None:
 
 
 def test_create_task_with_another_key_is_another_task(store: Store) -> None:
-    one, _ = store.create_task("tk-1", "/ws")
-    two, created = store.create_task("tk-2", "/ws")
+    one, _ = store.create_task("tk-1", "/ws-1")
+    two, created = store.create_task("tk-2", "/ws-2")
     assert created
     assert one.task != two.task
+
+
+@pytest.mark.parametrize("second", ["/ws", "/ws/inner", "/"])
+def test_a_workspace_overlapping_an_open_tasks_is_refused_and_not_recorded(
+    store: Store, second: str
+) -> None:
+    first, _ = store.create_task("tk-1", "/ws")
+    with pytest.raises(WorkspaceOverlap) as caught:
+        store.create_task("tk-2", second)
+    assert caught.value.others == [(first.task, "/ws")]
+    _again, created = store.create_task("tk-2", "/elsewhere")  # the key was never taken
+    assert created and store.workspace_shares(first.task) == []
+
+
+def test_a_shared_workspace_is_recorded_on_both_tasks(store: Store) -> None:
+    first, _ = store.create_task("tk-1", "/ws")
+    second, _ = store.create_task("tk-2", "/ws/inner", shared_workspace=True)
+    assert second.shared_workspace and not first.shared_workspace
+    assert store.get_task(second.task).shared_workspace is True
+    assert store.workspace_shares(first.task) == [second.task]
+    assert store.workspace_shares(second.task) == [first.task]
+
+
+def test_a_complete_tasks_workspace_is_free_again(store: Store, backend: Backend) -> None:
+    first, _ = store.create_task("tk-1", "/ws")
+    backend.set_task_state(store, first.task, states.TASK_COMPLETE)
+    second, created = store.create_task("tk-2", "/ws")
+    assert created and store.workspace_shares(second.task) == []
 
 
 def test_a_new_task_is_open(store: Store) -> None:
@@ -264,9 +294,9 @@ def test_a_task_still_as_created_can_be_discarded_and_its_key_reused(store: Stor
 
 
 def test_a_task_that_was_used_is_never_discarded(store: Store) -> None:
-    used, _ = store.create_task("tk-used", "/ws")
+    used, _ = store.create_task("tk-used", "/ws-used")
     store.admit(used.task, "k1", DIGEST_A, SPEC)
-    sealed, _ = store.create_task("tk-sealed", "/ws")
+    sealed, _ = store.create_task("tk-sealed", "/ws-sealed")
     store.task_event(sealed.task, "seal")
     for record in (used, sealed):
         assert store.discard_task(record.task) is False
@@ -1014,6 +1044,8 @@ def test_close_facts_of_an_older_store_are_sealed_once_by_the_migration(tmp_path
         db.execute("ALTER TABLE close_steps DROP COLUMN digest")
         db.execute("ALTER TABLE sessions DROP COLUMN isolation")
         db.execute("ALTER TABLE tasks DROP COLUMN user")
+        db.execute("ALTER TABLE tasks DROP COLUMN shared_workspace")
+        db.execute("DROP TABLE workspace_shares")
     store = SQLiteStore(path)
     assert store.close_steps("t_1") == {"sealed": {"sealed_at": 1}}
     store.close()

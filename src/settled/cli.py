@@ -1,7 +1,7 @@
 """The `settled` command line: a thin shell over `Runtime` (contract in DESIGN.md).
 
-Exit codes: 0 success, 2 usage or bad input, 3 blocked / not settled / not proven,
-4 key conflict or sealed admission. `--json` prints exactly one JSON object on stdout.
+Every exit code is one of `errors.EXIT_CODES` (listed below). `--json` prints exactly one JSON
+object on stdout.
 """
 
 from __future__ import annotations
@@ -14,11 +14,15 @@ from typing import Any
 
 from settled.errors import (
     EXIT_BLOCKED,
+    EXIT_CODES,
+    EXIT_FAILURE,
+    EXIT_INTERRUPTED,
     EXIT_OK,
     EXIT_USAGE,
     BadInput,
     CursorOutOfRange,
     SettledError,
+    exit_code_lines,
 )
 from settled.identity import BOUNDARY_POLICIES, ISOLATION_POLICIES
 from settled.render import blocked_text, close_text, receipt_text, status_text
@@ -39,7 +43,9 @@ def _settled_code(view: dict[str, Any]) -> int:
 
 
 def cmd_task_new(rt: Runtime, args: argparse.Namespace) -> int:
-    record = rt.new_task(args.workspace, args.key, user=args.user)
+    record = rt.new_task(
+        args.workspace, args.key, user=args.user, shared_workspace=args.shared_workspace
+    )
     _emit(args, record.to_json(), f"task {record.task} (key {record.key}) at {record.workspace}")
     return EXIT_OK
 
@@ -266,7 +272,13 @@ def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--home", default=argparse.SUPPRESS, help="settled home (SETTLED_HOME)")
     common.add_argument("--json", action="store_true", help="print one JSON object")
-    parser = argparse.ArgumentParser(prog="settled", parents=[common], description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="settled",
+        parents=[common],
+        description=__doc__,
+        epilog="exit codes:\n" + "\n".join(exit_code_lines()),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     sub = parser.add_subparsers(dest="verb", required=True)
 
     task = sub.add_parser("task", help="tasks").add_subparsers(dest="task_verb", required=True)
@@ -275,6 +287,11 @@ def build_parser() -> argparse.ArgumentParser:
     new.add_argument("--key")
     new.add_argument(
         "--user", metavar="UID[:GID]", help="run the task's commands as this user (or NAME)"
+    )
+    new.add_argument(
+        "--shared-workspace",
+        action="store_true",
+        help="allow a workspace that overlaps another open task's; both close receipts say so",
     )
     new.set_defaults(handler=cmd_task_new)
     destroy = task.add_parser("destroy", parents=[common], help="destroy the task's sandbox")
@@ -387,6 +404,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    try:
+        return _dispatch(args)
+    except SettledError as exc:
+        return _fail(args, exc.to_json(), str(exc), exc.exit_code)
+    except CursorOutOfRange as exc:
+        return _fail(args, {"error": "CursorOutOfRange", "message": str(exc)}, str(exc), EXIT_USAGE)
+    except KeyboardInterrupt:
+        payload = {"error": "Interrupted", "message": "interrupted"}
+        return _fail(args, payload, "interrupted", EXIT_INTERRUPTED)
+    except Exception as exc:  # a bug: one line, never a traceback, and a code that is listed
+        message = f"{type(exc).__name__}: {exc} (please report this)"
+        return _fail(args, {"error": "internal error", "message": message}, message, EXIT_FAILURE)
+
+
+def _dispatch(args: argparse.Namespace) -> int:
     if args.verb == "mcp":  # stdio is the protocol: nothing else may print on stdout
         from settled.mcp_server import run_stdio
 
@@ -396,20 +428,15 @@ def main(argv: list[str] | None = None) -> int:
 
         return serve(getattr(args, "home", None), args.host, args.port, args.tokens)
     handler: Callable[[Runtime, argparse.Namespace], int] = args.handler
-    try:
-        with Runtime(getattr(args, "home", None)) as rt:
-            return handler(rt, args)
-    except SettledError as exc:
-        return _fail(args, exc.to_json(), str(exc), exc.exit_code)
-    except CursorOutOfRange as exc:
-        return _fail(args, {"error": "CursorOutOfRange", "message": str(exc)}, str(exc), 2)
+    with Runtime(getattr(args, "home", None)) as rt:
+        return handler(rt, args)
 
 
 def _fail(args: argparse.Namespace, payload: dict[str, Any], message: str, code: int) -> int:
     if getattr(args, "json", False):
         print(json.dumps(payload, sort_keys=True))
     print(f"settled: {payload['error']}: {message}", file=sys.stderr)
-    return code if code else EXIT_USAGE
+    return code if code in EXIT_CODES and code != EXIT_OK else EXIT_FAILURE
 
 
 if __name__ == "__main__":

@@ -214,8 +214,11 @@ def _seg(value: str) -> str:
     return quote(value, safe="")
 
 
-def _task_call(workspace: str, key: str) -> _Call:
-    return _Call("POST", "/v1/tasks", {"workspace": workspace, "key": key})
+def _task_call(workspace: str, key: str, shared_workspace: bool = False) -> _Call:
+    body: dict[str, Any] = {"workspace": workspace, "key": key}
+    if shared_workspace:  # only when asked: the body of every other request is unchanged
+        body["shared_workspace"] = True
+    return _Call("POST", "/v1/tasks", body)
 
 
 def _admission_call(
@@ -620,9 +623,12 @@ class Client(_Base):
     def _call(self, call: _Call, deadline: float | None = None) -> dict[str, Any]:
         return _json(call, self._send(call, deadline)[0])
 
-    def new_task(self, workspace: str, key: str | None = None) -> dict[str, Any]:
-        """Create a task over `workspace` (a key already used returns its task)."""
-        return self._call(_task_call(workspace, key or new_key()))
+    def new_task(
+        self, workspace: str, key: str | None = None, *, shared_workspace: bool = False
+    ) -> dict[str, Any]:
+        """Create a task over `workspace` (a key already used returns its task); one that
+        overlaps another open task's workspace is refused unless `shared_workspace`."""
+        return self._call(_task_call(workspace, key or new_key(), shared_workspace))
 
     def exec(
         self,
@@ -808,9 +814,12 @@ class AsyncClient(_Base):
     async def _call(self, call: _Call, deadline: float | None = None) -> dict[str, Any]:
         return _json(call, (await self._send(call, deadline))[0])
 
-    async def new_task(self, workspace: str, key: str | None = None) -> dict[str, Any]:
-        """Create a task over `workspace` (a key already used returns its task)."""
-        return await self._call(_task_call(workspace, key or new_key()))
+    async def new_task(
+        self, workspace: str, key: str | None = None, *, shared_workspace: bool = False
+    ) -> dict[str, Any]:
+        """Create a task over `workspace` (a key already used returns its task); one that
+        overlaps another open task's workspace is refused unless `shared_workspace`."""
+        return await self._call(_task_call(workspace, key or new_key(), shared_workspace))
 
     async def exec(
         self,

@@ -1,8 +1,9 @@
 """Typed errors of settled, each mapped to one CLI exit code.
 
-Owns the error vocabulary and the exit-code table of the CLI contract (DESIGN.md):
-2 usage or bad input, 3 blocked / not complete, 4 key conflict or sealed admission.
-Every message names the offending value and, where there is one, the way out.
+Owns the error vocabulary and the exit-code table of the CLI contract (DESIGN.md), `EXIT_CODES`:
+the one list `settled --help` prints and the README repeats (tests/test_verbs.py checks all
+three agree). The CLI exits with no code outside it. Every message names the offending value
+and, where there is one, the way out.
 """
 
 from __future__ import annotations
@@ -12,6 +13,23 @@ EXIT_FAILURE = 1
 EXIT_USAGE = 2
 EXIT_BLOCKED = 3
 EXIT_CONFLICT = 4
+EXIT_INTERRUPTED = 130
+
+# Every exit code the CLI can return, and what it means: one row per code, in order.
+EXIT_CODES: dict[int, str] = {
+    EXIT_OK: "success: done, complete, or a receipt with proven death exists",
+    EXIT_FAILURE: "failure: settled could not do it and the one line on stderr names why; "
+    "`internal error` there is a bug, please report it",
+    EXIT_USAGE: "usage or bad input: nothing was recorded or launched",
+    EXIT_BLOCKED: "blocked, not settled or not proven: the output names by what",
+    EXIT_CONFLICT: "key conflict or sealed admission: the first command stands",
+    EXIT_INTERRUPTED: "interrupted (SIGINT): what was recorded stands",
+}
+
+
+def exit_code_lines() -> list[str]:
+    """The exit-code table as `settled --help` prints it, one line per code."""
+    return [f"  {code:>3}  {meaning}" for code, meaning in EXIT_CODES.items()]
 
 
 class SettledError(Exception):
@@ -47,6 +65,42 @@ class UnknownSession(BadInput):
 
 class HomeUnusable(BadInput):
     """The settled home cannot hold the store, logs and objects."""
+
+
+class WorkspaceOverlap(BadInput):
+    """The workspace is, holds or lies in another open task's: two tasks' checkpoints would
+    each claim the other's writes. Asked for with `--shared-workspace`, it is allowed and both
+    close receipts say so."""
+
+    def __init__(self, workspace: str, others: list[tuple[str, str]]) -> None:
+        named = ", ".join(f"{task} ({path})" for task, path in others)
+        super().__init__(
+            f"--workspace {workspace!r} overlaps the workspace of open task(s) {named}; close "
+            "them first, choose another directory, or pass --shared-workspace to share it"
+        )
+        self.workspace, self.others = workspace, others
+
+    def to_json(self) -> dict[str, object]:
+        tasks = [{"task": task, "workspace": path} for task, path in self.others]
+        return {**super().to_json(), "workspace": self.workspace, "overlaps": tasks}
+
+
+class StoreMissing(HomeUnusable):
+    """The home's store is gone but what it accounted for remains (logs, objects, the home's
+    identity): a fresh store there would forget every task, so nothing is opened."""
+
+    def __init__(self, home: str, store: str, remains: dict[str, int]) -> None:
+        found = ", ".join(f"{count} {what}" for what, count in remains.items() if count)
+        super().__init__(
+            f"{store} is missing but {found} remain in {home}: restore the store (from a "
+            "backup of that file) or move the home away; settled never starts a new store "
+            "beside another one's logs and objects"
+        )
+        self.home, self.store, self.remains = home, store, remains
+
+    def to_json(self) -> dict[str, object]:
+        return {**super().to_json(), "home": self.home, "store": self.store,
+                "remains": self.remains}  # fmt: skip
 
 
 class KeyConflict(SettledError):

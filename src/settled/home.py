@@ -10,11 +10,15 @@ rewrite the link could point every later settled at a home it forged.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import secrets
 
-from settled.errors import HomeUnusable
+from settled.errors import HomeUnusable, StoreMissing
 
 DEFAULT_HOME = ".settled"
+STORE_FILE = "settled.db"
+HOME_ID_FILE = "home.id"  # written once; the store's meta table holds the same id
 
 
 PRIVATE_DIR = 0o700
@@ -51,7 +55,74 @@ def prepare_home(home: str) -> str:
         raise HomeUnusable(f"cannot create settled home {home}: {exc.strerror}") from exc
     if not os.access(home, os.R_OK | os.W_OK | os.X_OK):
         raise HomeUnusable(f"settled home {home} is not readable and writable by this user")
+    check_store_present(home)
     return home
+
+
+# -- the home's identity ---------------------------------------------------------------------
+# A home is one store with its logs and objects. Its id lives twice: in home.id and in the
+# store's meta table (store/sqlite.py writes both, the store first). A store that is missing
+# while the rest remains, or a store whose id is another home's, is refused by name.
+
+
+def store_path(home: str) -> str:
+    return os.path.join(home, STORE_FILE)
+
+
+def home_id_path(home: str) -> str:
+    return os.path.join(home, HOME_ID_FILE)
+
+
+def read_home_id(home: str) -> str | None:
+    """The id in home.id, or None when there is none (a fresh home, or one an older settled
+    made)."""
+    try:
+        with open(home_id_path(home), encoding="ascii") as handle:
+            return handle.read().strip() or None
+    except FileNotFoundError:
+        return None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise HomeUnusable(f"{home_id_path(home)} cannot be read: {exc}") from exc
+
+
+def write_home_id_once(home: str, value: str) -> str:
+    """Create home.id holding `value` unless it exists: a link never replaces a name, so two
+    first openers agree on one id. Returns the id the file holds."""
+    path = home_id_path(home)
+    temp = f"{path}.{secrets.token_hex(6)}.tmp"
+    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, PRIVATE_FILE)
+    try:
+        os.write(fd, value.encode("ascii") + b"\n")
+        os.fsync(fd)
+        os.close(fd)
+        with contextlib.suppress(FileExistsError):
+            os.link(temp, path)
+    finally:
+        os.unlink(temp)
+    return read_home_id(home) or value
+
+
+def _remains(home: str) -> dict[str, int]:
+    """What a home holds besides its store: the identity file, session logs, objects."""
+    sessions = os.path.join(home, "sessions")
+    objects = os.path.join(home, "objects")
+    return {
+        "session log directories": len(os.listdir(sessions)) if os.path.isdir(sessions) else 0,
+        "objects": sum(len(files) for _dir, _dirs, files in os.walk(objects)),
+        HOME_ID_FILE: int(os.path.exists(home_id_path(home))),
+    }
+
+
+def check_store_present(home: str) -> None:
+    """StoreMissing when the store file is gone but anything it accounted for remains; a home
+    with nothing in it is simply new. The store file is made before home.id, so a first
+    opener racing this check is told apart by looking at the store again."""
+    store = store_path(home)
+    if os.path.exists(store):
+        return
+    remains = _remains(home)
+    if any(remains.values()) and not os.path.exists(store):
+        raise StoreMissing(home, store, remains)
 
 
 def private_file(path: str) -> str:

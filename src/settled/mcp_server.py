@@ -178,10 +178,17 @@ class Tools:
     def new_task(
         self,
         workspace: Annotated[str, Field(description="Absolute path of an existing directory.")],
+        shared_workspace: Annotated[
+            bool,
+            Field(
+                description="Allow a workspace that overlaps another open task's; both "
+                "tasks' close receipts then name each other."
+            ),
+        ] = False,
     ) -> CallToolResult:
         """Create a task over a workspace directory. Every command you run belongs to a task,
         and finish(task) later proves the task complete. Returns the task id."""
-        record = self.runtimes.get().new_task(workspace)
+        record = self.runtimes.get().new_task(workspace, shared_workspace=shared_workspace)
         data = record.to_json()
         return _answer(f"task {record.task} over {record.workspace} ({record.state})", data)
 

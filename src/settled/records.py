@@ -50,6 +50,9 @@ class TaskRecord:
     generation: int
     created_at: float
     user: tuple[int, int] | None = None  # the task's default uid/gid for its commands
+    # Asked for a workspace that overlaps another open task's (`--shared-workspace`): both
+    # tasks' close receipts then name each other.
+    shared_workspace: bool = False
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -60,6 +63,7 @@ class TaskRecord:
             "generation": self.generation,
             "created_at": self.created_at,
             "user": list(self.user) if self.user is not None else None,
+            "shared_workspace": self.shared_workspace,
         }
 
 

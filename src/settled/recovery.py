@@ -83,8 +83,23 @@ class Recovery:
             self.store.note_unknown(record.session, why)
             return {"session": record.session, "state": UNKNOWN, "why": why}
         receipt = _recovered_receipt(self.home, record, generation, evidence, source)
-        self.store.write_receipt(record.session, generation, receipt, event="recover")
+        try:
+            self.store.write_receipt(record.session, generation, receipt, event="recover")
+        except StaleWrite as exc:  # another recovery (a second destroy) took it over since
+            return _as_settled_by_another(self.store.get_session(record.session), exc)
         return {"session": record.session, "state": "settled", "evidence": evidence.evidence}
+
+
+def _as_settled_by_another(record: SessionRecord, lost: StaleWrite) -> dict[str, Any]:
+    """What a recovery that lost its receipt write to another one reports: the receipt the other
+    wrote when there is one, else that the other is still at it."""
+    if record.receipt is not None:
+        return {
+            "session": record.session,
+            "state": record.state,
+            "evidence": record.receipt["death"].get("evidence"),
+        }
+    return {"session": record.session, "state": "skipped", "why": str(lost)}
 
 
 def _recovered_receipt(

@@ -48,6 +48,7 @@ from settled.status import session_status, task_status
 from settled.store import Store, open_store
 from settled.workspace.checkpoint import WorkspaceService
 from settled.workspace.hashing import parse_digest
+from settled.workspace.placement import check_workspace, default_workspaces
 from settled.workspace.restore import RestoreResult, restore
 from settled.workspace.verify import verify_manifest
 
@@ -186,20 +187,26 @@ class Runtime:
         key: str | None = None,
         *,
         user: str | tuple[int, int] | None = None,
+        shared_workspace: bool = False,
     ) -> TaskRecord:
         """`user` (UID[:GID], a name, or a (uid, gid) pair) is the default uid/gid of the
-        task's commands; an exec may name another."""
+        task's commands; an exec may name another. A workspace that cannot be right is
+        refused (placement.check_workspace), and so is one overlapping another open task's
+        unless `shared_workspace` (then both tasks' close receipts name each other)."""
         uid_gid = _resolve_user(user)
         made = None
         if workspace is None:
-            workspace = made = tempfile.mkdtemp(prefix="workspace-", dir=self.home)
+            workspace = made = tempfile.mkdtemp(prefix="workspace-", dir=self._default_workspaces())
         try:  # all or nothing: a creation that fails leaves no row, directory or journal state
             if made is not None and uid_gid is not None:
                 os.chown(made, *uid_gid)  # the task's commands run as its user
             root = os.path.realpath(workspace)
             if not os.path.isdir(root):
                 raise BadInput(f"--workspace {workspace!r} is not a directory")
-            record, created = self.store.create_task(key or new_key(), root, uid_gid)
+            check_workspace(workspace, root, self.home)
+            record, created = self.store.create_task(
+                key or new_key(), root, uid_gid, shared_workspace=shared_workspace
+            )
             try:
                 if not created and record.workspace != root:
                     raise BadInput(
@@ -225,6 +232,11 @@ class Runtime:
             return False
         self.workspace.forget_journal(record)
         return True
+
+    def _default_workspaces(self) -> str:
+        path = default_workspaces(self.home)
+        os.makedirs(path, mode=0o700, exist_ok=True)
+        return path
 
     # -- admission -----------------------------------------------------------------------
 

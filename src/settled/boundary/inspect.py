@@ -10,6 +10,7 @@ its orphans went to init, and no one can enumerate them.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import signal
@@ -35,22 +36,47 @@ def _populated(path: str) -> bool:
         return "populated 1" in handle.read()
 
 
+# What a cgroup file answers once its cgroup was removed while we held its path (its owner, or
+# another recovery, removed it first): ENOENT on open, ENODEV on a read of an open file.
+_GONE = (errno.ENOENT, errno.ENODEV)
+
+
+def _gone(path: str) -> Evidence:
+    return Evidence(
+        "cgroup2",
+        True,
+        f"cgroup {path} no longer exists: it was removed after it was empty, and the kernel "
+        "refuses to remove a populated cgroup",
+        {"cgroup": path, "existed": False},
+    )
+
+
+def _kill_once(path: str) -> bool | None:
+    """Write cgroup.kill once; whether the cgroup is still populated, or None once it is gone."""
+    try:
+        with open(os.path.join(path, "cgroup.kill"), "w") as handle:
+            handle.write("1")
+        return _populated(path)
+    except OSError as exc:
+        if exc.errno in _GONE:
+            return None
+        raise
+
+
 def kill_cgroup(path: str) -> Evidence:
+    """Kill everything in the cgroup and remove it. A cgroup removed by someone else meanwhile
+    (its owner settling, a second destroy) is the same evidence as one already gone: the
+    kernel removes only an empty cgroup."""
     if not os.path.isdir(path):
-        return Evidence(
-            "cgroup2",
-            True,
-            f"cgroup {path} no longer exists: it was removed after it was empty, and the kernel "
-            "refuses to remove a populated cgroup",
-            {"cgroup": path, "existed": False},
-        )
+        return _gone(path)
     started = time.monotonic()
     rounds = 0
     while True:
         rounds += 1
-        with open(os.path.join(path, "cgroup.kill"), "w") as handle:
-            handle.write("1")
-        if not _populated(path):
+        populated = _kill_once(path)
+        if populated is None:
+            return _gone(path)
+        if not populated:
             break
         if time.monotonic() - started > KILL_TIMEOUT_S:
             return Evidence("cgroup2", False, None, {"cgroup": path, "populated": 1})

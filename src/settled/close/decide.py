@@ -265,6 +265,17 @@ def explain(facts: CloseFacts) -> dict[str, Any]:
     return result
 
 
+def _shared_words(workspace: dict[str, Any] | None) -> str:
+    """Said when the checkpoint is not this task's work alone: its workspace was shared."""
+    if workspace is None or not workspace.get("shared_with"):
+        return ""
+    shared = ", ".join(workspace["shared_with"])
+    return (
+        f" Its workspace {workspace['path']} was shared with task(s) {shared}: the checkpoint "
+        "holds their writes too."
+    )
+
+
 def _explain(facts: CloseFacts) -> dict[str, Any]:
     decision = next_decision(facts)
     outcomes = command_outcomes(facts.sessions)
@@ -285,12 +296,14 @@ def _explain(facts: CloseFacts) -> dict[str, Any]:
             f"checkpoint {checkpoint.get('manifest')} covers mutation "
             f"{checkpoint.get('watermark')} and read back exactly, and the generation is fenced."
         )
+        workspace = facts.steps["outcome"]["receipt"].get("workspace")
         return {
             "task": facts.task.task,
             "complete": True,
             "allowed_by": allowed_by,
             "commands": outcomes,
-            "words": words + _command_words(outcomes),
+            "workspace": workspace,
+            "words": words + _shared_words(workspace) + _command_words(outcomes),
         }
     if isinstance(decision, Blocked):
         blocked = decision.to_json()

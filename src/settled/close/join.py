@@ -32,6 +32,10 @@ from settled.store import Store
 CLOSE_RECEIPT_VERSION = "settled.receipt.close/v1"
 DEFAULT_DEADLINE_S = 600.0
 CANCEL_SETTLE_S = 30.0
+# A close that loses a compare-and-set to another close of the same task re-reads the facts and
+# resumes; each retry follows a write the other close made, so a few are enough, and a bound
+# keeps a lost write that never resolves from looping.
+MAX_LOST_WRITES = 16
 
 
 @dataclass(frozen=True)
@@ -91,6 +95,11 @@ class CloseJoin:
         )
 
     def run(self) -> CloseResult:
+        """Perform steps until the close is done or blocked. Closes of one task may run at once
+        (two `settled close`, two HTTP requests): a step's fact is recorded once (the first
+        stands), and a close whose transition lost to the other's (StaleWrite) re-reads the
+        facts and goes on from them, so both return the one recorded close receipt."""
+        lost = 0
         while True:
             facts = self.facts()
             decision = next_decision(facts)
@@ -99,7 +108,13 @@ class CloseJoin:
             if isinstance(decision, Blocked):
                 return CloseResult(False, None, decision.to_json())
             assert isinstance(decision, Next)
-            fact = PERFORM[decision.step.name](self, facts)
+            try:
+                fact = PERFORM[decision.step.name](self, facts)
+            except StaleWrite:
+                lost += 1
+                if lost > MAX_LOST_WRITES:
+                    raise
+                continue  # another close moved the task on: decide again from what it recorded
             self.store.record_close_step(self.task, decision.step.name, fact)
             faults.point(f"close.after_{decision.step.name}")
 
@@ -179,6 +194,11 @@ class CloseJoin:
                 "task": self.task,
                 "generation": facts.steps["fenced"]["fenced_generation"],
                 "final": facts.steps["final_pending"]["final"],
+                "workspace": {  # the checkpoint is this task's work alone only if shared by none
+                    "path": facts.task.workspace,
+                    "shared_workspace": facts.task.shared_workspace,
+                    "shared_with": self.store.workspace_shares(self.task),
+                },
                 "sealed_at": facts.steps["sealed"]["sealed_at"],
                 "sessions": [
                     {

@@ -91,7 +91,12 @@ class Handlers:
     async def create_task(self, request: Request) -> Response:
         body = bodies.task_request(await bodies.json_body(request, bodies.TASK_FIELDS))
         task = await self.pool.call(
-            views.new_task, grant_of(request), body["workspace"], body["key"], body["user"]
+            views.new_task,
+            grant_of(request),
+            body["workspace"],
+            body["key"],
+            body["user"],
+            body["shared_workspace"],
         )
         return _json(task, 201)
 

@@ -24,7 +24,7 @@ from settled.server.errors import BodyTooLarge
 MAX_BODY_BYTES = 1 << 20
 STREAMS = ("stdout", "stderr")
 SIGNALS = ("TERM", "KILL", "INT")
-TASK_FIELDS = frozenset({"workspace", "key", "user"})
+TASK_FIELDS = frozenset({"workspace", "key", "user", "shared_workspace"})
 SESSION_FIELDS = frozenset(
     {
         "argv", "shell", "key", "timeout", "grace", "cwd", "env", "service", "boundary",
@@ -89,6 +89,7 @@ def task_request(body: dict[str, Any]) -> dict[str, Any]:
         "workspace": _optional(body, "workspace", str, "a directory path on the server"),
         "key": _optional(body, "key", str, "a string"),
         "user": _optional(body, "user", str, "UID[:GID] or a user name"),
+        "shared_workspace": bool(_optional(body, "shared_workspace", bool, "true or false")),
     }
 
 

@@ -278,7 +278,7 @@ def _schemas() -> dict[str, Any]:
             "properties": {"error": s, "message": s},
         },
         "Task": {"type": "object", "required": ["task", "key", "workspace", "state"]},
-        "TaskRequest": _obj({"workspace": s, "key": s, "user": s}),
+        "TaskRequest": _obj({"workspace": s, "key": s, "user": s, "shared_workspace": b}),
         "SessionRequest": _obj(
             {
                 "argv": {"type": "array", "items": s, "minItems": 1},

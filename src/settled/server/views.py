@@ -42,14 +42,19 @@ def visible_session(rt: Runtime, grant: Grant, session: str) -> SessionRecord:
 
 
 def new_task(
-    rt: Runtime, grant: Grant, workspace: str | None, key: str | None, user: str | None = None
+    rt: Runtime,
+    grant: Grant,
+    workspace: str | None,
+    key: str | None,
+    user: str | None = None,
+    shared_workspace: bool = False,
 ) -> dict[str, Any]:
     if not grant.creates_tasks:
         raise NotPermitted(
             f"this token is scoped to task(s) {grant.describe()} and cannot create tasks; "
             'use a token whose scope is "*"'
         )
-    return rt.new_task(workspace, key, user=user).to_json()
+    return rt.new_task(workspace, key, user=user, shared_workspace=shared_workspace).to_json()
 
 
 def task_status(rt: Runtime, grant: Grant, task: str) -> dict[str, Any]:

@@ -21,8 +21,21 @@ class Store(Protocol):
     """Every method is atomic; every state change is conditional and raises StaleWrite if lost."""
 
     def create_task(
-        self, key: str, workspace: str, user: tuple[int, int] | None = None
-    ) -> tuple[TaskRecord, bool]: ...
+        self,
+        key: str,
+        workspace: str,
+        user: tuple[int, int] | None = None,
+        *,
+        shared_workspace: bool = False,
+    ) -> tuple[TaskRecord, bool]:
+        """Returns (task, created); the task of an existing key as it is. Raises
+        WorkspaceOverlap when `workspace` is, holds or lies in the workspace of a task not yet
+        complete, unless `shared_workspace`: then each of those tasks shares with this one."""
+        ...
+
+    def workspace_shares(self, task: str) -> list[str]:
+        """The tasks whose workspace this task shared (either one asked), in creation order."""
+        ...
 
     def discard_task(self, task: str) -> bool:
         """Undo a creation that failed after `create_task`: delete the task if it is still

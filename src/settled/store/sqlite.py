@@ -27,14 +27,22 @@ from settled.errors import (
     StaleWrite,
     UnknownSession,
     UnknownTask,
+    WorkspaceOverlap,
 )
-from settled.home import private_file
+from settled.home import (
+    check_store_present,
+    home_id_path,
+    private_file,
+    read_home_id,
+    write_home_id_once,
+)
 from settled.identity import new_id
 from settled.localdb import BUSY_TIMEOUT_S, enable_wal
 from settled.receipts import checked
 from settled.records import OwnerInfo, SessionRecord, TaskRecord
 from settled.states import (
     ADMITTED,
+    TASK_COMPLETE,
     TASK_OPEN,
     IllegalTransition,
     next_session_state,
@@ -43,7 +51,7 @@ from settled.states import (
 )
 from settled.store import loads
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 RECEIPT_EVENTS = ("receipt", "lose", "recover")
 
 MIGRATIONS: dict[int, str] = {
@@ -107,6 +115,15 @@ MIGRATIONS: dict[int, str] = {
     ALTER TABLE tasks ADD COLUMN user TEXT;
     ALTER TABLE close_steps ADD COLUMN digest TEXT
     """,
+    5: """
+    ALTER TABLE tasks ADD COLUMN shared_workspace INTEGER NOT NULL DEFAULT 0;
+    CREATE TABLE workspace_shares (
+        task        TEXT NOT NULL REFERENCES tasks(task),
+        other       TEXT NOT NULL REFERENCES tasks(task),
+        created_at  REAL NOT NULL,
+        PRIMARY KEY (task, other)
+    )
+    """,
 }
 SEALS_CLOSE_FACTS = 4  # the migration that seals the close facts an older settled wrote
 
@@ -115,7 +132,7 @@ SESSION_COLUMNS = (
     "command_pid, command_start_time, stdout_durable, stderr_durable, cancel_requested, "
     "created_at, started_at, settled_at, receipt, unknown_why, isolation"
 )
-TASK_COLUMNS = "task, key, workspace, state, generation, created_at, user"
+TASK_COLUMNS = "task, key, workspace, state, generation, created_at, user, shared_workspace"
 
 
 def _session_from_row(row: tuple[Any, ...]) -> SessionRecord:
@@ -154,8 +171,13 @@ def _task_from_row(row: tuple[Any, ...]) -> TaskRecord:
     task, key, workspace, state, generation, created_at = row[:6]
     return TaskRecord(
         task, key, workspace, state, generation, created_at,
-        (int(user[0]), int(user[1])) if user is not None else None,
+        (int(user[0]), int(user[1])) if user is not None else None, bool(row[7]),
     )  # fmt: skip
+
+
+def _overlap(a: str, b: str) -> bool:
+    """Two resolved directories are the same, or one holds the other."""
+    return a == b or a.startswith(b.rstrip("/") + "/") or b.startswith(a.rstrip("/") + "/")
 
 
 def _fact_digest(text: str) -> str:
@@ -180,6 +202,8 @@ class SQLiteStore:
 
     def __init__(self, path: str) -> None:
         self.path = path
+        self.home = os.path.dirname(path)
+        check_store_present(self.home)  # never a fresh store beside another one's logs
         try:
             self._db = sqlite3.connect(
                 private_file(path), timeout=BUSY_TIMEOUT_S, isolation_level=None
@@ -188,6 +212,7 @@ class SQLiteStore:
             self._db.execute("PRAGMA synchronous=FULL")
             self._db.execute("PRAGMA foreign_keys=ON")
             self._migrate()
+            self._check_identity()
         except (sqlite3.Error, HomeUnusable) as exc:
             with contextlib.suppress(AttributeError, sqlite3.Error):
                 self._db.close()
@@ -233,6 +258,27 @@ class SQLiteStore:
                 (str(SCHEMA_VERSION),),
             )
 
+    def _check_identity(self) -> None:
+        """The store and home.id name one home. The first open records the id in both (the
+        store first, so a home.id never exists without its store); a lost home.id is written
+        again from the store, a store an older settled made takes home.id's; a store whose id
+        is another home's is refused naming both."""
+        file_id = read_home_id(self.home)
+        with self._write() as db:
+            row = db.execute("SELECT value FROM meta WHERE key='home_id'").fetchone()
+            store_id = row[0] if row else None
+            if store_id is None:
+                store_id = file_id or new_id("h")
+                db.execute("INSERT INTO meta(key, value) VALUES('home_id', ?)", (store_id,))
+            if file_id is None:
+                file_id = write_home_id_once(self.home, store_id)
+            if file_id != store_id:
+                raise HomeUnusable(
+                    f"the store {self.path} belongs to home {store_id}, but this home is "
+                    f"{file_id} ({home_id_path(self.home)}): it was copied from another home; "
+                    "put back this home's own store, or move the home away"
+                )
+
     @staticmethod
     def _seal_old_close_facts(db: sqlite3.Connection) -> None:
         rows = db.execute("SELECT task, step, fact FROM close_steps").fetchall()
@@ -245,15 +291,32 @@ class SQLiteStore:
     # -- tasks ---------------------------------------------------------------------------
 
     def create_task(
-        self, key: str, workspace: str, user: tuple[int, int] | None = None
+        self,
+        key: str,
+        workspace: str,
+        user: tuple[int, int] | None = None,
+        *,
+        shared_workspace: bool = False,
     ) -> tuple[TaskRecord, bool]:
-        with self._write() as db:
+        with self._write() as db:  # the overlap is decided in the transaction that records
             row = db.execute(f"SELECT {TASK_COLUMNS} FROM tasks WHERE key=?", (key,)).fetchone()
             if row:
                 return _task_from_row(row), False
-            record = TaskRecord(new_id("t"), key, workspace, TASK_OPEN, 1, time.time(), user)
+            others = [
+                (task, path)
+                for task, path in db.execute(
+                    "SELECT task, workspace FROM tasks WHERE state != ? ORDER BY created_at",
+                    (TASK_COMPLETE,),
+                )
+                if _overlap(path, workspace)
+            ]
+            if others and not shared_workspace:
+                raise WorkspaceOverlap(workspace, others)
+            record = TaskRecord(
+                new_id("t"), key, workspace, TASK_OPEN, 1, time.time(), user, shared_workspace
+            )
             db.execute(
-                f"INSERT INTO tasks ({TASK_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                f"INSERT INTO tasks ({TASK_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
                 (
                     record.task,
                     key,
@@ -262,8 +325,17 @@ class SQLiteStore:
                     1,
                     record.created_at,
                     json.dumps(list(user)) if user is not None else None,
+                    int(shared_workspace),
                 ),
             )
+            for other, _path in others:  # each names the other in its close receipt
+                db.executemany(
+                    "INSERT OR IGNORE INTO workspace_shares VALUES (?, ?, ?)",
+                    [
+                        (record.task, other, record.created_at),
+                        (other, record.task, record.created_at),
+                    ],
+                )
             return record, True
 
     def discard_task(self, task: str) -> bool:
@@ -275,7 +347,16 @@ class SQLiteStore:
                 " AND NOT EXISTS (SELECT 1 FROM checkpoints WHERE checkpoints.task=tasks.task)",
                 (task, TASK_OPEN),
             )
-            return deleted.rowcount == 1
+            if deleted.rowcount != 1:
+                return False
+            db.execute("DELETE FROM workspace_shares WHERE task=? OR other=?", (task, task))
+            return True
+
+    def workspace_shares(self, task: str) -> list[str]:
+        rows = self._db.execute(
+            "SELECT other FROM workspace_shares WHERE task=? ORDER BY created_at, other", (task,)
+        ).fetchall()
+        return [r[0] for r in rows]
 
     def get_task(self, task: str) -> TaskRecord:
         row = self._db.execute(f"SELECT {TASK_COLUMNS} FROM tasks WHERE task=?", (task,)).fetchone()
