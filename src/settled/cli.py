@@ -1,12 +1,14 @@
 """The `settled` command line: a thin shell over `Runtime` (contract in DESIGN.md).
 
-Exit codes: 0 success, 2 usage or bad input, 3 blocked / not settled / not proven,
-4 key conflict or sealed admission. `--json` prints exactly one JSON object on stdout.
+Exit codes: 0 success, 2 usage or bad input, 3 blocked / not settled / not proven (and no
+space: the home's filesystem is below its reserve or full), 4 key conflict or sealed admission.
+`--json` prints exactly one JSON object on stdout.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import sys
 from collections.abc import Callable
@@ -19,6 +21,8 @@ from settled.errors import (
     BadInput,
     CursorOutOfRange,
     SettledError,
+    SpaceExhausted,
+    StorageFailed,
 )
 from settled.identity import BOUNDARY_POLICIES, ISOLATION_POLICIES
 from settled.render import blocked_text, close_text, receipt_text, status_text
@@ -403,6 +407,21 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(args, exc.to_json(), str(exc), exc.exit_code)
     except CursorOutOfRange as exc:
         return _fail(args, {"error": "CursorOutOfRange", "message": str(exc)}, str(exc), 2)
+    except OSError as exc:  # a disk error no verb typed: still one line naming the file
+        typed = _disk_error(exc, getattr(args, "home", None))
+        if typed is None:
+            raise
+        return _fail(args, typed.to_json(), str(typed), typed.exit_code)
+
+
+def _disk_error(exc: OSError, home: str | None) -> StorageFailed | None:
+    where = str(exc.filename or home or "the settled home")
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return SpaceExhausted(f"no space left on {where}: {exc.strerror}", where, None, None)
+    if exc.errno in (errno.EIO, errno.EROFS):
+        name = errno.errorcode.get(exc.errno, str(exc.errno))
+        return StorageFailed(f"{exc.strerror} ({name}) on {where}", where, name)
+    return None
 
 
 def _fail(args: argparse.Namespace, payload: dict[str, Any], message: str, code: int) -> int:

@@ -1,7 +1,8 @@
 """Typed errors of settled, each mapped to one CLI exit code.
 
 Owns the error vocabulary and the exit-code table of the CLI contract (DESIGN.md):
-2 usage or bad input, 3 blocked / not complete, 4 key conflict or sealed admission.
+2 usage or bad input, 3 blocked / not complete (and no space: the home's filesystem is below
+its reserve, see home.py), 4 key conflict or sealed admission.
 Every message names the offending value and, where there is one, the way out.
 """
 
@@ -128,6 +129,33 @@ class NotSettled(SettledError):
 
 class OwnerLaunchFailed(SettledError):
     """The session was admitted but its owner did not report; recovery will decide its fate."""
+
+
+class StorageFailed(SettledError):
+    """The home's filesystem refused a write or a read (EIO and the like): what was being done
+    did not happen, or not wholly. Named with the path, never a traceback."""
+
+    def __init__(self, message: str, path: str, errno_name: str | None = None) -> None:
+        super().__init__(message)
+        self.path, self.errno_name = path, errno_name
+
+    def to_json(self) -> dict[str, object]:
+        return {**super().to_json(), "path": self.path, "errno": self.errno_name}
+
+
+class SpaceExhausted(StorageFailed):
+    """The home's filesystem has less free space than its reserve (or none at all): admission
+    refuses, and a write that found the disk full says so. Exit 3: blocked until space is freed
+    (or the reserve lowered with SETTLED_RESERVE_BYTES); HTTP 507."""
+
+    exit_code = EXIT_BLOCKED
+
+    def __init__(self, message: str, path: str, free: int | None, reserve: int | None) -> None:
+        super().__init__(message, path, "ENOSPC")
+        self.free, self.reserve = free, reserve
+
+    def to_json(self) -> dict[str, object]:
+        return {**super().to_json(), "free_bytes": self.free, "reserve_bytes": self.reserve}
 
 
 class CursorOutOfRange(ValueError):
