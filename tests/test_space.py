@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -56,8 +57,17 @@ def small_fs(tmp_path: Path, marker: str) -> Iterator[Path]:
             _end_live_sessions(rt)  # a session a failed test left live
         stop_journals(mount)
         kill_marked(marker)
-        if subprocess.run(["umount", str(mount)], capture_output=True, timeout=30).returncode:
-            subprocess.run(["umount", "-l", str(mount)], capture_output=True, timeout=30)
+        _unmount(mount)
+
+
+def _unmount(mount: Path) -> None:
+    """A journal that was just told to stop may hold the mount for a moment: retry, then
+    detach it lazily rather than leave it mounted."""
+    for _ in range(50):
+        if subprocess.run(["umount", str(mount)], capture_output=True, timeout=30).returncode == 0:
+            return
+        time.sleep(0.1)
+    subprocess.run(["umount", "-l", str(mount)], capture_output=True, timeout=30)
 
 
 def _end_live_sessions(rt: Runtime) -> None:
@@ -403,3 +413,35 @@ def test_every_write_fault_point_is_listed(tmp_path: Path) -> None:
     for name in ("owner.log_write", "owner.log_sync", "owner.receipt_write",
                  "checkpoint.blob_write"):  # fmt: skip
         assert name in listed
+
+
+@pytest.mark.timeout(150)
+def test_a_command_that_fills_the_disk_itself_still_gets_an_honest_outcome(
+    small_fs: Path, reserve_4mib: int
+) -> None:
+    """The workspace shares the small filesystem: the command fills it to the last block, then
+    writes output. Either the receipt fits (and names the dropped bytes) or the session is
+    unknown with the reason its owner recorded; once space returns, recovery settles it."""
+    _skip_unavailable("cgroup2")
+    home, workspace = small_fs / "home", small_fs / "ws"
+    workspace.mkdir()
+    command = f"head -c {FLOOD} /dev/zero > fill; head -c 3000000 /dev/zero; echo end"
+    with Runtime(str(home)) as rt:
+        task = rt.new_task(str(workspace))
+        admission = rt.exec(task.task, shell=command, key="fill", boundary="cgroup2")
+        view = rt.wait(admission.session, timeout=90)
+        if view["state"] == "settled":
+            out = view["receipt"]["output"]["stdout"]
+            assert out["dropped"] > 0 and out["complete"] is False, out
+            assert out["cursor"] + out["dropped"] == out["drained"] == 3_000_004
+        else:
+            assert view["state"] == "unknown", view
+            assert "could not write its receipt" in view["reason"], view
+            assert "No space left on device" in view["reason"]
+            shown = _cli(home, "status", admission.session)
+            assert "reason: the owner could not write its receipt" in shown.stdout
+        (workspace / "fill").unlink()
+        rt.recover()
+        record = rt.store.get_session(admission.session)
+        assert record.state == "settled" and record.receipt is not None
+        assert record.receipt["death"]["proven"] is True

@@ -89,6 +89,8 @@ def status_text(view: dict[str, Any]) -> str:
     lines = [f"session {view['session']} [{view['state']}] boundary {view['boundary']}"]
     if view.get("why"):
         lines.append(f"  why: {view['why']}")
+    if view.get("reason"):
+        lines.append(f"  reason: {view['reason']}")
     if "receipt" in view:
         lines.append(receipt_text(view["receipt"]))
     return "\n".join(lines)

@@ -206,7 +206,7 @@ class Owner:
             lease=self.lease,
             heartbeat_every=HEARTBEAT_S,
             signals=signals,
-            settling=lambda: self.store.settle_begin(record.session, self.generation),
+            settling=self._settle_begin,
         )
         try:
             outcome = supervisor.run(started)
@@ -219,6 +219,14 @@ class Owner:
         return self._settle(outcome, streams)
 
     # -- pieces --------------------------------------------------------------------------
+
+    def _settle_begin(self) -> None:
+        """Record that the session is settling. A disk that refuses it does not stop the owner:
+        the receipt settles a running session as well (states.py), and draining matters more."""
+        try:
+            self.store.settle_begin(self.record.session, self.generation)
+        except StorageFailed as exc:
+            self.store_trouble = self.store_trouble or str(exc)
 
     def _open_streams(self) -> Streams:
         make_session_dir(self.home, self.record.session)
