@@ -109,6 +109,9 @@ def test_cap_counts_bytes_past_cap_stores_exactly_cap_and_digests_stored_bytes(
         "drained": 10_000,
         "not_stored": 5904,
         "cap": 4096,
+        "dropped": 0,
+        "dropped_reason": None,
+        "complete": True,
     }
 
 
@@ -149,24 +152,28 @@ def test_close_is_idempotent_and_append_after_close_fails(tmp_path: Path) -> Non
         writer.append(b"more")
 
 
-def test_fsync_error_raises_and_is_never_retried_silently(
+def test_an_fsync_error_is_never_retried_and_the_summary_says_the_stream_is_incomplete(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     writer = write_log(tmp_path / "stdout.log", b"data")
     real_fsync = os.fsync
+    calls = []
 
     def failing_fsync(fd: int) -> None:
+        calls.append(fd)
         raise OSError(5, "Input/output error")
 
     monkeypatch.setattr(os, "fsync", failing_fsync)
-    with pytest.raises(OSError):
-        writer.sync()
+    assert writer.sync() == 0, "a failed fsync publishes no durable cursor"
     monkeypatch.setattr(os, "fsync", real_fsync)  # the disk "recovers": still not trusted
-    with pytest.raises(OSError, match="not trusted"):
-        writer.sync()
-    with pytest.raises(OSError, match="not trusted"):
-        writer.close()
+    assert writer.sync() == 0 and len(calls) == 1, "never fsynced again"
+    writer.append(b"later")  # still drained, no longer stored
+    summary = writer.close()
     assert writer.durable == 0
+    assert (summary.cursor, summary.drained, summary.dropped) == (4, 9, 5)
+    assert not summary.complete
+    assert summary.dropped_reason is not None and "EIO" in summary.dropped_reason
+    assert (tmp_path / "stdout.log").read_bytes() == b"data"
 
 
 # --- drain ------------------------------------------------------------------------------------

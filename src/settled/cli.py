@@ -1,7 +1,7 @@
 """The `settled` command line: a thin shell over `Runtime` (contract in DESIGN.md).
 
-Every exit code is one of `errors.EXIT_CODES` (listed below). `--json` prints exactly one JSON
-object on stdout.
+Every exit code is one of `errors.EXIT_CODES` (listed below; no space on the home's filesystem is
+3). `--json` prints exactly one JSON object on stdout.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from settled.errors import (
 )
 from settled.identity import BOUNDARY_POLICIES, ISOLATION_POLICIES
 from settled.render import blocked_text, close_text, receipt_text, status_text
-from settled.runtime import ALL_POINTS, Runtime
+from settled.runtime import ALL_POINTS, Runtime, storage_error
 from settled.states import SETTLED
 
 
@@ -410,12 +410,25 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(args, exc.to_json(), str(exc), exc.exit_code)
     except CursorOutOfRange as exc:
         return _fail(args, {"error": "CursorOutOfRange", "message": str(exc)}, str(exc), EXIT_USAGE)
+    except OSError as exc:  # a disk error no verb typed: still one line naming the disk
+        typed = storage_error(exc, getattr(args, "home", None) or "the settled home", args.verb)
+        if typed is None:
+            message = f"{type(exc).__name__}: {exc} (please report this)"
+            return _fail(
+                args, {"error": "internal error", "message": message}, message, EXIT_FAILURE
+            )
+        return _fail(args, typed.to_json(), str(typed), typed.exit_code)
     except KeyboardInterrupt:
         payload = {"error": "Interrupted", "message": "interrupted"}
         return _fail(args, payload, "interrupted", EXIT_INTERRUPTED)
-    except Exception as exc:  # a bug: one line, never a traceback, and a code that is listed
-        message = f"{type(exc).__name__}: {exc} (please report this)"
-        return _fail(args, {"error": "internal error", "message": message}, message, EXIT_FAILURE)
+    except Exception as exc:
+        return _internal_error(args, exc)
+
+
+def _internal_error(args: argparse.Namespace, exc: Exception) -> int:
+    """A bug: one line, never a traceback, and a code that is listed."""
+    message = f"{type(exc).__name__}: {exc} (please report this)"
+    return _fail(args, {"error": "internal error", "message": message}, message, EXIT_FAILURE)
 
 
 def _dispatch(args: argparse.Namespace) -> int:

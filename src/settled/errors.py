@@ -2,8 +2,9 @@
 
 Owns the error vocabulary and the exit-code table of the CLI contract (DESIGN.md), `EXIT_CODES`:
 the one list `settled --help` prints and the README repeats (tests/test_verbs.py checks all
-three agree). The CLI exits with no code outside it. Every message names the offending value
-and, where there is one, the way out.
+three agree). The CLI exits with no code outside it. No space (the home's filesystem below its
+reserve, see home.py) is 3, like any other block; an I/O error of the home's disk is 1. Every
+message names the offending value and, where there is one, the way out.
 """
 
 from __future__ import annotations
@@ -182,6 +183,33 @@ class NotSettled(SettledError):
 
 class OwnerLaunchFailed(SettledError):
     """The session was admitted but its owner did not report; recovery will decide its fate."""
+
+
+class StorageFailed(SettledError):
+    """The home's filesystem refused a write or a read (EIO and the like): what was being done
+    did not happen, or not wholly. Named with the path, never a traceback."""
+
+    def __init__(self, message: str, path: str, errno_name: str | None = None) -> None:
+        super().__init__(message)
+        self.path, self.errno_name = path, errno_name
+
+    def to_json(self) -> dict[str, object]:
+        return {**super().to_json(), "path": self.path, "errno": self.errno_name}
+
+
+class SpaceExhausted(StorageFailed):
+    """The home's filesystem has less free space than its reserve (or none at all): admission
+    refuses, and a write that found the disk full says so. Exit 3: blocked until space is freed
+    (or the reserve lowered with SETTLED_RESERVE_BYTES); HTTP 507."""
+
+    exit_code = EXIT_BLOCKED
+
+    def __init__(self, message: str, path: str, free: int | None, reserve: int | None) -> None:
+        super().__init__(message, path, "ENOSPC")
+        self.free, self.reserve = free, reserve
+
+    def to_json(self) -> dict[str, object]:
+        return {**super().to_json(), "free_bytes": self.free, "reserve_bytes": self.reserve}
 
 
 class CursorOutOfRange(ValueError):

@@ -6,15 +6,24 @@ directory and every directory in it 0700, every file 0600 or stricter, whatever 
 command running as another uid reads nothing of it; one running as root never sees it, see
 boundary/isolation.py). A home reached through a symlink is refused: a command that can
 rewrite the link could point every later settled at a home it forged.
+
+Space is budgeted here, not discovered (after PostgreSQL's and Kafka's disk guards): a home-wide
+*reserve* of bytes must stay free on the home's filesystem. Below it admission refuses
+(`check_reserve`, one statvfs) and owners stop storing output (`SpaceGuard`), so the reserve is
+left for what must still be written: receipts, the store, recovery and the close's checkpoint.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import secrets
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 
-from settled.errors import HomeUnusable, StoreMissing
+from settled.errors import HomeUnusable, SettledError, SpaceExhausted, StorageFailed, StoreMissing
 
 DEFAULT_HOME = ".settled"
 STORE_FILE = "settled.db"
@@ -168,3 +177,155 @@ def journal_socket(home: str) -> str:
     """Where the home's mutation journal answers every task's barriers (one daemon watches
     every open task's workspace; each request names its task, see settled.workspace.journal)."""
     return os.path.join(run_dir(home), "journal.sock")
+
+
+def last_words_path(home: str, session: str) -> str:
+    """Where the session's owner leaves the reason it could not write its receipt (owner/)."""
+    return os.path.join(session_dir(home, session), "last_words")
+
+
+# -- the reserve ---------------------------------------------------------------------------
+
+RESERVE_ENV = "SETTLED_RESERVE_BYTES"
+RESERVE_FLOOR = 64 << 20  # the default is max(64 MiB, 2% of the filesystem) ...
+RESERVE_FRACTION = 0.02
+RESERVE_CEILING = 4  # ... but never more than a quarter of it, so a small home still works
+RESERVE_MAX = 1 << 50  # the override's bound: 1 PiB
+SPACE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
+STORAGE_ERRNOS = SPACE_ERRNOS | {errno.EIO, errno.EROFS}
+
+
+@dataclass(frozen=True)
+class Space:
+    """One statvfs of the home's filesystem, with the reserve that applies to it."""
+
+    path: str
+    free: int  # bytes available to this user (f_bavail)
+    total: int
+    reserve: int
+
+    @property
+    def spare(self) -> int:
+        """Bytes that may still be used before the reserve is reached (negative below it)."""
+        return self.free - self.reserve
+
+
+def reserve_bytes(total: int) -> int:
+    """The reserve for a filesystem of `total` bytes: SETTLED_RESERVE_BYTES (ASCII digits, at
+    most RESERVE_MAX) or max(64 MiB, 2% of it), capped at a quarter of it."""
+    text = os.environ.get(RESERVE_ENV)
+    if text is not None and text != "":
+        if not (text.isascii() and text.isdigit()) or int(text) > RESERVE_MAX:
+            raise HomeUnusable(
+                f"{RESERVE_ENV}={text!r} is not a number of bytes from 0 to {RESERVE_MAX}"
+            )
+        return int(text)
+    return min(max(RESERVE_FLOOR, int(total * RESERVE_FRACTION)), total // RESERVE_CEILING)
+
+
+def space_of(path: str) -> Space:
+    """The free space and reserve of the filesystem holding `path` (one statvfs)."""
+    st = os.statvfs(path)
+    total = st.f_blocks * st.f_frsize
+    return Space(path, st.f_bavail * st.f_frsize, total, reserve_bytes(total))
+
+
+def check_reserve(home: str, what: str) -> Space:
+    """Refuse `what` (SpaceExhausted) when the home's filesystem is below its reserve."""
+    space = space_of(home)
+    if space.spare < 0:
+        raise SpaceExhausted(
+            f"{what} refused: the filesystem of {home} has {space.free} bytes free, below the "
+            f"reserve of {space.reserve} bytes; free space there (or lower {RESERVE_ENV})",
+            home,
+            space.free,
+            space.reserve,
+        )
+    return space
+
+
+def storage_error(exc: OSError, home: str, what: str) -> StorageFailed | None:
+    """The typed error for an OSError of the home's filesystem (no space, EIO, read-only), or
+    None for any other OSError (which stays what it is)."""
+    if exc.errno not in STORAGE_ERRNOS:
+        return None
+    where = f"{exc.filename} on the filesystem of {home}" if exc.filename else home
+    if exc.errno in SPACE_ERRNOS:
+        try:
+            space: Space | None = space_of(home)
+        except (OSError, HomeUnusable):
+            space = None
+        free = space.free if space else None
+        reserve = space.reserve if space else None
+        return SpaceExhausted(
+            f"{what} failed: {exc.strerror or 'no space left'} on {where} ({free} bytes free, "
+            f"reserve {reserve} bytes); free space there and retry",
+            home,
+            free,
+            reserve,
+        )
+    name = errno.errorcode.get(exc.errno or 0, str(exc.errno))
+    return StorageFailed(f"{what} failed: {exc.strerror} ({name}) on {where}", home, name)
+
+
+@contextmanager
+def storage_errors(home: str, what: str) -> Iterator[None]:
+    """Turn an OSError of the home's filesystem raised inside (or a settled error caused by
+    one) into its typed error: one line naming the disk for every face, never a traceback."""
+    try:
+        yield
+    except StorageFailed:
+        raise
+    except OSError as exc:
+        typed = storage_error(exc, home, what)
+        if typed is None:
+            raise
+        raise typed from exc
+    except SettledError as exc:  # one that wraps the disk's refusal (a DurabilityError)
+        cause = exc.__cause__
+        typed = storage_error(cause, home, what) if isinstance(cause, OSError) else None
+        if typed is None:
+            raise
+        raise typed from exc
+
+
+class SpaceGuard:
+    """How many of the next bytes of output an owner may store and leave the reserve free.
+
+    Shared by a session's two stream writers. It looks (statvfs) when its allowance from the
+    last look is used up and at least every `recheck_every` bytes, so other writers on the
+    filesystem move it too, and a silent or slow stream costs nothing. Once it refused it
+    refuses for good: a log is a prefix of the output, never a prefix with a hole in it."""
+
+    def __init__(self, path: str, recheck_every: int = 1 << 20) -> None:
+        self.path = path
+        self.refused: str | None = None
+        self._recheck_every = recheck_every
+        self._allowance = 0
+        self._since_look = 0
+        self._why = ""
+
+    def room(self, size: int) -> int:
+        """How many of `size` bytes may be stored (all, some, or none)."""
+        if self.refused is not None:
+            return 0
+        if size > self._allowance or self._since_look >= self._recheck_every:
+            self._look()
+        granted = max(0, min(size, self._allowance))
+        if granted < size and self.refused is None:
+            self.refused = self._why
+        self._allowance -= granted
+        self._since_look += granted
+        return granted
+
+    def _look(self) -> None:
+        try:
+            space = space_of(self.path)
+        except (OSError, HomeUnusable) as exc:
+            self._allowance, self._why = 0, f"the free space of {self.path} is unknown: {exc}"
+            return
+        self._allowance, self._since_look = space.spare, 0
+        self._why = (
+            f"reserve reached: {space.free} bytes free on the filesystem of {self.path}, "
+            f"reserve {space.reserve} bytes"
+        )

@@ -18,8 +18,9 @@ from typing import Any
 from settled.boundary.base import Evidence
 from settled.boundary.sandbox import SandboxProvider
 from settled.errors import StaleWrite
-from settled.home import journal_socket, log_path
+from settled.home import journal_socket, last_words_path, log_path
 from settled.log.recovered import close_at_disk
+from settled.owner.last_words import read_last_words
 from settled.owner.launcher import READY_TIMEOUT_S
 from settled.receipts import process_receipt
 from settled.records import SessionRecord
@@ -61,10 +62,17 @@ class Recovery:
             why = "the task's sandbox was destroyed" if force else self.owner_missing(record, now)
             if why is None:
                 continue
+            words = self.last_words(record.session)
+            if words is not None:
+                why = f"{why}; its owner's last words: {words['reason']}"
             with contextlib.suppress(StaleWrite):  # it settled (or another detector won)
                 self.store.mark_unknown(record.session, record.generation, why)
                 found.append(record.session)
         return found
+
+    def last_words(self, session: str) -> dict[str, Any] | None:
+        """What the session's owner recorded before it ended without a receipt, if anything."""
+        return read_last_words(last_words_path(self.home, session))
 
     def recover(self, task: str | None = None, *, source: str = "recovery") -> list[dict[str, Any]]:
         self.detect(task)
@@ -82,7 +90,11 @@ class Recovery:
             )
             self.store.note_unknown(record.session, why)
             return {"session": record.session, "state": UNKNOWN, "why": why}
-        receipt = _recovered_receipt(self.home, record, generation, evidence, source)
+        facts = self.sessions.owner_facts(record)
+        writer_may_live = facts is None or facts.process_alive
+        receipt = _recovered_receipt(
+            self.home, record, generation, evidence, source, writer_may_live
+        )
         try:
             self.store.write_receipt(record.session, generation, receipt, event="recover")
         except StaleWrite as exc:  # another recovery (a second destroy) took it over since
@@ -103,12 +115,22 @@ def _as_settled_by_another(record: SessionRecord, lost: StaleWrite) -> dict[str,
 
 
 def _recovered_receipt(
-    home: str, record: SessionRecord, generation: int, evidence: Evidence, source: str
+    home: str,
+    record: SessionRecord,
+    generation: int,
+    evidence: Evidence,
+    source: str,
+    writer_may_live: bool,
 ) -> dict[str, Any]:
+    """The receipt of a lost owner's session. Its logs are closed in place (nothing written,
+    so a full disk does not stop it) unless the lost owner may still be running, when a copy
+    fences its late appends off (log/recovered.py)."""
     from settled.workspace.journal import client as journal_client
 
     output = {
-        stream: close_at_disk(log_path(home, record.session, stream))
+        stream: close_at_disk(
+            log_path(home, record.session, stream), writer_may_live=writer_may_live
+        )
         for stream in ("stdout", "stderr")
     }
     never_ran = not evidence.observed.get("claimed", True) or evidence.boundary == "none"
@@ -136,6 +158,7 @@ def _recovered_receipt(
             "role": "recovery",
             "lost_owner": record.owner.to_json() if record.owner else None,
             "unknown_why": record.unknown_why,
+            "last_words": read_last_words(last_words_path(home, record.session)),
         },
         timings={"settled_at": time.time(), "admitted_at": record.created_at},
     )

@@ -25,6 +25,11 @@ def _stream_line(name: str, fact: dict[str, Any]) -> str:
     text = f"{fact['cursor']} bytes, {fact['digest'][:23]}…"
     if fact.get("not_stored"):
         text += f" ({fact['not_stored']} bytes past the {fact['cap']}-byte cap drained, not stored)"
+    if fact.get("dropped") or fact.get("complete") is False:
+        text += (
+            f" INCOMPLETE: {fact.get('dropped')} bytes drained but not stored"
+            f" ({fact.get('dropped_reason')})"
+        )
     return f"  {name:<8}{text}"
 
 
@@ -84,6 +89,8 @@ def status_text(view: dict[str, Any]) -> str:
     lines = [f"session {view['session']} [{view['state']}] boundary {view['boundary']}"]
     if view.get("why"):
         lines.append(f"  why: {view['why']}")
+    if view.get("reason"):
+        lines.append(f"  reason: {view['reason']}")
     if "receipt" in view:
         lines.append(receipt_text(view["receipt"]))
     return "\n".join(lines)
@@ -105,6 +112,11 @@ def close_text(receipt: dict[str, Any]) -> str:
             lines.append(f"  {group.replace('_', ' ')}: {', '.join(sessions)}")
     if not receipt["outcome"]["all_commands_succeeded"]:
         lines.append("  note      complete is not success: some commands did not succeed")
+    for loss in receipt["outcome"].get("output_incomplete", []):
+        lines.append(
+            f"  output    {loss['session']} {loss['stream']} INCOMPLETE: stored "
+            f"{loss['stored']} bytes, {loss['dropped']} drained but not stored ({loss['reason']})"
+        )
     lines.append(f"  digest    {receipt['digest']}")
     return "\n".join(lines)
 

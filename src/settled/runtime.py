@@ -7,13 +7,14 @@ admission belongs to the owner; the runtime only reads facts and asks the owner 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from settled import boundary as boundaries
 from settled.atomic import write_atomic
@@ -24,7 +25,16 @@ from settled.close.decide import explain
 from settled.close.join import CloseJoin, CloseResult
 from settled.errors import BadInput, OwnerLaunchFailed, SettledError
 from settled.faults import ALL_POINTS as ALL_POINTS  # named for `settled close --list-fault-points`
-from settled.home import log_path, prepare_home, resolve_home, stdin_path
+from settled.home import (
+    check_reserve,
+    last_words_path,
+    log_path,
+    prepare_home,
+    resolve_home,
+    stdin_path,
+    storage_errors,
+)
+from settled.home import storage_error as storage_error  # for the CLI: one line for a disk error
 from settled.identity import (
     CommandSpec,
     check_user,
@@ -36,6 +46,7 @@ from settled.identity import (
 from settled.log.reader import StreamLog as StreamLog
 from settled.log.reader import follow, read_range, stored_length
 from settled.log.view import MARKER, Window, model_view, read_window
+from settled.owner.last_words import read_last_words
 from settled.owner.launcher import FreshLauncher
 from settled.owner.launcher import Launcher as Launcher
 from settled.owner.liveness import LocalOwners
@@ -129,6 +140,29 @@ def _check_isolation(spec: CommandSpec, kind: str) -> None:
         raise BadInput(str(exc)) from None
 
 
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def _on_disk(
+    what: str,
+) -> Callable[[Callable[Concatenate[Runtime, _P], _R]], Callable[Concatenate[Runtime, _P], _R]]:
+    """A verb whose writes may meet a full or failing disk: the error is SpaceExhausted /
+    StorageFailed naming the home's filesystem (home.storage_errors), for every face."""
+
+    def wrap(
+        method: Callable[Concatenate[Runtime, _P], _R],
+    ) -> Callable[Concatenate[Runtime, _P], _R]:
+        @functools.wraps(method)
+        def run(self: Runtime, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+            with storage_errors(self.home, what):
+                return method(self, *args, **kwargs)
+
+        return run
+
+    return wrap
+
+
 class Runtime:
     """`launcher="warm"` keeps a pre-imported zygote (this Runtime's child) that forks owners in
     ~2 ms instead of a fresh interpreter per session; worth it for a long-lived caller. The
@@ -150,11 +184,14 @@ class Runtime:
         self._launcher_kind = launcher
         self.store: Store = open_store(self.home)
         self.workspace = WorkspaceService(self.home, self.store)
-        self.sessions = SessionWatch(self.store, LocalOwners())
+        self.sessions = SessionWatch(self.store, LocalOwners(), last_words=self._last_words)
         self.sandbox: SandboxProvider = LocalSandbox()
         self.recovery = Recovery(self.store, self.sessions, self.sandbox, self.home)
         self._launcher: Launcher | None = shared_launcher
         self._owns_launcher = shared_launcher is None
+
+    def _last_words(self, session: str) -> dict[str, Any] | None:
+        return read_last_words(last_words_path(self.home, session))
 
     def close(self) -> None:
         if self._launcher is not None and self._owns_launcher:
@@ -181,6 +218,7 @@ class Runtime:
 
     # -- tasks ---------------------------------------------------------------------------
 
+    @_on_disk("task new")
     def new_task(
         self,
         workspace: str | None = None,
@@ -192,7 +230,9 @@ class Runtime:
         """`user` (UID[:GID], a name, or a (uid, gid) pair) is the default uid/gid of the
         task's commands; an exec may name another. A workspace that cannot be right is
         refused (placement.check_workspace), and so is one overlapping another open task's
-        unless `shared_workspace` (then both tasks' close receipts name each other)."""
+        unless `shared_workspace` (then both tasks' close receipts name each other). Refused
+        below the home's reserve."""
+        check_reserve(self.home, "task new")
         uid_gid = _resolve_user(user)
         made = None
         if workspace is None:
@@ -240,6 +280,7 @@ class Runtime:
 
     # -- admission -----------------------------------------------------------------------
 
+    @_on_disk("exec")
     def exec(
         self,
         task: str,
@@ -264,8 +305,10 @@ class Runtime:
         missing), "strict" (refused unless every one is available) or "none"; `user` runs the
         command as another uid/gid (default: the task's, else the caller's). The host is
         read-only to the command but for its workspace, /tmp, /var/tmp and the `writable`
-        paths (`["/"]`: all of it, which the receipt states)."""
+        paths (`["/"]`: all of it, which the receipt states). Refused (SpaceExhausted) while
+        the home's filesystem is below its reserve."""
         record = self.store.get_task(task)
+        check_reserve(self.home, f"exec in task {task}")
         spec = CommandSpec(
             argv=tuple(argv) if argv is not None else None,
             shell=shell,
@@ -351,6 +394,7 @@ class Runtime:
 
     # -- close, explain, restore ---------------------------------------------------------
 
+    @_on_disk("close")
     def close_task(
         self, task: str, final: str | None = None, deadline: float | None = None
     ) -> CloseResult:
@@ -362,10 +406,12 @@ class Runtime:
     ) -> CloseJoin:
         return CloseJoin(self.store, self.workspace, self.sessions, task, final, deadline)
 
+    @_on_disk("recover")
     def recover(self, task: str | None = None) -> list[dict[str, Any]]:
         """Inspect every session whose owner is gone; settle those with evidence (rule 4)."""
         return self.recovery.recover(task)
 
+    @_on_disk("task destroy")
     def destroy_task(self, task: str) -> dict[str, Any]:
         """Destroy the task's sandbox: evidence for every session inside it. Sessions outside
         any sandbox (subreaper, pgroup) stay unknown."""
@@ -375,6 +421,7 @@ class Runtime:
         results = self.recovery.recover(task, source="sandbox-destroyed")
         return {"task": task, "sandbox": destroyed, "sessions": results}
 
+    @_on_disk("checkpoint")
     def checkpoint(self, task: str, *, incremental: bool = True) -> dict[str, Any]:
         """Checkpoint an open task's workspace now (the close always does its own full scan)."""
         return self.workspace.checkpoint_now(self.store.get_task(task), incremental=incremental)

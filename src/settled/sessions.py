@@ -9,6 +9,7 @@ liveness comes from a `Liveness` (for owners on this host, `owner.liveness.Local
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from settled.errors import NotSettled
@@ -35,9 +36,17 @@ class Liveness(Protocol):
     def ask_to_cancel(self, owner: OwnerInfo) -> None: ...
 
 
+LastWords = Callable[[str], dict[str, Any] | None]  # session -> what its owner said last
+
+
 class SessionWatch:
-    def __init__(self, store: Store, liveness: Liveness) -> None:
+    def __init__(
+        self, store: Store, liveness: Liveness, last_words: LastWords | None = None
+    ) -> None:
+        """`last_words` reads what an owner that ended without a receipt recorded (why it
+        could not write one): an unknown session's status shows it as `reason`."""
         self.store, self.liveness = store, liveness
+        self._last_words = last_words
 
     def owner_facts(self, record: SessionRecord) -> OwnerFacts | None:
         return None if record.owner is None else self.liveness.facts(record.owner)
@@ -49,7 +58,12 @@ class SessionWatch:
             # The owner writes its receipt before it exits: one that settled and exited between
             # the two reads above is settled, not unknown. Read the record again to see.
             record = self.store.get_session(session)
-        return session_status(record, facts)
+        view = session_status(record, facts)
+        if view["state"] == UNKNOWN and self._last_words is not None:
+            words = self._last_words(session)
+            if words is not None:
+                view["reason"] = words["reason"]
+        return view
 
     def wait(self, session: str, timeout: float | None = None) -> dict[str, Any]:
         """Block until the session has a receipt (or is unknown); the session's clock, not ours.

@@ -10,6 +10,13 @@ re-runs a command.
         AND checkpoint_covers(final_scan_boundary)      -- >= every terminal mutation
         AND checkpoint_manifest_reads_back_exactly
         AND checkpoint_carries_runtime_fence
+
+A stream whose owner drained bytes it could not store (disk full, I/O error, the home's reserve
+reached) does not block completion: its final cursor is still a fact (the stored length), its
+process is still proven dead, and the lost bytes can never come back, so blocking would make the
+task impossible to complete. It is never called complete silently either: `output_losses`
+names each such stream, `explain` words it, and the close receipt lists it in
+`outcome.output_incomplete`.
 """
 
 from __future__ import annotations
@@ -200,6 +207,39 @@ def command_outcomes(sessions: list[SessionRecord]) -> dict[str, list[str]]:
     return groups
 
 
+def output_losses(sessions: list[SessionRecord]) -> list[dict[str, Any]]:
+    """Every stream whose receipt says bytes were drained but not stored, with how many and why.
+    A recovered stream (its owner lost) says nothing of dropped bytes: its drain is incomplete,
+    which the receipt already states."""
+    losses = []
+    for session in sessions:
+        output = (session.receipt or {}).get("output", {})
+        for stream in ("stdout", "stderr"):
+            fact = output.get(stream) or {}
+            if fact.get("dropped") or fact.get("complete") is False:
+                losses.append(
+                    {
+                        "session": session.session,
+                        "stream": stream,
+                        "stored": fact.get("cursor"),
+                        "dropped": fact.get("dropped"),
+                        "reason": fact.get("dropped_reason"),
+                    }
+                )
+    return losses
+
+
+def _loss_words(losses: list[dict[str, Any]]) -> str:
+    if not losses:
+        return ""
+    parts = [
+        f"session {loss['session']} {loss['stream']} stored {loss['stored']} bytes and "
+        f"{loss['dropped']} more were drained but not stored ({loss['reason']})"
+        for loss in losses
+    ]
+    return " Output incomplete: " + "; ".join(parts) + "."
+
+
 def protections(isolation: dict[str, Any] | None) -> tuple[list[str], dict[str, str]]:
     """The protections a session ran under, in words, and the missing ones with why."""
     if not isolation or "missing" not in isolation:
@@ -261,7 +301,9 @@ def explain(facts: CloseFacts) -> dict[str, Any]:
     result = _explain(facts)
     views = [session_evidence(s) for s in facts.sessions]
     result["sessions"] = views
-    result["words"] += "".join(_session_words(v) for v in views)
+    losses = output_losses(facts.sessions)
+    result["output_incomplete"] = losses
+    result["words"] += _loss_words(losses) + "".join(_session_words(v) for v in views)
     return result
 
 

@@ -22,6 +22,7 @@ from settled.close.decide import (
     Next,
     command_outcomes,
     next_decision,
+    output_losses,
 )
 from settled.errors import StaleWrite
 from settled.receipts import seal
@@ -221,6 +222,7 @@ class CloseJoin:
                         v for k, v in outcomes.items() if k not in ("succeeded", "services_stopped")
                     ),
                     "commands": outcomes,
+                    "output_incomplete": output_losses(facts.sessions),
                 },
             }
         )

@@ -1,14 +1,22 @@
 """Write one stream of a session's output to its append-only byte log.
 
 Owns: creating ``stdout.log`` / ``stderr.log``, appending every drained byte (up to an optional
-cap), the running BLAKE3 digest over exactly the stored bytes, the cursor, the durable cursor
-(published only after a successful fsync) and the final :class:`StreamSummary`.
+cap, and while the home stays above its reserve), the running BLAKE3 digest over exactly the
+stored bytes, the cursor, the durable cursor (published only after a successful fsync) and the
+final :class:`StreamSummary`.
+
+When the log cannot be written (ENOSPC, EIO, a failed fsync, or the reserve reached) the writer
+does not raise and the owner does not stop draining: from that byte on it stores nothing more
+(the log stays a prefix of the output, never a prefix with a hole), counts every later byte in
+``dropped`` and keeps the first reason in ``dropped_reason``. The summary then says the stream is
+incomplete. After a failed fsync the file is never fsynced again (the kernel may have dropped
+dirty pages and a later fsync can "succeed"), so the durable cursor stays where it was.
 
 Must never: split, decode or look at the bytes; drop a byte silently (bytes past the cap are
-counted in ``not_stored``); stop draining because of the cap; retry a failed fsync silently;
-reuse an existing file; accept bytes after a failed write or fsync (the writer is then poisoned
-and every later call raises). This runs on the supervisor's hot path: it allocates nothing per read
-and imports only os, fcntl, errno, dataclasses, typing and blake3.
+counted in ``not_stored``, bytes it could not store in ``dropped``); stop draining; retry a
+failed write or fsync; reuse an existing file. This runs on the supervisor's hot path: it
+allocates nothing per read and imports only os, fcntl, errno, dataclasses, typing, blake3 and
+settled's foundation.
 """
 
 from __future__ import annotations
@@ -20,6 +28,9 @@ from dataclasses import dataclass
 from typing import Final
 
 from blake3 import blake3
+
+from settled import faults
+from settled.home import SpaceGuard
 
 DIGEST_ALGORITHM: Final = "blake3"
 
@@ -39,6 +50,13 @@ class StreamSummary:
     drained: int  # all bytes read from the pipe (stored + not_stored)
     not_stored: int  # bytes drained past the cap, counted but not written
     cap: int | None  # per-stream cap in bytes, None = unlimited
+    dropped: int = 0  # bytes drained that could not be stored (disk full, I/O error, reserve)
+    dropped_reason: str | None = None  # why the first of them was not stored
+
+    @property
+    def complete(self) -> bool:
+        """Every drained byte was stored, or deliberately not stored past the cap."""
+        return self.dropped == 0 and self.dropped_reason is None
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -47,23 +65,29 @@ class StreamSummary:
             "drained": self.drained,
             "not_stored": self.not_stored,
             "cap": self.cap,
+            "dropped": self.dropped,
+            "dropped_reason": self.dropped_reason,
+            "complete": self.complete,
         }
 
 
 class StreamWriter:
     """Append-only writer for one stream's log file."""
 
-    def __init__(self, path: str, cap: int | None = None) -> None:
+    def __init__(self, path: str, cap: int | None = None, space: SpaceGuard | None = None) -> None:
         if cap is not None and cap < 0:
             raise ValueError(f"cap must be >= 0 or None, got {cap}")
         self._path = path
         self._cap = cap
+        self._space = space
+        self._dropped = 0
+        self._dropped_reason: str | None = None
+        self._sync_failed = False
         self._hasher = blake3()
         self._cursor = 0
         self._durable = 0
         self._drained = 0
         self._not_stored = 0
-        self._failure: OSError | None = None
         self._summary: StreamSummary | None = None
         # O_EXCL: FileExistsError if the log already exists; a log is never reused.
         self._fd = os.open(path, _OPEN_FLAGS, _FILE_MODE)
@@ -83,49 +107,60 @@ class StreamWriter:
         return self._durable
 
     def append(self, data: memoryview | bytes) -> None:
-        """Write all of ``data`` (looping on short writes); bytes past the cap are only counted."""
+        """Store all of ``data`` (looping on short writes); bytes past the cap are only counted,
+        and so are bytes that cannot be stored once the log could not be written."""
         if self._fd < 0:
             raise ValueError(f"append to closed log {self._path}")
-        self._check_failure()
         view = memoryview(data)
         if view.format != "B" or view.ndim != 1:
             view = view.cast("B")
         size = len(view)
         self._drained += size
-        keep = size
+        wanted = size
         if self._cap is not None:
-            keep = min(size, max(0, self._cap - self._cursor))
-            self._not_stored += size - keep
+            wanted = min(size, max(0, self._cap - self._cursor))
+            self._not_stored += size - wanted
+        keep = wanted if self._dropped_reason is None else 0
+        if keep and self._space is not None:
+            keep = self._space.room(wanted)
+            if keep < wanted:
+                self._stop_storing(self._space.refused or "the reserve was reached")
         offset = 0
         fd = self._fd
         while offset < keep:
             try:
+                faults.point("owner.log_write")
                 written = os.write(fd, view[offset:keep])
             except OSError as exc:
-                # The writer is poisoned: every later append, sync and close raises too.
-                self._failure = exc
-                raise
+                self._stop_storing(f"write failed: {_os_reason(exc)}")
+                break
             self._hasher.update(view[offset : offset + written])
             offset += written
             self._cursor += written
+        self._dropped += wanted - offset
 
     def sync(self) -> int:
-        """fsync the log; return and record the durable cursor. An fsync error always raises."""
+        """fsync the log; return and record the durable cursor. A failed fsync is never
+        retried: the log stores nothing more and its durable cursor stays where it was."""
         if self._fd < 0:
             if self._summary is not None:
                 return self._durable
             raise ValueError(f"sync of closed log {self._path}")
-        self._check_failure()
         cursor = self._cursor
-        if cursor == self._durable and cursor > 0:
-            return cursor  # nothing new since the last fsync: a silent stream costs nothing
+        if self._sync_failed or (cursor == self._durable and cursor > 0):
+            return self._durable  # nothing new since the last fsync: a silent stream costs nothing
         try:
+            faults.point("owner.log_sync")
             os.fsync(self._fd)
         except OSError as exc:
             # After a failed fsync the kernel may have dropped dirty pages and a later fsync
             # can "succeed": never trust this file as durable again.
-            self._failure = exc
-            raise
+            self._sync_failed = True
+            self._stop_storing(
+                f"fsync failed: {_os_reason(exc)}; bytes after cursor {self._durable} are "
+                "not known to be on disk"
+            )
+            return self._durable
         self._durable = cursor
         return cursor
 
@@ -134,7 +169,6 @@ class StreamWriter:
         if self._summary is not None:
             return self._summary
         if self._fd < 0:
-            self._check_failure()
             raise ValueError(f"log {self._path} is closed without a summary")
         try:
             self.sync()
@@ -147,15 +181,25 @@ class StreamWriter:
             drained=self._drained,
             not_stored=self._not_stored,
             cap=self._cap,
+            dropped=self._dropped,
+            dropped_reason=self._dropped_reason,
         )
         return self._summary
 
-    def _check_failure(self) -> None:
-        if self._failure is not None:
-            raise OSError(
-                self._failure.errno,
-                f"log {self._path} failed earlier and is not trusted: {self._failure.strerror}",
-            ) from self._failure
+    @property
+    def dropped(self) -> int:
+        """Bytes drained that could not be stored so far."""
+        return self._dropped
+
+    def _stop_storing(self, reason: str) -> None:
+        """From now on nothing more is stored: the first reason is the one the receipt names."""
+        if self._dropped_reason is None:
+            self._dropped_reason = f"{reason} (stored {self._cursor} bytes before it)"
+
+
+def _os_reason(exc: OSError) -> str:
+    name = errno.errorcode.get(exc.errno or 0, str(exc.errno))
+    return f"{name}: {exc.strerror}"
 
 
 def drain_once(fd: int, buf: bytearray, writer: StreamWriter) -> int:

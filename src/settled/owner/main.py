@@ -23,10 +23,19 @@ from settled import faults
 from settled.boundary import procfs
 from settled.boundary.isolation import IsolationPlan, IsolationUnavailable, make_plan
 from settled.boundary.spawn import ChildIO, Launch, SpawnFailed
-from settled.errors import BoundaryUnavailable, StaleWrite
-from settled.home import journal_socket, log_path, make_session_dir, stdin_path
+from settled.errors import BoundaryUnavailable, StaleWrite, StorageFailed
+from settled.home import (
+    SpaceGuard,
+    journal_socket,
+    last_words_path,
+    log_path,
+    make_session_dir,
+    stdin_path,
+    storage_error,
+)
 from settled.identity import CommandSpec
 from settled.log.writer import StreamWriter, enlarge_pipe
+from settled.owner.last_words import LastWords
 from settled.owner.lease import STALE_BEATS, LeaseKeeper, Renew
 from settled.owner.supervise import Outcome, OwnerSignals, Streams, Supervisor
 from settled.receipts import exit_fact, not_started_fact, process_receipt
@@ -102,6 +111,8 @@ class Owner:
         self.plan: IsolationPlan | None = None
         self.env_removed: list[str] = []
         self.streams: Streams | None = None
+        self.last_words: LastWords | None = None
+        self.store_trouble: str | None = None  # the first renewal the store could not write
         self.lease = LeaseKeeper(self._renewals, stale_after=STALE_BEATS * HEARTBEAT_S)
 
     # -- the session, start to receipt ---------------------------------------------------
@@ -120,6 +131,12 @@ class Owner:
         cancel = record.cancel_requested or signals.stop_reason
         if cancel:
             return self._never_ran("cancelled", "admission", cancel)
+        try:  # before anything runs: a place to say why, should the receipt not fit later
+            make_session_dir(self.home, self.record.session)
+            self.last_words = LastWords(last_words_path(self.home, self.record.session))
+        except OSError as exc:
+            typed = storage_error(exc, self.home, "reserving the owner's last words")
+            return self._never_ran("not_started", "space", str(typed or exc))
         # Started before the boundary: once this process has unshared a PID namespace for its
         # children, the kernel refuses it any new thread (CLONE_THREAD across PID namespaces).
         # It idles until the supervise loop asks for its first renewal.
@@ -189,7 +206,7 @@ class Owner:
             lease=self.lease,
             heartbeat_every=HEARTBEAT_S,
             signals=signals,
-            settling=lambda: self.store.settle_begin(record.session, self.generation),
+            settling=self._settle_begin,
         )
         try:
             outcome = supervisor.run(started)
@@ -203,12 +220,21 @@ class Owner:
 
     # -- pieces --------------------------------------------------------------------------
 
+    def _settle_begin(self) -> None:
+        """Record that the session is settling. A disk that refuses it does not stop the owner:
+        the receipt settles a running session as well (states.py), and draining matters more."""
+        try:
+            self.store.settle_begin(self.record.session, self.generation)
+        except StorageFailed as exc:
+            self.store_trouble = self.store_trouble or str(exc)
+
     def _open_streams(self) -> Streams:
         make_session_dir(self.home, self.record.session)
         cap_text = os.environ.get(LOG_CAP_ENV)
         cap = int(cap_text) if cap_text else None
+        space = SpaceGuard(self.home)  # both streams stop storing at the home's reserve
         writers = {
-            name: StreamWriter(log_path(self.home, self.record.session, name), cap)
+            name: StreamWriter(log_path(self.home, self.record.session, name), cap, space)
             for name in ("stdout", "stderr")
         }
         fds: dict[str, int] = {}
@@ -260,13 +286,20 @@ class Owner:
         the cursor only after its write returned, so the fsync covers every byte it names."""
         assert self.streams is not None  # the loop asks only once the streams exist
         durable = {name: writer.sync() for name, writer in self.streams.writers.items()}
-        return store.heartbeat(
-            self.record.session,
-            self.generation,
-            alive_at + LEASE_S,
-            durable["stdout"],
-            durable["stderr"],
-        )
+        try:
+            return store.heartbeat(
+                self.record.session,
+                self.generation,
+                alive_at + LEASE_S,
+                durable["stdout"],
+                durable["stderr"],
+            )
+        except StorageFailed as exc:
+            # The store's disk refused the renewal: not a reason to stop draining. The lease is
+            # not extended, so if this lasts, the session shows unknown (and recovery may fence
+            # this owner) exactly as for a starved owner; the next beat tries again.
+            self.store_trouble = self.store_trouble or str(exc)
+            return None
 
     def _settle(self, outcome: Outcome, streams: Streams) -> int:
         self.lease.close()  # ended by the supervisor already; no thread outlives the settle
@@ -308,8 +341,39 @@ class Owner:
         )
         faults.point("owner.before_receipt")
         event = "receipt" if outcome.evidence.proven else "lose"
-        self.store.write_receipt(self.record.session, self.generation, receipt, event=event)
-        return 0
+        return self._write_receipt(receipt, event)
+
+    def _write_receipt(self, receipt: dict[str, Any], event: str = "receipt") -> int:
+        """Write the receipt; if the disk refuses it, leave the reason in the last words (whose
+        block was reserved at claim), so recovery and status can say why this session is
+        unknown instead of finding a silent owner."""
+        try:
+            faults.point("owner.receipt_write")
+            self.store.write_receipt(self.record.session, self.generation, receipt, event=event)
+        except StorageFailed as exc:
+            failure = str(exc)
+        except OSError as exc:
+            failure = str(storage_error(exc, self.home, "writing the receipt") or exc)
+        else:
+            return 0
+        self.say_last_words(
+            f"the owner could not write its receipt: {failure}",
+            receipt=receipt["digest"],
+            output={
+                name: {k: receipt["output"][name].get(k) for k in ("cursor", "dropped")}
+                for name in ("stdout", "stderr")
+            },
+        )
+        return 4
+
+    def say_last_words(self, reason: str, **facts: Any) -> None:
+        """Record why this owner ends without a receipt (also on its owner.log, if it can)."""
+        if self.store_trouble:
+            facts.setdefault("store_trouble", self.store_trouble)
+        if self.last_words is not None:
+            self.last_words.record(reason, **facts)
+        with contextlib.suppress(OSError, ValueError):
+            print(f"settled owner: {reason}", file=sys.stderr, flush=True)
 
     def _never_ran(
         self, reason: str, stage: str, error: str, streams: Streams | None = None
@@ -339,9 +403,9 @@ class Owner:
             stragglers=[],
             terminal_mutation={"seq": None, "source": "none", "why": "the command never ran"},
         )
-        self.store.write_receipt(self.record.session, self.generation, receipt)
+        code = self._write_receipt(receipt)
         self.ready.send(state="settled", owner_pid=os.getpid(), error=error)
-        return 0
+        return code
 
     def _terminal_mutation(self) -> dict[str, Any]:
         """The journal's watermark read after death evidence: every write of the session's
@@ -394,13 +458,19 @@ def run_session(home: str, session: str, ready_fd: int | None) -> int:
     os.chdir("/")
     ready = Ready(ready_fd)
     store = open_store(home)
+    owner: Owner | None = None
     try:
         record = store.get_session(session)
-        return Owner(store, home, record, ready).run()
+        owner = Owner(store, home, record, ready)
+        return owner.run()
     except BaseException as exc:
         ready.send(error=f"owner failed: {exc!r}")
+        if owner is not None and not isinstance(exc, SystemExit | KeyboardInterrupt):
+            owner.say_last_words(f"the owner failed: {exc!r}")
         raise
     finally:
+        if owner is not None and owner.last_words is not None:
+            owner.last_words.close()
         store.close()
 
 

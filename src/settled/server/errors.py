@@ -31,6 +31,7 @@ from settled.errors import (
     OwnerLaunchFailed,
     ReceiptTampered,
     SettledError,
+    SpaceExhausted,
     StaleWrite,
     UnknownSession,
     UnknownTask,
@@ -64,6 +65,7 @@ STATUS_OF: tuple[tuple[type[SettledError], int], ...] = (
     (BadInput, 400),
     (OwnerLaunchFailed, 500),
     (ReceiptTampered, 500),  # the server's own evidence is damaged: nothing is decided from it
+    (SpaceExhausted, 507),  # Insufficient Storage: below the home's reserve, or the disk is full
     (SettledError, 500),
 )
 

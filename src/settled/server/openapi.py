@@ -62,6 +62,9 @@ AUTH_ERRORS = {
     "401": _error("missing or unknown bearer token"),
     "404": _error("unknown, or outside this token's scope (the same answer)"),
 }
+SPACE_ERRORS = {  # SpaceExhausted: names free_bytes, reserve_bytes and the path
+    "507": _error("SpaceExhausted: the home's filesystem is below its reserve, or full"),
+}
 CURSOR_ERRORS = {
     "400": _error("bad stream, cursor or flag"),
     "416": {
@@ -88,6 +91,7 @@ def _tasks() -> dict[str, Any]:
                     "400": _error("bad body or workspace"),
                     "401": AUTH_ERRORS["401"],
                     "403": _error("this token is scoped to tasks and cannot create one"),
+                    **SPACE_ERRORS,
                 },
                 requestBody=_body("TaskRequest", required=False),
             )
@@ -113,6 +117,7 @@ def _tasks() -> dict[str, Any]:
                     ),
                     "423": _error("AdmissionFrozen: names the unknown session recovery awaits"),
                     "500": _error("OwnerLaunchFailed: retry with the same key"),
+                    **SPACE_ERRORS,
                 },
                 parameters=[TASK],
                 requestBody=_body("SessionRequest"),
@@ -126,6 +131,7 @@ def _tasks() -> dict[str, Any]:
                     "400": _error("bad body"),
                     **AUTH_ERRORS,
                     "409": _json("not complete: what it is blocked on", "Blocked"),
+                    **SPACE_ERRORS,
                 },
                 parameters=[TASK],
                 requestBody=_body("CloseRequest", required=False),
@@ -237,7 +243,12 @@ def _sessions() -> dict[str, Any]:
         "/v1/recover": {
             "post": _operation(
                 "Inspect sessions whose owner died (this token's tasks, or one task)",
-                {"200": _json("recovery results"), "400": _error("bad body"), **AUTH_ERRORS},
+                {
+                    "200": _json("recovery results"),
+                    "400": _error("bad body"),
+                    **AUTH_ERRORS,
+                    **SPACE_ERRORS,
+                },
                 requestBody=_body("RecoverRequest", required=False),
             )
         },

@@ -9,6 +9,7 @@ Never touches processes, logs or the workspace.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import sqlite3
@@ -25,6 +26,7 @@ from settled.errors import (
     KeyConflict,
     ReceiptTampered,
     StaleWrite,
+    StorageFailed,
     UnknownSession,
     UnknownTask,
     WorkspaceOverlap,
@@ -34,6 +36,7 @@ from settled.home import (
     home_id_path,
     private_file,
     read_home_id,
+    storage_error,
     write_home_id_once,
 )
 from settled.identity import new_id
@@ -197,6 +200,22 @@ def _checked_fact(task: str, step: str, text: str, digest: str | None) -> dict[s
     return fact
 
 
+SQLITE_IOERR, SQLITE_FULL = 10, 13  # primary result codes (the low byte of an extended one)
+
+
+def _disk_error(exc: sqlite3.DatabaseError, path: str) -> StorageFailed | None:
+    """The typed error for SQLite's "disk is full" and I/O errors, None for any other."""
+    code = (getattr(exc, "sqlite_errorcode", None) or 0) & 0xFF
+    if code == SQLITE_FULL:
+        number = errno.ENOSPC
+    elif code == SQLITE_IOERR:
+        number = errno.EIO
+    else:
+        return None
+    error = OSError(number, f"{os.strerror(number)} ({exc})", path)
+    return storage_error(error, os.path.dirname(path), "writing to the store")
+
+
 class SQLiteStore:
     """One connection per instance; one instance per process (owners open their own)."""
 
@@ -213,10 +232,10 @@ class SQLiteStore:
             self._db.execute("PRAGMA foreign_keys=ON")
             self._migrate()
             self._check_identity()
-        except (sqlite3.Error, HomeUnusable) as exc:
+        except (sqlite3.Error, HomeUnusable, StorageFailed) as exc:
             with contextlib.suppress(AttributeError, sqlite3.Error):
                 self._db.close()
-            if isinstance(exc, HomeUnusable):
+            if isinstance(exc, HomeUnusable | StorageFailed):
                 raise
             raise HomeUnusable(f"cannot open the store at {path}: {exc}") from exc
 
@@ -228,13 +247,24 @@ class SQLiteStore:
 
     @contextmanager
     def _write(self) -> Iterator[sqlite3.Connection]:
-        self._db.execute("BEGIN IMMEDIATE")
+        """One write transaction. A full or failing disk ("database or disk is full", an I/O
+        error) is the typed SpaceExhausted / StorageFailed naming the store, never a bare
+        sqlite3 error; the transaction is rolled back if SQLite did not already."""
         try:
-            yield self._db
-        except BaseException:
-            self._db.execute("ROLLBACK")
-            raise
-        self._db.execute("COMMIT")
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                yield self._db
+                self._db.execute("COMMIT")
+            except BaseException:
+                if self._db.in_transaction:
+                    with contextlib.suppress(sqlite3.Error):
+                        self._db.execute("ROLLBACK")
+                raise
+        except sqlite3.DatabaseError as exc:
+            typed = _disk_error(exc, self.path)
+            if typed is None:
+                raise
+            raise typed from exc
 
     def _migrate(self) -> None:
         with self._write() as db:
@@ -252,11 +282,12 @@ class SQLiteStore:
                         db.execute(statement)
                 if step == SEALS_CLOSE_FACTS:  # once, in the migration: never on a later open
                     self._seal_old_close_facts(db)
-            db.execute(
-                "INSERT INTO meta(key, value) VALUES('schema_version', ?) "
-                "ON CONFLICT(key) DO UPDATE SET value=excluded.value",
-                (str(SCHEMA_VERSION),),
-            )
+            if version != SCHEMA_VERSION:  # an open writes nothing once migrated (a full disk)
+                db.execute(
+                    "INSERT INTO meta(key, value) VALUES('schema_version', ?) "
+                    "ON CONFLICT(key) DO UPDATE SET value=excluded.value",
+                    (str(SCHEMA_VERSION),),
+                )
 
     def _check_identity(self) -> None:
         """The store and home.id name one home. The first open records the id in both (the

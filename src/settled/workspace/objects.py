@@ -39,6 +39,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import BinaryIO, Final
 
+from settled import faults
 from settled.errors import SettledError
 from settled.workspace.hashing import (
     ALGORITHMS,
@@ -117,6 +118,7 @@ def _syncfs(fd: int, path: str) -> None:
 def _write_all(fd: int, data: Buffer, path: str) -> None:
     view = memoryview(data).cast("B")
     try:
+        faults.point("checkpoint.blob_write")
         while view:
             view = view[os.write(fd, view) :]
     except OSError as error:
