@@ -14,6 +14,7 @@ import pytest
 from blake3 import blake3
 
 from settled import errors
+from settled.home import log_path
 from settled.log import (
     CursorOutOfRange,
     StreamWriter,
@@ -27,6 +28,8 @@ from settled.log import (
     stored_length,
     stream_path,
 )
+from settled.records import TaskRecord
+from settled.runtime import Runtime
 
 MARKER = re.compile(
     r"\n\[settled: omitted (\w+) bytes (\d+)\.\.(\d+) \((\d+) bytes\); "
@@ -485,3 +488,19 @@ def test_stream_path_names_only_known_streams(tmp_path: Path) -> None:
     assert stream_path(str(tmp_path), "stdout") == str(tmp_path / "stdout.log")
     with pytest.raises(ValueError, match="unknown stream"):
         stream_path(str(tmp_path), "stdin")
+
+
+def test_bytes_stored_past_a_settled_streams_final_cursor_are_never_served(
+    rt: Runtime, task: TaskRecord
+) -> None:
+    """Recovery may close a lost owner's log in place (no room to copy it): bytes that owner
+    appends later lie past the final cursor, and no read or view of the stream shows them."""
+    admission = rt.exec(task.task, shell="printf proven")
+    rt.wait(admission.session, timeout=30)
+    assert rt.final_cursor(admission.session, "stdout") == len(b"proven")
+    with open(log_path(rt.home, admission.session, "stdout"), "ab") as late:
+        late.write(b" and appended after the receipt")
+    assert rt.read(admission.session, "stdout", 0, 1 << 20) == b"proven"
+    assert "appended" not in rt.view(admission.session, "stdout", 4096)
+    with pytest.raises(CursorOutOfRange):
+        rt.read(admission.session, "stdout", len(b"proven") + 1, 10)

@@ -45,7 +45,7 @@ from settled.identity import (
 )
 from settled.log.reader import StreamLog as StreamLog
 from settled.log.reader import follow, read_range, stored_length
-from settled.log.view import MARKER, Window, model_view, read_window
+from settled.log.view import MARKER, Window, read_window
 from settled.owner.last_words import read_last_words
 from settled.owner.launcher import FreshLauncher
 from settled.owner.launcher import Launcher as Launcher
@@ -484,8 +484,8 @@ class Runtime:
     def read(self, session: str, stream: str, start: int = 0, size: int = 1 << 20) -> bytes:
         """Up to ``size`` stored bytes of the stream from cursor ``start`` (CursorOutOfRange
         past what is stored)."""
-        self.store.get_session(session)
-        return read_range(log_path(self.home, session, stream), start, size)
+        final = self.final_cursor(session, stream)  # the final cursor bounds what is served
+        return read_range(log_path(self.home, session, stream), start, size, final)
 
     def follow(
         self, session: str, stream: str, start: int = 0, timeout: float | None = None
@@ -499,10 +499,7 @@ class Runtime:
     def view(self, session: str, stream: str, budget: int) -> str:
         """The model view of everything stored of the stream, within ``budget`` UTF-8 bytes,
         its marker naming the omitted range as ``settled logs --from`` reads it."""
-        self.store.get_session(session)
-        return model_view(
-            log_path(self.home, session, stream), budget, stream=stream, session=session
-        )
+        return self.window(session, stream, 0, budget)[0].text
 
     def window(
         self, session: str, stream: str, cursor: int, budget: int, *, marker: str = MARKER

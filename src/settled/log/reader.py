@@ -87,9 +87,11 @@ class StreamLog:
         return read_at(self.path, cursor, size, limit)
 
 
-def read_range(path: str, start: int, max_bytes: int) -> bytes:
+def read_range(path: str, start: int, max_bytes: int, end: int | None = None) -> bytes:
     """Bytes ``[start, start + max_bytes)`` of the stored stream (fewer at its end).
 
+    ``end`` (a settled stream's final cursor) is where the stream ends even when the file holds
+    more: bytes a lost owner appended after recovery named the cursor are never served.
     ``start == length`` gives ``b""``; ``start < 0`` or ``start > length`` raises
     :class:`CursorOutOfRange`.
     """
@@ -103,6 +105,8 @@ def read_range(path: str, start: int, max_bytes: int) -> bytes:
         return b""
     try:
         length = os.fstat(fd).st_size
+        if end is not None:
+            length = min(length, end)
         if start < 0 or start > length:
             raise CursorOutOfRange(start, length, stream_name(path))
         size = min(max_bytes, length - start)
