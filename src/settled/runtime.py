@@ -416,9 +416,15 @@ class Runtime:
         """Destroy the task's sandbox: evidence for every session inside it. Sessions outside
         any sandbox (subreaper, pgroup) stay unknown."""
         record = self.store.get_task(task)
-        destroyed = self.sandbox.destroy(record.task, self.store.list_sessions(task))
+        sessions = self.store.list_sessions(task)
+        destroyed = self.sandbox.destroy(record.task, sessions)
         self.recovery.detect(task, force=True)
         results = self.recovery.recover(task, source="sandbox-destroyed")
+        reported = {result["session"] for result in results}
+        for was_live in (s for s in sessions if s.live and s.session not in reported):
+            # settled meanwhile by its own owner or a racing destroy: say what it is now
+            now = self.store.get_session(was_live.session)
+            results.append({"session": now.session, "state": now.state, "by": "another"})
         return {"task": task, "sandbox": destroyed, "sessions": results}
 
     @_on_disk("checkpoint")
