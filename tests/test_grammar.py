@@ -1,0 +1,364 @@
+"""Every input has a grammar (issue 12, item 4): the grammar module itself, then every face.
+
+The property throughout: a value outside its field's grammar is refused with a typed
+``BadInput`` naming the field (CLI exit 2, HTTP 400/413/416), never a traceback or a 500, and
+nothing is recorded. The faces are driven in process (``settled.cli.main``, the ASGI app through
+``starlette.testclient``) so hypothesis can try many inputs quickly; every task a test creates is
+closed or its sessions settled before it ends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import math
+
+import pytest
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+
+from settled import cli, grammar
+from settled.errors import BadInput
+from settled.identity import CommandSpec
+
+FAST = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+FACE = settings(
+    max_examples=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+
+NON_ASCII_DIGITS = [
+    "²",
+    "٣",
+    "۴",
+    "߅",
+    "१",
+    "௫",
+    "๕",
+    "໖",
+    "༧",
+    "၈",
+    "០",
+    "᠑",
+    "\uff11",
+    "\U0001d7d3",
+]
+
+
+# -- numbers --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("text", [*NON_ASCII_DIGITS, "1²", "٣٣", "+1", "-1", " 1", "1 ", "0x10"])
+def test_an_integer_is_ascii_digits_only(text: str) -> None:
+    with pytest.raises(grammar.BadNumber) as caught:
+        grammar.parse_int("from", text, 0, grammar.MAX_CURSOR)
+    assert caught.value.field == "from"
+    assert repr(text) in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    "text", ["inf", "nan", "Infinity", "1e300", "1e3", "1E3", "-0", ".5", "5.", "0x1p3", "٣", "1_0"]
+)
+def test_seconds_are_ascii_decimals_without_sign_exponent_or_infinity(text: str) -> None:
+    with pytest.raises(grammar.BadNumber) as caught:
+        grammar.parse_seconds("--grace", text, grammar.MAX_GRACE_S)
+    assert caught.value.field == "--grace" and repr(text) in str(caught.value)
+
+
+@given(st.integers(min_value=0, max_value=grammar.MAX_CURSOR))
+@FAST
+def test_every_cursor_in_bounds_round_trips(value: int) -> None:
+    assert grammar.parse_int("from", str(value), 0, grammar.MAX_CURSOR) == value
+    assert grammar.parse_int("from", "000" + str(value), 0, grammar.MAX_CURSOR) == value
+
+
+@given(st.text(max_size=30))
+@FAST
+def test_any_text_is_a_cursor_or_a_bad_number_never_another_exception(text: str) -> None:
+    try:
+        value = grammar.parse_int("from", text, 0, grammar.MAX_CURSOR)
+    except grammar.BadNumber as exc:
+        assert exc.field == "from"
+    else:
+        assert text.isascii() and text.isdigit() and 0 <= value <= grammar.MAX_CURSOR
+
+
+@given(st.text(alphabet="0123456789.e+-infa", max_size=30))
+@FAST
+def test_any_text_is_seconds_in_bounds_or_a_bad_number(text: str) -> None:
+    try:
+        value = grammar.parse_seconds("grace", text, grammar.MAX_GRACE_S)
+    except grammar.BadNumber as exc:
+        assert exc.field == "grace"
+    else:
+        assert math.isfinite(value) and 0 <= value <= grammar.MAX_GRACE_S
+        assert grammar.DECIMAL.fullmatch(text)
+
+
+def test_huge_digit_strings_are_refused_without_asking_int() -> None:
+    for text in ("9" * 5000, "1" + "0" * 64, str(grammar.MAX_CURSOR + 1)):
+        with pytest.raises(grammar.BadNumber, match="from"):
+            grammar.parse_int("from", text, 0, grammar.MAX_CURSOR)
+
+
+@pytest.mark.parametrize(
+    "value", [True, False, "5", None, [5], math.nan, math.inf, -math.inf, 1e300, -1, 3601]
+)
+def test_json_seconds_refuse_bools_strings_non_finite_and_out_of_bounds(value: object) -> None:
+    with pytest.raises(grammar.BadNumber, match=r"^grace "):
+        grammar.check_seconds("grace", value, grammar.MAX_GRACE_S)
+
+
+@pytest.mark.parametrize("value", [True, 5.0, "5", -1, 1 << 63, None])
+def test_json_integers_refuse_bools_floats_and_out_of_bounds(value: object) -> None:
+    with pytest.raises(grammar.BadNumber, match=r"^cursor "):
+        grammar.check_cursor("cursor", value)
+
+
+def test_a_grace_of_1e300_and_a_timeout_past_seven_days_are_refused_at_the_spec() -> None:
+    with pytest.raises(grammar.BadNumber, match="grace 1e"):
+        CommandSpec(argv=("true",), grace=1e300)
+    with pytest.raises(grammar.BadNumber, match="timeout"):
+        CommandSpec(argv=("true",), timeout=grammar.MAX_TIMEOUT_S + 1)
+    assert CommandSpec(argv=("true",), grace=grammar.MAX_GRACE_S).grace == grammar.MAX_GRACE_S
+
+
+# -- strings --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("value", "why"),
+    [
+        ("a\0b", "NUL"),
+        ("\ud800", "UTF-8"),
+        ("ok\udcff", "UTF-8"),
+        (b"bytes", "string"),
+        (5, "string"),
+    ],
+)
+def test_text_refuses_nul_lone_surrogates_and_non_strings_naming_the_field(
+    value: object, why: str
+) -> None:
+    with pytest.raises(grammar.BadText, match=why) as caught:
+        grammar.check_text("argv[1]", value, 100)
+    assert caught.value.field == "argv[1]"
+    assert str(caught.value).startswith("argv[1] ")
+
+
+def test_a_value_over_its_length_is_too_large_and_its_message_is_truncated() -> None:
+    with pytest.raises(grammar.TooLarge) as caught:
+        grammar.check_text("final", "x" * (grammar.MAX_FINAL_BYTES + 1), grammar.MAX_FINAL_BYTES)
+    assert len(str(caught.value)) < 300
+    assert f"{grammar.MAX_FINAL_BYTES + 1} chars" in str(caught.value)
+    assert isinstance(caught.value, BadInput)
+
+
+@given(st.text(max_size=40))
+@FAST
+def test_any_text_is_storable_or_a_bad_text(value: str) -> None:
+    try:
+        text = grammar.check_text("shell", value, grammar.MAX_ARG_BYTES)
+    except grammar.BadText as exc:
+        assert exc.field == "shell"
+        assert "\0" in value or any(0xD800 <= ord(c) <= 0xDFFF for c in value)
+    else:
+        text.encode("utf-8")  # strict: it can be stored, hashed and exec'd
+        json.dumps(grammar.shown(text), ensure_ascii=False).encode("utf-8")
+
+
+@given(st.text(max_size=200))
+@FAST
+def test_an_error_message_is_always_valid_utf8_whatever_the_value(value: str) -> None:
+    message = str(grammar.BadText("key", value, "is refused"))
+    message.encode("utf-8")
+    assert len(message) < 200
+
+
+@pytest.mark.parametrize("key", ["", "a\nb", "a\x1bb", "x" * 257, "a\0", "\ud800"])
+def test_a_key_is_short_text_without_control_characters(key: str) -> None:
+    with pytest.raises(BadInput) as caught:
+        grammar.check_key("key", key)
+    assert isinstance(caught.value, grammar.BadValue) and caught.value.field == "key"
+
+
+@pytest.mark.parametrize("ident", ["", "t_ab/c", "t_\0", "t_é", "s_" + "a" * 200, "t_\ud800"])
+def test_an_id_is_ascii_letters_digits_underscore_and_dash(ident: str) -> None:
+    with pytest.raises(grammar.BadValue) as caught:
+        grammar.check_id("task", ident)
+    assert caught.value.field == "task"
+
+
+@pytest.mark.parametrize(
+    ("spec", "field"),
+    [
+        ({"argv": ("echo", "\ud800")}, "argv[1]"),
+        ({"argv": ("echo", "a\0")}, "argv[1]"),
+        ({"shell": "echo \udcff"}, "shell"),
+        ({"shell": "true", "cwd": "a\0b"}, "cwd"),
+        ({"shell": "true", "env": (("A", "\ud800"),)}, "env A"),
+        ({"shell": "true", "env": (("A\0", "v"),)}, "env name"),
+        ({"shell": "true", "writable": ("/tmp\0",)}, "writable"),
+        ({"shell": "x" * (grammar.MAX_ARG_BYTES + 1)}, "shell"),
+        ({"argv": ("x",) * (grammar.MAX_ARGV_ITEMS + 1)}, "argv"),
+        ({"argv": ("x" * 100_000,) * 11}, "command"),
+    ],
+)
+def test_a_spec_refuses_what_cannot_be_recorded_or_run_naming_the_field(
+    spec: dict[str, object], field: str
+) -> None:
+    with pytest.raises(grammar.BadValue) as caught:
+        CommandSpec(**spec)  # type: ignore[arg-type]
+    assert caught.value.field == field
+
+
+@given(st.lists(st.text(max_size=10), min_size=1, max_size=5))
+@FAST
+def test_any_argv_is_a_spec_with_a_digest_or_a_bad_input(argv: list[str]) -> None:
+    assume(argv)
+    try:
+        spec = CommandSpec(argv=tuple(argv))
+    except BadInput as exc:
+        assert isinstance(exc, grammar.BadValue) and exc.field.startswith("argv")
+    else:
+        assert spec.digest
+
+
+# -- strategies of values outside every grammar ------------------------------------------------
+
+BAD_CHAR = st.sampled_from(["\0", "\ud800", "\udcff", "\udfff"])
+UNREPRESENTABLE = st.builds(
+    lambda head, bad, tail: head + bad + tail, st.text(max_size=6), BAD_CHAR, st.text(max_size=6)
+)
+NOT_DIGITS = st.one_of(
+    st.sampled_from([*NON_ASCII_DIGITS, "inf", "nan", "-1", "1e3", "1E300", "+5", " 5", "0x10"]),
+    st.builds(lambda d, s: d + s, st.sampled_from(NON_ASCII_DIGITS), st.text(max_size=4)),
+    st.text(min_size=1, max_size=8).filter(lambda t: not t.isascii() or not t.isdigit()),
+)
+BAD_SECONDS = st.one_of(
+    NOT_DIGITS.filter(lambda t: grammar.DECIMAL.fullmatch(t) is None),
+    st.integers(min_value=10**7, max_value=10**30).map(str),
+)
+BAD_CURSOR = st.one_of(
+    NOT_DIGITS, st.integers(min_value=grammar.MAX_CURSOR + 1, max_value=10**40).map(str)
+)
+BAD_ID = st.one_of(
+    UNREPRESENTABLE,
+    st.text(min_size=1, max_size=12).filter(lambda t: grammar.ID.fullmatch(t) is None),
+    st.just("t_" + "a" * 200),
+)
+
+
+# -- the CLI: every verb, in process ---------------------------------------------------------
+
+NUMBER_SLOTS = [
+    (("logs", "s_x", "--from", "V"), "--from", BAD_CURSOR),
+    (("logs", "s_x", "--view", "V"), "--view", BAD_CURSOR),
+    (("logs", "s_x", "--follow", "--timeout", "V"), "--timeout", BAD_SECONDS),
+    (("wait", "s_x", "--timeout", "V"), "--timeout", BAD_SECONDS),
+    (("exec", "--task", "t_x", "--timeout", "V", "--", "true"), "--timeout", BAD_SECONDS),
+    (("exec", "--task", "t_x", "--grace", "V", "--", "true"), "--grace", BAD_SECONDS),
+    (("close", "t_x", "--deadline", "V"), "--deadline", BAD_SECONDS),
+    (("serve", "--port", "V"), "--port", BAD_CURSOR),
+]
+TEXT_SLOTS = [
+    (("task", "new", "--workspace", "V"), "--workspace"),
+    (("task", "new", "--key", "V"), "--key"),
+    (("task", "new", "--user", "V"), "--user"),
+    (("task", "destroy", "V"), "task"),
+    (("exec", "--task", "V", "--", "true"), "--task"),
+    (("exec", "--task", "t_x", "--key", "V", "--", "true"), "--key"),
+    (("exec", "--task", "t_x", "--cwd", "V", "--", "true"), "--cwd"),
+    (("exec", "--task", "t_x", "--env", "V", "--", "true"), "--env"),
+    (("exec", "--task", "t_x", "--stdin", "V", "--", "true"), "--stdin"),
+    (("exec", "--task", "t_x", "--user", "V", "--", "true"), "--user"),
+    (("exec", "--task", "t_x", "--writable", "V", "--", "true"), "--writable"),
+    (("wait", "V"), "session"),
+    (("logs", "V"), "session"),
+    (("status", "V"), "target"),
+    (("cancel", "V"), "session"),
+    (("cancel", "s_x", "--reason", "V"), "--reason"),
+    (("close", "V"), "task"),
+    (("close", "t_x", "--final", "V"), "--final"),
+    (("checkpoint", "V"), "task"),
+    (("recover", "--task", "V"), "--task"),
+    (("explain", "V"), "task"),
+    (("restore", "V", "/nonexistent-dest"), "target"),
+    (("restore", "t_x", "V"), "dest"),
+    (("verify", "V"), "target"),
+    (("serve", "--tokens", "V"), "--tokens"),
+    (("status", "--home", "V", "t_x"), "--home"),
+]
+
+
+def run_cli(argv: list[str]) -> tuple[int, str, str]:
+    """``settled.cli.main`` in this process, its stdout and stderr captured."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = cli.main(argv)
+    return code, out.getvalue(), err.getvalue()
+
+
+def assert_refused(argv: list[str], field: str | None) -> dict[str, object]:
+    """Exit 2, one JSON error on stdout naming the field, one line on stderr; no traceback."""
+    code, out, err = run_cli(["--json", *argv])
+    assert code == 2, (argv, out, err)
+    payload = json.loads(out)
+    assert payload["error"] in BAD_INPUT_KINDS, payload
+    assert err.startswith(f"settled: {payload['error']}: ") and "Traceback" not in err
+    if field is not None and payload["error"] != "UsageError":
+        assert payload["field"] == field, (argv, payload)
+        assert str(payload["message"]).startswith(f"{field} ")
+    return payload
+
+
+BAD_INPUT_KINDS = {"BadNumber", "BadText", "TooLarge", "BadValue", "UsageError"}
+
+
+@pytest.mark.parametrize(("template", "field", "values"), NUMBER_SLOTS, ids=lambda v: str(v))
+@given(data=st.data())
+@FACE
+def test_every_number_of_every_verb_outside_its_grammar_exits_2_naming_it(
+    tmp_path_factory: pytest.TempPathFactory,
+    template: tuple[str, ...],
+    field: str,
+    values: st.SearchStrategy[str],
+    data: st.DataObject,
+) -> None:
+    value = data.draw(values)
+    argv = [value if part == "V" else part for part in template]
+    home = str(tmp_path_factory.getbasetemp() / "cli-home")
+    assert_refused(["--home", home, *argv], field)
+
+
+@pytest.mark.parametrize(("template", "field"), TEXT_SLOTS, ids=lambda v: str(v))
+@given(value=UNREPRESENTABLE)
+@FACE
+def test_every_string_of_every_verb_that_cannot_be_represented_exits_2_naming_it(
+    tmp_path_factory: pytest.TempPathFactory, template: tuple[str, ...], field: str, value: str
+) -> None:
+    argv = [value if part == "V" else part for part in template]
+    home = str(tmp_path_factory.getbasetemp() / "cli-home")
+    if "--home" not in argv:
+        argv = ["--home", home, *argv]
+    assert_refused(argv, field)
+
+
+@pytest.mark.parametrize("template", [t for t, f in TEXT_SLOTS if f in ("task", "session")])
+@given(value=BAD_ID)
+@FACE
+def test_an_id_that_names_nothing_possible_exits_2(
+    tmp_path_factory: pytest.TempPathFactory, template: tuple[str, ...], value: str
+) -> None:
+    argv = [value if part == "V" else part for part in template]
+    home = str(tmp_path_factory.getbasetemp() / "cli-home")
+    assert_refused(["--home", home, *argv], None)
+
+
+@pytest.mark.parametrize(
+    "argv", [["logs"], ["nosuchverb"], ["exec", "--nope"], ["status", "t_x", "--from"], []]
+)
+def test_argparse_errors_are_a_typed_usage_error_exiting_2(argv: list[str]) -> None:
+    payload = assert_refused(argv, None)
+    assert payload["error"] == "UsageError"
