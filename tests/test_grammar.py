@@ -13,14 +13,20 @@ import contextlib
 import io
 import json
 import math
+import urllib.parse
+from collections.abc import Iterator
 
+import httpx
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
+from starlette.testclient import TestClient
 
 from settled import cli, grammar
 from settled.errors import BadInput
 from settled.identity import CommandSpec
+from settled.server import TokenTable, bodies, create_app
+from settled.server.auth import FULL_ACCESS
 
 FAST = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 FACE = settings(
@@ -362,3 +368,173 @@ def test_an_id_that_names_nothing_possible_exits_2(
 def test_argparse_errors_are_a_typed_usage_error_exiting_2(argv: list[str]) -> None:
     payload = assert_refused(argv, None)
     assert payload["error"] == "UsageError"
+
+
+# -- the HTTP service: every route, in process through ASGI -------------------------------------
+
+TOKEN = "grammar-test-token-0123456789abcdef"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
+@pytest.fixture(scope="module")
+def http(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestClient]:
+    """The app over a home of its own; its lifespan (the Runtime pool, the warm launcher and
+    the recoverer) ends when the module's tests do. These tests create nothing."""
+    home = tmp_path_factory.mktemp("http-home")
+    app = create_app(str(home), TokenTable([(TOKEN, FULL_ACCESS)]))
+    with TestClient(app, raise_server_exceptions=False, headers=AUTH) as client:
+        yield client
+
+
+def assert_typed(response: httpx.Response, field: str | None, statuses: set[int]) -> None:
+    assert response.status_code in statuses, (response.status_code, response.text)
+    body = response.json()
+    assert set(body) >= {"error", "message"} and body["error"] != "InternalError", body
+    if field is not None:
+        assert body.get("field") == field, body
+
+
+def encoded(text: str) -> str:
+    """A path segment or query value as a client sends it: UTF-8, surrogates passed through."""
+    return urllib.parse.quote(text.encode("utf-8", "surrogatepass"), safe="")
+
+
+QUERY_SLOTS = [
+    ("/v1/sessions/s_x/output?from=", "from", BAD_CURSOR),
+    ("/v1/sessions/s_x/output?max=", "max", BAD_CURSOR),
+    ("/v1/sessions/s_x/events?from=", "from", BAD_CURSOR),
+    ("/v1/sessions/s_x?wait=", "wait", BAD_SECONDS),
+]
+
+
+@pytest.mark.parametrize(("url", "field", "values"), QUERY_SLOTS, ids=lambda v: str(v))
+@given(data=st.data())
+@FACE
+def test_a_query_number_outside_its_grammar_is_400_naming_it(
+    http: TestClient, url: str, field: str, values: st.SearchStrategy[str], data: st.DataObject
+) -> None:
+    value = data.draw(values)
+    assert_typed(http.get(url + encoded(value)), field, {400})
+
+
+@given(value=NOT_DIGITS.filter(lambda t: t.isprintable() and t.strip() == t != "" and t < "\u0100"))
+@FACE
+def test_a_last_event_id_outside_its_grammar_is_400(http: TestClient, value: str) -> None:
+    headers = {**AUTH, "Last-Event-ID": value.encode("latin-1")}
+    response = http.get("/v1/sessions/s_x/events", headers=headers)  # type: ignore[dict-item]
+    assert_typed(response, "Last-Event-ID", {400})
+
+
+PATHS = [
+    "/v1/tasks/{}",
+    "/v1/tasks/{}/explain",
+    "/v1/sessions/{}",
+    "/v1/sessions/{}/output",
+    "/v1/sessions/{}/events",
+]
+
+
+@pytest.mark.parametrize("template", PATHS)
+@given(value=BAD_ID)
+@FACE
+def test_an_id_in_a_path_that_names_nothing_possible_is_400_or_404_never_500(
+    http: TestClient, template: str, value: str
+) -> None:
+    response = http.get(template.format(encoded(value)))
+    assert_typed(response, None, {400, 404})
+
+
+JSON_BAD = st.one_of(
+    st.booleans(),
+    st.floats(allow_nan=True, allow_infinity=True).filter(lambda f: not 0 <= f <= 10**7),
+    st.integers(min_value=10**7, max_value=10**30),
+    st.integers(max_value=-1),
+    st.lists(st.integers(), max_size=2),
+    st.dictionaries(st.text(max_size=2), st.integers(), max_size=2),
+)
+JSON_TEXT_BAD = st.one_of(UNREPRESENTABLE, st.integers(), st.booleans(), st.lists(st.text()))
+BODY_SLOTS = [
+    ("/v1/tasks", {}, "workspace", JSON_TEXT_BAD),
+    ("/v1/tasks", {}, "key", JSON_TEXT_BAD),
+    ("/v1/tasks", {}, "user", JSON_TEXT_BAD),
+    ("/v1/tasks/t_x/sessions", {"key": "k", "shell": "true"}, "timeout", JSON_BAD),
+    ("/v1/tasks/t_x/sessions", {"key": "k", "shell": "true"}, "grace", JSON_BAD),
+    ("/v1/tasks/t_x/sessions", {"key": "k", "shell": "true"}, "cwd", JSON_TEXT_BAD),
+    ("/v1/tasks/t_x/sessions", {"key": "k", "shell": "true"}, "user", JSON_TEXT_BAD),
+    ("/v1/tasks/t_x/sessions", {"key": "k"}, "shell", JSON_TEXT_BAD),
+    ("/v1/tasks/t_x/sessions", {"shell": "true"}, "key", JSON_TEXT_BAD),
+    ("/v1/tasks/t_x/close", {}, "deadline", JSON_BAD),
+    ("/v1/tasks/t_x/close", {}, "final", JSON_TEXT_BAD),
+    ("/v1/sessions/s_x/signal", {"signal": "TERM"}, "reason", JSON_TEXT_BAD),
+    ("/v1/recover", {}, "task", JSON_TEXT_BAD),
+]
+
+
+def post_json(http: TestClient, url: str, body: dict[str, object]) -> httpx.Response:
+    """JSON as any client may write it: surrogates as ``\\ud800`` escapes, NaN as NaN."""
+    content = json.dumps(body, allow_nan=True).encode()
+    return http.post(url, content=content, headers={"Content-Type": "application/json"})
+
+
+@pytest.mark.parametrize(("url", "base", "field", "values"), BODY_SLOTS, ids=lambda v: str(v))
+@given(data=st.data())
+@FACE
+def test_a_body_field_outside_its_grammar_is_400_naming_it_before_anything_is_looked_up(
+    http: TestClient,
+    url: str,
+    base: dict[str, object],
+    field: str,
+    values: st.SearchStrategy[object],
+    data: st.DataObject,
+) -> None:
+    value = data.draw(values)
+    response = post_json(http, url, {**base, field: value})
+    assert response.status_code in (400, 413), response.text
+    body = response.json()
+    assert body["error"] in {"BadNumber", "BadText", "TooLarge", "BadValue", "BadInput"}, body
+    if body["error"] != "BadInput":
+        assert body["field"].startswith(field) or body["field"] == "body", body
+
+
+@given(
+    argv=st.lists(st.one_of(st.text(max_size=4), UNREPRESENTABLE), min_size=1, max_size=4),
+    env=st.dictionaries(st.one_of(st.text(max_size=4), UNREPRESENTABLE), UNREPRESENTABLE),
+)
+@FACE
+def test_argv_and_env_that_cannot_be_represented_are_400_naming_the_item(
+    http: TestClient, argv: list[str], env: dict[str, str]
+) -> None:
+    assume(env or not all(_storable(a) for a in argv))
+    response = post_json(http, "/v1/tasks/t_x/sessions", {"key": "k", "argv": argv, "env": env})
+    assert response.status_code in (400, 404), response.text  # 404: it was all valid
+    if response.status_code == 400:
+        assert response.json()["field"].startswith(("argv", "env")), response.text
+
+
+def _storable(text: str) -> bool:
+    try:
+        grammar.check_text("x", text, grammar.MAX_ARG_BYTES)
+    except grammar.BadValue:
+        return False
+    return True
+
+
+@pytest.mark.parametrize(
+    "content", [b"{NaN}", b'{"deadline": NaN}', b'{"deadline": Infinity}', b"[" * 50_000, b"\xff"]
+)
+def test_json_that_is_not_json_numbers_or_not_utf8_is_400(http: TestClient, content: bytes) -> None:
+    response = http.post("/v1/tasks/t_x/close", content=content)
+    assert_typed(response, None, {400})
+
+
+def test_a_body_over_the_limit_is_413_from_its_declared_length_or_as_it_is_read(
+    http: TestClient,
+) -> None:
+    declared = http.post(
+        "/v1/tasks", content=b"{}", headers={"Content-Length": str(bodies.MAX_BODY_BYTES + 1)}
+    )
+    assert declared.status_code in (400, 413)  # a lying Content-Length: never a 500
+    streamed = http.post("/v1/tasks", content=iter([b" " * (1 << 16)] * 17 + [b"{}"]))
+    assert_typed(streamed, "body", {413})
+    too_long = post_json(http, "/v1/tasks", {"key": "k" * (grammar.MAX_KEY_BYTES + 1)})
+    assert_typed(too_long, "key", {413})

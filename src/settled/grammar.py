@@ -53,8 +53,9 @@ final              1048576 bytes       the model's final answer
 reason             4096 bytes
 =================  ==================  ==================================================
 
-A value over a length (or count) bound is ``TooLarge`` (HTTP 413); any other refusal is a
-``BadNumber`` or ``BadText`` (HTTP 400); all are ``BadInput`` (exit 2).
+A value over a length (or count) bound is ``TooLarge`` (HTTP 413; an id is not content, so
+an overlong one is ``BadText``); any other refusal is a ``BadNumber`` or ``BadText`` (HTTP
+400); all are ``BadInput`` (exit 2).
 
 Must never: import anything of settled but ``errors`` (every layer imports this), coerce (a
 JSON ``"5"`` is not a number, ``true`` is not 1, ``5.0`` is not an integer), or accept what a
@@ -260,7 +261,7 @@ def check_id(field: str, value: object) -> str:
     if not isinstance(value, str):
         raise BadText(field, value, "must be an id string")
     if len(value) > MAX_ID_CHARS:
-        raise TooLarge(field, value, f"is {len(value)} characters; ids are at most {MAX_ID_CHARS}")
+        raise BadText(field, value, f"is {len(value)} characters; ids are at most {MAX_ID_CHARS}")
     if ID.fullmatch(value) is None:
         raise BadText(field, value, "is not an id (ASCII letters, digits, '_' and '-')")
     return value

@@ -119,9 +119,7 @@ class Handlers:
 
     async def recover(self, request: Request) -> Response:
         body = await bodies.json_body(request, bodies.RECOVER_FIELDS)
-        task = body.get("task")
-        if task is not None and not isinstance(task, str):
-            raise BadInput("`task` must be a task id")
+        task = bodies.recover_request(body)
         return _json(await self.pool.call(views.recover, grant_of(request), task))
 
     async def session(self, request: Request) -> Response:
