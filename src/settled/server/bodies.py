@@ -121,8 +121,13 @@ def session_request(body: dict[str, Any]) -> dict[str, Any]:
         "boundary": _choice(body, "boundary", BOUNDARY_POLICIES),
         "isolation": _choice(body, "isolation", ISOLATION_POLICIES),
         "user": _user(body),
-        "writable": list(grammar.check_paths("writable", body.get("writable") or [])),
+        "writable": _writable(body),
     }
+
+
+def _writable(body: dict[str, Any]) -> list[str]:
+    paths = body.get("writable")
+    return [] if paths is None else list(grammar.check_paths("writable", paths))
 
 
 def _service(body: dict[str, Any]) -> bool:

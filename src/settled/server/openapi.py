@@ -141,6 +141,10 @@ def _tasks() -> dict[str, Any]:
                     "200": _json("same key and digest: the existing session", "Admission"),
                     "400": _error("bad body, boundary or cwd"),
                     **AUTH_ERRORS,
+                    "403": _error(
+                        "a task-scoped token asked to loosen the sandbox (isolation none, a "
+                        "writable host path, another user)"
+                    ),
                     "409": _error(
                         "KeyConflict (names existing_digest and requested_digest) or "
                         "AdmissionSealed"
@@ -297,8 +301,24 @@ def _open() -> dict[str, Any]:
     }
 
 
+def _nullable(schema: dict[str, Any]) -> dict[str, Any]:
+    """The server reads an optional field sent as null as the field left out."""
+    kind = schema["type"]
+    kinds = [kind] if isinstance(kind, str) else list(kind)
+    out = {**schema, "type": kinds if "null" in kinds else [*kinds, "null"]}
+    if "enum" in out and None not in out["enum"]:
+        out["enum"] = [*out["enum"], None]
+    return out
+
+
 def _obj(props: dict[str, Any], required: list[str] | None = None) -> dict[str, Any]:
-    schema: dict[str, Any] = {"type": "object", "properties": props, "additionalProperties": False}
+    required = required or []
+    optional = {k: v if k in required else _nullable(v) for k, v in props.items()}
+    schema: dict[str, Any] = {
+        "type": "object",
+        "properties": optional,
+        "additionalProperties": False,
+    }
     if required:
         schema["required"] = required
     return schema
@@ -328,7 +348,6 @@ def _schemas() -> dict[str, Any]:
                     "items": arg,
                     "minItems": 1,
                     "maxItems": g.MAX_ARGV_ITEMS,
-                    "prefixItems": [_text(g.MAX_ARG_BYTES, 1)],
                 },
                 "shell": arg,
                 "key": key,
@@ -352,7 +371,13 @@ def _schemas() -> dict[str, Any]:
                 },
             },
             ["key"],
-        ),
+        )
+        | {  # exactly one of a command line and a shell string
+            "oneOf": [
+                {"required": ["argv"], "properties": {"argv": {"type": "array"}}},
+                {"required": ["shell"], "properties": {"shell": {"type": "string"}}},
+            ]
+        },
         "Admission": {
             "type": "object",
             "required": ["session", "task", "key", "digest", "reused", "state"],
