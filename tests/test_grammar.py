@@ -13,18 +13,25 @@ import contextlib
 import io
 import json
 import math
+import os
 import urllib.parse
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
+import anyio
 import httpx
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
+from mcp.server.mcpserver.exceptions import ToolError
 from starlette.testclient import TestClient
 
 from settled import cli, grammar
 from settled.errors import BadInput
 from settled.identity import CommandSpec
+from settled.mcp_server import Runtimes, build_server
+from settled.records import TaskRecord
+from settled.runtime import Runtime
 from settled.server import TokenTable, bodies, create_app
 from settled.server.auth import FULL_ACCESS
 
@@ -538,3 +545,101 @@ def test_a_body_over_the_limit_is_413_from_its_declared_length_or_as_it_is_read(
     assert_typed(streamed, "body", {413})
     too_long = post_json(http, "/v1/tasks", {"key": "k" * (grammar.MAX_KEY_BYTES + 1)})
     assert_typed(too_long, "key", {413})
+
+
+# -- the library and the faces over a real task: refused before anything is recorded ---------
+
+
+def _sessions(rt: Runtime) -> list[object]:
+    return list(rt.store._db.execute("SELECT session FROM sessions").fetchall())
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"argv": ["echo", "\ud800"]}, "argv[1]"),
+        ({"argv": ["echo", "caf\udce9"]}, "argv[1]"),  # a non-UTF-8 byte via surrogateescape
+        ({"shell": "echo a\0b"}, "shell"),
+        ({"shell": "true", "cwd": "sub\0dir"}, "cwd"),
+        ({"shell": "true", "env": {"A": "\udfff"}}, "env A"),
+        ({"shell": "true", "env": ["A\0=1"]}, "env"),
+        ({"shell": "true", "writable": ["/tmp\0"]}, "writable"),
+        ({"shell": "true", "key": "k\n"}, "key"),
+        ({"shell": "true", "grace": 1e300}, "grace"),
+        ({"shell": "true", "timeout": math.inf}, "timeout"),
+        ({"shell": "true", "timeout": True}, "timeout"),
+        ({"shell": "true", "user": "\ud800"}, "user"),
+    ],
+)
+def test_the_runtime_refuses_what_it_cannot_record_naming_the_field_and_records_nothing(
+    rt: Runtime, task: TaskRecord, kwargs: dict[str, object], field: str
+) -> None:
+    with pytest.raises(grammar.BadValue) as caught:
+        rt.exec(task.task, **kwargs)  # type: ignore[arg-type]
+    assert caught.value.field == field
+    assert _sessions(rt) == []
+
+
+@pytest.mark.parametrize(
+    ("call", "field"),
+    [
+        (lambda rt, t: rt.close_task(t, deadline=1e300), "deadline"),
+        (lambda rt, t: rt.close_task(t, final="\ud800"), "final"),
+        (lambda rt, t: rt.new_task("/tmp\0x"), "workspace"),
+        (lambda rt, t: rt.new_task(None, key="\ud800"), "key"),
+        (lambda rt, t: rt.task_status("t_\ud800"), "task"),
+        (lambda rt, t: rt.session_status("s_\0"), "session"),
+        (lambda rt, t: rt.read("s_x", "../x"), "stream"),
+        (lambda rt, t: rt.read("s_x", "stdout", -1), "start"),
+        (lambda rt, t: rt.wait("s_x", math.nan), "timeout"),
+        (lambda rt, t: rt.view("s_x", "stdout", 1 << 30), "budget"),
+        (lambda rt, t: rt.restore(t, "/tmp/\0"), "dest"),
+        (lambda rt, t: rt.cancel("s_x", "r" * 5000), "reason"),
+    ],
+)
+def test_every_runtime_verb_checks_its_arguments_for_a_library_caller(
+    rt: Runtime, task: TaskRecord, call: Callable[[Runtime, str], object], field: str
+) -> None:
+    with pytest.raises(grammar.BadValue) as caught:
+        call(rt, task.task)
+    assert caught.value.field == field
+    assert rt.task_status(task.task)["state"] == "open"
+
+
+def test_the_cli_refuses_a_non_utf8_argument_naming_it_and_records_nothing(
+    rt: Runtime, task: TaskRecord
+) -> None:
+    argv = ["--home", rt.home, "exec", "--task", task.task, "--", "printf", os.fsdecode(b"\xff")]
+    payload = assert_refused(argv, "argv[1]")
+    assert "UTF-8" in str(payload["message"])
+    assert _sessions(rt) == []
+
+
+@pytest.mark.parametrize(
+    ("tool", "arguments"),
+    [
+        ("read_output", {"session": "s_x", "cursor": "5"}),
+        ("read_output", {"session": "s_x", "cursor": True}),
+        ("read_output", {"session": "s_x", "cursor": 1.0}),
+        ("read_output", {"session": "s_x", "cursor": 1 << 63}),
+        ("read_output", {"session": "s_x", "budget": (1 << 20) + 1}),
+        ("wait", {"session": "s_x", "timeout": "1"}),
+        ("wait", {"session": "s_x", "timeout": 601}),
+        ("finish", {"task": "t_x", "deadline": math.inf}),
+        ("run", {"task": "t_x", "command": "true", "timeout": 1e300}),
+        ("run", {"task": "t_x", "command": ["echo", "\ud800"]}),
+        ("run", {"task": "t_\0", "command": "true"}),
+        ("new_task", {"workspace": "/tmp\0"}),
+    ],
+)
+def test_mcp_tool_arguments_outside_the_grammar_are_tool_errors(
+    tmp_path: Path, tool: str, arguments: dict[str, object]
+) -> None:
+    runtimes = Runtimes(str(tmp_path / "home"))
+    try:
+        server = build_server(runtimes)
+        with pytest.raises(ToolError) as caught:
+            anyio.run(server.call_tool, tool, arguments)
+        assert "Traceback" not in str(caught.value)
+    finally:
+        runtimes.close()

@@ -304,7 +304,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=argparse.SUPPRESS,
         help="settled home (SETTLED_HOME)",
     )
-    common.add_argument("--json", action="store_true", help="print one JSON object")
+    common.add_argument(  # SUPPRESS: a subcommand's default would undo `settled --json VERB`
+        "--json", action="store_true", default=argparse.SUPPRESS, help="print one JSON object"
+    )
     parser = Parser(prog="settled", parents=[common], description=__doc__)
     sub = parser.add_subparsers(dest="verb", required=True)
 

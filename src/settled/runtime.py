@@ -332,8 +332,8 @@ class Runtime:
 
     def cancel(self, session: str, reason: str = "cancel requested") -> dict[str, Any]:
         """Ask the owner to stop the session (TERM, grace, KILL over the whole boundary)."""
-        grammar.check_id("session", session)
         reason = grammar.check_text("reason", reason, grammar.MAX_REASON_BYTES)
+        grammar.check_id("session", session)
         return self.sessions.cancel(session, reason)
 
     # -- close, explain, restore ---------------------------------------------------------
@@ -434,9 +434,9 @@ class Runtime:
     def read(self, session: str, stream: str, start: int = 0, size: int = 1 << 20) -> bytes:
         """Up to ``size`` stored bytes of the stream from cursor ``start`` (CursorOutOfRange
         past what is stored)."""
-        self.store.get_session(_session_stream(session, stream))
         grammar.check_cursor("start", start)
         grammar.check_int("size", size, 1, grammar.MAX_CURSOR)
+        self.store.get_session(_session_stream(session, stream))
         return read_range(log_path(self.home, session, stream), start, size)
 
     def follow(
@@ -444,17 +444,17 @@ class Runtime:
     ) -> Iterator[bytes]:
         """The stream from cursor ``start`` as it grows, ending exactly at its final cursor;
         ``timeout`` bounds the whole follow (TimeoutError names the cursor reached)."""
-        self.store.get_session(_session_stream(session, stream))
         grammar.check_cursor("start", start)
         timeout = grammar.optional_seconds("timeout", timeout, MAX_WAIT)
+        self.store.get_session(_session_stream(session, stream))
         path = log_path(self.home, session, stream)
         return follow(path, start, lambda: self.final_cursor(session, stream), timeout=timeout)
 
     def view(self, session: str, stream: str, budget: int) -> str:
         """The model view of everything stored of the stream, within ``budget`` UTF-8 bytes,
         its marker naming the omitted range as ``settled logs --from`` reads it."""
-        self.store.get_session(_session_stream(session, stream))
         grammar.check_int("budget", budget, 0, grammar.MAX_BUDGET)
+        self.store.get_session(_session_stream(session, stream))
         return model_view(
             log_path(self.home, session, stream), budget, stream=stream, session=session
         )
