@@ -24,6 +24,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from settled import grammar
 from settled.errors import BadInput
 from settled.server import bodies, streams, views
 from settled.server.auth import GRANT_SCOPE_KEY, BearerAuth, Grant, TokenTable
@@ -31,7 +32,7 @@ from settled.server.errors import EXCEPTION_HANDLERS
 from settled.server.openapi import document
 from settled.server.pool import RECOVER_EVERY_S, Recoverer, RuntimePool, recover_once
 
-MAX_WAIT_S = 3600.0
+MAX_WAIT_S = grammar.MAX_HTTP_WAIT_S  # a long poll holds a connection (settled.grammar)
 
 
 class Service:
