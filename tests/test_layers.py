@@ -24,6 +24,7 @@ FOUNDATION = {
     "settled.canonical",
     "settled.errors",
     "settled.faults",
+    "settled.grammar",
     "settled.home",
     "settled.identity",
     "settled.isolated",
@@ -37,6 +38,7 @@ FOUNDATION = {
 FACE_NEUTRAL = {
     "settled.canonical",
     "settled.errors",
+    "settled.grammar",
     "settled.identity",
     "settled.records",
     "settled.render",

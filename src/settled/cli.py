@@ -10,8 +10,9 @@ import argparse
 import json
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
+from settled import grammar
 from settled.errors import (
     EXIT_BLOCKED,
     EXIT_CODES,
@@ -261,18 +262,58 @@ def cmd_demo(rt: Runtime, args: argparse.Namespace) -> int:
     return run_demo(rt)
 
 
-def _nonnegative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be >= 0")
-    return value
+# -- the grammar of each argument (settled.grammar): a BadValue propagates out of parse_args
+# (argparse catches only ValueError and TypeError), so it reaches the user naming the option.
+
+
+class UsageError(BadInput):
+    """What argparse itself refuses (an unknown option, a missing argument): exit 2."""
+
+
+class Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are a typed BadInput (exit 2, JSON with --json) instead
+    of a SystemExit from deep inside parse_args."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(f"{self.prog}: {message}")
+
+
+def _seconds(field: str, hi: float) -> Callable[[str], float]:
+    return lambda text: grammar.parse_seconds(field, text, hi)
+
+
+def _integer(field: str, lo: int, hi: int) -> Callable[[str], int]:
+    return lambda text: grammar.parse_int(field, text, lo, hi)
+
+
+def _text(field: str, max_bytes: int, min_bytes: int = 0) -> Callable[[str], str]:
+    return lambda text: grammar.check_text(field, text, max_bytes, min_bytes)
+
+
+def _path(field: str) -> Callable[[str], str]:
+    return lambda text: grammar.check_path(field, text)
+
+
+def _key(field: str) -> Callable[[str], str]:
+    return lambda text: grammar.check_key(field, text)
+
+
+def _id(field: str) -> Callable[[str], str]:
+    return lambda text: grammar.check_id(field, text)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--home", default=argparse.SUPPRESS, help="settled home (SETTLED_HOME)")
-    common.add_argument("--json", action="store_true", help="print one JSON object")
-    parser = argparse.ArgumentParser(
+    common = Parser(add_help=False)
+    common.add_argument(
+        "--home",
+        type=_path("--home"),
+        default=argparse.SUPPRESS,
+        help="settled home (SETTLED_HOME)",
+    )
+    common.add_argument(  # SUPPRESS: a subcommand's default would undo `settled --json VERB`
+        "--json", action="store_true", default=argparse.SUPPRESS, help="print one JSON object"
+    )
+    parser = Parser(
         prog="settled",
         parents=[common],
         description=__doc__,
@@ -283,10 +324,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     task = sub.add_parser("task", help="tasks").add_subparsers(dest="task_verb", required=True)
     new = task.add_parser("new", parents=[common], help="create a task")
-    new.add_argument("--workspace")
-    new.add_argument("--key")
+    new.add_argument("--workspace", type=_path("--workspace"))
+    new.add_argument("--key", type=_key("--key"))
     new.add_argument(
-        "--user", metavar="UID[:GID]", help="run the task's commands as this user (or NAME)"
+        "--user",
+        type=_text("--user", grammar.MAX_USER_BYTES, 1),
+        metavar="UID[:GID]",
+        help="run the task's commands as this user (or NAME)",
     )
     new.add_argument(
         "--shared-workspace",
@@ -295,17 +339,25 @@ def build_parser() -> argparse.ArgumentParser:
     )
     new.set_defaults(handler=cmd_task_new)
     destroy = task.add_parser("destroy", parents=[common], help="destroy the task's sandbox")
-    destroy.add_argument("task")
+    destroy.add_argument("task", type=_id("task"))
     destroy.set_defaults(handler=cmd_task_destroy)
 
     ex = sub.add_parser("exec", parents=[common], help="admit and run a command")
-    ex.add_argument("--task", required=True)
-    ex.add_argument("--key")
-    ex.add_argument("--timeout", type=float)
-    ex.add_argument("--grace", type=float)
-    ex.add_argument("--cwd", default=".")
-    ex.add_argument("--env", action="append", default=[], metavar="K=V")
-    ex.add_argument("--stdin", metavar="FILE|-", help="bytes for the command's stdin")
+    ex.add_argument("--task", type=_id("--task"), required=True)
+    ex.add_argument("--key", type=_key("--key"))
+    ex.add_argument("--timeout", type=_seconds("--timeout", grammar.MAX_TIMEOUT_S))
+    ex.add_argument("--grace", type=_seconds("--grace", grammar.MAX_GRACE_S))
+    ex.add_argument("--cwd", type=_text("--cwd", grammar.MAX_PATH_BYTES), default=".")
+    ex.add_argument(
+        "--env",
+        type=_text("--env", grammar.MAX_ARG_BYTES),
+        action="append",
+        default=[],
+        metavar="K=V",
+    )
+    ex.add_argument(
+        "--stdin", type=_path("--stdin"), metavar="FILE|-", help="bytes for the command's stdin"
+    )
     ex.add_argument("--service", action="store_true")
     ex.add_argument("--boundary", default="auto", choices=list(BOUNDARY_POLICIES))
     ex.add_argument(
@@ -315,9 +367,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="auto: every protection this machine gives, the receipt names any missing; "
         "strict: refuse unless all are available; none: the command sees everything",
     )
-    ex.add_argument("--user", metavar="UID[:GID]", help="run as this user (default: the task's)")
+    ex.add_argument(
+        "--user",
+        type=_text("--user", grammar.MAX_USER_BYTES, 1),
+        metavar="UID[:GID]",
+        help="run as this user (default: the task's)",
+    )
     ex.add_argument(
         "--writable",
+        type=_path("--writable"),
         action="append",
         default=[],
         metavar="DIR",
@@ -329,51 +387,72 @@ def build_parser() -> argparse.ArgumentParser:
     ex.set_defaults(handler=cmd_exec)
 
     wait = sub.add_parser("wait", parents=[common], help="wait for a process receipt")
-    wait.add_argument("session")
-    wait.add_argument("--timeout", type=float)
+    wait.add_argument("session", type=_id("session"))
+    wait.add_argument("--timeout", type=_seconds("--timeout", grammar.MAX_WAIT_S))
     wait.set_defaults(handler=cmd_wait)
 
     logs = sub.add_parser("logs", parents=[common], help="read output bytes from a cursor")
-    logs.add_argument("session")
+    logs.add_argument("session", type=_id("session"))
     logs.add_argument("--stream", default="stdout", choices=["stdout", "stderr"])
-    logs.add_argument("--from", dest="start", type=_nonnegative_int, default=0)
+    logs.add_argument(
+        "--from", dest="start", type=_integer("--from", 0, grammar.MAX_CURSOR), default=0
+    )
     logs.add_argument("--follow", action="store_true")
-    logs.add_argument("--timeout", type=float, help="with --follow: give up after S seconds")
-    logs.add_argument("--view", type=_nonnegative_int, metavar="BYTES", help="model view")
+    logs.add_argument(
+        "--timeout",
+        type=_seconds("--timeout", grammar.MAX_WAIT_S),
+        help="with --follow: give up after S seconds",
+    )
+    logs.add_argument(
+        "--view",
+        type=_integer("--view", 0, grammar.MAX_BUDGET),
+        metavar="BYTES",
+        help="model view",
+    )
     logs.set_defaults(handler=cmd_logs)
 
     status = sub.add_parser("status", parents=[common], help="computed status of a session/task")
-    status.add_argument("target", metavar="SESSION|TASK")
+    status.add_argument("target", type=_id("target"), metavar="SESSION|TASK")
     status.set_defaults(handler=cmd_status)
 
     cancel = sub.add_parser("cancel", parents=[common], help="TERM, grace, KILL a session")
-    cancel.add_argument("session")
-    cancel.add_argument("--reason", default="cancel requested")
+    cancel.add_argument("session", type=_id("session"))
+    cancel.add_argument(
+        "--reason", type=_text("--reason", grammar.MAX_REASON_BYTES), default="cancel requested"
+    )
     cancel.set_defaults(handler=cmd_cancel)
 
     close = sub.add_parser("close", parents=[common], help="the close join: prove completion")
-    close.add_argument("task", nargs="?")
-    close.add_argument("--final", help="the model's final response, stored as pending")
-    close.add_argument("--deadline", type=float, help="seconds to wait for required sessions")
+    close.add_argument("task", type=_id("task"), nargs="?")
+    close.add_argument(
+        "--final",
+        type=_text("--final", grammar.MAX_FINAL_BYTES),
+        help="the model's final response, stored as pending",
+    )
+    close.add_argument(
+        "--deadline",
+        type=_seconds("--deadline", grammar.MAX_DEADLINE_S),
+        help="seconds to wait for required sessions",
+    )
     close.add_argument("--list-fault-points", action="store_true")
     close.set_defaults(handler=cmd_close)
 
     checkpoint = sub.add_parser("checkpoint", parents=[common], help="checkpoint an open task")
-    checkpoint.add_argument("task")
+    checkpoint.add_argument("task", type=_id("task"))
     checkpoint.add_argument("--full", action="store_true", help="ignore the journal; scan all")
     checkpoint.set_defaults(handler=cmd_checkpoint)
 
     recover = sub.add_parser("recover", parents=[common], help="settle sessions whose owner died")
-    recover.add_argument("--task", help="only this task")
+    recover.add_argument("--task", type=_id("--task"), help="only this task")
     recover.set_defaults(handler=cmd_recover)
 
     explain = sub.add_parser("explain", parents=[common], help="which receipts allow success")
-    explain.add_argument("task")
+    explain.add_argument("task", type=_id("task"))
     explain.set_defaults(handler=cmd_explain)
 
     restore = sub.add_parser("restore", parents=[common], help="rebuild a checkpoint")
-    restore.add_argument("target", metavar="TASK|MANIFEST")
-    restore.add_argument("dest")
+    restore.add_argument("target", type=_target, metavar="TASK|MANIFEST")
+    restore.add_argument("dest", type=_path("dest"))
     restore.add_argument(
         "--same-owner",
         action="store_true",
@@ -384,7 +463,7 @@ def build_parser() -> argparse.ArgumentParser:
     verify = sub.add_parser(
         "verify", parents=[common], help="check every object a checkpoint reaches"
     )
-    verify.add_argument("target", metavar="TASK|MANIFEST")
+    verify.add_argument("target", type=_target, metavar="TASK|MANIFEST")
     verify.add_argument(
         "--read-data", action="store_true", help="re-hash every blob, not only its presence"
     )
@@ -393,17 +472,28 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("mcp", parents=[common], help="the MCP tools over stdio, for agent harnesses")
 
     srv = sub.add_parser("serve", parents=[common], help="the HTTP service (bearer tokens)")
-    srv.add_argument("--host", default="127.0.0.1")
-    srv.add_argument("--port", type=int, default=8765)
-    srv.add_argument("--tokens", metavar="FILE", help="JSON file of task-scoped tokens")
+    srv.add_argument("--host", type=_text("--host", 255, 1), default="127.0.0.1")
+    srv.add_argument("--port", type=_integer("--port", 0, grammar.MAX_PORT), default=8765)
+    srv.add_argument(
+        "--tokens", type=_path("--tokens"), metavar="FILE", help="JSON file of task-scoped tokens"
+    )
 
     demo = sub.add_parser("demo", parents=[common], help="the main job on the embedded default")
     demo.set_defaults(handler=cmd_demo)
     return parser
 
 
+def _target(text: str) -> str:
+    return grammar.check_text("target", text, grammar.MAX_KEY_BYTES, 1)
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        args = build_parser().parse_args(argv)
+    except SettledError as exc:  # a BadValue of an argument's grammar, or a UsageError
+        as_json = argparse.Namespace(json="--json" in argv)
+        return _fail(as_json, exc.to_json(), str(exc), exc.exit_code)
     try:
         return _dispatch(args)
     except SettledError as exc:
@@ -413,10 +503,7 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as exc:  # a disk error no verb typed: still one line naming the disk
         typed = storage_error(exc, getattr(args, "home", None) or "the settled home", args.verb)
         if typed is None:
-            message = f"{type(exc).__name__}: {exc} (please report this)"
-            return _fail(
-                args, {"error": "internal error", "message": message}, message, EXIT_FAILURE
-            )
+            return _internal_error(args, exc)
         return _fail(args, typed.to_json(), str(typed), typed.exit_code)
     except KeyboardInterrupt:
         payload = {"error": "Interrupted", "message": "interrupted"}

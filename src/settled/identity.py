@@ -8,11 +8,11 @@ Never touches processes or the store.
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass
 from typing import Any
 
+from settled import grammar
 from settled.canonical import digest_of
 from settled.errors import BadInput
 
@@ -50,36 +50,29 @@ class CommandSpec:
     writable: tuple[str, ...] = ()  # host paths granted writable beside the workspace and /tmp
 
     def __post_init__(self) -> None:
+        """Every field inside its grammar (``settled.grammar``), whoever built the spec."""
         if (self.argv is None) == (self.shell is None):
             raise BadInput("a command needs exactly one of argv or shell")
-        if self.argv is not None and (not self.argv or not self.argv[0]):
-            raise BadInput(f"argv {list(self.argv)!r} is empty: nothing to run")
-        for name in ("timeout", "grace"):
-            value = getattr(self, name)
-            if value is None and name == "timeout":
-                continue
-            if isinstance(value, bool) or not isinstance(value, int | float):
-                raise BadInput(f"--{name} {value!r} must be a number of seconds")
-            if not math.isfinite(value) or value < 0:
-                raise BadInput(f"--{name} {value!r} must be a finite number of seconds >= 0")
-            object.__setattr__(self, name, float(value))  # 5 and 5.0 are one command
-        if self.boundary not in BOUNDARY_POLICIES:
-            raise BadInput(
-                f"--boundary {self.boundary!r} is not one of {', '.join(BOUNDARY_POLICIES)}"
-            )
-        for name, _ in self.env:
-            if not name or "=" in name or "\0" in name:
-                raise BadInput(f"--env name {name!r} is not a valid variable name")
-        if self.isolation not in ISOLATION_POLICIES:
-            raise BadInput(
-                f"--isolation {self.isolation!r} is not one of {', '.join(ISOLATION_POLICIES)}"
-            )
+        if self.argv is not None:
+            object.__setattr__(self, "argv", grammar.check_argv("argv", self.argv))
+        if self.shell is not None:
+            grammar.check_text("shell", self.shell, grammar.MAX_ARG_BYTES)
+        grammar.check_text("cwd", self.cwd, grammar.MAX_PATH_BYTES)
+        object.__setattr__(self, "env", grammar.check_env("env", self.env))
+        grammar.check_command_size("command", self.exec_argv, self.env)
+        if self.timeout is not None:  # 5 and 5.0 are one command
+            timeout = grammar.check_seconds("timeout", self.timeout, grammar.MAX_TIMEOUT_S)
+            object.__setattr__(self, "timeout", timeout)
+        object.__setattr__(
+            self, "grace", grammar.check_seconds("grace", self.grace, grammar.MAX_GRACE_S)
+        )
+        grammar.check_choice("boundary", self.boundary, BOUNDARY_POLICIES)
+        grammar.check_choice("isolation", self.isolation, ISOLATION_POLICIES)
+        grammar.check_bool("service", self.service)
         if self.user is not None:
             object.__setattr__(self, "user", check_user(self.user))
-        for path in self.writable:
-            if not isinstance(path, str) or not path.startswith("/") or "\0" in path:
-                raise BadInput(f"--writable {path!r} must be an absolute path")
-        object.__setattr__(self, "writable", tuple(sorted(set(self.writable))))
+        writable = grammar.check_paths("writable", self.writable)
+        object.__setattr__(self, "writable", tuple(sorted(set(writable))))
 
     @property
     def exec_argv(self) -> list[str]:
@@ -150,6 +143,7 @@ def parse_user(text: str) -> tuple[int, int]:
     import grp
     import pwd
 
+    grammar.check_user_text("user", text)
     name, _, group = text.partition(":")
     try:
         if name.isascii() and name.isdigit():
@@ -176,9 +170,15 @@ def normalize_env(pairs: list[str] | dict[str, str]) -> tuple[tuple[str, str], .
     """`K=V` strings or a mapping, sorted by name so order never changes the digest."""
     items: dict[str, str] = {}
     if isinstance(pairs, dict):
+        for name, value in pairs.items():  # text here; a name's form is the spec's to check
+            grammar.utf8_size("env name", name)
+            grammar.utf8_size(f"env {name}", value)
         items = dict(pairs)
     else:
+        if not isinstance(pairs, list | tuple):
+            raise BadInput(f"env {pairs!r} must be a list of NAME=VALUE or a mapping")
         for pair in pairs:
+            grammar.check_text("env", pair, grammar.MAX_ARG_BYTES)
             name, sep, value = pair.partition("=")
             if not sep:
                 raise BadInput(f"--env {pair!r} is not of the form NAME=VALUE")
@@ -188,6 +188,8 @@ def normalize_env(pairs: list[str] | dict[str, str]) -> tuple[tuple[str, str], .
 
 def resolve_cwd(workspace: str, cwd: str) -> str:
     """The cwd relative to the workspace, refusing any path (or symlink) that leaves it."""
+    grammar.check_path("workspace", workspace)
+    grammar.check_text("cwd", cwd, grammar.MAX_PATH_BYTES)  # "": the workspace itself
     root = os.path.realpath(workspace)
     target = os.path.realpath(os.path.join(root, cwd))
     if os.path.commonpath([root, target]) != root:

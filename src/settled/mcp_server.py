@@ -30,11 +30,12 @@ from mcp.server.mcpserver.exceptions import ToolError
 from mcp.types import CallToolResult, TextContent
 from pydantic import Field
 
+from settled import grammar
 from settled.errors import CursorOutOfRange, NotSettled, SettledError
 from settled.runtime import Launcher, Runtime, open_launcher
 
 DEFAULT_BUDGET = 16 * 1024
-MAX_BUDGET = 1 << 20
+MAX_BUDGET = grammar.MAX_BUDGET
 MAX_WAIT_S = 600.0
 DEFAULT_FINISH_DEADLINE_S = 60.0
 
@@ -208,7 +209,13 @@ class Tools:
         ] = None,
         timeout: Annotated[
             float | None,
-            Field(description="Seconds before settled stops the command (TERM, then KILL).", gt=0),
+            Field(
+                description="Seconds before settled stops the command (TERM, then KILL).",
+                gt=0,
+                le=grammar.MAX_TIMEOUT_S,
+                strict=True,
+                allow_inf_nan=False,
+            ),
         ] = None,
         service: Annotated[
             bool, Field(description="A long-running service, stopped when the task finishes.")
@@ -250,12 +257,15 @@ class Tools:
         cursor: Annotated[
             int,
             Field(
-                description="Byte offset to read from: 0, or next_cursor of a previous read.", ge=0
+                description="Byte offset to read from: 0, or next_cursor of a previous read.",
+                ge=0,
+                le=grammar.MAX_CURSOR,
+                strict=True,
             ),
         ] = 0,
         budget: Annotated[
             int,
-            Field(description="Most bytes of text to return.", ge=0, le=MAX_BUDGET),
+            Field(description="Most bytes of text to return.", ge=0, le=MAX_BUDGET, strict=True),
         ] = DEFAULT_BUDGET,
     ) -> CallToolResult:
         """Read a command's output from a byte cursor, as text of at most `budget` bytes. If
@@ -282,7 +292,14 @@ class Tools:
         self,
         session: SessionId,
         timeout: Annotated[
-            float, Field(description="Most seconds to wait.", ge=0, le=MAX_WAIT_S)
+            float,
+            Field(
+                description="Most seconds to wait.",
+                ge=0,
+                le=MAX_WAIT_S,
+                strict=True,
+                allow_inf_nan=False,
+            ),
         ] = 30.0,
     ) -> CallToolResult:
         """Wait up to `timeout` seconds for a command to end; returns its exit and whether its
@@ -327,6 +344,8 @@ class Tools:
                 description="Seconds to let running commands end before they are stopped.",
                 ge=0,
                 le=MAX_WAIT_S,
+                strict=True,
+                allow_inf_nan=False,
             ),
         ] = DEFAULT_FINISH_DEADLINE_S,
     ) -> CallToolResult:

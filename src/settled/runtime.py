@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from settled import boundary as boundaries
+from settled import grammar
 from settled.atomic import write_atomic
 from settled.boundary.isolation import IsolationUnavailable, check_available
 from settled.boundary.local import LocalSandbox
@@ -115,13 +116,22 @@ def _resolve_user(user: str | tuple[int, int] | list[int] | None) -> tuple[int, 
 def _real_writable(paths: list[str] | tuple[str, ...]) -> list[str]:
     """Each granted path, resolved (a mount follows links; the digest names what was granted)."""
     real = []
-    for path in paths:
-        if not isinstance(path, str) or not path.startswith("/"):
-            raise BadInput(f"--writable {path!r} must be an absolute path")
+    for path in grammar.check_paths("writable", paths):
         if not os.path.isdir(path):
             raise BadInput(f"--writable {path!r} is not a directory on this host")
         real.append(os.path.realpath(path))
     return real
+
+
+STREAMS = ("stdout", "stderr")
+MAX_WAIT = grammar.MAX_WAIT_S
+
+
+def _session_stream(session: str, stream: str) -> str:
+    """The session id, once it and the stream name are inside their grammar (a stream name
+    is part of a log's path)."""
+    grammar.check_choice("stream", stream, STREAMS)
+    return grammar.check_id("session", session)
 
 
 def _check_isolation(spec: CommandSpec, kind: str) -> None:
@@ -232,6 +242,9 @@ class Runtime:
         refused (placement.check_workspace), and so is one overlapping another open task's
         unless `shared_workspace` (then both tasks' close receipts name each other). Refused
         below the home's reserve."""
+        grammar.optional_key("key", key)
+        if workspace is not None:
+            grammar.check_path("workspace", workspace)
         check_reserve(self.home, "task new")
         uid_gid = _resolve_user(user)
         made = None
@@ -307,7 +320,10 @@ class Runtime:
         read-only to the command but for its workspace, /tmp, /var/tmp and the `writable`
         paths (`["/"]`: all of it, which the receipt states). Refused (SpaceExhausted) while
         the home's filesystem is below its reserve."""
-        record = self.store.get_task(task)
+        grammar.optional_key("key", key)
+        if stdin is not None and not isinstance(stdin, bytes):
+            raise BadInput(f"stdin must be bytes, not {type(stdin).__name__}")
+        record = self.store.get_task(grammar.check_id("task", task))
         check_reserve(self.home, f"exec in task {task}")
         spec = CommandSpec(
             argv=tuple(argv) if argv is not None else None,
@@ -367,10 +383,10 @@ class Runtime:
         return self.sessions.owner_facts(record)
 
     def session_status(self, session: str) -> dict[str, Any]:
-        return self.sessions.status(session)
+        return self.sessions.status(grammar.check_id("session", session))
 
     def task_status(self, task: str) -> dict[str, Any]:
-        record = self.store.get_task(task)
+        record = self.store.get_task(grammar.check_id("task", task))
         views = [session_status(s, self.owner_facts(s)) for s in self.store.list_sessions(task)]
         view = task_status(record, views)
         if record.state != TASK_OPEN:  # computed from the close's facts, never stored
@@ -386,10 +402,13 @@ class Runtime:
     def wait(self, session: str, timeout: float | None = None) -> dict[str, Any]:
         """Block until the session has a receipt (or is unknown); the session's clock, not ours.
         Raises NotSettled when `timeout` passes first; the session goes on."""
-        return self.sessions.wait(session, timeout)
+        grammar.check_id("session", session)
+        return self.sessions.wait(session, grammar.optional_seconds("timeout", timeout, MAX_WAIT))
 
     def cancel(self, session: str, reason: str = "cancel requested") -> dict[str, Any]:
         """Ask the owner to stop the session (TERM, grace, KILL over the whole boundary)."""
+        reason = grammar.check_text("reason", reason, grammar.MAX_REASON_BYTES)
+        grammar.check_id("session", session)
         return self.sessions.cancel(session, reason)
 
     # -- close, explain, restore ---------------------------------------------------------
@@ -399,6 +418,9 @@ class Runtime:
         self, task: str, final: str | None = None, deadline: float | None = None
     ) -> CloseResult:
         """Run (or resume) the close join; a repeated close returns the same receipt."""
+        grammar.check_id("task", task)
+        grammar.optional_text("final", final, grammar.MAX_FINAL_BYTES)
+        deadline = grammar.optional_seconds("deadline", deadline, grammar.MAX_DEADLINE_S)
         return self._close_join(task, final, deadline).run()
 
     def _close_join(
@@ -409,13 +431,15 @@ class Runtime:
     @_on_disk("recover")
     def recover(self, task: str | None = None) -> list[dict[str, Any]]:
         """Inspect every session whose owner is gone; settle those with evidence (rule 4)."""
+        if task is not None:
+            grammar.check_id("task", task)
         return self.recovery.recover(task)
 
     @_on_disk("task destroy")
     def destroy_task(self, task: str) -> dict[str, Any]:
         """Destroy the task's sandbox: evidence for every session inside it. Sessions outside
         any sandbox (subreaper, pgroup) stay unknown."""
-        record = self.store.get_task(task)
+        record = self.store.get_task(grammar.check_id("task", task))
         sessions = self.store.list_sessions(task)
         destroyed = self.sandbox.destroy(record.task, sessions)
         self.recovery.detect(task, force=True)
@@ -430,15 +454,19 @@ class Runtime:
     @_on_disk("checkpoint")
     def checkpoint(self, task: str, *, incremental: bool = True) -> dict[str, Any]:
         """Checkpoint an open task's workspace now (the close always does its own full scan)."""
+        task = grammar.check_id("task", task)
         return self.workspace.checkpoint_now(self.store.get_task(task), incremental=incremental)
 
     def explain(self, task: str) -> dict[str, Any]:
+        grammar.check_id("task", task)
         return explain(self._close_join(task).facts())
 
     def restore(self, target: str, dest: str, *, same_owner: bool = False) -> RestoreResult:
         """Rebuild a task's last checkpoint (or a manifest id) into an empty directory that is
         not (and is not under) a symlink. Every entry is the caller's and set-id bits it has
         not earned are dropped, unless ``same_owner`` (root only) restores every recorded owner."""
+        grammar.check_text("target", target, grammar.MAX_KEY_BYTES, 1)
+        grammar.check_path("dest", dest)
         manifest = target
         if target.startswith("t_"):
             latest = self.store.latest_checkpoint(self.store.get_task(target).task)
@@ -452,6 +480,7 @@ class Runtime:
         check``: the manifest and every tree re-hashed and parsed, every blob present at its
         size, or with ``read_data`` re-hashed. Nothing is trusted and nothing is repaired;
         ``verified`` is False and ``problems`` names each object (and its paths) otherwise."""
+        grammar.check_text("target", target, grammar.MAX_KEY_BYTES, 1)
         task = None
         if target.startswith("t_"):
             task = self.store.get_task(target).task
@@ -480,7 +509,7 @@ class Runtime:
 
     def final_cursor(self, session: str, stream: str) -> int | None:
         """The stream's final cursor once the session settled; None while it may still grow."""
-        record = self.store.get_session(session)
+        record = self.store.get_session(_session_stream(session, stream))
         if record.receipt is not None:
             return int(record.receipt["output"][stream]["cursor"])
         if not record.live:
@@ -490,7 +519,9 @@ class Runtime:
     def read(self, session: str, stream: str, start: int = 0, size: int = 1 << 20) -> bytes:
         """Up to ``size`` stored bytes of the stream from cursor ``start`` (CursorOutOfRange
         past what is stored)."""
-        final = self.final_cursor(session, stream)  # the final cursor bounds what is served
+        grammar.check_cursor("start", start)
+        grammar.check_int("size", size, 1, grammar.MAX_CURSOR)
+        final = self.final_cursor(_session_stream(session, stream), stream)  # bounds the read
         return read_range(log_path(self.home, session, stream), start, size, final)
 
     def follow(
@@ -498,14 +529,17 @@ class Runtime:
     ) -> Iterator[bytes]:
         """The stream from cursor ``start`` as it grows, ending exactly at its final cursor;
         ``timeout`` bounds the whole follow (TimeoutError names the cursor reached)."""
-        self.store.get_session(session)
+        grammar.check_cursor("start", start)
+        timeout = grammar.optional_seconds("timeout", timeout, MAX_WAIT)
+        self.store.get_session(_session_stream(session, stream))
         path = log_path(self.home, session, stream)
         return follow(path, start, lambda: self.final_cursor(session, stream), timeout=timeout)
 
     def view(self, session: str, stream: str, budget: int) -> str:
         """The model view of everything stored of the stream, within ``budget`` UTF-8 bytes,
         its marker naming the omitted range as ``settled logs --from`` reads it."""
-        return self.window(session, stream, 0, budget)[0].text
+        grammar.check_int("budget", budget, 0, grammar.MAX_BUDGET)
+        return self.window(_session_stream(session, stream), stream, 0, budget)[0].text
 
     def window(
         self, session: str, stream: str, cursor: int, budget: int, *, marker: str = MARKER
@@ -515,6 +549,8 @@ class Runtime:
         end is the final cursor. ``marker`` words the line naming the omitted range (a
         template over stream, a, b, n and session). Reads at most ``2 * budget`` bytes; a
         cursor past the end raises CursorOutOfRange."""
+        grammar.check_cursor("cursor", cursor)
+        grammar.check_int("budget", budget, 0, grammar.MAX_BUDGET)
         final = self.final_cursor(session, stream)
         path = log_path(self.home, session, stream)
         end = final if final is not None else stored_length(path)
@@ -525,17 +561,18 @@ class Runtime:
         """The session's ``stream`` log ("stdout" or "stderr"), to read by cursor without a
         Runtime: its reads touch only the file, so an async streamer can poll it from worker
         threads that hold no store. The session is not looked up here."""
+        _session_stream(session, stream)
         return StreamLog(log_path(self.home, session, stream), stream)
 
     def task_record(self, task: str) -> TaskRecord:
         """The task as recorded (UnknownTask if there is none): what a face checks a caller's
         scope against, or shows."""
-        return self.store.get_task(task)
+        return self.store.get_task(grammar.check_id("task", task))
 
     def session_record(self, session: str) -> SessionRecord:
         """The session as recorded (UnknownSession if there is none); its state is the
         stored one, not the status projection ``session_status`` computes."""
-        return self.store.get_session(session)
+        return self.store.get_session(grammar.check_id("session", session))
 
 
 def ready_home(home: str | None = None) -> str:

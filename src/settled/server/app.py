@@ -24,6 +24,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from settled import grammar
 from settled.errors import BadInput
 from settled.server import bodies, streams, views
 from settled.server.auth import GRANT_SCOPE_KEY, BearerAuth, Grant, TokenTable
@@ -31,7 +32,7 @@ from settled.server.errors import EXCEPTION_HANDLERS
 from settled.server.openapi import document
 from settled.server.pool import RECOVER_EVERY_S, Recoverer, RuntimePool, recover_once
 
-MAX_WAIT_S = 3600.0
+MAX_WAIT_S = grammar.MAX_HTTP_WAIT_S  # a long poll holds a connection (settled.grammar)
 
 
 class Service:
@@ -124,9 +125,7 @@ class Handlers:
 
     async def recover(self, request: Request) -> Response:
         body = await bodies.json_body(request, bodies.RECOVER_FIELDS)
-        task = body.get("task")
-        if task is not None and not isinstance(task, str):
-            raise BadInput("`task` must be a task id")
+        task = bodies.recover_request(body)
         return _json(await self.pool.call(views.recover, grant_of(request), task))
 
     async def session(self, request: Request) -> Response:

@@ -2,8 +2,10 @@
 
 Owns the shape of every request body of the HTTP contract (DESIGN.md) and of the output query
 parameters. Unknown body fields are refused by name (a typo such as ``"timout"`` must not
-silently run a command without its timeout); values of the right type are handed to the
-Runtime, which validates their meaning.
+silently run a command without its timeout); every value is checked against its field's
+grammar (``settled.grammar``: bounds, UTF-8 without NUL, lengths) and handed to the Runtime,
+which checks it again and validates its meaning. A body is read under a size limit as it
+arrives (a ``Content-Length`` over it is refused before a byte is read).
 
 Must never: touch the Runtime, guess a missing invocation key (the client must know the key
 before its first attempt, or a retry after a lost response could not reuse it), or coerce types
@@ -13,12 +15,13 @@ before its first attempt, or a retry after a lost response could not reuse it), 
 from __future__ import annotations
 
 import json
-import math
 from typing import Any
 
 from starlette.requests import Request
 
+from settled import grammar
 from settled.errors import BadInput
+from settled.identity import BOUNDARY_POLICIES, ISOLATION_POLICIES
 from settled.server.errors import BodyTooLarge
 
 MAX_BODY_BYTES = 1 << 20
@@ -36,25 +39,37 @@ SIGNAL_FIELDS = frozenset({"signal", "reason"})
 RECOVER_FIELDS = frozenset({"task"})
 
 
+def _declared_length(request: Request) -> None:
+    declared = request.headers.get("content-length", "")
+    if (
+        grammar.INTEGER.fullmatch(declared)
+        and len(declared) < 20
+        and int(declared) > MAX_BODY_BYTES
+    ):
+        raise BodyTooLarge(int(declared), MAX_BODY_BYTES)
+
+
 async def _read_bounded(request: Request) -> bytes:
+    _declared_length(request)
     parts, size = [], 0
     async for part in request.stream():
         size += len(part)
         if size > MAX_BODY_BYTES:
-            raise BodyTooLarge(
-                f"request body is over {MAX_BODY_BYTES} bytes; a command is not data"
-            )
+            raise BodyTooLarge(size, MAX_BODY_BYTES)
         parts.append(part)
     return b"".join(parts)
 
 
 async def json_body(request: Request, allowed: frozenset[str]) -> dict[str, Any]:
-    """The request's JSON object ({} for an empty body); unknown fields are refused."""
+    """The request's JSON object ({} for an empty body); unknown fields are refused, and so
+    are NaN and Infinity (not JSON numbers)."""
     raw = await _read_bounded(request)
     if not raw.strip():
         return {}
     try:
-        body = json.loads(raw)
+        body = json.loads(raw, parse_constant=grammar.reject_constant)
+    except RecursionError:
+        raise BadInput("request body is not JSON this server reads: nested too deep") from None
     except ValueError as exc:
         raise BadInput(f"request body is not JSON: {exc}") from None
     if not isinstance(body, dict):
@@ -62,120 +77,111 @@ async def json_body(request: Request, allowed: frozenset[str]) -> dict[str, Any]
     unknown = sorted(set(body) - allowed)
     if unknown:
         raise BadInput(
-            f"unknown field(s) {', '.join(map(repr, unknown))}; "
+            f"unknown field(s) {grammar.shown(', '.join(map(repr, unknown)))}; "
             f"this endpoint takes {', '.join(sorted(allowed))}"
         )
     return body
 
 
-def _optional(body: dict[str, Any], name: str, kind: type | tuple[type, ...], what: str) -> Any:
-    value = body.get(name)
-    if value is None:
-        return None
-    if (isinstance(value, bool) and kind is not bool) or not isinstance(value, kind):
-        raise BadInput(f"`{name}` must be {what}, got {json.dumps(value)}")
-    return value
-
-
-def _seconds(body: dict[str, Any], name: str) -> float | None:
-    value = _optional(body, name, (int, float), "a number of seconds")
-    if value is not None and (not math.isfinite(value) or value < 0):
-        raise BadInput(f"`{name}` {value!r} must be a finite number of seconds >= 0")
-    return None if value is None else float(value)
-
-
 def task_request(body: dict[str, Any]) -> dict[str, Any]:
+    workspace = body.get("workspace")
     return {
-        "workspace": _optional(body, "workspace", str, "a directory path on the server"),
-        "key": _optional(body, "key", str, "a string"),
-        "user": _optional(body, "user", str, "UID[:GID] or a user name"),
-        "shared_workspace": bool(_optional(body, "shared_workspace", bool, "true or false")),
+        "workspace": None if workspace is None else grammar.check_path("workspace", workspace),
+        "key": grammar.optional_key("key", body.get("key")),
+        "user": _user(body),
+        "shared_workspace": body.get("shared_workspace") is not None
+        and grammar.check_bool("shared_workspace", body["shared_workspace"]),
     }
+
+
+def _user(body: dict[str, Any]) -> str | None:
+    user = body.get("user")
+    return None if user is None else grammar.check_user_text("user", user)
 
 
 def session_request(body: dict[str, Any]) -> dict[str, Any]:
     """Keyword arguments for ``Runtime.exec`` (after the task)."""
-    key = _optional(body, "key", str, "a string")
-    if not key:
+    if body.get("key") is None:
         raise BadInput(
             "`key` is required over HTTP: choose it before the first attempt and send the same "
             "key on every retry, so a retry after a lost response returns the same session"
         )
-    shell = _optional(body, "shell", str, "a shell command string")
-    argv = _argv(body)
+    key = grammar.check_key("key", body["key"])
+    shell, argv = body.get("shell"), body.get("argv")
     if (shell is None) == (argv is None):
         raise BadInput("give exactly one of `shell` (a string) or `argv` (a list of strings)")
     return {
-        "argv": argv,
-        "shell": shell,
+        "argv": None if argv is None else list(grammar.check_argv("argv", argv)),
+        "shell": grammar.optional_text("shell", shell, grammar.MAX_ARG_BYTES),
         "key": key,
-        "timeout": _seconds(body, "timeout"),
-        "grace": _seconds(body, "grace"),
-        "cwd": _optional(body, "cwd", str, "a path relative to the workspace") or ".",
+        "timeout": grammar.optional_seconds("timeout", body.get("timeout"), grammar.MAX_TIMEOUT_S),
+        "grace": grammar.optional_seconds("grace", body.get("grace"), grammar.MAX_GRACE_S),
+        "cwd": grammar.optional_text("cwd", body.get("cwd"), grammar.MAX_PATH_BYTES) or ".",
         "env": _env(body),
-        "service": bool(_optional(body, "service", bool, "true or false")),
-        "boundary": _optional(body, "boundary", str, "a boundary policy") or "auto",
-        "isolation": _optional(body, "isolation", str, "auto, strict or none") or "auto",
-        "user": _optional(body, "user", str, "UID[:GID] or a user name"),
+        "service": body.get("service") is not None
+        and grammar.check_bool("service", body["service"]),
+        "boundary": _choice(body, "boundary", BOUNDARY_POLICIES),
+        "isolation": _choice(body, "isolation", ISOLATION_POLICIES),
+        "user": _user(body),
         "writable": _writable(body),
     }
 
 
 def _writable(body: dict[str, Any]) -> list[str]:
     paths = body.get("writable")
-    if paths is None:
-        return []
-    if not isinstance(paths, list) or not all(isinstance(p, str) for p in paths):
-        raise BadInput(f"`writable` must be a list of absolute paths, got {json.dumps(paths)}")
-    return paths
+    return [] if paths is None else list(grammar.check_paths("writable", paths))
 
 
-def _argv(body: dict[str, Any]) -> list[str] | None:
-    argv = body.get("argv")
-    if argv is None:
-        return None
-    if not isinstance(argv, list) or not argv or not all(isinstance(a, str) for a in argv):
-        raise BadInput(f"`argv` must be a non-empty list of strings, got {json.dumps(argv)}")
-    return argv
+def _service(body: dict[str, Any]) -> bool:
+    value = body.get("service")
+    return False if value is None else grammar.check_bool("service", value)
+
+
+def _choice(body: dict[str, Any], name: str, choices: tuple[str, ...]) -> str:
+    value = body.get(name)
+    return "auto" if value is None else grammar.check_choice(name, value, choices)
 
 
 def _env(body: dict[str, Any]) -> dict[str, str] | None:
     env = body.get("env")
     if env is None:
         return None
-    if not isinstance(env, dict) or not all(isinstance(v, str) for v in env.values()):
-        raise BadInput(f"`env` must be an object of string values, got {json.dumps(env)}")
-    return env
+    if not isinstance(env, dict):
+        raise grammar.BadText("env", env, "must be an object of NAME: VALUE strings")
+    return dict(grammar.check_env("env", env.items()))
 
 
 def close_request(body: dict[str, Any]) -> dict[str, Any]:
     return {
-        "final": _optional(body, "final", str, "a string"),
-        "deadline": _seconds(body, "deadline"),
+        "final": grammar.optional_text("final", body.get("final"), grammar.MAX_FINAL_BYTES),
+        "deadline": grammar.optional_seconds(
+            "deadline", body.get("deadline"), grammar.MAX_DEADLINE_S
+        ),
     }
 
 
 def signal_request(body: dict[str, Any]) -> tuple[str, str | None]:
     name = body.get("signal")
     if not isinstance(name, str) or name.upper().removeprefix("SIG") not in SIGNALS:
-        raise BadInput(f"`signal` {json.dumps(name)} is not one of {', '.join(SIGNALS)}")
-    return name.upper().removeprefix("SIG"), _optional(body, "reason", str, "a string")
+        raise grammar.BadText("signal", name, f"is not one of {', '.join(SIGNALS)}")
+    reason = grammar.optional_text("reason", body.get("reason"), grammar.MAX_REASON_BYTES)
+    return name.upper().removeprefix("SIG"), reason
+
+
+def recover_request(body: dict[str, Any]) -> str | None:
+    task = body.get("task")
+    return None if task is None else grammar.check_id("task", task)
 
 
 # -- query parameters ---------------------------------------------------------------------
 
 
 def query_stream(request: Request) -> str:
-    stream = request.query_params.get("stream", "stdout")
-    if stream not in STREAMS:
-        raise BadInput(f"stream {stream!r} is not one of {', '.join(STREAMS)}")
-    return stream
+    return grammar.check_choice("stream", request.query_params.get("stream", "stdout"), STREAMS)
 
 
 def cursor_value(text: str, what: str) -> int:
-    if not text.isdigit():
-        raise BadInput(f"{what} {text!r} must be a byte cursor: an integer >= 0")
-    return int(text)
+    return grammar.parse_int(what, text, 0, grammar.MAX_CURSOR)
 
 
 def query_cursor(request: Request) -> int:
@@ -187,30 +193,19 @@ def query_cursor(request: Request) -> int:
 
 
 def query_flag(request: Request, name: str) -> bool:
-    value = request.query_params.get(name, "0").lower()
-    if value not in ("0", "1", "true", "false", ""):
-        raise BadInput(f"{name}={value!r} must be 1 or 0")
-    return value in ("1", "true")
+    value = request.query_params.get(name, "0")
+    if value.lower() not in ("0", "1", "true", "false", ""):
+        raise grammar.BadText(name, value, "must be 1 or 0")
+    return value.lower() in ("1", "true")
 
 
 def query_max(request: Request) -> int | None:
     text = request.query_params.get("max")
     if text is None:
         return None
-    value = cursor_value(text, "max")
-    if value == 0:
-        raise BadInput("max=0 asks for nothing; give a number of bytes > 0 or leave it out")
-    return value
+    return grammar.parse_int("max", text, 1, grammar.MAX_CURSOR)
 
 
 def query_wait(request: Request, limit: float) -> float:
     text = request.query_params.get("wait")
-    if text is None:
-        return 0.0
-    try:
-        value = float(text)
-    except ValueError:
-        raise BadInput(f"wait={text!r} must be a number of seconds") from None
-    if not math.isfinite(value) or not 0 <= value <= limit:
-        raise BadInput(f"wait={text!r} must be between 0 and {limit:g} seconds")
-    return value
+    return 0.0 if text is None else grammar.parse_seconds("wait", text, limit)

@@ -36,6 +36,7 @@ from settled.errors import (
     UnknownSession,
     UnknownTask,
 )
+from settled.grammar import TooLarge
 
 log = logging.getLogger("settled.server")
 
@@ -45,8 +46,11 @@ class NotPermitted(SettledError):
     task); answered 403."""
 
 
-class BodyTooLarge(BadInput):
-    """A request body over the limit; answered 413 before it is parsed."""
+class BodyTooLarge(TooLarge):
+    """A request body over the limit; answered 413 before it is parsed (or read further)."""
+
+    def __init__(self, size: int, limit: int) -> None:
+        super().__init__("body", f"<{size} bytes>", f"is over {limit} bytes; a command is not data")
 
 
 # First match wins: subclasses before their bases.
@@ -60,7 +64,7 @@ STATUS_OF: tuple[tuple[type[SettledError], int], ...] = (
     (AdmissionFrozen, 423),
     (NotSettled, 202),
     (NotPermitted, 403),
-    (BodyTooLarge, 413),
+    (TooLarge, 413),  # a body, or a field over its length: BodyTooLarge among them
     (BoundaryUnavailable, 400),
     (BadInput, 400),
     (OwnerLaunchFailed, 500),

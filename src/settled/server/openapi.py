@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from settled import grammar
 from settled.identity import BOUNDARY_POLICIES, ISOLATION_POLICIES
 
 VERSION = "1"
@@ -30,13 +31,42 @@ def _error(description: str) -> dict[str, Any]:
     return _json(description, "Error")
 
 
+NO_NUL = "^[^\\x00]*$"  # every string: UTF-8 without NUL (settled.grammar)
+ID_SCHEMA = {"type": "string", "pattern": f"^[A-Za-z0-9_-]{{1,{grammar.MAX_ID_CHARS}}}$"}
+CURSOR_SCHEMA = {"type": "integer", "minimum": 0, "maximum": grammar.MAX_CURSOR}
+
+
+def _text(max_bytes: int, min_length: int = 0, pattern: str = NO_NUL) -> dict[str, Any]:
+    """A string schema; ``maxLength`` counts characters and the server counts UTF-8 bytes,
+    so a value of non-ASCII characters may be refused (413) below ``maxLength``."""
+    schema: dict[str, Any] = {"type": "string", "maxLength": max_bytes, "pattern": pattern}
+    if min_length:
+        schema["minLength"] = min_length
+    return schema
+
+
+def _seconds(hi: float) -> dict[str, Any]:
+    return {"type": ["number", "null"], "minimum": 0, "maximum": hi}
+
+
+def _seconds_text(hi: int) -> dict[str, Any]:
+    """A query parameter of seconds: ``[0-9]+(.[0-9]+)?`` (no exponent) within ``[0, hi]``."""
+    h = str(hi)
+    assert len(h) == 4 and h.endswith("00"), "the pattern below is written for 1000..9900"
+    pattern = (
+        f"^0*([0-9]{{1,3}}|[0-{int(h[0]) - 1}][0-9]{{3}}|{h[0]}[0-{int(h[1]) - 1}][0-9]{{2}})"
+        f"(\\.[0-9]{{1,9}})?$|^0*{h}(\\.0{{1,9}})?$"
+    )
+    return {"type": "string", "pattern": pattern, "maxLength": 24}
+
+
 def _path_param(name: str, what: str) -> dict[str, Any]:
     return {
         "name": name,
         "in": "path",
         "required": True,
         "description": what,
-        "schema": {"type": "string"},
+        "schema": ID_SCHEMA,
     }
 
 
@@ -49,7 +79,7 @@ def _body(schema: str, required: bool = True) -> dict[str, Any]:
 
 
 def _cursor_header(what: str) -> dict[str, Any]:
-    return {"description": what, "schema": {"type": "integer", "minimum": 0}}
+    return {"description": what, "schema": CURSOR_SCHEMA}
 
 
 TASK = _path_param("task", "a task id (t_...)")
@@ -57,8 +87,9 @@ SESSION = _path_param("session", "a session id")
 STREAM = _query(
     "stream", "which stream", {"type": "string", "enum": ["stdout", "stderr"], "default": "stdout"}
 )
-FROM = _query("from", "byte cursor to start at", {"type": "integer", "minimum": 0, "default": 0})
+FROM = _query("from", "byte cursor to start at", {**CURSOR_SCHEMA, "default": 0})
 AUTH_ERRORS = {
+    "400": _error("a path or query parameter outside its grammar (names the field)"),
     "401": _error("missing or unknown bearer token"),
     "404": _error("unknown, or outside this token's scope (the same answer)"),
 }
@@ -77,7 +108,10 @@ CURSOR_ERRORS = {
 
 def _operation(summary: str, responses: dict[str, Any], **extra: Any) -> dict[str, Any]:
     if "requestBody" in extra:  # every body is read under one size limit
-        responses = {**responses, "413": _error("request body over 1 MiB")}
+        responses = {
+            **responses,
+            "413": _error("request body over 1 MiB, or a field over its length"),
+        }
     return {"summary": summary, "security": [{"bearer": []}], "responses": responses, **extra}
 
 
@@ -111,6 +145,10 @@ def _tasks() -> dict[str, Any]:
                     "200": _json("same key and digest: the existing session", "Admission"),
                     "400": _error("bad body, boundary or cwd"),
                     **AUTH_ERRORS,
+                    "403": _error(
+                        "a task-scoped token asked to loosen the sandbox (isolation none, a "
+                        "writable host path, another user)"
+                    ),
                     "409": _error(
                         "KeyConflict (names existing_digest and requested_digest) or "
                         "AdmissionSealed"
@@ -151,7 +189,7 @@ def _sessions() -> dict[str, Any]:
     wait = _query(
         "wait",
         "wait up to this many seconds for the receipt",
-        {"type": "number", "minimum": 0, "maximum": 3600},
+        _seconds_text(int(grammar.MAX_HTTP_WAIT_S)),
     )
     follow = _query(
         "follow",
@@ -159,7 +197,9 @@ def _sessions() -> dict[str, Any]:
         {"type": "string", "enum": ["0", "1", "true", "false"]},
     )
     max_bytes = _query(
-        "max", "at most this many bytes (not with follow)", {"type": "integer", "minimum": 1}
+        "max",
+        "at most this many bytes (not with follow)",
+        {"type": "integer", "minimum": 1, "maximum": grammar.MAX_CURSOR},
     )
     raw_headers = {
         "Settled-From": _cursor_header("the cursor the body starts at"),
@@ -222,7 +262,7 @@ def _sessions() -> dict[str, Any]:
                         "name": "Last-Event-ID",
                         "in": "header",
                         "required": False,
-                        "schema": {"type": "integer", "minimum": 0},
+                        "schema": CURSOR_SCHEMA,
                     },
                 ],
             )
@@ -272,52 +312,100 @@ def _open() -> dict[str, Any]:
     }
 
 
+def _nullable(schema: dict[str, Any]) -> dict[str, Any]:
+    """The server reads an optional field sent as null as the field left out."""
+    kind = schema["type"]
+    kinds = [kind] if isinstance(kind, str) else list(kind)
+    out = {**schema, "type": kinds if "null" in kinds else [*kinds, "null"]}
+    if "enum" in out and None not in out["enum"]:
+        out["enum"] = [*out["enum"], None]
+    return out
+
+
 def _obj(props: dict[str, Any], required: list[str] | None = None) -> dict[str, Any]:
-    schema: dict[str, Any] = {"type": "object", "properties": props, "additionalProperties": False}
+    required = required or []
+    optional = {k: v if k in required else _nullable(v) for k, v in props.items()}
+    schema: dict[str, Any] = {
+        "type": "object",
+        "properties": optional,
+        "additionalProperties": False,
+    }
     if required:
         schema["required"] = required
     return schema
 
 
 def _schemas() -> dict[str, Any]:
-    s, n, b = {"type": "string"}, {"type": ["number", "null"], "minimum": 0}, {"type": "boolean"}
+    g = grammar
+    s, b = {"type": "string"}, {"type": "boolean"}
+    key = _text(g.MAX_KEY_BYTES, 1, "^[^\\x00-\\x1f\\x7f-\\x9f]*$")
+    user = _text(g.MAX_USER_BYTES, 1)
+    path = _text(g.MAX_PATH_BYTES, 1)
+    arg = _text(g.MAX_ARG_BYTES)
+    env_name = {"type": "string", "pattern": "^[^\\x00=]+$", "maxLength": g.MAX_ENV_NAME_BYTES}
     return {
         "Object": {"type": "object"},
         "Error": {
             "type": "object",
             "required": ["error", "message"],
-            "properties": {"error": s, "message": s},
+            "properties": {"error": s, "message": s, "field": s},
         },
         "Task": {"type": "object", "required": ["task", "key", "workspace", "state"]},
-        "TaskRequest": _obj({"workspace": s, "key": s, "user": s, "shared_workspace": b}),
+        "TaskRequest": _obj({"workspace": path, "key": key, "user": user, "shared_workspace": b}),
         "SessionRequest": _obj(
             {
-                "argv": {"type": "array", "items": s, "minItems": 1},
-                "shell": s,
-                "key": s,
-                "timeout": n,
-                "grace": n,
-                "cwd": s,
-                "env": {"type": "object", "additionalProperties": s},
+                "argv": {
+                    "type": "array",
+                    "items": arg,
+                    "minItems": 1,
+                    "maxItems": g.MAX_ARGV_ITEMS,
+                },
+                "shell": arg,
+                "key": key,
+                "timeout": _seconds(g.MAX_TIMEOUT_S),
+                "grace": _seconds(g.MAX_GRACE_S),
+                "cwd": _text(g.MAX_PATH_BYTES),
+                "env": {
+                    "type": "object",
+                    "propertyNames": env_name,
+                    "additionalProperties": arg,
+                    "maxProperties": g.MAX_ENV_ITEMS,
+                },
                 "service": b,
                 "boundary": {"type": "string", "enum": list(BOUNDARY_POLICIES)},
                 "isolation": {"type": "string", "enum": list(ISOLATION_POLICIES)},
-                "user": s,
-                "writable": {"type": "array", "items": s},
+                "user": user,
+                "writable": {
+                    "type": "array",
+                    "items": {**path, "pattern": "^/[^\\x00]*$"},
+                    "maxItems": g.MAX_WRITABLE,
+                },
             },
             ["key"],
-        ),
+        )
+        | {  # exactly one of a command line and a shell string
+            "oneOf": [
+                {"required": ["argv"], "properties": {"argv": {"type": "array"}}},
+                {"required": ["shell"], "properties": {"shell": {"type": "string"}}},
+            ]
+        },
         "Admission": {
             "type": "object",
             "required": ["session", "task", "key", "digest", "reused", "state"],
         },
         "SessionStatus": {"type": "object", "required": ["session", "task", "state"]},
-        "CloseRequest": _obj({"final": s, "deadline": n}),
+        "CloseRequest": _obj(
+            {"final": _text(g.MAX_FINAL_BYTES), "deadline": _seconds(g.MAX_DEADLINE_S)}
+        ),
         "Blocked": {"type": "object", "required": ["complete", "blocked_on"]},
         "SignalRequest": _obj(
-            {"signal": {"type": "string", "enum": ["TERM", "KILL", "INT"]}, "reason": s}, ["signal"]
+            {
+                "signal": {"type": "string", "enum": ["TERM", "KILL", "INT"]},
+                "reason": _text(g.MAX_REASON_BYTES),
+            },
+            ["signal"],
         ),
-        "RecoverRequest": _obj({"task": s}),
+        "RecoverRequest": _obj({"task": ID_SCHEMA}),
     }
 
 
