@@ -214,6 +214,15 @@ def test_wait_gives_up_on_its_own_clock_and_the_session_goes_on(cli: CLI, task: 
     assert cli.json("wait", admitted["session"])["exit"]["code"] == 0
 
 
+def test_a_follow_that_runs_out_of_time_is_one_line_and_exit_3(cli: CLI, task: dict) -> None:
+    admitted = cli.json("exec", "--task", task["task"], "--", "printf early; sleep 30")
+    done = cli.run("logs", admitted["session"], "--follow", "--timeout", "0.5")
+    assert done.returncode == 3, done.stderr
+    assert done.stdout == b"early"
+    assert b"Traceback" not in done.stderr and b"NotSettled" in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
+
+
 def test_stdin_is_given_bytes_and_is_part_of_the_digest(cli: CLI, task: dict) -> None:
     data = bytes(range(256)) * 10
     one = cli.json(

@@ -22,6 +22,7 @@ from settled.errors import (
     EXIT_USAGE,
     BadInput,
     CursorOutOfRange,
+    NotSettled,
     SettledError,
     exit_code_lines,
 )
@@ -120,6 +121,9 @@ def cmd_logs(rt: Runtime, args: argparse.Namespace) -> int:
         out.flush()
     except BrokenPipeError:
         return EXIT_OK
+    except TimeoutError as exc:  # the follow's own bound: the session goes on, exit 3
+        out.flush()
+        raise NotSettled(f"logs --follow of {args.session}: {exc}; the session goes on") from None
     return EXIT_OK
 
 
