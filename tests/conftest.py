@@ -108,6 +108,23 @@ def rt(tmp_path: Path) -> Iterator[Runtime]:
         runtime.close()
 
 
+def journal_pids(run_dir: Path) -> set[int]:
+    """Live journal daemons serving this run directory (found by their command line)."""
+    needle = b"\0" + os.fsencode(str(run_dir)) + b"\0"
+    found = set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as handle:
+                cmdline = handle.read()
+        except OSError:
+            continue
+        if b"settled.workspace.journal" in cmdline and needle in cmdline:
+            found.add(int(entry))
+    return found
+
+
 def stop_journals(root: Path) -> None:
     """Every home starts a journal daemon; a test ends the ones started under its tmp_path."""
     from settled.workspace.journal import lifecycle as journal_lifecycle

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import journal_pids
 
 from settled.owner.launcher import owner_path
 from settled.workspace.journal import client as client_module
@@ -51,23 +52,6 @@ def reset(socket_path: str, seq: int, task: str = TASK) -> Watermark | None:
 def _exited(pidfd: int, timeout: float) -> bool:
     readable, _, _ = select.select([pidfd], [], [], timeout)
     return bool(readable)
-
-
-def _journal_pids(run_dir: Path) -> set[int]:
-    """Live processes running a journal daemon for this run directory."""
-    needle = b"\0" + os.fsencode(str(run_dir)) + b"\0"
-    found = set()
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/cmdline", "rb") as handle:
-                cmdline = handle.read()
-        except OSError:
-            continue
-        if b"settled.workspace.journal" in cmdline and needle in cmdline:
-            found.add(int(entry))
-    return found
 
 
 class Daemons:
@@ -104,7 +88,7 @@ class Daemons:
                 _exited(pidfd, 5.0)
             os.close(pidfd)
         strays = []  # e.g. a journal that refused to start: it must be on its way out
-        for pid in set().union(*(_journal_pids(run_dir) for run_dir in self.run_dirs)):
+        for pid in set().union(*(journal_pids(run_dir) for run_dir in self.run_dirs)):
             with contextlib.suppress(ProcessLookupError):
                 pidfd = os.pidfd_open(pid)
                 if not _exited(pidfd, 5.0):
@@ -520,7 +504,7 @@ def test_concurrent_ensure_running_calls_start_one_daemon(
     for answer in answers:
         daemons.adopt(answer["socket"], run)
     assert len({answer["pid"] for answer in answers}) == 1
-    assert _journal_pids(run) == {answers[0]["pid"]}
+    assert journal_pids(run) == {answers[0]["pid"]}
     log = (run / "journal.log").read_text()
     assert log.count(" serving on ") == 1 and "another journal holds" not in log  # one spawned
     assert log.count(" watching ") == 1  # and the task was walked once
@@ -719,7 +703,7 @@ def test_one_daemon_watches_every_task_and_keeps_them_apart(
     for root in roots:
         root.mkdir()
     sockets = {daemons.start(root, run, task=f"t_{index}") for index, root in enumerate(roots)}
-    assert len(sockets) == 1 and len(_journal_pids(run)) == 1  # one process for all of them
+    assert len(sockets) == 1 and len(journal_pids(run)) == 1  # one process for all of them
     socket_path = sockets.pop()
     info = ping(socket_path)
     assert info is not None and info["tasks"] == 5

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import journal_pids
 
 from settled.errors import BadInput
 from settled.runtime import Runtime
@@ -117,30 +118,13 @@ def _in_userns(limits: dict[str, int], mode: str, home: Path, *args: str) -> dic
     return answer
 
 
-def _journal_pids(home: Path) -> set[int]:
-    """Live journal daemons serving this home's run directory."""
-    needle = b"\0" + os.fsencode(str(home / "run")) + b"\0"
-    found = set()
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/cmdline", "rb") as handle:
-                cmdline = handle.read()
-        except OSError:
-            continue
-        if b"settled.workspace.journal.daemon" in cmdline and needle in cmdline:
-            found.add(int(entry))
-    return found
-
-
 @pytest.fixture
 def home(tmp_path: Path) -> Iterator[Path]:
     path = tmp_path / "home"
     try:
         yield path
     finally:
-        pidfds = [os.pidfd_open(pid) for pid in _journal_pids(path)]
+        pidfds = [os.pidfd_open(pid) for pid in journal_pids(path / "run")]
         journal_lifecycle.stop(str(path / "run" / "journal.sock"))
         survivors = []
         for fd in pidfds:
@@ -178,7 +162,7 @@ def test_300_tasks_under_a_low_instance_limit_share_one_daemon_and_close(
     made = _in_userns({"max_inotify_instances": limit}, "tasks", home, "300")
     tasks = made["tasks"]
     assert len(set(tasks)) == 300 and made["refused_instances"] >= 1
-    assert len(_journal_pids(home)) == 1
+    assert len(journal_pids(home / "run")) == 1
     socket_path = str(home / "run" / "journal.sock")
     info = journal_client.ping(socket_path)
     assert info is not None and info["tasks"] == 300 and info["instance"] == "ok"
