@@ -176,6 +176,20 @@ def test_admission_below_the_reserve_refuses_naming_free_bytes_reserve_and_path(
     assert body["error"] == "SpaceExhausted" and body["reserve_bytes"] == RESERVE_MAX
 
 
+def test_a_retry_below_the_reserve_still_returns_its_session(
+    rt: Runtime, task: TaskRecord, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Identity outlives transport: a retry of an admitted command launches nothing and needs
+    no space, so the reserve never turns it into a refusal."""
+    first = rt.exec(task.task, shell="echo once", key="k-retry")
+    rt.wait(first.session, timeout=30)
+    monkeypatch.setenv(RESERVE_ENV, str(RESERVE_MAX))
+    again = rt.exec(task.task, shell="echo once", key="k-retry")
+    assert again.reused is True and again.session == first.session
+    with pytest.raises(SpaceExhausted):
+        rt.exec(task.task, shell="echo a new command", key="k-new")
+
+
 def test_the_cli_refuses_below_the_reserve_with_exit_3_and_one_line(
     tmp_path: Path, rt: Runtime, task: TaskRecord
 ) -> None:

@@ -324,7 +324,6 @@ class Runtime:
         if stdin is not None and not isinstance(stdin, bytes):
             raise BadInput(f"stdin must be bytes, not {type(stdin).__name__}")
         record = self.store.get_task(grammar.check_id("task", task))
-        check_reserve(self.home, f"exec in task {task}")
         spec = CommandSpec(
             argv=tuple(argv) if argv is not None else None,
             shell=shell,
@@ -345,6 +344,7 @@ class Runtime:
         existing = self.store.find_session(task, key)
         if existing is not None and existing.digest == spec.digest:
             return self._admission(existing, reused=True)  # a retry: nothing to inspect
+        check_reserve(self.home, f"exec in task {task}")  # a retry still gets its session
         self.recovery.detect(task)  # a session whose owner vanished freezes admission
         session, reused = self.store.admit(task, key, spec.digest, spec.to_json())
         if reused:
