@@ -35,17 +35,22 @@ from settled.runtime import Runtime
 from settled.server import TokenTable, bodies, create_app
 from settled.server.auth import FULL_ACCESS
 
-# No example database: a run writes nothing into the work tree, and each run explores afresh.
+# No example database: a run writes nothing into the work tree. A local run explores afresh;
+# under CI the examples are derived from each test's name, so the gate is reproducible (a run
+# elsewhere that finds a counterexample prints it to be added here as an @example).
+DERANDOMIZE = bool(os.environ.get("CI"))
 FAST = settings(
     max_examples=200,
     deadline=None,
     database=None,
+    derandomize=DERANDOMIZE,
     suppress_health_check=[HealthCheck.too_slow],
 )
 FACE = settings(
     max_examples=40,
     deadline=None,
     database=None,
+    derandomize=DERANDOMIZE,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
 )
 
@@ -460,7 +465,10 @@ def test_an_id_in_a_path_that_names_nothing_possible_is_400_or_404_never_500(
     http: TestClient, template: str, value: str
 ) -> None:
     response = http.get(template.format(encoded(value)))
-    assert_typed(response, None, {400, 404})
+    # "." is a dot segment the client removes, and a "/" (%2F) is decoded by the server: either
+    # way the request names another route (GET /v1/tasks), which answers 405, typed too
+    other_route = value == "." or "/" in value
+    assert_typed(response, None, {400, 404, 405} if other_route else {400, 404})
 
 
 JSON_BAD = st.one_of(
