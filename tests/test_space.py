@@ -179,15 +179,20 @@ def test_admission_below_the_reserve_refuses_naming_free_bytes_reserve_and_path(
 def test_a_retry_below_the_reserve_still_returns_its_session(
     rt: Runtime, task: TaskRecord, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Identity outlives transport: a retry of an admitted command launches nothing and needs
-    no space, so the reserve never turns it into a refusal."""
+    """Identity outlives transport: a retry of an admitted command or of `task new` creates
+    nothing and needs no space, so the reserve never turns it into a refusal."""
     first = rt.exec(task.task, shell="echo once", key="k-retry")
     rt.wait(first.session, timeout=30)
+    defaulted = rt.new_task(key="k-default")  # in a workspace settled makes
     monkeypatch.setenv(RESERVE_ENV, str(RESERVE_MAX))
     again = rt.exec(task.task, shell="echo once", key="k-retry")
     assert again.reused is True and again.session == first.session
     with pytest.raises(SpaceExhausted):
         rt.exec(task.task, shell="echo a new command", key="k-new")
+    assert rt.new_task(task.workspace, key=task.key).task == task.task  # a retried task new
+    assert rt.new_task(key="k-default").task == defaulted.task  # a retried `task new --key`
+    with pytest.raises(SpaceExhausted):
+        rt.new_task(key="a-new-task")
 
 
 def test_the_cli_refuses_below_the_reserve_with_exit_3_and_one_line(

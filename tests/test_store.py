@@ -283,6 +283,13 @@ def test_get_task_of_an_unknown_id_raises_unknown_task(store: Store) -> None:
     assert caught.value.task == "t_nope"
 
 
+def test_find_task_names_the_task_of_a_key_and_writes_nothing(store: Store) -> None:
+    made, _ = store.create_task("tk-found", "/ws-found")
+    found = store.find_task("tk-found")
+    assert found is not None and found.task == made.task and found.workspace == "/ws-found"
+    assert store.find_task("tk-never-made") is None
+
+
 def test_a_task_still_as_created_can_be_discarded_and_its_key_reused(store: Store) -> None:
     record, _ = store.create_task("tk", "/ws")
     assert store.discard_task(record.task) is True

@@ -134,6 +134,14 @@ def _session_stream(session: str, stream: str) -> str:
     return grammar.check_id("session", session)
 
 
+def _same_workspace(asked: str | None, recorded: str, defaults: str) -> bool:
+    """Whether a retried `task new` asks for the workspace its key's task has: the same
+    directory, or none when the task has one settled made (a retry of `task new --key K`)."""
+    if asked is None:
+        return os.path.dirname(recorded) == os.path.realpath(defaults)
+    return os.path.realpath(asked) == recorded
+
+
 def _check_isolation(spec: CommandSpec, kind: str) -> None:
     """Refuse before recording what the owner could only refuse later: `strict` on a machine
     that lacks a protection, or a `--user` this process cannot switch to."""
@@ -245,7 +253,12 @@ class Runtime:
         grammar.optional_key("key", key)
         if workspace is not None:
             grammar.check_path("workspace", workspace)
-        check_reserve(self.home, "task new")
+        if key is None or (retried := self.store.find_task(key)) is None:
+            check_reserve(self.home, "task new")  # a retry needs no space: it gets its task
+        elif _same_workspace(workspace, retried.workspace, default_workspaces(self.home)):
+            if retried.state == TASK_OPEN:
+                self.workspace.ensure_journal(retried)
+            return retried
         uid_gid = _resolve_user(user)
         made = None
         if workspace is None:

@@ -55,6 +55,10 @@ class Store(Protocol):
 
     def get_task(self, task: str) -> TaskRecord: ...
 
+    def find_task(self, key: str) -> TaskRecord | None:
+        """The task this key names, if any (a retried `task new`); writes nothing."""
+        ...
+
     def admit(
         self, task: str, key: str, digest: str, spec: dict[str, Any]
     ) -> tuple[SessionRecord, bool]:

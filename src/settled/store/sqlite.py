@@ -395,6 +395,10 @@ class SQLiteStore:
             raise UnknownTask(task)
         return _task_from_row(row)
 
+    def find_task(self, key: str) -> TaskRecord | None:
+        row = self._db.execute(f"SELECT {TASK_COLUMNS} FROM tasks WHERE key=?", (key,)).fetchone()
+        return None if row is None else _task_from_row(row)
+
     def workspaces(self) -> list[str]:
         rows = self._db.execute("SELECT DISTINCT workspace FROM tasks").fetchall()
         return [r[0] for r in rows]
