@@ -46,27 +46,34 @@ def boundary(request: pytest.FixtureRequest) -> str:
     return kind
 
 
+def proc_files(*names: str) -> Iterator[tuple[int, list[bytes]]]:
+    """(pid, [contents of /proc/PID/NAME for each name]) of every process whose files could all
+    be read (one that ended meanwhile is passed over)."""
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            contents = []
+            for name in names:
+                with open(f"/proc/{entry}/{name}", "rb") as handle:
+                    contents.append(handle.read())
+        except OSError:
+            continue
+        yield int(entry), contents
+
+
 def kill_marked(marker: str, command: bytes = b"") -> list[int]:
     """End any process whose command line or environment carries this test's marker
     (and, if given, whose command line contains `command`)."""
     killed = []
     needle = marker.encode()
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == os.getpid():
-            continue
-        try:
-            with open(f"/proc/{entry}/cmdline", "rb") as handle:
-                cmdline = handle.read()
-            with open(f"/proc/{entry}/environ", "rb") as handle:
-                environ = handle.read()
-        except OSError:
-            continue
-        if b"multiprocessing" in cmdline:
+    for pid, (cmdline, environ) in proc_files("cmdline", "environ"):
+        if pid == os.getpid() or b"multiprocessing" in cmdline:
             continue  # pytest's own resource tracker, shared by every test of this run
         if (needle in cmdline or needle in environ) and command in cmdline:
             try:
-                os.kill(int(entry), signal.SIGKILL)
-                killed.append(int(entry))
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
             except ProcessLookupError:
                 pass
     return killed
@@ -111,18 +118,11 @@ def rt(tmp_path: Path) -> Iterator[Runtime]:
 def journal_pids(run_dir: Path) -> set[int]:
     """Live journal daemons serving this run directory (found by their command line)."""
     needle = b"\0" + os.fsencode(str(run_dir)) + b"\0"
-    found = set()
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/cmdline", "rb") as handle:
-                cmdline = handle.read()
-        except OSError:
-            continue
-        if b"settled.workspace.journal" in cmdline and needle in cmdline:
-            found.add(int(entry))
-    return found
+    return {
+        pid
+        for pid, (cmdline,) in proc_files("cmdline")
+        if b"settled.workspace.journal" in cmdline and needle in cmdline
+    }
 
 
 def stop_journals(root: Path) -> None:

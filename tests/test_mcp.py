@@ -15,7 +15,7 @@ from typing import Any
 
 import anyio
 import pytest
-from conftest import ESCAPEE
+from conftest import ESCAPEE, proc_files
 from mcp import ClientSession, StdioServerParameters, stdio_client
 from mcp.types import CallToolResult, TextContent
 
@@ -30,20 +30,10 @@ DIGITS_LINE = f'python3 -c "import sys; sys.stdout.write({DIGITS})"'  # one 4 Mi
 def _live(marker: str, needle: bytes) -> list[int]:
     """Pids of live processes carrying this test's marker whose command line has `needle`."""
     found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/cmdline", "rb") as handle:
-                cmdline = handle.read()
-            with open(f"/proc/{entry}/environ", "rb") as handle:
-                environ = handle.read()
-            with open(f"/proc/{entry}/stat", "rb") as handle:
-                zombie = handle.read().rsplit(b")", 1)[1].split()[0] == b"Z"
-        except OSError:
-            continue
+    for pid, (cmdline, environ, stat) in proc_files("cmdline", "environ", "stat"):
+        zombie = stat.rsplit(b")", 1)[1].split()[0] == b"Z"
         if marker.encode() in environ and needle in cmdline and not zombie:
-            found.append(int(entry))
+            found.append(pid)
     return found
 
 
