@@ -253,13 +253,13 @@ class Runtime:
         grammar.optional_key("key", key)
         if workspace is not None:
             grammar.check_path("workspace", workspace)
+        uid_gid = _resolve_user(user)  # bad input is refused, a retry's too
         if key is None or (retried := self.store.find_task(key)) is None:
             check_reserve(self.home, "task new")  # a retry needs no space: it gets its task
         elif _same_workspace(workspace, retried.workspace, default_workspaces(self.home)):
             if retried.state == TASK_OPEN:
                 self.workspace.ensure_journal(retried)
             return retried
-        uid_gid = _resolve_user(user)
         made = None
         if workspace is None:
             workspace = made = tempfile.mkdtemp(prefix="workspace-", dir=self._default_workspaces())
