@@ -21,6 +21,7 @@ SRC = Path(__file__).resolve().parent.parent / "src"
 FOUNDATION = {
     "settled",
     "settled.atomic",
+    "settled.backends",
     "settled.canonical",
     "settled.errors",
     "settled.faults",
@@ -58,6 +59,11 @@ UNITS: list[tuple[str, str]] = [
     ("decisions", "settled.close"),  # the package: a docstring
     ("boundary", "settled.boundary"),
     ("log", "settled.log"),
+    ("objects", "settled.workspace.objectstore"),
+    ("objects", "settled.workspace.objects"),
+    ("objects", "settled.workspace.s3objects"),
+    ("objects", "settled.workspace.hashing"),
+    ("objects", "settled.workspace.open_objects"),
     ("workspace", "settled.workspace"),
     ("owner", "settled.owner"),
     ("sessions", "settled.sessions"),
@@ -76,6 +82,7 @@ BELOW_RUNTIME = {
     "journal-client",
     "journal",
     "workspace",
+    "objects",
     "owner",
     "sessions",
     "close",
@@ -88,14 +95,33 @@ ALLOWED: dict[str, set[str]] = {
     "store": {"foundation", "store", "store-sqlite"},  # open_store is the one chooser
     "store-sqlite": {"foundation", "store"},
     "boundary": {"foundation", "boundary"},
-    "log": {"foundation", "log"},
+    "log": {"foundation", "log", "objects"},  # a settled stream is sealed into objects
+    "objects": {"foundation", "objects"},
     "journal-client": set(),  # standard library only: the owner imports it under -I -S
     "journal": {"foundation", "journal", "journal-client"},
-    "workspace": {"foundation", "workspace", "journal", "journal-client", "store"},
-    "owner": {"foundation", "owner", "boundary", "log", "store", "journal", "journal-client"},
+    "workspace": {"foundation", "workspace", "objects", "journal", "journal-client", "store"},
+    "owner": {
+        "foundation",
+        "owner",
+        "boundary",
+        "log",
+        "objects",
+        "store",
+        "journal",
+        "journal-client",
+    },
     "sessions": {"foundation", "decisions", "store"},
     "close": {"foundation", "decisions", "store"},
-    "recovery": {"foundation", "store", "boundary", "log", "owner", "journal-client", "sessions"},
+    "recovery": {
+        "foundation",
+        "store",
+        "boundary",
+        "log",
+        "objects",
+        "owner",
+        "journal-client",
+        "sessions",
+    },
     "runtime": BELOW_RUNTIME | {"runtime"},
     "faces": {"face-neutral", "runtime", "faces"},
 }
@@ -105,6 +131,7 @@ WHY = {
     "store-sqlite": "an implementation sees only its protocol and the foundation",
     "boundary": "the boundary is the bottom of process work",
     "log": "logs are bytes with cursors and know nothing of sessions",
+    "objects": "the object store knows content and names, nothing of manifests or sessions",
     "journal-client": "the barrier client imports only the standard library",
     "workspace": "the workspace service uses the Store protocol, not an implementation",
     "owner": "the owner uses boundaries, logs, the journal and the Store protocol",
@@ -120,7 +147,8 @@ WHY = {
 # a second implementation is then a new module and an edit of the chooser only.
 CHOSEN_ONLY_BY: dict[str, set[str]] = {
     "settled.store.sqlite": {"settled.store"},
-    "settled.workspace.objects": {"settled.workspace.checkpoint"},
+    "settled.workspace.objects": {"settled.workspace.open_objects"},
+    "settled.workspace.s3objects": {"settled.workspace.open_objects"},
     "settled.owner.zygote": {"settled.runtime"},
     "settled.owner.liveness": {"settled.runtime"},
     "settled.boundary.local": {"settled.runtime"},

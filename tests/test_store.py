@@ -1053,6 +1053,9 @@ def test_close_facts_of_an_older_store_are_sealed_once_by_the_migration(tmp_path
         db.execute("ALTER TABLE tasks DROP COLUMN user")
         db.execute("ALTER TABLE tasks DROP COLUMN shared_workspace")
         db.execute("DROP TABLE workspace_shares")
+        db.execute("DROP TABLE hosts")
+        db.execute("ALTER TABLE tasks DROP COLUMN host")
+        db.execute("ALTER TABLE tasks DROP COLUMN frozen")
     store = SQLiteStore(path)
     assert store.close_steps("t_1") == {"sealed": {"sealed_at": 1}}
     store.close()

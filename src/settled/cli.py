@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Callable
 from typing import Any, NoReturn
@@ -180,11 +181,34 @@ def cmd_checkpoint(rt: Runtime, args: argparse.Namespace) -> int:
 
 
 def cmd_recover(rt: Runtime, args: argparse.Namespace) -> int:
-    results = rt.recover(args.task)
+    if args.host is not None:
+        if args.task is not None:
+            raise UsageError("recover takes --task or --host, not both")
+        vanished = rt.recover_host(args.host)
+        results = vanished["sessions"]
+        header = [f"host {args.host} vanished: {len(vanished['frozen_tasks'])} task(s) frozen"]
+    else:
+        results, header, vanished = rt.recover(args.task), [], {}
     still = [r for r in results if r["state"] == "unknown"]
     lines = [f"{r['session']}: {r['state']} — {r.get('evidence') or r.get('why')}" for r in results]
-    _emit(args, {"sessions": results}, "\n".join(lines) or "no session needs recovery")
+    _emit(
+        args,
+        {**vanished, "sessions": results},
+        "\n".join(header + lines) or "no session needs recovery",
+    )
     return EXIT_BLOCKED if still else EXIT_OK
+
+
+def cmd_hosts(rt: Runtime, args: argparse.Namespace) -> int:
+    hosts = rt.hosts()
+    lines = [
+        f"{h['host']}  {h['name']}  {h['home']}"
+        + ("  (this host)" if h["this"] else "")
+        + (f"  vanished: {h['vanished_why']}" if h["vanished_at"] else "")
+        for h in hosts
+    ]
+    _emit(args, {"hosts": hosts}, "\n".join(lines))
+    return EXIT_OK
 
 
 def cmd_task_destroy(rt: Runtime, args: argparse.Namespace) -> int:
@@ -313,6 +337,21 @@ def build_parser() -> argparse.ArgumentParser:
         type=_path("--home"),
         default=argparse.SUPPRESS,
         help="settled home (SETTLED_HOME)",
+    )
+    common.add_argument(
+        "--store",
+        default=argparse.SUPPRESS,
+        metavar="URL",
+        help="authority store, recorded in the home at its first open: sqlite:///PATH "
+        "(default: the home's settled.db) or postgresql://USER@HOST:PORT/DB (SETTLED_STORE)",
+    )
+    common.add_argument(
+        "--objects",
+        default=argparse.SUPPRESS,
+        metavar="URL",
+        help="object store for checkpoints and sealed logs: file:///PATH (default: the "
+        "home's objects/) or s3://BUCKET/PREFIX, with AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, "
+        "AWS_SECRET_ACCESS_KEY, AWS_REGION (SETTLED_OBJECTS)",
     )
     common.add_argument(  # SUPPRESS: a subcommand's default would undo `settled --json VERB`
         "--json", action="store_true", default=argparse.SUPPRESS, help="print one JSON object"
@@ -448,7 +487,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     recover = sub.add_parser("recover", parents=[common], help="settle sessions whose owner died")
     recover.add_argument("--task", type=_id("--task"), help="only this task")
+    recover.add_argument(
+        "--host",
+        type=_id("--host"),
+        help="declare this other host gone for good: freeze its tasks, mark its unsettled "
+        "sessions unknown (never relaunched), settle those its sandbox provider proves dead",
+    )
     recover.set_defaults(handler=cmd_recover)
+
+    hosts = sub.add_parser("hosts", parents=[common], help="the hosts of this store")
+    hosts.set_defaults(handler=cmd_hosts)
 
     explain = sub.add_parser("explain", parents=[common], help="which receipts allow success")
     explain.add_argument("task", type=_id("task"))
@@ -523,6 +571,10 @@ def _internal_error(args: argparse.Namespace, exc: Exception) -> int:
 
 
 def _dispatch(args: argparse.Namespace) -> int:
+    # Through the environment, so every face (a server's worker Runtimes, MCP) binds the same.
+    for flag, name in (("store", "SETTLED_STORE"), ("objects", "SETTLED_OBJECTS")):
+        if getattr(args, flag, None):
+            os.environ[name] = getattr(args, flag)
     if args.verb == "mcp":  # stdio is the protocol: nothing else may print on stdout
         from settled.mcp_server import run_stdio
 

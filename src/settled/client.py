@@ -94,6 +94,18 @@ class AdmissionSealed(ClientError):
     """409: the task is sealed (closing or closed); no new command may start in it."""
 
 
+class WrongHost(ClientError):
+    """409: the task runs on another host (`body["host"]`); send its execs and close there."""
+
+    @property
+    def host(self) -> str | None:
+        return self.body.get("host")
+
+
+class TaskFrozen(ClientError):
+    """409: the task's host was declared vanished; nothing more may start in it."""
+
+
 class Blocked(ClientError):
     """409 on close: the task is not complete; `blocked_on` names the authority and obligation."""
 
@@ -290,6 +302,9 @@ def _body(response: httpx.Response) -> dict[str, Any]:
 _BY_KIND: dict[str, type[ClientError]] = {
     "KeyConflict": KeyConflict,
     "AdmissionSealed": AdmissionSealed,
+    "WrongHost": WrongHost,
+    "TaskFrozen": TaskFrozen,
+    "UnknownHost": NotFound,
     "UnknownTask": NotFound,
     "UnknownSession": NotFound,
     "NotSettled": NotSettled,

@@ -23,7 +23,8 @@ EXIT_CODES: dict[int, str] = {
     "`internal error` there is a bug, please report it",
     EXIT_USAGE: "usage or bad input: nothing was recorded or launched",
     EXIT_BLOCKED: "blocked, not settled or not proven: the output names by what",
-    EXIT_CONFLICT: "key conflict or sealed admission: the first command stands",
+    EXIT_CONFLICT: "key conflict, sealed or frozen admission, or a task of another host: "
+    "the first command (or host) stands",
     EXIT_INTERRUPTED: "interrupted (SIGINT): what was recorded stands",
 }
 
@@ -147,6 +148,55 @@ class AdmissionFrozen(SettledError):
             "run `settled recover` to inspect its boundary"
         )
         self.task, self.session = task, session
+
+
+class WrongHost(SettledError):
+    """The task is bound to another host: its sessions' owners run there, and only there can a
+    new one start or a close join them. Reads (status, explain, logs, restore, verify, wait)
+    work from any host."""
+
+    exit_code = EXIT_CONFLICT
+
+    def __init__(self, task: str, host: str, name: str | None, here: str, verb: str) -> None:
+        named = f"{host} ({name})" if name else host
+        super().__init__(
+            f"task {task} runs on host {named}, not on this host {here}: `{verb}` it there "
+            f"(or, if that host is gone for good, `settled recover --host {host}`)"
+        )
+        self.task, self.host, self.host_name, self.here = task, host, name, here
+
+
+class LogElsewhere(SettledError):
+    """The stream's bytes are in another host's home and no sealed copy of them exists (yet):
+    a running session's log is sealed with its receipt, and only a home whose object store
+    lives outside it seals."""
+
+    exit_code = EXIT_BLOCKED
+
+    def __init__(self, session: str, stream: str, host: str | None) -> None:
+        super().__init__(
+            f"the {stream} of session {session} is in the home of host {host} and has no "
+            "sealed copy: read it there, or wait for its receipt (a home whose objects live "
+            "outside it seals every stream with the receipt)"
+        )
+        self.session, self.stream, self.host = session, stream, host
+
+
+class TaskFrozen(SettledError):
+    """The task's host was declared vanished (`settled recover --host`): nothing more may be
+    admitted, since no owner there can be trusted to run it."""
+
+    exit_code = EXIT_CONFLICT
+
+    def __init__(self, task: str, why: str) -> None:
+        super().__init__(f"task {task} is frozen for good: {why}; start a new task")
+        self.task, self.why = task, why
+
+
+class UnknownHost(BadInput):
+    def __init__(self, host: str) -> None:
+        super().__init__(f"no host {host!r} is recorded in this store (`settled hosts` lists them)")
+        self.host = host
 
 
 class ReceiptTampered(SettledError):

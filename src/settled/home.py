@@ -111,6 +111,14 @@ def write_home_id_once(home: str, value: str) -> str:
     return read_home_id(home) or value
 
 
+def ensure_home_id(home: str) -> str:
+    """The home's id, made now when its store does not make it (a store shared by many homes,
+    where each home is a host)."""
+    from settled.identity import new_id
+
+    return read_home_id(home) or write_home_id_once(home, new_id("h"))
+
+
 def _remains(home: str) -> dict[str, int]:
     """What a home holds besides its store: the identity file, session logs, objects."""
     sessions = os.path.join(home, "sessions")
@@ -126,7 +134,12 @@ def check_store_present(home: str) -> None:
     """StoreMissing when the store file is gone but anything it accounted for remains; a home
     with nothing in it is simply new. The store file is made before home.id, so a first
     opener racing this check is told apart by looking at the store again."""
-    store = store_path(home)
+    from settled.backends import read_binding
+
+    binding = read_binding(home)
+    if binding is not None and binding.store_scheme != "sqlite":
+        return  # the store lives elsewhere, and the binding names it
+    store = binding.store.removeprefix("sqlite://") if binding else store_path(home)
     if os.path.exists(store):
         return
     remains = _remains(home)

@@ -21,9 +21,11 @@ class OwnerInfo:
     start_time: int
     boot_id: str
     lease_until: float
+    host: str | None = None  # the host it runs on; another host knows it by its lease only
 
     def to_json(self) -> dict[str, Any]:
         return {
+            "host": self.host,
             "pid": self.pid,
             "start_time": self.start_time,
             "boot_id": self.boot_id,
@@ -42,6 +44,21 @@ class OwnerFacts:
 
 
 @dataclass(frozen=True)
+class HostRecord:
+    """A home that runs owners: its id is the home's id, its name what the machine calls itself."""
+
+    host: str
+    name: str
+    home: str
+    registered_at: float
+    vanished_at: float | None = None
+    vanished_why: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+@dataclass(frozen=True)
 class TaskRecord:
     task: str
     key: str
@@ -53,9 +70,13 @@ class TaskRecord:
     # Asked for a workspace that overlaps another open task's (`--shared-workspace`): both
     # tasks' close receipts then name each other.
     shared_workspace: bool = False
+    host: str | None = None  # the host whose owners run its sessions (None: before hosts)
+    frozen: str | None = None  # why admission stopped for good (its host vanished)
 
     def to_json(self) -> dict[str, Any]:
         return {
+            "host": self.host,
+            "frozen": self.frozen,
             "task": self.task,
             "key": self.key,
             "workspace": self.workspace,

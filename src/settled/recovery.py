@@ -37,9 +37,27 @@ class Recovery:
     the journal socket are)."""
 
     def __init__(
-        self, store: Store, sessions: SessionWatch, sandbox: SandboxProvider, home: str
+        self,
+        store: Store,
+        sessions: SessionWatch,
+        sandbox: SandboxProvider,
+        home: str,
+        host: str | None = None,
     ) -> None:
+        """`host`: this home's host id. Only sessions of its tasks are recovered here: a
+        boundary of another host cannot be inspected from this one (its cgroup path here is
+        empty, which would read as proof), and its owner is alive by its lease alone."""
         self.store, self.sessions, self.sandbox, self.home = store, sessions, sandbox, home
+        self.host = host
+        self._task_hosts: dict[str, str | None] = {}
+
+    def ours(self, record: SessionRecord) -> bool:
+        """Whether the session's task runs on this host (a task from before hosts: yes)."""
+        if self.host is None:
+            return True
+        if record.task not in self._task_hosts:
+            self._task_hosts[record.task] = self.store.get_task(record.task).host
+        return self._task_hosts[record.task] in (None, self.host)
 
     def owner_missing(self, record: SessionRecord, now: float) -> str | None:
         """Why this live session has no owner, or None while it has one (or may still get one)."""
@@ -58,7 +76,7 @@ class Recovery:
         `force` (the sandbox was destroyed) takes every live session of the task."""
         now = time.time()
         found = []
-        for record in self.store.live_sessions(task):
+        for record in filter(self.ours, self.store.live_sessions(task)):
             why = "the task's sandbox was destroyed" if force else self.owner_missing(record, now)
             if why is None:
                 continue
@@ -76,7 +94,10 @@ class Recovery:
 
     def recover(self, task: str | None = None, *, source: str = "recovery") -> list[dict[str, Any]]:
         self.detect(task)
-        return [self.recover_session(r, source) for r in self.store.unknown_sessions(task)]
+        return [
+            self.recover_session(r, source)
+            for r in filter(self.ours, self.store.unknown_sessions(task))
+        ]
 
     def recover_session(self, record: SessionRecord, source: str) -> dict[str, Any]:
         try:
@@ -100,6 +121,74 @@ class Recovery:
         except StaleWrite as exc:  # another recovery (a second destroy) took it over since
             return _as_settled_by_another(self.store.get_session(record.session), exc)
         return {"session": record.session, "state": "settled", "evidence": evidence.evidence}
+
+    def recover_vanished(self, record: SessionRecord, why: str) -> dict[str, Any]:
+        """Settle a session of a vanished host from its sandbox provider's evidence, or leave
+        it unknown saying why. Never relaunched: its task is frozen. The host's logs went with
+        it, so the output is the durable cursors its owner last published, `complete: false`,
+        and the drain incomplete."""
+        if record.live:
+            with contextlib.suppress(StaleWrite):
+                record = self.store.mark_unknown(record.session, record.generation, why)
+        try:
+            generation = self.store.take_over(record.session, record.generation)
+        except StaleWrite as exc:
+            return {"session": record.session, "state": "skipped", "why": str(exc)}
+        evidence = self.sandbox.inspect(record) if self.sandbox.name != "local" else None
+        if evidence is None or not evidence.proven:
+            reason = (
+                str(evidence.observed.get("why")) if evidence is not None
+                else "the local sandbox of another host cannot be inspected from here; a "
+                "sandbox provider that answers for it (SETTLED_SANDBOX=command:CONFIG) can"
+            )  # fmt: skip
+            self.store.note_unknown(record.session, f"{why}; {reason}")
+            return {"session": record.session, "state": UNKNOWN, "why": f"{why}; {reason}"}
+        receipt = _vanished_host_receipt(record, generation, evidence, why)
+        try:
+            self.store.write_receipt(record.session, generation, receipt, event="recover")
+        except StaleWrite as exc:
+            return _as_settled_by_another(self.store.get_session(record.session), exc)
+        return {"session": record.session, "state": "settled", "evidence": evidence.evidence}
+
+
+def _vanished_host_receipt(
+    record: SessionRecord, generation: int, evidence: Evidence, why: str
+) -> dict[str, Any]:
+    lost = "the log stayed on the vanished host; its owner last published this durable cursor"
+    output = {
+        name: {"cursor": cursor, "digest": None, "drained": None, "not_stored": None,
+               "cap": None, "complete": False, "closed": lost}
+        for name, cursor in (("stdout", record.stdout_durable), ("stderr", record.stderr_durable))
+    }  # fmt: skip
+    return process_receipt(
+        session=record.session,
+        task=record.task,
+        key=record.key,
+        command_digest=record.digest,
+        generation=generation,
+        death={**evidence.to_json("provider"), "boundary": "sandbox"},
+        exit={
+            "code": None,
+            "signal": None,
+            "reason": "owner_lost",
+            "note": f"the exit status was lost with the host: {why}",
+        },
+        output={**output, "drain": "incomplete"},
+        stragglers=[],
+        terminal_mutation={
+            "seq": None,
+            "source": "none",
+            "why": "the workspace journal was on the vanished host",
+        },
+        isolation=record.isolation,
+        owner={
+            "pid": os.getpid(),
+            "role": "recovery",
+            "lost_owner": record.owner.to_json() if record.owner else None,
+            "unknown_why": why,
+        },
+        timings={"settled_at": time.time(), "admitted_at": record.created_at},
+    )
 
 
 def _as_settled_by_another(record: SessionRecord, lost: StaleWrite) -> dict[str, Any]:

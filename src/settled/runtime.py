@@ -11,6 +11,7 @@ import functools
 import hashlib
 import os
 import shutil
+import socket
 import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -19,15 +20,17 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 from settled import boundary as boundaries
 from settled import grammar
 from settled.atomic import write_atomic
+from settled.backends import bind
 from settled.boundary.isolation import IsolationUnavailable, check_available
 from settled.boundary.local import LocalSandbox
 from settled.boundary.sandbox import SandboxProvider
 from settled.close.decide import explain
 from settled.close.join import CloseJoin, CloseResult
-from settled.errors import BadInput, OwnerLaunchFailed, SettledError
+from settled.errors import BadInput, LogElsewhere, OwnerLaunchFailed, SettledError, WrongHost
 from settled.faults import ALL_POINTS as ALL_POINTS  # named for `settled close --list-fault-points`
 from settled.home import (
     check_reserve,
+    ensure_home_id,
     last_words_path,
     log_path,
     prepare_home,
@@ -50,12 +53,12 @@ from settled.log.view import MARKER, Window, read_window
 from settled.owner.last_words import read_last_words
 from settled.owner.launcher import FreshLauncher
 from settled.owner.launcher import Launcher as Launcher
-from settled.owner.liveness import LocalOwners
+from settled.owner.liveness import HostedOwners
 from settled.owner.zygote import WarmLauncher
 from settled.records import OwnerFacts, SessionRecord, TaskRecord
 from settled.recovery import Recovery
 from settled.sessions import SessionWatch
-from settled.states import SETTLED, TASK_OPEN
+from settled.states import SETTLED, TASK_COMPLETE, TASK_OPEN
 from settled.status import session_status, task_status
 from settled.store import Store, open_store
 from settled.workspace.checkpoint import WorkspaceService
@@ -197,14 +200,20 @@ class Runtime:
         share a launcher (`open_launcher()`) by passing the same `shared_launcher`; its opener
         closes it. Without one, this Runtime opens its own on first use and closes it."""
         self.home = ready_home(home)
+        self.backends = bind(self.home)  # recorded at a home's first open; owners read it
         if shared_launcher is None:
             open_launcher(launcher)  # refuse an unknown kind now, not at the first exec
         self._launcher_kind = launcher
         self.store: Store = open_store(self.home)
+        self.host = self.store.register_host(
+            ensure_home_id(self.home), socket.gethostname(), self.home
+        ).host
         self.workspace = WorkspaceService(self.home, self.store)
-        self.sessions = SessionWatch(self.store, LocalOwners(), last_words=self._last_words)
+        self.sessions = SessionWatch(
+            self.store, HostedOwners(self.host), last_words=self._last_words
+        )
         self.sandbox: SandboxProvider = LocalSandbox()
-        self.recovery = Recovery(self.store, self.sessions, self.sandbox, self.home)
+        self.recovery = Recovery(self.store, self.sessions, self.sandbox, self.home, self.host)
         self._launcher: Launcher | None = shared_launcher
         self._owns_launcher = shared_launcher is None
 
@@ -271,7 +280,7 @@ class Runtime:
                 raise BadInput(f"--workspace {workspace!r} is not a directory")
             check_workspace(workspace, root, self.home)
             record, created = self.store.create_task(
-                key or new_key(), root, uid_gid, shared_workspace=shared_workspace
+                key or new_key(), root, uid_gid, shared_workspace=shared_workspace, host=self.host
             )
             try:
                 if not created and record.workspace != root:
@@ -337,6 +346,7 @@ class Runtime:
         if stdin is not None and not isinstance(stdin, bytes):
             raise BadInput(f"stdin must be bytes, not {type(stdin).__name__}")
         record = self.store.get_task(grammar.check_id("task", task))
+        self._on_this_host(record, "exec")
         spec = CommandSpec(
             argv=tuple(argv) if argv is not None else None,
             shell=shell,
@@ -365,6 +375,14 @@ class Runtime:
         self.workspace.ensure_journal(record)  # one request when watched; restarts a lost daemon
         report = self._launch(session.session)
         return self._admission(self.store.get_session(session.session), False, report)
+
+    def _on_this_host(self, record: TaskRecord, verb: str) -> None:
+        """WrongHost unless the task's owners run on this host (a task from before hosts
+        were recorded is this home's). Reads never ask."""
+        if record.host is None or record.host == self.host:
+            return
+        owner = self.store.get_host(record.host)
+        raise WrongHost(record.task, record.host, owner.name if owner else None, self.host, verb)
 
     def _keep_stdin(self, data: bytes) -> str:
         digest = "sha256:" + hashlib.sha256(data).hexdigest()
@@ -422,6 +440,7 @@ class Runtime:
         """Ask the owner to stop the session (TERM, grace, KILL over the whole boundary)."""
         reason = grammar.check_text("reason", reason, grammar.MAX_REASON_BYTES)
         grammar.check_id("session", session)
+        self._on_this_host(self.store.get_task(self.store.get_session(session).task), "cancel")
         return self.sessions.cancel(session, reason)
 
     # -- close, explain, restore ---------------------------------------------------------
@@ -434,6 +453,9 @@ class Runtime:
         grammar.check_id("task", task)
         grammar.optional_text("final", final, grammar.MAX_FINAL_BYTES)
         deadline = grammar.optional_seconds("deadline", deadline, grammar.MAX_DEADLINE_S)
+        record = self.store.get_task(task)
+        if record.state != TASK_COMPLETE:  # a complete task's receipt is read from anywhere
+            self._on_this_host(record, "close")
         return self._close_join(task, final, deadline).run()
 
     def _close_join(
@@ -445,14 +467,36 @@ class Runtime:
     def recover(self, task: str | None = None) -> list[dict[str, Any]]:
         """Inspect every session whose owner is gone; settle those with evidence (rule 4)."""
         if task is not None:
-            grammar.check_id("task", task)
+            self._on_this_host(self.store.get_task(grammar.check_id("task", task)), "recover")
         return self.recovery.recover(task)
+
+    @_on_disk("recover --host")
+    def recover_host(self, host: str) -> dict[str, Any]:
+        """Declare another host gone for good: freeze its tasks (never a relaunch), mark its
+        unsettled sessions unknown, and settle those its sandbox provider proves dead."""
+        host = grammar.check_id("host", host)
+        if host == self.host:
+            raise BadInput(f"host {host} is this host: `settled recover` inspects its sessions")
+        why = f"host {host} was declared vanished from host {self.host}"
+        frozen = self.store.vanish_host(host, why)
+        results = [
+            self.recovery.recover_vanished(record, why)
+            for task in frozen
+            for record in self.store.list_sessions(task)
+            if record.state != SETTLED
+        ]
+        return {"host": host, "frozen_tasks": frozen, "sessions": results}
+
+    def hosts(self) -> list[dict[str, Any]]:
+        """Every host of the store, and which one this is."""
+        return [{**h.to_json(), "this": h.host == self.host} for h in self.store.hosts()]
 
     @_on_disk("task destroy")
     def destroy_task(self, task: str) -> dict[str, Any]:
         """Destroy the task's sandbox: evidence for every session inside it. Sessions outside
         any sandbox (subreaper, pgroup) stay unknown."""
         record = self.store.get_task(grammar.check_id("task", task))
+        self._on_this_host(record, "task destroy")
         sessions = self.store.list_sessions(task)
         destroyed = self.sandbox.destroy(record.task, sessions)
         self.recovery.detect(task, force=True)
@@ -535,7 +579,7 @@ class Runtime:
         grammar.check_cursor("start", start)
         grammar.check_int("size", size, 1, grammar.MAX_CURSOR)
         final = self.final_cursor(_session_stream(session, stream), stream)  # bounds the read
-        return read_range(log_path(self.home, session, stream), start, size, final)
+        return read_range(self._log_file(session, stream), start, size, final)
 
     def follow(
         self, session: str, stream: str, start: int = 0, timeout: float | None = None
@@ -545,7 +589,7 @@ class Runtime:
         grammar.check_cursor("start", start)
         timeout = grammar.optional_seconds("timeout", timeout, MAX_WAIT)
         self.store.get_session(_session_stream(session, stream))
-        path = log_path(self.home, session, stream)
+        path = self._log_file(session, stream)
         return follow(path, start, lambda: self.final_cursor(session, stream), timeout=timeout)
 
     def view(self, session: str, stream: str, budget: int) -> str:
@@ -565,10 +609,29 @@ class Runtime:
         grammar.check_cursor("cursor", cursor)
         grammar.check_int("budget", budget, 0, grammar.MAX_BUDGET)
         final = self.final_cursor(session, stream)
-        path = log_path(self.home, session, stream)
+        path = self._log_file(session, stream)
         end = final if final is not None else stored_length(path)
         view = read_window(path, cursor, end, budget, stream, session, marker=marker)
         return view, final == end
+
+    def _log_file(self, session: str, stream: str) -> str:
+        """Where the stream's bytes are read: the home's log, else (a session of another
+        host, or a home rebuilt) its sealed copy, rebuilt here and checked by hash first."""
+        path = log_path(self.home, session, stream)
+        if os.path.exists(path):
+            return path
+        record = self.store.get_session(session)
+        fact = (record.receipt or {}).get("output", {}).get(stream, {})
+        sealed = fact.get("sealed")
+        if not isinstance(sealed, dict) or "manifest" not in sealed:
+            host = self.store.get_task(record.task).host
+            if host not in (None, self.host):
+                raise LogElsewhere(session, stream, host)
+            return path  # this home's, not written yet: an empty stream so far
+        from settled.log.seal import fetch_sealed
+
+        dest = os.path.join(self.home, "sealed", session, stream)
+        return fetch_sealed(self.workspace.objects, sealed, str(fact["digest"]), dest)
 
     def stream_log(self, session: str, stream: str) -> StreamLog:
         """The session's ``stream`` log ("stdout" or "stderr"), to read by cursor without a

@@ -80,4 +80,6 @@ def task_status(task: TaskRecord, sessions: list[dict[str, Any]]) -> dict[str, A
             for view in sessions
         ],
         "counts": counts,
+        "host": task.host,
+        **({"frozen": task.frozen} if task.frozen else {}),
     }

@@ -69,3 +69,40 @@ class LocalOwners:
         """The owner reads the cancel request from the store when SIGUSR1 wakes it."""
         with contextlib.suppress(ProcessLookupError):
             os.kill(owner.pid, signal.SIGUSR1)
+
+
+class HostedOwners(LocalOwners):
+    """Owners of this host by their pid, owners of another host by their lease alone.
+
+    A pid recorded on host A names nothing on host B (B's pid 4242 is some other process, and
+    two containers may share a boot id), so an owner of another host is alive while its lease
+    is fresh and never "gone" for a reason read on this host; no handle waits on it and no signal
+    reaches it (it reads a cancel request at its next heartbeat)."""
+
+    def __init__(self, host: str) -> None:
+        self.host = host
+
+    def _elsewhere(self, owner: OwnerInfo) -> bool:
+        return owner.host is not None and owner.host != self.host
+
+    def facts(self, owner: OwnerInfo, now: float | None = None) -> OwnerFacts:
+        if not self._elsewhere(owner):
+            return super().facts(owner, now)
+        now = time.time() if now is None else now
+        if owner.lease_until > now:
+            return OwnerFacts(True, None, True, process_alive=True)
+        return OwnerFacts(
+            False,
+            f"owner pid {owner.pid} on host {owner.host} has not renewed its lease for "
+            f"{now - owner.lease_until:.1f} s (seen from host {self.host}, which cannot look "
+            "at its process)",
+            False,
+            process_alive=True,  # unknowable from here: assume it may still write
+        )
+
+    def exit_handle(self, owner: OwnerInfo) -> int | None:
+        return None if self._elsewhere(owner) else super().exit_handle(owner)
+
+    def ask_to_cancel(self, owner: OwnerInfo) -> None:
+        if not self._elsewhere(owner):
+            super().ask_to_cancel(owner)

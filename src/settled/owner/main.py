@@ -20,16 +20,18 @@ from typing import Any
 
 from settled import boundary as boundaries
 from settled import faults
+from settled.backends import bound_backends, credential_names, seals_logs
 from settled.boundary import procfs
 from settled.boundary.isolation import IsolationPlan, IsolationUnavailable, make_plan
 from settled.boundary.spawn import ChildIO, Launch, SpawnFailed
-from settled.errors import BoundaryUnavailable, StaleWrite, StorageFailed
+from settled.errors import BoundaryUnavailable, SettledError, StaleWrite, StorageFailed
 from settled.home import (
     SpaceGuard,
     journal_socket,
     last_words_path,
     log_path,
     make_session_dir,
+    read_home_id,
     stdin_path,
     storage_error,
 )
@@ -54,10 +56,13 @@ def command_environment(
     inherited: dict[str, str], explicit: dict[str, str], home: str
 ) -> tuple[dict[str, str], list[str]]:
     """The command's environment and the inherited names left out of it: every SETTLED_*
-    variable and any whose value names the home. What the caller passed with --env stays."""
+    variable, any whose value names the home, and the credentials of the home's remote
+    backends (a command holding them could write the evidence itself). What the caller passed
+    with --env stays."""
+    credentials = set(credential_names(bound_backends(home), inherited))
     removed = sorted(
         name for name, value in inherited.items()
-        if name.startswith(SETTLED_ENV_PREFIX) or home in value
+        if name.startswith(SETTLED_ENV_PREFIX) or home in value or name in credentials
     )  # fmt: skip
     kept = {k: v for k, v in inherited.items() if k not in removed}
     return {**kept, **explicit}, removed
@@ -120,7 +125,10 @@ class Owner:
     def run(self) -> int:
         signals = OwnerSignals()
         me = os.getpid()
-        claim = OwnerInfo(me, procfs.start_time(me) or 0, procfs.boot_id(), time.time() + LEASE_S)
+        claim = OwnerInfo(
+            me, procfs.start_time(me) or 0, procfs.boot_id(), time.time() + LEASE_S,
+            host=read_home_id(self.home),
+        )  # fmt: skip
         try:
             record = self.store.claim(self.record.session, self.generation, claim)
         except StaleWrite as exc:
@@ -332,8 +340,7 @@ class Owner:
                 elapsed_s=elapsed,
             ),
             output={
-                "stdout": summaries["stdout"].to_json(),
-                "stderr": summaries["stderr"].to_json(),
+                **self._sealed({name: s.to_json() for name, s in summaries.items()}),
                 "drain": "complete" if outcome.drain_complete else "incomplete",
             },
             stragglers=outcome.stragglers,
@@ -384,7 +391,7 @@ class Owner:
             streams = self._open_streams()
         for fd in streams.fds.values():
             os.close(fd)
-        summaries = {name: w.close().to_json() for name, w in streams.writers.items()}
+        summaries = self._sealed({n: w.close().to_json() for n, w in streams.writers.items()})
         self.timings["settled_at"] = time.time()
         receipt = self._receipt(
             death={
@@ -406,6 +413,28 @@ class Owner:
         code = self._write_receipt(receipt)
         self.ready.send(state="settled", owner_pid=os.getpid(), error=error)
         return code
+
+    def _sealed(self, facts: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+        """Each stream's fact, with its sealed copy in the object store named when the home's
+        objects live outside it (log/seal.py). A seal that fails is named in the fact and
+        does not stop the receipt: death and cursors are proven all the same, and the log
+        still lies in the home."""
+        if not seals_logs(self.home):
+            return facts
+        from settled.log.seal import seal_stream  # after death: off the launch path
+        from settled.workspace.open_objects import open_object_store
+
+        started = time.monotonic()
+        try:
+            objects = open_object_store(self.home)
+            for name, fact in facts.items():
+                path = log_path(self.home, self.record.session, name)
+                fact["sealed"] = seal_stream(objects, path, fact["cursor"], fact["digest"])
+        except (SettledError, OSError) as exc:
+            for fact in facts.values():
+                fact.setdefault("sealed", {"error": f"{type(exc).__name__}: {exc}"})
+        self.timings["seal_s"] = round(time.monotonic() - started, 6)
+        return facts
 
     def _terminal_mutation(self) -> dict[str, Any]:
         """The journal's watermark read after death evidence: every write of the session's

@@ -27,14 +27,18 @@ from settled.errors import (
     CursorOutOfRange,
     HomeUnusable,
     KeyConflict,
+    LogElsewhere,
     NotSettled,
     OwnerLaunchFailed,
     ReceiptTampered,
     SettledError,
     SpaceExhausted,
     StaleWrite,
+    TaskFrozen,
+    UnknownHost,
     UnknownSession,
     UnknownTask,
+    WrongHost,
 )
 from settled.grammar import TooLarge
 
@@ -60,6 +64,10 @@ STATUS_OF: tuple[tuple[type[SettledError], int], ...] = (
     (UnknownSession, 404),
     (KeyConflict, 409),
     (AdmissionSealed, 409),
+    (WrongHost, 409),
+    (LogElsewhere, 409),
+    (TaskFrozen, 409),
+    (UnknownHost, 404),
     (StaleWrite, 409),
     (AdmissionFrozen, 423),
     (NotSettled, 202),
@@ -89,8 +97,10 @@ def error_body(exc: SettledError) -> dict[str, Any]:
         body["session"] = exc.session
     if isinstance(exc, AdmissionSealed):
         body["state"] = exc.state
-    if isinstance(exc, UnknownTask):
+    if isinstance(exc, UnknownTask | TaskFrozen):
         body["task"] = exc.task
+    if isinstance(exc, WrongHost):
+        body.update(task=exc.task, host=exc.host, host_name=exc.host_name)
     if isinstance(exc, UnknownSession):
         body["session"] = exc.session
     if isinstance(exc, OwnerLaunchFailed):

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from typing import Any, Protocol
 
-from settled.records import OwnerInfo, SessionRecord, TaskRecord
+from settled.records import HostRecord, OwnerInfo, SessionRecord, TaskRecord
 
 
 class Store(Protocol):
@@ -27,10 +27,27 @@ class Store(Protocol):
         user: tuple[int, int] | None = None,
         *,
         shared_workspace: bool = False,
+        host: str | None = None,
     ) -> tuple[TaskRecord, bool]:
         """Returns (task, created); the task of an existing key as it is. Raises
         WorkspaceOverlap when `workspace` is, holds or lies in the workspace of a task not yet
-        complete, unless `shared_workspace`: then each of those tasks shares with this one."""
+        complete on the same `host`, unless `shared_workspace`: then each of those tasks
+        shares with this one. `host` binds the task to the host whose owners run it."""
+        ...
+
+    def register_host(self, host: str, name: str, home: str) -> HostRecord:
+        """Record a home as a host (once; a later call returns the record as it is)."""
+        ...
+
+    def get_host(self, host: str) -> HostRecord | None: ...
+
+    def hosts(self) -> list[HostRecord]:
+        """Every recorded host, oldest first."""
+        ...
+
+    def vanish_host(self, host: str, why: str) -> list[str]:
+        """Declare the host gone for good: every task of it not complete is frozen (admits
+        nothing more, TaskFrozen). Returns the host's frozen tasks. UnknownHost if unrecorded."""
         ...
 
     def workspace_shares(self, task: str) -> list[str]:
@@ -128,10 +145,14 @@ class Store(Protocol):
 
 
 def open_store(home: str) -> Store:
-    """The store of a settled home: its embedded SQLite database."""
+    """The store the home is bound to (`settled.backends`): its embedded SQLite database
+    unless it was bound to another."""
+    from settled.backends import bound_backends
+
+    url = bound_backends(home).store
     from settled.store.sqlite import open_sqlite  # the implementation stays behind the seam
 
-    return open_sqlite(home)
+    return open_sqlite(home, url.removeprefix("sqlite://"))
 
 
 def load_implementation() -> None:

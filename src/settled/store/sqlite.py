@@ -27,6 +27,8 @@ from settled.errors import (
     ReceiptTampered,
     StaleWrite,
     StorageFailed,
+    TaskFrozen,
+    UnknownHost,
     UnknownSession,
     UnknownTask,
     WorkspaceOverlap,
@@ -42,7 +44,7 @@ from settled.home import (
 from settled.identity import new_id
 from settled.localdb import BUSY_TIMEOUT_S, enable_wal
 from settled.receipts import checked
-from settled.records import OwnerInfo, SessionRecord, TaskRecord
+from settled.records import HostRecord, OwnerInfo, SessionRecord, TaskRecord
 from settled.states import (
     ADMITTED,
     TASK_COMPLETE,
@@ -54,7 +56,7 @@ from settled.states import (
 )
 from settled.store import loads
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 RECEIPT_EVENTS = ("receipt", "lose", "recover")
 
 MIGRATIONS: dict[int, str] = {
@@ -127,6 +129,18 @@ MIGRATIONS: dict[int, str] = {
         PRIMARY KEY (task, other)
     )
     """,
+    6: """
+    CREATE TABLE hosts (
+        host          TEXT PRIMARY KEY,
+        name          TEXT NOT NULL,
+        home          TEXT NOT NULL,
+        registered_at REAL NOT NULL,
+        vanished_at   REAL,
+        vanished_why  TEXT
+    );
+    ALTER TABLE tasks ADD COLUMN host TEXT;
+    ALTER TABLE tasks ADD COLUMN frozen TEXT
+    """,
 }
 SEALS_CLOSE_FACTS = 4  # the migration that seals the close facts an older settled wrote
 
@@ -135,7 +149,10 @@ SESSION_COLUMNS = (
     "command_pid, command_start_time, stdout_durable, stderr_durable, cancel_requested, "
     "created_at, started_at, settled_at, receipt, unknown_why, isolation"
 )
-TASK_COLUMNS = "task, key, workspace, state, generation, created_at, user, shared_workspace"
+TASK_COLUMNS = (
+    "task, key, workspace, state, generation, created_at, user, shared_workspace, host, frozen"
+)
+HOST_COLUMNS = "host, name, home, registered_at, vanished_at, vanished_why"
 
 
 def _session_from_row(row: tuple[Any, ...]) -> SessionRecord:
@@ -175,7 +192,12 @@ def _task_from_row(row: tuple[Any, ...]) -> TaskRecord:
     return TaskRecord(
         task, key, workspace, state, generation, created_at,
         (int(user[0]), int(user[1])) if user is not None else None, bool(row[7]),
+        host=row[8], frozen=row[9],
     )  # fmt: skip
+
+
+def _host_from_row(row: tuple[Any, ...]) -> HostRecord:
+    return HostRecord(*row)
 
 
 def _overlap(a: str, b: str) -> bool:
@@ -219,10 +241,11 @@ def _disk_error(exc: sqlite3.DatabaseError, path: str) -> StorageFailed | None:
 class SQLiteStore:
     """One connection per instance; one instance per process (owners open their own)."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, home: str | None = None) -> None:
         self.path = path
-        self.home = os.path.dirname(path)
+        self.home = home or os.path.dirname(path)
         check_store_present(self.home)  # never a fresh store beside another one's logs
+        os.makedirs(os.path.dirname(os.path.abspath(path)), mode=0o700, exist_ok=True)
         try:
             self._db = sqlite3.connect(
                 private_file(path), timeout=BUSY_TIMEOUT_S, isolation_level=None
@@ -231,7 +254,8 @@ class SQLiteStore:
             self._db.execute("PRAGMA synchronous=FULL")
             self._db.execute("PRAGMA foreign_keys=ON")
             self._migrate()
-            self._check_identity()
+            if os.path.dirname(os.path.abspath(path)) == os.path.abspath(self.home):
+                self._check_identity()  # a store outside the home is shared by many homes
         except (sqlite3.Error, HomeUnusable, StorageFailed) as exc:
             with contextlib.suppress(AttributeError, sqlite3.Error):
                 self._db.close()
@@ -328,6 +352,7 @@ class SQLiteStore:
         user: tuple[int, int] | None = None,
         *,
         shared_workspace: bool = False,
+        host: str | None = None,
     ) -> tuple[TaskRecord, bool]:
         with self._write() as db:  # the overlap is decided in the transaction that records
             row = db.execute(f"SELECT {TASK_COLUMNS} FROM tasks WHERE key=?", (key,)).fetchone()
@@ -335,19 +360,21 @@ class SQLiteStore:
                 return _task_from_row(row), False
             others = [
                 (task, path)
-                for task, path in db.execute(
-                    "SELECT task, workspace FROM tasks WHERE state != ? ORDER BY created_at",
-                    (TASK_COMPLETE,),
+                for task, path in db.execute(  # paths of one host: another's are not these
+                    "SELECT task, workspace FROM tasks WHERE state != ? "
+                    "AND (host IS NULL OR ? IS NULL OR host = ?) ORDER BY created_at",
+                    (TASK_COMPLETE, host, host),
                 )
                 if _overlap(path, workspace)
             ]
             if others and not shared_workspace:
                 raise WorkspaceOverlap(workspace, others)
             record = TaskRecord(
-                new_id("t"), key, workspace, TASK_OPEN, 1, time.time(), user, shared_workspace
-            )
+                new_id("t"), key, workspace, TASK_OPEN, 1, time.time(), user, shared_workspace,
+                host=host,
+            )  # fmt: skip
             db.execute(
-                f"INSERT INTO tasks ({TASK_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                f"INSERT INTO tasks ({TASK_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, NULL)",
                 (
                     record.task,
                     key,
@@ -357,6 +384,7 @@ class SQLiteStore:
                     record.created_at,
                     json.dumps(list(user)) if user is not None else None,
                     int(shared_workspace),
+                    host,
                 ),
             )
             for other, _path in others:  # each names the other in its close receipt
@@ -419,13 +447,56 @@ class SQLiteStore:
         row = self._db.execute("SELECT value FROM meta WHERE key='hidden_paths'").fetchone()
         return list(json.loads(row[0])) if row else []
 
+    # -- hosts ---------------------------------------------------------------------------
+
+    def register_host(self, host: str, name: str, home: str) -> HostRecord:
+        found = self.get_host(host)
+        if found is not None:  # an open writes nothing once registered (a full disk)
+            return found
+        with self._write() as db:
+            db.execute(
+                "INSERT OR IGNORE INTO hosts (host, name, home, registered_at) VALUES (?, ?, ?, ?)",
+                (host, name, home, time.time()),
+            )
+            row = db.execute(f"SELECT {HOST_COLUMNS} FROM hosts WHERE host=?", (host,)).fetchone()
+            return _host_from_row(row)
+
+    def get_host(self, host: str) -> HostRecord | None:
+        row = self._db.execute(f"SELECT {HOST_COLUMNS} FROM hosts WHERE host=?", (host,)).fetchone()
+        return None if row is None else _host_from_row(row)
+
+    def hosts(self) -> list[HostRecord]:
+        rows = self._db.execute(
+            f"SELECT {HOST_COLUMNS} FROM hosts ORDER BY registered_at, host"
+        ).fetchall()
+        return [_host_from_row(r) for r in rows]
+
+    def vanish_host(self, host: str, why: str) -> list[str]:
+        with self._write() as db:
+            if db.execute("SELECT 1 FROM hosts WHERE host=?", (host,)).fetchone() is None:
+                raise UnknownHost(host)
+            db.execute(
+                "UPDATE hosts SET vanished_at=?, vanished_why=? "
+                "WHERE host=? AND vanished_at IS NULL",
+                (time.time(), why, host),
+            )
+            db.execute(
+                "UPDATE tasks SET frozen=? WHERE host=? AND frozen IS NULL AND state != ?",
+                (why, host, TASK_COMPLETE),
+            )
+            rows = db.execute(
+                "SELECT task FROM tasks WHERE host=? AND frozen IS NOT NULL ORDER BY created_at",
+                (host,),
+            ).fetchall()
+            return [r[0] for r in rows]
+
     # -- sessions ------------------------------------------------------------------------
 
     def admit(
         self, task: str, key: str, digest: str, spec: dict[str, Any]
     ) -> tuple[SessionRecord, bool]:
         with self._write() as db:
-            trow = db.execute("SELECT state, generation FROM tasks WHERE task=?", (task,))
+            trow = db.execute("SELECT state, generation, frozen FROM tasks WHERE task=?", (task,))
             found = trow.fetchone()
             if found is None:
                 raise UnknownTask(task)
@@ -437,9 +508,11 @@ class SQLiteStore:
                 if record.digest != digest:
                     raise KeyConflict(task, key, record.digest, digest, record.session)
                 return record, True
-            state, generation = found
+            state, generation, frozen = found
             if state != TASK_OPEN:
                 raise AdmissionSealed(task, state)
+            if frozen is not None:
+                raise TaskFrozen(task, frozen)
             unknown = db.execute(
                 "SELECT session FROM sessions WHERE task=? AND state='unknown' LIMIT 1", (task,)
             ).fetchone()
@@ -769,5 +842,6 @@ class SQLiteStore:
         return generation + 1
 
 
-def open_sqlite(home: str) -> SQLiteStore:
-    return SQLiteStore(os.path.join(home, "settled.db"))
+def open_sqlite(home: str, path: str | None = None) -> SQLiteStore:
+    """The home's SQLite store, at `path` when the home was bound to one elsewhere."""
+    return SQLiteStore(path or os.path.join(home, "settled.db"), home)

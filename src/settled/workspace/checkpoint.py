@@ -45,8 +45,8 @@ from settled.workspace.journal import client as journal_client
 from settled.workspace.journal import lifecycle as journal_lifecycle
 from settled.workspace.manifest import IndexMismatch, ManifestError, write_manifest
 from settled.workspace.nodecache import NodeCache
-from settled.workspace.objects import LocalObjectStore
 from settled.workspace.objectstore import ObjectMissing, ObjectStore
+from settled.workspace.open_objects import open_object_store as open_object_store
 from settled.workspace.readback import QUARANTINABLE, Problem, ReadBack, read_back
 from settled.workspace.scan import ScanError, ScanResult, scan
 from settled.workspace.verified import VerifiedRecord
@@ -62,12 +62,6 @@ class CheckpointUnverified(SettledError):
         named = "; ".join(str(problem) for problem in problems)
         super().__init__(f"manifest {manifest_id} did not read back: {named}. {why}")
         self.manifest_id, self.problems = manifest_id, problems
-
-
-def open_object_store(home: str) -> ObjectStore:
-    """The object store of a settled home: the one place that chooses its implementation
-    (today the local directory ``<home>/objects``)."""
-    return LocalObjectStore(os.path.join(home, "objects"))
 
 
 class WorkspaceService:

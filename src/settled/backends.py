@@ -1,0 +1,220 @@
+"""Which store and object store a home uses: chosen once, recorded in the home, never guessed.
+
+A home is bound to one authority store (`sqlite:///path`, the embedded default, or
+`postgresql://...`) and one object store (`file:///path`, the local default, or
+`s3://bucket/prefix`). The first Runtime that opens a home records the binding in
+`<home>/backends.json` (private, written once); every later opener, and every owner the home
+launches, reads it from there, so an owner can never write its receipt to another store than the
+one its Runtime admitted the session in. Asking for a different backend than the one recorded is
+refused by name (`BackendMismatch`): silently switching would hide every task of the first one.
+
+The URLs come from `--store` / `--objects`, else `SETTLED_STORE` / `SETTLED_OBJECTS`, else the
+defaults. Credentials stay where the standard tools keep them (the password in the PostgreSQL
+URL, or `PGPASSWORD`; `AWS_*` for S3); `credential_names` lists what a command must never
+inherit when a home uses a remote backend, since a command holding them could write the evidence
+itself. Imports no backend: `store.open_store` and `checkpoint.open_object_store` do, by scheme.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+from dataclasses import dataclass
+from typing import Final
+from urllib.parse import urlsplit, urlunsplit
+
+from settled.errors import BadInput, HomeUnusable
+
+BINDING_FILE: Final = "backends.json"
+STORE_ENV: Final = "SETTLED_STORE"
+OBJECTS_ENV: Final = "SETTLED_OBJECTS"
+STORE_SCHEMES: Final = ("sqlite", "postgresql", "postgres")
+OBJECT_SCHEMES: Final = ("file", "s3")
+S3_CREDENTIALS: Final = (
+    "AWS_ACCESS_KEY_ID",
+    "AWS_SECRET_ACCESS_KEY",
+    "AWS_SESSION_TOKEN",
+    "AWS_ENDPOINT_URL",
+    "AWS_ENDPOINT_URL_S3",
+    "AWS_PROFILE",
+    "AWS_SHARED_CREDENTIALS_FILE",
+    "AWS_CONFIG_FILE",
+)
+POSTGRES_CREDENTIALS: Final = ("PGPASSWORD", "PGPASSFILE", "PGSERVICEFILE", "PGSSLKEY")
+
+
+class BadBackend(BadInput):
+    """A store or objects URL that settled cannot use: names the URL (without its password)."""
+
+
+class BackendMismatch(BadInput):
+    """The home is bound to other backends than the ones asked for."""
+
+
+@dataclass(frozen=True)
+class Backends:
+    store: str  # sqlite:///abs/path | postgresql://...
+    objects: str  # file:///abs/path | s3://bucket/prefix
+
+    @property
+    def store_scheme(self) -> str:
+        return urlsplit(self.store).scheme
+
+    @property
+    def objects_scheme(self) -> str:
+        return urlsplit(self.objects).scheme
+
+    @property
+    def remote(self) -> bool:
+        """Whether any evidence lives outside the home (and so outlives it)."""
+        return self.store_scheme != "sqlite" or self.objects_scheme != "file"
+
+    def to_json(self) -> dict[str, str]:
+        """For receipts and `settled --version`: never a password."""
+        return {"store": redacted(self.store), "objects": redacted(self.objects)}
+
+
+def redacted(url: str) -> str:
+    """The URL with any password replaced by `***`."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.hostname or ""
+    port = f":{parts.port}" if parts.port else ""
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}{port}"))
+
+
+def default_backends(home: str) -> Backends:
+    return Backends(
+        store=f"sqlite://{os.path.join(home, 'settled.db')}",
+        objects=f"file://{os.path.join(home, 'objects')}",
+    )
+
+
+def binding_path(home: str) -> str:
+    return os.path.join(home, BINDING_FILE)
+
+
+def check_store_url(url: str) -> str:
+    """The store URL normalised (`postgres://` spelled `postgresql://`), or BadBackend."""
+    parts = urlsplit(url)
+    if parts.scheme not in STORE_SCHEMES:
+        raise BadBackend(
+            f"store URL {redacted(url)!r}: the scheme must be one of sqlite:///PATH or "
+            "postgresql://USER@HOST:PORT/DB"
+        )
+    if parts.scheme == "sqlite":
+        if parts.netloc or not os.path.isabs(parts.path):
+            raise BadBackend(f"store URL {url!r}: spell an SQLite store sqlite:///ABSOLUTE/PATH")
+        return f"sqlite://{os.path.normpath(parts.path)}"
+    if not parts.path.strip("/"):
+        raise BadBackend(f"store URL {redacted(url)!r} names no database (…/DBNAME)")
+    return urlunsplit(parts._replace(scheme="postgresql"))
+
+
+def check_objects_url(url: str) -> str:
+    parts = urlsplit(url)
+    if parts.scheme not in OBJECT_SCHEMES:
+        raise BadBackend(
+            f"objects URL {url!r}: the scheme must be one of file:///PATH or s3://BUCKET/PREFIX"
+        )
+    if parts.scheme == "file":
+        if parts.netloc or not os.path.isabs(parts.path):
+            raise BadBackend(f"objects URL {url!r}: spell a directory file:///ABSOLUTE/PATH")
+        return f"file://{os.path.normpath(parts.path)}"
+    if not parts.netloc:
+        raise BadBackend(f"objects URL {url!r} names no bucket (s3://BUCKET/PREFIX)")
+    return url.rstrip("/")
+
+
+def read_binding(home: str) -> Backends | None:
+    try:
+        with open(binding_path(home), encoding="utf-8") as handle:
+            data = json.load(handle)
+        return Backends(store=str(data["store"]), objects=str(data["objects"]))
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise HomeUnusable(
+            f"{binding_path(home)} (which store and object store this home uses) cannot be "
+            f"read: {exc}; restore it, or use another --home"
+        ) from exc
+
+
+def bound_backends(home: str) -> Backends:
+    """What the home is bound to; a home never bound uses (and will record) the defaults."""
+    return read_binding(home) or default_backends(home)
+
+
+def bind(home: str, store: str | None = None, objects: str | None = None) -> Backends:
+    """The home's backends: the recorded binding, checked against what was asked (argument,
+    else environment), or, on a home's first open, what was asked recorded as its binding."""
+    store = store or os.environ.get(STORE_ENV) or None
+    objects = objects or os.environ.get(OBJECTS_ENV) or None
+    default = default_backends(home)
+    asked = Backends(
+        store=check_store_url(store) if store else default.store,
+        objects=check_objects_url(objects) if objects else default.objects,
+    )
+    bound = read_binding(home)
+    if bound is None:
+        # A home an older settled made holds its SQLite store already: that is its binding.
+        first = default if os.path.exists(os.path.join(home, "settled.db")) else asked
+        bound = _record_once(home, first)
+    _refuse_mismatch(home, bound, store, objects)
+    return bound
+
+
+def _refuse_mismatch(home: str, bound: Backends, store: str | None, objects: str | None) -> None:
+    for what, asked, have, check in (
+        ("store", store, bound.store, check_store_url),
+        ("objects", objects, bound.objects, check_objects_url),
+    ):
+        if asked is not None and check(asked) != have:
+            raise BackendMismatch(
+                f"home {home} is bound to {what} {redacted(have)}, not {redacted(asked)} "
+                f"(recorded in {binding_path(home)}); use another --home for another {what}"
+            )
+
+
+def _record_once(home: str, backends: Backends) -> Backends:
+    """Write the binding unless one exists (a link never replaces a name): two first openers
+    agree on one binding, and the loser's request is checked against it."""
+    path = binding_path(home)
+    temp = f"{path}.{secrets.token_hex(6)}.tmp"
+    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    try:
+        os.write(fd, json.dumps({"store": backends.store, "objects": backends.objects}).encode())
+        os.fsync(fd)
+        os.close(fd)
+        with contextlib.suppress(FileExistsError):
+            os.link(temp, path)
+    finally:
+        os.unlink(temp)
+    return read_binding(home) or backends
+
+
+def seals_logs(home: str) -> bool:
+    """Whether settled streams are published to the home's object store: only when it lives
+    outside the home, since a copy inside the home dies with the log it copies."""
+    backends = bound_backends(home)
+    if backends.objects_scheme != "file":
+        return True
+    root = os.path.realpath(backends.objects.removeprefix("file://"))
+    real_home = os.path.realpath(home)
+    return os.path.commonpath([root, real_home]) != real_home
+
+
+def credential_names(backends: Backends, environ: dict[str, str]) -> list[str]:
+    """Inherited variables a command must not see: the remote backends' credentials, and any
+    whose value holds the store URL (a password inside it)."""
+    names: list[str] = []
+    if backends.objects_scheme == "s3":
+        names += [n for n in S3_CREDENTIALS if n in environ]
+    if backends.store_scheme == "postgresql":
+        names += [n for n in environ if n in POSTGRES_CREDENTIALS or n == "DATABASE_URL"]
+        names += [n for n, v in environ.items() if backends.store in v and n not in names]
+    return sorted(set(names))
