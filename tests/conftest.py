@@ -100,8 +100,8 @@ def _ends_what_it_starts(
 def recover_homes(root: Path) -> None:
     """A test that failed midway may leave a session whose owner it killed: recovery ends its
     boundary (and removes its cgroup) like it would for a user."""
-    for db in root.glob("**/settled.db"):
-        with contextlib.suppress(Exception), Runtime(str(db.parent)) as runtime:
+    for identity in root.glob("**/home.id"):  # every home, wherever its store lives
+        with contextlib.suppress(Exception), Runtime(str(identity.parent)) as runtime:
             runtime.recover()
 
 

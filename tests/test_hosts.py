@@ -1,0 +1,216 @@
+"""Many hosts on one store: two homes stand for two hosts sharing one store and one object store.
+
+Each home is a host: a task is bound to the host that created it, its execs and close run only
+there (WrongHost elsewhere), and its receipts, sealed logs and checkpoints are read from any host,
+even after the home that ran it is deleted. The backends come from `shared_backends`
+(tests/hosts.py): an SQLite store and an object directory outside both homes always, PostgreSQL +
+S3 where those servers run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from settled.backends import BackendMismatch, bind, credential_names, read_binding
+from settled.errors import LogElsewhere, TaskFrozen, UnknownHost, WrongHost
+from settled.runtime import Runtime
+from settled.states import SETTLED, UNKNOWN
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture
+def backends(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
+    """The store and objects both hosts share, set in the environment as a user would."""
+    urls = {
+        "SETTLED_STORE": f"sqlite://{tmp_path}/shared/store.db",
+        "SETTLED_OBJECTS": f"file://{tmp_path}/shared/objects",
+    }
+    for name, value in urls.items():
+        monkeypatch.setenv(name, value)
+    return urls
+
+
+@pytest.fixture
+def hosts(tmp_path: Path, backends: dict[str, str]) -> Iterator[tuple[Runtime, Runtime]]:
+    a = Runtime(str(tmp_path / "A"))
+    b = Runtime(str(tmp_path / "B"))
+    try:
+        yield a, b
+    finally:
+        for runtime in (a, b):
+            for record in runtime.store.live_sessions():
+                if runtime.store.get_task(record.task).host == runtime.host:
+                    runtime.destroy_task(record.task)
+            runtime.close()
+
+
+def _workspace(tmp_path: Path, name: str) -> str:
+    path = tmp_path / name
+    path.mkdir()
+    return str(path)
+
+
+def test_each_home_is_a_host_and_a_task_is_bound_to_the_one_that_made_it(
+    hosts: tuple[Runtime, Runtime], tmp_path: Path
+) -> None:
+    a, b = hosts
+    assert a.host != b.host
+    task = a.new_task(_workspace(tmp_path, "w"))
+    assert task.host == a.host
+    listed = {h["host"]: h for h in b.hosts()}
+    assert set(listed) == {a.host, b.host}
+    assert listed[b.host]["this"] and not listed[a.host]["this"]
+    assert listed[a.host]["home"] == str(tmp_path / "A")
+
+
+def test_a_task_closed_on_a_is_read_explained_and_restored_on_b_after_a_is_deleted(
+    hosts: tuple[Runtime, Runtime], tmp_path: Path
+) -> None:
+    a, b = hosts
+    workspace = _workspace(tmp_path, "w")
+    Path(workspace, "kept.txt").write_text("before\n")
+    task = a.new_task(workspace)
+    script = (
+        "import os, sys; sys.stdout.buffer.write(bytes(range(256)) * 40000 + b'tail-no-newline');"
+        "sys.stderr.buffer.write(os.urandom(65536)); open('made.bin', 'wb').write(b'm' * 9000)"
+    )
+    admitted = a.exec(task.task, [sys.executable, "-c", script])
+    a.wait(admitted.session, timeout=60)
+    stdout = b"".join(a.follow(admitted.session, "stdout", 0, timeout=30))
+    stderr = b"".join(a.follow(admitted.session, "stderr", 0, timeout=30))
+    closed = a.close_task(task.task)
+    assert closed.complete and closed.receipt is not None
+    shutil.rmtree(a.home)  # host A is gone, with its logs, journal and objects
+
+    assert b"".join(b.follow(admitted.session, "stdout", 0, timeout=30)) == stdout
+    assert b.read(admitted.session, "stderr", 0, 1 << 20) == stderr
+    assert b.read(admitted.session, "stdout", 10_000_000, 100) == stdout[10_000_000:10_000_100]
+    receipt = b.session_status(admitted.session)["receipt"]
+    assert receipt["output"]["stdout"]["sealed"]["chunks"] == 3  # 10.24 MB in 4 MiB chunks
+    assert b.explain(task.task)["complete"]
+    restored = b.restore(task.task, str(tmp_path / "restored"))
+    assert b.close_task(task.task).receipt == closed.receipt  # a repeated close, from anywhere
+    assert restored.manifest_id == closed.receipt["checkpoint"]["manifest"]
+    assert Path(tmp_path, "restored", "made.bin").read_bytes() == b"m" * 9000
+    assert Path(tmp_path, "restored", "kept.txt").read_text() == "before\n"
+    assert b.verify(task.task, read_data=True)["verified"]
+
+
+def test_exec_cancel_and_close_from_another_host_are_wrong_host_and_reads_are_not(
+    hosts: tuple[Runtime, Runtime], tmp_path: Path
+) -> None:
+    a, b = hosts
+    task = a.new_task(_workspace(tmp_path, "w"))
+    running = a.exec(task.task, ["sleep", "60"])
+    for attempt in (
+        lambda: b.exec(task.task, ["true"]),
+        lambda: b.exec(task.task, ["sleep", "60"], key=running.key),  # a retry, too
+        lambda: b.cancel(running.session),
+        lambda: b.close_task(task.task),
+        lambda: b.destroy_task(task.task),
+        lambda: b.recover(task.task),
+    ):
+        with pytest.raises(WrongHost) as refused:
+            attempt()
+        assert refused.value.host == a.host and refused.value.host_name
+        assert f"recover --host {a.host}" in str(refused.value)
+    assert b.session_status(running.session)["state"] == "running"  # by its lease, from B
+    assert b.task_status(task.task)["host"] == a.host
+    with pytest.raises(LogElsewhere, match=a.host):
+        b.read(running.session, "stdout")
+    a.cancel(running.session, "done")
+    assert b.wait(running.session, timeout=30)["state"] == SETTLED  # woken without a pidfd
+
+
+def test_the_cli_exits_4_naming_the_owning_host(
+    hosts: tuple[Runtime, Runtime], tmp_path: Path, backends: dict[str, str]
+) -> None:
+    a, b = hosts
+    task = a.new_task(_workspace(tmp_path, "w"))
+    run = subprocess.run(
+        [sys.executable, "-m", "settled", "--home", b.home, "exec", "--task", task.task,
+         "--json", "--", "true"],
+        capture_output=True, text=True, timeout=60, env={**os.environ, **backends},
+    )  # fmt: skip
+    assert run.returncode == 4, run.stderr
+    assert json.loads(run.stdout)["error"] == "WrongHost"
+    assert a.host in run.stderr and "\n" not in run.stderr.strip()
+
+
+def test_recover_host_freezes_its_tasks_and_never_relaunches_an_unknown_session(
+    hosts: tuple[Runtime, Runtime], tmp_path: Path
+) -> None:
+    a, b = hosts
+    task = a.new_task(_workspace(tmp_path, "w"))
+    running = a.exec(task.task, ["sleep", "60"])
+    with pytest.raises(UnknownHost):
+        b.recover_host("h_nosuchhost")
+    result = b.recover_host(a.host)
+    assert result["frozen_tasks"] == [task.task]
+    (session,) = result["sessions"]
+    assert session["state"] == UNKNOWN and "cannot be inspected from here" in session["why"]
+    assert b.task_status(task.task)["frozen"].startswith(f"host {a.host} was declared vanished")
+    with pytest.raises(TaskFrozen):
+        a.exec(task.task, ["true"])
+    # A was not gone after all: its owner is fenced, its receipt refused; on A, its own
+    # boundary still proves the sleep dead (the task is A's), and nothing ran twice.
+    deadline = time.monotonic() + 30
+    while a.store.get_session(running.session).state != UNKNOWN and time.monotonic() < deadline:
+        time.sleep(0.05)
+    destroyed = a.destroy_task(task.task)
+    assert [s["state"] for s in destroyed["sessions"]] == [SETTLED]
+    assert len(a.store.list_sessions(task.task)) == 1
+
+
+def test_two_hosts_may_use_the_same_workspace_path_one_host_may_not(
+    hosts: tuple[Runtime, Runtime], tmp_path: Path
+) -> None:
+    a, b = hosts
+    path = _workspace(tmp_path, "w")
+    a.new_task(path)
+    assert b.new_task(path).host == b.host  # another host's path is another directory
+    with pytest.raises(Exception, match="overlaps"):
+        a.new_task(path)
+
+
+def test_a_home_is_bound_once_and_another_store_is_refused_by_name(tmp_path: Path) -> None:
+    home = str(tmp_path / "home")
+    os.makedirs(home)
+    bound = bind(home, store=f"sqlite://{tmp_path}/elsewhere.db")
+    assert read_binding(home) == bound
+    assert bind(home) == bound  # later opens read it, whatever the environment says
+    with pytest.raises(BackendMismatch, match=r"elsewhere\.db"):
+        bind(home, store=f"sqlite://{tmp_path}/other.db")
+    with pytest.raises(BackendMismatch):
+        bind(home, objects="s3://bucket/prefix")
+
+
+def test_the_remote_backends_credentials_are_never_inherited_by_a_command() -> None:
+    from settled.backends import Backends
+
+    remote = Backends("postgresql://u:secret@db:5432/settled", "s3://bucket/p")
+    environ = {
+        "AWS_SECRET_ACCESS_KEY": "s",
+        "AWS_ACCESS_KEY_ID": "k",
+        "PGPASSWORD": "p",
+        "APP_DB": "postgresql://u:secret@db:5432/settled",
+        "PATH": "/bin",
+    }
+    assert credential_names(remote, environ) == [
+        "APP_DB",
+        "AWS_ACCESS_KEY_ID",
+        "AWS_SECRET_ACCESS_KEY",
+        "PGPASSWORD",
+    ]
+    local = Backends("sqlite:///h/settled.db", "file:///h/objects")
+    assert credential_names(local, environ) == []
