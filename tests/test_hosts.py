@@ -214,3 +214,27 @@ def test_the_remote_backends_credentials_are_never_inherited_by_a_command() -> N
     ]
     local = Backends("sqlite:///h/settled.db", "file:///h/objects")
     assert credential_names(local, environ) == []
+
+
+def test_a_sealed_log_whose_chunk_was_changed_is_refused_never_served(
+    hosts: tuple[Runtime, Runtime], tmp_path: Path
+) -> None:
+    from settled.log.seal import SealBroken
+
+    a, b = hosts
+    task = a.new_task(_workspace(tmp_path, "w"))
+    admitted = a.exec(task.task, ["sh", "-c", "seq 1 200000"])
+    receipt = a.wait(admitted.session, timeout=60)["receipt"]
+    assert receipt["output"]["stderr"]["sealed"] == {"manifest": None, "chunks": 0}
+    manifest = json.loads(
+        b.workspace.objects.read(receipt["output"]["stdout"]["sealed"]["manifest"])
+    )
+    algo, chunk_hex = manifest["chunks"][0][2].split(":", 1)
+    chunk_file = Path(tmp_path, "shared", "objects", algo, chunk_hex[:2], chunk_hex[2:])
+    chunk_file.chmod(0o600)
+    chunk_file.write_bytes(chunk_file.read_bytes().replace(b"1000\n", b"1001\n"))
+    shutil.rmtree(a.home)
+    assert b.read(admitted.session, "stderr") == b""  # an empty stream is sealed as empty
+    with pytest.raises(SealBroken, match="damaged"):
+        b.read(admitted.session, "stdout")
+    assert not Path(b.home, "sealed", admitted.session, "stdout").exists()  # nothing half-built

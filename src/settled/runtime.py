@@ -623,7 +623,7 @@ class Runtime:
         record = self.store.get_session(session)
         fact = (record.receipt or {}).get("output", {}).get(stream, {})
         sealed = fact.get("sealed")
-        if not isinstance(sealed, dict) or "manifest" not in sealed:
+        if not isinstance(sealed, dict) or "chunks" not in sealed:
             host = self.store.get_task(record.task).host
             if host not in (None, self.host):
                 raise LogElsewhere(session, stream, host)

@@ -39,7 +39,9 @@ class SealBroken(SettledError):
 def seal_stream(objects: ObjectStore, path: str, length: int, digest: str) -> dict[str, Any]:
     """Publish bytes [0, length) of the log at `path`; the fact the receipt names. The bytes
     are hashed again as they are read, so a log changed since the writer counted it is refused
-    instead of sealed."""
+    instead of sealed. An empty stream needs no object: its fact says so."""
+    if length == 0:
+        return {"manifest": None, "chunks": 0}
     hasher = new_hasher(algorithm_of(digest))
     chunks: list[list[Any]] = []
     with open(path, "rb") as source:
@@ -70,8 +72,12 @@ def fetch_sealed(objects: ObjectStore, sealed: dict[str, Any], digest: str, dest
     """Rebuild the sealed stream at `dest` (once; a later call finds it) and return `dest`."""
     if os.path.exists(dest):
         return dest
-    manifest = _manifest(objects, str(sealed["manifest"]), digest)
     os.makedirs(os.path.dirname(dest), mode=0o700, exist_ok=True)
+    if sealed.get("manifest") is None and sealed.get("chunks") == 0:
+        with replacing(dest, 0o400):
+            pass  # an empty stream, sealed as empty
+        return dest
+    manifest = _manifest(objects, str(sealed["manifest"]), digest)
     hasher = new_hasher(algorithm_of(digest))
     with replacing(dest, 0o400) as out:
         for offset, size, name in manifest["chunks"]:
