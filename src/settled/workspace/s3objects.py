@@ -224,7 +224,9 @@ class S3ObjectStore:
             from botocore.exceptions import ClientError
 
             try:
-                self._call(lambda: client.list_objects_v2(Bucket=self.bucket, MaxKeys=1))
+                self._call(
+                    lambda: client.list_objects_v2(Bucket=self.bucket, Prefix=self._base, MaxKeys=1)
+                )
             except ClientError as error:
                 self._unreachable(error)
             self._ready = True
