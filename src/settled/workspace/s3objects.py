@@ -429,24 +429,15 @@ class S3ObjectStore:
             )
 
     def _existing(self, digest: str, size: int) -> StoredObject | None:
-        """The copy that holds ``digest``, re-read and re-hashed: dedupe if it is right, None if
-        it is damaged; ``ObjectMissing`` if there is none."""
+        """The copy that holds ``digest``, re-read and re-hashed: dedupe if it is right (its
+        version the one that was hashed), None if it is damaged; ``ObjectMissing`` if none."""
         try:
-            again = self.reread(digest)
+            again, version = self._reread(digest, keep=False)
         except ObjectUnreadable:
             return None
         if again.actual != digest or again.size != size or again.stamp is None:
             return None
-        return StoredObject(digest, size, created=False, version=self._version_now(digest))
-
-    def _version_now(self, digest: str) -> str:
-        from botocore.exceptions import ClientError
-
-        client, key = self.client(), self.key_of(digest)
-        try:
-            return _version_of(self._call(lambda: client.head_object(Bucket=self.bucket, Key=key)))
-        except ClientError as error:
-            self._raise(error, digest)
+        return StoredObject(digest, size, created=False, version=version)
 
     def quarantine(self, digest: str) -> str | None:
         """Copy what holds ``digest`` (exactly the version a HEAD found) to
@@ -530,6 +521,10 @@ class S3ObjectStore:
     def reread(self, digest: str, *, keep: bool = False) -> Reread:
         """One ``GET`` (one version, served whole), hashed a chunk at a time; its stamp is the
         response's, so it names exactly the copy that was hashed."""
+        return self._reread(digest, keep)[0]
+
+    def _reread(self, digest: str, keep: bool) -> tuple[Reread, str]:
+        """The re-read, and the version of the copy it hashed."""
         algo = parse_digest(digest)[0]
         started = time.time_ns()
         got = self._get(digest)
@@ -545,7 +540,8 @@ class S3ObjectStore:
                     chunks.append(chunk)
         stamp = _stamp_of(got, size) if size == expected else None
         data = b"".join(chunks) if keep else None
-        return Reread(format_digest(algo, hasher.hexdigest()), size, data, stamp, started)
+        actual = format_digest(algo, hasher.hexdigest())
+        return Reread(actual, size, data, stamp, started), _version_of(got)
 
     def verify(self, digest: str) -> bool:
         try:
