@@ -159,7 +159,9 @@ def write_results(out_dir: str, name: str, data: dict[str, Any], markdown: str) 
     write_readme(out_dir)
 
 
-ORDER = ("drain", "admission", "kill", "checkpoint", "close_latency", "load", "http")
+ORDER = (
+    "drain", "admission", "kill", "checkpoint", "close_latency", "load", "http", "objects_s3",
+)  # fmt: skip
 
 
 def write_readme(out_dir: str) -> None:

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from s3 import s3_env, s3_url, s3_url_unversioned, weed  # noqa: F401 (fixtures)
 
 from settled.boundary import availability
 from settled.records import TaskRecord

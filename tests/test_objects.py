@@ -1,9 +1,11 @@
 """The object store: content-addressed, create-only, durable before it says so.
 
 The contract tests take ``store``, one of ``IMPLEMENTATIONS`` typed as the ``ObjectStore``
-protocol: a new backend is one more line there. Tests of the local directory layout (fan-out
-directories, modes, temp files, fsync ordering, quarantine by rename) take ``local`` and run
-against ``LocalObjectStore`` only.
+protocol: a new backend is one more line there (the local directory, and the S3 store on a real
+SeaweedFS server in a versioned bucket and in one without versioning, from ``tests/s3.py``).
+Tests of the local directory layout (fan-out directories, modes, temp files, fsync ordering,
+quarantine by rename) take ``local`` and run against ``LocalObjectStore`` only; the S3-only
+tests are in ``test_s3objects.py``.
 """
 
 from __future__ import annotations
@@ -35,22 +37,33 @@ from settled.workspace.objectstore import (
     StagingUnavailable,
     VersionMissing,
 )
+from settled.workspace.s3objects import open_s3
 
 
-def _local(tmp_path: Path) -> ObjectStore:
+def _local(request: pytest.FixtureRequest, tmp_path: Path) -> ObjectStore:
     return LocalObjectStore(tmp_path / "objects")
+
+
+def _s3(request: pytest.FixtureRequest, tmp_path: Path) -> ObjectStore:
+    return open_s3(request.getfixturevalue("s3_url"))
+
+
+def _s3_unversioned(request: pytest.FixtureRequest, tmp_path: Path) -> ObjectStore:
+    return open_s3(request.getfixturevalue("s3_url_unversioned"))
 
 
 # Every implementation of the protocol; the contract tests below run against each of them.
 IMPLEMENTATIONS = [
     pytest.param(_local, id="local"),
+    pytest.param(_s3, id="s3"),
+    pytest.param(_s3_unversioned, id="s3-etag"),
 ]
 
 
 @pytest.fixture(params=IMPLEMENTATIONS)
 def store(request: pytest.FixtureRequest, tmp_path: Path) -> ObjectStore:
-    make: Callable[[Path], ObjectStore] = request.param
-    return make(tmp_path)
+    make: Callable[[pytest.FixtureRequest, Path], ObjectStore] = request.param
+    return make(request, tmp_path)
 
 
 @pytest.fixture

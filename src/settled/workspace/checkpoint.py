@@ -65,9 +65,11 @@ class CheckpointUnverified(SettledError):
 
 
 class WorkspaceService:
-    def __init__(self, home: str, store: Store) -> None:
+    def __init__(self, home: str, store: Store, objects: ObjectStore | None = None) -> None:
+        """``objects``: an object store chosen by the caller (a test's S3 bucket); by default
+        the home's own (``open_object_store``)."""
         self.home, self.store = home, store
-        self.objects: ObjectStore = open_object_store(home)
+        self.objects: ObjectStore = objects if objects is not None else open_object_store(home)
         self._cache: NodeCache | None = None
         self._verified: VerifiedRecord | None = None
         self._indexes: dict[str, Index] = {}

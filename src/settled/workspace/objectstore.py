@@ -97,6 +97,16 @@ class StagingUnavailable(SettledError):
     """The store cannot make a group of writes durable at once; commit them one by one."""
 
 
+class ObjectStoreUnreachable(SettledError):
+    """The object store cannot be used at all: its endpoint does not answer, its bucket does not
+    exist, or it refuses the credentials. Names where and the server's reason, never a secret."""
+
+    def __init__(self, location: str, reason: str) -> None:
+        reason = " ".join(reason.split())  # one line, whatever the server sent
+        super().__init__(f"the object store {location} cannot be used: {reason}")
+        self.location, self.reason = location, reason
+
+
 @dataclass(frozen=True)
 class StoredObject:
     """What a committed write left in the store."""

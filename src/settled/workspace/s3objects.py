@@ -1,0 +1,693 @@
+"""The S3 object store: the ``ObjectStore`` protocol (``objectstore``) on an S3-compatible bucket.
+
+Owns ``S3ObjectStore`` and ``open_s3(url)``. Layout under ``s3://<bucket>/<prefix>``: an object
+is the key ``<prefix>/<algo>/<hex>``; a quarantined one is copied to
+``<prefix>/quarantine/<algo>-<hex>.<time_ns>.<random>`` (kept as evidence) before its key is
+deleted. Endpoint and credentials come from the standard ``AWS_ENDPOINT_URL``,
+``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY`` and ``AWS_REGION`` (default ``us-east-1``).
+
+Writes are create-only: one ``PutObject`` with ``If-None-Match: *``, or for an object larger
+than one part (8 MiB) a multipart upload whose ``CompleteMultipartUpload`` carries the same
+condition, aborted on any failure so no parts are left behind. A writer spools to an unlinked
+temp file past one chunk (its digest, the key, is known only at the end), so memory holds at
+most one part. ``412`` (or a ``409`` conditional conflict) means the key exists: its bytes are
+then read back and re-hashed, never assumed; if they match, the write is dedupe
+(``created=False``); if not, the copy is quarantined and the right bytes written again, and if
+that fails too the write raises ``ObjectUnreadable``: damaged bytes are never reported stored.
+
+Versions: ``StoredObject.version`` is ``v:<VersionId>`` in a versioned bucket, else
+``etag:<ETag>``; ``open``/``read`` with ``version=`` read exactly that (``GetObject``
+``VersionId``, or ``If-Match`` the ETag), ``VersionMissing`` when it is gone or was never
+there. A ``Stamp`` comes from a ``HEAD`` (or the ``GET`` a re-read made): ``changed_ns`` and
+``modified_ns`` the Last-Modified (whole seconds, so the verified-object record adds its coarse
+clock slack), ``copy`` a 63-bit hash of the version id (or ETag), ``volume`` one of the ETag,
+``size`` the length. Every PUT is durable when it returns, so there is no batch durability:
+``staging()`` raises ``StagingUnavailable`` and the publisher commits on its threads.
+
+Retries: connection errors, 5xx and throttling only (never another 4xx), at most 5 attempts
+with exponential backoff and full jitter, none started past 10 s. A missing bucket, refused
+credentials or an endpoint that does not answer is ``ObjectStoreUnreachable``, one line
+naming the bucket, the endpoint and the server's reason (its error code), never the secret.
+The client is boto3 (chosen by ``bench/objects_s3.py``: the only one measured that does a
+create-only multipart upload); it is imported and built at the first request, not at open.
+
+Must never: replace an object; report as stored bytes that were not re-hashed after a 412;
+leave a multipart upload unaborted; retry a 4xx; put a secret in a message; hold more than one
+part of a blob in memory; know about manifests, scans or the settled store and database.
+"""
+
+from __future__ import annotations
+
+import calendar
+import contextlib
+import functools
+import hashlib
+import io
+import os
+import random
+import secrets
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from datetime import datetime
+from typing import IO, TYPE_CHECKING, Any, BinaryIO, Final, NoReturn, TypeVar, cast
+
+from settled.errors import BadInput, SettledError
+from settled.workspace.hashing import (
+    ALGORITHMS,
+    DEFAULT_ALGORITHM,
+    Buffer,
+    check_algorithm,
+    format_digest,
+    new_hasher,
+    parse_digest,
+)
+from settled.workspace.objectstore import (
+    CHUNK,
+    DigestMismatch,
+    ObjectMissing,
+    ObjectStoreUnreachable,
+    ObjectUnreadable,
+    ObjectWriter,
+    Reread,
+    StagedObject,
+    StagingUnavailable,
+    Stamp,
+    StoredObject,
+    VersionMissing,
+)
+
+if TYPE_CHECKING:
+    from mypy_boto3_s3 import S3Client
+
+PART_SIZE: Final = 8 << 20  # a multipart upload's part, and the most of a blob held in memory
+MAX_PARTS: Final = 10_000  # S3's limit; a blob past 80 GB gets larger parts
+ATTEMPTS: Final = 5
+RETRY_BUDGET_S: Final = 10.0
+BACKOFF_BASE_S: Final = 0.1
+BACKOFF_CAP_S: Final = 2.0
+QUARANTINE: Final = "quarantine"
+DEFAULT_REGION: Final = "us-east-1"
+VERSION_ID: Final = "v:"
+ETAG: Final = "etag:"
+_THROTTLED: Final = frozenset(
+    {"SlowDown", "Throttling", "ThrottlingException", "RequestTimeout", "InternalError"}
+)
+_EXISTS: Final = (412, 409)  # precondition failed; a conditional write in conflict with another
+_T = TypeVar("_T")
+
+
+class BadObjectsUrl(BadInput):
+    def __init__(self, url: str, reason: str) -> None:
+        super().__init__(f"bad object store URL {url!r}: {reason}; expected s3://bucket/prefix")
+        self.url = url
+
+
+def parse_s3_url(url: str) -> tuple[str, str]:
+    """``s3://bucket/some/prefix`` -> ``("bucket", "some/prefix")`` (the prefix may be empty)."""
+    scheme, sep, rest = url.partition("://")
+    if scheme != "s3" or not sep:
+        raise BadObjectsUrl(url, "not an s3:// URL")
+    bucket, _, prefix = rest.partition("/")
+    prefix = prefix.strip("/")
+    if not bucket or not all(c.isalnum() or c in "-." for c in bucket) or len(bucket) > 63:
+        raise BadObjectsUrl(url, f"{bucket!r} is not a bucket name")
+    if "//" in prefix or any(part in (".", "..") for part in prefix.split("/")) or "\\" in prefix:
+        raise BadObjectsUrl(url, f"the prefix {prefix!r} has an empty, '.' or '..' part")
+    return bucket, prefix
+
+
+def open_s3(url: str, env: Mapping[str, str] | None = None) -> S3ObjectStore:
+    """The store at ``s3://bucket/prefix``, reached as the standard ``AWS_*`` variables say."""
+    env = os.environ if env is None else env
+    bucket, prefix = parse_s3_url(url)
+    return S3ObjectStore(
+        bucket,
+        prefix,
+        endpoint=env.get("AWS_ENDPOINT_URL") or None,
+        region=env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION") or DEFAULT_REGION,
+        access_key=env.get("AWS_ACCESS_KEY_ID") or None,
+        secret_key=env.get("AWS_SECRET_ACCESS_KEY") or None,
+    )
+
+
+def _h63(text: str) -> int:
+    """A stable 63-bit integer of ``text`` (a stamp field is an SQLite INTEGER)."""
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest()) >> 1
+
+
+def _ns(when: datetime) -> int:
+    return calendar.timegm(when.utctimetuple()) * 1_000_000_000 + when.microsecond * 1000
+
+
+def _code(error: Exception) -> tuple[int, str, str]:
+    """(HTTP status, S3 error code, message) of a botocore ClientError."""
+    response: Any = getattr(error, "response", {}) or {}
+    status = int(response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0)
+    body = response.get("Error", {})
+    return status, str(body.get("Code") or status), str(body.get("Message") or "")
+
+
+def _version_of(response: Mapping[str, Any]) -> str:
+    version = response.get("VersionId")
+    if version and version != "null":
+        return VERSION_ID + str(version)
+    return ETAG + str(response.get("ETag") or "").strip('"')
+
+
+def _stamp_of(response: Mapping[str, Any], size: int) -> Stamp:
+    etag = str(response.get("ETag") or "")
+    version = str(response.get("VersionId") or "") or etag
+    modified = _ns(response["LastModified"])
+    return Stamp(modified, _h63(version), modified, size, _h63(etag))
+
+
+@dataclass(frozen=True)
+class _Spool:
+    """A writer's bytes once its input ended: in memory (one chunk at most) or a temp file."""
+
+    memory: bytes
+    file: IO[bytes] | None
+
+    def read(self, size: int) -> bytes:
+        return self.memory if self.file is None else self.file.read(size)
+
+    def rewind(self) -> None:
+        if self.file is not None:
+            self.file.seek(0)
+
+
+class S3ObjectStore:
+    """``ObjectStore`` on ``s3://<bucket>/<prefix>``; safe to share between threads."""
+
+    def __init__(
+        self,
+        bucket: str,
+        prefix: str = "",
+        *,
+        endpoint: str | None = None,
+        region: str = DEFAULT_REGION,
+        access_key: str | None = None,
+        secret_key: str | None = None,
+    ) -> None:
+        self.bucket, self.prefix, self.endpoint, self.region = bucket, prefix, endpoint, region
+        self._base = f"{prefix}/" if prefix else ""
+        self._access_key, self._secret_key = access_key, secret_key
+        self._client: S3Client | None = None
+        self._ready = False
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"S3ObjectStore({self.location!r})"
+
+    @property
+    def location(self) -> str:
+        where = f" at {self.endpoint}" if self.endpoint else ""
+        return f"s3://{self.bucket}/{self.prefix}{where}"
+
+    def key_of(self, digest: str) -> str:
+        algo, hexdigest = parse_digest(digest)
+        return f"{self._base}{algo}/{hexdigest}"
+
+    # -- the client, its errors and retries ------------------------------------------------
+
+    def client(self) -> S3Client:
+        """The boto3 client, made at the first request (boto3 costs ~0.4 s to import and set
+        up), after one ``ListObjectsV2`` that names what is wrong if the bucket is unusable."""
+        with self._lock:
+            if self._client is None:
+                self._client = self._make_client()
+            client = self._client
+        if not self._ready:
+            from botocore.exceptions import ClientError
+
+            try:
+                self._call(
+                    lambda: client.list_objects_v2(Bucket=self.bucket, Prefix=self._base, MaxKeys=1)
+                )
+            except ClientError as error:
+                self._unreachable(error)
+            self._ready = True
+        return client
+
+    def _make_client(self) -> S3Client:
+        import boto3
+        from botocore.config import Config
+
+        config = Config(
+            region_name=self.region,
+            retries={"max_attempts": 1, "mode": "standard"},  # ours: bounded, 5xx only
+            connect_timeout=3,
+            read_timeout=30,
+            max_pool_connections=16,
+            s3={"addressing_style": "path"} if self.endpoint else {},
+        )
+        session = boto3.session.Session(
+            aws_access_key_id=self._access_key,
+            aws_secret_access_key=self._secret_key,
+            region_name=self.region,
+        )
+        return session.client("s3", endpoint_url=self.endpoint, config=config)
+
+    def _call(self, call: Callable[[], _T]) -> _T:
+        """``call()``, retried on connection errors, 5xx and throttling, with backoff and full
+        jitter: at most ``ATTEMPTS``, none started past ``RETRY_BUDGET_S``. A 4xx is raised as
+        the ClientError for the caller to map; the last transient failure is unreachable."""
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        deadline = time.monotonic() + RETRY_BUDGET_S
+        for attempt in range(1, ATTEMPTS + 1):
+            try:
+                return call()
+            except ClientError as error:
+                status, code, _ = _code(error)
+                if status < 500 and status != 429 and code not in _THROTTLED:
+                    raise
+                failure: Exception = error
+            except BotoCoreError as error:
+                if not _transient(error):
+                    self._unreachable(error)
+                failure = error
+            delay = random.uniform(0, min(BACKOFF_CAP_S, BACKOFF_BASE_S * 2**attempt))
+            if attempt == ATTEMPTS or time.monotonic() + delay > deadline:
+                break
+            time.sleep(delay)
+        self._unreachable(failure, tries=attempt)
+
+    def _unreachable(self, error: Exception, *, tries: int = 1) -> NoReturn:
+        from botocore.exceptions import ClientError
+
+        if isinstance(error, ClientError):
+            status, code, message = _code(error)
+            reason = f"{code} (HTTP {status}){': ' + message if message else ''}"
+        else:
+            cause = getattr(error, "kwargs", {}).get("error")
+            reason = f"{error}{f' ({cause})' if cause else ''}"
+        after = f" after {tries} attempts" if tries > 1 else ""
+        raise ObjectStoreUnreachable(self.location, reason + after) from None
+
+    def _raise(self, error: Exception, digest: str, version: str | None = None) -> NoReturn:
+        """Map a 4xx of one object's request: missing, no such version, or unusable."""
+        status, code, _ = _code(error)
+        if version is not None and (status in (404, 412) or code == "InvalidArgument"):
+            raise VersionMissing(digest, version) from None
+        if status == 404 and code != "NoSuchBucket":
+            raise ObjectMissing(digest) from None
+        self._unreachable(error)
+
+    # -- writing -------------------------------------------------------------------------------
+
+    def writer(
+        self, algo: str = DEFAULT_ALGORITHM, *, size_hint: int | None = None
+    ) -> ObjectWriter:
+        return _S3Writer(self, check_algorithm(algo), size_hint)
+
+    def put_bytes(self, data: Buffer, algo: str = DEFAULT_ALGORITHM) -> str:
+        with self.writer(algo, size_hint=len(data)) as writer:
+            writer.write(data)
+            return writer.commit().digest
+
+    def put_stream(
+        self,
+        source: BinaryIO | int,
+        expected_digest: str | None = None,
+        algo: str = DEFAULT_ALGORITHM,
+    ) -> str:
+        """Spool everything ``source`` yields (a chunk at a time), refuse a wrong digest before
+        anything is sent, then PUT create-only."""
+        if expected_digest is not None:
+            algo = parse_digest(expected_digest)[0]
+        with self.writer(algo) as writer:
+            while data := _read_chunk(source):
+                writer.write(data)
+            actual = writer.digest()
+            if expected_digest is not None and actual != expected_digest:
+                raise DigestMismatch(expected_digest, actual)
+            return writer.commit().digest
+
+    def batch(self) -> contextlib.AbstractContextManager[None]:
+        """Nothing to defer: every PUT is durable when it returns."""
+        return contextlib.nullcontext()
+
+    def staging(self) -> contextlib.AbstractContextManager[Callable[[], None]]:
+        raise StagingUnavailable(
+            f"{self.location}: every PUT is durable on its own; objects are committed one by one"
+        )
+
+    def store_spooled(self, digest: str, size: int, spool: _Spool) -> StoredObject:
+        """Create ``digest`` from the spool, create-only; an existing copy is re-hashed, and
+        quarantined and written again (once) if it does not hash to its name. A blob larger
+        than a part is looked for first, so a dedupe costs a GET, not an upload."""
+        client = self.client()
+        for attempt in (1, 2):
+            spool.rewind()
+            try:
+                if size <= PART_SIZE:
+                    stored = self._put_once(client, digest, size, spool.read(size))
+                else:
+                    try:
+                        stored = self._existing(digest, size)
+                    except ObjectMissing:
+                        stored = self._multipart(client, digest, spool)
+            except ObjectMissing:
+                continue  # a 409 conflict that left no object: write again
+            if stored is not None:
+                return stored
+            if attempt == 1:
+                self.quarantine(digest)
+        raise ObjectUnreadable(digest, "the stored copy does not hash to its name, even rewritten")
+
+    def _put_once(
+        self, client: S3Client, digest: str, size: int, data: bytes
+    ) -> StoredObject | None:
+        from botocore.exceptions import ClientError
+
+        key = self.key_of(digest)
+        try:
+            put = self._call(
+                lambda: client.put_object(Bucket=self.bucket, Key=key, Body=data, IfNoneMatch="*")
+            )
+        except ClientError as error:
+            if _code(error)[0] not in _EXISTS:
+                self._raise(error, digest)
+            return self._existing(digest, size)
+        return StoredObject(digest, size, created=True, version=_version_of(put))
+
+    def _multipart(self, client: S3Client, digest: str, spool: _Spool) -> StoredObject | None:
+        """Parts of ``PART_SIZE`` (larger past 10,000 parts) read one at a time; complete
+        create-only; abort on any failure, a 412 included."""
+        from botocore.exceptions import ClientError
+
+        key, bucket = self.key_of(digest), self.bucket
+        size = spool.file.seek(0, os.SEEK_END) if spool.file is not None else len(spool.memory)
+        spool.rewind()
+        part_size = max(PART_SIZE, -(-size // MAX_PARTS))
+        upload = self._call(lambda: client.create_multipart_upload(Bucket=bucket, Key=key))
+        upload_id = upload["UploadId"]
+        try:
+            parts: list[dict[str, Any]] = []
+            while data := spool.read(part_size):
+                number = len(parts) + 1
+                part = self._call(
+                    functools.partial(
+                        client.upload_part,
+                        Bucket=bucket,
+                        Key=key,
+                        UploadId=upload_id,
+                        PartNumber=number,
+                        Body=data,
+                    )
+                )
+                parts.append({"PartNumber": number, "ETag": part["ETag"]})
+            done = self._call(
+                lambda: client.complete_multipart_upload(
+                    Bucket=bucket,
+                    Key=key,
+                    UploadId=upload_id,
+                    MultipartUpload={"Parts": cast(Any, parts)},
+                    IfNoneMatch="*",
+                )
+            )
+        except ClientError as error:
+            self._abort(client, key, upload_id)
+            if _code(error)[0] not in _EXISTS:
+                self._raise(error, digest)
+            return self._existing(digest, size)
+        except BaseException:
+            self._abort(client, key, upload_id)
+            raise
+        return StoredObject(digest, size, created=True, version=_version_of(done))
+
+    def _abort(self, client: S3Client, key: str, upload_id: str) -> None:
+        with contextlib.suppress(Exception):
+            self._call(
+                lambda: client.abort_multipart_upload(
+                    Bucket=self.bucket, Key=key, UploadId=upload_id
+                )
+            )
+
+    def _existing(self, digest: str, size: int) -> StoredObject | None:
+        """The copy that holds ``digest``, re-read and re-hashed: dedupe if it is right (its
+        version the one that was hashed), None if it is damaged; ``ObjectMissing`` if none."""
+        try:
+            again, version = self._reread(digest, keep=False)
+        except ObjectUnreadable:
+            return None
+        if again.actual != digest or again.size != size or again.stamp is None:
+            return None
+        return StoredObject(digest, size, created=False, version=version)
+
+    def quarantine(self, digest: str) -> str | None:
+        """Copy what holds ``digest`` (exactly the version a HEAD found) to
+        ``<prefix>/quarantine/``, then delete the key so the right bytes can be written again.
+        Returns the evidence's URL, or None if nothing held the name."""
+        from botocore.exceptions import ClientError
+
+        client, key = self.client(), self.key_of(digest)
+        algo, hexdigest = parse_digest(digest)
+        target = (
+            f"{self._base}{QUARANTINE}/{algo}-{hexdigest}.{time.time_ns()}.{secrets.token_hex(4)}"
+        )
+        try:
+            head = self._call(lambda: client.head_object(Bucket=self.bucket, Key=key))
+            source: dict[str, str] = {"Bucket": self.bucket, "Key": key}
+            if head.get("VersionId") and head.get("VersionId") != "null":
+                source["VersionId"] = head["VersionId"]
+            self._call(
+                lambda: client.copy_object(
+                    Bucket=self.bucket, Key=target, CopySource=cast(Any, source)
+                )
+            )
+            self._call(lambda: client.delete_object(Bucket=self.bucket, Key=key))
+        except ClientError as error:
+            if _code(error)[0] == 404 and _code(error)[1] != "NoSuchBucket":
+                return None
+            self._raise(error, digest)
+        return f"s3://{self.bucket}/{target}"
+
+    # -- reading -------------------------------------------------------------------------------
+
+    def has(self, digest: str) -> bool:
+        try:
+            self.stamp(digest)
+        except ObjectMissing:
+            return False
+        return True
+
+    def _get(self, digest: str, version: str | None = None) -> dict[str, Any]:
+        from botocore.exceptions import ClientError
+
+        key = self.key_of(digest)
+        extra: dict[str, str] = {}
+        if version is not None:
+            if version.startswith(VERSION_ID) and len(version) > len(VERSION_ID):
+                extra["VersionId"] = version[len(VERSION_ID) :]
+            elif version.startswith(ETAG) and len(version) > len(ETAG):
+                extra["IfMatch"] = f'"{version[len(ETAG) :]}"'
+            else:
+                raise VersionMissing(digest, version)
+        client = self.client()
+        try:
+            got = self._call(
+                lambda: client.get_object(Bucket=self.bucket, Key=key, **cast(Any, extra))
+            )
+        except ClientError as error:
+            self._raise(error, digest, version)
+        return cast(dict[str, Any], got)
+
+    def open(self, digest: str, version: str | None = None) -> BinaryIO:
+        """A stream of the object's bytes (``version``: exactly that one, see the module)."""
+        got = self._get(digest, version)
+        return cast(BinaryIO, io.BufferedReader(_Body(got["Body"], digest), CHUNK))
+
+    def read(self, digest: str, version: str | None = None) -> bytes:
+        with self.open(digest, version) as handle:
+            return handle.read()
+
+    def stamp(self, digest: str) -> Stamp:
+        """From a ``HEAD``: the Last-Modified, the version id and ETag, the size."""
+        from botocore.exceptions import ClientError
+
+        key = self.key_of(digest)
+        client = self.client()
+        try:
+            head = self._call(lambda: client.head_object(Bucket=self.bucket, Key=key))
+        except ClientError as error:
+            self._raise(error, digest)
+        return _stamp_of(cast(Mapping[str, Any], head), int(head["ContentLength"]))
+
+    def reread(self, digest: str, *, keep: bool = False) -> Reread:
+        """One ``GET`` (one version, served whole), hashed a chunk at a time; its stamp is the
+        response's, so it names exactly the copy that was hashed."""
+        return self._reread(digest, keep)[0]
+
+    def _reread(self, digest: str, keep: bool) -> tuple[Reread, str]:
+        """The re-read, and the version of the copy it hashed."""
+        algo = parse_digest(digest)[0]
+        started = time.time_ns()
+        got = self._get(digest)
+        expected = int(got["ContentLength"])
+        hasher = new_hasher(algo, size_hint=expected)
+        chunks: list[bytes] = []
+        size = 0
+        with io.BufferedReader(_Body(got["Body"], digest), CHUNK) as body:
+            while chunk := body.read(CHUNK):
+                hasher.update(chunk)
+                size += len(chunk)
+                if keep:
+                    chunks.append(chunk)
+        stamp = _stamp_of(got, size) if size == expected else None
+        data = b"".join(chunks) if keep else None
+        actual = format_digest(algo, hasher.hexdigest())
+        return Reread(actual, size, data, stamp, started), _version_of(got)
+
+    def verify(self, digest: str) -> bool:
+        try:
+            return self.reread(digest).actual == digest
+        except (ObjectMissing, ObjectUnreadable):
+            return False
+
+    def list_digests(self, algo: str | None = None) -> Iterator[str]:
+        """``ListObjectsV2`` pages under ``<prefix>/<algo>/``; a key that is not a digest's
+        (a stray) is not an object and is skipped."""
+        client = self.client()
+        for name in ALGORITHMS if algo is None else (check_algorithm(algo),):
+            top = f"{self._base}{name}/"
+            token: str | None = None
+            while True:
+                extra = {} if token is None else {"ContinuationToken": token}
+                page = self._call(
+                    functools.partial(
+                        client.list_objects_v2, Bucket=self.bucket, Prefix=top, **cast(Any, extra)
+                    )
+                )
+                for entry in page.get("Contents", []):
+                    digest = f"{name}:{entry.get('Key', '')[len(top) :]}"
+                    try:
+                        parse_digest(digest)
+                    except SettledError:
+                        continue  # not a digest: not an object
+                    yield digest
+                token = page.get("NextContinuationToken")
+                if not page.get("IsTruncated") or not token:
+                    break
+
+
+def _transient(error: Exception) -> bool:
+    """A connection that failed, was closed or timed out: worth another attempt."""
+    from botocore.exceptions import ConnectionError, HTTPClientError
+
+    return isinstance(error, ConnectionError | HTTPClientError)
+
+
+def _read_chunk(source: BinaryIO | int) -> bytes:
+    if isinstance(source, int):
+        return os.read(source, CHUNK)
+    return source.read(CHUNK)
+
+
+class _Body(io.RawIOBase):
+    """A GET's streaming body as a raw stream; a failed read is ``ObjectUnreadable``."""
+
+    def __init__(self, body: Any, digest: str) -> None:
+        self._body, self._digest = body, digest
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        try:
+            data = self._body.read(len(buffer))
+        except Exception as error:
+            raise ObjectUnreadable(self._digest, f"the GET broke off: {error}") from None
+        buffer[: len(data)] = data
+        return len(data)
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self._body.close()
+        super().close()
+
+
+class _S3Writer:
+    """Hash and spool bytes (memory up to one chunk, then an unlinked temp file); PUT at
+    ``commit()``, when the digest, the key, is known."""
+
+    def __init__(self, store: S3ObjectStore, algo: str, size_hint: int | None) -> None:
+        self._store, self._algo = store, algo
+        self._hasher = new_hasher(algo, size_hint=size_hint)
+        self._pending = bytearray()
+        self._file: IO[bytes] | None = None
+        self._size = 0
+        self._digest: str | None = None
+        self._done = False
+
+    @property
+    def size(self) -> int:
+        return self._size
+
+    def __enter__(self) -> ObjectWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if not self._done:
+            self.abort()
+
+    def write(self, data: Buffer) -> None:
+        if self._digest is not None or self._done:
+            raise ValueError("write after digest(), commit() or abort()")
+        self._hasher.update(data)
+        self._size += len(data)
+        if self._file is None and len(self._pending) + len(data) <= CHUNK:
+            self._pending += data
+            return
+        if self._file is None:
+            self._file = tempfile.TemporaryFile(prefix="settled-s3-")  # noqa: SIM115 (closed in abort)
+            self._file.write(self._pending)
+            self._pending = bytearray()
+        self._file.write(data)
+
+    def digest(self) -> str:
+        if self._digest is None:
+            self._digest = format_digest(self._algo, self._hasher.hexdigest())
+        return self._digest
+
+    def commit(self) -> StoredObject:
+        if self._done:
+            raise ValueError("commit() or stage() after commit(), stage() or abort()")
+        digest = self.digest()
+        try:
+            if self._file is not None:
+                self._file.flush()
+            spool = _Spool(bytes(self._pending), self._file)
+            return self._store.store_spooled(digest, self._size, spool)
+        finally:
+            self.abort()
+
+    def stage(self) -> StagedObject:
+        """The PUT itself (it is durable when it returns): ``publish()`` returns what it stored."""
+        return _S3Staged(self.commit())
+
+    def abort(self) -> None:
+        self._done = True
+        self._pending = bytearray()
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+class _S3Staged:
+    def __init__(self, stored: StoredObject) -> None:
+        self._stored = stored
+
+    @property
+    def digest(self) -> str:
+        return self._stored.digest
+
+    def publish(self) -> StoredObject:
+        return self._stored
+
+    def discard(self) -> None:
+        """Nothing to undo: the object is stored, and content addressing makes that harmless."""
