@@ -17,6 +17,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -28,16 +29,49 @@ from settled.states import SETTLED, UNKNOWN
 pytestmark = pytest.mark.timeout(120)
 
 
-@pytest.fixture
-def backends(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
-    """The store and objects both hosts share, set in the environment as a user would."""
-    urls = {
-        "SETTLED_STORE": f"sqlite://{tmp_path}/shared/store.db",
-        "SETTLED_OBJECTS": f"file://{tmp_path}/shared/objects",
-    }
+SHARED = ("sqlite+dir", "sqlite+s3")
+
+
+@pytest.fixture(params=SHARED)
+def backends(
+    request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> dict[str, str]:
+    """The store and objects both hosts share, set in the environment as a user would (with
+    the S3 endpoint and credentials where the objects are in a bucket)."""
+    _store, objects = str(request.param).split("+")
+    urls = {"SETTLED_STORE": f"sqlite://{tmp_path}/shared/store.db"}
+    if objects == "s3":
+        urls["SETTLED_OBJECTS"] = request.getfixturevalue("s3_url")
+        urls.update(request.getfixturevalue("s3_env"))
+    else:
+        urls["SETTLED_OBJECTS"] = f"file://{tmp_path}/shared/objects"
     for name, value in urls.items():
         monkeypatch.setenv(name, value)
     return urls
+
+
+def _damage(backends: dict[str, str], tmp_path: Path, digest: str, fix: Any) -> None:
+    """Change an object's bytes behind the store's back, where it lies."""
+    algo, hexdigest = digest.split(":", 1)
+    url = backends["SETTLED_OBJECTS"]
+    if url.startswith("file://"):
+        path = Path(tmp_path, "shared", "objects", algo, hexdigest[:2], hexdigest[2:])
+        path.chmod(0o600)
+        path.write_bytes(fix(path.read_bytes()))
+        return
+    import boto3
+    from s3 import VERSIONED_BUCKET
+
+    client = boto3.client(
+        "s3",
+        endpoint_url=backends["AWS_ENDPOINT_URL"],
+        aws_access_key_id=backends["AWS_ACCESS_KEY_ID"],
+        aws_secret_access_key=backends["AWS_SECRET_ACCESS_KEY"],
+        region_name="us-east-1",
+    )
+    key = f"{url.split('/', 3)[3]}/{algo}/{hexdigest}"
+    body = client.get_object(Bucket=VERSIONED_BUCKET, Key=key)["Body"].read()
+    client.put_object(Bucket=VERSIONED_BUCKET, Key=key, Body=fix(body))  # a newer version
 
 
 @pytest.fixture
@@ -217,7 +251,7 @@ def test_the_remote_backends_credentials_are_never_inherited_by_a_command() -> N
 
 
 def test_a_sealed_log_whose_chunk_was_changed_is_refused_never_served(
-    hosts: tuple[Runtime, Runtime], tmp_path: Path
+    hosts: tuple[Runtime, Runtime], tmp_path: Path, backends: dict[str, str]
 ) -> None:
     from settled.log.seal import SealBroken
 
@@ -229,12 +263,25 @@ def test_a_sealed_log_whose_chunk_was_changed_is_refused_never_served(
     manifest = json.loads(
         b.workspace.objects.read(receipt["output"]["stdout"]["sealed"]["manifest"])
     )
-    algo, chunk_hex = manifest["chunks"][0][2].split(":", 1)
-    chunk_file = Path(tmp_path, "shared", "objects", algo, chunk_hex[:2], chunk_hex[2:])
-    chunk_file.chmod(0o600)
-    chunk_file.write_bytes(chunk_file.read_bytes().replace(b"1000\n", b"1001\n"))
+    _damage(backends, tmp_path, manifest["chunks"][0][2], lambda b: b.replace(b"1000\n", b"1001\n"))
     shutil.rmtree(a.home)
     assert b.read(admitted.session, "stderr") == b""  # an empty stream is sealed as empty
     with pytest.raises(SealBroken, match="damaged"):
         b.read(admitted.session, "stdout")
     assert not Path(b.home, "sealed", admitted.session, "stdout").exists()  # nothing half-built
+
+
+def test_a_command_never_sees_the_object_stores_credentials(
+    hosts: tuple[Runtime, Runtime], tmp_path: Path, backends: dict[str, str]
+) -> None:
+    a, _b = hosts
+    task = a.new_task(_workspace(tmp_path, "w"))
+    admitted = a.exec(task.task, ["env"], env={"MINE": "passed"})
+    receipt = a.wait(admitted.session, timeout=60)["receipt"]
+    seen = a.read(admitted.session, "stdout").decode()
+    assert "MINE=passed" in seen
+    for name, value in backends.items():
+        if name != "AWS_REGION":  # where the bucket is, not a credential
+            assert value not in seen, name
+    removed = receipt["isolation"]["env_removed"]
+    assert {n for n in backends if n.startswith("AWS_") and n != "AWS_REGION"} <= set(removed)

@@ -24,7 +24,7 @@ from settled.backends import bound_backends, credential_names, seals_logs
 from settled.boundary import procfs
 from settled.boundary.isolation import IsolationPlan, IsolationUnavailable, make_plan
 from settled.boundary.spawn import ChildIO, Launch, SpawnFailed
-from settled.errors import BoundaryUnavailable, SettledError, StaleWrite, StorageFailed
+from settled.errors import BoundaryUnavailable, StaleWrite, StorageFailed
 from settled.home import (
     SpaceGuard,
     journal_socket,
@@ -430,7 +430,9 @@ class Owner:
             for name, fact in facts.items():
                 path = log_path(self.home, self.record.session, name)
                 fact["sealed"] = seal_stream(objects, path, fact["cursor"], fact["digest"])
-        except (SettledError, OSError) as exc:
+        except BaseException as exc:  # never the receipt's cost: a library's panic is named too
+            if isinstance(exc, KeyboardInterrupt | SystemExit):
+                raise
             for fact in facts.values():
                 fact.setdefault("sealed", {"error": f"{type(exc).__name__}: {exc}"})
         self.timings["seal_s"] = round(time.monotonic() - started, 6)

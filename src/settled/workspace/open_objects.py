@@ -14,6 +14,10 @@ from settled.workspace.objectstore import ObjectStore
 def open_object_store(home: str) -> ObjectStore:
     """The object store the home is bound to (by default the directory ``<home>/objects``)."""
     url = bound_backends(home).objects
+    if url.startswith("s3://"):
+        from settled.workspace.s3objects import open_s3  # boto3 loads at its first request
+
+        return open_s3(url)
     from settled.workspace.objects import LocalObjectStore  # behind the seam
 
     return LocalObjectStore(url.removeprefix("file://"))
