@@ -24,6 +24,7 @@ import isolation
 import kill
 import load
 import objects_s3
+import remote
 from common import RESULTS_DIR, log, write_results
 
 BENCHMARKS = {
@@ -35,6 +36,7 @@ BENCHMARKS = {
     "load": load.run,
     "http": http_bench.run,
     "isolation": isolation.run,
+    "remote": remote.run,
     "objects_s3": objects_s3.run,
 }
 # Benchmarks that also write a file beside their results (a plot): called with (out_dir, data),

@@ -36,7 +36,7 @@ import secrets
 import stat
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import BinaryIO, Final
 
 from settled import faults
@@ -299,6 +299,16 @@ class LocalObjectStore:
     def read(self, digest: str, version: str | None = None) -> bytes:
         with self.open(digest, version) as handle:
             return handle.read()
+
+    def stamps(self, digests: Sequence[str]) -> list[Stamp | Exception]:
+        """One ``lstat`` each, in order (~12 us an object: nothing to overlap)."""
+        results: list[Stamp | Exception] = []
+        for digest in digests:
+            try:
+                results.append(self.stamp(digest))
+            except (OSError, SettledError) as error:
+                results.append(error)
+        return results
 
     def stamp(self, digest: str) -> Stamp:
         """The ``lstat`` identity of the object file (the read-back's hot loop: one syscall)."""

@@ -39,7 +39,7 @@ manifests, scans, or the settled store and database.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import BinaryIO, Final, NamedTuple, Protocol
@@ -277,6 +277,12 @@ class ObjectStore(Protocol):
     def stamp(self, digest: str) -> Stamp:
         """What identifies the stored copy now, without reading it. ``ObjectMissing`` if
         nothing holds the name, ``ObjectUnreadable`` if what holds it is not an object."""
+        ...
+
+    def stamps(self, digests: Sequence[str]) -> list[Stamp | Exception]:
+        """``stamp`` of each digest, in order: a Stamp, or the error its ``stamp`` raised. A
+        remote backend asks for them concurrently (one round trip each, many in flight); the
+        closure of a read-back is one call."""
         ...
 
     def reread(self, digest: str, *, keep: bool = False) -> Reread:

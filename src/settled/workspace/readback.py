@@ -322,15 +322,14 @@ class _Walk:
             vouched = [d for d in candidates if known.get(d) is not None]
             if len(vouched) < len(candidates):
                 rehash += [d for d in candidates if known.get(d) is None]
-            trusted, stamp_of = 0, self.store.stamp
-            for digest in vouched:  # the hot loop of a closure: ~12 us an object here
-                try:
-                    stamp = stamp_of(digest)
-                except ObjectMissing:
+            trusted = 0
+            stamps = self.store.stamps(vouched)  # one call: a remote store overlaps them
+            for digest, stamp in zip(vouched, stamps, strict=True):  # ~12 us an object, local
+                if isinstance(stamp, ObjectMissing):
                     self.done.add(digest)
                     self.problems[digest] = Problem(digest, MISSING)
                     continue
-                except (OSError, SettledError):
+                if isinstance(stamp, Exception):
                     rehash.append(digest)  # which names the problem
                     continue
                 if stamp == known.get(digest):

@@ -49,7 +49,7 @@ import secrets
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import IO, TYPE_CHECKING, Any, BinaryIO, Final, NoReturn, TypeVar, cast
@@ -63,6 +63,7 @@ from settled.workspace.hashing import (
     format_digest,
     new_hasher,
     parse_digest,
+    threads_can_start,
 )
 from settled.workspace.objectstore import (
     CHUNK,
@@ -86,6 +87,7 @@ PART_SIZE: Final = 8 << 20  # a multipart upload's part, and the most of a blob 
 MAX_PARTS: Final = 10_000  # S3's limit; a blob past 80 GB gets larger parts
 ATTEMPTS: Final = 5
 RETRY_BUDGET_S: Final = 10.0
+STAMP_CONCURRENCY: Final = 16  # HEADs in flight for a read-back's closure
 BACKOFF_BASE_S: Final = 0.1
 BACKOFF_CAP_S: Final = 2.0
 QUARANTINE: Final = "quarantine"
@@ -517,6 +519,24 @@ class S3ObjectStore:
         except ClientError as error:
             self._raise(error, digest)
         return _stamp_of(cast(Mapping[str, Any], head), int(head["ContentLength"]))
+
+    def stamps(self, digests: Sequence[str]) -> list[Stamp | Exception]:
+        """HEADs, ``STAMP_CONCURRENCY`` in flight (a boto3 client is thread-safe); one after
+        another where this process cannot start threads (an owner inside its PID namespace)."""
+        self.client()  # made once, before the threads share it
+
+        def one(digest: str) -> Stamp | Exception:
+            try:
+                return self.stamp(digest)
+            except (OSError, SettledError) as error:
+                return error
+
+        if len(digests) < 2 * STAMP_CONCURRENCY or not threads_can_start():
+            return [one(d) for d in digests]
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(STAMP_CONCURRENCY, thread_name_prefix="s3-stamp") as pool:
+            return list(pool.map(one, digests))
 
     def reread(self, digest: str, *, keep: bool = False) -> Reread:
         """One ``GET`` (one version, served whole), hashed a chunk at a time; its stamp is the
