@@ -1,4 +1,4 @@
-"""The contract every Store implementation must pass (SQLite now, PostgreSQL later).
+"""The contract every Store implementation must pass: SQLite and PostgreSQL.
 
 The store under test always comes from the `store_factory` fixture: a function that returns a
 fresh Store for a directory (the same directory opens the same store again). It is parametrized
@@ -24,6 +24,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, cast
 
+import pg
+import psycopg
 import pytest
 
 from settled import states
@@ -49,8 +51,9 @@ from settled.states import (
     SETTLING,
     UNKNOWN,
 )
-from settled.store import Store
-from settled.store.sqlite import SCHEMA_VERSION, SQLiteStore
+from settled.store import Store, postgres
+from settled.store.postgres import PostgresStore, open_postgres
+from settled.store.sqlite import MIGRATIONS, SCHEMA_VERSION, SQLiteStore
 
 # --- backends -----------------------------------------------------------------------------
 
@@ -65,6 +68,7 @@ class Backend:
     read_schema_version: Callable[[str], int | None]
     write_schema_version: Callable[[str, int], None]
     schema_version: int
+    fixture: str | None = None  # a fixture that must run first (a server to start)
 
 
 def _sqlite_path(directory: str) -> str:
@@ -96,6 +100,34 @@ def _sqlite_write_schema_version(directory: str, version: int) -> None:
         db.execute("UPDATE meta SET value=? WHERE key='schema_version'", (str(version),))
 
 
+def _pg_open(directory: str) -> Store:
+    return open_postgres(pg.url_for_directory(directory))
+
+
+def _pg_execute(store: Store, query: str, args: tuple[Any, ...]) -> None:
+    with cast(PostgresStore, store)._pool.connection() as conn:
+        conn.execute(query, args)  # type: ignore[arg-type]
+
+
+def _pg_set_task_state(store: Store, task: str, state: str) -> None:
+    _pg_execute(store, "UPDATE tasks SET state=%s WHERE task=%s", (state, task))
+
+
+def _pg_set_session_state(store: Store, session: str, state: str) -> None:
+    _pg_execute(store, "UPDATE sessions SET state=%s WHERE session=%s", (state, session))
+
+
+def _pg_read_schema_version(directory: str) -> int | None:
+    with psycopg.connect(pg.url_for_directory(directory)) as conn:
+        row = conn.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
+    return None if row is None else int(row[0])
+
+
+def _pg_write_schema_version(directory: str, version: int) -> None:
+    with psycopg.connect(pg.url_for_directory(directory)) as conn:
+        conn.execute("UPDATE meta SET value=%s WHERE key='schema_version'", (str(version),))
+
+
 BACKENDS: dict[str, Backend] = {
     "sqlite": Backend(
         name="sqlite",
@@ -106,6 +138,16 @@ BACKENDS: dict[str, Backend] = {
         write_schema_version=_sqlite_write_schema_version,
         schema_version=SCHEMA_VERSION,
     ),
+    "postgresql": Backend(
+        name="postgresql",
+        open=_pg_open,
+        set_task_state=_pg_set_task_state,
+        set_session_state=_pg_set_session_state,
+        read_schema_version=_pg_read_schema_version,
+        write_schema_version=_pg_write_schema_version,
+        schema_version=postgres.SCHEMA_VERSION,
+        fixture="pg_cluster",
+    ),
 }
 
 StoreFactory = Callable[[str], Store]
@@ -113,7 +155,10 @@ StoreFactory = Callable[[str], Store]
 
 @pytest.fixture(params=sorted(BACKENDS))
 def backend(request: pytest.FixtureRequest) -> Backend:
-    return BACKENDS[request.param]
+    chosen = BACKENDS[request.param]
+    if chosen.fixture is not None:
+        request.getfixturevalue(chosen.fixture)
+    return chosen
 
 
 @pytest.fixture
@@ -796,6 +841,12 @@ def test_a_store_with_a_newer_schema_is_refused_naming_both_versions(
     assert f"v{newer}" in message
     assert f"v{backend.schema_version}" in message
     assert backend.read_schema_version(home) == newer  # refused, not downgraded
+
+
+def test_every_backend_has_the_same_schema_version_and_migration_steps() -> None:
+    """A migration added to one store and not the other fails here, not on a user's store."""
+    assert postgres.SCHEMA_VERSION == SCHEMA_VERSION
+    assert sorted(postgres.MIGRATIONS) == sorted(MIGRATIONS) == list(range(1, SCHEMA_VERSION + 1))
 
 
 # --- concurrency, across processes --------------------------------------------------------

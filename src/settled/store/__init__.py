@@ -4,8 +4,8 @@ Owns task and session records and every state change, each a compare-and-set on 
 generation) through the transition table in `settled.states`. `Store` is the seam: the Runtime,
 the owner, the close join, recovery and the workspace service depend on it and on nothing else of
 this package; `open_store` is the one place an implementation is chosen. SQLite
-(`store/sqlite.py`) is the embedded default; PostgreSQL will be a new module beside it that
-passes the same contract tests (`tests/test_store.py` runs against the protocol).
+(`store/sqlite.py`) is the embedded default; PostgreSQL (`store/postgres.py`) is shared by many
+hosts; both pass the same contract tests (`tests/test_store.py` runs against the protocol).
 Never touches processes, logs or the workspace.
 """
 
@@ -123,6 +123,12 @@ class Store(Protocol):
     def latest_checkpoint(self, task: str) -> tuple[dict[str, Any], str | None] | None: ...
 
     def fence(self, task: str, generation: int) -> int: ...
+
+    def await_change(self, topics: tuple[str, ...], seconds: float) -> None:
+        """Block until a change of one of `topics` (session or task ids) may have happened,
+        or `seconds` pass. Spurious wakeups are allowed: the caller reads again either way. A
+        store with notifications (PostgreSQL) wakes on them; one without sleeps."""
+        ...
 
     def close(self) -> None: ...
 

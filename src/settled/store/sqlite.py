@@ -757,6 +757,12 @@ class SQLiteStore:
             return None
         return checked(json.loads(row[0]), f"the checkpoint receipt of task {task}"), row[1]
 
+    def await_change(self, topics: tuple[str, ...], seconds: float) -> None:
+        """A bounded sleep: SQLite sends no notifications, and a waiter on this host is woken
+        by its owner's exit handle instead."""
+        del topics
+        time.sleep(max(0.0, seconds))
+
     def fence(self, task: str, generation: int) -> int:
         """Advance the runtime generation past `generation`; a stale fence is refused."""
         with self._write() as db:
