@@ -14,6 +14,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import pg
 import pytest
 from s3 import s3_env, s3_url, s3_url_unversioned, weed  # noqa: F401 (fixtures)
 
@@ -152,3 +153,22 @@ def task(rt: Runtime, tmp_path: Path) -> TaskRecord:
     workspace = os.path.join(str(tmp_path), "workspace")
     os.makedirs(workspace)
     return rt.new_task(workspace)
+
+
+@pytest.fixture(scope="session")
+def pg_cluster() -> Iterator[pg.Cluster]:
+    """One PostgreSQL cluster for the test session (tests/pg.py); its base URL is exported in
+    the environment for spawned children. Skipped where the binaries are missing, but not
+    under CI=true: CI must run the contract on PostgreSQL."""
+    reason = pg.missing_reason()
+    if reason is not None:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"CI must run the PostgreSQL store tests, but: {reason}")
+        pytest.skip(reason)
+    cluster = pg.start_cluster()
+    os.environ[pg.URL_ENV] = cluster.url()
+    try:
+        yield cluster
+    finally:
+        os.environ.pop(pg.URL_ENV, None)
+        cluster.stop()

@@ -147,6 +147,7 @@ WHY = {
 # a second implementation is then a new module and an edit of the chooser only.
 CHOSEN_ONLY_BY: dict[str, set[str]] = {
     "settled.store.sqlite": {"settled.store"},
+    "settled.store.postgres": {"settled.store"},
     "settled.workspace.objects": {"settled.workspace.open_objects"},
     "settled.workspace.s3objects": {"settled.workspace.open_objects"},
     "settled.owner.zygote": {"settled.runtime"},

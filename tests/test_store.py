@@ -1,4 +1,4 @@
-"""The contract every Store implementation must pass (SQLite now, PostgreSQL later).
+"""The contract every Store implementation must pass: SQLite and PostgreSQL.
 
 The store under test always comes from the `store_factory` fixture: a function that returns a
 fresh Store for a directory (the same directory opens the same store again). It is parametrized
@@ -24,6 +24,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, cast
 
+import pg
+import psycopg
 import pytest
 
 from settled import states
@@ -33,6 +35,7 @@ from settled.errors import (
     KeyConflict,
     ReceiptTampered,
     StaleWrite,
+    StoreUnreachable,
     UnknownSession,
     UnknownTask,
     WorkspaceOverlap,
@@ -49,8 +52,9 @@ from settled.states import (
     SETTLING,
     UNKNOWN,
 )
-from settled.store import Store
-from settled.store.sqlite import SCHEMA_VERSION, SQLiteStore
+from settled.store import Store, postgres
+from settled.store.postgres import PostgresStore, open_postgres
+from settled.store.sqlite import MIGRATIONS, SCHEMA_VERSION, SQLiteStore
 
 # --- backends -----------------------------------------------------------------------------
 
@@ -65,6 +69,7 @@ class Backend:
     read_schema_version: Callable[[str], int | None]
     write_schema_version: Callable[[str, int], None]
     schema_version: int
+    fixture: str | None = None  # a fixture that must run first (a server to start)
 
 
 def _sqlite_path(directory: str) -> str:
@@ -96,6 +101,34 @@ def _sqlite_write_schema_version(directory: str, version: int) -> None:
         db.execute("UPDATE meta SET value=? WHERE key='schema_version'", (str(version),))
 
 
+def _pg_open(directory: str) -> Store:
+    return open_postgres(pg.url_for_directory(directory))
+
+
+def _pg_execute(store: Store, query: str, args: tuple[Any, ...]) -> None:
+    with cast(PostgresStore, store)._pool.connection() as conn:
+        conn.execute(query, args)  # type: ignore[arg-type]
+
+
+def _pg_set_task_state(store: Store, task: str, state: str) -> None:
+    _pg_execute(store, "UPDATE tasks SET state=%s WHERE task=%s", (state, task))
+
+
+def _pg_set_session_state(store: Store, session: str, state: str) -> None:
+    _pg_execute(store, "UPDATE sessions SET state=%s WHERE session=%s", (state, session))
+
+
+def _pg_read_schema_version(directory: str) -> int | None:
+    with psycopg.connect(pg.url_for_directory(directory)) as conn:
+        row = conn.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
+    return None if row is None else int(row[0])
+
+
+def _pg_write_schema_version(directory: str, version: int) -> None:
+    with psycopg.connect(pg.url_for_directory(directory)) as conn:
+        conn.execute("UPDATE meta SET value=%s WHERE key='schema_version'", (str(version),))
+
+
 BACKENDS: dict[str, Backend] = {
     "sqlite": Backend(
         name="sqlite",
@@ -106,6 +139,16 @@ BACKENDS: dict[str, Backend] = {
         write_schema_version=_sqlite_write_schema_version,
         schema_version=SCHEMA_VERSION,
     ),
+    "postgresql": Backend(
+        name="postgresql",
+        open=_pg_open,
+        set_task_state=_pg_set_task_state,
+        set_session_state=_pg_set_session_state,
+        read_schema_version=_pg_read_schema_version,
+        write_schema_version=_pg_write_schema_version,
+        schema_version=postgres.SCHEMA_VERSION,
+        fixture="pg_cluster",
+    ),
 }
 
 StoreFactory = Callable[[str], Store]
@@ -113,7 +156,10 @@ StoreFactory = Callable[[str], Store]
 
 @pytest.fixture(params=sorted(BACKENDS))
 def backend(request: pytest.FixtureRequest) -> Backend:
-    return BACKENDS[request.param]
+    chosen = BACKENDS[request.param]
+    if chosen.fixture is not None:
+        request.getfixturevalue(chosen.fixture)
+    return chosen
 
 
 @pytest.fixture
@@ -798,6 +844,12 @@ def test_a_store_with_a_newer_schema_is_refused_naming_both_versions(
     assert backend.read_schema_version(home) == newer  # refused, not downgraded
 
 
+def test_every_backend_has_the_same_schema_version_and_migration_steps() -> None:
+    """A migration added to one store and not the other fails here, not on a user's store."""
+    assert postgres.SCHEMA_VERSION == SCHEMA_VERSION
+    assert sorted(postgres.MIGRATIONS) == sorted(MIGRATIONS) == list(range(1, SCHEMA_VERSION + 1))
+
+
 # --- concurrency, across processes --------------------------------------------------------
 
 SPAWN = multiprocessing.get_context("spawn")
@@ -1065,3 +1117,238 @@ def test_close_facts_of_an_older_store_are_sealed_once_by_the_migration(tmp_path
     with pytest.raises(ReceiptTampered, match="sealed"):
         store.close_steps("t_1")
     store.close()
+
+
+# --- races of two processes, threads in each ----------------------------------------------
+
+RACERS_PER_PROCESS = 8
+
+
+def _child_admit_and_claim(
+    backend: str, directory: str, task: str, barrier: Any, queue: Any
+) -> None:
+    """Eight threads, one store each: admit the one key, then try to claim what came back."""
+
+    def one(n: int) -> None:
+        who = f"racer {os.getpid()}/{n}"
+        try:
+            store = BACKENDS[backend].open(directory)
+            try:
+                barrier.wait(JOIN_S)
+                record, reused = store.admit(task, "the-key", DIGEST_A, SPEC)
+                owner = OwnerInfo(os.getpid(), n, "boot-race", 2e9)
+                try:
+                    store.claim(record.session, record.generation, owner)
+                    claimed = True
+                except StaleWrite:
+                    claimed = False
+                queue.put(("ok", record.session, reused, claimed))
+            finally:
+                store.close()
+        except BaseException as exc:
+            _report_error(queue, who, exc)
+
+    threads = [threading.Thread(target=one, args=(n,)) for n in range(RACERS_PER_PROCESS)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(JOIN_S * 2)
+
+
+@pytest.mark.timeout(90)
+def test_a_sixteen_way_admission_race_across_two_processes_launches_once(
+    store_factory: StoreFactory, backend: Backend, home: str
+) -> None:
+    store = store_factory(home)
+    task = new_task(store)
+    racers = 2 * RACERS_PER_PROCESS
+    barrier = SPAWN.Barrier(racers)
+    queue = SPAWN.Queue()
+    procs = [
+        SPAWN.Process(
+            target=_child_admit_and_claim, args=(backend.name, home, task, barrier, queue)
+        )
+        for _ in range(2)
+    ]
+    with children(procs):
+        results = collect(queue, racers, timeout=JOIN_S * 3)
+    errors = [r for r in results if r[0] == "error"]
+    assert not errors, errors
+    assert sorted(r[2] for r in results) == [False] + [True] * (racers - 1)
+    assert sorted(r[3] for r in results) == [False] * (racers - 1) + [True]
+    sessions = {r[1] for r in results}
+    assert len(sessions) == 1
+    (only,) = store.list_sessions(task)
+    assert {only.session} == sessions and only.state == RUNNING
+
+
+OVERLAP_ROUNDS = 25
+
+
+def _child_create_overlapping(
+    backend: str, directory: str, side: int, barrier: Any, queue: Any
+) -> None:
+    """Each round: create a task whose workspace is the other side's, or lies inside it."""
+    who = f"creator {side}"
+    try:
+        store = BACKENDS[backend].open(directory)
+        try:
+            outcomes = []
+            for round_ in range(OVERLAP_ROUNDS):
+                workspace = f"/race-{round_}" + ("/inner" if side else "")
+                barrier.wait(JOIN_S)
+                try:
+                    _record, created = store.create_task(f"race-{side}-{round_}", workspace)
+                    outcomes.append("created" if created else "found")
+                except WorkspaceOverlap:
+                    outcomes.append("overlap")
+            queue.put(("ok", side, outcomes))
+        finally:
+            store.close()
+    except BaseException as exc:
+        _report_error(queue, who, exc)
+
+
+@pytest.mark.timeout(90)
+def test_two_processes_creating_overlapping_workspaces_at_once_one_wins_each_round(
+    store_factory: StoreFactory, backend: Backend, home: str
+) -> None:
+    store = store_factory(home)
+    barrier = SPAWN.Barrier(2)
+    queue = SPAWN.Queue()
+    procs = [
+        SPAWN.Process(
+            target=_child_create_overlapping, args=(backend.name, home, side, barrier, queue)
+        )
+        for side in (0, 1)
+    ]
+    with children(procs):
+        results = collect(queue, 2, timeout=JOIN_S * 3)
+    errors = [r for r in results if r[0] == "error"]
+    assert not errors, errors
+    by_side = {r[1]: r[2] for r in results}
+    for round_ in range(OVERLAP_ROUNDS):
+        assert sorted((by_side[0][round_], by_side[1][round_])) == ["created", "overlap"]
+    assert len(store.workspaces()) == OVERLAP_ROUNDS
+
+
+def test_await_change_returns_when_its_time_is_up(store: Store) -> None:
+    record = admit(store, new_task(store))
+    for _ in range(2):  # the first call of a notifying store only starts to listen
+        store.await_change((record.session,), 0.05)
+    assert store.get_session(record.session) == record
+
+
+# --- PostgreSQL only: notifications and unreachable servers ---------------------------------
+
+
+def _child_settle(url: str, session: str, generation: int, queue: Any, claim: bool = True) -> None:
+    try:
+        store = open_postgres(url)
+        try:
+            if claim:
+                store.claim(session, generation, OWNER)
+            store.write_receipt(session, generation, receipt())
+            queue.put(("ok",))
+        finally:
+            store.close()
+    except BaseException as exc:
+        _report_error(queue, "settler", exc)
+
+
+WAIT_S = 60.0  # each wait of the waiter; the test gives up long before a second one ends
+
+
+@pytest.mark.timeout(60)
+def test_a_write_from_another_process_wakes_await_change(
+    pg_cluster: pg.Cluster, tmp_path: Any
+) -> None:
+    """The waiter asks for far longer than the test may run: it can only have finished in time
+    by being woken, and it saw the receipt that the other process wrote."""
+    url = pg.url_for_directory(str(tmp_path))
+    store = open_postgres(url)
+    try:
+        record = admit(store, new_task(store))
+        listening = threading.Event()
+        seen: list[SessionRecord] = []
+
+        def waiter() -> None:
+            store.await_change((record.session,), WAIT_S)  # starts listening, returns at once
+            listening.set()
+            while not (now := store.get_session(record.session)).receipt:
+                store.await_change((record.session,), WAIT_S)
+            seen.append(now)
+
+        thread = threading.Thread(target=waiter, daemon=True)
+        thread.start()
+        assert listening.wait(JOIN_S)
+        queue = SPAWN.Queue()
+        settler = SPAWN.Process(
+            target=_child_settle, args=(url, record.session, record.generation, queue)
+        )
+        with children([settler]):
+            assert collect(queue, 1) == [("ok",)]
+        thread.join(JOIN_S)
+        assert not thread.is_alive(), "the notification did not wake the waiter"
+        assert [r.state for r in seen] == [SETTLED] and seen[0].receipt == receipt()
+    finally:
+        store.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_session_watch_without_an_owner_here_is_woken_by_the_store(
+    pg_cluster: pg.Cluster, tmp_path: Any
+) -> None:
+    """SessionWatch.wait on a session whose owner is not on this host (none recorded yet):
+    it sleeps in await_change, and the receipt written elsewhere (settling it unclaimed, as a
+    cancel before the launch does) ends the wait."""
+    from settled.owner.liveness import LocalOwners
+    from settled.sessions import SessionWatch
+
+    url = pg.url_for_directory(str(tmp_path))
+    store = open_postgres(url)
+    try:
+        record = admit(store, new_task(store))
+        queue = SPAWN.Queue()
+        settler = SPAWN.Process(
+            target=_child_settle, args=(url, record.session, record.generation, queue, False)
+        )
+        with children([settler]):
+            view = SessionWatch(store, LocalOwners()).wait(record.session, timeout=JOIN_S)
+            assert collect(queue, 1) == [("ok",)]
+        assert view["state"] == SETTLED and "receipt" in view
+    finally:
+        store.close()
+
+
+def _unreachable_cases(cluster: pg.Cluster) -> dict[str, tuple[str, str]]:
+    """name -> (url, what the message must name)."""
+    down = pg.free_port()
+    return {
+        "wrong password": (cluster.url(password="not-" + pg.PASSWORD), "password"),
+        "missing database": (cluster.url(database="no_such_db"), "no_such_db"),
+        "server down": (
+            cluster.url().replace(f":{cluster.port}/", f":{down}/"),
+            f"127.0.0.1:{down}/{pg.DATABASE}",
+        ),
+        "bad port": (cluster.url().replace(f":{cluster.port}/", ":notaport/"), "notaport"),
+        "not postgresql": (cluster.url().replace("postgresql://", "mysql://"), "mysql"),
+    }
+
+
+@pytest.mark.parametrize(
+    "case", ["wrong password", "missing database", "server down", "bad port", "not postgresql"]
+)
+def test_an_unusable_server_is_one_line_naming_it_never_the_password(
+    pg_cluster: pg.Cluster, case: str
+) -> None:
+    url, named = _unreachable_cases(pg_cluster)[case]
+    with pytest.raises(StoreUnreachable) as caught:
+        open_postgres(url)
+    message = str(caught.value)
+    assert "\n" not in message
+    assert named in message
+    assert pg.PASSWORD not in message and pg.PASSWORD not in repr(caught.value.to_json())
+    assert caught.value.exit_code == 1
+    error = caught.value  # no driver exception chained to it: a CLI prints no traceback
+    assert error.__cause__ is None and (error.__context__ is None or error.__suppress_context__)

@@ -247,6 +247,19 @@ class StorageFailed(SettledError):
         return {**super().to_json(), "path": self.path, "errno": self.errno_name}
 
 
+class StoreUnreachable(SettledError):
+    """The authority store's server cannot be used: refused, unreachable, a wrong password, a
+    missing database. Named by host:port/database and the server's reason, never the password
+    and never a driver traceback; nothing was recorded by the call that met it."""
+
+    def __init__(self, where: str, reason: str) -> None:
+        super().__init__(f"the store at {where} is unreachable: {reason}")
+        self.where, self.reason = where, reason
+
+    def to_json(self) -> dict[str, object]:
+        return {**super().to_json(), "store": self.where, "reason": self.reason}
+
+
 class SpaceExhausted(StorageFailed):
     """The home's filesystem has less free space than its reserve (or none at all): admission
     refuses, and a write that found the disk full says so. Exit 3: blocked until space is freed

@@ -69,7 +69,9 @@ class SessionWatch:
         """Block until the session has a receipt (or is unknown); the session's clock, not ours.
 
         Sleeps on the owner's exit handle (it writes the receipt just before it exits), so a
-        waiter wakes at once instead of on its next poll; the poll remains for everything else.
+        waiter wakes at once instead of on its next poll. Without one (no owner yet, or an
+        owner on another host) it sleeps in `Store.await_change`, which a store with
+        notifications ends at the session's next change; the poll remains for everything else.
         """
         give_up = None if timeout is None else time.monotonic() + timeout
         pause = FIRST_PAUSE_S
@@ -92,7 +94,10 @@ class SessionWatch:
                     owner = self.store.get_session(session).owner
                     handle = None if owner is None else self.liveness.exit_handle(owner)
                 wait_for = pause if give_up is None else min(pause, max(0.0, give_up - now))
-                self.liveness.await_exit(handle, wait_for)
+                if handle is None:  # no owner here to watch: the store says when it changes
+                    self.store.await_change((session,), wait_for)
+                else:
+                    self.liveness.await_exit(handle, wait_for)
                 pause = min(pause * 1.5, LONGEST_PAUSE_S)
         finally:
             if handle is not None:

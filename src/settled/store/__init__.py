@@ -4,8 +4,8 @@ Owns task and session records and every state change, each a compare-and-set on 
 generation) through the transition table in `settled.states`. `Store` is the seam: the Runtime,
 the owner, the close join, recovery and the workspace service depend on it and on nothing else of
 this package; `open_store` is the one place an implementation is chosen. SQLite
-(`store/sqlite.py`) is the embedded default; PostgreSQL will be a new module beside it that
-passes the same contract tests (`tests/test_store.py` runs against the protocol).
+(`store/sqlite.py`) is the embedded default; PostgreSQL (`store/postgres.py`) is shared by many
+hosts; both pass the same contract tests (`tests/test_store.py` runs against the protocol).
 Never touches processes, logs or the workspace.
 """
 
@@ -141,6 +141,12 @@ class Store(Protocol):
 
     def fence(self, task: str, generation: int) -> int: ...
 
+    def await_change(self, topics: tuple[str, ...], seconds: float) -> None:
+        """Block until a change of one of `topics` (session or task ids) may have happened,
+        or `seconds` pass. Spurious wakeups are allowed: the caller reads again either way. A
+        store with notifications (PostgreSQL) wakes on them; one without sleeps."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -150,6 +156,10 @@ def open_store(home: str) -> Store:
     from settled.backends import bound_backends
 
     url = bound_backends(home).store
+    if url.startswith("postgresql://"):
+        from settled.store.postgres import open_postgres  # psycopg loads only for it
+
+        return open_postgres(url)
     from settled.store.sqlite import open_sqlite  # the implementation stays behind the seam
 
     return open_sqlite(home, url.removeprefix("sqlite://"))
