@@ -123,7 +123,8 @@ CHOSEN_ONLY_BY: dict[str, set[str]] = {
     "settled.workspace.objects": {"settled.workspace.checkpoint"},
     "settled.owner.zygote": {"settled.runtime"},
     "settled.owner.liveness": {"settled.runtime"},
-    "settled.boundary.local": {"settled.runtime"},
+    "settled.boundary.local": {"settled.boundary.sandbox"},
+    "settled.boundary.command": {"settled.boundary.sandbox"},
 }
 
 

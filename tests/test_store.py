@@ -1052,6 +1052,7 @@ def test_close_facts_of_an_older_store_are_sealed_once_by_the_migration(tmp_path
         db.execute("ALTER TABLE sessions DROP COLUMN isolation")
         db.execute("ALTER TABLE tasks DROP COLUMN user")
         db.execute("ALTER TABLE tasks DROP COLUMN shared_workspace")
+        db.execute("ALTER TABLE tasks DROP COLUMN sandbox")
         db.execute("DROP TABLE workspace_shares")
     store = SQLiteStore(path)
     assert store.close_steps("t_1") == {"sealed": {"sealed_at": 1}}

@@ -53,6 +53,9 @@ class TaskRecord:
     # Asked for a workspace that overlaps another open task's (`--shared-workspace`): both
     # tasks' close receipts then name each other.
     shared_workspace: bool = False
+    # What the task's sandbox provider made at `task new` (`provider`, its id, the `enter`
+    # prefix of a command sandbox); None for a task made before sandboxes were recorded.
+    sandbox: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -64,6 +67,7 @@ class TaskRecord:
             "created_at": self.created_at,
             "user": list(self.user) if self.user is not None else None,
             "shared_workspace": self.shared_workspace,
+            "sandbox": self.sandbox,
         }
 
 

@@ -74,16 +74,30 @@ class Recovery:
         """What the session's owner recorded before it ended without a receipt, if anything."""
         return read_last_words(last_words_path(self.home, session))
 
-    def recover(self, task: str | None = None, *, source: str = "recovery") -> list[dict[str, Any]]:
+    def recover(
+        self,
+        task: str | None = None,
+        *,
+        source: str = "recovery",
+        evidence: Evidence | None = None,
+    ) -> list[dict[str, Any]]:
+        """Settle every unknown session (of `task`) that has evidence. `evidence` is the
+        provider's own for the whole task (its sandbox confirmed destroyed), which then stands
+        for every session in it instead of each one's inspection."""
         self.detect(task)
-        return [self.recover_session(r, source) for r in self.store.unknown_sessions(task)]
+        return [
+            self.recover_session(r, source, evidence) for r in self.store.unknown_sessions(task)
+        ]
 
-    def recover_session(self, record: SessionRecord, source: str) -> dict[str, Any]:
+    def recover_session(
+        self, record: SessionRecord, source: str, given: Evidence | None = None
+    ) -> dict[str, Any]:
         try:
             generation = self.store.take_over(record.session, record.generation)
         except StaleWrite as exc:
             return {"session": record.session, "state": "skipped", "why": str(exc)}
-        evidence = self.sandbox.inspect(record)
+        evidence = given or self.sandbox.inspect(record, self.store.get_task(record.task))
+        source = str(evidence.observed.get("source") or source)  # "provider": its own word
         if not evidence.proven:
             why = str(
                 evidence.observed.get("why") or f"boundary {evidence.boundary} gave no evidence"
@@ -133,7 +147,12 @@ def _recovered_receipt(
         )
         for stream in ("stdout", "stderr")
     }
-    never_ran = not evidence.observed.get("claimed", True) or evidence.boundary == "none"
+    never_ran = (
+        not evidence.observed.get("claimed", True)
+        or evidence.boundary == "none"
+        or record.owner is None
+        or record.boundary is None
+    )
     return process_receipt(
         session=record.session,
         task=record.task,

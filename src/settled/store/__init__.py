@@ -33,6 +33,10 @@ class Store(Protocol):
         complete, unless `shared_workspace`: then each of those tasks shares with this one."""
         ...
 
+    def record_sandbox(self, task: str, facts: dict[str, Any]) -> TaskRecord:
+        """Record what the task's sandbox provider made (once: StaleWrite if recorded)."""
+        ...
+
     def workspace_shares(self, task: str) -> list[str]:
         """The tasks whose workspace this task shared (either one asked), in creation order."""
         ...

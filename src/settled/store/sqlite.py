@@ -54,7 +54,7 @@ from settled.states import (
 )
 from settled.store import loads
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 RECEIPT_EVENTS = ("receipt", "lose", "recover")
 
 MIGRATIONS: dict[int, str] = {
@@ -127,6 +127,9 @@ MIGRATIONS: dict[int, str] = {
         PRIMARY KEY (task, other)
     )
     """,
+    6: """
+    ALTER TABLE tasks ADD COLUMN sandbox TEXT
+    """,
 }
 SEALS_CLOSE_FACTS = 4  # the migration that seals the close facts an older settled wrote
 
@@ -135,7 +138,9 @@ SESSION_COLUMNS = (
     "command_pid, command_start_time, stdout_durable, stderr_durable, cancel_requested, "
     "created_at, started_at, settled_at, receipt, unknown_why, isolation"
 )
-TASK_COLUMNS = "task, key, workspace, state, generation, created_at, user, shared_workspace"
+TASK_COLUMNS = (
+    "task, key, workspace, state, generation, created_at, user, shared_workspace, sandbox"
+)
 
 
 def _session_from_row(row: tuple[Any, ...]) -> SessionRecord:
@@ -175,6 +180,7 @@ def _task_from_row(row: tuple[Any, ...]) -> TaskRecord:
     return TaskRecord(
         task, key, workspace, state, generation, created_at,
         (int(user[0]), int(user[1])) if user is not None else None, bool(row[7]),
+        loads(row[8]),
     )  # fmt: skip
 
 
@@ -347,7 +353,7 @@ class SQLiteStore:
                 new_id("t"), key, workspace, TASK_OPEN, 1, time.time(), user, shared_workspace
             )
             db.execute(
-                f"INSERT INTO tasks ({TASK_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                f"INSERT INTO tasks ({TASK_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, NULL)",
                 (
                     record.task,
                     key,
@@ -382,6 +388,19 @@ class SQLiteStore:
                 return False
             db.execute("DELETE FROM workspace_shares WHERE task=? OR other=?", (task, task))
             return True
+
+    def record_sandbox(self, task: str, facts: dict[str, Any]) -> TaskRecord:
+        with self._write() as db:
+            done = db.execute(
+                "UPDATE tasks SET sandbox=? WHERE task=? AND sandbox IS NULL",
+                (json.dumps(facts, sort_keys=True), task),
+            )
+            row = db.execute(f"SELECT {TASK_COLUMNS} FROM tasks WHERE task=?", (task,)).fetchone()
+            if row is None:
+                raise UnknownTask(task)
+            if done.rowcount != 1:
+                raise StaleWrite(f"task {task} has its sandbox recorded already")
+            return _task_from_row(row)
 
     def workspace_shares(self, task: str) -> list[str]:
         rows = self._db.execute(
