@@ -227,10 +227,11 @@ class Runtime:
         if shared_launcher is None:
             open_launcher(launcher)  # refuse an unknown kind now, not at the first exec
         self._launcher_kind = launcher
+        # refused (a bad config) before anything is opened
+        self.sandbox: SandboxProvider = open_sandbox(os.environ.get("SETTLED_SANDBOX", "local"))
         self.store: Store = open_store(self.home)
         self.workspace = WorkspaceService(self.home, self.store)
         self.sessions = SessionWatch(self.store, LocalOwners(), last_words=self._last_words)
-        self.sandbox: SandboxProvider = open_sandbox(os.environ.get("SETTLED_SANDBOX", "local"))
         self.recovery = Recovery(self.store, self.sessions, self.sandbox, self.home)
         self._launcher: Launcher | None = shared_launcher
         self._owns_launcher = shared_launcher is None
