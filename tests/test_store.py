@@ -1104,6 +1104,7 @@ def test_close_facts_of_an_older_store_are_sealed_once_by_the_migration(tmp_path
         db.execute("ALTER TABLE sessions DROP COLUMN isolation")
         db.execute("ALTER TABLE tasks DROP COLUMN user")
         db.execute("ALTER TABLE tasks DROP COLUMN shared_workspace")
+        db.execute("ALTER TABLE tasks DROP COLUMN sandbox")
         db.execute("DROP TABLE workspace_shares")
         db.execute("DROP TABLE hosts")
         db.execute("ALTER TABLE tasks DROP COLUMN host")

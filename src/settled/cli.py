@@ -213,7 +213,9 @@ def cmd_hosts(rt: Runtime, args: argparse.Namespace) -> int:
 
 def cmd_task_destroy(rt: Runtime, args: argparse.Namespace) -> int:
     result = rt.destroy_task(args.task)
-    lines = [f"sandbox of {args.task} destroyed"] + [
+    confirmed = (result["sandbox"] or {}).get("confirmation")
+    said = f": {json.dumps(confirmed, sort_keys=True)}" if confirmed is not None else ""
+    lines = [f"sandbox of {args.task} destroyed by provider {result['provider']}{said}"] + [
         f"  {r['session']}: {r['state']} — {r.get('evidence') or r.get('why')}"
         for r in result["sessions"]
     ]

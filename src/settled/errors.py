@@ -235,6 +235,11 @@ class OwnerLaunchFailed(SettledError):
     """The session was admitted but its owner did not report; recovery will decide its fate."""
 
 
+class SandboxFailed(SettledError):
+    """A sandbox provider's command failed, timed out or did not confirm: nothing it did is
+    evidence, and the message names which (with the end of its stderr)."""
+
+
 class StorageFailed(SettledError):
     """The home's filesystem refused a write or a read (EIO and the like): what was being done
     did not happen, or not wholly. Named with the path, never a traceback."""

@@ -72,6 +72,9 @@ class TaskRecord:
     shared_workspace: bool = False
     host: str | None = None  # the host whose owners run its sessions (None: before hosts)
     frozen: str | None = None  # why admission stopped for good (its host vanished)
+    # What the task's sandbox provider made at `task new` (`provider`, its id, the `enter`
+    # prefix of a command sandbox); None for a task made before sandboxes were recorded.
+    sandbox: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -85,6 +88,7 @@ class TaskRecord:
             "created_at": self.created_at,
             "user": list(self.user) if self.user is not None else None,
             "shared_workspace": self.shared_workspace,
+            "sandbox": self.sandbox,
         }
 
 

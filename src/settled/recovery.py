@@ -17,7 +17,7 @@ from typing import Any
 
 from settled.boundary.base import Evidence
 from settled.boundary.sandbox import SandboxProvider
-from settled.errors import StaleWrite
+from settled.errors import SettledError, StaleWrite
 from settled.home import journal_socket, last_words_path, log_path
 from settled.log.recovered import close_at_disk
 from settled.owner.last_words import read_last_words
@@ -92,19 +92,31 @@ class Recovery:
         """What the session's owner recorded before it ended without a receipt, if anything."""
         return read_last_words(last_words_path(self.home, session))
 
-    def recover(self, task: str | None = None, *, source: str = "recovery") -> list[dict[str, Any]]:
+    def recover(
+        self,
+        task: str | None = None,
+        *,
+        source: str = "recovery",
+        evidence: Evidence | None = None,
+    ) -> list[dict[str, Any]]:
+        """Settle every unknown session (of `task`) that has evidence. `evidence` is the
+        provider's own for the whole task (its sandbox confirmed destroyed), which then stands
+        for every session in it instead of each one's inspection."""
         self.detect(task)
         return [
-            self.recover_session(r, source)
+            self.recover_session(r, source, evidence)
             for r in filter(self.ours, self.store.unknown_sessions(task))
         ]
 
-    def recover_session(self, record: SessionRecord, source: str) -> dict[str, Any]:
+    def recover_session(
+        self, record: SessionRecord, source: str, given: Evidence | None = None
+    ) -> dict[str, Any]:
         try:
             generation = self.store.take_over(record.session, record.generation)
         except StaleWrite as exc:
             return {"session": record.session, "state": "skipped", "why": str(exc)}
-        evidence = self.sandbox.inspect(record)
+        evidence = given or self.sandbox.inspect(record, self.store.get_task(record.task))
+        source = str(evidence.observed.get("source") or source)  # "provider": its own word
         if not evidence.proven:
             why = str(
                 evidence.observed.get("why") or f"boundary {evidence.boundary} gave no evidence"
@@ -122,7 +134,9 @@ class Recovery:
             return _as_settled_by_another(self.store.get_session(record.session), exc)
         return {"session": record.session, "state": "settled", "evidence": evidence.evidence}
 
-    def recover_vanished(self, record: SessionRecord, why: str) -> dict[str, Any]:
+    def recover_vanished(
+        self, record: SessionRecord, why: str, given: Evidence | None = None
+    ) -> dict[str, Any]:
         """Settle a session of a vanished host from its sandbox provider's evidence, or leave
         it unknown saying why. Never relaunched: its task is frozen. The host's logs went with
         it, so the output is the durable cursors its owner last published, `complete: false`,
@@ -134,7 +148,7 @@ class Recovery:
             generation = self.store.take_over(record.session, record.generation)
         except StaleWrite as exc:
             return {"session": record.session, "state": "skipped", "why": str(exc)}
-        evidence = self.sandbox.inspect(record) if self.sandbox.name != "local" else None
+        evidence = given or self._inspect_elsewhere(record)
         if evidence is None or not evidence.proven:
             reason = (
                 str(evidence.observed.get("why")) if evidence is not None
@@ -149,6 +163,16 @@ class Recovery:
         except StaleWrite as exc:
             return _as_settled_by_another(self.store.get_session(record.session), exc)
         return {"session": record.session, "state": "settled", "evidence": evidence.evidence}
+
+    def _inspect_elsewhere(self, record: SessionRecord) -> Evidence | None:
+        """The provider's answer for a session of another host (None from the local one,
+        which can only see this host); a provider that fails to answer is no evidence."""
+        if self.sandbox.name == "local":
+            return None
+        try:
+            return self.sandbox.inspect(record, self.store.get_task(record.task))
+        except SettledError as error:
+            return Evidence("sandbox", False, None, {"why": f"the provider failed: {error}"})
 
 
 def _vanished_host_receipt(
@@ -222,7 +246,12 @@ def _recovered_receipt(
         )
         for stream in ("stdout", "stderr")
     }
-    never_ran = not evidence.observed.get("claimed", True) or evidence.boundary == "none"
+    never_ran = (
+        not evidence.observed.get("claimed", True)
+        or evidence.boundary == "none"
+        or record.owner is None
+        or record.boundary is None
+    )
     return process_receipt(
         session=record.session,
         task=record.task,

@@ -7,6 +7,8 @@ admission belongs to the owner; the runtime only reads facts and asks the owner 
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import functools
 import hashlib
 import os
@@ -22,8 +24,7 @@ from settled import grammar
 from settled.atomic import write_atomic
 from settled.backends import bind
 from settled.boundary.isolation import IsolationUnavailable, check_available
-from settled.boundary.local import LocalSandbox
-from settled.boundary.sandbox import SandboxProvider
+from settled.boundary.sandbox import SandboxProvider, open_sandbox
 from settled.close.decide import explain
 from settled.close.join import CloseJoin, CloseResult
 from settled.errors import BadInput, LogElsewhere, OwnerLaunchFailed, SettledError, WrongHost
@@ -161,6 +162,32 @@ def _check_isolation(spec: CommandSpec, kind: str) -> None:
         raise BadInput(str(exc)) from None
 
 
+def _check_sandbox(spec: CommandSpec, task: TaskRecord, provider: str) -> bool:
+    """Whether the command will run through the task's sandbox's enter prefix; refuses what
+    settled could not then honour (its own isolation, a uid, a granted path) and a task whose
+    sandbox another provider made (or none yet), since this one could neither enter nor end it."""
+    made_by = (task.sandbox or {}).get("provider", "local")
+    if made_by != provider:
+        raise BadInput(
+            f"task {task.task} has a {made_by} sandbox, and this settled uses the {provider} "
+            "provider (SETTLED_SANDBOX): it can neither enter nor destroy it"
+        )
+    if not (task.sandbox or {}).get("enter"):
+        return False
+    refused = [
+        (spec.isolation == "strict", "--isolation strict"),
+        (spec.user is not None, "--user"),
+        (bool(spec.writable), "--writable"),
+    ]
+    for asked, what in refused:
+        if asked:
+            raise BadInput(
+                f"{what}: task {task.task} runs its commands inside its {provider} sandbox, "
+                "whose own isolation and user apply there; settled cannot apply or check it"
+            )
+    return True
+
+
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
 
@@ -204,6 +231,8 @@ class Runtime:
         if shared_launcher is None:
             open_launcher(launcher)  # refuse an unknown kind now, not at the first exec
         self._launcher_kind = launcher
+        # refused (a bad config) before anything is opened
+        self.sandbox: SandboxProvider = open_sandbox(os.environ.get("SETTLED_SANDBOX", "local"))
         self.store: Store = open_store(self.home)
         self.host = self.store.register_host(
             ensure_home_id(self.home), socket.gethostname(), self.home
@@ -212,7 +241,6 @@ class Runtime:
         self.sessions = SessionWatch(
             self.store, HostedOwners(self.host), last_words=self._last_words
         )
-        self.sandbox: SandboxProvider = LocalSandbox()
         self.recovery = Recovery(self.store, self.sessions, self.sandbox, self.home, self.host)
         self._launcher: Launcher | None = shared_launcher
         self._owns_launcher = shared_launcher is None
@@ -279,6 +307,7 @@ class Runtime:
             if not os.path.isdir(root):
                 raise BadInput(f"--workspace {workspace!r} is not a directory")
             check_workspace(workspace, root, self.home)
+            made_sandbox: dict[str, Any] | None = None
             record, created = self.store.create_task(
                 key or new_key(), root, uid_gid, shared_workspace=shared_workspace, host=self.host
             )
@@ -288,11 +317,16 @@ class Runtime:
                         f"task key {record.key!r} already names task {record.task} with "
                         f"workspace {record.workspace}, not {root}"
                     )
+                if created:  # its sandbox, recorded before any command can be admitted
+                    made_sandbox = self.sandbox.create(record.task)
+                    record = self.store.record_sandbox(record.task, made_sandbox)
                 if record.state == TASK_OPEN:
                     self.workspace.ensure_journal(record)
             except BaseException:
                 if created and not self._undo_task(record):
                     made = None  # the task was used meanwhile: its workspace stays
+                elif created and made_sandbox is not None:
+                    self._undo_sandbox(dataclasses.replace(record, sandbox=made_sandbox))
                 raise
         except BaseException:
             if made is not None:
@@ -307,6 +341,12 @@ class Runtime:
             return False
         self.workspace.forget_journal(record)
         return True
+
+    def _undo_sandbox(self, record: TaskRecord) -> None:
+        """End the sandbox of a task whose creation failed after it was made; a provider that
+        cannot is not the error the caller sees (the creation's own is)."""
+        with contextlib.suppress(SettledError):
+            self.sandbox.destroy(record, [])
 
     def _default_workspaces(self) -> str:
         path = default_workspaces(self.home)
@@ -361,8 +401,11 @@ class Runtime:
             user=_resolve_user(user) or record.user,
             writable=tuple(_real_writable(writable)),
         )
-        kind = boundaries.choose(spec.boundary)  # refuse an impossible boundary before recording
-        _check_isolation(spec, kind)
+        entered = _check_sandbox(spec, record, self.sandbox.name)
+        # refuse an impossible boundary before recording
+        kind = boundaries.choose(spec.boundary, pid_namespace=not entered)
+        if not entered:
+            _check_isolation(spec, kind)
         key = key or new_key()
         existing = self.store.find_session(task, key)
         if existing is not None and existing.digest == spec.digest:
@@ -496,17 +539,51 @@ class Runtime:
         """Destroy the task's sandbox: evidence for every session inside it. Sessions outside
         any sandbox (subreaper, pgroup) stay unknown."""
         record = self.store.get_task(grammar.check_id("task", task))
-        self._on_this_host(record, "task destroy")
+        if record.host not in (None, self.host) and self.sandbox.name != "local":
+            return self._destroy_elsewhere(record)
+        self._on_this_host(record, "task destroy")  # a local sandbox is reached from its host
+        self.recovery.detect(task)  # a lost owner's session is unknown, whatever destroy says
         sessions = self.store.list_sessions(task)
-        destroyed = self.sandbox.destroy(record.task, sessions)
+        destroyed = self.sandbox.destroy(record, sessions)  # SandboxFailed: nothing is evidence
         self.recovery.detect(task, force=True)
-        results = self.recovery.recover(task, source="sandbox-destroyed")
+        results = self.recovery.recover(
+            task, source="sandbox-destroyed", evidence=destroyed.evidence
+        )
         reported = {result["session"] for result in results}
         for was_live in (s for s in sessions if s.live and s.session not in reported):
             # settled meanwhile by its own owner or a racing destroy: say what it is now
             now = self.store.get_session(was_live.session)
             results.append({"session": now.session, "state": now.state, "by": "another"})
-        return {"task": task, "sandbox": destroyed, "sessions": results}
+        return {
+            "task": task,
+            "provider": self.sandbox.name,
+            "sandbox": destroyed.facts,
+            "sessions": results,
+        }
+
+    def _destroy_elsewhere(self, record: TaskRecord) -> dict[str, Any]:
+        """Destroy another host's task through a provider that reaches it from here. Its
+        owners, if their host lives, settle their own sessions (they see the command die);
+        sessions of a vanished host settle from the provider's confirmation."""
+        sessions = self.store.list_sessions(record.task)
+        destroyed = self.sandbox.destroy(record, sessions)  # SandboxFailed: nothing is evidence
+        host = self.store.get_host(record.host) if record.host else None
+        results: list[dict[str, Any]] = []
+        for session in sessions:
+            if session.state == SETTLED:
+                continue
+            if host is not None and host.vanished_at is not None:
+                why = host.vanished_why or f"host {host.host} vanished"
+                results.append(self.recovery.recover_vanished(session, why, destroyed.evidence))
+            else:
+                now = self.store.get_session(session.session)
+                results.append({"session": now.session, "state": now.state, "by": "its owner"})
+        return {
+            "task": record.task,
+            "provider": self.sandbox.name,
+            "sandbox": destroyed.facts,
+            "sessions": results,
+        }
 
     @_on_disk("checkpoint")
     def checkpoint(self, task: str, *, incremental: bool = True) -> dict[str, Any]:

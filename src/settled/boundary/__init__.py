@@ -44,14 +44,22 @@ def availability() -> dict[str, str | None]:
     return {kind: _unavailable(kind) for kind in (*STRENGTH_ORDER, "pgroup")}
 
 
-def choose(policy: str) -> str:
+def choose(policy: str, *, pid_namespace: bool = True) -> str:
     """Probe only what the policy needs: `auto` stops at the first that gives evidence (it runs
-    at admission and again in every owner, so probing everything each time was wasted work)."""
+    at admission and again in every owner, so probing everything each time was wasted work).
+    Without `pid_namespace` (a command sandbox's enter joins the sandbox's own PID namespace,
+    which a process inside another one the owner made cannot) no PID-namespace kind is chosen,
+    and asking for one is refused."""
     if policy == "auto":
         for kind in STRENGTH_ORDER:
-            if _unavailable(kind) is None:
+            if (pid_namespace or kind not in PID_NAMESPACE_KINDS) and _unavailable(kind) is None:
                 return kind
         raise BoundaryUnavailable("no boundary that gives death evidence is available")
+    if not pid_namespace and policy in PID_NAMESPACE_KINDS:
+        raise BoundaryUnavailable(
+            f"boundary {policy} puts the command in a PID namespace of its owner's, and a "
+            "command sandbox's enter joins the sandbox's own: use auto, cgroup2 or subreaper"
+        )
     reason = _unavailable(policy)
     if reason is not None:
         raise BoundaryUnavailable(reason)

@@ -14,7 +14,8 @@ from typing import Any
 from settled.boundary import inspect as boundary_inspect
 from settled.boundary.base import Evidence
 from settled.boundary.isolation import recorded_cgroup_contained
-from settled.records import SessionRecord
+from settled.boundary.sandbox import Destroyed, never_started
+from settled.records import SessionRecord, TaskRecord
 
 
 class LocalSandbox:
@@ -23,33 +24,23 @@ class LocalSandbox:
     def create(self, task: str) -> dict[str, Any]:
         return {"provider": self.name, "cgroup": boundary_inspect.cgroup_path_of(task, "")}
 
-    def destroy(self, task: str, sessions: list[SessionRecord]) -> dict[str, Any] | None:
-        sandbox = boundary_inspect.cgroup_path_of(task, "")
+    def destroy(self, task: TaskRecord, sessions: list[SessionRecord]) -> Destroyed:
+        """Each session's evidence then comes from its own boundary's inspection: no facts
+        when the task has no cgroup tree (its sessions depend on their own boundaries)."""
+        sandbox = boundary_inspect.cgroup_path_of(task.task, "")
         killed = boundary_inspect.kill_cgroup(sandbox.rstrip("/")) if sandbox else None
         for session in sessions:  # a namespace init outside the cgroup tree dies by its pid
             if session.boundary == "pidns" and session.boundary_ref:
                 boundary_inspect.kill_pidns_init(session.boundary_ref)
             elif session.boundary == "cgroup2+pidns" and session.boundary_ref:
                 boundary_inspect.kill_cgroup_pidns(session.boundary_ref, None)
-        return killed.to_json("sandbox-destroyed") if killed else None
+        return Destroyed(killed.to_json("sandbox-destroyed") if killed else None)
 
-    def inspect(self, session: SessionRecord) -> Evidence:
-        if session.owner is None:
-            return Evidence(
-                "none",
-                True,
-                "no owner ever claimed this session and its claim is now fenced: its command can "
-                "never start",
-                {"claimed": False},
-            )
+    def inspect(self, session: SessionRecord, task: TaskRecord) -> Evidence:
+        before = never_started(session)
         kind, ref = session.boundary, session.boundary_ref
-        if kind is None:
-            return Evidence(
-                "none",
-                True,
-                "the owner died before it created a boundary, so before it started the command",
-                {"boundary_recorded": False},
-            )
+        if before is not None or kind is None:
+            return before or Evidence("none", True, None)
         if kind == "cgroup2+pidns":
             return boundary_inspect.kill_cgroup_pidns(
                 ref, boundary_inspect.cgroup_path_of(session.task, session.session)

@@ -89,6 +89,31 @@ def sealed_stdin(data_path: str) -> int:
     return fd
 
 
+CD_AND_EXEC = 'cd -- "$0" && exec "$@"'  # an enter may start in the sandbox's root
+
+
+def sandbox_entry(task: TaskRecord) -> dict[str, Any] | None:
+    """The task's command sandbox (provider, id, enter prefix), or None when its commands run
+    on this host (the local sandbox, or a task made before sandboxes were recorded)."""
+    facts = task.sandbox
+    if not facts or not facts.get("enter"):
+        return None
+    return {
+        "provider": facts.get("provider"),
+        "sandbox": facts.get("sandbox"),
+        "enter": list(facts["enter"]),
+    }
+
+
+def entered(sandbox: dict[str, Any] | None, cwd: str, argv: list[str]) -> list[str]:
+    """What the owner executes: the command itself, or inside a command sandbox its enter
+    prefix, then /bin/sh entering `cwd` there and exec-ing the command (the digest stays the
+    command's own)."""
+    if sandbox is None:
+        return argv
+    return [*sandbox["enter"], "/bin/sh", "-c", CD_AND_EXEC, cwd, *argv]
+
+
 class Ready:
     """The launcher's readiness pipe: one JSON line once the command runs (or cannot)."""
 
@@ -114,6 +139,7 @@ class Owner:
         self.timings: dict[str, float] = {"admitted_at": record.created_at}
         self.boundary_kind: str | None = None
         self.plan: IsolationPlan | None = None
+        self.sandbox: dict[str, Any] | None = None  # the task's command sandbox, if it has one
         self.env_removed: list[str] = []
         self.streams: Streams | None = None
         self.last_words: LastWords | None = None
@@ -158,8 +184,11 @@ class Owner:
         """From the claimed session to its receipt: boundary, spawn, supervision, settle."""
         me = os.getpid()
         task = self.store.get_task(record.task)
+        self.sandbox = sandbox_entry(task)
         try:
-            self.boundary_kind = boundaries.choose(self.spec.boundary)
+            self.boundary_kind = boundaries.choose(
+                self.spec.boundary, pid_namespace=self.sandbox is None
+            )
             self.plan = self._plan(task, self.boundary_kind)
             boundary = boundaries.make(self.boundary_kind, record.task, record.session, self.plan)
             boundary.setup()
@@ -171,7 +200,7 @@ class Owner:
         # and what the command could do (a cgroup it could leave is no evidence to recovery).
         self.store.record_launch(
             record.session, self.generation, boundary.kind, boundary.ref, None, None,
-            isolation=self.plan.to_json(),
+            isolation=self._isolation(),
         )  # fmt: skip
         faults.point("owner.after_boundary")
         streams = self.streams = self._open_streams()
@@ -181,7 +210,8 @@ class Owner:
         env, self.env_removed = command_environment(
             dict(os.environ), dict(self.spec.env), self.home
         )
-        launch = Launch(self.spec.exec_argv, cwd, env, ChildIO(stdin_fd, out_w, err_w), self.plan)
+        argv = entered(self.sandbox, cwd, self.spec.exec_argv)
+        launch = Launch(argv, cwd, env, ChildIO(stdin_fd, out_w, err_w), self.plan)
         started = time.monotonic()
         self.timings["spawned_at"] = time.time()  # the wall-clock twin of `started`
         try:
@@ -255,6 +285,13 @@ class Owner:
     def _plan(self, task: TaskRecord, kind: str) -> IsolationPlan:
         """What the command may see and do, from facts checked here: this process's
         capabilities, every task's workspace, the paths a server asked to hide."""
+        if self.sandbox is not None:
+            return IsolationPlan(
+                self.spec.isolation, no_new_privs=False,
+                missing={"all": f"the command runs inside sandbox {self.sandbox['sandbox']} "
+                         f"(provider {self.sandbox['provider']}) through its enter command: "
+                         "its isolation is the sandbox's, which settled neither builds nor checks"},
+            )  # fmt: skip
         uid, gid = self.spec.user if self.spec.user is not None else (None, None)
         plan = make_plan(
             self.spec.isolation,
@@ -272,6 +309,13 @@ class Owner:
 
             linux.capget()  # loads libc before the fork: the child only calls
         return plan
+
+    def _isolation(self) -> dict[str, Any]:
+        """The plan as recorded and receipted, naming the sandbox the command ran inside."""
+        assert self.plan is not None
+        if self.sandbox is None:
+            return self.plan.to_json()
+        return {**self.plan.to_json(), "sandbox": self.sandbox}
 
     def _open_stdin(self) -> int:
         if self.spec.stdin_digest is None:
@@ -449,7 +493,7 @@ class Owner:
     def _receipt(self, **facts: Any) -> dict[str, Any]:
         usage = resource.getrusage(resource.RUSAGE_SELF)
         isolation = (
-            {**self.plan.to_json(), "env_removed": self.env_removed}
+            {**self._isolation(), "env_removed": self.env_removed}
             if self.plan is not None
             else {"policy": self.spec.isolation, "applied": False,
                   "why": "the command never started, so no isolation was built"}

@@ -50,6 +50,10 @@ class Store(Protocol):
         nothing more, TaskFrozen). Returns the host's frozen tasks. UnknownHost if unrecorded."""
         ...
 
+    def record_sandbox(self, task: str, facts: dict[str, Any]) -> TaskRecord:
+        """Record what the task's sandbox provider made (once: StaleWrite if recorded)."""
+        ...
+
     def workspace_shares(self, task: str) -> list[str]:
         """The tasks whose workspace this task shared (either one asked), in creation order."""
         ...

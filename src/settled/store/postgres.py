@@ -84,7 +84,7 @@ from settled.store.rows import (
 T = TypeVar("T")
 Cursor = psycopg.Cursor[tuple[Any, ...]]
 
-SCHEMA_VERSION: Final = 6  # the SQLite store's; tests/test_store.py checks they agree
+SCHEMA_VERSION: Final = 7  # the SQLite store's; tests/test_store.py checks they agree
 CONNECT_TIMEOUT_S: Final = 10
 POOL_MIN, POOL_MAX = 1, 4
 RETRIES: Final = 8  # a deadlock or serialization failure: the whole transaction again
@@ -175,11 +175,15 @@ MIGRATIONS: Final[dict[int, str]] = {
     ALTER TABLE tasks ADD COLUMN host TEXT;
     ALTER TABLE tasks ADD COLUMN frozen TEXT
     """,
+    7: """
+    ALTER TABLE tasks ADD COLUMN sandbox TEXT
+    """,
 }
 SEALS_CLOSE_FACTS: Final = 4
 
 TASK_COLUMNS: Final = (
-    'task, key, workspace, state, generation, created_at, "user", shared_workspace, host, frozen'
+    'task, key, workspace, state, generation, created_at, "user", shared_workspace, host, frozen, '
+    "sandbox"
 )
 SELECT_SESSION: Final = f"SELECT {SESSION_COLUMNS} FROM sessions"
 
@@ -415,7 +419,7 @@ class PostgresStore:
             )  # fmt: skip
             cur.execute(
                 f"INSERT INTO tasks ({TASK_COLUMNS}) "
-                "VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, NULL)",
+                "VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, NULL, NULL)",
                 (
                     record.task,
                     key,
@@ -461,6 +465,23 @@ class PostgresStore:
                 return False
             cur.execute("DELETE FROM workspace_shares WHERE task=%s OR other=%s", (task, task))
             return True
+
+        return self._write(work)
+
+    def record_sandbox(self, task: str, facts: dict[str, Any]) -> TaskRecord:
+        def work(cur: Cursor) -> TaskRecord:
+            done = cur.execute(
+                "UPDATE tasks SET sandbox=%s WHERE task=%s AND sandbox IS NULL",
+                (json.dumps(facts, sort_keys=True), task),
+            )
+            updated = done.rowcount
+            row = cur.execute(f"SELECT {TASK_COLUMNS} FROM tasks WHERE task=%s", (task,)).fetchone()
+            if row is None:
+                raise UnknownTask(task)
+            if updated != 1:
+                raise StaleWrite(f"task {task} has its sandbox recorded already")
+            self._notify(cur, task)
+            return task_from_row(row)
 
         return self._write(work)
 

@@ -65,7 +65,7 @@ from settled.store.rows import (
     task_from_row,
 )
 
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 
 MIGRATIONS: dict[int, str] = {
     1: """
@@ -149,11 +149,15 @@ MIGRATIONS: dict[int, str] = {
     ALTER TABLE tasks ADD COLUMN host TEXT;
     ALTER TABLE tasks ADD COLUMN frozen TEXT
     """,
+    7: """
+    ALTER TABLE tasks ADD COLUMN sandbox TEXT
+    """,
 }
 SEALS_CLOSE_FACTS = 4  # the migration that seals the close facts an older settled wrote
 
 TASK_COLUMNS = (
-    "task, key, workspace, state, generation, created_at, user, shared_workspace, host, frozen"
+    "task, key, workspace, state, generation, created_at, user, shared_workspace, host, frozen, "
+    "sandbox"
 )
 
 
@@ -309,7 +313,8 @@ class SQLiteStore:
                 host=host,
             )  # fmt: skip
             db.execute(
-                f"INSERT INTO tasks ({TASK_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, NULL)",
+                f"INSERT INTO tasks ({TASK_COLUMNS}) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, NULL, NULL)",
                 (
                     record.task,
                     key,
@@ -345,6 +350,19 @@ class SQLiteStore:
                 return False
             db.execute("DELETE FROM workspace_shares WHERE task=? OR other=?", (task, task))
             return True
+
+    def record_sandbox(self, task: str, facts: dict[str, Any]) -> TaskRecord:
+        with self._write() as db:
+            done = db.execute(
+                "UPDATE tasks SET sandbox=? WHERE task=? AND sandbox IS NULL",
+                (json.dumps(facts, sort_keys=True), task),
+            )
+            row = db.execute(f"SELECT {TASK_COLUMNS} FROM tasks WHERE task=?", (task,)).fetchone()
+            if row is None:
+                raise UnknownTask(task)
+            if done.rowcount != 1:
+                raise StaleWrite(f"task {task} has its sandbox recorded already")
+            return task_from_row(row)
 
     def workspace_shares(self, task: str) -> list[str]:
         rows = self._db.execute(
