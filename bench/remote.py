@@ -176,13 +176,15 @@ def run(quick: bool) -> tuple[dict[str, Any], str]:
 
 def _postgres(stack: ExitStack, root: str) -> Callable[[], str] | None:
     """A fresh database URL from tests/pg.py's cluster, or None where it cannot start."""
-    try:
-        import pg
-    except ImportError:
+    import pg  # tests/pg.py: the PostgreSQL launcher
+
+    if pg.missing_reason() is not None:
+        log(f"  no PostgreSQL: {pg.missing_reason()}")
         return None
-    cluster = pg.start(os.path.join(root, "pg"))
+    cluster = pg.start_cluster()
     stack.callback(cluster.stop)
-    return cluster.fresh_url
+    os.environ[pg.URL_ENV] = cluster.url()
+    return lambda: pg.url_for_directory(os.path.join(root, secrets.token_hex(4)))
 
 
 def _summary(rows: dict[str, list[dict[str, float]]]) -> dict[str, Any]:

@@ -11,11 +11,13 @@ import contextlib
 import os
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pg
 import pytest
+import s3
 from s3 import s3_env, s3_url, s3_url_unversioned, weed  # noqa: F401 (fixtures)
 
 from settled.boundary import availability
@@ -107,14 +109,44 @@ def recover_homes(root: Path) -> None:
             runtime.recover()
 
 
+REMOTE_ENV = "SETTLED_TEST_BACKENDS"  # "postgresql+s3": `rt` homes bind to the servers
+
+
 @pytest.fixture
-def rt(tmp_path: Path) -> Iterator[Runtime]:
-    runtime = Runtime(os.path.join(str(tmp_path), "home"))
+def rt(
+    request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[Runtime]:
+    """A Runtime on a fresh home: embedded backends, or, with SETTLED_TEST_BACKENDS=
+    postgresql+s3, a schema of the test cluster and a prefix of the test bucket (CI runs the
+    contract and crash suites both ways)."""
+    home = os.path.join(str(tmp_path), "home")
+    remote = os.environ.get(REMOTE_ENV)
+    if remote == "postgresql+s3":
+        request.getfixturevalue("pg_cluster")
+        request.getfixturevalue("s3_env")  # the endpoint and credentials, for this test
+        monkeypatch.setenv("SETTLED_STORE", pg.url_for_directory(home))
+        monkeypatch.setenv("SETTLED_OBJECTS", f"s3://{s3.VERSIONED_BUCKET}/{s3.fresh_prefix()}")
+    elif remote:
+        pytest.fail(f"{REMOTE_ENV}={remote!r}: the one choice is postgresql+s3")
+    runtime = Runtime(home)
     try:
         yield runtime
     finally:
         _settle_everything(runtime)
         runtime.close()
+
+
+def tamper_object(objects: Any, digest: str, change: Callable[[bytes], bytes]) -> None:
+    """Change a stored object's bytes behind its store's back, where it lies: the local file,
+    or a newer version of its key in the bucket (with the store's own client)."""
+    if hasattr(objects, "path_of"):
+        path = Path(objects.path_of(digest))
+        path.chmod(0o600)
+        path.write_bytes(change(path.read_bytes()))
+        return
+    key = objects.key_of(digest)
+    body = objects.client().get_object(Bucket=objects.bucket, Key=key)["Body"].read()
+    objects.client().put_object(Bucket=objects.bucket, Key=key, Body=change(body))
 
 
 def journal_pids(run_dir: Path) -> set[int]:
@@ -136,7 +168,7 @@ def stop_journals(root: Path) -> None:
 
 
 def _settle_everything(runtime: Runtime) -> None:
-    rows = runtime.store._db.execute("SELECT session, state FROM sessions").fetchall()
+    rows = [(r.session, r.state) for r in runtime.store.live_sessions()]
     for session, state in rows:
         if state in LIVE_STATES:
             runtime.cancel(session, "test teardown")

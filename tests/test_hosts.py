@@ -17,9 +17,9 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
+from conftest import tamper_object
 
 from settled.backends import BackendMismatch, bind, credential_names, read_binding
 from settled.errors import LogElsewhere, TaskFrozen, UnknownHost, WrongHost
@@ -29,7 +29,7 @@ from settled.states import SETTLED, UNKNOWN
 pytestmark = pytest.mark.timeout(120)
 
 
-SHARED = ("sqlite+dir", "sqlite+s3")
+SHARED = ("sqlite+dir", "sqlite+s3", "postgresql+s3")
 
 
 @pytest.fixture(params=SHARED)
@@ -38,8 +38,13 @@ def backends(
 ) -> dict[str, str]:
     """The store and objects both hosts share, set in the environment as a user would (with
     the S3 endpoint and credentials where the objects are in a bucket)."""
-    _store, objects = str(request.param).split("+")
+    store, objects = str(request.param).split("+")
     urls = {"SETTLED_STORE": f"sqlite://{tmp_path}/shared/store.db"}
+    if store == "postgresql":
+        import pg
+
+        request.getfixturevalue("pg_cluster")
+        urls["SETTLED_STORE"] = pg.url_for_directory(str(tmp_path))
     if objects == "s3":
         urls["SETTLED_OBJECTS"] = request.getfixturevalue("s3_url")
         urls.update(request.getfixturevalue("s3_env"))
@@ -48,30 +53,6 @@ def backends(
     for name, value in urls.items():
         monkeypatch.setenv(name, value)
     return urls
-
-
-def _damage(backends: dict[str, str], tmp_path: Path, digest: str, fix: Any) -> None:
-    """Change an object's bytes behind the store's back, where it lies."""
-    algo, hexdigest = digest.split(":", 1)
-    url = backends["SETTLED_OBJECTS"]
-    if url.startswith("file://"):
-        path = Path(tmp_path, "shared", "objects", algo, hexdigest[:2], hexdigest[2:])
-        path.chmod(0o600)
-        path.write_bytes(fix(path.read_bytes()))
-        return
-    import boto3
-    from s3 import VERSIONED_BUCKET
-
-    client = boto3.client(
-        "s3",
-        endpoint_url=backends["AWS_ENDPOINT_URL"],
-        aws_access_key_id=backends["AWS_ACCESS_KEY_ID"],
-        aws_secret_access_key=backends["AWS_SECRET_ACCESS_KEY"],
-        region_name="us-east-1",
-    )
-    key = f"{url.split('/', 3)[3]}/{algo}/{hexdigest}"
-    body = client.get_object(Bucket=VERSIONED_BUCKET, Key=key)["Body"].read()
-    client.put_object(Bucket=VERSIONED_BUCKET, Key=key, Body=fix(body))  # a newer version
 
 
 @pytest.fixture
@@ -263,7 +244,9 @@ def test_a_sealed_log_whose_chunk_was_changed_is_refused_never_served(
     manifest = json.loads(
         b.workspace.objects.read(receipt["output"]["stdout"]["sealed"]["manifest"])
     )
-    _damage(backends, tmp_path, manifest["chunks"][0][2], lambda b: b.replace(b"1000\n", b"1001\n"))
+    tamper_object(
+        b.workspace.objects, manifest["chunks"][0][2], lambda b: b.replace(b"1000\n", b"1001\n")
+    )
     shutil.rmtree(a.home)
     assert b.read(admitted.session, "stderr") == b""  # an empty stream is sealed as empty
     with pytest.raises(SealBroken, match="damaged"):
