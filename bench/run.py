@@ -23,6 +23,7 @@ import http_bench
 import isolation
 import kill
 import load
+import store_ops
 from common import RESULTS_DIR, log, write_results
 
 BENCHMARKS = {
@@ -34,6 +35,7 @@ BENCHMARKS = {
     "load": load.run,
     "http": http_bench.run,
     "isolation": isolation.run,
+    "store_ops": store_ops.run,
 }
 # Benchmarks that also write a file beside their results (a plot): called with (out_dir, data),
 # they return a markdown line to append to the benchmark's section.
