@@ -18,13 +18,12 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from settled.canonical import canonical_bytes, digest_of_canonical
+from settled.canonical import canonical_bytes
 from settled.errors import (
     AdmissionFrozen,
     AdmissionSealed,
     HomeUnusable,
     KeyConflict,
-    ReceiptTampered,
     StaleWrite,
     StorageFailed,
     UnknownSession,
@@ -52,10 +51,17 @@ from settled.states import (
     next_task_state,
     states_accepting,
 )
-from settled.store import loads
+from settled.store.rows import (
+    RECEIPT_EVENTS,
+    SESSION_COLUMNS,
+    checked_fact,
+    fact_digest,
+    overlap,
+    session_from_row,
+    task_from_row,
+)
 
 SCHEMA_VERSION = 5
-RECEIPT_EVENTS = ("receipt", "lose", "recover")
 
 MIGRATIONS: dict[int, str] = {
     1: """
@@ -130,74 +136,7 @@ MIGRATIONS: dict[int, str] = {
 }
 SEALS_CLOSE_FACTS = 4  # the migration that seals the close facts an older settled wrote
 
-SESSION_COLUMNS = (
-    "session, task, key, digest, spec, state, generation, owner, boundary, boundary_ref, "
-    "command_pid, command_start_time, stdout_durable, stderr_durable, cancel_requested, "
-    "created_at, started_at, settled_at, receipt, unknown_why, isolation"
-)
 TASK_COLUMNS = "task, key, workspace, state, generation, created_at, user, shared_workspace"
-
-
-def _session_from_row(row: tuple[Any, ...]) -> SessionRecord:
-    """Every load checks the receipt's digest: no caller can decide from an edited one."""
-    owner = loads(row[7])
-    receipt = loads(row[18])
-    if receipt is not None:
-        receipt = checked(receipt, f"the process receipt of session {row[0]}")
-    return SessionRecord(
-        session=row[0],
-        task=row[1],
-        key=row[2],
-        digest=row[3],
-        spec=json.loads(row[4]),
-        state=row[5],
-        generation=row[6],
-        owner=OwnerInfo(**owner) if owner else None,
-        boundary=row[8],
-        boundary_ref=row[9],
-        command_pid=row[10],
-        command_start_time=row[11],
-        stdout_durable=row[12],
-        stderr_durable=row[13],
-        cancel_requested=row[14],
-        created_at=row[15],
-        started_at=row[16],
-        settled_at=row[17],
-        receipt=receipt,
-        unknown_why=row[19],
-        isolation=loads(row[20]),
-    )
-
-
-def _task_from_row(row: tuple[Any, ...]) -> TaskRecord:
-    user = loads(row[6])
-    task, key, workspace, state, generation, created_at = row[:6]
-    return TaskRecord(
-        task, key, workspace, state, generation, created_at,
-        (int(user[0]), int(user[1])) if user is not None else None, bool(row[7]),
-    )  # fmt: skip
-
-
-def _overlap(a: str, b: str) -> bool:
-    """Two resolved directories are the same, or one holds the other."""
-    return a == b or a.startswith(b.rstrip("/") + "/") or b.startswith(a.rstrip("/") + "/")
-
-
-def _fact_digest(text: str) -> str:
-    """A fact is stored as its canonical JSON text, so its digest is that of the text's bytes."""
-    return digest_of_canonical(text.encode("utf-8"))
-
-
-def _checked_fact(task: str, step: str, text: str, digest: str | None) -> dict[str, Any]:
-    """A close step's fact, once its bytes match the digest recorded with them; a receipt it
-    carries (the checkpoint's, the close's) is checked as well."""
-    actual = _fact_digest(text)
-    if digest != actual:
-        raise ReceiptTampered(f"close step {step!r} of task {task}", digest, actual)
-    fact: dict[str, Any] = json.loads(text)
-    if isinstance(fact.get("receipt"), dict):
-        checked(fact["receipt"], f"the {step} receipt of task {task}")
-    return fact
 
 
 SQLITE_IOERR, SQLITE_FULL = 10, 13  # primary result codes (the low byte of an extended one)
@@ -316,7 +255,7 @@ class SQLiteStore:
         for task, step, fact in rows:  # facts an older settled wrote: sealed as they are
             db.execute(
                 "UPDATE close_steps SET digest=? WHERE task=? AND step=?",
-                (_fact_digest(fact), task, step),
+                (fact_digest(fact), task, step),
             )
 
     # -- tasks ---------------------------------------------------------------------------
@@ -332,14 +271,14 @@ class SQLiteStore:
         with self._write() as db:  # the overlap is decided in the transaction that records
             row = db.execute(f"SELECT {TASK_COLUMNS} FROM tasks WHERE key=?", (key,)).fetchone()
             if row:
-                return _task_from_row(row), False
+                return task_from_row(row), False
             others = [
                 (task, path)
                 for task, path in db.execute(
                     "SELECT task, workspace FROM tasks WHERE state != ? ORDER BY created_at",
                     (TASK_COMPLETE,),
                 )
-                if _overlap(path, workspace)
+                if overlap(path, workspace)
             ]
             if others and not shared_workspace:
                 raise WorkspaceOverlap(workspace, others)
@@ -393,11 +332,11 @@ class SQLiteStore:
         row = self._db.execute(f"SELECT {TASK_COLUMNS} FROM tasks WHERE task=?", (task,)).fetchone()
         if row is None:
             raise UnknownTask(task)
-        return _task_from_row(row)
+        return task_from_row(row)
 
     def find_task(self, key: str) -> TaskRecord | None:
         row = self._db.execute(f"SELECT {TASK_COLUMNS} FROM tasks WHERE key=?", (key,)).fetchone()
-        return None if row is None else _task_from_row(row)
+        return None if row is None else task_from_row(row)
 
     def workspaces(self) -> list[str]:
         rows = self._db.execute("SELECT DISTINCT workspace FROM tasks").fetchall()
@@ -433,7 +372,7 @@ class SQLiteStore:
                 f"SELECT {SESSION_COLUMNS} FROM sessions WHERE task=? AND key=?", (task, key)
             ).fetchone()
             if existing is not None:
-                record = _session_from_row(existing)
+                record = session_from_row(existing)
                 if record.digest != digest:
                     raise KeyConflict(task, key, record.digest, digest, record.session)
                 return record, True
@@ -463,7 +402,7 @@ class SQLiteStore:
             row = db.execute(
                 f"SELECT {SESSION_COLUMNS} FROM sessions WHERE session=?", (session,)
             ).fetchone()
-            return _session_from_row(row), False
+            return session_from_row(row), False
 
     def get_session(self, session: str) -> SessionRecord:
         row = self._db.execute(
@@ -471,20 +410,20 @@ class SQLiteStore:
         ).fetchone()
         if row is None:
             raise UnknownSession(session)
-        return _session_from_row(row)
+        return session_from_row(row)
 
     def find_session(self, task: str, key: str) -> SessionRecord | None:
         row = self._db.execute(
             f"SELECT {SESSION_COLUMNS} FROM sessions WHERE task=? AND key=?", (task, key)
         ).fetchone()
-        return _session_from_row(row) if row else None
+        return session_from_row(row) if row else None
 
     def list_sessions(self, task: str) -> list[SessionRecord]:
         rows = self._db.execute(
             f"SELECT {SESSION_COLUMNS} FROM sessions WHERE task=? ORDER BY created_at, session",
             (task,),
         ).fetchall()
-        return [_session_from_row(r) for r in rows]
+        return [session_from_row(r) for r in rows]
 
     def _transition(
         self,
@@ -662,7 +601,7 @@ class SQLiteStore:
             "ORDER BY created_at",
             args,
         ).fetchall()
-        return [_session_from_row(r) for r in rows]
+        return [session_from_row(r) for r in rows]
 
     def live_sessions(self, task: str | None = None) -> list[SessionRecord]:
         where, args = ("AND task=?", (task,)) if task else ("", ())
@@ -671,7 +610,7 @@ class SQLiteStore:
             f"WHERE state IN ('admitted', 'running', 'settling') {where} ORDER BY created_at",
             args,
         ).fetchall()
-        return [_session_from_row(r) for r in rows]
+        return [session_from_row(r) for r in rows]
 
     def request_cancel(self, session: str, reason: str) -> SessionRecord:
         with self._write() as db:
@@ -708,11 +647,11 @@ class SQLiteStore:
                 "SELECT fact, digest FROM close_steps WHERE task=? AND step=?", (task, step)
             ).fetchone()
             if row is not None:
-                return _checked_fact(task, step, row[0], row[1])
+                return checked_fact(task, step, row[0], row[1])
             db.execute(
                 "INSERT INTO close_steps (task, step, fact, recorded_at, digest) "
                 "VALUES (?, ?, ?, ?, ?)",
-                (task, step, text, time.time(), _fact_digest(text)),
+                (task, step, text, time.time(), fact_digest(text)),
             )
         return fact
 
@@ -720,7 +659,7 @@ class SQLiteStore:
         rows = self._db.execute(
             "SELECT step, fact, digest FROM close_steps WHERE task=?", (task,)
         ).fetchall()
-        return {step: _checked_fact(task, step, fact, digest) for step, fact, digest in rows}
+        return {step: checked_fact(task, step, fact, digest) for step, fact, digest in rows}
 
     def record_checkpoint(
         self, task: str, generation: int, receipt: dict[str, Any], index_ref: str | None
