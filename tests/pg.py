@@ -127,8 +127,10 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def start_cluster() -> Cluster:
-    """initdb, start on a free port, create the test database; stopped at exit whatever happens."""
+def start_cluster(*, durable: bool = False) -> Cluster:
+    """initdb, start on a free port, create the test database; stopped at exit whatever happens.
+    `durable` keeps fsync and full page writes on (a benchmark compares against SQLite's
+    synchronous=FULL)."""
     import pwd
 
     entry = pwd.getpwnam(PG_USER)
@@ -151,9 +153,8 @@ def start_cluster() -> Cluster:
                 f"-p {cluster.port}",
                 "-c listen_addresses=127.0.0.1",
                 f"-c unix_socket_directories={root}",
-                "-c fsync=off",
-                "-c full_page_writes=off",
                 "-c max_connections=300",
+                *([] if durable else ["-c fsync=off", "-c full_page_writes=off"]),
             ]
         )
         _as_postgres(
