@@ -136,6 +136,13 @@ def rt(
         runtime.close()
 
 
+def small_owner_kib(runtime: Runtime) -> int:
+    """What an owner may hold at its peak, whatever its output: 64 MiB on the embedded
+    backends; on PostgreSQL + S3 it also holds psycopg (~27 MiB) and, to seal its logs, a boto3
+    client (~27 MiB), a fixed cost that no output makes larger."""
+    return (112 if runtime.backends.remote else 64) * 1024
+
+
 def tamper_object(objects: Any, digest: str, change: Callable[[bytes], bytes]) -> None:
     """Change a stored object's bytes behind its store's back, where it lies: the local file,
     or a newer version of its key in the bucket (with the store's own client)."""

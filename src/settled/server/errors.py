@@ -34,6 +34,7 @@ from settled.errors import (
     SettledError,
     SpaceExhausted,
     StaleWrite,
+    StoreUnreachable,
     TaskFrozen,
     UnknownHost,
     UnknownSession,
@@ -76,6 +77,7 @@ STATUS_OF: tuple[tuple[type[SettledError], int], ...] = (
     (BoundaryUnavailable, 400),
     (BadInput, 400),
     (OwnerLaunchFailed, 500),
+    (StoreUnreachable, 503),  # the authority store (PostgreSQL) does not answer: try again
     (ReceiptTampered, 500),  # the server's own evidence is damaged: nothing is decided from it
     (SpaceExhausted, 507),  # Insufficient Storage: below the home's reserve, or the disk is full
     (SettledError, 500),
