@@ -195,8 +195,13 @@ def test_a_staged_object_is_stored_once_synced_and_published(store: ObjectStore)
     with contextlib.ExitStack() as group:
         try:
             sync = group.enter_context(store.staging())
-        except StagingUnavailable:
-            pytest.skip("this store cannot group writes")
+        except StagingUnavailable:  # S3: each PUT is durable on its own, so it says so
+            assert not hasattr(store, "path_of"), "the local store must group its fsyncs"
+            with store.writer() as writer:
+                writer.write(b"staged")
+                stored = writer.commit()
+            assert store.read(stored.digest) == b"staged"
+            return
         with store.writer() as writer:
             writer.write(b"staged")
             staged = writer.stage()

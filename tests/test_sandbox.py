@@ -23,7 +23,7 @@ from conftest import _settle_everything, _skip_unavailable, kill_marked
 from test_grammar import run_cli
 
 from settled.boundary.sandbox import open_sandbox
-from settled.errors import BadInput, BoundaryUnavailable, SandboxFailed, StaleWrite
+from settled.errors import BadInput, BoundaryUnavailable, SandboxFailed, StaleWrite, TaskFrozen
 from settled.records import TaskRecord
 from settled.runtime import Runtime
 from settled.store.sqlite import SCHEMA_VERSION, SQLiteStore
@@ -434,3 +434,50 @@ def test_the_store_records_a_sandbox_once_and_migrates_a_v6_home(tmp_path: Path)
     store = SQLiteStore(path)
     assert store.get_task(made.task).sandbox is None and SCHEMA_VERSION == 7
     store.close()
+
+
+def test_a_vanished_hosts_session_settles_only_once_the_provider_destroys_its_sandbox(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Host A runs a sleep in a namespace sandbox and vanishes (its owner is killed, its home
+    deleted). Host B, sharing the store and the provider: `recover --host A` freezes the task
+    and leaves the session unknown while the provider says the sandbox exists; `task destroy`
+    from B, confirmed by the provider, settles it with the provider's evidence."""
+    _skip_unavailable("cgroup2")
+    monkeypatch.setenv("SETTLED_SANDBOX", "command:" + _config(tmp_path))
+    monkeypatch.setenv("SETTLED_STORE", f"sqlite://{tmp_path}/shared/store.db")
+    monkeypatch.setenv("SETTLED_OBJECTS", f"file://{tmp_path}/shared/objects")
+    a = Runtime(str(tmp_path / "A"))
+    b = Runtime(str(tmp_path / "B"))
+    init = None
+    try:
+        task = _task(a, tmp_path)
+        init = _init_of(task)
+        admission = a.exec(task.task, shell="sleep 300", key="sleep")
+        _running(a, admission.session)
+        _kill_owner(a, admission.session)
+        a.close()
+        shutil.rmtree(tmp_path / "A")
+
+        vanished = b.recover_host(task.host or "")
+        (unknown,) = vanished["sessions"]
+        assert unknown["state"] == "unknown" and "still exists" in unknown["why"]
+        assert not _gone(init)  # nothing was taken for evidence: the sleep still runs
+        with pytest.raises(TaskFrozen):
+            b.store.admit(task.task, "again", "sha256:" + "0" * 64, {})
+
+        destroyed = b.destroy_task(task.task)
+        assert destroyed["sandbox"]["confirmation"]["destroyed"] is True
+        assert [s["state"] for s in destroyed["sessions"]] == ["settled"]
+        receipt = b.store.get_session(admission.session).receipt
+        assert receipt is not None
+        assert receipt["death"]["boundary"] == "sandbox"
+        assert receipt["death"]["source"] == "provider" and receipt["death"]["proven"]
+        assert receipt["output"]["drain"] == "incomplete"
+        assert receipt["output"]["stdout"]["complete"] is False
+        assert _gone(init)
+        assert len(b.store.list_sessions(task.task)) == 1  # never relaunched
+    finally:
+        b.close()
+        if init is not None and not _gone(init):
+            os.kill(init, signal.SIGKILL)
