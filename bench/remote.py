@@ -147,7 +147,7 @@ def _sealed_log(root: str, env: dict[str, str], size: int, weed: Any) -> dict[st
 
 
 def run(quick: bool) -> tuple[dict[str, Any], str]:
-    tasks = 6 if quick else 30
+    tasks = 6 if quick else 12
     log_bytes = (64 if quick else 1024) * MIB
     with ExitStack() as stack:
         root = stack.enter_context(scratch("remote"))

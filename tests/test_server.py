@@ -320,6 +320,30 @@ def test_a_body_over_the_limit_is_413_and_unknown_fields_are_400_by_name(
 
 
 @pytest.mark.timeout(60)
+def test_an_exec_of_another_hosts_task_is_409_wrong_host_and_its_status_is_200(
+    start_server: Callable[..., Server],
+    tmp_path: Path,
+    workspace: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    shared = {
+        "SETTLED_STORE": f"sqlite://{tmp_path}/shared/store.db",
+        "SETTLED_OBJECTS": f"file://{tmp_path}/shared/objects",
+    }
+    server = start_server(**shared)  # host B serves; host A made the task
+    for name, value in shared.items():
+        monkeypatch.setenv(name, value)
+    with Runtime(str(tmp_path / "A")) as host_a:
+        task, owner = host_a.new_task(str(workspace)).task, host_a.host
+    with server.client() as client:
+        refused = admit(client, task, "build", argv=["true"])
+        assert refused.status_code == 409, refused.text
+        body = refused.json()
+        assert body["error"] == "WrongHost" and body["host"] == owner and body["task"] == task
+        assert client.get(f"/v1/tasks/{task}").status_code == 200
+
+
+@pytest.mark.timeout(60)
 def test_same_key_and_digest_is_200_with_the_same_session_and_another_digest_409(
     server: Server, workspace: Path
 ) -> None:
