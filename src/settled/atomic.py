@@ -26,6 +26,26 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+def create_once(path: str, data: bytes, mode: int = 0o600) -> bool:
+    """Create `path` holding `data` unless the name exists: written and fsynced under a
+    temporary name, then linked, and a link never replaces a name, so two first writers agree
+    on one content. Returns whether this call created it."""
+    temp = f"{path}.{secrets.token_hex(6)}.tmp"
+    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
+    try:
+        os.write(fd, data)
+        os.fsync(fd)
+        os.close(fd)
+        try:
+            os.link(temp, path)
+        except FileExistsError:
+            return False
+    finally:
+        os.unlink(temp)
+    fsync_dir(os.path.dirname(path) or ".")
+    return True
+
+
 @contextlib.contextmanager
 def replacing(path: str, mode: int = 0o600) -> Iterator[BinaryIO]:
     """Yield a handle whose bytes replace `path` when the block ends without an exception;

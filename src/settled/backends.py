@@ -17,14 +17,13 @@ itself. Imports no backend: `store.open_store` and `checkpoint.open_object_store
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import secrets
 from dataclasses import dataclass
 from typing import Final
 from urllib.parse import urlsplit, urlunsplit
 
+from settled.atomic import create_once
 from settled.errors import BadInput, HomeUnusable
 
 BINDING_FILE: Final = "backends.json"
@@ -183,17 +182,8 @@ def _refuse_mismatch(home: str, bound: Backends, store: str | None, objects: str
 def _record_once(home: str, backends: Backends) -> Backends:
     """Write the binding unless one exists (a link never replaces a name): two first openers
     agree on one binding, and the loser's request is checked against it."""
-    path = binding_path(home)
-    temp = f"{path}.{secrets.token_hex(6)}.tmp"
-    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-    try:
-        os.write(fd, json.dumps({"store": backends.store, "objects": backends.objects}).encode())
-        os.fsync(fd)
-        os.close(fd)
-        with contextlib.suppress(FileExistsError):
-            os.link(temp, path)
-    finally:
-        os.unlink(temp)
+    data = json.dumps({"store": backends.store, "objects": backends.objects}).encode()
+    create_once(binding_path(home), data)
     return read_binding(home) or backends
 
 

@@ -15,10 +15,8 @@ left for what must still be written: receipts, the store, recovery and the close
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import os
-import secrets
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -97,17 +95,9 @@ def read_home_id(home: str) -> str | None:
 def write_home_id_once(home: str, value: str) -> str:
     """Create home.id holding `value` unless it exists: a link never replaces a name, so two
     first openers agree on one id. Returns the id the file holds."""
-    path = home_id_path(home)
-    temp = f"{path}.{secrets.token_hex(6)}.tmp"
-    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, PRIVATE_FILE)
-    try:
-        os.write(fd, value.encode("ascii") + b"\n")
-        os.fsync(fd)
-        os.close(fd)
-        with contextlib.suppress(FileExistsError):
-            os.link(temp, path)
-    finally:
-        os.unlink(temp)
+    from settled.atomic import create_once
+
+    create_once(home_id_path(home), value.encode("ascii") + b"\n", PRIVATE_FILE)
     return read_home_id(home) or value
 
 
