@@ -15,6 +15,7 @@ import errno
 import json
 import os
 import select
+import shutil
 import signal
 import subprocess
 import sys
@@ -797,3 +798,30 @@ def test_a_journal_without_its_own_watcher_shares_the_one_it_is_given(
             assert one.barrier().dirty_dirs == frozenset()
     finally:
         watcher.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_journal_whose_home_was_deleted_ends_instead_of_watching_for_nobody(
+    tmp_path: Path,
+) -> None:
+    """Deleting a home (as a host that is done does) leaves its daemon unreachable; it ends
+    within its orphan check, and a home made again at the same path gets a journal of its own
+    whose socket the old one never removes."""
+    from settled.runtime import Runtime
+
+    home = tmp_path / "home"
+    workspace = tmp_path / "w"
+    workspace.mkdir()
+    with Runtime(str(home)) as runtime:
+        runtime.new_task(str(workspace))  # watched: the daemon is not idle
+    run_dir = home / "run"
+    (old,) = journal_pids(run_dir)
+    shutil.rmtree(home)
+    with Runtime(str(home)) as runtime:
+        runtime.new_task(str(workspace))
+    deadline = time.monotonic() + 30
+    while old in journal_pids(run_dir):
+        assert time.monotonic() < deadline, "the orphaned journal did not end"
+        time.sleep(0.1)
+    (new,) = journal_pids(run_dir)
+    assert new != old and (run_dir / "journal.sock").exists()  # its socket is left alone

@@ -31,7 +31,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 
 from settled.atomic import write_atomic
 from settled.workspace.journal.client import unix_address
@@ -104,6 +104,17 @@ class _Conn:
         self.sock, self.inbuf, self.outbuf, self.eof = sock, b"", b"", False
 
 
+ORPHAN_CHECK_S: Final = 5.0  # how often a daemon checks that its socket is still its own
+
+
+def _identity(path: str) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
 class _Server:
     def __init__(self, watcher: Watcher, run_dir: str, idle: float) -> None:
         self.watcher, self.run_dir, self.idle = watcher, run_dir, idle
@@ -122,6 +133,7 @@ class _Server:
                 self.listener.bind(address)
             os.chmod(self.socket_path, 0o600)
             self.listener.listen(512)
+            self.socket_id = _identity(self.socket_path)
         except OSError:
             self.listener.close()
             raise
@@ -143,20 +155,32 @@ class _Server:
     def run(self) -> None:
         last = time.monotonic()
         while not self.stopping:
-            timeout = None
+            timeout = ORPHAN_CHECK_S
             if not self.conns and not self.tasks:
-                timeout = last + self.idle - time.monotonic()
+                timeout = min(timeout, last + self.idle - time.monotonic())
                 if timeout <= 0:
                     return
+            if not self._still_served_here():
+                return
             ready = self.sel.select(timeout)
             if ready:
                 last = time.monotonic()
             for key, events in ready:
                 key.data(key.fileobj, events)
 
+    def _still_served_here(self) -> bool:
+        """Whether our socket still holds its name: a home deleted (and perhaps made again,
+        with a journal of its own) leaves this daemon unreachable, so it ends instead of
+        watching workspaces for nobody."""
+        if _identity(self.socket_path) == self.socket_id:
+            return True
+        self.reason = "its socket was removed or replaced (the home was deleted or moved)"
+        return False
+
     def close(self) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.socket_path)
+        if _identity(self.socket_path) == self.socket_id:  # never another journal's socket
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.socket_path)
         self.listener.close()
         for conn in self.conns.values():
             if conn.outbuf:  # the reply to `stop`, above all
