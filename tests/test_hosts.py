@@ -89,7 +89,7 @@ def test_each_home_is_a_host_and_a_task_is_bound_to_the_one_that_made_it(
 
 
 def test_a_task_closed_on_a_is_read_explained_and_restored_on_b_after_a_is_deleted(
-    hosts: tuple[Runtime, Runtime], tmp_path: Path
+    hosts: tuple[Runtime, Runtime], tmp_path: Path, backends: dict[str, str]
 ) -> None:
     a, b = hosts
     workspace = _workspace(tmp_path, "w")
@@ -115,7 +115,14 @@ def test_a_task_closed_on_a_is_read_explained_and_restored_on_b_after_a_is_delet
     assert b.explain(task.task)["complete"]
     restored = b.restore(task.task, str(tmp_path / "restored"))
     assert b.close_task(task.task).receipt == closed.receipt  # a repeated close, from anywhere
-    assert restored.manifest_id == closed.receipt["checkpoint"]["manifest"]
+    checkpoint = closed.receipt["checkpoint"]
+    assert restored.manifest_id == checkpoint["manifest"]
+    version = checkpoint["manifest_version"]  # the upload the read-back re-hashed
+    assert (
+        version.startswith("v:")
+        if "s3" in backends["SETTLED_OBJECTS"]
+        else version == checkpoint["manifest"]
+    )
     assert Path(tmp_path, "restored", "made.bin").read_bytes() == b"m" * 9000
     assert Path(tmp_path, "restored", "kept.txt").read_text() == "before\n"
     assert b.verify(task.task, read_data=True)["verified"]
@@ -147,16 +154,25 @@ def test_exec_cancel_and_close_from_another_host_are_wrong_host_and_reads_are_no
     assert b.wait(running.session, timeout=30)["state"] == SETTLED  # woken without a pidfd
 
 
-def test_the_cli_exits_4_naming_the_owning_host(
+def test_the_cli_binds_a_home_with_store_and_objects_flags_and_exits_4_naming_the_owner(
     hosts: tuple[Runtime, Runtime], tmp_path: Path, backends: dict[str, str]
 ) -> None:
-    a, b = hosts
+    a, _b = hosts
     task = a.new_task(_workspace(tmp_path, "w"))
-    run = subprocess.run(
-        [sys.executable, "-m", "settled", "--home", b.home, "exec", "--task", task.task,
-         "--json", "--", "true"],
-        capture_output=True, text=True, timeout=60, env={**os.environ, **backends},
-    )  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k not in ("SETTLED_STORE", "SETTLED_OBJECTS")}
+    flags = ["--store", backends["SETTLED_STORE"], "--objects", backends["SETTLED_OBJECTS"]]
+    home_c = str(tmp_path / "C")
+
+    def cli(*argv: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "settled", *argv], capture_output=True, text=True,
+            timeout=60, env=env,
+        )  # fmt: skip
+
+    listed = cli("--home", home_c, *flags, "hosts", "--json")
+    assert listed.returncode == 0, listed.stderr
+    assert {h["home"] for h in json.loads(listed.stdout)["hosts"]} >= {a.home, home_c}
+    run = cli("--home", home_c, "exec", "--task", task.task, "--json", "--", "true")  # bound now
     assert run.returncode == 4, run.stderr
     assert json.loads(run.stdout)["error"] == "WrongHost"
     assert a.host in run.stderr and "\n" not in run.stderr.strip()

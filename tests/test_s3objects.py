@@ -285,3 +285,30 @@ def test_a_checkpoint_into_a_bucket_reads_back_verifies_restores_and_heals(
             assert store.verify(blob) and rt.verify(task.task, read_data=True)["verified"]
         finally:
             rt.close_task(task.task)
+
+
+def test_a_checkpoint_names_the_manifest_version_its_read_back_re_hashed(
+    weed: Weed, s3_url: str, tmp_path: Path
+) -> None:
+    """The receipt records the manifest's VersionId; the read-back reads exactly that upload,
+    so a version that is not the one written is missing to it, whatever the key holds."""
+    from settled.workspace.hashing import algorithm_of
+    from settled.workspace.readback import read_back
+
+    store = open_s3(s3_url)
+    with Runtime(str(tmp_path / "home")) as rt:
+        rt.workspace.close()
+        rt.workspace = WorkspaceService(rt.home, rt.store, objects=store)
+        workspace = tmp_path / "workspace"
+        workspace.mkdir()
+        (workspace / "a.txt").write_bytes(b"versioned\n")
+        task = rt.new_task(str(workspace))
+        receipt = rt.checkpoint(task.task, incremental=False)
+    manifest, version = receipt["manifest"], receipt["manifest_version"]
+    assert version.startswith("v:")
+    data = store.read(manifest, version=version)
+    assert digest_bytes(algorithm_of(manifest), data) == manifest
+    assert read_back(store, manifest, record=None, manifest_version=version).ok
+    elsewhere = read_back(store, manifest, record=None, manifest_version="v:not-that-upload")
+    assert [p.object for p in elsewhere.problems] == [manifest]
+    assert elsewhere.problems[0].problem == "missing"

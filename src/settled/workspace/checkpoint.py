@@ -43,9 +43,9 @@ from settled.workspace.hashing import algorithm_of, digest_bytes
 from settled.workspace.index import Index
 from settled.workspace.journal import client as journal_client
 from settled.workspace.journal import lifecycle as journal_lifecycle
-from settled.workspace.manifest import IndexMismatch, ManifestError, write_manifest
+from settled.workspace.manifest import IndexMismatch, ManifestError, publish_manifest
 from settled.workspace.nodecache import NodeCache
-from settled.workspace.objectstore import ObjectMissing, ObjectStore
+from settled.workspace.objectstore import ObjectMissing, ObjectStore, StoredObject
 from settled.workspace.open_objects import open_object_store as open_object_store
 from settled.workspace.readback import QUARANTINABLE, Problem, ReadBack, read_back
 from settled.workspace.scan import ScanError, ScanResult, scan
@@ -170,14 +170,14 @@ class WorkspaceService:
         self, task: TaskRecord, scan_fact: dict[str, Any], sessions: list[SessionRecord]
     ) -> dict[str, Any]:
         index = self._index(scan_fact["index_ref"])
-        manifest_id = self._write_manifest(task, index, scan_fact)
+        manifest = self._write_manifest(task, index, scan_fact)
         faults.point("checkpoint.after_manifest")
         faults.point("checkpoint.before_read_back")
         fresh, open_trees = self._fresh(scan_fact)
-        check = self._read_back(manifest_id, index, fresh, open_trees)
+        check = self._read_back(manifest, index, fresh, open_trees)
         healed = None
         if not check.ok:
-            healed, check = self._heal(task, index, scan_fact, check, fresh, open_trees)
+            healed, check, manifest = self._heal(task, index, scan_fact, check, fresh, open_trees)
         read_back_fact = check.summary(trusted_from=scan_fact["parent"])
         if healed is not None:
             read_back_fact["healed"] = healed
@@ -187,7 +187,10 @@ class WorkspaceService:
                 "v": CHECKPOINT_RECEIPT_VERSION,
                 "authority": "workspace-service",
                 "task": task.task,
-                "manifest": manifest_id,
+                "manifest": manifest.digest,
+                # the upload the read-back re-hashed: an S3 VersionId (v:...) or ETag
+                # (etag:...); the local store keeps one copy, named by its digest
+                "manifest_version": manifest.version,
                 "parent": scan_fact["parent"],
                 "algorithm": index.algorithm,
                 "entries": index.count,
@@ -205,8 +208,10 @@ class WorkspaceService:
         self.store.record_checkpoint(task.task, task.generation, receipt, scan_fact["index_ref"])
         return receipt
 
-    def _write_manifest(self, task: TaskRecord, index: Index, scan_fact: dict[str, Any]) -> str:
-        return write_manifest(
+    def _write_manifest(
+        self, task: TaskRecord, index: Index, scan_fact: dict[str, Any]
+    ) -> StoredObject:
+        return publish_manifest(
             self.objects,
             index.algorithm,
             index.root,
@@ -232,11 +237,12 @@ class WorkspaceService:
         return trees | blobs, trees if incremental else None
 
     def _read_back(
-        self, manifest_id: str, index: Index, fresh: set[str], open_trees: set[str] | None
+        self, manifest: StoredObject, index: Index, fresh: set[str], open_trees: set[str] | None
     ) -> ReadBack:
         return read_back(
             self.objects,
-            manifest_id,
+            manifest.digest,
+            manifest_version=manifest.version,
             record=self.verified,
             index=index,
             root_tree=index.root.tree,
@@ -252,7 +258,7 @@ class WorkspaceService:
         first: ReadBack,
         fresh: set[str],
         open_trees: set[str] | None,
-    ) -> tuple[dict[str, Any], ReadBack]:
+    ) -> tuple[dict[str, Any], ReadBack, StoredObject]:
         """Quarantine what is damaged, rescan without the stat cache (every file re-read and
         every absent object published again), write the same manifest and read it back again."""
         moved: dict[str, str | None] = {
@@ -278,10 +284,10 @@ class WorkspaceService:
         }
         suspects = fresh | {problem.object for problem in first.problems}
         try:
-            manifest_id = self._write_manifest(task, index, scan_fact)
+            manifest = self._write_manifest(task, index, scan_fact)
         except ManifestError as error:
             raise CheckpointUnverified(first.manifest_id, first.problems, str(error)) from None
-        again = self._read_back(manifest_id, index, suspects, open_trees)
+        again = self._read_back(manifest, index, suspects, open_trees)
         if not again.ok:
             why = (
                 "A rescan of the workspace without the stat cache did not publish these bytes "
@@ -292,8 +298,8 @@ class WorkspaceService:
             still = tuple(
                 _as_found(p, found.get(p.object), moved.get(p.object)) for p in again.problems
             )
-            raise CheckpointUnverified(manifest_id, still, why)
-        return healed, again
+            raise CheckpointUnverified(manifest.digest, still, why)
+        return healed, again, manifest
 
     def _previous(self, ref: str | None) -> tuple[Index | None, str]:
         """The last checkpoint's stat cache, or None and why not."""

@@ -52,7 +52,7 @@ from typing import Any, Final, NamedTuple
 from settled.canonical import canonical_bytes
 from settled.errors import SettledError
 from settled.workspace.hashing import check_algorithm, digest_bytes, parse_digest
-from settled.workspace.objectstore import ObjectMissing, ObjectStore
+from settled.workspace.objectstore import ObjectMissing, ObjectStore, StoredObject
 from settled.workspace.sparse import Extent
 
 MANIFEST_VERSION: Final = "settled.manifest/v3"
@@ -443,9 +443,9 @@ def _parse_object(data: bytes, object_id: str) -> Any:
     return raw
 
 
-def _read_object(store: ObjectStore, object_id: str, what: str) -> Any:
+def _read_object(store: ObjectStore, object_id: str, what: str, version: str | None = None) -> Any:
     try:
-        data = store.read(object_id)
+        data = store.read(object_id, version)
     except ObjectMissing:
         raise MissingObject(object_id, what) from None
     return data
@@ -597,6 +597,22 @@ def write_manifest(
 ) -> str:
     """Store the manifest object, last: refused unless its root tree is already in the store
     and the root records its owner."""
+    return publish_manifest(
+        store, algorithm, root, parent=parent, watermark=watermark, generation=generation
+    ).digest
+
+
+def publish_manifest(
+    store: ObjectStore,
+    algorithm: str,
+    root: Entry,
+    *,
+    parent: str | None = None,
+    watermark: int | None = None,
+    generation: int = 0,
+) -> StoredObject:
+    """``write_manifest``, returning what the store kept: the version it names is the exact
+    upload a read-back then reads (an S3 ``VersionId``; the local store's is the digest)."""
     try:
         root.check(algorithm)
         if root.path != ROOT or root.tree is None:
@@ -609,14 +625,18 @@ def write_manifest(
     if not store.has(root.tree):
         raise MissingObject(root.tree, "root tree")
     raw = manifest_dict(algorithm, root, parent, watermark, generation)
-    return store.put_bytes(canonical_bytes(raw), algorithm)
+    with store.writer(algorithm) as writer:
+        writer.write(canonical_bytes(raw))
+        return writer.commit()
 
 
-def read_head(store: ObjectStore, manifest_id: str) -> ManifestHead | Manifest:
-    """Read back exactly ``manifest_id``: a v3 or v2 head (trees not yet read), or a whole v1
-    manifest."""
+def read_head(
+    store: ObjectStore, manifest_id: str, version: str | None = None
+) -> ManifestHead | Manifest:
+    """Read back exactly ``manifest_id`` (and exactly that ``version`` of it, when given): a
+    v3 or v2 head (trees not yet read), or a whole v1 manifest."""
     algorithm = parse_digest(manifest_id)[0]
-    raw = _parse_object(_read_object(store, manifest_id, "manifest"), manifest_id)
+    raw = _parse_object(_read_object(store, manifest_id, "manifest", version), manifest_id)
     if isinstance(raw, dict) and raw.get("v") == FLAT_MANIFEST_VERSION:
         manifest = Manifest.from_dict(raw, manifest_id)
         if manifest.algorithm != algorithm:

@@ -175,6 +175,7 @@ def read_back(
     root_tree: str | None = None,
     fresh: Collection[str] = (),
     open_trees: Collection[str] | None = None,
+    manifest_version: str | None = None,
 ) -> ReadBack:
     """Read back ``manifest_id`` and check what it reaches (see the module's docstring).
 
@@ -182,9 +183,12 @@ def read_back(
     the manifest must name (the walk starts there even if the manifest cannot be read, so one
     read-back finds every problem). ``fresh``: objects never to trust (published now).
     ``open_trees``: None for the closure; else the only trees to descend into (since_parent).
+    ``manifest_version``: the manifest is read at exactly this version (the one its write
+    returned), so the read-back names the very upload it re-hashed.
     """
     walk = _Walk(store, record, index, frozenset(fresh))
-    walk.run(manifest_id, root_tree, None if open_trees is None else frozenset(open_trees))
+    trees = None if open_trees is None else frozenset(open_trees)
+    walk.run(manifest_id, root_tree, trees, manifest_version)
     return walk.result(manifest_id, CLOSURE if open_trees is None else SINCE_PARENT)
 
 
@@ -208,9 +212,13 @@ class _Walk:
         self.root: str | None = None
 
     def run(
-        self, manifest_id: str, root_tree: str | None, open_trees: frozenset[str] | None
+        self,
+        manifest_id: str,
+        root_tree: str | None,
+        open_trees: frozenset[str] | None,
+        version: str | None = None,
     ) -> None:
-        self.root = self._manifest(manifest_id, root_tree)
+        self.root = self._manifest(manifest_id, root_tree, version)
         pending = [] if self.root is None else [(self.root, ROOT)]
         while pending:
             tree, path = pending.pop()
@@ -235,11 +243,11 @@ class _Walk:
             self.record.record(self.identities)
             self.record.forget(self.problems)
 
-    def _manifest(self, manifest_id: str, root_tree: str | None) -> str | None:
+    def _manifest(self, manifest_id: str, root_tree: str | None, version: str | None) -> str | None:
         """Re-hash and parse the manifest; the root tree to walk from (None: nothing to walk)."""
         self.done.add(manifest_id)
         try:
-            head = read_head(self.store, manifest_id)
+            head = read_head(self.store, manifest_id, version)
         except MissingObject:
             self.problems[manifest_id] = Problem(manifest_id, MISSING)
             return root_tree
