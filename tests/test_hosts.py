@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -284,3 +285,24 @@ def test_a_command_never_sees_the_object_stores_credentials(
             assert value not in seen, name
     removed = receipt["isolation"]["env_removed"]
     assert {n for n in backends if n.startswith("AWS_") and n != "AWS_REGION"} <= set(removed)
+
+
+def test_a_store_or_objects_url_settled_cannot_use_is_refused_naming_it_without_a_password(
+    tmp_path: Path,
+) -> None:
+    from settled.backends import BadBackend
+
+    home = str(tmp_path / "home")
+    os.makedirs(home)
+    for store, named in (
+        ("mysql://u:hunter2@db/x", "mysql://u:***@db/x"),
+        ("postgresql://u:hunter2@db:5432", "no database"),
+        ("sqlite://relative/path.db", "ABSOLUTE"),
+    ):
+        with pytest.raises(BadBackend, match=re.escape(named)) as refused:
+            bind(home, store=store)
+        assert "hunter2" not in str(refused.value)
+    for objects in ("s3://", "ftp://host/x", "file://relative"):
+        with pytest.raises(BadBackend, match=re.escape(objects)):
+            bind(home, objects=objects)
+    assert read_binding(home) is None  # nothing recorded for a refused request
