@@ -94,7 +94,8 @@ def _ends_what_it_starts(
 ) -> Iterator[None]:
     """Every test: its processes carry its marker; journals under its tmp_path are stopped and
     anything still carrying the marker is killed when it ends."""
-    monkeypatch.setenv(MARKER_ENV, marker)  # inherited by every owner, journal and command
+    monkeypatch.setenv(MARKER_ENV, marker)  # inherited by every owner and journal
+    monkeypatch.setenv("SETTLED_INHERIT", MARKER_ENV)  # and passed to every command
     yield
     recover_homes(tmp_path)
     stop_journals(tmp_path)

@@ -20,10 +20,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import tamper_object
+from conftest import MARKER_ENV, tamper_object
 
 from settled.backends import BackendMismatch, bind, credential_names, read_binding
 from settled.errors import LogElsewhere, TaskFrozen, UnknownHost, WrongHost
+from settled.identity import CommandSpec
 from settled.runtime import Runtime
 from settled.states import SETTLED, UNKNOWN
 
@@ -271,20 +272,30 @@ def test_a_sealed_log_whose_chunk_was_changed_is_refused_never_served(
     assert not Path(b.home, "sealed", admitted.session, "stdout").exists()  # nothing half-built
 
 
+@pytest.mark.parametrize("inherit_env", [False, True], ids=["explicit", "inherit-env"])
 def test_a_command_never_sees_the_object_stores_credentials(
-    hosts: tuple[Runtime, Runtime], tmp_path: Path, backends: dict[str, str]
+    hosts: tuple[Runtime, Runtime], tmp_path: Path, backends: dict[str, str], inherit_env: bool
 ) -> None:
+    """Neither by default (nothing is inherited) nor with --inherit-env (the home's
+    credentials and settled's own variables are withheld and named in the receipt)."""
     a, _b = hosts
     task = a.new_task(_workspace(tmp_path, "w"))
-    admitted = a.exec(task.task, ["env"], env={"MINE": "passed"})
+    admitted = a.exec(task.task, ["env"], env={"MINE": "passed"}, inherit_env=inherit_env)
     receipt = a.wait(admitted.session, timeout=60)["receipt"]
     seen = a.read(admitted.session, "stdout").decode()
     assert "MINE=passed" in seen
     for name, value in backends.items():
         if name != "AWS_REGION":  # where the bucket is, not a credential
             assert value not in seen, name
-    removed = receipt["isolation"]["env_removed"]
-    assert {n for n in backends if n.startswith("AWS_") and n != "AWS_REGION"} <= set(removed)
+    removed = set(receipt["isolation"]["env_removed"])
+    spec = CommandSpec.from_json(a.store.get_session(admitted.session).spec)
+    if inherit_env:
+        assert {n for n in backends if n.startswith("AWS_") and n != "AWS_REGION"} <= removed
+        assert {n for n in backends if n.startswith("SETTLED_")} <= removed
+        assert set(spec.env_removed) == removed and "MINE" not in spec.inherited
+    else:
+        assert removed == set() and spec.inherited == (MARKER_ENV,)  # SETTLED_INHERIT's
+        assert {name for name, _ in spec.env} == {"PATH", "HOME", "LANG", "MINE", MARKER_ENV}
 
 
 def test_a_store_or_objects_url_settled_cannot_use_is_refused_naming_it_without_a_password(

@@ -48,6 +48,8 @@ class CommandSpec:
     isolation: str = "auto"
     user: tuple[int, int] | None = None  # (uid, gid) the command runs as; None: the owner's
     writable: tuple[str, ...] = ()  # host paths granted writable beside the workspace and /tmp
+    inherited: tuple[str, ...] = ()  # names in env whose values came from the caller's environ
+    env_removed: tuple[str, ...] = ()  # the caller's names withheld from --inherit-env
 
     def __post_init__(self) -> None:
         """Every field inside its grammar (``settled.grammar``), whoever built the spec."""
@@ -73,6 +75,13 @@ class CommandSpec:
             object.__setattr__(self, "user", check_user(self.user))
         writable = grammar.check_paths("writable", self.writable)
         object.__setattr__(self, "writable", tuple(sorted(set(writable))))
+        names = {name for name, _ in self.env}
+        for label in ("inherited", "env_removed"):
+            listed = tuple(sorted(set(getattr(self, label))))
+            grammar.check_env(label, ((name, "") for name in listed))
+            object.__setattr__(self, label, listed)
+        if stray := set(self.inherited) - names:
+            raise BadInput(f"inherited names {sorted(stray)} are not in the command's env")
 
     @property
     def exec_argv(self) -> list[str]:
@@ -98,6 +107,8 @@ class CommandSpec:
             **({"isolation": self.isolation} if self.isolation != "auto" else {}),
             **({"user": list(self.user)} if self.user is not None else {}),
             **({"writable": list(self.writable)} if self.writable else {}),
+            **({"inherited": list(self.inherited)} if self.inherited else {}),
+            **({"env_removed": list(self.env_removed)} if self.env_removed else {}),
         }
 
     @classmethod
@@ -118,6 +129,8 @@ class CommandSpec:
             isolation=data.get("isolation", "auto"),
             user=check_user(data["user"]) if data.get("user") is not None else None,
             writable=tuple(data.get("writable", ())),
+            inherited=tuple(data.get("inherited", ())),
+            env_removed=tuple(data.get("env_removed", ())),
         )
 
     @property

@@ -15,18 +15,25 @@ import os
 import shutil
 import socket
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from settled import boundary as boundaries
 from settled import grammar
 from settled.atomic import write_atomic
-from settled.backends import bind
+from settled.backends import bind, credential_names
 from settled.boundary.isolation import IsolationUnavailable, check_available
 from settled.boundary.sandbox import SandboxProvider, open_sandbox
 from settled.close.decide import explain
 from settled.close.join import CloseJoin, CloseResult
+from settled.environment import (
+    CallerEnv,
+    base_environment,
+    compose,
+    from_caller,
+    standing_inherit,
+)
 from settled.errors import BadInput, LogElsewhere, OwnerLaunchFailed, SettledError, WrongHost
 from settled.faults import ALL_POINTS as ALL_POINTS  # named for `settled close --list-fault-points`
 from settled.home import (
@@ -373,6 +380,9 @@ class Runtime:
         isolation: str = "auto",
         user: str | tuple[int, int] | None = None,
         writable: list[str] | tuple[str, ...] = (),
+        inherit: Sequence[str] = (),
+        inherit_env: bool = False,
+        inherited: Sequence[str] = (),
     ) -> Admission:
         """Admit a command idempotently; only the admission that creates it launches it.
 
@@ -381,25 +391,38 @@ class Runtime:
         command as another uid/gid (default: the task's, else the caller's). The host is
         read-only to the command but for its workspace, /tmp, /var/tmp and the `writable`
         paths (`["/"]`: all of it, which the receipt states). Refused (SpaceExhausted) while
-        the home's filesystem is below its reserve."""
+        the home's filesystem is below its reserve.
+
+        The command's environment is the base (PATH, HOME, LANG) overlaid by `inherit` (names
+        taken from this process's environment) or all of it with `inherit_env` (less
+        settled's own variables and the home's credentials, named in `env_removed`), then
+        `env`; `inherited` names variables of `env` a remote caller took from its own. All of
+        it is in the digest (settled.environment)."""
         grammar.optional_key("key", key)
         if stdin is not None and not isinstance(stdin, bytes):
             raise BadInput(f"stdin must be bytes, not {type(stdin).__name__}")
         record = self.store.get_task(grammar.check_id("task", task))
         self._on_this_host(record, "exec")
+        run_as = _resolve_user(user) or record.user
+        explicit = dict(normalize_env(env or {}))
+        caller = self._caller_env(inherit, inherit_env)
+        if stray := sorted(set(inherited) - set(explicit)):
+            raise BadInput(f"inherited names {stray} are not in env")
         spec = CommandSpec(
             argv=tuple(argv) if argv is not None else None,
             shell=shell,
             cwd=resolve_cwd(record.workspace, cwd),
-            env=normalize_env(env or {}),
+            env=normalize_env(compose(base_environment(run_as and run_as[0]), caller, explicit)),
             stdin_digest=self._keep_stdin(stdin) if stdin is not None else None,
             timeout=timeout,
             grace=grace if grace is not None else CommandSpec.grace,
             boundary=boundary,
             service=service,
             isolation=isolation,
-            user=_resolve_user(user) or record.user,
+            user=run_as,
             writable=tuple(_real_writable(writable)),
+            inherited=(*(n for n in caller.inherited if n not in explicit), *inherited),
+            env_removed=caller.removed,
         )
         entered = _check_sandbox(spec, record, self.sandbox.name)
         # refuse an impossible boundary before recording
@@ -418,6 +441,18 @@ class Runtime:
         self.workspace.ensure_journal(record)  # one request when watched; restarts a lost daemon
         report = self._launch(session.session)
         return self._admission(self.store.get_session(session.session), False, report)
+
+    def _caller_env(self, names: Sequence[str], whole: bool) -> CallerEnv:
+        """This process's variables for the command, never the home's credentials or any
+        value naming the home unless asked for by name. SETTLED_INHERIT names the caller's
+        standing `--inherit` list (those unset are skipped)."""
+        environ = dict(os.environ)
+        standing = [name for name in standing_inherit(environ) if name in environ]
+        if not names and not whole and not standing:
+            return CallerEnv()
+        withheld = credential_names(self.backends, environ)
+        withheld += [name for name, value in environ.items() if self.home in value]
+        return from_caller([*names, *standing], whole, environ, withheld)
 
     def _on_this_host(self, record: TaskRecord, verb: str) -> None:
         """WrongHost unless the task's owners run on this host (a task from before hosts

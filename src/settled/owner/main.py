@@ -20,7 +20,7 @@ from typing import Any
 
 from settled import boundary as boundaries
 from settled import faults
-from settled.backends import bound_backends, credential_names, seals_logs
+from settled.backends import seals_logs
 from settled.boundary import procfs
 from settled.boundary.isolation import IsolationPlan, IsolationUnavailable, make_plan
 from settled.boundary.spawn import ChildIO, Launch, SpawnFailed
@@ -47,25 +47,12 @@ from settled.store import Store, open_store
 LEASE_S = float(os.environ.get("SETTLED_LEASE_S") or 15.0)  # tests shorten it
 HEARTBEAT_S = LEASE_S / 5  # five renewals per lease: a starved owner has four to spare
 LOG_CAP_ENV = "SETTLED_LOG_CAP"
-SETTLED_ENV_PREFIX = (
-    "SETTLED_"  # the home, the store, tokens, fault points: settled's, not the command's
-)
 
 
-def command_environment(
-    inherited: dict[str, str], explicit: dict[str, str], home: str
-) -> tuple[dict[str, str], list[str]]:
-    """The command's environment and the inherited names left out of it: every SETTLED_*
-    variable, any whose value names the home, and the credentials of the home's remote
-    backends (a command holding them could write the evidence itself). What the caller passed
-    with --env stays."""
-    credentials = set(credential_names(bound_backends(home), inherited))
-    removed = sorted(
-        name for name, value in inherited.items()
-        if name.startswith(SETTLED_ENV_PREFIX) or home in value or name in credentials
-    )  # fmt: skip
-    kept = {k: v for k, v in inherited.items() if k not in removed}
-    return {**kept, **explicit}, removed
+def command_environment(spec: CommandSpec) -> dict[str, str]:
+    """Exactly the spec's environment, never the owner's: everything the command sees was
+    chosen at admission and is in the command digest (settled.environment)."""
+    return dict(spec.env)
 
 
 def sealed_stdin(data_path: str) -> int:
@@ -140,7 +127,6 @@ class Owner:
         self.boundary_kind: str | None = None
         self.plan: IsolationPlan | None = None
         self.sandbox: dict[str, Any] | None = None  # the task's command sandbox, if it has one
-        self.env_removed: list[str] = []
         self.streams: Streams | None = None
         self.last_words: LastWords | None = None
         self.store_trouble: str | None = None  # the first renewal the store could not write
@@ -207,9 +193,7 @@ class Owner:
         stdin_fd = self._open_stdin()
         out_w, err_w = streams.fds.pop("stdout_w"), streams.fds.pop("stderr_w")
         cwd = os.path.join(task.workspace, self.spec.cwd)
-        env, self.env_removed = command_environment(
-            dict(os.environ), dict(self.spec.env), self.home
-        )
+        env = command_environment(self.spec)
         argv = entered(self.sandbox, cwd, self.spec.exec_argv)
         launch = Launch(argv, cwd, env, ChildIO(stdin_fd, out_w, err_w), self.plan)
         started = time.monotonic()
@@ -493,7 +477,7 @@ class Owner:
     def _receipt(self, **facts: Any) -> dict[str, Any]:
         usage = resource.getrusage(resource.RUSAGE_SELF)
         isolation = (
-            {**self._isolation(), "env_removed": self.env_removed}
+            {**self._isolation(), "env_removed": list(self.spec.env_removed)}
             if self.plan is not None
             else {"policy": self.spec.isolation, "applied": False,
                   "why": "the command never started, so no isolation was built"}

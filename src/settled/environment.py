@@ -1,0 +1,123 @@
+"""The command's environment: explicit, recorded, and inside the command digest.
+
+Nothing reaches a command by accident. Its environment is a small base (a standard PATH, HOME
+of the user it runs as, LANG) overlaid by what the caller asked for: `--env K=V`, an
+`--env-file`, `--inherit NAME` (one variable of the caller's) or `--inherit-env` (all of the
+caller's but settled's own and the credentials of the home's remote backends). The result is
+the spec's `env`, so the digest covers every byte the command sees, and the names taken from
+the caller are recorded beside it (`inherited`) with any left out (`env_removed`).
+
+Resolution happens where the caller's environment is: in the CLI or the embedded Runtime's
+process, or in the Python client before the request; a server never hands a command its own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pwd
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+from settled.errors import BadInput
+
+STANDARD_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+SETTLED_PREFIX = "SETTLED_"  # the home, the store, tokens, fault points: settled's own
+STANDING_INHERIT_ENV = "SETTLED_INHERIT"
+
+
+@dataclass(frozen=True)
+class CallerEnv:
+    """What a caller passes: the variables, which of them came from its environment, and
+    which of its variables were withheld (by name only; their values never travel)."""
+
+    env: dict[str, str] = field(default_factory=dict)
+    inherited: tuple[str, ...] = ()
+    removed: tuple[str, ...] = ()
+
+
+def base_environment(uid: int | None = None) -> dict[str, str]:
+    """The variables every command gets unless the caller overrides them: enough for a
+    shell and common tools to run, nothing that identifies the caller's session."""
+    home = "/"  # a uid without a passwd entry: its HOME is the root, said by the value
+    with contextlib.suppress(KeyError):
+        home = pwd.getpwuid(os.getuid() if uid is None else uid).pw_dir or "/"
+    return {"PATH": STANDARD_PATH, "HOME": home, "LANG": "C.UTF-8"}
+
+
+def parse_env_file(path: str) -> dict[str, str]:
+    """`NAME=VALUE` lines (blank lines and `#` comments skipped, an optional `export `
+    prefix, one pair of matching quotes around the value stripped); any other line is
+    refused naming the file and line, so a typo never drops a variable silently."""
+    try:
+        with open(path, encoding="utf-8") as handle:
+            lines = handle.read().splitlines()
+    except OSError as exc:
+        raise BadInput(f"--env-file {path!r} cannot be read: {exc.strerror}") from exc
+    except UnicodeDecodeError as exc:
+        raise BadInput(f"--env-file {path!r} is not UTF-8 text: {exc.reason}") from exc
+    found: dict[str, str] = {}
+    for number, raw in enumerate(lines, start=1):
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        name, sep, value = line.removeprefix("export ").partition("=")
+        name = name.strip()
+        if not sep or not name or not _is_name(name):
+            raise BadInput(
+                f"--env-file {path}:{number}: {raw!r} is not NAME=VALUE "
+                "(NAME of letters, digits and _, not starting with a digit)"
+            )
+        found[name] = _unquote(value)
+    return found
+
+
+def _is_name(name: str) -> bool:
+    return name.replace("_", "a").isalnum() and name.isascii() and not name[0].isdigit()
+
+
+def _unquote(value: str) -> str:
+    if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
+        return value[1:-1]
+    return value
+
+
+def from_caller(
+    names: Iterable[str],
+    whole: bool,
+    environ: Mapping[str, str],
+    withheld: Iterable[str] = (),
+) -> CallerEnv:
+    """The caller's variables to pass: each of `names` (refused if unset, naming it), or with
+    `whole` all of them but settled's own and `withheld` (credentials; a name asked for
+    explicitly is passed, since the caller chose it)."""
+    asked = list(dict.fromkeys(names))
+    missing = [name for name in asked if name not in environ]
+    if missing:
+        raise BadInput(f"--inherit {', '.join(missing)}: not set in the caller's environment")
+    chosen = {name: environ[name] for name in asked}
+    removed: list[str] = []
+    if whole:
+        deny = set(withheld)
+        for name, value in environ.items():
+            if name in chosen:
+                continue
+            if name.startswith(SETTLED_PREFIX) or name in deny:
+                removed.append(name)
+            else:
+                chosen[name] = value
+    return CallerEnv(chosen, tuple(sorted(chosen)), tuple(sorted(removed)))
+
+
+def standing_inherit(environ: Mapping[str, str]) -> list[str]:
+    """The names the caller always passes (SETTLED_INHERIT, comma or space separated), as if
+    each were given with `--inherit`: a shell profile's choice, recorded like any other."""
+    text = environ.get(STANDING_INHERIT_ENV, "")
+    return [name for name in text.replace(",", " ").split() if name]
+
+
+def compose(
+    base: Mapping[str, str], caller: CallerEnv, explicit: Mapping[str, str]
+) -> dict[str, str]:
+    """base < inherited < explicit: an `--env` always wins over what the caller's shell has."""
+    return {**base, **caller.env, **explicit}
