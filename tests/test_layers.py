@@ -23,7 +23,9 @@ FOUNDATION = {
     "settled.atomic",
     "settled.backends",
     "settled.canonical",
+    "settled.environment",
     "settled.errors",
+    "settled.exitcodes",
     "settled.faults",
     "settled.grammar",
     "settled.home",
@@ -38,14 +40,23 @@ FOUNDATION = {
 # What a face may import besides the Runtime and other faces: types and words, no paths.
 FACE_NEUTRAL = {
     "settled.canonical",
+    "settled.environment",  # the caller's variables and env files, resolved where they are
     "settled.errors",
+    "settled.exitcodes",
     "settled.grammar",
     "settled.identity",
     "settled.records",
     "settled.render",
     "settled.states",
 }
-FACES = {"settled.cli", "settled.client", "settled.demo", "settled.mcp_server", "settled.__main__"}
+FACES = {
+    "settled.cli",
+    "settled.client",
+    "settled.demo",
+    "settled.mcp_server",
+    "settled.relay",
+    "settled.__main__",
+}
 
 # (unit, module prefix), most specific first.
 UNITS: list[tuple[str, str]] = [

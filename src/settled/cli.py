@@ -10,10 +10,13 @@ import argparse
 import json
 import os
 import sys
+import time
+import traceback
 from collections.abc import Callable
 from typing import Any, NoReturn
 
 from settled import grammar
+from settled.environment import parse_env_file
 from settled.errors import (
     EXIT_BLOCKED,
     EXIT_CODES,
@@ -27,15 +30,23 @@ from settled.errors import (
     SettledError,
     exit_code_lines,
 )
+from settled.exitcodes import RUN_EXIT_CODES, RUN_UNKNOWN, command_exit_code
 from settled.identity import BOUNDARY_POLICIES, ISOLATION_POLICIES
+from settled.relay import Relay
 from settled.render import blocked_text, close_text, receipt_text, status_text
-from settled.runtime import ALL_POINTS, Runtime, storage_error
+from settled.runtime import ALL_POINTS, Admission, Runtime, storage_error
 from settled.states import SETTLED
 
 
-def _emit(args: argparse.Namespace, payload: dict[str, Any], text: str) -> None:
+def _emit(
+    args: argparse.Namespace, payload: dict[str, Any], text: str, brief: str | None = None
+) -> None:
+    """One JSON object with --json; with -q only `brief` (the id a script wants), if any."""
     if getattr(args, "json", False):
         print(json.dumps(payload, sort_keys=True))
+    elif getattr(args, "quiet", False):
+        if brief is not None:
+            print(brief)
     else:
         print(text)
 
@@ -49,7 +60,8 @@ def cmd_task_new(rt: Runtime, args: argparse.Namespace) -> int:
     record = rt.new_task(
         args.workspace, args.key, user=args.user, shared_workspace=args.shared_workspace
     )
-    _emit(args, record.to_json(), f"task {record.task} (key {record.key}) at {record.workspace}")
+    text = f"task {record.task} (key {record.key}) at {record.workspace}"
+    _emit(args, record.to_json(), text, brief=record.task)
     return EXIT_OK
 
 
@@ -65,19 +77,37 @@ def _read_stdin_arg(value: str | None) -> bytes | None:
         raise BadInput(f"--stdin {value!r} cannot be read: {exc.strerror}") from exc
 
 
-def cmd_exec(rt: Runtime, args: argparse.Namespace) -> int:
+def _command_words(args: argparse.Namespace, verb: str) -> list[str]:
     command = list(args.command)
-    if command and command[0] == "--":
-        command = command[1:]
-    if not command:
-        raise BadInput("exec needs a command after `--`")
-    admission = rt.exec(
+    if not command or command[0] != "--":
+        raise UsageError(f"{verb} needs `--` before the command: settled {verb} [options] -- CMD")
+    if len(command) == 1:
+        raise UsageError(f"{verb} needs a command after `--`")
+    return command[1:]
+
+
+def _environment(args: argparse.Namespace) -> dict[str, str]:
+    """--env-file files in order, then --env pairs: the last word on a name wins."""
+    explicit: dict[str, str] = {}
+    for path in args.env_file:
+        explicit.update(parse_env_file(path))
+    for pair in args.env:
+        name, sep, value = pair.partition("=")
+        if not sep or not name:
+            raise UsageError(f"--env {pair!r} is not NAME=VALUE")
+        explicit[name] = value
+    return explicit
+
+
+def _admit(rt: Runtime, args: argparse.Namespace, verb: str) -> Admission:
+    command = _command_words(args, verb)
+    return rt.exec(
         args.task,
         argv=command if len(command) > 1 else None,
         shell=command[0] if len(command) == 1 else None,
         key=args.key,
         cwd=args.cwd,
-        env=args.env,
+        env=_environment(args),
         stdin=_read_stdin_arg(args.stdin),
         timeout=args.timeout,
         grace=args.grace,
@@ -86,17 +116,75 @@ def cmd_exec(rt: Runtime, args: argparse.Namespace) -> int:
         isolation=args.isolation,
         user=args.user,
         writable=args.writable,
+        inherit=args.inherit,
+        inherit_env=args.inherit_env,
     )
+
+
+def cmd_exec(rt: Runtime, args: argparse.Namespace) -> int:
+    admission = _admit(rt, args, "exec")
     payload = admission.to_json()
     verb = "reused" if admission.reused else "admitted"
     text = f"{verb} session {admission.session} (key {admission.key}): {admission.state}"
     if not args.wait:
-        _emit(args, payload, text)
+        _emit(args, payload, text, brief=admission.session)
         return EXIT_OK
     view = rt.wait(admission.session)
     payload.update(state=view["state"], receipt=view.get("receipt"))
-    _emit(args, payload, text + "\n" + status_text(view))
+    _emit(args, payload, text + "\n" + status_text(view), brief=admission.session)
     return _settled_code(view)
+
+
+def cmd_run(rt: Runtime, args: argparse.Namespace) -> int:
+    """Admit, relay both streams as they arrive, exit with the command's code."""
+    admission = _admit(rt, args, "run")
+    if getattr(args, "json", False):
+        view = rt.wait(admission.session)
+        receipt = view.get("receipt")
+        print(json.dumps(receipt or view, sort_keys=True))
+        return command_exit_code(receipt)
+    return _relay(rt, Relay(admission.session), args.cancel_on_interrupt)
+
+
+def cmd_attach(rt: Runtime, args: argparse.Namespace) -> int:
+    """Go on relaying a session from the cursors a detach printed."""
+    rt.session_record(args.session)  # UnknownSession: one line, exit 2
+    relay = Relay(args.session, {"stdout": args.start, "stderr": args.stderr_start})
+    return _relay(rt, relay, args.cancel_on_interrupt)
+
+
+def _relay(rt: Runtime, relay: Relay, cancel_on_interrupt: bool) -> int:
+    sinks = {"stdout": sys.stdout.buffer, "stderr": sys.stderr.buffer}
+    try:
+        short = relay.run(rt, sinks)
+    except KeyboardInterrupt:
+        if not cancel_on_interrupt:
+            print(
+                f"settled: detached; session {relay.session} runs on. Re-attach: "
+                f"{relay.resume_hint()}",
+                file=sys.stderr,
+            )
+            return EXIT_INTERRUPTED
+        rt.cancel(relay.session, "cancelled by Ctrl-C of settled run")
+        print(f"settled: cancelling session {relay.session} (TERM, grace, KILL)", file=sys.stderr)
+        short = relay.run(rt, sinks)  # a second Ctrl-C detaches, through main's handler
+    except BrokenPipeError:
+        return EXIT_FAILURE
+    for stream, (stored, final) in short.items():
+        print(
+            f"settled: {stream} of {relay.session} is stored only to byte {stored} of its "
+            f"final cursor {final}: the output shown is incomplete",
+            file=sys.stderr,
+        )
+    receipt = rt.wait(relay.session).get("receipt")
+    code = command_exit_code(receipt)
+    if code == RUN_UNKNOWN:
+        print(
+            f"settled: the outcome of {relay.session} is unknown: see `settled status "
+            f"{relay.session}`",
+            file=sys.stderr,
+        )
+    return code
 
 
 def cmd_wait(rt: Runtime, args: argparse.Namespace) -> int:
@@ -143,6 +231,66 @@ def cmd_status(rt: Runtime, args: argparse.Namespace) -> int:
     view = rt.task_status(target) if target.startswith("t_") else rt.session_status(target)
     _emit(args, view, status_text(view))
     return EXIT_OK
+
+
+def cmd_ls(rt: Runtime, args: argparse.Namespace) -> int:
+    rows = rt.list_tasks(args.limit)
+    now = time.time()
+    table: list[tuple[str, ...]] = [("TASK", "STATE", "SESSIONS", "AGE", "WORKSPACE")]
+    for row in rows:
+        state = row["state"]
+        if "complete" in row:
+            state += " (complete)" if row["complete"] else " (not complete)"
+        sessions = f"{row['sessions']}" + (f" ({row['live']} live)" if row["live"] else "")
+        table.append(
+            (row["task"], state, sessions, _age(now - row["created_at"]), row["workspace"])
+        )
+    text = _table(table) if rows else "no tasks in this home (create one: settled task new)"
+    _emit(args, {"tasks": rows}, text, brief="\n".join(r["task"] for r in rows) or None)
+    return EXIT_OK
+
+
+def cmd_ps(rt: Runtime, args: argparse.Namespace) -> int:
+    view = rt.task_status(args.task)
+    table: list[tuple[str, ...]] = [
+        ("SESSION", "KEY", "STATE", "EXIT", "OUT/ERR BYTES", "DURATION", "COMMAND")
+    ]
+    for s in view["sessions"]:
+        exit_fact = s.get("exit") or {}
+        code = exit_fact.get("code", exit_fact.get("signal", "-"))
+        cursors = s.get("cursors") or {}
+        started, ended = s.get("started_at"), s.get("settled_at")
+        took = _age((ended or time.time()) - started) if started else "-"
+        table.append((
+            s["session"], s["key"], s["state"], str(code),
+            f"{cursors.get('stdout', 0)}/{cursors.get('stderr', 0)}", took,
+            _shorten(s.get("command") or "", 60),
+        ))  # fmt: skip
+    text = _table(table) if view["sessions"] else f"task {args.task} has no sessions"
+    _emit(args, view, text, brief="\n".join(s["session"] for s in view["sessions"]) or None)
+    return EXIT_OK
+
+
+def _age(seconds: float) -> str:
+    """A duration the way `ps` and `docker ps` show one: the largest unit that fits."""
+    if seconds < 1:
+        return f"{seconds * 1000:.0f}ms"
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.0f}{unit}"
+    return f"{seconds:.1f}s"
+
+
+def _shorten(text: str, width: int) -> str:
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def _table(rows: list[tuple[str, ...]]) -> str:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return "\n".join(
+        "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
+        for row in rows
+    )
 
 
 def cmd_cancel(rt: Runtime, args: argparse.Namespace) -> int:
@@ -332,13 +480,107 @@ def _id(field: str) -> Callable[[str], str]:
     return lambda text: grammar.check_id(field, text)
 
 
+class Help(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """Examples kept as written, and every option's default shown."""
+
+
+def _verb(
+    sub: Any, name: str, common: argparse.ArgumentParser, what: str, example: str,
+    epilog: str | None = None,
+) -> argparse.ArgumentParser:  # fmt: skip
+    """A verb whose --help says what it does, every default, an example and its exit codes."""
+    tail = epilog or "exit codes: see `settled --help`"
+    parser: argparse.ArgumentParser = sub.add_parser(
+        name, parents=[common], help=what, description=what, formatter_class=Help,
+        epilog=f"example:\n  {example}\n\n{tail}",
+    )  # fmt: skip
+    return parser
+
+
+def _exec_options(ex: argparse.ArgumentParser) -> None:
+    """What identifies a command (all of it in the command digest) and how it runs."""
+    ex.add_argument("--task", type=_id("--task"), required=True, help="the task to run in")
+    ex.add_argument(
+        "--key", type=_key("--key"),
+        help="invocation key: a retry with the same key and command returns the same session "
+        "(default: a new key)",
+    )  # fmt: skip
+    ex.add_argument(
+        "--timeout", type=_seconds("--timeout", grammar.MAX_TIMEOUT_S), metavar="SECONDS",
+        help="settled stops the command after this long: TERM, grace, KILL (default: none)",
+    )  # fmt: skip
+    ex.add_argument(
+        "--grace", type=_seconds("--grace", grammar.MAX_GRACE_S), metavar="SECONDS",
+        help="seconds between TERM and KILL (default: 5)",
+    )  # fmt: skip
+    ex.add_argument(
+        "--cwd", type=_text("--cwd", grammar.MAX_PATH_BYTES), default=".",
+        help="directory inside the workspace",
+    )  # fmt: skip
+    ex.add_argument(
+        "--env", type=_text("--env", grammar.MAX_ARG_BYTES), action="append", default=[],
+        metavar="K=V", help="a variable for the command (repeatable; wins over the rest)",
+    )  # fmt: skip
+    ex.add_argument(
+        "--env-file", type=_path("--env-file"), action="append", default=[], metavar="FILE",
+        help="NAME=VALUE lines (# comments, `export `, quotes); a malformed line is refused",
+    )  # fmt: skip
+    ex.add_argument(
+        "--inherit", type=_text("--inherit", grammar.MAX_ARG_BYTES, 1), action="append",
+        default=[], metavar="NAME",
+        help="pass this variable of your environment (repeatable; SETTLED_INHERIT lists "
+        "standing ones). The command gets only PATH, HOME, LANG and what you pass",
+    )  # fmt: skip
+    ex.add_argument(
+        "--inherit-env", action="store_true",
+        help="pass all of your environment but settled's own variables and the home's "
+        "credentials (named in the receipt's isolation.env_removed)",
+    )  # fmt: skip
+    ex.add_argument(
+        "--stdin", type=_path("--stdin"), metavar="FILE|-",
+        help="bytes for the command's stdin, stored and in the digest (default: empty)",
+    )  # fmt: skip
+    ex.add_argument(
+        "--service", action="store_true",
+        help="a long-running service: close stops it instead of waiting for it",
+    )  # fmt: skip
+    ex.add_argument(
+        "--boundary", default="auto", choices=list(BOUNDARY_POLICIES),
+        help="what proves the process tree dead (auto: the strongest this machine has)",
+    )  # fmt: skip
+    ex.add_argument(
+        "--isolation", default="auto", choices=list(ISOLATION_POLICIES),
+        help="auto: every protection this machine gives, the receipt names any missing; "
+        "strict: refuse unless all are available; none: the command sees everything",
+    )  # fmt: skip
+    ex.add_argument(
+        "--user", type=_text("--user", grammar.MAX_USER_BYTES, 1), metavar="UID[:GID]",
+        help="run as this user (default: the task's)",
+    )  # fmt: skip
+    ex.add_argument(
+        "--writable", type=_path("--writable"), action="append", default=[], metavar="DIR",
+        help="a host directory the command may write besides its workspace, /tmp and /var/tmp "
+        "(the host is read-only to it otherwise; --writable / grants all, and says so)",
+    )  # fmt: skip
+    ex.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD [ARG...]")
+
+
+def _interrupt_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--cancel-on-interrupt", action="store_true",
+        help="Ctrl-C cancels the command (TERM, grace, KILL) and waits for its receipt, "
+        "instead of detaching",
+    )  # fmt: skip
+
+
 def build_parser() -> argparse.ArgumentParser:
     common = Parser(add_help=False)
     common.add_argument(
         "--home",
         type=_path("--home"),
         default=argparse.SUPPRESS,
-        help="settled home (SETTLED_HOME)",
+        help="settled home (SETTLED_HOME; default $XDG_STATE_HOME/settled, else "
+        "~/.local/state/settled, /var/lib/settled for root)",
     )
     common.add_argument(
         "--store",
@@ -358,11 +600,22 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument(  # SUPPRESS: a subcommand's default would undo `settled --json VERB`
         "--json", action="store_true", default=argparse.SUPPRESS, help="print one JSON object"
     )
+    common.add_argument(
+        "-q", "--quiet", action="store_true", default=argparse.SUPPRESS,
+        help="print only the id a script needs (task, session), or nothing",
+    )  # fmt: skip
+    common.add_argument(
+        "--debug", action="store_true", default=argparse.SUPPRESS,
+        help="on an error, print its traceback after the one line",
+    )  # fmt: skip
     parser = Parser(
         prog="settled",
         parents=[common],
         description=__doc__,
-        epilog="exit codes:\n" + "\n".join(exit_code_lines()),
+        epilog="exit codes:\n"
+        + "\n".join(exit_code_lines())
+        + "\n  `settled run` and `attach` exit with the command's own code instead: "
+        "124 timeout, 117 unknown, 127 never started, 128+N signal N (see `settled run --help`)",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sub = parser.add_subparsers(dest="verb", required=True)
@@ -387,49 +640,61 @@ def build_parser() -> argparse.ArgumentParser:
     destroy.add_argument("task", type=_id("task"))
     destroy.set_defaults(handler=cmd_task_destroy)
 
-    ex = sub.add_parser("exec", parents=[common], help="admit and run a command")
-    ex.add_argument("--task", type=_id("--task"), required=True)
-    ex.add_argument("--key", type=_key("--key"))
-    ex.add_argument("--timeout", type=_seconds("--timeout", grammar.MAX_TIMEOUT_S))
-    ex.add_argument("--grace", type=_seconds("--grace", grammar.MAX_GRACE_S))
-    ex.add_argument("--cwd", type=_text("--cwd", grammar.MAX_PATH_BYTES), default=".")
-    ex.add_argument(
-        "--env",
-        type=_text("--env", grammar.MAX_ARG_BYTES),
-        action="append",
-        default=[],
-        metavar="K=V",
+    ex = _verb(
+        sub,
+        "exec",
+        common,
+        "admit a command and return at once (or --wait for its receipt)",
+        "settled exec --task t_0123 --key build-1 --timeout 600 -- make -j2",
     )
-    ex.add_argument(
-        "--stdin", type=_path("--stdin"), metavar="FILE|-", help="bytes for the command's stdin"
-    )
-    ex.add_argument("--service", action="store_true")
-    ex.add_argument("--boundary", default="auto", choices=list(BOUNDARY_POLICIES))
-    ex.add_argument(
-        "--isolation",
-        default="auto",
-        choices=list(ISOLATION_POLICIES),
-        help="auto: every protection this machine gives, the receipt names any missing; "
-        "strict: refuse unless all are available; none: the command sees everything",
-    )
-    ex.add_argument(
-        "--user",
-        type=_text("--user", grammar.MAX_USER_BYTES, 1),
-        metavar="UID[:GID]",
-        help="run as this user (default: the task's)",
-    )
-    ex.add_argument(
-        "--writable",
-        type=_path("--writable"),
-        action="append",
-        default=[],
-        metavar="DIR",
-        help="a host directory the command may write besides its workspace, /tmp and /var/tmp "
-        "(the host is read-only to it otherwise; --writable / grants all, and says so)",
-    )
+    _exec_options(ex)
     ex.add_argument("--wait", action="store_true", help="wait for the process receipt")
-    ex.add_argument("command", nargs=argparse.REMAINDER)
     ex.set_defaults(handler=cmd_exec)
+
+    run = _verb(
+        sub,
+        "run",
+        common,
+        "admit a command, stream its stdout and stderr live, exit with its code",
+        "settled run --task t_0123 --timeout 60 -- pytest -q\n"
+        "  Ctrl-C detaches (the command runs on) and prints the `settled attach` that goes on",
+        epilog="exit codes of run (the command's, as a shell reports them):\n"
+        + "\n".join(f"  {code:>3}  {meaning}" for code, meaning in RUN_EXIT_CODES.items())
+        + "\n  and settled's own: 2 usage, 4 key conflict or sealed admission, 130 detached",
+    )
+    _exec_options(run)
+    _interrupt_option(run)
+    run.set_defaults(handler=cmd_run)
+
+    attach = _verb(
+        sub,
+        "attach",
+        common,
+        "stream a session's output from its cursors until it settles",
+        "settled attach s_0123 --from 1048576 --stderr-from 0",
+        epilog="exit codes: as `settled run`",
+    )
+    attach.add_argument("session", type=_id("session"))
+    attach.add_argument(
+        "--from", dest="start", type=_integer("--from", 0, grammar.MAX_CURSOR), default=0,
+        metavar="BYTES", help="stdout cursor to start at",
+    )  # fmt: skip
+    attach.add_argument(
+        "--stderr-from", dest="stderr_start", type=_integer("--stderr-from", 0, grammar.MAX_CURSOR),
+        default=0, metavar="BYTES", help="stderr cursor to start at",
+    )  # fmt: skip
+    _interrupt_option(attach)
+    attach.set_defaults(handler=cmd_attach)
+
+    ls = _verb(sub, "ls", common, "the tasks of this home, newest first", "settled ls --limit 10")
+    ls.add_argument(
+        "--limit", type=_integer("--limit", 1, 100_000), default=50, help="at most this many"
+    )
+    ls.set_defaults(handler=cmd_ls)
+
+    ps = _verb(sub, "ps", common, "the sessions of a task", "settled ps t_0123")
+    ps.add_argument("task", type=_id("task"))
+    ps.set_defaults(handler=cmd_ps)
 
     wait = sub.add_parser("wait", parents=[common], help="wait for a process receipt")
     wait.add_argument("session", type=_id("session"))
@@ -567,7 +832,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _internal_error(args: argparse.Namespace, exc: Exception) -> int:
-    """A bug: one line, never a traceback, and a code that is listed."""
+    """A bug: one line (the traceback only with --debug), and a code that is listed."""
     message = f"{type(exc).__name__}: {exc} (please report this)"
     return _fail(args, {"error": "internal error", "message": message}, message, EXIT_FAILURE)
 
@@ -591,6 +856,8 @@ def _dispatch(args: argparse.Namespace) -> int:
 
 
 def _fail(args: argparse.Namespace, payload: dict[str, Any], message: str, code: int) -> int:
+    if getattr(args, "debug", False) and sys.exc_info()[0] is not None:
+        traceback.print_exc()
     if getattr(args, "json", False):
         print(json.dumps(payload, sort_keys=True))
     print(f"settled: {payload['error']}: {message}", file=sys.stderr)

@@ -403,7 +403,10 @@ def run_stdio(home: str | None) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="settled mcp", description="settled's MCP tools (stdio)")
-    parser.add_argument("--home", help="settled home (default SETTLED_HOME, else ./.settled)")
+    parser.add_argument(
+        "--home",
+        help="settled home (default SETTLED_HOME, else the per-user default of `settled --help`)",
+    )
     return run_stdio(parser.parse_args(argv).home)
 
 

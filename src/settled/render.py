@@ -84,9 +84,12 @@ def status_text(view: dict[str, Any]) -> str:
         for s in view["sessions"]:
             exit_fact = s.get("exit")
             tail = f" — {_exit_line(exit_fact)}" if exit_fact else ""
-            lines.append(f"  {s['session']} key {s['key']}: {s['state']}{tail}")
+            command = f" `{s['command']}`" if s.get("command") else ""
+            lines.append(f"  {s['session']} key {s['key']}{command}: {s['state']}{tail}")
         return "\n".join(lines)
     lines = [f"session {view['session']} [{view['state']}] boundary {view['boundary']}"]
+    if view.get("command"):
+        lines.append(f"  command: {view['command']}")
     if view.get("why"):
         lines.append(f"  why: {view['why']}")
     if view.get("reason"):

@@ -508,6 +508,28 @@ class Runtime:
                 view["why"] = explained["words"]
         return view
 
+    def list_tasks(self, limit: int = 50) -> list[dict[str, Any]]:
+        """The newest tasks of the store, newest first, each with its session counts; a task
+        that is no longer open says whether its close proved completion (computed, as
+        `explain` does, never read from a stored status)."""
+        rows = []
+        for record in self.store.list_tasks(limit):
+            sessions = self.store.list_sessions(record.task)
+            row: dict[str, Any] = {
+                "task": record.task,
+                "key": record.key,
+                "state": record.state,
+                "workspace": record.workspace,
+                "created_at": record.created_at,
+                "sessions": len(sessions),
+                "live": sum(1 for s in sessions if s.live),
+                "host": record.host,
+            }
+            if record.state != TASK_OPEN:
+                row["complete"] = self.explain(record.task)["complete"]
+            rows.append(row)
+        return rows
+
     def wait(self, session: str, timeout: float | None = None) -> dict[str, Any]:
         """Block until the session has a receipt (or is unknown); the session's clock, not ours.
         Raises NotSettled when `timeout` passes first; the session goes on."""
@@ -764,7 +786,7 @@ class Runtime:
 
 
 def ready_home(home: str | None = None) -> str:
-    """The settled home ``home`` names (None: SETTLED_HOME, else ./.settled) as an absolute
-    path, created private if missing; HomeUnusable if it cannot hold the store, the logs and
-    the objects. What a Runtime opens, for a face that checks it before making any."""
+    """The settled home ``home`` names (None: SETTLED_HOME, else home.default_home) as an
+    absolute path, created private if missing; HomeUnusable if it cannot hold the store, the
+    logs and the objects. What a Runtime opens, for a face that checks it before making any."""
     return prepare_home(resolve_home(home))

@@ -7,10 +7,18 @@ why; it is never shown as failed, and nothing here may relaunch it.
 
 from __future__ import annotations
 
+import shlex
 from typing import Any
 
 from settled.records import OwnerFacts, SessionRecord, TaskRecord
 from settled.states import SETTLED, UNKNOWN
+
+
+def command_words(spec: dict[str, Any]) -> str:
+    """The command as a person would type it: the shell text, or the argv quoted for sh."""
+    if spec.get("shell") is not None:
+        return str(spec["shell"])
+    return shlex.join(str(word) for word in spec.get("argv") or ())
 
 
 def session_status(record: SessionRecord, owner: OwnerFacts | None) -> dict[str, Any]:
@@ -21,8 +29,12 @@ def session_status(record: SessionRecord, owner: OwnerFacts | None) -> dict[str,
         "digest": record.digest,
         "state": record.state,
         "owner": None,
+        "command": command_words(record.spec),
         "boundary": record.boundary,
         "cursors": {"stdout": record.stdout_durable, "stderr": record.stderr_durable},
+        "created_at": record.created_at,
+        "started_at": record.started_at,
+        "settled_at": record.settled_at,
     }
     if record.owner is not None:
         view["owner"] = {
@@ -65,6 +77,13 @@ def _unknown_why(record: SessionRecord) -> str:
     return "the session's owner is missing and its boundary has not been inspected"
 
 
+SESSION_ROW = (
+    "session", "key", "command", "state", "exit", "why", "cursors",
+    "created_at", "started_at", "settled_at",
+)  # fmt: skip
+"""What a task's view says of each session (`settled ps`): enough to tell them apart."""
+
+
 def task_status(task: TaskRecord, sessions: list[dict[str, Any]]) -> dict[str, Any]:
     counts: dict[str, int] = {}
     for view in sessions:
@@ -74,11 +93,9 @@ def task_status(task: TaskRecord, sessions: list[dict[str, Any]]) -> dict[str, A
         "key": task.key,
         "workspace": task.workspace,
         "state": task.state,
+        "created_at": task.created_at,
         "generation": task.generation,
-        "sessions": [
-            {k: view.get(k) for k in ("session", "key", "state", "exit", "why")}
-            for view in sessions
-        ],
+        "sessions": [{k: view.get(k) for k in SESSION_ROW} for view in sessions],
         "counts": counts,
         "host": task.host,
         **({"frozen": task.frozen} if task.frozen else {}),

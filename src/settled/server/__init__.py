@@ -89,7 +89,7 @@ def serve(
     home: str | None, host: str = "127.0.0.1", port: int = 8765, tokens_file: str | None = None
 ) -> int:
     """Run the service over the settled home ``home`` (None: ``SETTLED_HOME``, else
-    ``./.settled``) until SIGINT/SIGTERM; returns the exit code."""
+    the default home) until SIGINT/SIGTERM; returns the exit code."""
     tokens = _tokens(tokens_file)
     if tokens is None:
         return EXIT_USAGE

@@ -76,6 +76,10 @@ class Store(Protocol):
 
     def get_task(self, task: str) -> TaskRecord: ...
 
+    def list_tasks(self, limit: int = 1000) -> list[TaskRecord]:
+        """The newest `limit` tasks of this store, newest first (`settled ls`); writes nothing."""
+        ...
+
     def find_task(self, key: str) -> TaskRecord | None:
         """The task this key names, if any (a retried `task new`); writes nothing."""
         ...

@@ -497,6 +497,12 @@ class PostgresStore:
             raise UnknownTask(task)
         return task_from_row(row)
 
+    def list_tasks(self, limit: int = 1000) -> list[TaskRecord]:
+        rows = self._read(
+            f"SELECT {TASK_COLUMNS} FROM tasks ORDER BY created_at DESC, task LIMIT %s", (limit,)
+        )
+        return [task_from_row(r) for r in rows]
+
     def find_task(self, key: str) -> TaskRecord | None:
         row = self._read_one(f"SELECT {TASK_COLUMNS} FROM tasks WHERE key=%s", (key,))
         return None if row is None else task_from_row(row)

@@ -376,6 +376,12 @@ class SQLiteStore:
             raise UnknownTask(task)
         return task_from_row(row)
 
+    def list_tasks(self, limit: int = 1000) -> list[TaskRecord]:
+        rows = self._db.execute(
+            f"SELECT {TASK_COLUMNS} FROM tasks ORDER BY created_at DESC, task LIMIT ?", (limit,)
+        ).fetchall()
+        return [task_from_row(r) for r in rows]
+
     def find_task(self, key: str) -> TaskRecord | None:
         row = self._db.execute(f"SELECT {TASK_COLUMNS} FROM tasks WHERE key=?", (key,)).fetchone()
         return None if row is None else task_from_row(row)

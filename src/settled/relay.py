@@ -1,0 +1,78 @@
+"""Relay a session's two streams to this process's stdout and stderr: `settled run` and `attach`.
+
+Bytes are written as they are stored, each stream to its own descriptor, never re-split into
+lines; the relay ends exactly at each stream's final cursor (named by the process receipt), so
+nothing after the receipt and nothing before it is missed. Where it stands is always two
+cursors, which is all a later `settled attach SESSION --from N --stderr-from M` needs to go on
+from the same byte.
+
+One thread, no store connection shared across threads: the relay reads each stream from its
+cursor, and only when neither grew asks the store whether the session has settled.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import BinaryIO
+
+from settled.runtime import Runtime
+
+STREAMS = ("stdout", "stderr")
+FIRST_PAUSE_S = 0.002
+LONGEST_PAUSE_S = 0.05  # what a quiet command costs in latency at most; doubling keeps it cheap
+
+
+@dataclass
+class Relay:
+    """Where the relay of one session stands: the next cursor of each stream."""
+
+    session: str
+    cursors: dict[str, int] = field(default_factory=lambda: dict.fromkeys(STREAMS, 0))
+
+    def run(
+        self,
+        rt: Runtime,
+        sinks: dict[str, BinaryIO],
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> dict[str, tuple[int, int]]:
+        """Copy both streams until each reached its final cursor; returns the streams whose
+        stored bytes end before their final cursor (stream -> (stored end, final)), which a
+        caller must report rather than pretend the output is whole. A KeyboardInterrupt
+        leaves `cursors` at the first byte not yet written (every written byte is flushed)."""
+        pause = FIRST_PAUSE_S
+        while True:
+            if self._copy_new(rt, sinks):
+                pause = FIRST_PAUSE_S
+                continue
+            finals = {stream: rt.final_cursor(self.session, stream) for stream in STREAMS}
+            if all(final is not None for final in finals.values()):
+                if self._copy_new(rt, sinks):  # settled while we looked: read the rest now
+                    continue
+                return {
+                    s: (self.cursors[s], final)
+                    for s, final in finals.items()
+                    if final is not None and self.cursors[s] < final
+                }
+            sleep(pause)
+            pause = min(pause * 2, LONGEST_PAUSE_S)
+
+    def _copy_new(self, rt: Runtime, sinks: dict[str, BinaryIO]) -> bool:
+        moved = False
+        for stream in STREAMS:
+            chunk = rt.read(self.session, stream, self.cursors[stream])
+            if chunk:
+                sink = sinks[stream]
+                sink.write(chunk)
+                sink.flush()
+                self.cursors[stream] += len(chunk)
+                moved = True
+        return moved
+
+    def resume_hint(self) -> str:
+        """The command that goes on from exactly here."""
+        return (
+            f"settled attach {self.session} --from {self.cursors['stdout']} "
+            f"--stderr-from {self.cursors['stderr']}"
+        )
