@@ -172,9 +172,7 @@ def test_the_default_home_does_not_depend_on_the_directory(tmp_path: Path) -> No
 
     assert default_home({}, uid=0) == ROOT_HOME
     assert default_home({"XDG_STATE_HOME": "/st"}, uid=1000) == "/st/settled"
-    assert default_home({"XDG_STATE_HOME": "relative"}, uid=1000).endswith(
-        "/.local/state/settled"
-    )
+    assert default_home({"XDG_STATE_HOME": "relative"}, uid=1000).endswith("/.local/state/settled")
     env = {k: v for k, v in os.environ.items() if k != "SETTLED_HOME"}
     env |= {"XDG_STATE_HOME": str(tmp_path / "state"), "HOME": str(tmp_path)}
     for where in (tmp_path, Path("/")):
