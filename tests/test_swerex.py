@@ -12,12 +12,14 @@ from pathlib import Path
 import aiohttp
 import pytest
 import uvicorn
+from starlette.applications import Starlette
 
 swerex = pytest.importorskip("swerex")
 
 from swerex.exceptions import CommandTimeoutError, NonZeroExitCodeError  # noqa: E402
 from swerex.runtime.abstract import (  # noqa: E402
     BashAction,
+    BashInterruptAction,
     CloseBashSessionRequest,
     Command,
     CreateBashSessionRequest,
@@ -27,9 +29,11 @@ from swerex.runtime.abstract import (  # noqa: E402
 )
 from swerex.runtime.remote import RemoteRuntime  # noqa: E402
 
-from settled.server.swerex import create_swerex_app  # noqa: E402
+from settled.runtime import Runtime  # noqa: E402
+from settled.server.swerex import SwerexService, create_swerex_app  # noqa: E402
 
 KEY = "sekrit-key"
+APPS: dict[str, Starlette] = {}
 
 
 def _free_port() -> int:
@@ -49,6 +53,7 @@ def url(tmp_path: Path) -> Iterator[str]:
     while not server.started and time.monotonic() < deadline:
         time.sleep(0.05)
     assert server.started
+    APPS[f"http://127.0.0.1:{port}"] = app
     try:
         yield f"http://127.0.0.1:{port}"
     finally:
@@ -62,6 +67,8 @@ def _client(url: str, key: str = KEY) -> RemoteRuntime:
 
 
 def test_swerex_client_drives_a_stateful_session(url: str, tmp_path: Path) -> None:
+    service: SwerexService = APPS[url].state.swerex
+
     async def drive() -> None:
         rt = _client(url)
         assert (await rt.is_alive()).is_alive
@@ -77,6 +84,9 @@ def test_swerex_client_drives_a_stateful_session(url: str, tmp_path: Path) -> No
             await rt.run_in_session(BashAction(session="s1", command="false"))
         with pytest.raises(CommandTimeoutError):
             await rt.run_in_session(BashAction(session="s1", command="sleep 30", timeout=1))
+        await rt.run_in_session(BashInterruptAction(session="s1"))  # SWE-agent's next step
+        obs = await rt.run_in_session(BashAction(session="s1", command="echo $FOO; pwd"))
+        assert obs.output.split()[0] == "bar42" and obs.output.split()[1].endswith("/sub")
         out = await rt.execute(Command(command=["echo", "hi"]))
         assert out.stdout == "hi\n" and out.exit_code == 0
         target = tmp_path / "f.txt"
@@ -89,8 +99,14 @@ def test_swerex_client_drives_a_stateful_session(url: str, tmp_path: Path) -> No
         assert (tmp_path / "up" / "d" / "x.txt").read_text() == "x"
         await rt.upload(UploadRequest(source_path=str(target), target_path=str(tmp_path / "u1")))
         assert (tmp_path / "u1").read_text() == "hello"
+        await rt.create_session(CreateBashSessionRequest(session="s2"))
+        tasks = [s.task for s in service.sessions.values()] + [service.exec_task]
         await rt.close_session(CloseBashSessionRequest(session="s1"))
         await rt.close()
+        with Runtime(str(tmp_path / "home")) as runtime:
+            for task in tasks:
+                assert task is not None
+                assert runtime.task_status(task)["complete"] is True
 
     asyncio.run(asyncio.wait_for(drive(), 120))
 

@@ -1,4 +1,4 @@
-"""`settled serve --swerex`: the SWE-ReX remote runtime protocol, so SWE-agent uses settled unchanged.
+"""`settled serve --swerex`: SWE-ReX's remote runtime protocol, so SWE-agent uses settled unchanged.
 
 Routes, bodies and auth are those of the installed ``swerex`` package (``swerex.server`` and
 ``swerex.runtime.remote.RemoteRuntime``): POST JSON endpoints, an ``X-API-Key`` header, errors as
@@ -132,8 +132,11 @@ class SwerexService:
             return position
 
     def run_in_session(self, body: dict[str, Any], request_id: str | None) -> dict[str, Any]:
-        if body.get("action_type", "bash") != "bash":
-            raise _exc("SwerexException", "settled does not interrupt: every action has a timeout")
+        if body.get("action_type", "bash") == "bash_interrupt":
+            # SWE-agent interrupts after a timeout; settled already ended that command and its
+            # whole boundary when the timeout passed, so there is nothing left to interrupt.
+            self._session(str(body.get("session", "default")))
+            return {"output": "", "exit_code": 0, "failure_reason": "", "session_type": "bash"}
         name = str(body.get("session", "default"))
         timeout = body.get("timeout")
         observation = self._run(name, str(body["command"]), timeout, request_id)
@@ -147,9 +150,7 @@ class SwerexService:
             )
         return observation
 
-    def _run(
-        self, name: str, command: str, timeout: Any, request_id: str | None
-    ) -> dict[str, Any]:
+    def _run(self, name: str, command: str, timeout: Any, request_id: str | None) -> dict[str, Any]:
         session = self._session(name)
         position = self._position(session, request_id)
         with self.runtime() as runtime:
@@ -164,9 +165,10 @@ class SwerexService:
         command: str,
         timeout: Any,
     ) -> dict[str, Any]:
-        marker = "__SETTLED_SWEREX_" + hashlib.sha256(
-            f"{session.task}:{position}".encode()
-        ).hexdigest()[:24]
+        marker = (
+            "__SETTLED_SWEREX_"
+            + hashlib.sha256(f"{session.task}:{position}".encode()).hexdigest()[:24]
+        )
         with self.lock:
             # a retry runs the very script its first try ran: same key, same digest
             cwd, exports = session.before.setdefault(position, (session.cwd, session.exports))
@@ -232,7 +234,9 @@ class SwerexService:
                 self.tasks.append(task)
         command = body["command"]
         use_shell = bool(body.get("shell")) or isinstance(command, str)
-        shell = (command if isinstance(command, str) else shlex.join(command)) if use_shell else None
+        shell = (
+            (command if isinstance(command, str) else shlex.join(command)) if use_shell else None
+        )
         argv = None if use_shell else [str(part) for part in command]
         if body.get("merge_output_streams") and shell is not None:
             shell = "exec 2>&1\n" + shell
@@ -276,13 +280,7 @@ class SwerexService:
 def _script(cwd: str, exports: str, command: str, marker: str) -> str:
     """The whole script settled runs: the restored state, the action, the state trailer."""
     trailer = f"trap 'printf \"\\n{marker}\\n\"; pwd; export -p' EXIT\n"
-    return (
-        "exec 2>&1\n"
-        f"{exports}\n"
-        f"cd {shlex.quote(cwd)} || exit 1\n"
-        f"{trailer}"
-        f"{command}\n"
-    )
+    return f"exec 2>&1\n{exports}\ncd {shlex.quote(cwd)} || exit 1\n{trailer}{command}\n"
 
 
 _UNSAFE_EXPORT = re.compile(r"^declare -x (BASHOPTS|SHELLOPTS|BASH_\w*|OLDPWD|PWD|SHLVL|_)(=|$)")
@@ -297,7 +295,9 @@ def _split_trailer(raw: str, marker: str) -> tuple[str, tuple[str, str] | None]:
     rest = raw[at + len(marker) + 2 :].split("\n")
     cwd = rest[0]
     exports = "\n".join(
-        line for line in rest[1:] if line.startswith("declare -x ") and not _UNSAFE_EXPORT.match(line)
+        line
+        for line in rest[1:]
+        if line.startswith("declare -x ") and not _UNSAFE_EXPORT.match(line)
     )
     return output, (cwd, exports)
 
@@ -430,7 +430,7 @@ def _unzip(data: bytes, target: Path) -> None:
 def serve_swerex(
     home: str, host: str, port: int, api_key: str | None, workspace: str | None = None
 ) -> None:
-    """Run the SWE-ReX protocol on uvicorn until interrupted (what `settled serve --swerex` calls)."""
+    """Serve SWE-ReX's protocol on uvicorn until interrupted (`settled serve --swerex`)."""
     import uvicorn
 
     app = create_swerex_app(home, api_key, workspace or os.environ.get("SETTLED_SWEREX_WORKSPACE"))
