@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import io
 import socket
 import threading
 import time
+import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -137,5 +139,36 @@ def test_a_wrong_api_key_is_refused(url: str) -> None:
         assert not (await _client(url, "wrong").is_alive()).is_alive
         with pytest.raises(aiohttp.ClientResponseError):
             await _client(url, "wrong").create_session(CreateBashSessionRequest(session="z"))
+
+    asyncio.run(asyncio.wait_for(drive(), 60))
+
+
+def test_a_zip_member_outside_the_target_is_refused(url: str, tmp_path: Path) -> None:
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w") as archive:
+        archive.writestr("../escaped.txt", "x")
+
+    async def drive() -> int:
+        form = aiohttp.FormData()
+        form.add_field("file", buffer.getvalue(), filename="z.zip")
+        form.add_field("target_path", str(tmp_path / "in"))
+        form.add_field("unzip", "true")
+        async with aiohttp.ClientSession() as http:
+            headers = {"X-API-Key": KEY}
+            async with http.post(f"{url}/upload", data=form, headers=headers) as r:
+                return r.status
+
+    assert asyncio.run(asyncio.wait_for(drive(), 60)) == 511
+    assert not (tmp_path / "escaped.txt").exists()
+
+
+def test_cd_outside_the_workspace_persists(url: str, tmp_path: Path) -> None:
+    async def drive() -> None:
+        rt = _client(url)
+        await rt.create_session(CreateBashSessionRequest(session="o"))
+        await rt.run_in_session(BashAction(session="o", command=f"cd {tmp_path}"))
+        obs = await rt.run_in_session(BashAction(session="o", command="pwd"))
+        assert obs.output.strip() == str(tmp_path)
+        await rt.close()
 
     asyncio.run(asyncio.wait_for(drive(), 60))

@@ -177,7 +177,7 @@ class SwerexService:
             session.task,
             argv=["/bin/bash", "-c", script],  # SWE-ReX sessions are bash, not /bin/sh
             key=f"swerex:{name}:{position}",
-            cwd=cwd,
+            cwd=".",  # the script cds itself: a session may cd outside the workspace
             timeout=float(timeout) if timeout is not None else None,
         )
         wait = float(timeout) + 60.0 if timeout is not None else MAX_ACTION_WAIT_S
