@@ -1,0 +1,174 @@
+"""settled's SWE-ReX protocol driven by swe-rex's own RemoteRuntime client over real loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import socket
+import threading
+import time
+import zipfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import aiohttp
+import pytest
+import uvicorn
+from starlette.applications import Starlette
+
+swerex = pytest.importorskip("swerex")
+
+from swerex.exceptions import CommandTimeoutError, NonZeroExitCodeError  # noqa: E402
+from swerex.runtime.abstract import (  # noqa: E402
+    BashAction,
+    BashInterruptAction,
+    CloseBashSessionRequest,
+    Command,
+    CreateBashSessionRequest,
+    ReadFileRequest,
+    UploadRequest,
+    WriteFileRequest,
+)
+from swerex.runtime.remote import RemoteRuntime  # noqa: E402
+
+from settled.runtime import Runtime  # noqa: E402
+from settled.server.swerex import SwerexService, create_swerex_app  # noqa: E402
+
+KEY = "sekrit-key"
+APPS: dict[str, Starlette] = {}
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.fixture
+def url(tmp_path: Path) -> Iterator[str]:
+    port = _free_port()
+    app = create_swerex_app(str(tmp_path / "home"), KEY)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert server.started
+    APPS[f"http://127.0.0.1:{port}"] = app
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        app.state.swerex.close()
+        server.should_exit = True
+        thread.join(20)
+
+
+def _client(url: str, key: str = KEY) -> RemoteRuntime:
+    return RemoteRuntime(host=url, auth_token=key, timeout=60)
+
+
+def test_swerex_client_drives_a_stateful_session(url: str, tmp_path: Path) -> None:
+    service: SwerexService = APPS[url].state.swerex
+
+    async def drive() -> None:
+        rt = _client(url)
+        assert (await rt.is_alive()).is_alive
+        await rt.create_session(CreateBashSessionRequest(session="s1"))
+        await rt.run_in_session(BashAction(session="s1", command="mkdir -p sub && cd sub"))
+        await rt.run_in_session(BashAction(session="s1", command="export FOO=bar42"))
+        obs = await rt.run_in_session(BashAction(session="s1", command="pwd; echo $FOO"))
+        assert obs.output.strip().splitlines() == [obs.output.split()[0], "bar42"]
+        assert obs.output.split()[0].endswith("/sub") and obs.exit_code == 0
+        obs = await rt.run_in_session(BashAction(session="s1", command="exit 3", check="silent"))
+        assert obs.exit_code == 3
+        with pytest.raises(NonZeroExitCodeError):
+            await rt.run_in_session(BashAction(session="s1", command="false"))
+        with pytest.raises(CommandTimeoutError):
+            await rt.run_in_session(BashAction(session="s1", command="sleep 30", timeout=1))
+        await rt.run_in_session(BashInterruptAction(session="s1"))  # SWE-agent's next step
+        obs = await rt.run_in_session(BashAction(session="s1", command="echo $FOO; pwd"))
+        assert obs.output.split()[0] == "bar42" and obs.output.split()[1].endswith("/sub")
+        out = await rt.execute(Command(command=["echo", "hi"]))
+        assert out.stdout == "hi\n" and out.exit_code == 0
+        target = tmp_path / "f.txt"
+        await rt.write_file(WriteFileRequest(path=str(target), content="hello"))
+        assert (await rt.read_file(ReadFileRequest(path=str(target)))).content == "hello"
+        src = tmp_path / "srcdir"
+        (src / "d").mkdir(parents=True)
+        (src / "d" / "x.txt").write_text("x")
+        await rt.upload(UploadRequest(source_path=str(src), target_path=str(tmp_path / "up")))
+        assert (tmp_path / "up" / "d" / "x.txt").read_text() == "x"
+        await rt.upload(UploadRequest(source_path=str(target), target_path=str(tmp_path / "u1")))
+        assert (tmp_path / "u1").read_text() == "hello"
+        await rt.create_session(CreateBashSessionRequest(session="s2"))
+        tasks = [s.task for s in service.sessions.values()] + [service.exec_task]
+        await rt.close_session(CloseBashSessionRequest(session="s1"))
+        await rt.close()
+        with Runtime(str(tmp_path / "home")) as runtime:
+            for task in tasks:
+                assert task is not None
+                assert runtime.task_status(task)["complete"] is True
+
+    asyncio.run(asyncio.wait_for(drive(), 120))
+
+
+def test_a_retried_action_runs_once_and_answers_the_same(url: str, tmp_path: Path) -> None:
+    marker = tmp_path / "count"
+
+    async def drive() -> None:
+        rt = _client(url)
+        await rt.create_session(CreateBashSessionRequest(session="r"))
+        body = BashAction(session="r", command=f"echo x >> {marker}; echo $RANDOM").model_dump()
+        headers = {"X-API-Key": KEY, "X-Request-ID": "req-1"}
+        answers = []
+        async with aiohttp.ClientSession() as http:
+            for _ in range(2):
+                async with http.post(f"{url}/run_in_session", json=body, headers=headers) as r:
+                    assert r.status == 200, await r.text()
+                    answers.append(await r.json())
+        assert answers[0] == answers[1]
+        assert marker.read_text() == "x\n"
+        await rt.close()
+
+    asyncio.run(asyncio.wait_for(drive(), 120))
+
+
+def test_a_wrong_api_key_is_refused(url: str) -> None:
+    async def drive() -> None:
+        assert not (await _client(url, "wrong").is_alive()).is_alive
+        with pytest.raises(aiohttp.ClientResponseError):
+            await _client(url, "wrong").create_session(CreateBashSessionRequest(session="z"))
+
+    asyncio.run(asyncio.wait_for(drive(), 60))
+
+
+def test_a_zip_member_outside_the_target_is_refused(url: str, tmp_path: Path) -> None:
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w") as archive:
+        archive.writestr("../escaped.txt", "x")
+
+    async def drive() -> int:
+        form = aiohttp.FormData()
+        form.add_field("file", buffer.getvalue(), filename="z.zip")
+        form.add_field("target_path", str(tmp_path / "in"))
+        form.add_field("unzip", "true")
+        async with aiohttp.ClientSession() as http:
+            headers = {"X-API-Key": KEY}
+            async with http.post(f"{url}/upload", data=form, headers=headers) as r:
+                return r.status
+
+    assert asyncio.run(asyncio.wait_for(drive(), 60)) == 511
+    assert not (tmp_path / "escaped.txt").exists()
+
+
+def test_cd_outside_the_workspace_persists(url: str, tmp_path: Path) -> None:
+    async def drive() -> None:
+        rt = _client(url)
+        await rt.create_session(CreateBashSessionRequest(session="o"))
+        await rt.run_in_session(BashAction(session="o", command=f"cd {tmp_path}"))
+        obs = await rt.run_in_session(BashAction(session="o", command="pwd"))
+        assert obs.output.strip() == str(tmp_path)
+        await rt.close()
+
+    asyncio.run(asyncio.wait_for(drive(), 60))
