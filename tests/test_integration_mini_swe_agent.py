@@ -14,6 +14,7 @@ pytest.importorskip("minisweagent", reason="mini-swe-agent not installed (extra:
 from minisweagent.agents.default import DefaultAgent
 from minisweagent.environments import get_environment
 from minisweagent.models.test_models import DeterministicModel, make_output
+from test_client import TOKEN, Server
 
 from settled.integrations.mini_swe_agent import SettledEnvironment
 
@@ -63,7 +64,7 @@ def test_agent_loop_sees_output_and_codes_and_a_replay_reruns_nothing(tmp_path: 
             assert again["submission"] == "run\n"
             assert replay.last is not None and replay.last.reused
         finally:
-            replay.runtime.close()
+            replay.backend.release()
         assert (tmp_path / "ws" / "count").read_text() == "run\n"  # ran once, not twice
     finally:
         receipt = env.close()
@@ -83,3 +84,22 @@ def test_a_timeout_surfaces_like_the_local_environment(tmp_path: Path) -> None:
     assert "timed out after 1 seconds" in output["exception_info"]
     assert output["output"] == "started\n"
     assert env.last is not None and env.last.receipt["exit"]["reason"] == "timeout"
+
+
+def test_through_a_service_the_steps_and_the_replay_are_the_same(tmp_path: Path) -> None:
+    (tmp_path / "ws").mkdir()
+    server = Server(tmp_path)
+    server.start()
+    try:
+        env = _environment(tmp_path, url=server.url, token=TOKEN, task_key="run-svc")
+        result, _ = _run(env)
+        replay = _environment(tmp_path, url=server.url, token=TOKEN, task_key="run-svc")
+        again, _ = _run(replay)
+        replay.backend.release()
+        receipt = env.close()
+    finally:
+        server.stop()
+    assert result["submission"] == again["submission"] == "run\n"
+    assert replay.last is not None and replay.last.reused
+    assert (tmp_path / "ws" / "count").read_text() == "run\n"
+    assert receipt["checkpoint"]["digest"].startswith("sha256:")

@@ -9,6 +9,7 @@ import hashlib
 from dataclasses import dataclass
 from typing import Any
 
+from settled.client import Client
 from settled.runtime import Runtime
 
 READ_CHUNK = 1 << 20
@@ -83,3 +84,74 @@ def close_with_checkpoint(runtime: Runtime, task: str) -> dict[str, Any]:
     if result.receipt is None:
         raise RuntimeError(f"task {task} did not close: blocked on {result.blocked_on}")
     return result.receipt
+
+
+class LocalSteps:
+    """Steps through a Runtime on this machine's home (one thread: it holds one connection)."""
+
+    def __init__(self, home: str | None) -> None:
+        self.runtime = Runtime(home)
+
+    def new_task(self, workspace: str, key: str | None) -> tuple[str, str]:
+        """The task id and its key (a key already used returns its task)."""
+        record = self.runtime.new_task(workspace, key=key)
+        return record.task, record.key
+
+    def step(
+        self, task: str, shell: str, *, key: str, cwd: str, timeout: float, env: dict[str, str]
+    ) -> StepResult:
+        return run_step(
+            self.runtime, task, shell, key=key, cwd=cwd, timeout=timeout, env=env or None
+        )
+
+    def close(self, task: str) -> dict[str, Any]:
+        return close_with_checkpoint(self.runtime, task)
+
+    def release(self) -> None:
+        self.runtime.close()
+
+
+class ServiceSteps:
+    """Steps through a settled service (`settled serve`): the same keys, so a retried request
+    or a replayed step gets the same session back from the server."""
+
+    def __init__(self, url: str, token: str | None) -> None:
+        self.client = Client(url, token)
+
+    def new_task(self, workspace: str, key: str | None) -> tuple[str, str]:
+        record = self.client.new_task(workspace, key)
+        return str(record["task"]), str(record["key"])
+
+    def step(
+        self, task: str, shell: str, *, key: str, cwd: str, timeout: float, env: dict[str, str]
+    ) -> StepResult:
+        admission = self.client.exec(
+            task, shell=shell, key=key, cwd=cwd, timeout=timeout, env=env or None
+        )
+        view = self.client.wait(admission.session, timeout=timeout + WAIT_MARGIN_S)
+        receipt: dict[str, Any] = view["receipt"]
+        return StepResult(
+            stdout=self._read_all(admission.session, "stdout"),
+            stderr=self._read_all(admission.session, "stderr"),
+            code=receipt["exit"]["code"],
+            timed_out=receipt["exit"]["reason"] == "timeout",
+            receipt=receipt,
+            session=admission.session,
+            reused=admission.reused,
+        )
+
+    def _read_all(self, session: str, stream: str) -> bytes:
+        parts: list[bytes] = []
+        start = 0
+        while True:
+            chunk, start = self.client.output(session, stream, start)
+            if not chunk:
+                return b"".join(parts)
+            parts.append(chunk)
+
+    def close(self, task: str) -> dict[str, Any]:
+        """The close receipt (the client raises Blocked if the close could not finish)."""
+        return self.client.close(task)
+
+    def release(self) -> None:
+        self.client.disconnect()

@@ -20,8 +20,7 @@ from typing import Any
 
 from minisweagent.environments.local import LocalEnvironment, LocalEnvironmentConfig
 
-from settled.integrations._steps import StepResult, close_with_checkpoint, run_step, step_key
-from settled.runtime import Runtime
+from settled.integrations._steps import LocalSteps, ServiceSteps, StepResult, step_key
 
 
 class SettledEnvironmentConfig(LocalEnvironmentConfig):
@@ -33,7 +32,11 @@ class SettledEnvironmentConfig(LocalEnvironmentConfig):
     task_key: str = ""
     """Names the task and, with each step's ordinal, each step's session (default: random)."""
     home: str | None = None
-    """The settled home (default: SETTLED_HOME, else the user's)."""
+    """The settled home (default: SETTLED_HOME, else the user's), when no `url` is given."""
+    url: str = ""
+    """A settled service's address (`settled serve`): steps run there, not in a local home."""
+    token: str | None = None
+    """The service's bearer token (default: SETTLED_TOKEN)."""
 
 
 class SettledEnvironment(LocalEnvironment):
@@ -44,10 +47,13 @@ class SettledEnvironment(LocalEnvironment):
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(config_class=SettledEnvironmentConfig, **kwargs)
-        self.runtime = Runtime(self.config.home)
+        self.backend: LocalSteps | ServiceSteps = (
+            ServiceSteps(self.config.url, self.config.token)
+            if self.config.url
+            else LocalSteps(self.config.home)
+        )
         workspace = self.config.workspace or os.getcwd()
-        self.task = self.runtime.new_task(workspace, key=self.config.task_key or None)
-        self.task_key = self.task.key or self.task.task
+        self.task, self.task_key = self.backend.new_task(workspace, self.config.task_key or None)
         self.steps = 0
         self.last: StepResult | None = None
         self.close_receipt: dict[str, Any] | None = None
@@ -61,14 +67,13 @@ class SettledEnvironment(LocalEnvironment):
         key = step_key(self.task_key, self.steps)
         self.steps += 1
         limit = timeout or self.config.timeout
-        result = run_step(
-            self.runtime,
-            self.task.task,
+        result = self.backend.step(
+            self.task,
             command,
             key=key,
             cwd=cwd or self.config.cwd or ".",
             timeout=float(limit),
-            env=dict(self.config.env) or None,
+            env=dict(self.config.env),
         )
         self.last = result
         output = _observation(command, limit, result)
@@ -76,10 +81,10 @@ class SettledEnvironment(LocalEnvironment):
         return output
 
     def close(self) -> dict[str, Any]:
-        """Close the task (once; a repeat returns the same receipt) and release the runtime."""
+        """Close the task (once; a repeat returns the same receipt) and release the backend."""
         if self.close_receipt is None:
-            self.close_receipt = close_with_checkpoint(self.runtime, self.task.task)
-            self.runtime.close()
+            self.close_receipt = self.backend.close(self.task)
+            self.backend.release()
         return self.close_receipt
 
     def cleanup(self) -> None:
