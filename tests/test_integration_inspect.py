@@ -16,7 +16,7 @@ from inspect_ai import Task, eval
 from inspect_ai.dataset import Sample
 from inspect_ai.scorer import Score, Target, accuracy, scorer
 from inspect_ai.solver import Generate, TaskState, solver
-from inspect_ai.util import SandboxEnvironmentSpec, sandbox
+from inspect_ai.util import OutputLimitExceededError, SandboxEnvironmentSpec, sandbox
 
 from settled.integrations.inspect_ai import SettledSandboxConfig, SettledSandboxEnvironment
 from settled.runtime import Runtime
@@ -48,6 +48,9 @@ def use_the_sandbox() -> Any:
             text=await box.read_file("sub/a.txt"),
             data=list(await box.read_file("b.bin", text=False)),
             missing=await _raises(box.read_file("nope.txt"), FileNotFoundError),
+            flooded=await _raises(
+                box.exec(["head", "-c", "2000000", "/dev/zero"]), OutputLimitExceededError
+            ),
             timed_out=await _raises(
                 box.exec(["sleep", "30"], timeout=1, timeout_retry=False), TimeoutError
             ),
@@ -67,7 +70,10 @@ def wrote_it() -> Any:
     return score
 
 
-def test_an_eval_runs_through_settled_and_cleanup_checkpoints(tmp_path: Path) -> None:
+def test_an_eval_runs_through_settled_and_cleanup_checkpoints(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("INSPECT_SANDBOX_MAX_EXEC_OUTPUT_SIZE", "1000000")
     home, workspaces = tmp_path / "home", tmp_path / "workspaces"
     workspaces.mkdir()
     config = SettledSandboxConfig(home=str(home), workspaces=str(workspaces))
@@ -86,6 +92,7 @@ def test_an_eval_runs_through_settled_and_cleanup_checkpoints(tmp_path: Path) ->
     assert facts["piped"] == "fed"
     assert facts["text"] == "hello\r\n" and facts["data"] == [0, 255, 10]
     assert facts["missing"] is True and facts["timed_out"] is True
+    assert facts["flooded"] is True  # INSPECT_SANDBOX_MAX_EXEC_OUTPUT_SIZE, set to 1 MB here
     assert sample.scores is not None
     (score,) = sample.scores.values()
     assert score.value == "C"

@@ -169,6 +169,12 @@ class SettledSandboxEnvironment(SandboxEnvironment):
         result = await self._step(list(cmd), stdin=stdin, cwd=cwd, env=env, timeout=timeout)
         if result.timed_out:
             raise TimeoutError(f"command timed out after {timeout} s: {cmd!r}")
+        limit = SandboxEnvironmentLimits.MAX_EXEC_OUTPUT_SIZE
+        if max(len(result.stdout), len(result.stderr)) > limit:  # like Inspect's own subprocess
+            truncated = _text(result.stdout[-limit:])
+            raise OutputLimitExceededError(
+                SandboxEnvironmentLimits.MAX_EXEC_OUTPUT_SIZE_STR, truncated
+            )
         code = result.code if result.code is not None else -1
         stdout, stderr = _text(result.stdout), _text(result.stderr)
         return ExecResult(success=code == 0, returncode=code, stdout=stdout, stderr=stderr)
