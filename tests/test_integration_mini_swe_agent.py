@@ -16,6 +16,7 @@ from minisweagent.environments import get_environment
 from minisweagent.models.test_models import DeterministicModel, make_output
 from test_client import TOKEN, Server
 
+from settled.errors import KeyConflict
 from settled.integrations.mini_swe_agent import SettledEnvironment
 
 pytestmark = pytest.mark.timeout(180)
@@ -103,3 +104,20 @@ def test_through_a_service_the_steps_and_the_replay_are_the_same(tmp_path: Path)
     assert replay.last is not None and replay.last.reused
     assert (tmp_path / "ws" / "count").read_text() == "run\n"
     assert receipt["checkpoint"]["digest"].startswith("sha256:")
+
+
+def test_a_replay_that_diverges_is_refused_not_answered_with_the_old_output(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "ws").mkdir()
+    first = _environment(tmp_path, task_key="run-diverge")
+    try:
+        assert first.execute({"command": "echo a"})["output"] == "a\n"
+        replay = _environment(tmp_path, task_key="run-diverge")
+        try:
+            with pytest.raises(KeyConflict):  # step 0 was another command: no receipt is reused
+                replay.execute({"command": "echo b"})
+        finally:
+            replay.backend.release()
+    finally:
+        first.close()
