@@ -1,0 +1,6 @@
+"""Drop-in adapters that run a harness's commands through settled, so each step has a receipt.
+
+Each adapter imports its harness only in its own module: `import settled` never needs them.
+- `settled.integrations.mini_swe_agent.SettledEnvironment`: a mini-swe-agent environment.
+- `settled.integrations.inspect_ai`: the Inspect AI sandbox environment named "settled".
+"""

@@ -1,0 +1,157 @@
+"""What both adapters share: run one step through settled and read back what its receipt covers.
+
+A step's invocation key is derived from the task key and the step's ordinal, so a harness that
+retries a step (same task, same ordinal) gets the same session back instead of a second run."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Any
+
+from settled.client import Client
+from settled.runtime import Runtime
+
+READ_CHUNK = 1 << 20
+WAIT_MARGIN_S = 60.0  # the owner's clock ends the command; this only bounds our wait
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """A settled step: its output streams, exit code (None if signalled or timed out), and
+    the process receipt that proves it ended."""
+
+    stdout: bytes
+    stderr: bytes
+    code: int | None
+    timed_out: bool
+    receipt: dict[str, Any]
+    session: str
+    reused: bool
+
+
+def step_key(task_key: str, ordinal: int) -> str:
+    """The same (task, ordinal) always names the same session: a retried step is not rerun."""
+    digest = hashlib.sha256(f"{task_key}\0{ordinal}".encode()).hexdigest()[:24]
+    return f"step-{ordinal}-{digest}"
+
+
+def read_all(runtime: Runtime, session: str, stream: str) -> bytes:
+    """Every byte the owner stored for `stream` (a settled session's streams are final)."""
+    parts: list[bytes] = []
+    start = 0
+    while chunk := runtime.read(session, stream, start, READ_CHUNK):
+        parts.append(chunk)
+        start += len(chunk)
+    return b"".join(parts)
+
+
+def run_step(
+    runtime: Runtime,
+    task: str,
+    shell: str | None = None,
+    *,
+    argv: list[str] | None = None,
+    key: str,
+    cwd: str = ".",
+    timeout: float | None = None,
+    env: dict[str, str] | None = None,
+    stdin: bytes | None = None,
+) -> StepResult:
+    """Admit the step under `key`, wait for its process receipt, and return what it covers.
+    The exit code and the timeout come from the receipt, never from the command's output."""
+    admission = runtime.exec(
+        task, argv, shell, key=key, cwd=cwd, timeout=timeout, env=env, stdin=stdin
+    )
+    bound = None if timeout is None else timeout + WAIT_MARGIN_S
+    view = runtime.wait(admission.session, timeout=bound)
+    receipt: dict[str, Any] = view["receipt"]
+    exit_ = receipt["exit"]
+    return StepResult(
+        stdout=read_all(runtime, admission.session, "stdout"),
+        stderr=read_all(runtime, admission.session, "stderr"),
+        code=exit_["code"],
+        timed_out=exit_["reason"] == "timeout",
+        receipt=receipt,
+        session=admission.session,
+        reused=admission.reused,
+    )
+
+
+def close_with_checkpoint(runtime: Runtime, task: str) -> dict[str, Any]:
+    """Close the task: the close receipt carries the workspace checkpoint of what it left."""
+    result = runtime.close_task(task)
+    if result.receipt is None:
+        raise RuntimeError(f"task {task} did not close: blocked on {result.blocked_on}")
+    return result.receipt
+
+
+class LocalSteps:
+    """Steps through a Runtime on this machine's home (one thread: it holds one connection)."""
+
+    def __init__(self, home: str | None) -> None:
+        self.runtime = Runtime(home)
+
+    def new_task(self, workspace: str, key: str | None) -> tuple[str, str]:
+        """The task id and its key (a key already used returns its task)."""
+        record = self.runtime.new_task(workspace, key=key)
+        return record.task, record.key
+
+    def step(
+        self, task: str, shell: str, *, key: str, cwd: str, timeout: float, env: dict[str, str]
+    ) -> StepResult:
+        return run_step(
+            self.runtime, task, shell, key=key, cwd=cwd, timeout=timeout, env=env or None
+        )
+
+    def close(self, task: str) -> dict[str, Any]:
+        return close_with_checkpoint(self.runtime, task)
+
+    def release(self) -> None:
+        self.runtime.close()
+
+
+class ServiceSteps:
+    """Steps through a settled service (`settled serve`): the same keys, so a retried request
+    or a replayed step gets the same session back from the server."""
+
+    def __init__(self, url: str, token: str | None) -> None:
+        self.client = Client(url, token)
+
+    def new_task(self, workspace: str, key: str | None) -> tuple[str, str]:
+        record = self.client.new_task(workspace, key)
+        return str(record["task"]), str(record["key"])
+
+    def step(
+        self, task: str, shell: str, *, key: str, cwd: str, timeout: float, env: dict[str, str]
+    ) -> StepResult:
+        admission = self.client.exec(
+            task, shell=shell, key=key, cwd=cwd, timeout=timeout, env=env or None
+        )
+        view = self.client.wait(admission.session, timeout=timeout + WAIT_MARGIN_S)
+        receipt: dict[str, Any] = view["receipt"]
+        return StepResult(
+            stdout=self._read_all(admission.session, "stdout"),
+            stderr=self._read_all(admission.session, "stderr"),
+            code=receipt["exit"]["code"],
+            timed_out=receipt["exit"]["reason"] == "timeout",
+            receipt=receipt,
+            session=admission.session,
+            reused=admission.reused,
+        )
+
+    def _read_all(self, session: str, stream: str) -> bytes:
+        parts: list[bytes] = []
+        start = 0
+        while True:
+            chunk, start = self.client.output(session, stream, start)
+            if not chunk:
+                return b"".join(parts)
+            parts.append(chunk)
+
+    def close(self, task: str) -> dict[str, Any]:
+        """The close receipt (the client raises Blocked if the close could not finish)."""
+        return self.client.close(task)
+
+    def release(self) -> None:
+        self.client.disconnect()

@@ -1,0 +1,104 @@
+"""A real Inspect AI eval (mock model) whose sandbox is "settled": the solver's exec, write_file
+and read_file run through settled (text and bytes kept exactly, a missing file is
+FileNotFoundError, a timeout is TimeoutError), and the sample's cleanup closes its task with a
+checkpoint receipt."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("inspect_ai", reason="inspect_ai not installed (extra: inspect)")
+
+from inspect_ai import Task, eval
+from inspect_ai.dataset import Sample
+from inspect_ai.scorer import Score, Target, accuracy, scorer
+from inspect_ai.solver import Generate, TaskState, solver
+from inspect_ai.util import OutputLimitExceededError, SandboxEnvironmentSpec, sandbox
+
+from settled.integrations.inspect_ai import SettledSandboxConfig, SettledSandboxEnvironment
+from settled.runtime import Runtime
+
+pytestmark = pytest.mark.timeout(240)
+
+
+async def _raises(call: Any, kind: type[BaseException]) -> bool:
+    try:
+        await call
+    except kind:
+        return True
+    return False
+
+
+@solver
+def use_the_sandbox() -> Any:
+    async def solve(state: TaskState, generate: Generate) -> TaskState:
+        box = sandbox()
+        await box.write_file("sub/a.txt", "hello\r\n")
+        await box.write_file("b.bin", b"\x00\xff\n")
+        ran = await box.exec(["sh", "-c", "cat sub/a.txt; echo err >&2; exit 5"])
+        piped = await box.exec(["cat"], input="fed")
+        state.metadata.update(
+            code=ran.returncode,
+            stdout=ran.stdout,
+            stderr=ran.stderr,
+            piped=piped.stdout,
+            text=await box.read_file("sub/a.txt"),
+            data=list(await box.read_file("b.bin", text=False)),
+            missing=await _raises(box.read_file("nope.txt"), FileNotFoundError),
+            flooded=await _raises(
+                box.exec(["head", "-c", "2000000", "/dev/zero"]), OutputLimitExceededError
+            ),
+            timed_out=await _raises(
+                box.exec(["sleep", "30"], timeout=1, timeout_retry=False), TimeoutError
+            ),
+        )
+        return state
+
+    return solve
+
+
+@scorer(metrics=[accuracy()])
+def wrote_it() -> Any:
+    async def score(state: TaskState, target: Target) -> Score:
+        box = sandbox().as_type(SettledSandboxEnvironment)
+        text = await box.read_file("sub/a.txt")
+        return Score(value="C" if text == target.text else "I", metadata={"task": box.task})
+
+    return score
+
+
+def test_an_eval_runs_through_settled_and_cleanup_checkpoints(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("INSPECT_SANDBOX_MAX_EXEC_OUTPUT_SIZE", "1000000")
+    home, workspaces = tmp_path / "home", tmp_path / "workspaces"
+    workspaces.mkdir()
+    config = SettledSandboxConfig(home=str(home), workspaces=str(workspaces))
+    task = Task(
+        dataset=[Sample(input="write", target="hello\r\n")],
+        solver=use_the_sandbox(),
+        scorer=wrote_it(),
+        sandbox=SandboxEnvironmentSpec("settled", config),
+    )
+    (log,) = eval(task, model="mockllm/model", log_dir=str(tmp_path / "logs"), display="none")
+    assert log.status == "success", log.error
+    assert log.samples is not None
+    (sample,) = log.samples
+    facts = sample.metadata
+    assert (facts["code"], facts["stdout"], facts["stderr"]) == (5, "hello\r\n", "err\n")
+    assert facts["piped"] == "fed"
+    assert facts["text"] == "hello\r\n" and facts["data"] == [0, 255, 10]
+    assert facts["missing"] is True and facts["timed_out"] is True
+    assert facts["flooded"] is True  # INSPECT_SANDBOX_MAX_EXEC_OUTPUT_SIZE, set to 1 MB here
+    assert sample.scores is not None
+    (score,) = sample.scores.values()
+    assert score.value == "C"
+    assert score.metadata is not None
+    with Runtime(str(home)) as runtime:
+        closed = runtime.close_task(score.metadata["task"])  # complete: the same receipt
+    assert closed.complete and closed.receipt is not None
+    assert closed.receipt["checkpoint"]["digest"].startswith("sha256:")
+    assert list(workspaces.iterdir()) == []  # the sample's workspace went with its cleanup
