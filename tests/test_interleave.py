@@ -8,6 +8,8 @@ import sys
 import time
 from pathlib import Path
 
+from test_server import Server, home, new_task, receipt_of, run, server, start_server, workspace  # noqa: F401 (its fixtures)
+
 from settled.home import session_dir
 from settled.log import interleave
 from settled.records import TaskRecord
@@ -119,3 +121,26 @@ def test_an_index_claiming_more_than_the_limits_is_clamped(tmp_path: Path) -> No
     cut = interleave.read_merged(str(tmp_path), {"stdout": 4, "stderr": 3})
     assert _merged(cut) == b"abXcdYZ"  # order cut at stdout 4, the rest unordered
     assert [c.ordered for c in cut] == [True, True, True, False]
+
+
+def test_the_merged_route_serves_chunks_and_a_resumable_cursor(
+    server: Server,  # noqa: F811 (the fixture imported above)
+    workspace: Path,  # noqa: F811
+) -> None:
+    import base64
+
+    with server.client() as client:
+        task = new_task(client, workspace)
+        session = run(client, task, "merged", argv=[sys.executable, "-c", ALTERNATE])
+        receipt_of(client, session)
+        answer = client.get(f"/v1/sessions/{session}/merged")
+        assert answer.status_code == 200, answer.text
+        body = answer.json()
+        got = b"".join(base64.b64decode(c["data"]) for c in body["chunks"])
+        assert got == EXPECTED and body["final"] is True and body["cursor"] == len(EXPECTED)
+        assert [c["stream"] for c in body["chunks"]] == ["stdout", "stderr"] * 3
+        rest = client.get(f"/v1/sessions/{session}/merged", params={"from": 5, "max": 4}).json()
+        assert b"".join(base64.b64decode(c["data"]) for c in rest["chunks"]) == EXPECTED[5:9]
+        assert rest["cursor"] == 9
+        beyond = client.get(f"/v1/sessions/{session}/merged", params={"from": 999})
+        assert beyond.status_code == 416, beyond.text
