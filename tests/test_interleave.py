@@ -8,8 +8,19 @@ import sys
 import time
 from pathlib import Path
 
-from test_server import Server, home, new_task, receipt_of, run, server, start_server, workspace  # noqa: F401 (its fixtures)
+from test_server import (  # noqa: F401
+    TOKEN,
+    Server,
+    home,
+    new_task,
+    receipt_of,
+    run,
+    server,
+    start_server,
+    workspace,
+)
 
+from settled.client import Client
 from settled.home import session_dir
 from settled.log import interleave
 from settled.records import TaskRecord
@@ -144,3 +155,6 @@ def test_the_merged_route_serves_chunks_and_a_resumable_cursor(
         assert rest["cursor"] == 9
         beyond = client.get(f"/v1/sessions/{session}/merged", params={"from": 999})
         assert beyond.status_code == 416, beyond.text
+    with Client(server.url, TOKEN) as http:
+        page = http.merged(session, 3, size=6)
+        assert b"".join(base64.b64decode(c["data"]) for c in page["chunks"]) == EXPECTED[3:9]
