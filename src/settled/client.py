@@ -689,6 +689,13 @@ class Client(_Base):
         response = self._send(call)[0]
         return _raw_reply(call, response, start)
 
+    def merged(self, session: str, start: int = 0, size: int | None = None) -> dict[str, Any]:
+        """One read of both streams in the owner's stored order from merged cursor `start`:
+        `chunks` (stream, stream_cursor, at, ordered, base64 data), the merged `cursor` to
+        resume from, and `final` once both streams are settled (poll until then to follow)."""
+        params = {"from": str(start)} if size is None else {"from": str(start), "max": str(size)}
+        return self._call(_Call("GET", f"/v1/sessions/{_seg(session)}/merged", params=params))
+
     def stream(
         self, session: str, stream: str = "stdout", start: int = 0, *, via: str = "events"
     ) -> OutputStream:

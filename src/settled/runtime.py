@@ -43,6 +43,7 @@ from settled.home import (
     log_path,
     prepare_home,
     resolve_home,
+    session_dir,
     stdin_path,
     storage_errors,
 )
@@ -55,6 +56,7 @@ from settled.identity import (
     parse_user,
     resolve_cwd,
 )
+from settled.log import interleave
 from settled.log.reader import StreamLog as StreamLog
 from settled.log.reader import follow, read_range, stored_length
 from settled.log.view import MARKER, Window, read_window
@@ -725,6 +727,45 @@ class Runtime:
         self.store.get_session(_session_stream(session, stream))
         path = self._log_file(session, stream)
         return follow(path, start, lambda: self.final_cursor(session, stream), timeout=timeout)
+
+    def _merged_limits(self, session: str) -> tuple[dict[str, int], bool]:
+        """The cursors each stream may be served to in the merged view, and whether final
+        (settled or recovered: the receipt's cursors, so never past what recovery proved)."""
+        finals = {name: self.final_cursor(session, name) for name in ("stdout", "stderr")}
+        if all(v is not None for v in finals.values()):
+            return {k: int(v or 0) for k, v in finals.items()}, True
+        now = {n: stored_length(log_path(self.home, session, n)) for n in ("stdout", "stderr")}
+        return now, False
+
+    def read_merged(
+        self, session: str, start: int = 0, size: int = 1 << 20
+    ) -> list[interleave.Chunk]:
+        """Up to ``size`` bytes of both streams in the order the owner stored them, from
+        merged cursor ``start`` (a byte offset into the merged view), as chunks tagged with
+        stream, stream cursor and merged cursor. A chunk with ``ordered`` False is a tail the
+        index did not cover (an old session without one: stdout then stderr). While the
+        session runs, only the ordered prefix is served, so every merged cursor resumes."""
+        grammar.check_cursor("start", start)
+        grammar.check_int("size", size, 1, grammar.MAX_CURSOR)
+        self.store.get_session(session)
+        limits, final = self._merged_limits(session)
+        directory = session_dir(self.home, session)
+        if not final:
+            limits = interleave.ordered_limits(directory, limits)
+        return interleave.read_merged(directory, limits, start, size)
+
+    def follow_merged(
+        self, session: str, start: int = 0, timeout: float | None = None
+    ) -> Iterator[interleave.Chunk]:
+        """The merged view from merged cursor ``start`` as it grows, ending at both final
+        cursors; ``timeout`` bounds the whole follow."""
+        grammar.check_cursor("start", start)
+        timeout = grammar.optional_seconds("timeout", timeout, MAX_WAIT)
+        self.store.get_session(session)
+        directory = session_dir(self.home, session)
+        return interleave.follow_merged(
+            directory, lambda: self._merged_limits(session), start, timeout=timeout
+        )
 
     def view(self, session: str, stream: str, budget: int) -> str:
         """The model view of everything stored of the stream, within ``budget`` UTF-8 bytes,

@@ -36,6 +36,7 @@ from settled.home import (
     storage_error,
 )
 from settled.identity import CommandSpec
+from settled.log.interleave import IndexWriter, index_path
 from settled.log.writer import StreamWriter, enlarge_pipe
 from settled.owner.last_words import LastWords
 from settled.owner.lease import STALE_BEATS, LeaseKeeper, Renew
@@ -251,7 +252,7 @@ class Owner:
             self.store_trouble = self.store_trouble or str(exc)
 
     def _open_streams(self) -> Streams:
-        make_session_dir(self.home, self.record.session)
+        directory = make_session_dir(self.home, self.record.session)
         cap_text = os.environ.get(LOG_CAP_ENV)
         cap = int(cap_text) if cap_text else None
         space = SpaceGuard(self.home)  # both streams stop storing at the home's reserve
@@ -264,7 +265,8 @@ class Owner:
             read_end, write_end = os.pipe2(os.O_CLOEXEC)
             enlarge_pipe(read_end)
             fds[name], fds[f"{name}_w"] = read_end, write_end
-        return Streams(fds, writers)
+        index = IndexWriter(index_path(directory))
+        return Streams(fds, writers, index=index)
 
     def _plan(self, task: TaskRecord, kind: str) -> IsolationPlan:
         """What the command may see and do, from facts checked here: this process's
@@ -322,6 +324,8 @@ class Owner:
         the cursor only after its write returned, so the fsync covers every byte it names."""
         assert self.streams is not None  # the loop asks only once the streams exist
         durable = {name: writer.sync() for name, writer in self.streams.writers.items()}
+        if self.streams.index is not None:
+            self.streams.index.sync()
         try:
             return store.heartbeat(
                 self.record.session,
@@ -340,6 +344,8 @@ class Owner:
     def _settle(self, outcome: Outcome, streams: Streams) -> int:
         self.lease.close()  # ended by the supervisor already; no thread outlives the settle
         summaries = {name: w.close() for name, w in streams.writers.items()}
+        if streams.index is not None:
+            streams.index.close()
         for fd in streams.fds.values():
             os.close(fd)
         assert outcome.evidence is not None
@@ -419,6 +425,8 @@ class Owner:
             streams = self._open_streams()
         for fd in streams.fds.values():
             os.close(fd)
+        if streams.index is not None:
+            streams.index.close()
         summaries = self._sealed({n: w.close().to_json() for n, w in streams.writers.items()})
         self.timings["settled_at"] = time.time()
         receipt = self._receipt(

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 from settled import faults
 from settled.boundary import Boundary, Evidence
+from settled.log.interleave import IndexWriter
 from settled.log.writer import StreamWriter, drain_once
 from settled.owner.lease import STALE_BEATS, LeaseKeeper
 
@@ -72,13 +73,19 @@ class Streams:
     writers: dict[str, StreamWriter]
     buffer: bytearray = field(default_factory=lambda: bytearray(READ_BUFFER))
     open: set[str] = field(default_factory=lambda: {"stdout", "stderr"})
+    index: IndexWriter | None = None  # the order of the two streams' stored bytes
 
     def drain(self, name: str) -> None:
+        writer = self.writers[name]
+        before = writer.cursor
         try:
-            if drain_once(self.fds[name], self.buffer, self.writers[name]) == 0:
+            if drain_once(self.fds[name], self.buffer, writer) == 0:
                 self.open.discard(name)
         except (BlockingIOError, InterruptedError):
             pass
+        if self.index is not None and writer.cursor != before:
+            # after the log write, so the index never names bytes the log lacks
+            self.index.record(name, before, writer.cursor)
 
 
 class Supervisor:

@@ -167,6 +167,12 @@ class Handlers:
         facts = await self._facts(request)
         return streams.raw_response(self.pool, facts, start, follow, max_bytes)
 
+    async def merged(self, request: Request) -> Response:
+        start = bodies.cursor_value(request.query_params.get("from", "0"), "from")
+        size = bodies.query_max(request) or 1 << 20
+        session = request.path_params["session"]
+        return _json(await self.pool.call(views.merged, grant_of(request), session, start, size))
+
     async def events(self, request: Request) -> Response:
         start = bodies.query_cursor(request)
         facts = await self._facts(request)
@@ -185,6 +191,7 @@ def routes(h: Handlers) -> list[Route]:
         Route("/v1/sessions/{session}", h.session, methods=["GET"]),
         Route("/v1/sessions/{session}/output", h.output, methods=["GET"]),
         Route("/v1/sessions/{session}/events", h.events, methods=["GET"]),
+        Route("/v1/sessions/{session}/merged", h.merged, methods=["GET"]),
         Route("/v1/sessions/{session}/signal", h.signal, methods=["POST"]),
         Route("/v1/recover", h.recover, methods=["POST"]),
     ]

@@ -267,6 +267,19 @@ def _sessions() -> dict[str, Any]:
                 ],
             )
         },
+        "/v1/sessions/{session}/merged": {
+            "get": _operation(
+                "Both streams in the owner's stored order (its read order across the two "
+                "pipes) from a merged cursor: chunks tagged with stream, stream cursor, merged "
+                "cursor and `ordered` (false: a tail no index ordered, stdout then stderr)",
+                {
+                    "200": _json("merged chunks and the merged cursor to resume from"),
+                    **AUTH_ERRORS,
+                    **CURSOR_ERRORS,
+                },
+                parameters=[SESSION, FROM, max_bytes],
+            )
+        },
         "/v1/sessions/{session}/signal": {
             "post": _operation(
                 "TERM, KILL or INT: each is a cancel; the owner escalates TERM, grace, KILL",

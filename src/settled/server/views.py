@@ -11,6 +11,7 @@ decide anything the Runtime decides (status, completion, reuse are the Runtime's
 
 from __future__ import annotations
 
+import base64
 from typing import Any
 
 from settled.errors import UnknownSession, UnknownTask
@@ -159,6 +160,32 @@ def stream_facts(
     final = rt.final_cursor(session, stream)
     log = rt.stream_log(session, stream)
     return log, final, log.stored_length()
+
+
+def merged(rt: Runtime, grant: Grant, session: str, start: int, size: int) -> dict[str, Any]:
+    """Both streams in the owner's stored order from merged cursor ``start``: each chunk names
+    its stream, stream cursor, merged cursor and whether the index ordered it; ``cursor`` is
+    the merged cursor to resume from, ``final`` whether both streams are settled."""
+    visible_session(rt, grant, session)
+    chunks = rt.read_merged(session, start, size)
+    final = all(rt.final_cursor(session, n) is not None for n in ("stdout", "stderr"))
+    end = chunks[-1].at + len(chunks[-1].data) if chunks else start
+    return {
+        "from": start,
+        "cursor": end,
+        "final": final,
+        "order": "the owner's read order across the two pipes",
+        "chunks": [
+            {
+                "stream": c.stream,
+                "stream_cursor": c.cursor,
+                "at": c.at,
+                "ordered": c.ordered,
+                "data": base64.b64encode(c.data).decode("ascii"),
+            }
+            for c in chunks
+        ],
+    }
 
 
 def end_of_stream(rt: Runtime, session: str) -> dict[str, Any]:
