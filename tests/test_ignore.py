@@ -7,7 +7,9 @@ from pathlib import Path
 import pytest
 
 from settled.errors import BadInput
+from settled.runtime import Runtime
 from settled.workspace import ignore
+from settled.workspace.manifest import ManifestHead, read_head, read_manifest
 from settled.workspace.scan import scan
 
 
@@ -91,3 +93,65 @@ def test_incremental_scan_skips_dirty_dirs_under_ignored(tmp_path: Path) -> None
     again = scan(tmp_path, first.index, only=["build/deep", "src"], ignore=rules)
     paths = set(again.index.by_path)
     assert "src/b.py" in paths and not any(p.startswith("build") for p in paths)
+
+
+def _workspace(tmp_path: Path) -> Path:
+    workspace = tmp_path / "workspace"
+    workspace.mkdir()
+    _tree(workspace)
+    (workspace / ".settledignore").write_text("build/\n")
+    return workspace
+
+
+def test_task_binds_rules_and_manifest_and_explain_record_them(rt: Runtime, tmp_path: Path) -> None:
+    workspace = _workspace(tmp_path)
+    task = rt.new_task(str(workspace), ignore=["*.log", "!keep.log"])
+    assert task.ignore_rules is not None
+    assert task.ignore_rules["patterns"] == ["build/", "*.log", "!keep.log"]
+    assert rt.store.get_task(task.task).ignore_rules == task.ignore_rules  # in the store
+    # the command widens .settledignore mid-task: the bound rules are what count
+    widen = "printf 'build/\\nsrc/\\n' > .settledignore && echo new > src/b.py"
+    rt.wait(rt.exec(task.task, shell=widen, key="widen").session, timeout=30)
+    receipt = rt.checkpoint(task.task, incremental=False)
+    assert receipt["covers"]["ignored"] == task.ignore_rules
+    head = read_head(rt.workspace.objects, receipt["manifest"])
+    assert isinstance(head, ManifestHead) and head.ignore == task.ignore_rules
+    paths = {e.path for e in read_manifest(rt.workspace.objects, receipt["manifest"]).entries}
+    assert {"src/a.py", "src/b.py", "keep.log", ".settledignore"} <= paths
+    assert not any(p.startswith("build") for p in paths) and "x.log" not in paths
+    result = rt.close_task(task.task)
+    assert result.complete, result.blocked_on
+    explained = rt.explain(task.task)
+    assert explained["ignored"] == task.ignore_rules
+    assert "'build/'" in explained["words"] and "does not cover" in explained["words"]
+
+
+def test_restore_leaves_ignored_paths_out(rt: Runtime, tmp_path: Path) -> None:
+    task = rt.new_task(str(_workspace(tmp_path)))
+    manifest = rt.checkpoint(task.task)["manifest"]
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    assert rt.restore(manifest, str(dest)).complete
+    assert (dest / "src" / "a.py").read_text() == "a" and not (dest / "build").exists()
+
+
+def test_new_task_refuses_a_bad_pattern_and_records_nothing(rt: Runtime, tmp_path: Path) -> None:
+    workspace = _workspace(tmp_path)
+    with pytest.raises(BadInput, match=r"'\\\\'"):
+        rt.new_task(str(workspace), key="bad", ignore=["\\"])
+    assert rt.store.find_task("bad") is None
+    (workspace / ".settledignore").write_text("!\n")
+    with pytest.raises(BadInput, match="'!'"):
+        rt.new_task(str(workspace), key="bad2")
+    assert rt.store.find_task("bad2") is None
+
+
+def test_a_task_without_rules_writes_manifests_as_before(rt: Runtime, tmp_path: Path) -> None:
+    workspace = tmp_path / "plain"
+    workspace.mkdir()
+    (workspace / "f").write_text("f")
+    task = rt.new_task(str(workspace))
+    receipt = rt.checkpoint(task.task)
+    assert "ignored" not in receipt["covers"]
+    head = read_head(rt.workspace.objects, receipt["manifest"])
+    assert isinstance(head, ManifestHead) and head.ignore is None

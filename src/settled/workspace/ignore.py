@@ -19,6 +19,7 @@ import os
 import stat
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from pathspec import GitIgnoreSpec
 
@@ -37,11 +38,10 @@ class IgnoreRules:
 
     @property
     def digest(self) -> str:
-        """sha256 of the canonical JSON list of patterns: what a receipt can quote."""
-        data = json.dumps(list(self.patterns), separators=(",", ":")).encode("utf-8")
-        return "sha256:" + hashlib.sha256(data).hexdigest()
+        """What a receipt or manifest quotes to name these patterns (``ignore_digest``)."""
+        return ignore_digest(self.patterns)
 
-    def record(self) -> dict[str, object]:
+    def record(self) -> dict[str, Any]:
         """The fact a task record / manifest carries: the patterns and their digest."""
         return {"patterns": list(self.patterns), "digest": self.digest}
 
@@ -55,6 +55,12 @@ class IgnoreRules:
 NO_RULES = IgnoreRules()
 
 
+def ignore_digest(patterns: Iterable[str]) -> str:
+    """sha256 of the compact JSON list of patterns, in order (order matters: later ones win)."""
+    data = json.dumps(list(patterns), separators=(",", ":"), ensure_ascii=False)
+    return "sha256:" + hashlib.sha256(data.encode("utf-8")).hexdigest()
+
+
 def compile_rules(patterns: Iterable[str]) -> IgnoreRules:
     """Compile ``patterns`` (blanks and ``#`` comments dropped); a bad one is refused by name."""
     kept: list[str] = []
@@ -64,6 +70,10 @@ def compile_rules(patterns: Iterable[str]) -> IgnoreRules:
         line = raw.rstrip("\r\n")
         if "\n" in line or "\x00" in line:
             raise BadInput(f"ignore pattern {raw!r} holds a newline or NUL")
+        try:
+            line.encode("utf-8")
+        except UnicodeEncodeError:
+            raise BadInput(f"ignore pattern {raw!r} is not valid UTF-8") from None
         if not line.strip() or line.startswith("#"):
             continue
         try:
