@@ -92,7 +92,7 @@ class TaskRecord:
             "user": list(self.user) if self.user is not None else None,
             "shared_workspace": self.shared_workspace,
             "sandbox": self.sandbox,
-            "ignore": self.ignore_rules,
+            "ignore_rules": self.ignore_rules,
         }
 
 
