@@ -438,3 +438,13 @@ def test_a_shared_workspace_is_asked_for_over_http_and_both_closes_say_so(
     assert set(third_receipt["workspace"]["shared_with"]) == {first, second["task"]}
     receipt = client.close(first)
     assert set(receipt["workspace"]["shared_with"]) == {second["task"], third_receipt["task"]}
+
+
+@pytest.mark.timeout(60)
+def test_new_task_binds_ignore_patterns_and_refuses_a_bad_one(
+    client: Client, workspace: str
+) -> None:
+    task = client.new_task(workspace, ignore=["cache/"])
+    assert task["ignore_rules"]["patterns"] == ["cache/"]
+    with pytest.raises(ClientError, match="ignore pattern"):
+        client.new_task(workspace, key="bad-pattern", ignore=["\\"])

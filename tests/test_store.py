@@ -1105,6 +1105,7 @@ def test_close_facts_of_an_older_store_are_sealed_once_by_the_migration(tmp_path
         db.execute("ALTER TABLE tasks DROP COLUMN user")
         db.execute("ALTER TABLE tasks DROP COLUMN shared_workspace")
         db.execute("ALTER TABLE tasks DROP COLUMN sandbox")
+        db.execute("ALTER TABLE tasks DROP COLUMN ignore_rules")
         db.execute("DROP TABLE workspace_shares")
         db.execute("DROP TABLE hosts")
         db.execute("ALTER TABLE tasks DROP COLUMN host")

@@ -226,10 +226,14 @@ def _seg(value: str) -> str:
     return quote(value, safe="")
 
 
-def _task_call(workspace: str, key: str, shared_workspace: bool = False) -> _Call:
+def _task_call(
+    workspace: str, key: str, shared_workspace: bool = False, ignore: Sequence[str] = ()
+) -> _Call:
     body: dict[str, Any] = {"workspace": workspace, "key": key}
     if shared_workspace:  # only when asked: the body of every other request is unchanged
         body["shared_workspace"] = True
+    if ignore:
+        body["ignore"] = list(ignore)
     return _Call("POST", "/v1/tasks", body)
 
 
@@ -639,11 +643,16 @@ class Client(_Base):
         return _json(call, self._send(call, deadline)[0])
 
     def new_task(
-        self, workspace: str, key: str | None = None, *, shared_workspace: bool = False
+        self,
+        workspace: str,
+        key: str | None = None,
+        *,
+        shared_workspace: bool = False,
+        ignore: Sequence[str] = (),
     ) -> dict[str, Any]:
         """Create a task over `workspace` (a key already used returns its task); one that
         overlaps another open task's workspace is refused unless `shared_workspace`."""
-        return self._call(_task_call(workspace, key or new_key(), shared_workspace))
+        return self._call(_task_call(workspace, key or new_key(), shared_workspace, ignore))
 
     def exec(
         self,
@@ -837,11 +846,16 @@ class AsyncClient(_Base):
         return _json(call, (await self._send(call, deadline))[0])
 
     async def new_task(
-        self, workspace: str, key: str | None = None, *, shared_workspace: bool = False
+        self,
+        workspace: str,
+        key: str | None = None,
+        *,
+        shared_workspace: bool = False,
+        ignore: Sequence[str] = (),
     ) -> dict[str, Any]:
         """Create a task over `workspace` (a key already used returns its task); one that
         overlaps another open task's workspace is refused unless `shared_workspace`."""
-        return await self._call(_task_call(workspace, key or new_key(), shared_workspace))
+        return await self._call(_task_call(workspace, key or new_key(), shared_workspace, ignore))
 
     async def exec(
         self,

@@ -75,6 +75,9 @@ class TaskRecord:
     # What the task's sandbox provider made at `task new` (`provider`, its id, the `enter`
     # prefix of a command sandbox); None for a task made before sandboxes were recorded.
     sandbox: dict[str, Any] | None = None
+    # The ignore rules bound at `task new` (workspace.ignore: patterns and their digest), read
+    # once so a command cannot widen them; None for a task made before ignore rules.
+    ignore_rules: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -89,6 +92,7 @@ class TaskRecord:
             "user": list(self.user) if self.user is not None else None,
             "shared_workspace": self.shared_workspace,
             "sandbox": self.sandbox,
+            "ignore_rules": self.ignore_rules,
         }
 
 

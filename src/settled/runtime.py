@@ -73,6 +73,8 @@ from settled.status import session_status, task_status
 from settled.store import Store, open_store
 from settled.workspace.checkpoint import WorkspaceService
 from settled.workspace.hashing import parse_digest
+from settled.workspace.ignore import bind as bind_ignore
+from settled.workspace.ignore import compile_rules
 from settled.workspace.placement import check_workspace, default_workspaces
 from settled.workspace.restore import RestoreResult, restore
 from settled.workspace.verify import verify_manifest
@@ -290,13 +292,17 @@ class Runtime:
         *,
         user: str | tuple[int, int] | None = None,
         shared_workspace: bool = False,
+        ignore: Sequence[str] = (),
     ) -> TaskRecord:
         """`user` (UID[:GID], a name, or a (uid, gid) pair) is the default uid/gid of the
         task's commands; an exec may name another. A workspace that cannot be right is
         refused (placement.check_workspace), and so is one overlapping another open task's
         unless `shared_workspace` (then both tasks' close receipts name each other). Refused
-        below the home's reserve."""
+        below the home's reserve. `ignore`: gitignore patterns added after the workspace's
+        `.settledignore`; both are bound here, once (workspace.ignore)."""
         grammar.optional_key("key", key)
+        extra = list(ignore)
+        compile_rules(extra)  # a bad pattern is refused before anything is made
         if workspace is not None:
             grammar.check_path("workspace", workspace)
         uid_gid = _resolve_user(user)  # bad input is refused, a retry's too
@@ -316,10 +322,12 @@ class Runtime:
             if not os.path.isdir(root):
                 raise BadInput(f"--workspace {workspace!r} is not a directory")
             check_workspace(workspace, root, self.home)
+            rules = bind_ignore(root, extra).record()  # read once: a command cannot widen it
             made_sandbox: dict[str, Any] | None = None
             record, created = self.store.create_task(
-                key or new_key(), root, uid_gid, shared_workspace=shared_workspace, host=self.host
-            )
+                key or new_key(), root, uid_gid, shared_workspace=shared_workspace,
+                host=self.host, ignore_rules=rules,
+            )  # fmt: skip
             try:
                 if not created and record.workspace != root:
                     raise BadInput(

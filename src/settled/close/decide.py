@@ -307,6 +307,17 @@ def explain(facts: CloseFacts) -> dict[str, Any]:
     return result
 
 
+def _ignored_words(ignored: dict[str, Any] | None) -> str:
+    """Said when the checkpoint leaves paths out: what the proof does not cover."""
+    if not ignored:
+        return ""
+    patterns = ", ".join(repr(p) for p in ignored.get("patterns", []))
+    return (
+        f" The checkpoint does not cover paths matching the task's ignore rules ({patterns}; "
+        f"{ignored.get('digest')}), bound when the task was created."
+    )
+
+
 def _shared_words(workspace: dict[str, Any] | None) -> str:
     """Said when the checkpoint is not this task's work alone: its workspace was shared."""
     if workspace is None or not workspace.get("shared_with"):
@@ -339,13 +350,18 @@ def _explain(facts: CloseFacts) -> dict[str, Any]:
             f"{checkpoint.get('watermark')} and read back exactly, and the generation is fenced."
         )
         workspace = facts.steps["outcome"]["receipt"].get("workspace")
+        ignored = (checkpoint.get("covers") or {}).get("ignored")
         return {
             "task": facts.task.task,
             "complete": True,
             "allowed_by": allowed_by,
             "commands": outcomes,
             "workspace": workspace,
-            "words": words + _shared_words(workspace) + _command_words(outcomes),
+            "ignored": ignored,
+            "words": words
+            + _ignored_words(ignored)
+            + _shared_words(workspace)
+            + _command_words(outcomes),
         }
     if isinstance(decision, Blocked):
         blocked = decision.to_json()

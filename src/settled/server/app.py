@@ -98,6 +98,7 @@ class Handlers:
             body["key"],
             body["user"],
             body["shared_workspace"],
+            body["ignore"],
         )
         return _json(task, 201)
 

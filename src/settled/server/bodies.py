@@ -27,7 +27,7 @@ from settled.server.errors import BodyTooLarge
 MAX_BODY_BYTES = 1 << 20
 STREAMS = ("stdout", "stderr")
 SIGNALS = ("TERM", "KILL", "INT")
-TASK_FIELDS = frozenset({"workspace", "key", "user", "shared_workspace"})
+TASK_FIELDS = frozenset({"workspace", "key", "user", "shared_workspace", "ignore"})
 SESSION_FIELDS = frozenset(
     {
         "argv", "shell", "key", "timeout", "grace", "cwd", "env", "service", "boundary",
@@ -91,7 +91,21 @@ def task_request(body: dict[str, Any]) -> dict[str, Any]:
         "user": _user(body),
         "shared_workspace": body.get("shared_workspace") is not None
         and grammar.check_bool("shared_workspace", body["shared_workspace"]),
+        "ignore": _ignore(body),
     }
+
+
+MAX_IGNORE_PATTERNS = 1024
+
+
+def _ignore(body: dict[str, Any]) -> list[str]:
+    """Extra gitignore patterns (strings, at most MAX_IGNORE_PATTERNS); compiled at task new."""
+    patterns = body.get("ignore")
+    if patterns is None:
+        return []
+    if not isinstance(patterns, list) or len(patterns) > MAX_IGNORE_PATTERNS:
+        raise BadInput(f"ignore must be a list of at most {MAX_IGNORE_PATTERNS} patterns")
+    return [grammar.check_text("ignore", p, 4096, 1) for p in patterns]
 
 
 def _user(body: dict[str, Any]) -> str | None:

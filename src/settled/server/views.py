@@ -12,6 +12,7 @@ decide anything the Runtime decides (status, completion, reuse are the Runtime's
 from __future__ import annotations
 
 import base64
+from collections.abc import Sequence
 from typing import Any
 
 from settled.errors import UnknownSession, UnknownTask
@@ -49,13 +50,16 @@ def new_task(
     key: str | None,
     user: str | None = None,
     shared_workspace: bool = False,
+    ignore: Sequence[str] = (),
 ) -> dict[str, Any]:
     if not grant.creates_tasks:
         raise NotPermitted(
             f"this token is scoped to task(s) {grant.describe()} and cannot create tasks; "
             'use a token whose scope is "*"'
         )
-    return rt.new_task(workspace, key, user=user, shared_workspace=shared_workspace).to_json()
+    return rt.new_task(
+        workspace, key, user=user, shared_workspace=shared_workspace, ignore=ignore
+    ).to_json()
 
 
 def task_status(rt: Runtime, grant: Grant, task: str) -> dict[str, Any]:

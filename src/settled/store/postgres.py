@@ -84,7 +84,7 @@ from settled.store.rows import (
 T = TypeVar("T")
 Cursor = psycopg.Cursor[tuple[Any, ...]]
 
-SCHEMA_VERSION: Final = 7  # the SQLite store's; tests/test_store.py checks they agree
+SCHEMA_VERSION: Final = 8  # the SQLite store's; tests/test_store.py checks they agree
 CONNECT_TIMEOUT_S: Final = 10
 POOL_MIN, POOL_MAX = 1, 4
 RETRIES: Final = 8  # a deadlock or serialization failure: the whole transaction again
@@ -178,12 +178,15 @@ MIGRATIONS: Final[dict[int, str]] = {
     7: """
     ALTER TABLE tasks ADD COLUMN sandbox TEXT
     """,
+    8: """
+    ALTER TABLE tasks ADD COLUMN ignore_rules TEXT
+    """,
 }
 SEALS_CLOSE_FACTS: Final = 4
 
 TASK_COLUMNS: Final = (
     'task, key, workspace, state, generation, created_at, "user", shared_workspace, host, frozen, '
-    "sandbox"
+    "sandbox, ignore_rules"
 )
 SELECT_SESSION: Final = f"SELECT {SESSION_COLUMNS} FROM sessions"
 
@@ -396,6 +399,7 @@ class PostgresStore:
         *,
         shared_workspace: bool = False,
         host: str | None = None,
+        ignore_rules: dict[str, Any] | None = None,
     ) -> tuple[TaskRecord, bool]:
         def work(cur: Cursor) -> tuple[TaskRecord, bool]:
             cur.execute("SELECT pg_advisory_xact_lock(%s)", (self._create_lock,))
@@ -415,11 +419,11 @@ class PostgresStore:
                 raise WorkspaceOverlap(workspace, others)
             record = TaskRecord(
                 new_id("t"), key, workspace, TASK_OPEN, 1, time.time(), user, shared_workspace,
-                host=host,
+                host=host, ignore_rules=ignore_rules,
             )  # fmt: skip
             cur.execute(
                 f"INSERT INTO tasks ({TASK_COLUMNS}) "
-                "VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, NULL, NULL)",
+                "VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, NULL, NULL, %s)",
                 (
                     record.task,
                     key,
@@ -430,6 +434,7 @@ class PostgresStore:
                     json.dumps(list(user)) if user is not None else None,
                     int(shared_workspace),
                     host,
+                    json.dumps(ignore_rules) if ignore_rules is not None else None,
                 ),
             )
             for other, _path in others:  # each names the other in its close receipt

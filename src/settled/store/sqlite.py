@@ -65,7 +65,7 @@ from settled.store.rows import (
     task_from_row,
 )
 
-SCHEMA_VERSION = 7
+SCHEMA_VERSION = 8
 
 MIGRATIONS: dict[int, str] = {
     1: """
@@ -152,12 +152,15 @@ MIGRATIONS: dict[int, str] = {
     7: """
     ALTER TABLE tasks ADD COLUMN sandbox TEXT
     """,
+    8: """
+    ALTER TABLE tasks ADD COLUMN ignore_rules TEXT
+    """,
 }
 SEALS_CLOSE_FACTS = 4  # the migration that seals the close facts an older settled wrote
 
 TASK_COLUMNS = (
     "task, key, workspace, state, generation, created_at, user, shared_workspace, host, frozen, "
-    "sandbox"
+    "sandbox, ignore_rules"
 )
 
 
@@ -292,6 +295,7 @@ class SQLiteStore:
         *,
         shared_workspace: bool = False,
         host: str | None = None,
+        ignore_rules: dict[str, Any] | None = None,
     ) -> tuple[TaskRecord, bool]:
         with self._write() as db:  # the overlap is decided in the transaction that records
             row = db.execute(f"SELECT {TASK_COLUMNS} FROM tasks WHERE key=?", (key,)).fetchone()
@@ -310,11 +314,11 @@ class SQLiteStore:
                 raise WorkspaceOverlap(workspace, others)
             record = TaskRecord(
                 new_id("t"), key, workspace, TASK_OPEN, 1, time.time(), user, shared_workspace,
-                host=host,
+                host=host, ignore_rules=ignore_rules,
             )  # fmt: skip
             db.execute(
                 f"INSERT INTO tasks ({TASK_COLUMNS}) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, NULL, NULL)",
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, NULL, NULL, ?)",
                 (
                     record.task,
                     key,
@@ -325,6 +329,7 @@ class SQLiteStore:
                     json.dumps(list(user)) if user is not None else None,
                     int(shared_workspace),
                     host,
+                    json.dumps(ignore_rules) if ignore_rules is not None else None,
                 ),
             )
             for other, _path in others:  # each names the other in its close receipt

@@ -39,6 +39,7 @@ from settled.home import journal_socket, run_dir
 from settled.receipts import seal
 from settled.records import SessionRecord, TaskRecord
 from settled.store import Store
+from settled.workspace import ignore
 from settled.workspace.hashing import algorithm_of, digest_bytes
 from settled.workspace.index import Index
 from settled.workspace.journal import client as journal_client
@@ -128,6 +129,7 @@ class WorkspaceService:
         checkpoint, and only when the journal vouches for that whole interval; otherwise full.
         A stat cache that cannot be read is not an error: the scan runs without it, and says so.
         """
+        rules = ignore.from_record(task.ignore_rules)  # bound at task new, never re-read
         watermark = journal_client.barrier(self.socket(), task.task)
         started_at = time.time()
         latest = self.store.latest_checkpoint(task.task)
@@ -136,10 +138,12 @@ class WorkspaceService:
         if incremental and previous is not None and watermark is not None:
             only = watermark.dirty_dirs if watermark.trustworthy else None
         try:
-            result = scan(task.workspace, previous, self.objects, only=only, cache=self.cache)
+            result = scan(
+                task.workspace, previous, self.objects, only=only, cache=self.cache, ignore=rules
+            )
         except IndexMismatch as error:
             cache, only = f"unusable, scanned without it: {error}", None
-            result = scan(task.workspace, None, self.objects, cache=self.cache)
+            result = scan(task.workspace, None, self.objects, cache=self.cache, ignore=rules)
         faults.point("checkpoint.after_blobs")
         index_ref = result.index.ref
         self.cache.put_many([(index_ref, result.index.to_bytes())])
@@ -156,6 +160,7 @@ class WorkspaceService:
             "entries": result.index.count,
             "mode": "full" if only is None else "incremental",
             "stats": dataclasses.asdict(result.stats),
+            **({"ignore": rules.record()} if rules.patterns else {}),
         }
 
     def checkpoint_now(self, task: TaskRecord, *, incremental: bool = True) -> dict[str, Any]:
@@ -196,6 +201,7 @@ class WorkspaceService:
                 "entries": index.count,
                 "watermark": scan_fact["watermark"],
                 "covers": {
+                    **({"ignored": ignored} if (ignored := _ignore_fact(task)) else {}),
                     "scan_started_at": scan_fact["started_at"],
                     "terminal_mutations": {
                         s.session: (s.receipt or {}).get("terminal_mutation") for s in sessions
@@ -218,6 +224,7 @@ class WorkspaceService:
             parent=scan_fact["parent"],
             watermark=scan_fact["watermark"],
             generation=task.generation,
+            ignore=_ignore_fact(task),
         )
 
     def _fresh(self, scan_fact: dict[str, Any]) -> tuple[set[str], set[str] | None]:
@@ -269,7 +276,8 @@ class WorkspaceService:
         quarantined = [{"object": key, "moved_to": path} for key, path in moved.items()]
         started_at = time.time()
         try:
-            rescan = scan(task.workspace, None, self.objects, index.algorithm)
+            rules = ignore.from_record(task.ignore_rules)
+            rescan = scan(task.workspace, None, self.objects, index.algorithm, ignore=rules)
         except (ScanError, OSError) as error:
             why = f"The rescan that could have published them again failed: {error}"
             raise CheckpointUnverified(first.manifest_id, first.problems, why) from error
@@ -328,6 +336,12 @@ def _as_found(now: Problem, first: Problem | None, moved_to: str | None) -> Prob
         return now
     detail = "; ".join(part for part in (first.detail, f"quarantined as {moved_to}") if part)
     return Problem(first.object, first.problem, now.paths or first.paths, detail)
+
+
+def _ignore_fact(task: TaskRecord) -> dict[str, Any] | None:
+    """The task's bound ignore rules as manifests and receipts carry them; None without any."""
+    rules = ignore.from_record(task.ignore_rules)
+    return rules.record() if rules.patterns else None
 
 
 def _journal_trust(watermark: journal_client.Watermark | None) -> dict[str, Any]:

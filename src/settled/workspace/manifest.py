@@ -52,6 +52,7 @@ from typing import Any, Final, NamedTuple
 from settled.canonical import canonical_bytes
 from settled.errors import SettledError
 from settled.workspace.hashing import check_algorithm, digest_bytes, parse_digest
+from settled.workspace.ignore import ignore_digest
 from settled.workspace.objectstore import ObjectMissing, ObjectStore, StoredObject
 from settled.workspace.sparse import Extent
 
@@ -467,6 +468,7 @@ class Manifest:
     parent: str | None = None  # the previous manifest id of this workspace
     watermark: int | None = None  # the mutation sequence number the tree covers
     generation: int = 0
+    ignore: dict[str, Any] | None = None  # the ignore rules its checkpoint left out (v3 only)
 
     @property
     def root(self) -> Entry:
@@ -477,7 +479,7 @@ class Manifest:
     def to_dict(self) -> dict[str, Any]:
         if self.entries and self.entries[0].path == ROOT and self.entries[0].tree is not None:
             return manifest_dict(
-                self.algorithm, self.root, self.parent, self.watermark, self.generation
+                self.algorithm, self.root, self.parent, self.watermark, self.generation, self.ignore
             )
         return {
             "v": FLAT_MANIFEST_VERSION,
@@ -557,10 +559,17 @@ def _is_count(value: object) -> bool:
 
 
 def manifest_dict(
-    algorithm: str, root: Entry, parent: str | None, watermark: int | None, generation: int
+    algorithm: str,
+    root: Entry,
+    parent: str | None,
+    watermark: int | None,
+    generation: int,
+    ignore: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The manifest object: the root directory's mode, owner and tree, and the lineage (v3;
-    a root that records no owner was read from a v2 object, and gives back its v2 form)."""
+    a root that records no owner was read from a v2 object, and gives back its v2 form).
+    ``ignore``: the task's bound ignore rules (patterns and digest), present only when there
+    are any, so the proof itself says what it does not cover; without, the bytes are as before."""
     root_form: dict[str, Any] = {"mode": root.mode, "tree": root.tree}
     if root.uid is not None:
         root_form.update(uid=root.uid, gid=root.gid)
@@ -571,7 +580,20 @@ def manifest_dict(
         "parent": parent,
         "watermark": watermark,
         "generation": generation,
+        **({"ignore": ignore} if ignore is not None else {}),
     }
+
+
+def _check_ignore(raw: object) -> dict[str, Any]:
+    """A manifest's ``ignore`` field: exactly patterns (strings) and the digest naming them."""
+    if not isinstance(raw, dict) or set(raw) != {"patterns", "digest"}:
+        raise ValueError(f"ignore {raw!r} is not {{digest, patterns}}")
+    patterns = raw["patterns"]
+    if not isinstance(patterns, list) or not all(isinstance(p, str) for p in patterns):
+        raise ValueError("ignore patterns are not a list of strings")
+    if raw["digest"] != ignore_digest(patterns):
+        raise ValueError("ignore patterns do not match their digest")
+    return raw
 
 
 @dataclass(frozen=True)
@@ -584,6 +606,7 @@ class ManifestHead:
     parent: str | None
     watermark: int | None
     generation: int
+    ignore: dict[str, Any] | None = None  # the ignore rules the checkpoint left out, if any
 
 
 def write_manifest(
@@ -594,11 +617,18 @@ def write_manifest(
     parent: str | None = None,
     watermark: int | None = None,
     generation: int = 0,
+    ignore: dict[str, Any] | None = None,
 ) -> str:
     """Store the manifest object, last: refused unless its root tree is already in the store
     and the root records its owner."""
     return publish_manifest(
-        store, algorithm, root, parent=parent, watermark=watermark, generation=generation
+        store,
+        algorithm,
+        root,
+        parent=parent,
+        watermark=watermark,
+        generation=generation,
+        ignore=ignore,
     ).digest
 
 
@@ -610,6 +640,7 @@ def publish_manifest(
     parent: str | None = None,
     watermark: int | None = None,
     generation: int = 0,
+    ignore: dict[str, Any] | None = None,
 ) -> StoredObject:
     """``write_manifest``, returning what the store kept: the version it names is the exact
     upload a read-back then reads (an S3 ``VersionId``; the local store's is the digest)."""
@@ -620,11 +651,13 @@ def publish_manifest(
         if not root.owned:
             raise ValueError("the root entry records no owner")
         _check_lineage(parent, watermark, generation)
+        if ignore is not None:
+            _check_ignore(ignore)
     except (ValueError, SettledError) as error:
         raise ManifestInvalid("(unwritten)", str(error)) from None
     if not store.has(root.tree):
         raise MissingObject(root.tree, "root tree")
-    raw = manifest_dict(algorithm, root, parent, watermark, generation)
+    raw = manifest_dict(algorithm, root, parent, watermark, generation, ignore)
     with store.writer(algorithm) as writer:
         writer.write(canonical_bytes(raw))
         return writer.commit()
@@ -643,8 +676,9 @@ def read_head(
             raise ManifestInvalid(manifest_id, f"algorithm {manifest.algorithm} differs")
         return manifest
     try:
-        if not isinstance(raw, dict) or set(raw) != _MANIFEST_KEYS:
-            raise ValueError(f"top-level fields are not {sorted(_MANIFEST_KEYS)}")
+        if not isinstance(raw, dict) or set(raw) - {"ignore"} != _MANIFEST_KEYS:
+            raise ValueError(f"top-level fields are not {sorted(_MANIFEST_KEYS)} (+ ignore)")
+        ignore = _check_ignore(raw["ignore"]) if "ignore" in raw else None
         if raw["v"] not in (MANIFEST_VERSION, OWNERLESS_MANIFEST_VERSION):
             raise ValueError(f"version {raw['v']!r} is not {MANIFEST_VERSION}")
         if raw["algorithm"] != algorithm:
@@ -663,7 +697,7 @@ def read_head(
     except (ValueError, SettledError) as error:
         raise ManifestInvalid(manifest_id, str(error)) from None
     return ManifestHead(
-        manifest_id, algorithm, root, raw["parent"], raw["watermark"], raw["generation"]
+        manifest_id, algorithm, root, raw["parent"], raw["watermark"], raw["generation"], ignore
     )
 
 
@@ -688,7 +722,7 @@ def read_manifest(store: ObjectStore, manifest_id: str) -> Manifest:
         pending.extend(child for child in children if child.type == DIR)
     entries.sort(key=lambda entry: entry.path)
     manifest = Manifest(
-        head.algorithm, tuple(entries), head.parent, head.watermark, head.generation
+        head.algorithm, tuple(entries), head.parent, head.watermark, head.generation, head.ignore
     )
     try:
         manifest.check()

@@ -57,6 +57,7 @@ from settled.workspace.hashing import (
     format_digest,
     new_hasher,
 )
+from settled.workspace.ignore import NO_RULES, IgnoreRules
 from settled.workspace.index import DirNode, Index, MemoryObjects, build_node, with_node
 from settled.workspace.manifest import (
     DIR,
@@ -141,6 +142,7 @@ def scan(
     *,
     only: Iterable[str] | None = None,
     cache: NodeCache | None = None,
+    ignore: IgnoreRules = NO_RULES,
 ) -> ScanResult:
     """Scan the tree at ``root``; publish file contents and trees into ``store`` if given, and
     the stat-cache nodes into ``cache`` (else they are kept in memory, beside the previous
@@ -151,21 +153,35 @@ def scan(
     changed in content, mode or type. Only those are re-listed, new directories found there are
     walked in full, and every other directory is carried over from ``previous``. ``None`` (the
     default) is a full scan, which is what a final scan must be.
+
+    ``ignore``: the task's bound rules; an ignored directory is pruned (never listed nor
+    walked), an ignored file never read, and neither appears in the index.
     """
     check_algorithm(algo)
     started = time.time_ns()
     previous = _usable(previous, algo, only)
+    if only is not None:  # a dirty directory inside an ignored one is never relisted
+        only = [rel for rel in only if not _under_ignored(rel, ignore)]
     if not os.path.isdir(_PROC_FD):
         raise ScanError(f"{_PROC_FD} is missing: files could not be opened without following")
     root_fd = os.open(os.fspath(root), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         scanner = _Scanner(root_fd, previous, store, cache, algo, started - CLOCK_SLACK_NS)
+        scanner.ignore = ignore
         top = scanner.run(only)
     finally:
         os.close(root_fd)
     index = Index(algo, started, top, scanner.sink, scanner.nodes)
     scanner.stats.entries_carried = max(0, index.count - scanner.entries_listed)
     return ScanResult(index, scanner.stats, frozenset(scanner.hashed), scanner.new_trees)
+
+
+def _under_ignored(rel: str, ignore: IgnoreRules) -> bool:
+    """Whether the directory ``rel`` or one of its ancestors is ignored."""
+    if rel in (ROOT, ""):
+        return False
+    parts = rel.split("/")
+    return any(ignore.ignores("/".join(parts[: i + 1]), True) for i in range(len(parts)))
 
 
 def _usable(previous: Index | None, algo: str, only: Iterable[str] | None) -> Index | None:
@@ -289,6 +305,7 @@ class _Scanner:
         self.publisher: Publisher | None = None
         self.buffer = bytearray(CHUNK)
         self.view = memoryview(self.buffer)
+        self.ignore = NO_RULES
 
     # -- modes ---------------------------------------------------------------------------------
 
@@ -401,6 +418,10 @@ class _Scanner:
             st = self.lstat(fd, name, prefix + name)
             if st is None:
                 continue  # vanished while listed
+            if self.ignore.patterns and self.ignore.ignores(
+                prefix + name, stat.S_ISDIR(st.st_mode)
+            ):
+                continue  # left out by the task's bound rules: not recorded, never walked
             cached = cached_rows.get(name)
             if cached is not None and _verdict(cached, st, cutoff) == _REUSE:
                 rows[name] = cached
