@@ -190,3 +190,54 @@ def test_no_traceback_without_debug_and_one_with_it(cli: CLI, tmp_path: Path) ->
     assert len(plain.stderr.decode().strip().splitlines()) == 1
     debug = cli.run("ls", "--home", str(bad / "sub"), "--debug")
     assert b"Traceback" in debug.stderr
+
+
+def test_logs_default_to_both_streams_in_the_order_they_were_stored(
+    cli: CLI, task: dict[str, Any]
+) -> None:
+    script = "printf a; sleep 0.2; printf B >&2; sleep 0.2; printf c; sleep 0.2; printf D >&2"
+    done = cli.json("exec", "--task", task["task"], "--wait", "--", "sh", "-c", script)
+    session = done["session"]
+    assert cli.run("logs", session).stdout == b"aBcD"
+    assert cli.run("logs", session, "--from", "2").stdout == b"cD"
+    assert cli.run("logs", session, "--stream", "stderr").stdout == b"BD"
+    assert cli.run("logs", session, "--follow", "--timeout", "30").stdout == b"aBcD"
+
+
+def test_serve_swerex_answers_swe_rex_s_own_client_with_a_key_from_the_environment(
+    cli: CLI, tmp_path: Path
+) -> None:
+    pytest.importorskip("swerex")
+    import asyncio
+    import socket
+
+    from swerex.runtime.remote import RemoteRuntime
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = {**cli.env, "SETTLED_SWEREX_API_KEY": "k3y"}
+    server = subprocess.Popen(
+        [*SETTLED, "serve", "--swerex", "--port", str(port),
+         "--swerex-workspace", str(tmp_path)],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        good = RemoteRuntime(host="http://127.0.0.1", port=port, auth_token="k3y", timeout=30)
+        bad = RemoteRuntime(host="http://127.0.0.1", port=port, auth_token="wrong", timeout=30)
+
+        async def probe_both() -> tuple[bool, bool]:
+            for _ in range(100):
+                if server.poll() is not None:
+                    break
+                if await good.is_alive():
+                    return True, bool(await bad.is_alive())
+                await asyncio.sleep(0.1)
+            return False, False
+
+        assert asyncio.run(probe_both()) == (True, False)
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+    refused = cli.run("serve", "--swerex", "--host", "0.0.0.0", "--port", str(port))
+    assert refused.returncode == 2 and b"needs an API key" in refused.stderr

@@ -81,6 +81,7 @@ UNITS: list[tuple[str, str]] = [
     ("recovery", "settled.recovery"),
     ("runtime", "settled.runtime"),
     ("faces", "settled.server"),
+    ("faces", "settled.integrations"),  # the harness adapters: through the Runtime or Client
 ]
 
 BELOW_RUNTIME = {

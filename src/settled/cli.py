@@ -12,7 +12,7 @@ import os
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, NoReturn
 
 from settled import grammar
@@ -58,7 +58,11 @@ def _settled_code(view: dict[str, Any]) -> int:
 
 def cmd_task_new(rt: Runtime, args: argparse.Namespace) -> int:
     record = rt.new_task(
-        args.workspace, args.key, user=args.user, shared_workspace=args.shared_workspace
+        args.workspace,
+        args.key,
+        user=args.user,
+        shared_workspace=args.shared_workspace,
+        ignore=args.ignore,
     )
     text = f"task {record.task} (key {record.key}) at {record.workspace}"
     _emit(args, record.to_json(), text, brief=record.task)
@@ -196,14 +200,12 @@ def cmd_wait(rt: Runtime, args: argparse.Namespace) -> int:
 
 def cmd_logs(rt: Runtime, args: argparse.Namespace) -> int:
     if args.view is not None:
-        sys.stdout.write(rt.view(args.session, args.stream, args.view))
+        stream = "stdout" if args.stream == "merged" else args.stream
+        sys.stdout.write(rt.view(args.session, stream, args.view))
         sys.stdout.flush()
         return EXIT_OK
     out = sys.stdout.buffer
-    if args.follow:
-        chunks = rt.follow(args.session, args.stream, args.start, timeout=args.timeout)
-    else:
-        chunks = _range_chunks(rt, args.session, args.stream, args.start)
+    chunks = _merged_chunks(rt, args) if args.stream == "merged" else _stream_chunks(rt, args)
     try:
         for chunk in chunks:
             out.write(chunk)
@@ -216,7 +218,42 @@ def cmd_logs(rt: Runtime, args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _range_chunks(rt: Runtime, session: str, stream: str, start: int) -> Any:
+def _stream_chunks(rt: Runtime, args: argparse.Namespace) -> Iterator[bytes]:
+    if args.follow:
+        return rt.follow(args.session, args.stream, args.start, timeout=args.timeout)
+    return _range_chunks(rt, args.session, args.stream, args.start)
+
+
+def _merged_chunks(rt: Runtime, args: argparse.Namespace) -> Iterator[bytes]:
+    """Both streams in the order the owner stored them; from where that order is not recorded
+    (a session from before the index), stdout then stderr, said once on stderr."""
+    if args.follow:
+        source: Iterable[Any] = rt.follow_merged(args.session, args.start, timeout=args.timeout)
+    else:
+        source = _merged_range(rt, args.session, args.start)
+    warned = False
+    for chunk in source:
+        if not chunk.ordered and not warned:
+            warned = True
+            print(
+                f"settled: the order of {args.session}'s output is not recorded from merged "
+                f"cursor {chunk.at} on: stdout, then stderr",
+                file=sys.stderr,
+            )
+        yield chunk.data
+
+
+def _merged_range(rt: Runtime, session: str, start: int) -> Iterator[Any]:
+    cursor = start
+    while True:
+        chunks = rt.read_merged(session, cursor)
+        if not chunks:
+            return
+        yield from chunks
+        cursor = chunks[-1].at + len(chunks[-1].data)
+
+
+def _range_chunks(rt: Runtime, session: str, stream: str, start: int) -> Iterator[bytes]:
     cursor = start
     while True:
         chunk = rt.read(session, stream, cursor)
@@ -635,6 +672,13 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="allow a workspace that overlaps another open task's; both close receipts say so",
     )
+    new.add_argument(
+        "--ignore", type=_text("--ignore", grammar.MAX_ARG_BYTES, 1), action="append",
+        default=[], metavar="PATTERN",
+        help="a gitignore-syntax pattern the checkpoints leave out, after the workspace's "
+        ".settledignore (repeatable). Both are bound now, recorded in every manifest, and a "
+        "command editing .settledignore later changes nothing",
+    )  # fmt: skip
     new.set_defaults(handler=cmd_task_new)
     destroy = task.add_parser("destroy", parents=[common], help="destroy the task's sandbox")
     destroy.add_argument("task", type=_id("task"))
@@ -703,10 +747,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     logs = sub.add_parser("logs", parents=[common], help="read output bytes from a cursor")
     logs.add_argument("session", type=_id("session"))
-    logs.add_argument("--stream", default="stdout", choices=["stdout", "stderr"])
     logs.add_argument(
-        "--from", dest="start", type=_integer("--from", 0, grammar.MAX_CURSOR), default=0
-    )
+        "--stream", default="merged", choices=["merged", "stdout", "stderr"],
+        help="merged: both streams in the order the owner stored their bytes",
+    )  # fmt: skip
+    logs.add_argument(
+        "--from", dest="start", type=_integer("--from", 0, grammar.MAX_CURSOR), default=0,
+        metavar="BYTES", help="cursor to start at (into the merged view with --stream merged)",
+    )  # fmt: skip
     logs.add_argument("--follow", action="store_true")
     logs.add_argument(
         "--timeout",
@@ -796,6 +844,20 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument(
         "--tokens", type=_path("--tokens"), metavar="FILE", help="JSON file of task-scoped tokens"
     )
+    srv.add_argument(
+        "--swerex", action="store_true",
+        help="answer SWE-ReX's remote runtime protocol instead (SWE-agent's RemoteRuntime), "
+        "keyed by X-API-Key: from --api-key-file or SETTLED_SWEREX_API_KEY, never argv",
+    )  # fmt: skip
+    srv.add_argument(
+        "--api-key-file", type=_path("--api-key-file"), metavar="FILE",
+        help="with --swerex: a file holding the key (default: SETTLED_SWEREX_API_KEY)",
+    )  # fmt: skip
+    srv.add_argument(
+        "--swerex-workspace", type=_path("--swerex-workspace"), metavar="DIR",
+        help="with --swerex: the directory each SWE-ReX session works in (default: a new one "
+        "per session)",
+    )  # fmt: skip
 
     demo = sub.add_parser("demo", parents=[common], help="the main job on the embedded default")
     demo.set_defaults(handler=cmd_demo)
@@ -846,6 +908,8 @@ def _dispatch(args: argparse.Namespace) -> int:
         from settled.mcp_server import run_stdio
 
         return run_stdio(getattr(args, "home", None))
+    if args.verb == "serve" and args.swerex:
+        return _serve_swerex(args)
     if args.verb == "serve":  # the server keeps a Runtime per worker thread of its own
         from settled.server import serve
 
@@ -853,6 +917,29 @@ def _dispatch(args: argparse.Namespace) -> int:
     handler: Callable[[Runtime, argparse.Namespace], int] = args.handler
     with Runtime(getattr(args, "home", None)) as rt:
         return handler(rt, args)
+
+
+def _serve_swerex(args: argparse.Namespace) -> int:
+    """The key leaves this process's environment before anything is served, so no command
+    inherits it; without one the service is open, so it must stay on loopback."""
+    from settled.home import resolve_home
+    from settled.server.swerex import serve_swerex
+
+    key = os.environ.pop("SETTLED_SWEREX_API_KEY", None)
+    if args.api_key_file is not None:
+        try:
+            with open(args.api_key_file, encoding="utf-8") as handle:
+                key = handle.read().strip()
+        except OSError as exc:
+            raise BadInput(f"--api-key-file {args.api_key_file!r}: {exc.strerror}") from exc
+    if not key and args.host not in ("127.0.0.1", "::1", "localhost"):
+        raise BadInput(
+            f"serve --swerex on {args.host} needs an API key (--api-key-file or "
+            "SETTLED_SWEREX_API_KEY): without one anyone who reaches the port runs commands"
+        )
+    serve_swerex(resolve_home(getattr(args, "home", None)), args.host, args.port, key or None,
+                 args.swerex_workspace)  # fmt: skip
+    return EXIT_OK
 
 
 def _fail(args: argparse.Namespace, payload: dict[str, Any], message: str, code: int) -> int:

@@ -12,8 +12,10 @@ cursor, and only when neither grew asks the store whether the session has settle
 
 from __future__ import annotations
 
+import contextlib
+import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import BinaryIO
 
@@ -22,6 +24,17 @@ from settled.runtime import Runtime
 STREAMS = ("stdout", "stderr")
 FIRST_PAUSE_S = 0.002
 LONGEST_PAUSE_S = 0.05  # what a quiet command costs in latency at most; doubling keeps it cheap
+
+
+@contextlib.contextmanager
+def _no_interrupt() -> Iterator[None]:
+    """Hold SIGINT while a chunk is written and counted, so the cursor a detach prints is
+    exactly the first byte not shown: the signal is delivered when the block ends."""
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
 
 
 @dataclass
@@ -63,10 +76,11 @@ class Relay:
         for stream in STREAMS:
             chunk = rt.read(self.session, stream, self.cursors[stream])
             if chunk:
-                sink = sinks[stream]
-                sink.write(chunk)
-                sink.flush()
-                self.cursors[stream] += len(chunk)
+                with _no_interrupt():  # a Ctrl-C lands before or after, never between
+                    sink = sinks[stream]
+                    sink.write(chunk)
+                    sink.flush()
+                    self.cursors[stream] += len(chunk)
                 moved = True
         return moved
 
