@@ -922,7 +922,7 @@ def _dispatch(args: argparse.Namespace) -> int:
 def _serve_swerex(args: argparse.Namespace) -> int:
     """The key leaves this process's environment before anything is served, so no command
     inherits it; without one the service is open, so it must stay on loopback."""
-    from settled.home import resolve_home
+    from settled.runtime import ready_home
     from settled.server.swerex import serve_swerex
 
     key = os.environ.pop("SETTLED_SWEREX_API_KEY", None)
@@ -937,7 +937,7 @@ def _serve_swerex(args: argparse.Namespace) -> int:
             f"serve --swerex on {args.host} needs an API key (--api-key-file or "
             "SETTLED_SWEREX_API_KEY): without one anyone who reaches the port runs commands"
         )
-    serve_swerex(resolve_home(getattr(args, "home", None)), args.host, args.port, key or None,
+    serve_swerex(ready_home(getattr(args, "home", None)), args.host, args.port, key or None,
                  args.swerex_workspace)  # fmt: skip
     return EXIT_OK
 
