@@ -260,7 +260,7 @@ def test_close_returns_the_receipt_and_explain_names_what_allowed_it(
     task = client.new_task(workspace)["task"]
     admitted = client.exec(task, shell="echo done > result")
     client.wait(admitted.session, timeout=30)
-    receipt = client.close(task, final="wrote result", deadline=30)
+    receipt = client.close_task(task, final="wrote result", deadline=30)
     assert receipt["kind"] == "close" and receipt["outcome"]["complete"] is True
     assert receipt["final"] == "wrote result"
     explained = client.explain(task)
@@ -279,7 +279,7 @@ def test_a_blocked_close_raises_blocked_naming_authority_and_obligation(
     try:
         assert client.wait(admitted.session, timeout=30)["state"] == "unknown"
         with pytest.raises(Blocked) as blocked:
-            client.close(task, deadline=5)
+            client.close_task(task, deadline=5)
         assert blocked.value.blocked_on["authority"] == "recovery"
         assert blocked.value.blocked_on["session"] == admitted.session
         assert "recovery" in str(blocked.value)
@@ -330,7 +330,7 @@ def test_the_async_client_admits_waits_streams_and_closes(server: Server, worksp
             assert (await http.wait(admitted.session, timeout=30))["state"] == "settled"
             raw = http.stream(admitted.session, start=65536, via="output")
             assert b"".join([chunk async for chunk in raw]) == expected(8)[65536:]
-            receipt = await http.close(task, deadline=30)
+            receipt = await http.close_task(task, deadline=30)
             assert receipt["outcome"]["complete"] is True
 
     proxy = Proxy(server.port, cut_after=150_000)
@@ -432,11 +432,11 @@ def test_a_shared_workspace_is_asked_for_over_http_and_both_closes_say_so(
         async with AsyncClient(server.url, TOKEN) as http:
             third = await http.new_task(workspace, shared_workspace=True)
             assert third["shared_workspace"] is True
-            return await http.close(third["task"])
+            return await http.close_task(third["task"])
 
     third_receipt = anyio.run(close_async)
     assert set(third_receipt["workspace"]["shared_with"]) == {first, second["task"]}
-    receipt = client.close(first)
+    receipt = client.close_task(first)
     assert set(receipt["workspace"]["shared_with"]) == {second["task"], third_receipt["task"]}
 
 
@@ -448,3 +448,22 @@ def test_new_task_binds_ignore_patterns_and_refuses_a_bad_one(
     assert task["ignore_rules"]["patterns"] == ["cache/"]
     with pytest.raises(ClientError, match="ignore pattern"):
         client.new_task(workspace, key="bad-pattern", ignore=["\\"])
+
+
+def test_run_mirrors_settled_run_exit_code_and_both_streams(
+    server: Server, client: Client, workspace: str
+) -> None:
+    done = client.run(workspace, shell="echo out; echo err >&2; exit 3", key="run-1")
+    assert (done.exit_code, done.stdout, done.stderr) == (3, b"out\n", b"err\n")
+    assert done.receipt is not None and done.receipt["exit"]["code"] == 3
+    again = client.run(workspace, shell="echo out; echo err >&2; exit 3", key="run-1")
+    assert again.session == done.session and again.reused
+    late = client.run(done.task, shell="sleep 30", timeout=0.5, grace=0.5)
+    assert late.exit_code == 124 and late.task == done.task
+
+
+def test_close_closes_the_connection_not_a_task(server: Server) -> None:
+    http = Client(server.url, TOKEN)
+    http.close()
+    with pytest.raises(RuntimeError):
+        http._http.get("/healthz")

@@ -35,6 +35,8 @@ from urllib.parse import quote
 import anyio
 import httpx
 
+from settled.exitcodes import command_exit_code
+
 CURSOR_HEADER = "Settled-Cursor"
 RETRY_STATUSES = frozenset({502, 503, 504})
 RETRYABLE = (httpx.TimeoutException, httpx.NetworkError, httpx.RemoteProtocolError)
@@ -42,6 +44,7 @@ SIGNALS = ("TERM", "KILL", "INT")
 STREAMS = ("stdout", "stderr")
 SERVER_CLOSE_DEADLINE_S = 600.0  # the server's default close deadline (close/join.py)
 LONG_POLL_S = 20.0  # one `?wait=` long poll; wait() chains them up to its timeout
+TASK_ID = re.compile(r"t_[0-9a-f]{16}")  # identity.new_id("t"): run() reads anything else as a path
 
 
 # -- errors ------------------------------------------------------------------------------------
@@ -218,6 +221,47 @@ class Admission:
 def new_key() -> str:
     """An invocation key, the same shape the CLI makes (DESIGN.md identity)."""
     return "k_" + os.urandom(8).hex()
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """What `run()` returns, as `settled run` shows it: `exit_code` is the code the CLI exits
+    with (settled.exitcodes: the command's own, 128 + signal, 124 timeout, 127 never started,
+    117 unknown); `stdout`/`stderr` are every stored byte of each stream; `receipt` is the
+    process receipt (None when the session is unknown without one); `view` is the status."""
+
+    exit_code: int
+    stdout: bytes
+    stderr: bytes
+    receipt: dict[str, Any] | None
+    session: str
+    task: str
+    key: str
+    reused: bool
+    view: dict[str, Any] = field(repr=False)
+
+
+def _run_target(workspace_or_task: str, key: str) -> tuple[str | None, str]:
+    """(workspace, task key) for a path; (None, task id) for a task id. The task key is derived
+    from the run's key, so a run retried with its key finds the same task and session."""
+    if TASK_ID.fullmatch(workspace_or_task):
+        return None, workspace_or_task
+    return workspace_or_task, f"{key}/task"
+
+
+def _run_result(admission: Admission, view: dict[str, Any], out: bytes, err: bytes) -> RunResult:
+    receipt = view.get("receipt")
+    return RunResult(
+        exit_code=command_exit_code(receipt),
+        stdout=out,
+        stderr=err,
+        receipt=receipt,
+        session=admission.session,
+        task=admission.task,
+        key=admission.key,
+        reused=admission.reused,
+        view=view,
+    )
 
 
 def _seg(value: str) -> str:
@@ -595,7 +639,8 @@ class _Base:
 class Client(_Base):
     """A synchronous client (base_url or SETTLED_URL; token or SETTLED_TOKEN). `retry` bounds
     every retry; `timeout` is the per-request timeout (a stream silent for longer reconnects
-    from its cursor). Use it as a context manager, or call `disconnect()`."""
+    from its cursor). `close()` (or leaving `with Client(...)`) closes the connection, as every
+    Python client does; a task is closed with `close_task()`."""
 
     def __init__(
         self,
@@ -611,14 +656,15 @@ class Client(_Base):
             base_url=self.base_url, headers=self.headers, timeout=timeout, transport=transport
         )
 
-    def disconnect(self) -> None:
+    def close(self) -> None:
+        """Close the HTTP connection pool (never a task or a session: see `close_task`)."""
         self._http.close()
 
     def __enter__(self) -> Client:
         return self
 
     def __exit__(self, *_exc: object) -> None:
-        self.disconnect()
+        self.close()
 
     def _send(self, call: _Call, deadline: float | None = None) -> tuple[httpx.Response, int]:
         """One logical request: the same bytes sent again after every transport failure."""
@@ -716,11 +762,37 @@ class Client(_Base):
         """Ask the session's owner to stop it (TERM, KILL or INT; delivered as a cancel)."""
         return self._call(_signal_call(session, name, reason))
 
-    def close(
+    def close_task(
         self, task: str, final: str | None = None, deadline: float | None = None
     ) -> dict[str, Any]:
         """Run (or resume) the close join: the close receipt, or Blocked with `blocked_on`."""
         return self._call(_close_call(task, final, deadline, self.timeout))
+
+    def run(
+        self,
+        workspace_or_task: str,
+        argv: Sequence[str] | None = None,
+        shell: str | None = None,
+        *,
+        key: str | None = None,
+        timeout: float | None = None,
+        wait_timeout: float | None = None,
+        **exec_options: Any,
+    ) -> RunResult:
+        """What `settled run` does, in one call: admit the command (in the task named by its id,
+        or in a new task over the workspace path), wait for its process receipt, read both
+        streams whole. `timeout` is the command's deadline in seconds (the owner stops it: exit
+        code 124); `wait_timeout` bounds this call only (NotSettled, the command goes on).
+        The same `key` again returns the same session's result instead of running twice;
+        `exec_options` are `exec()`'s (grace, cwd, env, boundary, ...)."""
+        key = key or new_key()
+        workspace, task = _run_target(workspace_or_task, key)
+        if workspace is not None:
+            task = self.new_task(workspace, task)["task"]
+        admission = self.exec(task, argv, shell, key=key, timeout=timeout, **exec_options)
+        view = self.wait(admission.session, wait_timeout)
+        out, err = (b"".join(self.stream(admission.session, s, via="output")) for s in STREAMS)
+        return _run_result(admission, view, out, err)
 
     def explain(self, task: str) -> dict[str, Any]:
         """Which receipts allowed (or block) the task's success, in words and as data."""
@@ -799,7 +871,8 @@ class _QuietTimeout(Exception):
 
 class AsyncClient(_Base):
     """The asynchronous twin of `Client` (any anyio backend): the same methods, awaited;
-    `stream()` returns an async iterator. Use it as an async context manager."""
+    `stream()` returns an async iterator. `await close()` (or `aclose()`, or leaving
+    `async with`) closes the connection; a task is closed with `close_task()`."""
 
     def __init__(
         self,
@@ -815,14 +888,19 @@ class AsyncClient(_Base):
             base_url=self.base_url, headers=self.headers, timeout=timeout, transport=transport
         )
 
-    async def disconnect(self) -> None:
+    async def close(self) -> None:
+        """Close the HTTP connection pool (never a task or a session: see `close_task`)."""
         await self._http.aclose()
+
+    async def aclose(self) -> None:
+        """`close()` under the name httpx and contextlib.aclosing use."""
+        await self.close()
 
     async def __aenter__(self) -> AsyncClient:
         return self
 
     async def __aexit__(self, *_exc: object) -> None:
-        await self.disconnect()
+        await self.close()
 
     async def _send(self, call: _Call, deadline: float | None = None) -> tuple[httpx.Response, int]:
         attempts = _Attempts(self.retry, call.what, deadline)
@@ -912,11 +990,35 @@ class AsyncClient(_Base):
         """Ask the session's owner to stop it (TERM, KILL or INT; delivered as a cancel)."""
         return await self._call(_signal_call(session, name, reason))
 
-    async def close(
+    async def close_task(
         self, task: str, final: str | None = None, deadline: float | None = None
     ) -> dict[str, Any]:
         """Run (or resume) the close join: the close receipt, or Blocked with `blocked_on`."""
         return await self._call(_close_call(task, final, deadline, self.timeout))
+
+    async def run(
+        self,
+        workspace_or_task: str,
+        argv: Sequence[str] | None = None,
+        shell: str | None = None,
+        *,
+        key: str | None = None,
+        timeout: float | None = None,
+        wait_timeout: float | None = None,
+        **exec_options: Any,
+    ) -> RunResult:
+        """`Client.run`, awaited: admit, wait for the process receipt, read both streams."""
+        key = key or new_key()
+        workspace, task = _run_target(workspace_or_task, key)
+        if workspace is not None:
+            task = (await self.new_task(workspace, task))["task"]
+        admission = await self.exec(task, argv, shell, key=key, timeout=timeout, **exec_options)
+        view = await self.wait(admission.session, wait_timeout)
+        streams = [await self._read_whole(admission.session, name) for name in STREAMS]
+        return _run_result(admission, view, streams[0], streams[1])
+
+    async def _read_whole(self, session: str, stream: str) -> bytes:
+        return b"".join([chunk async for chunk in self.stream(session, stream, via="output")])
 
     async def explain(self, task: str) -> dict[str, Any]:
         """Which receipts allowed (or block) the task's success, in words and as data."""

@@ -151,7 +151,7 @@ class ServiceSteps:
 
     def close(self, task: str) -> dict[str, Any]:
         """The close receipt (the client raises Blocked if the close could not finish)."""
-        return self.client.close(task)
+        return self.client.close_task(task)
 
     def release(self) -> None:
-        self.client.disconnect()
+        self.client.close()
