@@ -269,7 +269,11 @@ def test_demo_runs_on_the_embedded_default(tmp_path: Path, marker: str) -> None:
     out = done.stdout.decode()
     assert "4194304 bytes" in out and "(timeout)" in out and "stopped by TERM" in out
     assert "never started" in out and "reused=true" in out
+    table = out[out.index("| probe") :].splitlines()
+    assert len(table) == 9 and "2 launches" in table[2] and "1 launch" in table[2]
+    assert "bit for bit" in table[4] and "in the checkpoint, restored" in table[7]
     assert kill_marked(marker, b"sleep") == []
+    assert "settled-demo-" in out  # a fresh home of its own, not the user's
 
 
 def test_recover_settles_a_session_whose_owner_was_killed(cli: CLI, task: dict) -> None:

@@ -477,6 +477,15 @@ def cmd_demo(rt: Runtime, args: argparse.Namespace) -> int:
     return run_demo(rt)
 
 
+def _demo_home(args: argparse.Namespace) -> None:
+    """The demo runs in a fresh home of its own unless one is named, so trying it leaves the
+    user's home (and its list of tasks) as it was."""
+    if getattr(args, "home", None) is None and not os.environ.get("SETTLED_HOME"):
+        import tempfile
+
+        args.home = tempfile.mkdtemp(prefix="settled-demo-")
+
+
 # -- the grammar of each argument (settled.grammar): a BadValue propagates out of parse_args
 # (argparse catches only ValueError and TypeError), so it reaches the user naming the option.
 
@@ -914,6 +923,8 @@ def _dispatch(args: argparse.Namespace) -> int:
         from settled.server import serve
 
         return serve(getattr(args, "home", None), args.host, args.port, args.tokens)
+    if args.verb == "demo":
+        _demo_home(args)
     handler: Callable[[Runtime, argparse.Namespace], int] = args.handler
     with Runtime(getattr(args, "home", None)) as rt:
         return handler(rt, args)

@@ -26,7 +26,10 @@ from settled.backends import bind, credential_names
 from settled.boundary.isolation import IsolationUnavailable, check_available
 from settled.boundary.sandbox import SandboxProvider, open_sandbox
 from settled.close.decide import explain
-from settled.close.join import CloseJoin, CloseResult
+from settled.close.join import CloseJoin
+from settled.close.join import (
+    CloseResult as CloseResult,
+)  # what close_task returns, named for faces
 from settled.environment import (
     CallerEnv,
     base_environment,
