@@ -19,6 +19,7 @@ import pytest
 from settled.canonical import canonical_bytes
 from settled.workspace.hashing import DEFAULT_ALGORITHM, digest_bytes
 from settled.workspace.manifest import (
+    ROOT,
     Manifest,
     ManifestCorrupt,
     ManifestInvalid,
@@ -87,8 +88,18 @@ def checkpoint(
 
 
 def tree_of(root: Path) -> Manifest:
+    """What a checkpoint of ``root`` records, but the root's own mtime (no tree records it)."""
     index = scan(root).index
-    return Manifest(index.algorithm, tuple(e.without_stat() for e in index.entries))
+    entries = (e.without_stat() for e in index.entries)
+    return Manifest(
+        index.algorithm, tuple(e._replace(mtime=None) if e.path == ROOT else e for e in entries)
+    )
+
+
+def same_times(root: Path, ns: int = 1_600_000_000_123_456_789) -> None:
+    """Give everything under ``root`` one mtime (children first), so trees compare by content."""
+    for path in sorted(root.rglob("*"), key=lambda p: -len(p.parts)):
+        os.utime(path, ns=(ns, ns), follow_symlinks=False)
 
 
 def test_the_manifest_id_is_the_hash_of_its_canonical_bytes_and_deterministic(
@@ -98,6 +109,7 @@ def test_the_manifest_id_is_the_hash_of_its_canonical_bytes_and_deterministic(
     for root in (first, second):
         (root / "d").mkdir(parents=True)
         (root / "d" / "f").write_bytes(b"same")
+        same_times(root)
     manifest_id = checkpoint(store, first, watermark=7, generation=2)
     assert checkpoint(store, second, watermark=7, generation=2) == manifest_id  # other inodes
     manifest = read_manifest(store, manifest_id)
@@ -114,8 +126,9 @@ def test_neither_manifest_nor_tree_has_stat_cache(store: LocalObjectStore, tmp_p
     trees = {e.tree for e in manifest.entries if e.tree is not None}
     assert len(trees) == 2
     for raw in [store.read(manifest_id), *(store.read(tree) for tree in trees)]:
-        assert b"ino" not in raw and b"mtime" not in raw and b"ctime" not in raw
+        assert b"ino" not in raw and b"mtime_ns" not in raw and b"ctime" not in raw
         assert b"node" not in raw and b"trusted" not in raw
+        assert (b'"mtime"' in raw) == (raw != store.read(manifest_id))  # a tree's fact, v3
     assert set(manifest.to_dict()) == {
         "v", "algorithm", "root", "parent", "watermark", "generation",
     }  # fmt: skip
@@ -134,8 +147,8 @@ def test_every_tree_entry_and_the_manifest_root_record_the_owner_lstat_saw(
         assert (entry.uid, entry.gid) == (st.st_uid, st.st_gid), entry.path
     for tree in {e.tree for e in manifest.entries if e.tree is not None}:
         raw = json.loads(store.read(tree))
-        assert raw["v"] == "settled.tree/v2"
-        assert all({"uid", "gid"} <= set(form) for form in raw["entries"])
+        assert raw["v"] == "settled.tree/v3"
+        assert all({"uid", "gid", "mtime"} <= set(form) for form in raw["entries"])
 
 
 def test_a_manifest_whose_root_records_no_owner_is_never_written(
@@ -528,7 +541,7 @@ def test_tree_objects_are_canonical_json_of_every_entry_type(
     for tree in trees:
         data = store.read(tree)
         assert canonical_bytes(json.loads(data)) == data
-        assert json.loads(data)["v"] == "settled.tree/v2"
+        assert json.loads(data)["v"] == "settled.tree/v3"
         kinds |= {form["type"] for form in json.loads(data)["entries"]}
     assert kinds == {"file", "dir", "symlink", "fifo"}
 
