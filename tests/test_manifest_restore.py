@@ -19,7 +19,6 @@ import pytest
 from settled.canonical import canonical_bytes
 from settled.workspace.hashing import DEFAULT_ALGORITHM, digest_bytes
 from settled.workspace.manifest import (
-    ROOT,
     Manifest,
     ManifestCorrupt,
     ManifestInvalid,
@@ -88,17 +87,13 @@ def checkpoint(
 
 
 def tree_of(root: Path) -> Manifest:
-    """What a checkpoint of ``root`` records, but the root's own mtime (no tree records it)."""
     index = scan(root).index
-    entries = (e.without_stat() for e in index.entries)
-    return Manifest(
-        index.algorithm, tuple(e._replace(mtime=None) if e.path == ROOT else e for e in entries)
-    )
+    return Manifest(index.algorithm, tuple(e.without_stat() for e in index.entries))
 
 
 def same_times(root: Path, ns: int = 1_600_000_000_123_456_789) -> None:
     """Give everything under ``root`` one mtime (children first), so trees compare by content."""
-    for path in sorted(root.rglob("*"), key=lambda p: -len(p.parts)):
+    for path in [*sorted(root.rglob("*"), key=lambda p: -len(p.parts)), root]:
         os.utime(path, ns=(ns, ns), follow_symlinks=False)
 
 
@@ -128,11 +123,11 @@ def test_neither_manifest_nor_tree_has_stat_cache(store: LocalObjectStore, tmp_p
     for raw in [store.read(manifest_id), *(store.read(tree) for tree in trees)]:
         assert b"ino" not in raw and b"mtime_ns" not in raw and b"ctime" not in raw
         assert b"node" not in raw and b"trusted" not in raw
-        assert (b'"mtime"' in raw) == (raw != store.read(manifest_id))  # a tree's fact, v3
+        assert b'"mtime"' in raw  # a recorded fact of the tree (v3) and of the root (v4)
     assert set(manifest.to_dict()) == {
         "v", "algorithm", "root", "parent", "watermark", "generation",
     }  # fmt: skip
-    assert set(manifest.to_dict()["root"]) == {"mode", "tree", "uid", "gid"}  # v3: the owner
+    assert set(manifest.to_dict()["root"]) == {"mode", "tree", "uid", "gid", "mtime"}  # v4
 
 
 def test_every_tree_entry_and_the_manifest_root_record_the_owner_lstat_saw(
@@ -140,7 +135,7 @@ def test_every_tree_entry_and_the_manifest_root_record_the_owner_lstat_saw(
 ) -> None:
     workspace = make_workspace(tmp_path / "ws")
     manifest_id = checkpoint(store, workspace)
-    assert json.loads(store.read(manifest_id))["v"] == "settled.manifest/v3"
+    assert json.loads(store.read(manifest_id))["v"] == "settled.manifest/v4"
     manifest = read_manifest(store, manifest_id)
     for entry in manifest.entries:
         st = os.lstat(workspace / entry.path)

@@ -57,6 +57,7 @@ def timed_workspace(root: Path) -> dict[str, int]:
     os.mkfifo(root / "pipe", 0o600)
     times = {"a/b/deep.c": T0, "a/b": T0 + 1, "a": T0 + 2 * DAY + 7, "top.txt": T0 - 3 * DAY}
     times |= {"link": T0 + 5, "pipe": T0 + 11}
+    times["."] = T0 + 3 * DAY
     for rel, ns in times.items():
         set_mtime(root / rel, ns)
     return times
@@ -74,6 +75,7 @@ def test_restore_sets_every_recorded_mtime_to_the_nanosecond(
     assert restored == times  # directories too: set after their children, deepest first
     assert os.stat(tmp_path / "out" / "link").st_mtime_ns == times["top.txt"]  # not followed
     assert result.times_unrecorded == 0
+    assert json.loads(store.read(manifest_id))["root"]["mtime"] == times["."]  # manifest v4
 
 
 def test_blob_ids_stay_content_only_when_only_the_mtime_differs(
@@ -122,7 +124,7 @@ def test_a_v2_tree_without_times_still_reads_and_restores(
     assert all(e.mtime is None for e in read_manifest(store, head).entries)
     result = restore(store, head, tmp_path / "out")
     assert (tmp_path / "out" / "d" / "f").read_bytes() == b"old\n"
-    assert result.times_unrecorded == 2  # d and d/f: left with the time the restore wrote
+    assert result.times_unrecorded == 3  # ".", d and d/f: left with the time restore wrote
 
 
 def test_a_tree_refuses_a_time_that_is_not_an_integer_in_range_or_in_a_v2_tree(

@@ -37,7 +37,8 @@ bytes and different times share one blob. Because it is in the tree, a changed t
 (``touch``, same bytes) changes the tree's id, and so the checkpoint's: a restore of the earlier
 checkpoint must give the earlier time. Trees written before times were recorded (v2, v1) and
 flat v1 manifests are still read; their entries record no time (``mtime`` None) and a restore
-leaves the time it wrote. The root's own time is not recorded (the manifest's root has none).
+leaves the time it wrote. The root directory's time is in the manifest's root
+(``settled.manifest/v4``; a v3 manifest records none).
 
 No ``created_at``: the id covers every byte of the manifest, and a manifest is a pure function
 of the tree and its lineage, so a checkpoint retried after a crash writes the very same object
@@ -66,7 +67,8 @@ from settled.workspace.ignore import ignore_digest
 from settled.workspace.objectstore import ObjectMissing, ObjectStore, StoredObject
 from settled.workspace.sparse import Extent
 
-MANIFEST_VERSION: Final = "settled.manifest/v3"
+MANIFEST_VERSION: Final = "settled.manifest/v4"  # v4: the root's mtime
+TIMELESS_MANIFEST_VERSION: Final = "settled.manifest/v3"  # read only: the root's time unknown
 OWNERLESS_MANIFEST_VERSION: Final = "settled.manifest/v2"  # read only: the root's owner unknown
 FLAT_MANIFEST_VERSION: Final = "settled.manifest/v1"  # read only: written before trees existed
 TREE_VERSION: Final = "settled.tree/v3"
@@ -109,9 +111,10 @@ _FORM_FIELDS: Final = {
     for extra in (*_CONTENT_FIELD.values(), None)
 }  # the fields of a flat ("path") or tree ("name") entry, owned or not, with that content field
 _ROOT_FIELDS: Final = {
-    False: frozenset({"mode", "tree"}),
-    True: frozenset({"mode", "tree"}) | _OWNER_FIELDS,
-}  # a manifest's root: v2 (no owner) or v3
+    OWNERLESS_MANIFEST_VERSION: frozenset({"mode", "tree"}),
+    TIMELESS_MANIFEST_VERSION: frozenset({"mode", "tree"}) | _OWNER_FIELDS,
+    MANIFEST_VERSION: frozenset({"mode", "tree", MTIME}) | _OWNER_FIELDS,
+}  # a manifest's root, by the manifest's version
 
 
 class ManifestError(SettledError):
@@ -599,15 +602,20 @@ def manifest_dict(
     generation: int,
     ignore: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The manifest object: the root directory's mode, owner and tree, and the lineage (v3;
-    a root that records no owner was read from a v2 object, and gives back its v2 form).
+    """The manifest object: the root directory's mode, owner, mtime and tree, and the lineage
+    (v4; a root that records no time or no owner was read from a v3 or v2 object, and gives
+    back that form).
     ``ignore``: the task's bound ignore rules (patterns and digest), present only when there
     are any, so the proof itself says what it does not cover; without, the bytes are as before."""
     root_form: dict[str, Any] = {"mode": root.mode, "tree": root.tree}
+    version = OWNERLESS_MANIFEST_VERSION
     if root.uid is not None:
         root_form.update(uid=root.uid, gid=root.gid)
+        version = TIMELESS_MANIFEST_VERSION
+        if root.mtime is not None:  # a head read from a v3 object gives back its v3 form
+            root_form[MTIME], version = root.mtime, MANIFEST_VERSION
     return {
-        "v": MANIFEST_VERSION if root.uid is not None else OWNERLESS_MANIFEST_VERSION,
+        "v": version,
         "algorithm": algorithm,
         "root": root_form,
         "parent": parent,
@@ -631,11 +639,11 @@ def _check_ignore(raw: object) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class ManifestHead:
-    """A manifest object (v2 or v3) as read back: what it names, before any tree is read."""
+    """A manifest object (v2, v3 or v4) as read back: what it names, before any tree is read."""
 
     manifest_id: str
     algorithm: str
-    root: Entry  # "." with its mode, tree and (v3) owner
+    root: Entry  # "." with its mode, tree, (v3) owner and (v4) mtime
     parent: str | None
     watermark: int | None
     generation: int
@@ -712,17 +720,17 @@ def read_head(
         if not isinstance(raw, dict) or set(raw) - {"ignore"} != _MANIFEST_KEYS:
             raise ValueError(f"top-level fields are not {sorted(_MANIFEST_KEYS)} (+ ignore)")
         ignore = _check_ignore(raw["ignore"]) if "ignore" in raw else None
-        if raw["v"] not in (MANIFEST_VERSION, OWNERLESS_MANIFEST_VERSION):
+        if raw["v"] not in _ROOT_FIELDS:
             raise ValueError(f"version {raw['v']!r} is not {MANIFEST_VERSION}")
         if raw["algorithm"] != algorithm:
             raise ValueError(f"algorithm {raw['algorithm']!r} differs from its id")
         root_form = raw["root"]
-        owned = raw["v"] == MANIFEST_VERSION
-        if not isinstance(root_form, dict) or set(root_form) != _ROOT_FIELDS[owned]:
-            raise ValueError(f"root {root_form!r} is not {sorted(_ROOT_FIELDS[owned])}")
+        fields = _ROOT_FIELDS[raw["v"]]
+        if not isinstance(root_form, dict) or set(root_form) != fields:
+            raise ValueError(f"root {root_form!r} is not {sorted(fields)}")
         root = Entry(
             ROOT, DIR, root_form["mode"], 0, tree=root_form["tree"],
-            uid=root_form.get("uid"), gid=root_form.get("gid"),
+            uid=root_form.get("uid"), gid=root_form.get("gid"), mtime=root_form.get(MTIME),
         )  # fmt: skip
         root.check(algorithm)
         parse_digest(root.tree)

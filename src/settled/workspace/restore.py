@@ -25,8 +25,8 @@ Times. An entry whose tree records its ``mtime`` (``settled.tree/v3``) gets it b
 mtime both (``utime`` with ``ns=``, on the open fd, or the link itself for a symlink), so a
 build tool that compares times sees the order the checkpoint saw and rebuilds nothing after a
 restore. An entry of an older tree keeps the time its restore wrote (counted in
-``times_unrecorded``). The root's time is not recorded. A time that cannot be set fails the
-restore like any other write: a restored tree is exact or absent.
+``times_unrecorded``); the root's time is in a v4 manifest's root. A time that cannot be set
+fails the restore like any other write: a restored tree is exact or absent.
 
 About 500 lines, over the usual 400: the destination's no-follow walk and the builder share the
 parent's fd and the one cleanup path that leaves nothing behind.
@@ -187,7 +187,7 @@ class RestoreResult:
     setid_dropped: tuple[str, ...] = ()  # paths restored without the set-id bits they recorded
     owners_restored: bool = False  # every entry chowned to its recorded owner (same_owner)
     owners_unrecorded: int = 0  # entries whose checkpoint records no owner (a v1 tree)
-    times_unrecorded: int = 0  # entries whose checkpoint records no mtime (a v1 or v2 tree)
+    times_unrecorded: int = 0  # entries that record no mtime (a v1/v2 tree, a v3 manifest's root)
 
     @property
     def complete(self) -> bool:
@@ -405,7 +405,7 @@ class _Builder:
         self.who = who
         self.dropped: list[str] = []  # paths whose set-id bits were not earned
         self.unrecorded = 0  # entries that record no owner
-        self.timeless = 0  # entries (the root aside) that record no mtime
+        self.timeless = 0  # entries that record no mtime
         self.dirs: list[Entry] = []
         self.made_dirs: set[str] = {ROOT}
         self.counts = {FILE: 0, DIR: 0, SYMLINK: 0, FIFO: 0}
@@ -525,8 +525,7 @@ class _Builder:
             if self.durable:
                 os.fsync(fd)
             self.settle(fd, entry)
-            if entry.path != ROOT:  # the root's time is not recorded
-                self.set_time(entry, fd)
+            self.set_time(entry, fd)  # the root's too: a rename keeps the renamed dir's time
         finally:
             os.close(fd)
 
