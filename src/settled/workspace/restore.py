@@ -522,10 +522,10 @@ class _Builder:
     def finish_dir(self, entry: Entry) -> None:
         fd = os.open(entry.path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=self.root_fd)
         try:
-            if self.durable:
-                os.fsync(fd)
             self.settle(fd, entry)
             self.set_time(entry, fd)  # the root's too: a rename keeps the renamed dir's time
+            if self.durable:  # after the owner, mode and time, so the fsync covers them
+                os.fsync(fd)
         finally:
             os.close(fd)
 
