@@ -91,6 +91,12 @@ def tree_of(root: Path) -> Manifest:
     return Manifest(index.algorithm, tuple(e.without_stat() for e in index.entries))
 
 
+def same_times(root: Path, ns: int = 1_600_000_000_123_456_789) -> None:
+    """Give everything under ``root`` one mtime (children first), so trees compare by content."""
+    for path in [*sorted(root.rglob("*"), key=lambda p: -len(p.parts)), root]:
+        os.utime(path, ns=(ns, ns), follow_symlinks=False)
+
+
 def test_the_manifest_id_is_the_hash_of_its_canonical_bytes_and_deterministic(
     store: LocalObjectStore, tmp_path: Path
 ) -> None:
@@ -98,6 +104,7 @@ def test_the_manifest_id_is_the_hash_of_its_canonical_bytes_and_deterministic(
     for root in (first, second):
         (root / "d").mkdir(parents=True)
         (root / "d" / "f").write_bytes(b"same")
+        same_times(root)
     manifest_id = checkpoint(store, first, watermark=7, generation=2)
     assert checkpoint(store, second, watermark=7, generation=2) == manifest_id  # other inodes
     manifest = read_manifest(store, manifest_id)
@@ -114,12 +121,13 @@ def test_neither_manifest_nor_tree_has_stat_cache(store: LocalObjectStore, tmp_p
     trees = {e.tree for e in manifest.entries if e.tree is not None}
     assert len(trees) == 2
     for raw in [store.read(manifest_id), *(store.read(tree) for tree in trees)]:
-        assert b"ino" not in raw and b"mtime" not in raw and b"ctime" not in raw
+        assert b"ino" not in raw and b"mtime_ns" not in raw and b"ctime" not in raw
         assert b"node" not in raw and b"trusted" not in raw
+        assert b'"mtime"' in raw  # a recorded fact of the tree (v3) and of the root (v4)
     assert set(manifest.to_dict()) == {
         "v", "algorithm", "root", "parent", "watermark", "generation",
     }  # fmt: skip
-    assert set(manifest.to_dict()["root"]) == {"mode", "tree", "uid", "gid"}  # v3: the owner
+    assert set(manifest.to_dict()["root"]) == {"mode", "tree", "uid", "gid", "mtime"}  # v4
 
 
 def test_every_tree_entry_and_the_manifest_root_record_the_owner_lstat_saw(
@@ -127,15 +135,15 @@ def test_every_tree_entry_and_the_manifest_root_record_the_owner_lstat_saw(
 ) -> None:
     workspace = make_workspace(tmp_path / "ws")
     manifest_id = checkpoint(store, workspace)
-    assert json.loads(store.read(manifest_id))["v"] == "settled.manifest/v3"
+    assert json.loads(store.read(manifest_id))["v"] == "settled.manifest/v4"
     manifest = read_manifest(store, manifest_id)
     for entry in manifest.entries:
         st = os.lstat(workspace / entry.path)
         assert (entry.uid, entry.gid) == (st.st_uid, st.st_gid), entry.path
     for tree in {e.tree for e in manifest.entries if e.tree is not None}:
         raw = json.loads(store.read(tree))
-        assert raw["v"] == "settled.tree/v2"
-        assert all({"uid", "gid"} <= set(form) for form in raw["entries"])
+        assert raw["v"] == "settled.tree/v3"
+        assert all({"uid", "gid", "mtime"} <= set(form) for form in raw["entries"])
 
 
 def test_a_manifest_whose_root_records_no_owner_is_never_written(
@@ -528,7 +536,7 @@ def test_tree_objects_are_canonical_json_of_every_entry_type(
     for tree in trees:
         data = store.read(tree)
         assert canonical_bytes(json.loads(data)) == data
-        assert json.loads(data)["v"] == "settled.tree/v2"
+        assert json.loads(data)["v"] == "settled.tree/v3"
         kinds |= {form["type"] for form in json.loads(data)["entries"]}
     assert kinds == {"file", "dir", "symlink", "fifo"}
 

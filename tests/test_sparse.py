@@ -197,7 +197,16 @@ def test_a_dense_file_is_recorded_exactly_as_before(
         assert entry.extents is None, name
         assert entry.digest == digest_bytes(DEFAULT_ALGORITHM, content)
         assert store.has(entry.digest)
-        assert set(entry.tree_form()) == {"name", "type", "mode", "size", "uid", "gid", "digest"}
+        assert set(entry.tree_form()) == {
+            "name",
+            "type",
+            "mode",
+            "size",
+            "uid",
+            "gid",
+            "digest",
+            "mtime",
+        }
     restore(store, manifest_id, tmp_path / "out")
     assert (tmp_path / "out" / "written-zeros").read_bytes() == zeros
     assert allocated(tmp_path / "out" / "written-zeros") >= len(zeros)  # restored dense

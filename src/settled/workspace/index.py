@@ -41,7 +41,8 @@ from settled.workspace.manifest import (
 from settled.workspace.objectstore import ObjectMissing
 
 INDEX_VERSION: Final = "settled.index/v3"  # v3: rows carry uid and gid (trees record owners)
-NODE_VERSION: Final = "settled.index-node/v2"  # an older node is unusable: the scan runs without
+NODE_VERSION: Final = "settled.index-node/v3"  # v3: its tree records mtimes (settled.tree/v3);
+# an older node is unusable (the scan runs without), so no subtree stays a timeless v2 tree
 _NODE_KEYS: Final = frozenset({"v", "algorithm", "tree", "trusted_before_ns", "count", "entries"})
 _ROW_FIELDS: Final = 13
 _BAD_NAMES: Final = frozenset({"", ".", ".."})
@@ -145,6 +146,7 @@ def _entry(path: str, row: list[Any]) -> Entry:
     if kind == FILE and isinstance(content, list):  # a sparse file: [digest, extents]
         content, raw = content
         extents = tuple((offset, length, digest) for offset, length, digest in raw)
+    # the row's stat mtime is also the time its tree records (a stat match is exact)
     return Entry(
         path, kind, mode, size,
         content if kind == FILE else None,
@@ -152,7 +154,7 @@ def _entry(path: str, row: list[Any]) -> Entry:
         content if kind in DEVICES else None,
         ino, dev, mtime_ns, ctime_ns,
         content if kind == DIR else None,
-        node, below, uid, gid, extents,
+        node, below, uid, gid, extents, mtime_ns,
     )  # fmt: skip
 
 

@@ -1,11 +1,11 @@
 """Workspace entries, tree objects and manifests: the canonical record of a tree.
 
-Owns ``Entry`` (one path: type, mode, owner (uid, gid), size, digest | target | tree | rdev,
-a sparse file's extents, plus the stat cache that only an index keeps), tree objects (one
-directory's entries by name, each subdirectory named by its own tree id, as in git), the
-manifest object (the root's mode, owner and tree, parent, watermark and generation; its id is
-``<algo>:<hash of its canonical bytes>``), and writing and reading back manifests in an
-``ObjectStore`` (checking everything a manifest reaches is ``readback``'s, for a checkpoint,
+Owns ``Entry`` (one path: type, mode, owner (uid, gid), size, digest | target | tree | rdev, a
+sparse file's extents, its modification time, plus the stat cache that only an index keeps),
+tree objects (one directory's entries by name, each subdirectory named by its own tree id, as in
+git), the manifest object (the root's mode, owner and tree, parent, watermark and generation;
+its id is ``<algo>:<hash of its canonical bytes>``), and writing and reading back manifests in
+an ``ObjectStore`` (checking everything a manifest reaches is ``readback``'s, for a checkpoint,
 and ``verify``'s, for ``settled verify``).
 
 Why the owner: a mode alone cannot be restored safely. A set-uid bit means "runs as this
@@ -29,14 +29,25 @@ An entry without ``extents`` is a dense file, exactly as before (its digest is i
 ``extents: []`` is a file that is one hole. Only a tree entry with its owner may carry
 extents; an older reader refuses such a tree, naming the field, rather than misreading it.
 
+Times. A tree entry records its modification time (``mtime``, integer nanoseconds, as lstat
+saw it; ``settled.tree/v3``), so a restore gives every file, directory, symlink and FIFO back its
+time and ``make`` does not rebuild everything after one. The time is a recorded fact of the
+tree, not of the content: a blob's id stays the hash of its bytes alone, so two files with equal
+bytes and different times share one blob. Because it is in the tree, a changed time alone
+(``touch``, same bytes) changes the tree's id, and so the checkpoint's: a restore of the earlier
+checkpoint must give the earlier time. Trees written before times were recorded (v2, v1) and
+flat v1 manifests are still read; their entries record no time (``mtime`` None) and a restore
+leaves the time it wrote. The root directory's time is in the manifest's root
+(``settled.manifest/v4``; a v3 manifest records none).
+
 No ``created_at``: the id covers every byte of the manifest, and a manifest is a pure function
 of the tree and its lineage, so a checkpoint retried after a crash writes the very same object
 and reads back the very same id. Time belongs to the checkpoint receipt (``issued_at``).
 
 Must never: write a manifest whose root tree the store lacks; return a manifest or tree whose
 bytes do not hash to the id asked for, or that is not canonical, sorted, and free of names that
-escape the tree; put the stat cache (ino, dev, times) into a tree or manifest; talk to the
-settled database.
+escape the tree; put the stat cache (ino, dev, ctime) into a tree or manifest; record a time in
+a blob's id; talk to the settled database.
 """
 
 from __future__ import annotations
@@ -56,10 +67,12 @@ from settled.workspace.ignore import ignore_digest
 from settled.workspace.objectstore import ObjectMissing, ObjectStore, StoredObject
 from settled.workspace.sparse import Extent
 
-MANIFEST_VERSION: Final = "settled.manifest/v3"
+MANIFEST_VERSION: Final = "settled.manifest/v4"  # v4: the root's mtime
+TIMELESS_MANIFEST_VERSION: Final = "settled.manifest/v3"  # read only: the root's time unknown
 OWNERLESS_MANIFEST_VERSION: Final = "settled.manifest/v2"  # read only: the root's owner unknown
 FLAT_MANIFEST_VERSION: Final = "settled.manifest/v1"  # read only: written before trees existed
-TREE_VERSION: Final = "settled.tree/v2"
+TREE_VERSION: Final = "settled.tree/v3"
+TIMELESS_TREE_VERSION: Final = "settled.tree/v2"  # read only: written before times were recorded
 OWNERLESS_TREE_VERSION: Final = "settled.tree/v1"  # read only: written before owners were recorded
 MAX_ID: Final = 2**32 - 2  # uid_t and gid_t; (uid_t)-1 means "leave unchanged" to chown
 ROOT: Final = "."
@@ -85,6 +98,8 @@ _CONTENT_FIELD: Final[dict[str, str | None]] = {
 }  # fmt: skip
 _OWNER_FIELDS: Final = frozenset({"uid", "gid"})
 EXTENTS: Final = "extents"
+MTIME: Final = "mtime"
+_NS_RANGE: Final = range(-(2**63), 2**63)  # what os.utime(ns=) and a time_t in ns can hold
 _FORM_FIELDS: Final = {
     (key, owned, extra): frozenset(
         {key, "type", "mode", "size"}
@@ -96,9 +111,10 @@ _FORM_FIELDS: Final = {
     for extra in (*_CONTENT_FIELD.values(), None)
 }  # the fields of a flat ("path") or tree ("name") entry, owned or not, with that content field
 _ROOT_FIELDS: Final = {
-    False: frozenset({"mode", "tree"}),
-    True: frozenset({"mode", "tree"}) | _OWNER_FIELDS,
-}  # a manifest's root: v2 (no owner) or v3
+    OWNERLESS_MANIFEST_VERSION: frozenset({"mode", "tree"}),
+    TIMELESS_MANIFEST_VERSION: frozenset({"mode", "tree"}) | _OWNER_FIELDS,
+    MANIFEST_VERSION: frozenset({"mode", "tree", MTIME}) | _OWNER_FIELDS,
+}  # a manifest's root, by the manifest's version
 
 
 class ManifestError(SettledError):
@@ -186,9 +202,11 @@ class Entry(NamedTuple):
     index's pointer to a directory's stat-cache node and how many entries lie below it: all kept
     in an index, zero in a manifest, never part of a tree's or manifest's bytes. ``tree`` is a
     directory's tree id (None in a flat v1 manifest). ``uid`` and ``gid`` are the owner the
-    scan's lstat saw (part of a tree; None where an older format recorded none). (A NamedTuple:
-    immutable, and four times cheaper to build than a frozen dataclass, which matters at
-    100,000 entries per scan.)"""
+    scan's lstat saw (part of a tree; None where an older format recorded none). ``mtime`` is the
+    modification time a tree records (the lstat's ``st_mtime_ns``, kept apart from the stat
+    cache's ``mtime_ns`` so a manifest's stat cache stays zero; None where none was recorded).
+    (A NamedTuple: immutable, and four times cheaper to build than a frozen dataclass, which
+    matters at 100,000 entries per scan.)"""
 
     path: str
     type: str
@@ -207,6 +225,7 @@ class Entry(NamedTuple):
     uid: int | None = None  # the owner; None: not recorded (a v1 tree or flat v1 manifest)
     gid: int | None = None
     extents: tuple[Extent, ...] | None = None  # a sparse file's data; None: a dense file
+    mtime: int | None = None  # the recorded modification time, ns; None: not recorded (< v3)
 
     @property
     def sparse(self) -> bool:
@@ -243,12 +262,13 @@ class Entry(NamedTuple):
         rdev = st.st_rdev if kind in DEVICES else None
         return cls(path, kind, stat.S_IMODE(st.st_mode), size, digest, target, rdev,
                    st.st_ino, st.st_dev, st.st_mtime_ns, st.st_ctime_ns,
-                   uid=st.st_uid, gid=st.st_gid, extents=extents)  # fmt: skip
+                   uid=st.st_uid, gid=st.st_gid, extents=extents,
+                   mtime=st.st_mtime_ns)  # fmt: skip
 
     def without_stat(self) -> Entry:
         return Entry(
             self.path, self.type, self.mode, self.size, self.digest, self.target, self.rdev,
-            tree=self.tree, uid=self.uid, gid=self.gid, extents=self.extents,
+            tree=self.tree, uid=self.uid, gid=self.gid, extents=self.extents, mtime=self.mtime,
         )  # fmt: skip
 
     def _content_field(self) -> tuple[str | None, Any]:
@@ -273,8 +293,9 @@ class Entry(NamedTuple):
         return form
 
     def tree_form(self) -> dict[str, Any]:
-        """The form inside a (v2) tree object: name, type, mode, uid, gid, size and
-        digest|target|tree|rdev. ``ValueError`` if the entry records no owner."""
+        """The form inside a (v3) tree object: name, type, mode, uid, gid, size,
+        digest|target|tree|rdev, and mtime when recorded. ``ValueError`` if the entry records no
+        owner."""
         if self.uid is None or self.gid is None:
             raise ValueError(f"entry {self.path!r} records no owner; a tree records every owner")
         form: dict[str, Any] = {"name": name_of(self.path), "type": self.type, "mode": self.mode}
@@ -284,6 +305,8 @@ class Entry(NamedTuple):
             form[key] = value
         if self.extents is not None:
             form[EXTENTS] = [list(extent) for extent in self.extents]
+        if self.mtime is not None:
+            form[MTIME] = self.mtime
         return form
 
     @classmethod
@@ -295,13 +318,18 @@ class Entry(NamedTuple):
         return cls._from_form(form, path, "path", algorithm, allow_tree=False, owned=False)
 
     @classmethod
-    def from_tree_form(cls, form: Any, parent: str, algorithm: str, *, owned: bool = True) -> Entry:
-        """An entry of a tree object listed at ``parent`` (``owned``: a v2 tree, which records
-        every entry's uid and gid; a v1 tree records none)."""
+    def from_tree_form(
+        cls, form: Any, parent: str, algorithm: str, *, owned: bool = True, timed: bool = True
+    ) -> Entry:
+        """An entry of a tree object listed at ``parent`` (``owned``: a v2 or v3 tree, which
+        records every entry's uid and gid; a v1 tree records none. ``timed``: a v3 tree, whose
+        entries may record their mtime)."""
         if not isinstance(form, dict):
             raise ValueError(f"entry {form!r} is not an object")
         path = join(parent, check_name(form.get("name")))
-        return cls._from_form(form, path, "name", algorithm, allow_tree=True, owned=owned)
+        return cls._from_form(
+            form, path, "name", algorithm, allow_tree=True, owned=owned, timed=timed and owned
+        )
 
     @classmethod
     def _from_form(
@@ -313,6 +341,7 @@ class Entry(NamedTuple):
         *,
         allow_tree: bool,
         owned: bool,
+        timed: bool = False,
     ) -> Entry:
         kind = form.get("type")
         if not isinstance(kind, str) or kind not in _CONTENT_FIELD:
@@ -325,6 +354,9 @@ class Entry(NamedTuple):
         if kind == FILE and owned and key == "name" and EXTENTS in form:
             expected |= {EXTENTS}
             fields[EXTENTS] = _extents_of(form[EXTENTS], path)
+        if timed and MTIME in form:
+            expected |= {MTIME}
+            fields[MTIME] = form[MTIME]
         if form.keys() != expected:
             raise ValueError(f"entry {path!r} has fields {sorted(form)}")
         if owned:
@@ -361,6 +393,8 @@ class Entry(NamedTuple):
         for what, value in (("uid", self.uid), ("gid", self.gid)):
             if value is not None and (not _is_int(value) or not 0 <= value <= MAX_ID):
                 raise ValueError(f"entry {path!r} has {what} {value!r}")
+        if self.mtime is not None and (not _is_int(self.mtime) or self.mtime not in _NS_RANGE):
+            raise ValueError(f"entry {path!r} has mtime {self.mtime!r}")
         if path == ROOT and self.type != DIR:
             raise ValueError(f"the root entry is a {self.type}, not a dir")
 
@@ -398,8 +432,8 @@ def _check_extents(entry: Entry, algorithm: str) -> None:
 
 
 def tree_bytes(algorithm: str, entries: Iterable[Entry]) -> bytes:
-    """A directory's (v2) tree object: its entries (sorted by name by the caller), each with
-    its owner, no stat cache."""
+    """A directory's (v3) tree object: its entries (sorted by name by the caller), each with
+    its owner and (when recorded) its mtime, no stat cache."""
     return canonical_bytes(
         {"v": TREE_VERSION, "algorithm": algorithm, "entries": [e.tree_form() for e in entries]}
     )
@@ -412,15 +446,17 @@ def parse_tree(data: bytes, tree_id: str, path: str) -> list[Entry]:
     try:
         if not isinstance(raw, dict) or set(raw) != _TREE_KEYS:
             raise ValueError(f"top-level fields are not {sorted(_TREE_KEYS)}")
-        if raw["v"] not in (TREE_VERSION, OWNERLESS_TREE_VERSION):
+        if raw["v"] not in (TREE_VERSION, TIMELESS_TREE_VERSION, OWNERLESS_TREE_VERSION):
             raise ValueError(f"version {raw['v']!r}")
         if raw["algorithm"] != algorithm:
             raise ValueError(f"algorithm {raw['algorithm']!r}")
         if not isinstance(raw["entries"], list):
             raise ValueError("entries is not a list")
-        owned = raw["v"] == TREE_VERSION
+        owned = raw["v"] != OWNERLESS_TREE_VERSION
+        timed = raw["v"] == TREE_VERSION
         entries = [
-            Entry.from_tree_form(form, path, algorithm, owned=owned) for form in raw["entries"]
+            Entry.from_tree_form(form, path, algorithm, owned=owned, timed=timed)
+            for form in raw["entries"]
         ]
         names = [name_of(e.path) for e in entries]
         if any(a >= b for a, b in itertools.pairwise(names)):
@@ -566,15 +602,20 @@ def manifest_dict(
     generation: int,
     ignore: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The manifest object: the root directory's mode, owner and tree, and the lineage (v3;
-    a root that records no owner was read from a v2 object, and gives back its v2 form).
+    """The manifest object: the root directory's mode, owner, mtime and tree, and the lineage
+    (v4; a root that records no time or no owner was read from a v3 or v2 object, and gives
+    back that form).
     ``ignore``: the task's bound ignore rules (patterns and digest), present only when there
     are any, so the proof itself says what it does not cover; without, the bytes are as before."""
     root_form: dict[str, Any] = {"mode": root.mode, "tree": root.tree}
+    version = OWNERLESS_MANIFEST_VERSION
     if root.uid is not None:
         root_form.update(uid=root.uid, gid=root.gid)
+        version = TIMELESS_MANIFEST_VERSION
+        if root.mtime is not None:  # a head read from a v3 object gives back its v3 form
+            root_form[MTIME], version = root.mtime, MANIFEST_VERSION
     return {
-        "v": MANIFEST_VERSION if root.uid is not None else OWNERLESS_MANIFEST_VERSION,
+        "v": version,
         "algorithm": algorithm,
         "root": root_form,
         "parent": parent,
@@ -598,11 +639,11 @@ def _check_ignore(raw: object) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class ManifestHead:
-    """A manifest object (v2 or v3) as read back: what it names, before any tree is read."""
+    """A manifest object (v2, v3 or v4) as read back: what it names, before any tree is read."""
 
     manifest_id: str
     algorithm: str
-    root: Entry  # "." with its mode, tree and (v3) owner
+    root: Entry  # "." with its mode, tree, (v3) owner and (v4) mtime
     parent: str | None
     watermark: int | None
     generation: int
@@ -679,17 +720,17 @@ def read_head(
         if not isinstance(raw, dict) or set(raw) - {"ignore"} != _MANIFEST_KEYS:
             raise ValueError(f"top-level fields are not {sorted(_MANIFEST_KEYS)} (+ ignore)")
         ignore = _check_ignore(raw["ignore"]) if "ignore" in raw else None
-        if raw["v"] not in (MANIFEST_VERSION, OWNERLESS_MANIFEST_VERSION):
+        if raw["v"] not in _ROOT_FIELDS:
             raise ValueError(f"version {raw['v']!r} is not {MANIFEST_VERSION}")
         if raw["algorithm"] != algorithm:
             raise ValueError(f"algorithm {raw['algorithm']!r} differs from its id")
         root_form = raw["root"]
-        owned = raw["v"] == MANIFEST_VERSION
-        if not isinstance(root_form, dict) or set(root_form) != _ROOT_FIELDS[owned]:
-            raise ValueError(f"root {root_form!r} is not {sorted(_ROOT_FIELDS[owned])}")
+        fields = _ROOT_FIELDS[raw["v"]]
+        if not isinstance(root_form, dict) or set(root_form) != fields:
+            raise ValueError(f"root {root_form!r} is not {sorted(fields)}")
         root = Entry(
             ROOT, DIR, root_form["mode"], 0, tree=root_form["tree"],
-            uid=root_form.get("uid"), gid=root_form.get("gid"),
+            uid=root_form.get("uid"), gid=root_form.get("gid"), mtime=root_form.get(MTIME),
         )  # fmt: skip
         root.check(algorithm)
         parse_digest(root.tree)

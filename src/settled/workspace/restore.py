@@ -2,13 +2,14 @@
 
 Owns ``restore``: reach ``dest``'s parent from ``/`` without following a symlink and hold it
 open, read the manifest back by its exact id, rebuild the tree in a private temp directory made
-through that fd beside ``dest`` (directories, files with content verified by hash while
-copying, symlinks as links, FIFOs with ``mkfifo``; a sparse file sized by ``ftruncate`` and its
-extents written at their offsets, so its holes stay holes), apply owners and modes after
-content (files as they are finished, directories last and deepest first, the root last of
-all), fsync, then rename the temp directory onto ``dest`` within the parent's fd
-(``renameat``), so a symlink swapped in after the checks cannot redirect the restore. Sockets
-and devices cannot be restored and are named in the result; a device node is never created.
+through that fd beside ``dest`` (directories, files with content verified by hash while copying,
+symlinks as links, FIFOs with ``mkfifo``; a sparse file sized by ``ftruncate`` and its extents
+written at their offsets, so its holes stay holes), apply owners, modes and recorded
+modification times after content (files as they are finished, directories last and deepest
+first, since making a child changes its directory's time, the root last of all), fsync, then
+rename the temp directory onto ``dest`` within the parent's fd (``renameat``), so a symlink
+swapped in after the checks cannot redirect the restore. Sockets and devices cannot be restored
+and are named in the result; a device node is never created.
 
 Restore grants nothing (tar's convention). The command that made the workspace is hostile, and
 the restore often runs as root: a set-uid file of ``nobody`` restored by root with its mode
@@ -19,6 +20,13 @@ with ``same_owner`` or when the recorded gid is the restoring egid or one of its
 entry is then given that group). An entry that records no owner (a v1 tree) keeps no set-id
 bit, even with ``same_owner``: there is no owner to restore. The sticky bit is kept. Every bit
 dropped is named in the result (``setid_dropped``); ``earned_setid`` is the rule, without I/O.
+
+Times. An entry whose tree records its ``mtime`` (``settled.tree/v3``) gets it back, atime and
+mtime both (``utime`` with ``ns=``, on the open fd, or the link itself for a symlink), so a
+build tool that compares times sees the order the checkpoint saw and rebuilds nothing after a
+restore. An entry of an older tree keeps the time its restore wrote (counted in
+``times_unrecorded``); the root's time is in a v4 manifest's root. A time that cannot be set
+fails the restore like any other write: a restored tree is exact or absent.
 
 About 500 lines, over the usual 400: the destination's no-follow walk and the builder share the
 parent's fd and the one cleanup path that leaves nothing behind.
@@ -179,6 +187,7 @@ class RestoreResult:
     setid_dropped: tuple[str, ...] = ()  # paths restored without the set-id bits they recorded
     owners_restored: bool = False  # every entry chowned to its recorded owner (same_owner)
     owners_unrecorded: int = 0  # entries whose checkpoint records no owner (a v1 tree)
+    times_unrecorded: int = 0  # entries that record no mtime (a v1/v2 tree, a v3 manifest's root)
 
     @property
     def complete(self) -> bool:
@@ -236,7 +245,7 @@ def restore(
     return RestoreResult(
         manifest_id, dest, counts[FILE], counts[DIR], counts[SYMLINK], counts[FIFO],
         builder.bytes_written, tuple(builder.not_restorable), tuple(sorted(builder.dropped)),
-        same_owner and not builder.unrecorded, builder.unrecorded,
+        same_owner and not builder.unrecorded, builder.unrecorded, builder.timeless,
     )  # fmt: skip
 
 
@@ -396,6 +405,7 @@ class _Builder:
         self.who = who
         self.dropped: list[str] = []  # paths whose set-id bits were not earned
         self.unrecorded = 0  # entries that record no owner
+        self.timeless = 0  # entries that record no mtime
         self.dirs: list[Entry] = []
         self.made_dirs: set[str] = {ROOT}
         self.counts = {FILE: 0, DIR: 0, SYMLINK: 0, FIFO: 0}
@@ -427,11 +437,13 @@ class _Builder:
         elif entry.type == SYMLINK and entry.target is not None:
             os.symlink(entry.target, path, dir_fd=fd)
             self.give_link_owner(entry)
+            self.set_time(entry, path)
         elif entry.type == FIFO:
             os.mkfifo(path, 0o600, dir_fd=fd)
             fifo = os.open(path, _OPEN_FIFO, dir_fd=fd)  # the FIFO this restore just made
             try:
                 self.settle(fifo, entry)
+                self.set_time(entry, fifo)
             finally:
                 os.close(fifo)
         else:  # sockets, and devices: never mknod'ed
@@ -451,6 +463,7 @@ class _Builder:
                 if actual != digest or size != entry.size:
                     raise BlobCorrupt(digest, path, actual)
             self.settle(out, entry)  # after the content: a write would clear set-id bits
+            self.set_time(entry, out)  # after every write: a write would set it to now
             if self.durable:
                 os.fsync(out)
         except BaseException:
@@ -509,9 +522,10 @@ class _Builder:
     def finish_dir(self, entry: Entry) -> None:
         fd = os.open(entry.path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=self.root_fd)
         try:
-            if self.durable:
-                os.fsync(fd)
             self.settle(fd, entry)
+            self.set_time(entry, fd)  # the root's too: a rename keeps the renamed dir's time
+            if self.durable:  # after the owner, mode and time, so the fsync covers them
+                os.fsync(fd)
         finally:
             os.close(fd)
 
@@ -545,6 +559,18 @@ class _Builder:
                 self.dropped.append(entry.path)
             mode = (mode & ~SETID) | kept
         os.fchmod(fd, mode)
+
+    def set_time(self, entry: Entry, target: int | str) -> None:
+        """Give the entry its recorded mtime (as atime too): through an fd this restore opened,
+        or, for a symlink, the link itself by name (never what it points at)."""
+        if entry.mtime is None:
+            self.timeless += 1
+            return
+        times = (entry.mtime, entry.mtime)
+        if isinstance(target, int):
+            os.utime(target, ns=times)
+        else:
+            os.utime(target, ns=times, dir_fd=self.root_fd, follow_symlinks=False)
 
     def give_link_owner(self, entry: Entry) -> None:
         """A symlink's owner (its mode means nothing on Linux, and it has no set-id bits)."""
