@@ -50,6 +50,7 @@ FACE_NEUTRAL = {
     "settled.states",
 }
 FACES = {
+    "settled.baseline",  # the demo's plain-subprocess baseline: it measures, it decides nothing
     "settled.cli",
     "settled.client",
     "settled.demo",
