@@ -100,7 +100,7 @@ def test_lists_every_tool_with_a_description_for_a_model(tmp_path: Path) -> None
         assert set(tools) == set(TOOL_NAMES)
         for tool in tools.values():
             assert tool.description and len(tool.description) > 80, tool.name
-        assert set(tools["run"].input_schema["required"]) == {"task", "command"}
+        assert set(tools["start"].input_schema["required"]) == {"task", "command"}
 
     run_with_server(tmp_path, body)
 
@@ -109,10 +109,10 @@ def test_lists_every_tool_with_a_description_for_a_model(tmp_path: Path) -> None
 def test_run_read_a_4_mib_line_from_a_cursor_wait_and_finish_complete(tmp_path: Path) -> None:
     async def body(session: ClientSession) -> None:
         task = await new_task(session, tmp_path)
-        admitted = data_of(await call(session, "run", task=task, command=DIGITS_LINE))
+        admitted = data_of(await call(session, "start", task=task, command=DIGITS_LINE))
         assert admitted["key"].startswith("k_") and admitted["reused"] is False
         again = data_of(
-            await call(session, "run", task=task, command=DIGITS_LINE, key=admitted["key"])
+            await call(session, "start", task=task, command=DIGITS_LINE, key=admitted["key"])
         )
         assert again["session"] == admitted["session"] and again["reused"] is True
 
@@ -158,7 +158,7 @@ def test_a_blocked_finish_names_the_authority_and_obligation(tmp_path: Path, mar
     async def body(session: ClientSession) -> None:
         task = await new_task(session, tmp_path)
         escapee = ESCAPEE
-        sid = data_of(await call(session, "run", task=task, command=escapee, boundary="pgroup"))[
+        sid = data_of(await call(session, "start", task=task, command=escapee, boundary="pgroup"))[
             "session"
         ]
         waited = data_of(await call(session, "wait", session=sid, timeout=30))
@@ -181,7 +181,7 @@ def test_a_blocked_finish_names_the_authority_and_obligation(tmp_path: Path, mar
 def test_wait_returns_by_its_timeout_and_signal_stops_the_command(tmp_path: Path) -> None:
     async def body(session: ClientSession) -> None:
         task = await new_task(session, tmp_path)
-        sid = data_of(await call(session, "run", task=task, command=["sleep", "300"]))["session"]
+        sid = data_of(await call(session, "start", task=task, command=["sleep", "300"]))["session"]
         started = time.monotonic()
         still = data_of(await call(session, "wait", session=sid, timeout=0.5))
         assert time.monotonic() - started < 5
@@ -201,13 +201,13 @@ def test_errors_are_tool_errors_that_name_the_value(tmp_path: Path) -> None:
         unknown = await call(session, "read_output", session="s_nope")
         assert unknown.is_error and "s_nope" in text_of(unknown)
         task = await new_task(session, tmp_path)
-        sid = data_of(await call(session, "run", task=task, command="printf abc"))["session"]
+        sid = data_of(await call(session, "start", task=task, command="printf abc"))["session"]
         data_of(await call(session, "wait", session=sid, timeout=30))
         beyond = await call(session, "read_output", session=sid, cursor=99)
         assert beyond.is_error and "99" in text_of(beyond) and "3 bytes" in text_of(beyond)
-        no_task = await call(session, "run", task="t_missing", command="true")
+        no_task = await call(session, "start", task="t_missing", command="true")
         assert no_task.is_error and "t_missing" in text_of(no_task)
-        other = await call(session, "run", task=task, command="printf other", key=None)
+        other = await call(session, "start", task=task, command="printf other", key=None)
         data_of(other)
         conflict = await call(
             session, "run", task=task, command="printf else", key=data_of(other)["key"]
@@ -244,3 +244,44 @@ def test_the_window_view_keeps_budget_utf8_and_the_exact_omitted_range() -> None
             head, _, rest = view.text.partition("\n[settled: omitted")
             assert head.encode() == data[start:a]  # the head is exactly bytes [start, a)
             assert rest.split("]\n", 1)[1].encode() == data[b:end]  # and the tail [b, end)
+
+
+@pytest.mark.timeout(120)
+def test_run_waits_and_returns_the_exit_code_and_both_streams(tmp_path: Path) -> None:
+    async def body(session: ClientSession) -> None:
+        task = await new_task(session, tmp_path)
+        script = "printf 'to out'; printf 'to err' >&2; exit 5"
+        done = data_of(await call(session, "run", task=task, command=script, key="step-1"))
+        assert done["exit_code"] == 5 and done["death_proven"] and not done["still_running"]
+        assert done["output"]["stdout"]["text"] == "to out"
+        assert done["output"]["stderr"]["text"] == "to err"
+        again = data_of(await call(session, "run", task=task, command=script, key="step-1"))
+        assert again["session"] == done["session"] and again["reused"] is True
+        late = data_of(await call(session, "run", task=task, command="sleep 30", timeout=0.5))
+        assert late["exit_code"] == 124
+        slow = data_of(await call(session, "run", task=task, command="sleep 3", wait=0.2))
+        assert slow["still_running"] is True
+        await call(session, "wait", session=slow["session"], timeout=30)
+
+    run_with_server(tmp_path, body)
+
+
+@pytest.mark.timeout(60)
+def test_the_server_reports_the_package_version(tmp_path: Path) -> None:
+    from importlib.metadata import version
+
+    async def main() -> str:
+        params = StdioServerParameters(
+            command=sys.executable,
+            args=["-m", "settled.mcp_server", "--home", str(tmp_path / "home")],
+            env=dict(os.environ),
+        )
+        with open(tmp_path / "mcp-server.stderr", "w") as errlog:
+            async with (
+                stdio_client(params, errlog=errlog) as (read, write),
+                ClientSession(read, write) as session,
+            ):
+                init = await session.initialize()
+                return str(init.server_info.version)
+
+    assert anyio.run(main) == version("settled")

@@ -1,10 +1,10 @@
 """The MCP server of settled: the library Runtime as agent tools, over stdio (official `mcp` SDK).
 
-Owns: the tool surface a model sees — `new_task`, `run`, `read_output`, `wait`, `signal`,
-`finish` — their descriptions (written for a model), the translation of each answer into a short
-text the model reads plus structured content a harness can parse, and the translation of
-settled's typed errors into tool errors whose message names the offending value. It runs over
-`Runtime` directly (home from `--home` or SETTLED_HOME); no HTTP is involved.
+Owns: the tool surface a model sees — `new_task`, `run`, `start`, `read_output`, `wait`,
+`signal`, `finish` — their descriptions (written for a model), the translation of each answer
+into a short text the model reads plus structured content a harness can parse, and the
+translation of settled's typed errors into tool errors whose message names the offending
+value. It runs over `Runtime` directly (home from `--home` or SETTLED_HOME); no HTTP is involved.
 
 Must never: decide anything the runtime decides (state, receipts and completion are reported as
 computed); block a tool call past the timeout the model gave; show the model more than its byte
@@ -32,6 +32,7 @@ from pydantic import Field
 
 from settled import grammar
 from settled.errors import CursorOutOfRange, NotSettled, SettledError
+from settled.exitcodes import command_exit_code
 from settled.runtime import Launcher, Runtime, open_launcher
 
 DEFAULT_BUDGET = 16 * 1024
@@ -41,11 +42,12 @@ DEFAULT_FINISH_DEADLINE_S = 60.0
 
 INSTRUCTIONS = """\
 settled runs your shell commands and tells you, with proof, when the work is done.
-Start with new_task(workspace) once, then run(task, command) for each command. run returns at
-once with a session id; the command keeps running on its own. Use read_output(session, cursor)
-to see output (it never floods you: you get at most `budget` bytes, with the omitted range named)
-and wait(session, timeout) to get the exit. If a run call fails or times out, call run again with
-the SAME key: it returns the same session and never runs the command twice. When you are done,
+Start with new_task(workspace) once, then run(task, command) for each command: it waits for the
+end and returns the exit code and output. For a long command use start(task, command), which
+returns at once with a session id while the command keeps running on its own; read_output(session,
+cursor) shows output (never more than `budget` bytes, the omitted range named) and wait(session,
+timeout) gets the exit. If a run or start call fails or times out, call it again with the SAME
+key: it returns the same session and never runs the command twice. When you are done,
 call finish(task, final) — it answers complete only when every command is proven stopped and the
 workspace is checkpointed; otherwise it names exactly what still blocks it."""
 
@@ -193,7 +195,7 @@ class Tools:
         data = record.to_json()
         return _answer(f"task {record.task} over {record.workspace} ({record.state})", data)
 
-    def run(
+    def start(
         self,
         task: TaskId,
         command: Annotated[
@@ -226,9 +228,10 @@ class Tools:
             Field(description="How the process tree is contained; keep 'auto'."),
         ] = "auto",
     ) -> CallToolResult:
-        """Start a command and return at once with its session id; it runs on its own, with a
-        deadline kept by settled even if it prints nothing. Calling run again with the same key
-        returns the same session (reused=true) and never starts the command twice."""
+        """Start a command and return at once with its session id (use run to start and wait in
+        one call). It runs on its own, with a deadline kept by settled even if it prints nothing.
+        Calling start again with the same key returns the same session (reused=true) and never
+        starts the command twice."""
         shell, argv = (command, None) if isinstance(command, str) else (None, command)
         admission = self.runtimes.get().exec(
             task,
@@ -246,6 +249,88 @@ class Tools:
             f"{'; reused: this key already named this command' if admission.reused else ''}. "
             f"Next: read_output(session={admission.session!r}) or wait(session=...)."
         )
+        return _answer(text, data)
+
+    def run(
+        self,
+        task: TaskId,
+        command: Annotated[
+            str | list[str],
+            Field(description="A shell string (run by /bin/sh -c) or an argv list."),
+        ],
+        key: Annotated[
+            str | None,
+            Field(
+                description="Idempotency key. Omit for a new command; pass the same key again "
+                "to retry: you get the same session and its result, never a second run."
+            ),
+        ] = None,
+        timeout: Annotated[
+            float | None,
+            Field(
+                description="Seconds before settled stops the command (TERM, then KILL).",
+                gt=0,
+                le=grammar.MAX_TIMEOUT_S,
+                strict=True,
+                allow_inf_nan=False,
+            ),
+        ] = None,
+        wait: Annotated[
+            float,
+            Field(
+                description="Most seconds this call waits for the end; past it the command "
+                "goes on and you get its session to wait on.",
+                ge=0,
+                le=MAX_WAIT_S,
+                strict=True,
+                allow_inf_nan=False,
+            ),
+        ] = 120.0,
+        cwd: Annotated[str, Field(description="Directory relative to the workspace.")] = ".",
+        budget: Annotated[
+            int,
+            Field(
+                description="Most bytes of output text to return, shared by stdout and stderr.",
+                ge=0,
+                le=MAX_BUDGET,
+                strict=True,
+            ),
+        ] = DEFAULT_BUDGET,
+    ) -> CallToolResult:
+        """Run a command and wait for it: returns its exit code (as a shell reports it: 124 on
+        timeout, 127 if it never started, 128+N for signal N, 117 if the outcome is unknown),
+        the head and tail of stdout and stderr within `budget` bytes with their cursors, and
+        whether its whole process tree is proven stopped."""
+        rt = self.runtimes.get()
+        shell, argv = (command, None) if isinstance(command, str) else (None, command)
+        admission = rt.exec(task, argv, shell, key=key, timeout=timeout, cwd=cwd)
+        try:
+            view = rt.wait(admission.session, wait)
+        except NotSettled:
+            data = {"session": admission.session, "key": admission.key, "still_running": True}
+            text = (
+                f"session {admission.session} is still running after {wait} s; it goes on. "
+                f"Next: wait(session={admission.session!r}) or read_output."
+            )
+            return _answer(text, data)
+        outputs = {}
+        for stream in ("stdout", "stderr"):
+            window, final = rt.window(admission.session, stream, 0, budget // 2, marker=MARKER)
+            outputs[stream] = {"text": window.text, "next_cursor": window.end, "final": final}
+        code = command_exit_code(view.get("receipt"))
+        summary = receipt_summary(view)
+        data = {
+            **summary,
+            "key": admission.key,
+            "reused": admission.reused,
+            "exit_code": code,
+            "output": outputs,
+            "still_running": False,
+        }
+        text = f"exit code {code}. {_summary_text(summary)}"
+        for stream, out in outputs.items():
+            if out["text"]:
+                text += f"\n--- {stream} ---\n{out['text']}"
         return _answer(text, data)
 
     def read_output(
@@ -380,15 +465,27 @@ class Tools:
         return _answer(f"complete. {explained['words']}", data)
 
 
-TOOL_NAMES = ("new_task", "run", "read_output", "wait", "signal", "finish")
+TOOL_NAMES = ("new_task", "run", "start", "read_output", "wait", "signal", "finish")
 
 
 def build_server(runtimes: Runtimes) -> MCPServer[Any]:
-    server: MCPServer[Any] = MCPServer(name="settled", instructions=INSTRUCTIONS)
+    server: MCPServer[Any] = MCPServer(
+        name="settled", version=package_version(), instructions=INSTRUCTIONS
+    )
     tools = Tools(runtimes)
     for name in TOOL_NAMES:
         server.add_tool(_tool_errors(getattr(tools, name)), name=name)
     return server
+
+
+def package_version() -> str:
+    """The installed distribution's version, which the server reports at initialization."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("settled")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "0+unknown"
 
 
 def run_stdio(home: str | None) -> int:
