@@ -467,3 +467,17 @@ def test_close_closes_the_connection_not_a_task(server: Server) -> None:
     http.close()
     with pytest.raises(RuntimeError):
         http._http.get("/healthz")
+
+
+@pytest.mark.timeout(60)
+def test_inherit_resolves_in_the_caller_and_the_server_records_it(
+    client: Client, workspace: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("CALLERS_OWN", "from the caller")
+    task = client.new_task(workspace)["task"]
+    admitted = client.exec(task, ["env"], key="inherit-1", inherit=["CALLERS_OWN"])
+    view = client.wait(admitted.session, timeout=30)
+    seen, _cursor = client.output(admitted.session, "stdout")
+    assert b"CALLERS_OWN=from the caller" in seen
+    assert b"SETTLED_" not in seen  # nothing of the server's own environment
+    assert view["receipt"]["exit"]["code"] == 0

@@ -429,6 +429,7 @@ def cmd_restore(rt: Runtime, args: argparse.Namespace) -> int:
         "owners_restored": result.owners_restored,
         "owners_unrecorded": result.owners_unrecorded,
         "setid_dropped": list(result.setid_dropped),
+        "times_unrecorded": result.times_unrecorded,
     }
     text = (
         f"restored {result.manifest_id} into {result.dest}: {result.files} files, "
@@ -446,6 +447,11 @@ def cmd_restore(rt: Runtime, args: argparse.Namespace) -> int:
     if result.setid_dropped:
         text += (
             f"; set-id bits dropped (not earned by this restore): {', '.join(result.setid_dropped)}"
+        )
+    if result.times_unrecorded:
+        text += (
+            f"; modification times not restored for {result.times_unrecorded} entries (the "
+            "checkpoint predates recorded times)"
         )
     if result.not_restorable:
         text += f"; not restorable: {result.not_restorable}"

@@ -35,6 +35,7 @@ from urllib.parse import quote
 import anyio
 import httpx
 
+from settled.environment import from_caller
 from settled.exitcodes import command_exit_code
 
 CURSOR_HEADER = "Settled-Cursor"
@@ -216,6 +217,18 @@ class Admission:
     state: str
     attempts: int
     raw: dict[str, Any] = field(repr=False)
+
+
+def _with_inherited(
+    env: Mapping[str, str] | None, names: Sequence[str], whole: bool
+) -> tuple[Mapping[str, str] | None, list[str]]:
+    """The explicit env with the caller's chosen variables under it (explicit wins), and the
+    names that came from the caller."""
+    if not names and not whole:
+        return env, []
+    caller = from_caller(names, whole, os.environ)
+    explicit = dict(env or {})
+    return {**caller.env, **explicit}, [n for n in caller.inherited if n not in explicit]
 
 
 def new_key() -> str:
@@ -715,10 +728,17 @@ class Client(_Base):
         isolation: str | None = None,
         user: str | None = None,
         writable: Sequence[str] | None = None,
+        inherit: Sequence[str] = (),
+        inherit_env: bool = False,
     ) -> Admission:
-        """Admit a command; retried with the same key and body until the server answers."""
+        """Admit a command; retried with the same key and body until the server answers.
+        `inherit` names variables of this process's environment to pass (`inherit_env`: all
+        but settled's own); they travel in `env`, named in `inherited`, so the server records
+        them and never adds its own."""
         key = key or new_key()
+        env, inherited = _with_inherited(env, inherit, inherit_env)
         options: dict[str, Any] = {"timeout": timeout, "grace": grace, "cwd": cwd, "env": env}
+        options.update(inherited=inherited or None)
         options.update(service=service, boundary=boundary, isolation=isolation, user=user)
         options.update(writable=list(writable) if writable else None)
         call = _admission_call(task, argv, shell, key, options)
@@ -950,10 +970,17 @@ class AsyncClient(_Base):
         isolation: str | None = None,
         user: str | None = None,
         writable: Sequence[str] | None = None,
+        inherit: Sequence[str] = (),
+        inherit_env: bool = False,
     ) -> Admission:
-        """Admit a command; retried with the same key and body until the server answers."""
+        """Admit a command; retried with the same key and body until the server answers.
+        `inherit` names variables of this process's environment to pass (`inherit_env`: all
+        but settled's own); they travel in `env`, named in `inherited`, so the server records
+        them and never adds its own."""
         key = key or new_key()
+        env, inherited = _with_inherited(env, inherit, inherit_env)
         options: dict[str, Any] = {"timeout": timeout, "grace": grace, "cwd": cwd, "env": env}
+        options.update(inherited=inherited or None)
         options.update(service=service, boundary=boundary, isolation=isolation, user=user)
         options.update(writable=list(writable) if writable else None)
         call = _admission_call(task, argv, shell, key, options)

@@ -5,8 +5,8 @@ its session; a fork of this process pays ~1-2 ms. The zygote belongs to one Runt
 Runtime's child, talks to it over a socketpair, and exits when the socketpair closes (the Runtime
 closed or its process died), so it never outlives its owner. Owners it forks are detached at once
 (setsid, a second fork) and outlive it. It holds no store connection and no lock while it forks.
-The caller's environment and umask travel with each request, so a command sees the caller's
-environment, not the zygote's.
+The caller's environment and umask travel with each request, so an owner runs with the caller's
+environment, not the zygote's (a command sees neither: only its spec's env, settled.environment).
 """
 
 from __future__ import annotations

@@ -30,8 +30,8 @@ SIGNALS = ("TERM", "KILL", "INT")
 TASK_FIELDS = frozenset({"workspace", "key", "user", "shared_workspace", "ignore"})
 SESSION_FIELDS = frozenset(
     {
-        "argv", "shell", "key", "timeout", "grace", "cwd", "env", "service", "boundary",
-        "isolation", "user", "writable",
+        "argv", "shell", "key", "timeout", "grace", "cwd", "env", "inherited", "service",
+        "boundary", "isolation", "user", "writable",
     }
 )  # fmt: skip
 CLOSE_FIELDS = frozenset({"final", "deadline"})
@@ -132,6 +132,7 @@ def session_request(body: dict[str, Any]) -> dict[str, Any]:
         "grace": grammar.optional_seconds("grace", body.get("grace"), grammar.MAX_GRACE_S),
         "cwd": grammar.optional_text("cwd", body.get("cwd"), grammar.MAX_PATH_BYTES) or ".",
         "env": _env(body),
+        "inherited": _inherited(body),
         "service": body.get("service") is not None
         and grammar.check_bool("service", body["service"]),
         "boundary": _choice(body, "boundary", BOUNDARY_POLICIES),
@@ -139,6 +140,17 @@ def session_request(body: dict[str, Any]) -> dict[str, Any]:
         "user": _user(body),
         "writable": _writable(body),
     }
+
+
+def _inherited(body: dict[str, Any]) -> list[str]:
+    """Names of `env` the caller took from its own environment: recorded, never resolved here
+    (a server hands a command none of its own variables)."""
+    names = body.get("inherited")
+    if names is None:
+        return []
+    if not isinstance(names, list):
+        raise grammar.BadText("inherited", names, "must be a list of variable names")
+    return [name for name, _ in grammar.check_env("inherited", ((n, "") for n in names))]
 
 
 def _writable(body: dict[str, Any]) -> list[str]:

@@ -384,6 +384,11 @@ def _schemas() -> dict[str, Any]:
                     "additionalProperties": arg,
                     "maxProperties": g.MAX_ENV_ITEMS,
                 },
+                "inherited": {  # names of env the caller took from its own environment
+                    "type": "array",
+                    "items": env_name,
+                    "maxItems": g.MAX_ENV_ITEMS,
+                },
                 "service": b,
                 "boundary": {"type": "string", "enum": list(BOUNDARY_POLICIES)},
                 "isolation": {"type": "string", "enum": list(ISOLATION_POLICIES)},
