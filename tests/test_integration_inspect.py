@@ -102,3 +102,21 @@ def test_an_eval_runs_through_settled_and_cleanup_checkpoints(
     assert closed.complete and closed.receipt is not None
     assert closed.receipt["checkpoint"]["digest"].startswith("sha256:")
     assert list(workspaces.iterdir()) == []  # the sample's workspace went with its cleanup
+
+
+def test_sandbox_settled_is_found_through_the_installed_entry_point() -> None:
+    """A user's eval names `sandbox="settled"` and never imports settled: Inspect finds it by
+    the `inspect_ai` entry point the package installs."""
+    import subprocess
+    import sys
+
+    probe = (
+        "import sys\n"
+        "from inspect_ai.util._sandbox.registry import registry_find_sandboxenv\n"
+        "found = registry_find_sandboxenv('settled')\n"
+        "print(found.__module__, found.__name__)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert done.stdout.split() == ["settled.integrations.inspect_ai", "SettledSandboxEnvironment"]
