@@ -172,6 +172,22 @@ SessionId = Annotated[str, Field(description="A session id returned by run, e.g.
 TaskId = Annotated[str, Field(description="A task id returned by new_task, e.g. 't_...'.")]
 
 
+Command = Annotated[
+    str | list[str], Field(description="A shell string (run by /bin/sh -c) or an argv list.")
+]
+CommandTimeout = Annotated[
+    float | None,
+    Field(
+        description="Seconds before settled stops the command (TERM, then KILL).",
+        gt=0,
+        le=grammar.MAX_TIMEOUT_S,
+        strict=True,
+        allow_inf_nan=False,
+    ),
+]
+Cwd = Annotated[str, Field(description="Directory relative to the workspace.")]
+
+
 class Tools:
     """The tool functions; each docstring is what the model reads."""
 
@@ -198,10 +214,7 @@ class Tools:
     def start(
         self,
         task: TaskId,
-        command: Annotated[
-            str | list[str],
-            Field(description="A shell string (run by /bin/sh -c) or an argv list."),
-        ],
+        command: Command,
         key: Annotated[
             str | None,
             Field(
@@ -209,20 +222,11 @@ class Tools:
                 "returned); pass the same key again to retry without running twice."
             ),
         ] = None,
-        timeout: Annotated[
-            float | None,
-            Field(
-                description="Seconds before settled stops the command (TERM, then KILL).",
-                gt=0,
-                le=grammar.MAX_TIMEOUT_S,
-                strict=True,
-                allow_inf_nan=False,
-            ),
-        ] = None,
+        timeout: CommandTimeout = None,
         service: Annotated[
             bool, Field(description="A long-running service, stopped when the task finishes.")
         ] = False,
-        cwd: Annotated[str, Field(description="Directory relative to the workspace.")] = ".",
+        cwd: Cwd = ".",
         boundary: Annotated[
             Literal["auto", "cgroup2+pidns", "cgroup2", "pidns", "subreaper", "pgroup"],
             Field(description="How the process tree is contained; keep 'auto'."),
@@ -254,10 +258,7 @@ class Tools:
     def run(
         self,
         task: TaskId,
-        command: Annotated[
-            str | list[str],
-            Field(description="A shell string (run by /bin/sh -c) or an argv list."),
-        ],
+        command: Command,
         key: Annotated[
             str | None,
             Field(
@@ -265,16 +266,7 @@ class Tools:
                 "to retry: you get the same session and its result, never a second run."
             ),
         ] = None,
-        timeout: Annotated[
-            float | None,
-            Field(
-                description="Seconds before settled stops the command (TERM, then KILL).",
-                gt=0,
-                le=grammar.MAX_TIMEOUT_S,
-                strict=True,
-                allow_inf_nan=False,
-            ),
-        ] = None,
+        timeout: CommandTimeout = None,
         wait: Annotated[
             float,
             Field(
@@ -286,7 +278,7 @@ class Tools:
                 allow_inf_nan=False,
             ),
         ] = 120.0,
-        cwd: Annotated[str, Field(description="Directory relative to the workspace.")] = ".",
+        cwd: Cwd = ".",
         budget: Annotated[
             int,
             Field(
