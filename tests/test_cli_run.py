@@ -159,10 +159,14 @@ def test_ls_and_ps_show_tasks_sessions_and_commands(cli: CLI, task: dict[str, An
 def test_every_verb_has_help_with_an_example_and_exit_codes(cli: CLI) -> None:
     top = cli.run("--help").stdout.decode()
     assert "exit codes:" in top and "124 timeout" in top
-    verbs = ["run", "exec", "attach", "ls", "ps"]
-    for verb in verbs:
-        text = cli.run(verb, "--help").stdout.decode()
+    verbs = [
+        "run", "exec", "attach", "ls", "ps", "wait", "logs", "status", "cancel", "close",
+        "checkpoint", "recover", "hosts", "explain", "restore", "verify", "mcp", "serve", "demo",
+    ]  # fmt: skip
+    for verb in [*verbs, "task new", "task destroy"]:
+        text = cli.run(*verb.split(), "--help").stdout.decode()
         assert "example:" in text and "exit codes" in text, verb
+        assert "(default: None)" not in text, verb
     run_help = cli.run("run", "--help").stdout.decode()
     assert "124" in run_help and "117" in run_help and "127" in run_help
 

@@ -532,8 +532,18 @@ def _id(field: str) -> Callable[[str], str]:
     return lambda text: grammar.check_id(field, text)
 
 
-class Help(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-    """Examples kept as written, and every option's default shown."""
+class Help(argparse.RawDescriptionHelpFormatter):
+    """Examples kept as written, and every option's default shown where it has one worth
+    reading (a help that words its own default keeps its words)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        default = action.default
+        if "(default" in text or default in (None, False, [], argparse.SUPPRESS):
+            return text
+        if action.option_strings or action.nargs in ("?", "*"):
+            return f"{text} (default: {default})"
+        return text
 
 
 def _verb(
@@ -673,7 +683,13 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="verb", required=True)
 
     task = sub.add_parser("task", help="tasks").add_subparsers(dest="task_verb", required=True)
-    new = task.add_parser("new", parents=[common], help="create a task")
+    new = _verb(
+        task,
+        "new",
+        common,
+        "create a task",
+        "settled task new --workspace ~/proj --ignore .venv/ -q",
+    )
     new.add_argument("--workspace", type=_path("--workspace"))
     new.add_argument("--key", type=_key("--key"))
     new.add_argument(
@@ -695,7 +711,9 @@ def build_parser() -> argparse.ArgumentParser:
         "command editing .settledignore later changes nothing",
     )  # fmt: skip
     new.set_defaults(handler=cmd_task_new)
-    destroy = task.add_parser("destroy", parents=[common], help="destroy the task's sandbox")
+    destroy = _verb(
+        task, "destroy", common, "destroy the task's sandbox", "settled task destroy t_0123"
+    )
     destroy.add_argument("task", type=_id("task"))
     destroy.set_defaults(handler=cmd_task_destroy)
 
@@ -755,12 +773,20 @@ def build_parser() -> argparse.ArgumentParser:
     ps.add_argument("task", type=_id("task"))
     ps.set_defaults(handler=cmd_ps)
 
-    wait = sub.add_parser("wait", parents=[common], help="wait for a process receipt")
+    wait = _verb(
+        sub, "wait", common, "wait for a process receipt", "settled wait s_0123 --timeout 60 --json"
+    )
     wait.add_argument("session", type=_id("session"))
     wait.add_argument("--timeout", type=_seconds("--timeout", grammar.MAX_WAIT_S))
     wait.set_defaults(handler=cmd_wait)
 
-    logs = sub.add_parser("logs", parents=[common], help="read output bytes from a cursor")
+    logs = _verb(
+        sub,
+        "logs",
+        common,
+        "read output bytes from a cursor",
+        "settled logs s_0123 --stream stderr --from 4096 --follow",
+    )
     logs.add_argument("session", type=_id("session"))
     logs.add_argument(
         "--stream", default="merged", choices=["merged", "stdout", "stderr"],
@@ -784,18 +810,32 @@ def build_parser() -> argparse.ArgumentParser:
     )
     logs.set_defaults(handler=cmd_logs)
 
-    status = sub.add_parser("status", parents=[common], help="computed status of a session/task")
+    status = _verb(
+        sub, "status", common, "computed status of a session/task", "settled status s_0123 --json"
+    )
     status.add_argument("target", type=_id("target"), metavar="SESSION|TASK")
     status.set_defaults(handler=cmd_status)
 
-    cancel = sub.add_parser("cancel", parents=[common], help="TERM, grace, KILL a session")
+    cancel = _verb(
+        sub,
+        "cancel",
+        common,
+        "TERM, grace, KILL a session",
+        "settled cancel s_0123 --reason 'took too long'",
+    )
     cancel.add_argument("session", type=_id("session"))
     cancel.add_argument(
         "--reason", type=_text("--reason", grammar.MAX_REASON_BYTES), default="cancel requested"
     )
     cancel.set_defaults(handler=cmd_cancel)
 
-    close = sub.add_parser("close", parents=[common], help="the close join: prove completion")
+    close = _verb(
+        sub,
+        "close",
+        common,
+        "the close join: prove completion",
+        "settled close t_0123 --final 'tests pass' --deadline 60",
+    )
     close.add_argument("task", type=_id("task"), nargs="?")
     close.add_argument(
         "--final",
@@ -810,12 +850,16 @@ def build_parser() -> argparse.ArgumentParser:
     close.add_argument("--list-fault-points", action="store_true")
     close.set_defaults(handler=cmd_close)
 
-    checkpoint = sub.add_parser("checkpoint", parents=[common], help="checkpoint an open task")
+    checkpoint = _verb(
+        sub, "checkpoint", common, "checkpoint an open task", "settled checkpoint t_0123 --json"
+    )
     checkpoint.add_argument("task", type=_id("task"))
     checkpoint.add_argument("--full", action="store_true", help="ignore the journal; scan all")
     checkpoint.set_defaults(handler=cmd_checkpoint)
 
-    recover = sub.add_parser("recover", parents=[common], help="settle sessions whose owner died")
+    recover = _verb(
+        sub, "recover", common, "settle sessions whose owner died", "settled recover --task t_0123"
+    )
     recover.add_argument("--task", type=_id("--task"), help="only this task")
     recover.add_argument(
         "--host",
@@ -825,14 +869,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     recover.set_defaults(handler=cmd_recover)
 
-    hosts = sub.add_parser("hosts", parents=[common], help="the hosts of this store")
+    hosts = _verb(sub, "hosts", common, "the hosts of this store", "settled hosts --json")
     hosts.set_defaults(handler=cmd_hosts)
 
-    explain = sub.add_parser("explain", parents=[common], help="which receipts allow success")
+    explain = _verb(
+        sub, "explain", common, "which receipts allow success", "settled explain t_0123"
+    )
     explain.add_argument("task", type=_id("task"))
     explain.set_defaults(handler=cmd_explain)
 
-    restore = sub.add_parser("restore", parents=[common], help="rebuild a checkpoint")
+    restore = _verb(
+        sub, "restore", common, "rebuild a checkpoint", "settled restore t_0123 /tmp/restored"
+    )
     restore.add_argument("target", type=_target, metavar="TASK|MANIFEST")
     restore.add_argument("dest", type=_path("dest"))
     restore.add_argument(
@@ -842,18 +890,31 @@ def build_parser() -> argparse.ArgumentParser:
     )
     restore.set_defaults(handler=cmd_restore)
 
-    verify = sub.add_parser(
-        "verify", parents=[common], help="check every object a checkpoint reaches"
-    )
+    verify = _verb(
+        sub, "verify", common, "check every object a checkpoint reaches",
+        "settled verify t_0123 --read-data",
+    )  # fmt: skip
     verify.add_argument("target", type=_target, metavar="TASK|MANIFEST")
     verify.add_argument(
         "--read-data", action="store_true", help="re-hash every blob, not only its presence"
     )
     verify.set_defaults(handler=cmd_verify)
 
-    sub.add_parser("mcp", parents=[common], help="the MCP tools over stdio, for agent harnesses")
+    _verb(
+        sub,
+        "mcp",
+        common,
+        "the MCP tools over stdio, for agent harnesses",
+        "settled mcp --home ~/.local/state/settled",
+    )
 
-    srv = sub.add_parser("serve", parents=[common], help="the HTTP service (bearer tokens)")
+    srv = _verb(
+        sub,
+        "serve",
+        common,
+        "the HTTP service (bearer tokens)",
+        "SETTLED_TOKEN=$(openssl rand -hex 16) settled serve --port 8765",
+    )
     srv.add_argument("--host", type=_text("--host", 255, 1), default="127.0.0.1")
     srv.add_argument("--port", type=_integer("--port", 0, grammar.MAX_PORT), default=8765)
     srv.add_argument(
@@ -874,7 +935,7 @@ def build_parser() -> argparse.ArgumentParser:
         "per session)",
     )  # fmt: skip
 
-    demo = sub.add_parser("demo", parents=[common], help="the main job on the embedded default")
+    demo = _verb(sub, "demo", common, "the main job on the embedded default", "settled demo")
     demo.set_defaults(handler=cmd_demo)
     return parser
 
