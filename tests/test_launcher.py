@@ -29,7 +29,7 @@ def warm(tmp_path: Path, marker: str, monkeypatch: pytest.MonkeyPatch) -> Runtim
     return Runtime(str(tmp_path / "home"), launcher="warm")
 
 
-def test_a_warm_launched_command_sees_the_callers_environment_and_umask(
+def test_a_warm_launched_command_gets_the_callers_inherited_variable_and_umask(
     warm: Runtime, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     try:
@@ -39,7 +39,9 @@ def test_a_warm_launched_command_sees_the_callers_environment_and_umask(
         monkeypatch.setenv("PROBE_VALUE", "changed-after-the-zygote-started")
         old = os.umask(0o077)
         try:
-            second = warm.exec(task.task, shell="echo $PROBE_VALUE; umask; touch made")
+            second = warm.exec(
+                task.task, shell="echo $PROBE_VALUE; umask; touch made", inherit=["PROBE_VALUE"]
+            )
         finally:
             os.umask(old)
         warm.wait(second.session, timeout=30)
