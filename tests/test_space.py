@@ -21,7 +21,7 @@ import blake3
 import pytest
 from conftest import _skip_unavailable, kill_marked, stop_journals
 
-from settled.errors import HomeUnusable, SpaceExhausted
+from settled.errors import HomeUnusable, SpaceExhausted, StorageFailed
 from settled.home import RESERVE_ENV, RESERVE_MAX, SpaceGuard, reserve_bytes
 from settled.records import TaskRecord
 from settled.runtime import Runtime
@@ -340,6 +340,48 @@ def test_the_store_on_a_full_disk_raises_space_exhausted_not_a_sqlite_error(
         assert "Traceback" not in str(refused.value)
     finally:
         store.close()
+
+
+@pytest.mark.parametrize(("code", "kind"), [(10, StorageFailed), (13, SpaceExhausted)])
+def test_a_store_that_cannot_open_on_a_failing_disk_is_a_storage_error_not_a_bad_home(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, code: int, kind: type[Exception]
+) -> None:
+    """Opening the WAL on a full disk can fail with SQLite's I/O error: that is the disk's
+    failure (exit 1 or 3, retry when there is space), not a home the user must fix (exit 2)."""
+    import sqlite3
+
+    from settled.store import open_store
+    from settled.store.sqlite import SQLiteStore
+
+    def failing_wal(self: SQLiteStore) -> None:
+        error = sqlite3.OperationalError("disk I/O error")
+        error.sqlite_errorcode = code  # type: ignore[attr-defined]
+        raise error
+
+    monkeypatch.setattr(SQLiteStore, "_enable_wal", failing_wal)
+    home = tmp_path / "home"
+    home.mkdir()
+    with pytest.raises(kind) as refused:
+        open_store(str(home))
+    assert not isinstance(refused.value, HomeUnusable)
+    assert "opening the store" in str(refused.value) and str(home) in str(refused.value)
+
+
+def test_a_home_that_cannot_be_created_on_a_full_disk_is_space_exhausted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """mkdir on a full disk answers ENOSPC: the user frees space, they need not move the home."""
+    import errno
+
+    from settled.home import prepare_home
+
+    def full_disk(path: str, mode: int = 0o777, exist_ok: bool = False) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+
+    monkeypatch.setattr(os, "makedirs", full_disk)
+    with pytest.raises(SpaceExhausted) as refused:
+        prepare_home(str(tmp_path / "home"))
+    assert "creating the settled home" in str(refused.value)
 
 
 # -- ENOSPC and EIO at the fault points ------------------------------------------------------

@@ -74,6 +74,9 @@ def prepare_home(home: str) -> str:
         if os.stat(home).st_mode & 0o077 and os.stat(home).st_uid == os.geteuid():
             os.chmod(home, PRIVATE_DIR)  # a home made by an older settled, or by hand
     except OSError as exc:
+        typed = storage_error(exc, os.path.dirname(home) or home, "creating the settled home")
+        if typed is not None:  # a full or failing disk, not a home the user must fix
+            raise typed from exc
         raise HomeUnusable(f"cannot create settled home {home}: {exc.strerror}") from exc
     if not os.access(home, os.R_OK | os.W_OK | os.X_OK):
         raise HomeUnusable(f"settled home {home} is not readable and writable by this user")

@@ -1,10 +1,10 @@
 """The connection settings every embedded SQLite database of settled uses.
 
-Owns ``BUSY_TIMEOUT_S`` and ``enable_wal``: the authority store (``store.sqlite``), the stat
-cache's nodes (``workspace.nodecache``) and the verified-object record (``workspace.verified``)
-are each a local SQLite file in WAL mode whose writers queue on one busy timeout. They live here,
-not in the authority store's module, so that the workspace never imports the store's
-implementation to open a database of its own.
+Owns ``BUSY_TIMEOUT_S``, ``enable_wal`` and ``disk_error``: the authority store
+(``store.sqlite``), the stat cache's nodes (``workspace.nodecache``) and the verified-object
+record (``workspace.verified``) are each a local SQLite file in WAL mode whose writers queue on
+one busy timeout. They live here, not in the authority store's module, so that the workspace
+never imports the store's implementation to open a database of its own.
 
 Must never: know a schema, open a database itself, or decide a synchronous level (each caller
 picks its own: ``FULL`` for receipts, ``NORMAL`` for caches).
@@ -12,13 +12,33 @@ picks its own: ``FULL`` for receipts, ``NORMAL`` for caches).
 
 from __future__ import annotations
 
+import errno
+import os
 import sqlite3
 import time
 from typing import Final
 
-from settled.errors import HomeUnusable
+from settled.errors import HomeUnusable, StorageFailed
+from settled.home import storage_error
 
 BUSY_TIMEOUT_S: Final = 60.0
+SQLITE_IOERR, SQLITE_FULL = 10, 13  # primary result codes (the low byte of an extended one)
+
+
+def disk_error(
+    exc: sqlite3.Error, path: str, what: str = "writing to the store"
+) -> StorageFailed | None:
+    """The typed error for SQLite's "disk is full" and I/O errors, None for any other: a full
+    or failing disk is the disk's failure (retry when there is space), never a bad home."""
+    code = (getattr(exc, "sqlite_errorcode", None) or 0) & 0xFF
+    if code == SQLITE_FULL:
+        number = errno.ENOSPC
+    elif code == SQLITE_IOERR:
+        number = errno.EIO
+    else:
+        return None
+    error = OSError(number, f"{os.strerror(number)} ({exc})", path)
+    return storage_error(error, os.path.dirname(path), what)
 
 
 def enable_wal(db: sqlite3.Connection, path: str) -> None:

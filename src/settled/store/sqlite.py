@@ -9,7 +9,6 @@ Never touches processes, logs or the workspace.
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import os
 import sqlite3
@@ -37,11 +36,10 @@ from settled.home import (
     home_id_path,
     private_file,
     read_home_id,
-    storage_error,
     write_home_id_once,
 )
 from settled.identity import new_id
-from settled.localdb import BUSY_TIMEOUT_S, enable_wal
+from settled.localdb import BUSY_TIMEOUT_S, disk_error, enable_wal
 from settled.receipts import checked
 from settled.records import HostRecord, OwnerInfo, SessionRecord, TaskRecord
 from settled.states import (
@@ -164,22 +162,6 @@ TASK_COLUMNS = (
 )
 
 
-SQLITE_IOERR, SQLITE_FULL = 10, 13  # primary result codes (the low byte of an extended one)
-
-
-def _disk_error(exc: sqlite3.DatabaseError, path: str) -> StorageFailed | None:
-    """The typed error for SQLite's "disk is full" and I/O errors, None for any other."""
-    code = (getattr(exc, "sqlite_errorcode", None) or 0) & 0xFF
-    if code == SQLITE_FULL:
-        number = errno.ENOSPC
-    elif code == SQLITE_IOERR:
-        number = errno.EIO
-    else:
-        return None
-    error = OSError(number, f"{os.strerror(number)} ({exc})", path)
-    return storage_error(error, os.path.dirname(path), "writing to the store")
-
-
 class SQLiteStore:
     """One connection per instance; one instance per process (owners open their own)."""
 
@@ -203,6 +185,9 @@ class SQLiteStore:
                 self._db.close()
             if isinstance(exc, HomeUnusable | StorageFailed):
                 raise
+            typed = disk_error(exc, path, "opening the store")  # a full disk is not a bad home
+            if typed is not None:
+                raise typed from exc
             raise HomeUnusable(f"cannot open the store at {path}: {exc}") from exc
 
     def close(self) -> None:
@@ -227,7 +212,7 @@ class SQLiteStore:
                         self._db.execute("ROLLBACK")
                 raise
         except sqlite3.DatabaseError as exc:
-            typed = _disk_error(exc, self.path)
+            typed = disk_error(exc, self.path)
             if typed is None:
                 raise
             raise typed from exc

@@ -19,13 +19,14 @@ live in the object store); be read without the caller checking the bytes against
 
 from __future__ import annotations
 
+import os
 import sqlite3
 import threading
 from collections.abc import Iterable
 
 from settled.errors import HomeUnusable
-from settled.home import private_file
-from settled.localdb import BUSY_TIMEOUT_S, enable_wal
+from settled.home import private_file, storage_error
+from settled.localdb import BUSY_TIMEOUT_S, disk_error, enable_wal
 from settled.workspace.objectstore import ObjectMissing
 
 
@@ -49,6 +50,13 @@ class NodeCache:
                 "WITHOUT ROWID"
             )
         except (sqlite3.Error, OSError) as error:
+            typed = (
+                disk_error(error, path, "opening the stat cache")
+                if isinstance(error, sqlite3.Error)
+                else storage_error(error, os.path.dirname(path), "opening the stat cache")
+            )
+            if typed is not None:
+                raise typed from error
             raise HomeUnusable(f"cannot open the stat cache at {path}: {error}") from error
 
     def read(self, ref: str) -> bytes:
