@@ -25,12 +25,14 @@ import kill
 import load
 import objects_s3
 import remote
+import startup
 import store_ops
 from common import RESULTS_DIR, log, write_results
 
 BENCHMARKS = {
     "drain": drain.run,
     "admission": admission.run,
+    "startup": startup.run,
     "kill": kill.run,
     "checkpoint": checkpoint.run,
     "close_latency": close_latency.run,

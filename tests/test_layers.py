@@ -39,6 +39,7 @@ FOUNDATION = {
 }
 # What a face may import besides the Runtime and other faces: types and words, no paths.
 FACE_NEUTRAL = {
+    "settled",  # the package: its docstring and __version__
     "settled.canonical",
     "settled.environment",  # the caller's variables and env files, resolved where they are
     "settled.errors",
@@ -52,6 +53,8 @@ FACE_NEUTRAL = {
 FACES = {
     "settled.baseline",  # the demo's plain-subprocess baseline: it measures, it decides nothing
     "settled.cli",
+    "settled.cli.verbs",
+    "settled.cli.__main__",
     "settled.client",
     "settled.demo",
     "settled.mcp_server",
@@ -68,6 +71,7 @@ UNITS: list[tuple[str, str]] = [
     ("decisions", "settled.close.decide"),
     ("decisions", "settled.status"),
     ("close", "settled.close.join"),
+    ("close", "settled.close.facts"),  # reads the store for the join and for explain
     ("decisions", "settled.close"),  # the package: a docstring
     ("boundary", "settled.boundary"),
     ("log", "settled.log"),
@@ -124,7 +128,7 @@ ALLOWED: dict[str, set[str]] = {
         "journal-client",
     },
     "sessions": {"foundation", "decisions", "store"},
-    "close": {"foundation", "decisions", "store"},
+    "close": {"foundation", "decisions", "store", "close"},
     "recovery": {
         "foundation",
         "store",

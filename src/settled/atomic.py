@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import secrets
 from collections.abc import Iterator
 from typing import BinaryIO
 
@@ -30,7 +29,7 @@ def create_once(path: str, data: bytes, mode: int = 0o600) -> bool:
     """Create `path` holding `data` unless the name exists: written and fsynced under a
     temporary name, then linked, and a link never replaces a name, so two first writers agree
     on one content. Returns whether this call created it."""
-    temp = f"{path}.{secrets.token_hex(6)}.tmp"
+    temp = f"{path}.{os.urandom(6).hex()}.tmp"
     fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
     try:
         os.write(fd, data)
@@ -51,7 +50,7 @@ def replacing(path: str, mode: int = 0o600) -> Iterator[BinaryIO]:
     """Yield a handle whose bytes replace `path` when the block ends without an exception;
     on an exception the temporary file is removed and `path` is untouched."""
     directory = os.path.dirname(path) or "."
-    temp = os.path.join(directory, f".{os.path.basename(path)}.{secrets.token_hex(6)}.tmp")
+    temp = os.path.join(directory, f".{os.path.basename(path)}.{os.urandom(6).hex()}.tmp")
     fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
     try:
         with os.fdopen(fd, "wb") as handle:

@@ -12,12 +12,16 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from settled import baseline
 from settled.errors import AdmissionSealed
 from settled.render import close_text, receipt_text
-from settled.runtime import CloseResult, Runtime
+from settled.runtime import Runtime
+
+if TYPE_CHECKING:
+    from settled.runtime import CloseResult
+
 
 PROBES: list[tuple[str, dict[str, object]]] = [
     (

@@ -23,7 +23,7 @@ import sqlite3
 import sys
 import threading
 from collections.abc import Callable
-from typing import Annotated, Any, Literal, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, Literal, ParamSpec, TypeVar
 
 from mcp.server.mcpserver import MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
@@ -33,7 +33,11 @@ from pydantic import Field
 from settled import grammar
 from settled.errors import CursorOutOfRange, NotSettled, SettledError
 from settled.exitcodes import command_exit_code
-from settled.runtime import Launcher, Runtime, open_launcher
+from settled.runtime import Runtime, open_launcher
+
+if TYPE_CHECKING:
+    from settled.runtime import Launcher
+
 
 DEFAULT_BUDGET = 16 * 1024
 MAX_BUDGET = grammar.MAX_BUDGET
@@ -471,13 +475,10 @@ def build_server(runtimes: Runtimes) -> MCPServer[Any]:
 
 
 def package_version() -> str:
-    """The installed distribution's version, which the server reports at initialization."""
-    from importlib.metadata import PackageNotFoundError, version
+    """The package's version, which the server reports at initialization."""
+    from settled import __version__
 
-    try:
-        return version("settled")
-    except PackageNotFoundError:  # run from a source tree that was never installed
-        return "0+unknown"
+    return __version__
 
 
 def run_stdio(home: str | None) -> int:

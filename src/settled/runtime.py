@@ -12,31 +12,14 @@ import dataclasses
 import functools
 import hashlib
 import os
-import shutil
-import socket
-import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Concatenate, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
 
 from settled import boundary as boundaries
 from settled import grammar
 from settled.atomic import write_atomic
 from settled.backends import bind, credential_names
-from settled.boundary.isolation import IsolationUnavailable, check_available
-from settled.boundary.sandbox import SandboxProvider, open_sandbox
-from settled.close.decide import explain
-from settled.close.join import CloseJoin
-from settled.close.join import (
-    CloseResult as CloseResult,
-)  # what close_task returns, named for faces
-from settled.environment import (
-    CallerEnv,
-    base_environment,
-    compose,
-    from_caller,
-    standing_inherit,
-)
 from settled.errors import BadInput, LogElsewhere, OwnerLaunchFailed, SettledError, WrongHost
 from settled.faults import ALL_POINTS as ALL_POINTS  # named for `settled close --list-fault-points`
 from settled.home import (
@@ -64,23 +47,25 @@ from settled.log.reader import StreamLog as StreamLog
 from settled.log.reader import follow, read_range, stored_length
 from settled.log.view import MARKER, Window, read_window
 from settled.owner.last_words import read_last_words
-from settled.owner.launcher import FreshLauncher
-from settled.owner.launcher import Launcher as Launcher
 from settled.owner.liveness import HostedOwners
-from settled.owner.zygote import WarmLauncher
 from settled.records import OwnerFacts, SessionRecord, TaskRecord
-from settled.recovery import Recovery
 from settled.sessions import SessionWatch
 from settled.states import SETTLED, TASK_COMPLETE, TASK_OPEN
 from settled.status import session_status, task_status
 from settled.store import Store, open_store
-from settled.workspace.checkpoint import WorkspaceService
-from settled.workspace.hashing import parse_digest
-from settled.workspace.ignore import bind as bind_ignore
-from settled.workspace.ignore import compile_rules
-from settled.workspace.placement import check_workspace, default_workspaces
-from settled.workspace.restore import RestoreResult, restore
-from settled.workspace.verify import verify_manifest
+
+# What only some verbs need is imported where it is used: `settled status` and the other
+# readers must not pay for the checkpoint code, the launchers, recovery or the close join
+# (tests/test_startup.py holds the line).
+if TYPE_CHECKING:
+    from settled.boundary.sandbox import SandboxProvider
+    from settled.close.join import CloseJoin
+    from settled.close.join import CloseResult as CloseResult  # what close_task returns
+    from settled.environment import CallerEnv
+    from settled.owner.launcher import Launcher as Launcher  # the seam faces may share
+    from settled.recovery import Recovery
+    from settled.workspace.checkpoint import WorkspaceService
+    from settled.workspace.restore import RestoreResult
 
 
 @dataclass(frozen=True)
@@ -112,15 +97,23 @@ class Admission:
 LAUNCHERS = ("fresh", "warm")
 
 
+def _check_launcher_kind(kind: str | None) -> str:
+    kind = kind or os.environ.get("SETTLED_LAUNCHER") or "fresh"
+    if kind not in LAUNCHERS:
+        raise BadInput(f"launcher {kind!r} is not one of {', '.join(LAUNCHERS)}")
+    return kind
+
+
 def open_launcher(kind: str | None = None) -> Launcher:
     """A launcher of `kind` ("fresh" or "warm"; default SETTLED_LAUNCHER, else "fresh") that
     many Runtimes of one process may share; its opener closes it."""
-    kind = kind or os.environ.get("SETTLED_LAUNCHER") or "fresh"
-    if kind == "fresh":
+    if _check_launcher_kind(kind) == "fresh":
+        from settled.owner.launcher import FreshLauncher
+
         return FreshLauncher()
-    if kind == "warm":
-        return WarmLauncher()
-    raise BadInput(f"launcher {kind!r} is not one of {', '.join(LAUNCHERS)}")
+    from settled.owner.zygote import WarmLauncher
+
+    return WarmLauncher()
 
 
 def _resolve_user(user: str | tuple[int, int] | list[int] | None) -> tuple[int, int] | None:
@@ -165,6 +158,8 @@ def _check_isolation(spec: CommandSpec, kind: str) -> None:
     that lacks a protection, or a `--user` this process cannot switch to."""
     if spec.isolation == "none" and spec.user is None:
         return
+    from settled.boundary.isolation import IsolationUnavailable, check_available
+
     try:
         check_available(
             "strict" if spec.isolation == "strict" else "auto",
@@ -243,21 +238,40 @@ class Runtime:
         self.home = ready_home(home)
         self.backends = bind(self.home)  # recorded at a home's first open; owners read it
         if shared_launcher is None:
-            open_launcher(launcher)  # refuse an unknown kind now, not at the first exec
+            _check_launcher_kind(launcher)  # refuse an unknown kind now, not at the first exec
         self._launcher_kind = launcher
-        # refused (a bad config) before anything is opened
-        self.sandbox: SandboxProvider = open_sandbox(os.environ.get("SETTLED_SANDBOX", "local"))
+        self._sandbox_spec = os.environ.get("SETTLED_SANDBOX", "local")
+        if self._sandbox_spec != "local":
+            self.sandbox  # noqa: B018 -- a bad config is refused before anything is opened
         self.store: Store = open_store(self.home)
         self.host = self.store.register_host(
-            ensure_home_id(self.home), socket.gethostname(), self.home
+            ensure_home_id(self.home),
+            os.uname().nodename,
+            self.home,  # gethostname(2)
         ).host
-        self.workspace = WorkspaceService(self.home, self.store)
         self.sessions = SessionWatch(
             self.store, HostedOwners(self.host), last_words=self._last_words
         )
-        self.recovery = Recovery(self.store, self.sessions, self.sandbox, self.home, self.host)
         self._launcher: Launcher | None = shared_launcher
         self._owns_launcher = shared_launcher is None
+
+    @functools.cached_property
+    def sandbox(self) -> SandboxProvider:
+        from settled.boundary.sandbox import open_sandbox
+
+        return open_sandbox(self._sandbox_spec)
+
+    @functools.cached_property
+    def workspace(self) -> WorkspaceService:
+        from settled.workspace.checkpoint import WorkspaceService
+
+        return WorkspaceService(self.home, self.store)
+
+    @functools.cached_property
+    def recovery(self) -> Recovery:
+        from settled.recovery import Recovery
+
+        return Recovery(self.store, self.sessions, self.sandbox, self.home, self.host)
 
     def _last_words(self, session: str) -> dict[str, Any] | None:
         return read_last_words(last_words_path(self.home, session))
@@ -266,7 +280,8 @@ class Runtime:
         if self._launcher is not None and self._owns_launcher:
             self._launcher.close()
         self._launcher = None
-        self.workspace.close()
+        if "workspace" in self.__dict__:  # made on first use
+            self.workspace.close()
         self.store.close()
 
     def _launch(self, session: str) -> dict[str, Any]:
@@ -303,6 +318,13 @@ class Runtime:
         unless `shared_workspace` (then both tasks' close receipts name each other). Refused
         below the home's reserve. `ignore`: gitignore patterns added after the workspace's
         `.settledignore`; both are bound here, once (workspace.ignore)."""
+        import shutil
+        import tempfile
+
+        from settled.workspace.ignore import bind as bind_ignore
+        from settled.workspace.ignore import compile_rules
+        from settled.workspace.placement import check_workspace, default_workspaces
+
         grammar.optional_key("key", key)
         extra = list(ignore)
         compile_rules(extra)  # a bad pattern is refused before anything is made
@@ -369,6 +391,8 @@ class Runtime:
             self.sandbox.destroy(record, [])
 
     def _default_workspaces(self) -> str:
+        from settled.workspace.placement import default_workspaces
+
         path = default_workspaces(self.home)
         os.makedirs(path, mode=0o700, exist_ok=True)
         return path
@@ -411,6 +435,8 @@ class Runtime:
         settled's own variables and the home's credentials, named in `env_removed`), then
         `env`; `inherited` names variables of `env` a remote caller took from its own. All of
         it is in the digest (settled.environment)."""
+        from settled.environment import base_environment, compose
+
         grammar.optional_key("key", key)
         if stdin is not None and not isinstance(stdin, bytes):
             raise BadInput(f"stdin must be bytes, not {type(stdin).__name__}")
@@ -459,6 +485,8 @@ class Runtime:
         """This process's variables for the command, never the home's credentials or any
         value naming the home unless asked for by name. SETTLED_INHERIT names the caller's
         standing `--inherit` list (those unset are skipped)."""
+        from settled.environment import CallerEnv, from_caller, standing_inherit
+
         environ = dict(os.environ)
         standing = [name for name in standing_inherit(environ) if name in environ]
         if not names and not whole and not standing:
@@ -574,6 +602,8 @@ class Runtime:
     def _close_join(
         self, task: str, final: str | None = None, deadline: float | None = None
     ) -> CloseJoin:
+        from settled.close.join import CloseJoin
+
         return CloseJoin(self.store, self.workspace, self.sessions, task, final, deadline)
 
     @_on_disk("recover")
@@ -662,13 +692,19 @@ class Runtime:
         return self.workspace.checkpoint_now(self.store.get_task(task), incremental=incremental)
 
     def explain(self, task: str) -> dict[str, Any]:
-        grammar.check_id("task", task)
-        return explain(self._close_join(task).facts())
+        """Computed from the close's recorded facts alone (close.decide), so reading it costs
+        no close join and no workspace."""
+        from settled.close.decide import explain
+        from settled.close.facts import read_close_facts
+
+        return explain(read_close_facts(self.store, grammar.check_id("task", task)))
 
     def restore(self, target: str, dest: str, *, same_owner: bool = False) -> RestoreResult:
         """Rebuild a task's last checkpoint (or a manifest id) into an empty directory that is
         not (and is not under) a symlink. Every entry is the caller's and set-id bits it has
         not earned are dropped, unless ``same_owner`` (root only) restores every recorded owner."""
+        from settled.workspace.restore import restore
+
         grammar.check_text("target", target, grammar.MAX_KEY_BYTES, 1)
         grammar.check_path("dest", dest)
         manifest = target
@@ -684,6 +720,9 @@ class Runtime:
         check``: the manifest and every tree re-hashed and parsed, every blob present at its
         size, or with ``read_data`` re-hashed. Nothing is trusted and nothing is repaired;
         ``verified`` is False and ``problems`` names each object (and its paths) otherwise."""
+        from settled.workspace.hashing import parse_digest
+        from settled.workspace.verify import verify_manifest
+
         grammar.check_text("target", target, grammar.MAX_KEY_BYTES, 1)
         task = None
         if target.startswith("t_"):

@@ -7,14 +7,31 @@ explicit policy it cannot honour with `BoundaryUnavailable` rather than silently
 
 from __future__ import annotations
 
-from settled.boundary.base import Boundary, Evidence
-from settled.boundary.cgroup2 import Cgroup2Boundary, find_hierarchy
-from settled.boundary.combined import CgroupPidnsBoundary
-from settled.boundary.isolation import IsolationPlan
-from settled.boundary.pgroup import PgroupBoundary
-from settled.boundary.pidns import PidnsBoundary, has_cap_sys_admin
-from settled.boundary.subreaper import SubreaperBoundary
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from settled.errors import BoundaryUnavailable
+
+if TYPE_CHECKING:
+    from settled.boundary.base import Boundary, Evidence
+    from settled.boundary.cgroup2 import find_hierarchy as find_hierarchy
+    from settled.boundary.isolation import IsolationPlan
+
+# Loaded on first use: a reader (`settled status`, liveness) imports `settled.boundary.procfs`,
+# which runs this package first, and must not pay for every boundary's module.
+_LAZY = {
+    "Boundary": "settled.boundary.base",
+    "Evidence": "settled.boundary.base",
+    "find_hierarchy": "settled.boundary.cgroup2",
+    "IsolationPlan": "settled.boundary.isolation",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = ["Boundary", "BoundaryUnavailable", "Evidence", "availability", "choose", "make"]
 
@@ -27,12 +44,16 @@ def _unavailable(kind: str) -> str | None:
     if kind == "cgroup2+pidns":
         return _unavailable("cgroup2") or _unavailable("pidns")
     if kind == "cgroup2":
+        from settled.boundary.cgroup2 import find_hierarchy
+
         try:
             find_hierarchy()
         except BoundaryUnavailable as exc:
             return str(exc)
         return None
     if kind == "pidns":
+        from settled.boundary.pidns import has_cap_sys_admin
+
         return None if has_cap_sys_admin() else "pidns: needs CAP_SYS_ADMIN"
     if kind in ("subreaper", "pgroup"):
         return None
@@ -69,6 +90,12 @@ def choose(policy: str, *, pid_namespace: bool = True) -> str:
 def make(kind: str, task: str, session: str, plan: IsolationPlan | None = None) -> Boundary:
     """The boundary of `kind`; a plain cgroup2 whose command could leave it (the plan does not
     contain it) also watches for escapes as a subreaper."""
+    from settled.boundary.cgroup2 import Cgroup2Boundary
+    from settled.boundary.combined import CgroupPidnsBoundary
+    from settled.boundary.pgroup import PgroupBoundary
+    from settled.boundary.pidns import PidnsBoundary
+    from settled.boundary.subreaper import SubreaperBoundary
+
     if kind == "cgroup2":
         contained = plan is not None and plan.cgroup_contained
         return Cgroup2Boundary(task, session, watch_escapes=not contained)

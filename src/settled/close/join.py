@@ -24,6 +24,7 @@ from settled.close.decide import (
     next_decision,
     output_losses,
 )
+from settled.close.facts import read_close_facts
 from settled.errors import StaleWrite
 from settled.receipts import seal
 from settled.records import SessionRecord, TaskRecord
@@ -89,11 +90,7 @@ class CloseJoin:
         self.deadline = DEFAULT_DEADLINE_S if deadline is None else deadline
 
     def facts(self) -> CloseFacts:
-        return CloseFacts(
-            task=self.store.get_task(self.task),
-            sessions=self.store.list_sessions(self.task),
-            steps=self.store.close_steps(self.task),
-        )
+        return read_close_facts(self.store, self.task)
 
     def run(self) -> CloseResult:
         """Perform steps until the close is done or blocked. Closes of one task may run at once

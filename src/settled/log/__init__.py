@@ -9,19 +9,42 @@ log in memory.
 
 from __future__ import annotations
 
+import importlib
 import os
-from typing import Final
+from typing import TYPE_CHECKING, Any, Final
 
 from settled.errors import CursorOutOfRange
-from settled.log.reader import follow, read_range, stored_length
-from settled.log.view import Window, model_view, read_window, render_view, window_view
-from settled.log.writer import (
-    DIGEST_ALGORITHM,
-    StreamSummary,
-    StreamWriter,
-    drain_once,
-    enlarge_pipe,
-)
+
+if TYPE_CHECKING:
+    from settled.log.reader import follow, read_range, stored_length
+    from settled.log.view import Window, model_view, read_window, render_view, window_view
+    from settled.log.writer import (
+        DIGEST_ALGORITHM,
+        StreamSummary,
+        StreamWriter,
+        drain_once,
+        enlarge_pipe,
+    )
+
+# Loaded on first use: a reader imports ``settled.log.reader``, which runs this package first,
+# and must not pay for the writer (the owner's hot path) it never calls.
+_LAZY = {
+    **dict.fromkeys(("follow", "read_range", "stored_length"), "settled.log.reader"),
+    **dict.fromkeys(
+        ("Window", "model_view", "read_window", "render_view", "window_view"), "settled.log.view"
+    ),
+    **dict.fromkeys(
+        ("DIGEST_ALGORITHM", "StreamSummary", "StreamWriter", "drain_once", "enlarge_pipe"),
+        "settled.log.writer",
+    ),
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 STREAMS: Final = ("stdout", "stderr")
 

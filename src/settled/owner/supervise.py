@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from settled import faults
-from settled.boundary import Boundary, Evidence
+from settled.boundary.base import Boundary, Evidence
 from settled.log.interleave import IndexWriter
 from settled.log.writer import StreamWriter, drain_once
 from settled.owner.lease import STALE_BEATS, LeaseKeeper

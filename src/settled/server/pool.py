@@ -20,9 +20,13 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Concatenate, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
 
-from settled.runtime import Launcher, Runtime, open_launcher
+from settled.runtime import Runtime, open_launcher
+
+if TYPE_CHECKING:
+    from settled.runtime import Launcher
+
 
 P = ParamSpec("P")
 T = TypeVar("T")

@@ -7,16 +7,15 @@ Every exit code is one of `errors.EXIT_CODES` (listed below; no space on the hom
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
 import time
-import traceback
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
-from settled import grammar
-from settled.environment import parse_env_file
+from settled import __version__, grammar
 from settled.errors import (
     EXIT_BLOCKED,
     EXIT_CODES,
@@ -32,10 +31,12 @@ from settled.errors import (
 )
 from settled.exitcodes import RUN_EXIT_CODES, RUN_UNKNOWN, command_exit_code
 from settled.identity import BOUNDARY_POLICIES, ISOLATION_POLICIES
-from settled.relay import Relay
 from settled.render import blocked_text, close_text, receipt_text, status_text
-from settled.runtime import ALL_POINTS, Admission, Runtime, storage_error
 from settled.states import SETTLED
+
+if TYPE_CHECKING:  # the runtime is imported by the verbs that open one (not --version, --help)
+    from settled.relay import Relay
+    from settled.runtime import Admission, Runtime
 
 
 def _emit(
@@ -94,6 +95,8 @@ def _environment(args: argparse.Namespace) -> dict[str, str]:
     """--env-file files in order, then --env pairs: the last word on a name wins."""
     explicit: dict[str, str] = {}
     for path in args.env_file:
+        from settled.environment import parse_env_file
+
         explicit.update(parse_env_file(path))
     for pair in args.env:
         name, sep, value = pair.partition("=")
@@ -147,12 +150,16 @@ def cmd_run(rt: Runtime, args: argparse.Namespace) -> int:
         receipt = view.get("receipt")
         print(json.dumps(receipt or view, sort_keys=True))
         return command_exit_code(receipt)
+    from settled.relay import Relay
+
     return _relay(rt, Relay(admission.session), args.cancel_on_interrupt)
 
 
 def cmd_attach(rt: Runtime, args: argparse.Namespace) -> int:
     """Go on relaying a session from the cursors a detach printed."""
     rt.session_record(args.session)  # UnknownSession: one line, exit 2
+    from settled.relay import Relay
+
     relay = Relay(args.session, {"stdout": args.start, "stderr": args.stderr_start})
     return _relay(rt, relay, args.cancel_on_interrupt)
 
@@ -338,6 +345,8 @@ def cmd_cancel(rt: Runtime, args: argparse.Namespace) -> int:
 
 def cmd_close(rt: Runtime, args: argparse.Namespace) -> int:
     if args.list_fault_points:
+        from settled.runtime import ALL_POINTS
+
         for name in ALL_POINTS:
             print(name)
         return EXIT_OK
@@ -534,7 +543,19 @@ def _id(field: str) -> Callable[[str], str]:
 
 class Help(argparse.RawDescriptionHelpFormatter):
     """Examples kept as written, and every option's default shown where it has one worth
-    reading (a help that words its own default keeps its words)."""
+    reading (a help that words its own default keeps its words).
+
+    It finds the terminal's width itself: argparse's own way imports shutil (and with it bz2 and
+    lzma) at every add_argument, a tenth of what `settled status` costs besides Python."""
+
+    def __init__(
+        self,
+        prog: str,
+        indent_increment: int = 2,
+        max_help_position: int = 24,
+        width: int | None = None,
+    ) -> None:
+        super().__init__(prog, indent_increment, max_help_position, width or _columns() - 2)
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
         text = action.help or ""
@@ -544,6 +565,18 @@ class Help(argparse.RawDescriptionHelpFormatter):
         if action.option_strings or action.nargs in ("?", "*"):
             return f"{text} (default: {default})"
         return text
+
+
+def _columns() -> int:
+    """The terminal's width as shutil.get_terminal_size reports it (COLUMNS, else the
+    terminal of stdout, else 80)."""
+    with contextlib.suppress(ValueError):
+        if int(os.environ.get("COLUMNS", "0")) > 0:
+            return int(os.environ["COLUMNS"])
+    try:
+        return os.get_terminal_size(1).columns or 80
+    except (ValueError, OSError):
+        return 80
 
 
 def _verb(
@@ -635,8 +668,71 @@ def _interrupt_option(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
 
 
+class _Dropped(Parser):
+    """Where the verbs not asked for are built: it keeps nothing, so building them is free."""
+
+    def add_argument(self, *args: Any, **kwargs: Any) -> Any:
+        return None
+
+    def set_defaults(self, **kwargs: Any) -> None:
+        return None
+
+
+_DROPPED = _Dropped(add_help=False)
+
+
+class _OneVerb:
+    """Stands in for the subparsers while the parser is built for the one verb the command line
+    names (`verb`; None: every verb): only its parser is made and attached, the others are
+    dropped (building all of them, each with the common options copied in, was most of what a
+    parse cost)."""
+
+    def __init__(self, sub: Any, verb: str | None) -> None:
+        self.sub, self.verb = sub, verb
+
+    def add_parser(self, name: str, **kwargs: Any) -> argparse.ArgumentParser:
+        if self.verb is None or name == self.verb:
+            parser: argparse.ArgumentParser = self.sub.add_parser(name, **kwargs)
+            return parser
+        return _DROPPED
+
+
+_VALUE_OPTIONS = ("--home", "--store", "--objects")  # the common options that take a value
+
+
+def _named_verb(argv: list[str]) -> str | None:
+    """The verb the command line names (the first word that is no option or option value)."""
+    words = iter(argv)
+    for word in words:
+        if word == "--":
+            return None
+        if word in _VALUE_OPTIONS:
+            next(words, None)
+        elif not word.startswith("-"):
+            return word
+    return None
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    """Parse with the named verb's parser alone; anything it refuses (or a word that is no
+    verb) is parsed again by the whole parser, so every error reads as the whole one words it."""
+    verb = _named_verb(argv)
+    if verb is not None:
+        with contextlib.suppress(SettledError):
+            parser, built = _build(verb)
+            if built:
+                return parser.parse_args(argv)
+    return build_parser().parse_args(argv)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    common = Parser(add_help=False)
+    """The whole parser: every verb (for `settled --help` and for errors)."""
+    return _build(None)[0]
+
+
+def _build(only: str | None) -> tuple[argparse.ArgumentParser, bool]:
+    """The parser, with every verb or only `only`; and whether `only` (if given) is a verb."""
+    common = Parser(add_help=False, formatter_class=Help)
     common.add_argument(
         "--home",
         type=_path("--home"),
@@ -678,11 +774,16 @@ def build_parser() -> argparse.ArgumentParser:
         + "\n".join(exit_code_lines())
         + "\n  `settled run` and `attach` exit with the command's own code instead: "
         "124 timeout, 117 unknown, 127 never started, 128+N signal N (see `settled run --help`)",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=Help,
     )
-    sub = parser.add_subparsers(dest="verb", required=True)
+    parser.add_argument("-V", "--version", action="version", version=f"settled {__version__}")
+    verbs = parser.add_subparsers(dest="verb", required=True)
+    sub = _OneVerb(verbs, only)
 
-    task = sub.add_parser("task", help="tasks").add_subparsers(dest="task_verb", required=True)
+    tasks = sub.add_parser("task", help="tasks")
+    dropped = tasks is _DROPPED  # then its verbs are dropped too
+    task = _OneVerb(None if dropped else tasks.add_subparsers(dest="task_verb", required=True),
+                    "" if dropped else None)  # fmt: skip
     new = _verb(
         task,
         "new",
@@ -937,7 +1038,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = _verb(sub, "demo", common, "the main job on the embedded default", "settled demo")
     demo.set_defaults(handler=cmd_demo)
-    return parser
+    return parser, only is None or only in verbs.choices
 
 
 def _target(text: str) -> str:
@@ -947,7 +1048,7 @@ def _target(text: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
-        args = build_parser().parse_args(argv)
+        args = parse(argv)
     except SettledError as exc:  # a BadValue of an argument's grammar, or a UsageError
         as_json = argparse.Namespace(json="--json" in argv)
         return _fail(as_json, exc.to_json(), str(exc), exc.exit_code)
@@ -958,6 +1059,8 @@ def main(argv: list[str] | None = None) -> int:
     except CursorOutOfRange as exc:
         return _fail(args, {"error": "CursorOutOfRange", "message": str(exc)}, str(exc), EXIT_USAGE)
     except OSError as exc:  # a disk error no verb typed: still one line naming the disk
+        from settled.runtime import storage_error
+
         typed = storage_error(exc, getattr(args, "home", None) or "the settled home", args.verb)
         if typed is None:
             return _internal_error(args, exc)
@@ -992,6 +1095,8 @@ def _dispatch(args: argparse.Namespace) -> int:
         return serve(getattr(args, "home", None), args.host, args.port, args.tokens)
     if args.verb == "demo":
         _demo_home(args)
+    from settled.runtime import Runtime
+
     handler: Callable[[Runtime, argparse.Namespace], int] = args.handler
     with Runtime(getattr(args, "home", None)) as rt:
         return handler(rt, args)
@@ -1022,12 +1127,10 @@ def _serve_swerex(args: argparse.Namespace) -> int:
 
 def _fail(args: argparse.Namespace, payload: dict[str, Any], message: str, code: int) -> int:
     if getattr(args, "debug", False) and sys.exc_info()[0] is not None:
+        import traceback
+
         traceback.print_exc()
     if getattr(args, "json", False):
         print(json.dumps(payload, sort_keys=True))
     print(f"settled: {payload['error']}: {message}", file=sys.stderr)
     return code if code in EXIT_CODES and code != EXIT_OK else EXIT_FAILURE
-
-
-if __name__ == "__main__":
-    sys.exit(main())

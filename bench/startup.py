@@ -1,0 +1,124 @@
+"""CLI start-up per tool call: `settled --version`, `status TASK --json`, `ls --json` and `run
+--task T -- true` as whole processes, each a ratio to `python -c pass` of the same interpreter,
+measured interleaved in the same run (issue 15, goals 1 and 2).
+
+Children get bytecode caches (`compileall` first, PYTHONDONTWRITEBYTECODE removed), as an
+installed package has; without them every start compiles settled again and measures that.
+`-X importtime` of `status` says where the time goes.
+"""
+
+from __future__ import annotations
+
+import compileall
+import os
+import subprocess
+import sys
+import time
+from typing import Any
+
+from common import distribution, fmt, header, log, machine, md_table, scratch, source_revision
+
+FULL = {"rounds": 40}
+QUICK = {"rounds": 8}
+TARGETS = {"version": 3.0, "status": 3.0, "ls": None, "run": 5.0}  # x `python -c pass`
+SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
+
+
+def _settled_argv() -> list[str]:
+    """The console script next to this interpreter (what a user types), else `-m settled`."""
+    script = os.path.join(os.path.dirname(sys.executable), "settled")
+    return [script] if os.path.exists(script) else [sys.executable, "-m", "settled"]
+
+
+def _timed(argv: list[str], env: dict[str, str]) -> float:
+    started = time.perf_counter()
+    done = subprocess.run(argv, env=env, stdout=subprocess.DEVNULL, timeout=120)
+    took = (time.perf_counter() - started) * 1e3
+    if done.returncode != 0:
+        raise RuntimeError(f"{argv} exited {done.returncode}")
+    return took
+
+
+def _import_profile(argv: list[str], env: dict[str, str]) -> list[tuple[str, float]]:
+    """The top-level imports of one `status` and their cumulative milliseconds."""
+    probe = "import sys; from settled.cli import main; sys.exit(main(sys.argv[1:]))"
+    done = subprocess.run(
+        [sys.executable, "-X", "importtime", "-c", probe, *argv],
+        env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    tops = []
+    for line in done.stderr.splitlines():
+        parts = line.split("|")
+        if len(parts) == 3 and parts[2].startswith(" ") and not parts[2].startswith("  "):
+            name = parts[2].strip()
+            if name != "imported package":
+                tops.append((name, int(parts[1]) / 1e3))
+    return sorted(tops, key=lambda item: -item[1])[:12]
+
+
+def run(quick: bool) -> tuple[dict[str, Any], str]:
+    params = QUICK if quick else FULL
+    data: dict[str, Any] = {"machine": machine(), "quick": quick, "params": params}
+    data["source"] = source_revision()
+    compileall.compile_dir(os.path.join(SRC, "settled"), quiet=1)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    settled = _settled_argv()
+    with scratch("startup") as home:
+        env["SETTLED_HOME"] = home
+        from settled.runtime import Runtime
+
+        with Runtime(home) as rt:
+            task = rt.new_task().task
+            rt.wait(rt.exec(task, argv=["true"]).session, timeout=60)
+        cases = {
+            "python -c pass": [sys.executable, "-c", "pass"],
+            "version": [*settled, "--version"],
+            "status": [*settled, "status", task, "--json"],
+            "ls": [*settled, "ls", "--json"],
+            "run": [*settled, "run", "--task", task, "--", "true"],
+        }
+        samples: dict[str, list[float]] = {name: [] for name in cases}
+        for argv in cases.values():  # warm the page cache once
+            _timed(argv, env)
+        for n in range(params["rounds"]):
+            for name, argv in cases.items():
+                samples[name].append(_timed(argv, env))
+            if n % 10 == 9:
+                log(f"startup: {n + 1}/{params['rounds']} rounds")
+        data["imports_of_status_ms"] = _import_profile(["status", task, "--json"], env)
+        with Runtime(home) as rt:
+            data["closed"] = rt.close_task(task).complete  # every `run` session settled
+    data["results"] = {name: distribution(values) for name, values in samples.items()}
+    data["command"] = " ".join(cases["status"]).replace(task, "TASK")
+    return data, _markdown(data)
+
+
+def _markdown(data: dict[str, Any]) -> str:
+    results = data["results"]
+    base = results["python -c pass"]["p50"]
+    rows = []
+    for name in ("python -c pass", "version", "status", "ls", "run"):
+        d = results[name]
+        target = TARGETS.get(name)
+        ratio = d["p50"] / base
+        verdict = "-" if target is None else ("met" if ratio <= target else "**missed**")
+        rows.append([
+            f"`{name}`", fmt(d["p50"], 1), fmt(d["p90"], 1), fmt(d["min"], 1),
+            fmt(ratio, 2), "-" if target is None else f"<= {target:g}x", verdict,
+        ])  # fmt: skip
+    imports = md_table(
+        ["top-level import of `status`", "cumulative ms (-X importtime)"],
+        [[f"`{name}`", fmt(ms, 1)] for name, ms in data["imports_of_status_ms"]],
+    )
+    return "\n\n".join([
+        header("startup", data),
+        f"Source `{data['source']}`; {data['params']['rounds']} interleaved rounds; "
+        "each case is a whole process (`settled` is the console script). The ratio is the "
+        "p50 over the p50 of `python -c pass` of the same interpreter.",
+        md_table(["case", "p50 ms", "p90 ms", "min ms", "x pass", "target", ""], rows),
+        imports,
+    ])  # fmt: skip
+
+
+if __name__ == "__main__":
+    print(run("--quick" in sys.argv)[1])

@@ -1,0 +1,23 @@
+"""The `settled` command line's entry point: answers `--version` at once, and hands every verb
+to `settled.cli.verbs` (the parser and the handlers, contract in DESIGN.md).
+
+It exists so that what costs nothing stays free: a script that asks for the version, or an
+agent's hundredth `settled status`, pays only for the modules its verb needs (the verbs module
+loads the runtime lazily too; bench/startup.py measures it, tests/test_startup.py holds it).
+"""
+
+from __future__ import annotations
+
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv in (["--version"], ["-V"]):
+        from settled import __version__
+
+        print(f"settled {__version__}")
+        return 0
+    from settled.cli.verbs import main as run_verb
+
+    return run_verb(argv)

@@ -1,0 +1,5 @@
+import sys
+
+from settled.cli import main
+
+sys.exit(main())

@@ -1,0 +1,120 @@
+"""What a verb imports: an agent pays settled's start-up on every tool call, so a verb loads
+only the modules it needs (issue 15). Each case runs the real CLI in a fresh interpreter and
+reads `sys.modules` at exit; bench/startup.py measures what this saves."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+# Modules no read-only verb may load: the checkpoint code, the close join, recovery, the
+# launchers, the sandboxes and every face but the CLI.
+HEAVY = (
+    "settled.workspace.checkpoint",
+    "settled.workspace.scan",
+    "settled.close.join",
+    "settled.recovery",
+    "settled.owner.launcher",
+    "settled.owner.zygote",
+    "settled.boundary.sandbox",
+    "settled.boundary.cgroup2",
+    "settled.server",
+    "settled.mcp_server",
+    "settled.client",
+    "pathspec",
+    "starlette",
+    "httpx",
+    "mcp",
+)
+
+PROBE = (
+    "import atexit, json, sys\n"
+    "atexit.register(lambda: print(json.dumps(sorted(sys.modules)), file=sys.stderr))\n"
+    "from settled.cli import main\n"
+    "sys.exit(main(sys.argv[1:]))\n"
+)
+
+
+def _modules_of(argv: list[str], home: Path) -> set[str]:
+    env = {**os.environ, "SETTLED_HOME": str(home)}
+    done = subprocess.run(
+        [sys.executable, "-c", PROBE, *argv], env=env, capture_output=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr.decode(errors="replace")
+    return set(json.loads(done.stderr.decode().strip().splitlines()[-1]))
+
+
+@pytest.fixture(scope="module")
+def closed_task(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str, str]:
+    """A home with one task that ran a command and closed: a session, logs and a receipt."""
+    from settled.runtime import Runtime
+
+    home = tmp_path_factory.mktemp("home")
+    with Runtime(str(home)) as rt:
+        task = rt.new_task().task
+        session = rt.exec(task, argv=["echo", "hi"]).session
+        rt.wait(session, timeout=30)
+        assert rt.close_task(task).complete
+    return home, task, session
+
+
+@pytest.mark.parametrize(
+    "verb",
+    [
+        ["status", "{task}", "--json"],
+        ["status", "{session}", "--json"],
+        ["ls", "--json"],
+        ["ps", "{task}"],
+        ["logs", "{session}"],
+        ["explain", "{task}", "--json"],
+        ["hosts"],
+    ],
+    ids=lambda verb: " ".join(verb),
+)
+def test_read_only_verbs_do_not_import_the_checkpoint_the_server_or_mcp(
+    closed_task: tuple[Path, str, str], verb: list[str]
+) -> None:
+    home, task, session = closed_task
+    argv = [word.format(task=task, session=session) for word in verb]
+    loaded = _modules_of(argv, home)
+    assert "settled.runtime" in loaded  # the probe saw the verb run
+    heavy = sorted(m for m in loaded if any(m == h or m.startswith(h + ".") for h in HEAVY))
+    assert heavy == [], f"`settled {' '.join(verb)}` imported {heavy}"
+
+
+def test_version_imports_nothing_but_the_package(tmp_path: Path) -> None:
+    from settled import __version__
+
+    done = subprocess.run(
+        [sys.executable, "-m", "settled", "--version"], capture_output=True, timeout=60
+    )
+    assert done.returncode == 0 and done.stdout.decode().strip() == f"settled {__version__}"
+    loaded = _modules_of(["--version"], tmp_path)
+    ours = sorted(m for m in loaded if m.startswith("settled"))
+    assert ours == ["settled", "settled.cli"], ours
+    assert "argparse" not in loaded
+
+
+def test_a_verb_parsed_alone_parses_as_the_whole_parser_does() -> None:
+    """The one-verb parser must give the same namespace, and its errors the whole parser's."""
+    from settled.cli.verbs import UsageError, build_parser, parse
+
+    lines = [
+        ["--json", "status", "t_0123456789abcdef"],
+        ["--home", "/tmp/h", "run", "--task", "t_0123456789abcdef", "--env", "A=1", "--", "ls"],
+        ["task", "new", "--ignore", ".venv/", "-q"],
+        ["logs", "s_0123456789abcdef", "--stream", "stderr", "--from", "5"],
+    ]
+    for argv in lines:
+        assert vars(parse(argv)) == vars(build_parser().parse_args(argv)), argv
+    for bad in (["bogus"], ["status"], ["--home"], ["run", "--task"]):
+        with pytest.raises(UsageError) as alone:
+            parse(bad)
+        with pytest.raises(UsageError) as whole:
+            build_parser().parse_args(bad)
+        assert str(alone.value) == str(whole.value), bad
