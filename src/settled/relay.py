@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import signal
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import BinaryIO
@@ -48,12 +47,22 @@ class Relay:
         self,
         rt: Runtime,
         sinks: dict[str, BinaryIO],
-        sleep: Callable[[float], None] = time.sleep,
+        sleep: Callable[[float], None] | None = None,
     ) -> dict[str, tuple[int, int]]:
         """Copy both streams until each reached its final cursor; returns the streams whose
         stored bytes end before their final cursor (stream -> (stored end, final)), which a
         caller must report rather than pretend the output is whole. A KeyboardInterrupt
-        leaves `cursors` at the first byte not yet written (every written byte is flushed)."""
+        leaves `cursors` at the first byte not yet written (every written byte is flushed).
+        Between looks it sleeps in `sleep`, by default the runtime's, which ends when the owner
+        exits."""
+        if sleep is not None:
+            return self._relay(rt, sinks, sleep)
+        with rt.pauses(self.session) as pause:
+            return self._relay(rt, sinks, pause)
+
+    def _relay(
+        self, rt: Runtime, sinks: dict[str, BinaryIO], sleep: Callable[[float], None]
+    ) -> dict[str, tuple[int, int]]:
         pause = FIRST_PAUSE_S
         while True:
             if self._copy_new(rt, sinks):

@@ -577,6 +577,11 @@ class Runtime:
         grammar.check_id("session", session)
         return self.sessions.wait(session, grammar.optional_seconds("timeout", timeout, MAX_WAIT))
 
+    def pauses(self, session: str) -> contextlib.AbstractContextManager[Callable[[float], None]]:
+        """A sleep for whoever follows the session's output: it wakes at once when the
+        session's owner exits, so a relay sees a short command end then (sessions.pauses)."""
+        return self.sessions.pauses(grammar.check_id("session", session))
+
     def cancel(self, session: str, reason: str = "cancel requested") -> dict[str, Any]:
         """Ask the owner to stop the session (TERM, grace, KILL over the whole boundary)."""
         reason = grammar.check_text("reason", reason, grammar.MAX_REASON_BYTES)

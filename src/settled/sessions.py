@@ -8,8 +8,9 @@ liveness comes from a `Liveness` (for owners on this host, `owner.liveness.Local
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 from settled.errors import NotSettled
@@ -29,7 +30,7 @@ class Liveness(Protocol):
 
     def exit_handle(self, owner: OwnerInfo) -> int | None: ...
 
-    def await_exit(self, handle: int | None, seconds: float) -> None: ...
+    def await_exit(self, handle: int | None, seconds: float) -> bool: ...
 
     def close_handle(self, handle: int) -> None: ...
 
@@ -99,6 +100,33 @@ class SessionWatch:
                 else:
                     self.liveness.await_exit(handle, wait_for)
                 pause = min(pause * 1.5, LONGEST_PAUSE_S)
+        finally:
+            if handle is not None:
+                self.liveness.close_handle(handle)
+
+    @contextlib.contextmanager
+    def pauses(self, session: str) -> Iterator[Callable[[float], None]]:
+        """A sleep for a follower of the session's output that, as `wait` does, wakes at once
+        when its owner exits (the receipt is recorded just before), so the end of a short
+        command is seen then and not at the next poll. Once the owner is gone it sleeps in
+        `Store.await_change`: a follower of a lost owner polls, it never spins."""
+        handle: int | None = None
+        looked = False
+
+        def pause(seconds: float) -> None:
+            nonlocal handle, looked
+            if not looked:
+                looked = True
+                owner = self.store.get_session(session).owner
+                handle = None if owner is None else self.liveness.exit_handle(owner)
+            if handle is None:
+                self.store.await_change((session,), seconds)
+            elif self.liveness.await_exit(handle, seconds):
+                self.liveness.close_handle(handle)
+                handle = None
+
+        try:
+            yield pause
         finally:
             if handle is not None:
                 self.liveness.close_handle(handle)

@@ -55,12 +55,13 @@ class LocalOwners:
             return None
         return fd
 
-    def await_exit(self, handle: int | None, seconds: float) -> None:
-        """Sleep up to `seconds`, waking at once if the owner behind `handle` exits."""
+    def await_exit(self, handle: int | None, seconds: float) -> bool:
+        """Sleep up to `seconds`, waking at once if the owner behind `handle` exits; whether
+        it has exited."""
         poller = select.poll()
         if handle is not None:
             poller.register(handle, select.POLLIN)
-        poller.poll(max(0.0, seconds) * 1000.0)
+        return bool(poller.poll(max(0.0, seconds) * 1000.0))
 
     def close_handle(self, handle: int) -> None:
         os.close(handle)
