@@ -278,3 +278,42 @@ def test_a_1_gib_line_with_no_newline_comes_back_whole(rt: Runtime, task: TaskRe
     assert receipt["owner"]["maxrss_kib"] < small_owner_kib(rt), receipt["owner"]
     tail = rt.read(receipt["session"], "stdout", (1 << 30) - 5, 100)
     assert tail == b"qqqqq"
+
+
+def test_a_followers_pause_wakes_on_the_owners_exit_and_then_never_spins() -> None:
+    """`pauses` sleeps on the owner's exit handle; once that fired it sleeps in the store
+    (a lost owner's handle would stay readable, and a follower must poll, not spin)."""
+    from types import SimpleNamespace
+    from typing import Any
+
+    from settled.sessions import SessionWatch
+
+    calls: list[tuple[str, Any]] = []
+
+    class Store:
+        def get_session(self, session: str) -> Any:
+            return SimpleNamespace(owner=SimpleNamespace(pid=1, start_time=1))
+
+        def await_change(self, topics: tuple[str, ...], seconds: float) -> None:
+            calls.append(("store", seconds))
+
+    class Owners:
+        def exit_handle(self, owner: Any) -> int:
+            calls.append(("handle", owner.pid))
+            return 99
+
+        def await_exit(self, handle: int | None, seconds: float) -> bool:
+            calls.append(("exit", seconds))
+            return True  # the owner exited
+
+        def close_handle(self, handle: int) -> None:
+            calls.append(("closed", handle))
+
+    watch = SessionWatch(Store(), Owners())  # type: ignore[arg-type]
+    with watch.pauses("s_0123456789abcdef") as pause:
+        pause(0.05)
+        pause(0.05)
+        pause(0.05)
+    assert calls == [
+        ("handle", 1), ("exit", 0.05), ("closed", 99), ("store", 0.05), ("store", 0.05)
+    ]  # fmt: skip
