@@ -118,3 +118,19 @@ def test_a_verb_parsed_alone_parses_as_the_whole_parser_does() -> None:
         with pytest.raises(UsageError) as whole:
             build_parser().parse_args(bad)
         assert str(alone.value) == str(whole.value), bad
+
+
+def test_run_does_not_import_the_checkpoint_the_server_or_mcp(tmp_path: Path) -> None:
+    """`settled run` admits, relays and exits: the checkpoint code is the close's, not its."""
+    from settled.runtime import Runtime
+
+    with Runtime(str(tmp_path)) as rt:
+        task = rt.new_task().task
+    try:
+        loaded = _modules_of(["run", "--task", task, "--", "true"], tmp_path)
+        forbidden = ("settled.workspace.checkpoint", "settled.server", "settled.mcp_server")
+        assert [m for m in forbidden if m in loaded] == []
+        assert "settled.relay" in loaded
+    finally:
+        with Runtime(str(tmp_path)) as rt:
+            assert rt.close_task(task).complete  # the run's session settled; its journal stops

@@ -273,6 +273,17 @@ class Runtime:
 
         return Recovery(self.store, self.sessions, self.sandbox, self.home, self.host)
 
+    def _ensure_journal(self, record: TaskRecord) -> None:
+        """The workspace service's ensure_journal, without loading the checkpoint code when
+        this Runtime has not needed it yet (an exec does not: `settled run` pays for neither)."""
+        if "workspace" in self.__dict__:
+            self.workspace.ensure_journal(record)
+            return
+        from settled.home import run_dir
+        from settled.workspace.journal.lifecycle import ensure_watching
+
+        ensure_watching(record.task, record.workspace, run_dir(self.home))
+
     def _last_words(self, session: str) -> dict[str, Any] | None:
         return read_last_words(last_words_path(self.home, session))
 
@@ -335,7 +346,7 @@ class Runtime:
             check_reserve(self.home, "task new")  # a retry needs no space: it gets its task
         elif _same_workspace(workspace, retried.workspace, default_workspaces(self.home)):
             if retried.state == TASK_OPEN:
-                self.workspace.ensure_journal(retried)
+                self._ensure_journal(retried)
             return retried
         made = None
         if workspace is None:
@@ -363,7 +374,7 @@ class Runtime:
                     made_sandbox = self.sandbox.create(record.task)
                     record = self.store.record_sandbox(record.task, made_sandbox)
                 if record.state == TASK_OPEN:
-                    self.workspace.ensure_journal(record)
+                    self._ensure_journal(record)
             except BaseException:
                 if created and not self._undo_task(record):
                     made = None  # the task was used meanwhile: its workspace stays
@@ -477,7 +488,7 @@ class Runtime:
         session, reused = self.store.admit(task, key, spec.digest, spec.to_json())
         if reused:
             return self._admission(session, reused=True)
-        self.workspace.ensure_journal(record)  # one request when watched; restarts a lost daemon
+        self._ensure_journal(record)  # one request when watched; restarts a lost daemon
         report = self._launch(session.session)
         return self._admission(self.store.get_session(session.session), False, report)
 
