@@ -199,6 +199,7 @@ def _check_sandbox(spec: CommandSpec, task: TaskRecord, provider: str) -> bool:
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
+_T = TypeVar("_T")
 
 
 def _on_disk(
@@ -792,7 +793,9 @@ class Runtime:
         timeout = grammar.optional_seconds("timeout", timeout, MAX_WAIT)
         self.store.get_session(_session_stream(session, stream))
         path = self._log_file(session, stream)
-        return follow(path, start, lambda: self.final_cursor(session, stream), timeout=timeout)
+        final = functools.partial(self.final_cursor, session, stream)
+        return self._woken(session, lambda pause: follow(path, start, final, timeout=timeout,
+                                                         sleep=pause))  # fmt: skip
 
     def _merged_limits(self, session: str) -> tuple[dict[str, int], bool]:
         """The cursors each stream may be served to in the merged view, and whether final
@@ -829,9 +832,17 @@ class Runtime:
         timeout = grammar.optional_seconds("timeout", timeout, MAX_WAIT)
         self.store.get_session(session)
         directory = session_dir(self.home, session)
-        return interleave.follow_merged(
-            directory, lambda: self._merged_limits(session), start, timeout=timeout
-        )
+        limits = functools.partial(self._merged_limits, session)
+        return self._woken(session, lambda pause: interleave.follow_merged(
+            directory, limits, start, timeout=timeout, sleep=pause))  # fmt: skip
+
+    def _woken(
+        self, session: str, make: Callable[[Callable[[float], None]], Iterator[_T]]
+    ) -> Iterator[_T]:
+        """A follow whose pauses end when the session's owner exits (checked eagerly by the
+        caller; this generator only runs it), so the end of a stream is seen at once."""
+        with self.pauses(session) as pause:
+            yield from make(pause)
 
     def view(self, session: str, stream: str, budget: int) -> str:
         """The model view of everything stored of the stream, within ``budget`` UTF-8 bytes,

@@ -205,6 +205,7 @@ def follow_merged(
     *,
     poll_interval: float = 0.05,
     timeout: float | None = None,
+    sleep: Callable[[float], None] = time.sleep,
 ) -> Iterator[Chunk]:
     """The merged view from ``start`` as it grows; ``limits()`` gives the cursors that may be
     served now and whether they are final. Unordered tails are served only once final (a live
@@ -222,7 +223,7 @@ def follow_merged(
             return
         if deadline is not None and time.monotonic() >= deadline:
             raise TimeoutError(f"follow of merged timed out at merged cursor {cursor}")
-        time.sleep(poll_interval)
+        sleep(poll_interval)
 
 
 def ordered_limits(log_dir: str, limits: dict[str, int]) -> dict[str, int]:

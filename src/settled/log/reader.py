@@ -123,6 +123,7 @@ def follow(
     chunk: int = 1 << 20,
     poll_interval: float = 0.05,
     timeout: float | None = None,
+    sleep: Callable[[float], None] = time.sleep,
 ) -> Iterator[bytes]:
     """Yield the stream from ``start`` as it grows, ending exactly at its final cursor.
 
@@ -130,13 +131,14 @@ def follow(
     ``poll_interval`` seconds) for more bytes. Once it returns an int, yield up to exactly that
     cursor and stop. ``timeout`` bounds the whole follow, measured from the first request for a
     chunk and checked between chunks; when it elapses, TimeoutError names the cursor reached.
-    The file may not exist yet when following starts.
+    The file may not exist yet when following starts. ``sleep`` waits between looks (the
+    Runtime's wakes when the session's owner exits).
     """
     if start < 0:
         raise CursorOutOfRange(start, stored_length(path), stream_name(path))
     if chunk <= 0:
         raise ValueError(f"chunk must be > 0, got {chunk}")
-    return _follow(path, start, final_cursor, chunk, poll_interval, timeout)
+    return _follow(path, start, final_cursor, chunk, poll_interval, timeout, sleep)
 
 
 def _follow(
@@ -146,6 +148,7 @@ def _follow(
     chunk: int,
     poll_interval: float,
     timeout: float | None,
+    sleep: Callable[[float], None],
 ) -> Iterator[bytes]:
     deadline = None if timeout is None else time.monotonic() + timeout
     stream = stream_name(path)
@@ -179,9 +182,9 @@ def _follow(
                 return
             _check_deadline(deadline, cursor, stream, timeout)
             if deadline is None:
-                time.sleep(poll_interval)
+                sleep(poll_interval)
             else:
-                time.sleep(max(0.0, min(poll_interval, deadline - time.monotonic())))
+                sleep(max(0.0, min(poll_interval, deadline - time.monotonic())))
     finally:
         if fd >= 0:
             os.close(fd)
