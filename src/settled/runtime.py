@@ -245,11 +245,8 @@ class Runtime:
         if self._sandbox_spec != "local":
             self.sandbox  # noqa: B018 -- a bad config is refused before anything is opened
         self.store: Store = open_store(self.home)
-        self.host = self.store.register_host(
-            ensure_home_id(self.home),
-            os.uname().nodename,
-            self.home,  # gethostname(2)
-        ).host
+        name = os.uname().nodename  # what gethostname(2) returns, without importing socket
+        self.host = self.store.register_host(ensure_home_id(self.home), name, self.home).host
         self.sessions = SessionWatch(
             self.store, HostedOwners(self.host), last_words=self._last_words
         )
