@@ -8,9 +8,11 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from conftest import stop_journals
 
 # Modules no read-only verb may load: the checkpoint code, the close join, recovery, the
 # launchers, the sandboxes and every face but the CLI.
@@ -50,8 +52,9 @@ def _modules_of(argv: list[str], home: Path) -> set[str]:
 
 
 @pytest.fixture(scope="module")
-def closed_task(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str, str]:
-    """A home with one task that ran a command and closed: a session, logs and a receipt."""
+def closed_task(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, str, str]]:
+    """A home with one task that ran a command and closed: a session, logs and a receipt.
+    Its journal daemon is stopped at the end (the per-test teardown sees only tmp_path)."""
     from settled.runtime import Runtime
 
     home = tmp_path_factory.mktemp("home")
@@ -60,7 +63,10 @@ def closed_task(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str, st
         session = rt.exec(task, argv=["echo", "hi"]).session
         rt.wait(session, timeout=30)
         assert rt.close_task(task).complete
-    return home, task, session
+    try:
+        yield home, task, session
+    finally:
+        stop_journals(home)
 
 
 @pytest.mark.parametrize(
