@@ -227,3 +227,26 @@ def test_a_seeded_soak_of_random_crashes_converges(
         print(f"soak failed: rerun with SETTLED_SOAK_SEED={seed}")
         raise
     print(f"soak: seed {seed}, {rounds} tasks converged")
+
+
+def test_a_sandbox_whose_session_cgroup_its_owner_removes_meanwhile_is_still_removed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Destroying a task races its live owners, which remove their own session cgroups: a
+    child gone between the walk and its rmdir must not be taken for the task's cgroup (CI
+    once kept `settled/<task>` while the receipt said rmdir). Plain directories stand in."""
+    from settled.boundary import inspect as boundary_inspect
+
+    sandbox = tmp_path / "t_0123456789abcdef"
+    (sandbox / "s_0123456789abcdef").mkdir(parents=True)
+    real_rmdir = os.rmdir
+
+    def owner_first(path: str) -> None:
+        if path.endswith("s_0123456789abcdef") and os.path.isdir(path):
+            real_rmdir(path)  # the session's owner removed it just before us
+            raise FileNotFoundError(path)
+        real_rmdir(path)
+
+    monkeypatch.setattr(boundary_inspect.os, "rmdir", owner_first)
+    assert boundary_inspect._rmdir_retrying(str(sandbox))
+    assert not sandbox.exists()

@@ -102,12 +102,15 @@ def kill_cgroup(path: str) -> Evidence:
 
 
 def _rmdir_retrying(path: str) -> bool:
-    """Remove the cgroup and any child cgroups (a task's sandbox holds its sessions')."""
+    """Remove the cgroup and any child cgroups (a task's sandbox holds its sessions'). A child
+    that its own owner removed meanwhile is skipped: only `path` itself being gone means done
+    (taking a vanished child for it left the task's cgroup behind and claimed its rmdir)."""
     for _ in range(500):
         try:
             for below, dirs, _files in os.walk(path, topdown=False):
                 for name in dirs:
-                    os.rmdir(os.path.join(below, name))
+                    with contextlib.suppress(FileNotFoundError):
+                        os.rmdir(os.path.join(below, name))
             os.rmdir(path)
             return True
         except FileNotFoundError:
