@@ -76,8 +76,7 @@ class SessionWatch:
         """
         give_up = None if timeout is None else time.monotonic() + timeout
         pause = FIRST_PAUSE_S
-        handle: int | None = None
-        try:
+        with self.pauses(session) as sleep:
             while True:
                 view = self.status(session)
                 if view["state"] == SETTLED and "receipt" in view:
@@ -91,39 +90,29 @@ class SessionWatch:
                         f"on (wait again, or read its output with `settled logs {session} "
                         "--follow`)"
                     )
-                if handle is None:
-                    owner = self.store.get_session(session).owner
-                    handle = None if owner is None else self.liveness.exit_handle(owner)
-                wait_for = pause if give_up is None else min(pause, max(0.0, give_up - now))
-                if handle is None:  # no owner here to watch: the store says when it changes
-                    self.store.await_change((session,), wait_for)
-                else:
-                    self.liveness.await_exit(handle, wait_for)
+                sleep(pause if give_up is None else min(pause, max(0.0, give_up - now)))
                 pause = min(pause * 1.5, LONGEST_PAUSE_S)
-        finally:
-            if handle is not None:
-                self.liveness.close_handle(handle)
 
     @contextlib.contextmanager
     def pauses(self, session: str) -> Iterator[Callable[[float], None]]:
-        """A sleep for a follower of the session's output that, as `wait` does, wakes at once
-        when its owner exits (the receipt is recorded just before), so the end of a short
-        command is seen then and not at the next poll. Once the owner is gone it sleeps in
-        `Store.await_change`: a follower of a lost owner polls, it never spins."""
+        """A sleep for a waiter or a follower of the session that wakes at once when its owner
+        exits (the receipt is recorded just before), so the end of a short command is seen
+        then and not at the next poll. Without an owner here to watch (none yet, or one on
+        another host), and once the owner is gone, it sleeps in `Store.await_change`: a
+        follower of a lost owner polls, it never spins."""
         handle: int | None = None
-        looked = False
+        exited = False
 
         def pause(seconds: float) -> None:
-            nonlocal handle, looked
-            if not looked:
-                looked = True
+            nonlocal handle, exited
+            if handle is None and not exited:  # until an owner is recorded here to watch
                 owner = self.store.get_session(session).owner
                 handle = None if owner is None else self.liveness.exit_handle(owner)
-            if handle is None:
+            if handle is None:  # no owner here to watch: the store says when it changes
                 self.store.await_change((session,), seconds)
             elif self.liveness.await_exit(handle, seconds):
                 self.liveness.close_handle(handle)
-                handle = None
+                handle, exited = None, True
 
         try:
             yield pause
