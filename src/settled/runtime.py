@@ -272,11 +272,11 @@ class Runtime:
         return Recovery(self.store, self.sessions, self.sandbox, self.home, self.host)
 
     def _ensure_journal(self, record: TaskRecord) -> None:
-        """The workspace service's ensure_journal, without loading the checkpoint code when
-        this Runtime has not needed it yet (an exec does not: `settled run` pays for neither)."""
-        if "workspace" in self.__dict__:
-            self.workspace.ensure_journal(record)
-            return
+        """Have the home's journal watch the task's workspace (one request when it already
+        runs; it is started otherwise). A kernel that refuses the watches or the inotify
+        instance is not an error here: the journal then says it cannot vouch, and the scans
+        are full. Raises JournalUnavailable if no journal can be started or reached. Called
+        here, not through the workspace service, so an exec loads no checkpoint code."""
         from settled.home import run_dir
         from settled.workspace.journal.lifecycle import ensure_watching
 

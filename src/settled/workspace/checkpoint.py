@@ -99,13 +99,6 @@ class WorkspaceService:
 
     # -- the journal ----------------------------------------------------------------------
 
-    def ensure_journal(self, task: TaskRecord) -> str:
-        """Have the home's journal watch the task's workspace (one request when it already
-        runs; it is started otherwise). A kernel that refuses the watches or the inotify
-        instance is not an error here: the journal then says it cannot vouch, and the scans
-        are full. Raises JournalUnavailable if no journal can be started or reached."""
-        return journal_lifecycle.ensure_watching(task.task, task.workspace, run_dir(self.home))
-
     def socket(self) -> str:
         return journal_socket(self.home)
 
