@@ -108,7 +108,7 @@ def test_version_imports_nothing_but_the_package(tmp_path: Path) -> None:
 
 def test_a_verb_parsed_alone_parses_as_the_whole_parser_does() -> None:
     """The one-verb parser must give the same namespace, and its errors the whole parser's."""
-    from settled.cli.verbs import UsageError, build_parser, parse
+    from settled.cli.verbs import UsageError, _named_verb, build_parser, parse
 
     lines = [
         ["--json", "status", "t_0123456789abcdef"],
@@ -118,6 +118,8 @@ def test_a_verb_parsed_alone_parses_as_the_whole_parser_does() -> None:
     ]
     for argv in lines:
         assert vars(parse(argv)) == vars(build_parser().parse_args(argv)), argv
+    assert _named_verb(["--help", "status"]) is None  # the whole list of verbs, not one
+    assert _named_verb(["--home", "status", "ls"]) == "ls"
     for bad in (["bogus"], ["status"], ["--home"], ["run", "--task"]):
         with pytest.raises(UsageError) as alone:
             parse(bad)

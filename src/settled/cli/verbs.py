@@ -701,10 +701,11 @@ _VALUE_OPTIONS = ("--home", "--store", "--objects")  # the common options that t
 
 
 def _named_verb(argv: list[str]) -> str | None:
-    """The verb the command line names (the first word that is no option or option value)."""
+    """The verb the command line names (the first word that is no option or option value);
+    None when a help before it asks for the whole parser's list of verbs."""
     words = iter(argv)
     for word in words:
-        if word == "--":
+        if word in ("--", "-h", "--help"):
             return None
         if word in _VALUE_OPTIONS:
             next(words, None)
