@@ -7,12 +7,12 @@ explicit policy it cannot honour with `BoundaryUnavailable` rather than silently
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
-
 from settled.errors import BoundaryUnavailable
 
+TYPE_CHECKING = False  # the owner's launch path imports this package: no typing at run time
 if TYPE_CHECKING:
+    from typing import Any
+
     from settled.boundary.base import Boundary, Evidence
     from settled.boundary.cgroup2 import find_hierarchy as find_hierarchy
     from settled.boundary.isolation import IsolationPlan
@@ -29,6 +29,8 @@ _LAZY = {
 
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
+        import importlib
+
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
@@ -87,9 +89,16 @@ def choose(policy: str, *, pid_namespace: bool = True) -> str:
     return policy
 
 
-def make(kind: str, task: str, session: str, plan: IsolationPlan | None = None) -> Boundary:
+def make(
+    kind: str,
+    task: str,
+    session: str,
+    plan: IsolationPlan | None = None,
+    hierarchy: str | None = None,
+) -> Boundary:
     """The boundary of `kind`; a plain cgroup2 whose command could leave it (the plan does not
-    contain it) also watches for escapes as a subreaper."""
+    contain it) also watches for escapes as a subreaper. `hierarchy`: the cgroup v2 directory
+    the launcher found (an owner then probes nothing)."""
     from settled.boundary.cgroup2 import Cgroup2Boundary
     from settled.boundary.combined import CgroupPidnsBoundary
     from settled.boundary.pgroup import PgroupBoundary
@@ -98,9 +107,10 @@ def make(kind: str, task: str, session: str, plan: IsolationPlan | None = None) 
 
     if kind == "cgroup2":
         contained = plan is not None and plan.cgroup_contained
-        return Cgroup2Boundary(task, session, watch_escapes=not contained)
+        return Cgroup2Boundary(task, session, hierarchy, watch_escapes=not contained)
+    if kind == "cgroup2+pidns":
+        return CgroupPidnsBoundary(task, session, hierarchy)
     classes: dict[str, type[Boundary]] = {
-        "cgroup2+pidns": CgroupPidnsBoundary,
         "pidns": PidnsBoundary,
         "subreaper": SubreaperBoundary,
         "pgroup": PgroupBoundary,

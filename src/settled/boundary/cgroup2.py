@@ -2,8 +2,15 @@
 
 Evidence: `cgroup.kill`, then `cgroup.events` reporting `populated 0`, then a successful rmdir.
 The hierarchy is found from /proc/self/mountinfo and /proc/self/cgroup (here it is mounted at
-/sys/fs/cgroup/unified, not /sys/fs/cgroup). The child joins before it execs. Never trusts a
+/sys/fs/cgroup/unified, not /sys/fs/cgroup). The command starts inside it (clone3 with
+CLONE_INTO_CGROUP; where that is missing, the child joins before it execs). Never trusts a
 missing pid as proof: only the kernel's populated flag counts.
+
+The session's cgroup is made ahead of need: by the launcher, while the owner's interpreter
+starts, before the claim that records it (one write for both). It is named for its session
+(`settled/<task>/<session>`), so recovery finds it by name whether or not the owner lived to use
+it; a claim that is lost removes it, and recovery removes the cgroup of a session that no owner
+ever claimed (boundary/local.py). It never serves another session.
 
 A root process can write its pid into the `cgroup.procs` of a cgroup above its own and leave;
 its session's cgroup then reports `populated 0` while it runs on. Isolation prevents that (a
@@ -21,6 +28,7 @@ import time
 
 from settled.boundary import procfs
 from settled.boundary.base import Boundary, Evidence
+from settled.boundary.spawn import join_cgroup
 from settled.boundary.subreaper import EscapeWitness
 from settled.errors import BoundaryUnavailable
 
@@ -100,8 +108,9 @@ class Cgroup2Boundary(Boundary):
     ) -> None:
         super().__init__(task, session)
         self.witness = EscapeWitness() if watch_escapes else None
-        self.hierarchy = hierarchy or find_hierarchy()
-        self.task_path = os.path.join(self.hierarchy, ROOT_DIR_NAME, task)
+        found = hierarchy or find_hierarchy()
+        self.hierarchy = found
+        self.task_path = os.path.join(found, ROOT_DIR_NAME, task)
         self.path = os.path.join(self.task_path, session)
         self._kill_rounds = 0
         self._removed = False
@@ -112,9 +121,9 @@ class Cgroup2Boundary(Boundary):
     def ref(self) -> str:
         return self.path
 
-    def setup(self) -> None:
-        if self.witness is not None:
-            self.witness.setup()
+    def create(self) -> None:
+        """Make the session's cgroup. One that exists already is refused, never shared: it is
+        another launch's of the same session (which loses its claim) or a leftover."""
         for _attempt in range(100):  # a sibling owner may rmdir an empty parent under us
             try:
                 os.makedirs(self.task_path, exist_ok=True)
@@ -122,11 +131,38 @@ class Cgroup2Boundary(Boundary):
                 return
             except FileNotFoundError:
                 continue
+            except FileExistsError:
+                raise BoundaryUnavailable(
+                    f"cgroup2: {self.path} exists already: another launch of this session made "
+                    "it, and it is never shared"
+                ) from None
         raise BoundaryUnavailable(f"cgroup2: could not create {self.path}")
 
-    def prepare_child(self) -> None:
-        with open(os.path.join(self.path, "cgroup.procs"), "w") as handle:
-            handle.write("0")  # "0" names the writing process itself
+    def discard(self) -> None:
+        """Undo `create` before anything started inside (a claim lost, a cancel): kill what a
+        root process of another session may have put there all the same, then remove it.
+        Never through the escape witness: in a launcher, its sweep would take the launcher's
+        own children for the session's."""
+        give_up = time.monotonic() + 5.0
+        while os.path.isdir(self.path):
+            self.kill_all()
+            if _read_events(self.path).get("populated") == "0":
+                self._remove()
+                return
+            if time.monotonic() > give_up:
+                return
+            time.sleep(0.001)
+
+    def setup(self) -> None:
+        if self.witness is not None:
+            self.witness.setup()
+
+    def birth_cgroup(self) -> str:
+        return self.path
+
+    def prepare_child(self, placed: bool) -> None:
+        if not placed:
+            join_cgroup(self.path)
 
     def members(self) -> list[int]:
         try:

@@ -1,18 +1,22 @@
 """Thin ctypes bindings for the Linux calls Python 3.11 lacks: unshare, mount, mount_setattr,
-prctl and capget/capset.
+prctl, capget/capset and clone3.
 
 Owns only the calling convention and the errno: each function raises OSError naming the call
 and its argument on failure, never returns a status to be forgotten. libc is loaded on the
 first call, which an owner makes before it forks (the zygote once for all its owners), so the
-child only calls. Never decides what to call.
+child only calls. Never decides what to call (spawn.py decides whether to clone3). Imports only
+ctypes and os: the owner loads it on its launch path, before its command runs.
 """
 
 from __future__ import annotations
 
 import ctypes
-import functools
+import errno
 import os
-from typing import Final
+
+TYPE_CHECKING = False  # typing costs ~1.5 ms to import: the launch path does without it
+if TYPE_CHECKING:
+    from typing import Final
 
 CLONE_NEWNS: Final = 0x00020000
 CLONE_NEWCGROUP: Final = 0x02000000
@@ -39,6 +43,11 @@ PR_CAP_AMBIENT: Final = 47
 PR_CAP_AMBIENT_CLEAR_ALL: Final = 4
 _LINUX_CAPABILITY_VERSION_3: Final = 0x20080522
 
+CLONE_PIDFD: Final = 0x00001000
+CLONE_INTO_CGROUP: Final = 0x200000000  # Linux 5.7
+_SYS_CLONE3: Final = 435  # the same on every architecture (added in 5.3)
+_SIGCHLD: Final = 17
+
 
 class _MountAttr(ctypes.Structure):
     _fields_ = [
@@ -61,8 +70,30 @@ class _CapData(ctypes.Structure):
     ]
 
 
-@functools.cache
+class _CloneArgs(ctypes.Structure):
+    """struct clone_args up to `cgroup` (CLONE_ARGS_SIZE_VER2, 88 bytes)."""
+
+    _fields_ = [
+        (name, ctypes.c_uint64)
+        for name in (
+            "flags", "pidfd", "child_tid", "parent_tid", "exit_signal", "stack", "stack_size",
+            "tls", "set_tid", "set_tid_size", "cgroup",
+        )
+    ]  # fmt: skip
+
+
+_LIBC: ctypes.CDLL | None = None
+_HELD: ctypes.PyDLL | None = None
+
+
 def _libc() -> ctypes.CDLL:
+    global _LIBC
+    if _LIBC is None:
+        _LIBC = _load()
+    return _LIBC
+
+
+def _load() -> ctypes.CDLL:
     libc = ctypes.CDLL(None, use_errno=True)
     libc.mount.argtypes = [
         ctypes.c_char_p,
@@ -75,6 +106,17 @@ def _libc() -> ctypes.CDLL:
     libc.prctl.argtypes = [ctypes.c_int] + [ctypes.c_ulong] * 4
     libc.syscall.restype = ctypes.c_long
     return libc
+
+
+def _held() -> ctypes.PyDLL:
+    """libc through PyDLL: the GIL stays held across the call. A clone3 child returns into
+    Python as a copy of the calling thread, so that thread must hold the GIL when it clones,
+    or the child would wait forever for a lock held by no thread of its own."""
+    global _HELD
+    if _HELD is None:
+        _HELD = ctypes.PyDLL(None, use_errno=True)
+        _HELD.syscall.restype = ctypes.c_long
+    return _HELD
 
 
 def _check(result: int, what: str) -> int:
@@ -158,3 +200,46 @@ def capset(effective: int, permitted: int, inheritable: int) -> None:
         data[index].permitted = permitted >> shift & 0xFFFFFFFF
         data[index].inheritable = inheritable >> shift & 0xFFFFFFFF
     _check(_libc().capset(ctypes.byref(header), data), "capset")
+
+
+def clone3(flags: int, cgroup_fd: int = -1) -> tuple[int, int]:
+    """clone3(2) with CLONE_PIDFD added: (pid, pidfd) in the parent, (0, -1) in the child,
+    which continues from here as a copy of the calling thread alone (no fork handler runs:
+    the caller has no other thread). `cgroup_fd` is the directory for CLONE_INTO_CGROUP."""
+    pidfd = ctypes.c_int(-1)
+    args = _CloneArgs(
+        flags=flags | CLONE_PIDFD,
+        pidfd=ctypes.addressof(pidfd),
+        exit_signal=_SIGCHLD,
+        cgroup=cgroup_fd if flags & CLONE_INTO_CGROUP else 0,
+    )
+    pid = _held().syscall(
+        ctypes.c_long(_SYS_CLONE3), ctypes.byref(args), ctypes.c_size_t(ctypes.sizeof(args))
+    )
+    if pid == 0:
+        return 0, -1
+    _check(int(pid), f"clone3({flags:#x})")
+    return int(pid), pidfd.value
+
+
+def clone3_missing() -> str | None:
+    """Why clone3 with CLONE_INTO_CGROUP cannot be used here, or None when it can. The probe
+    names a descriptor that cannot be open (INT_MAX), so a kernel that knows the call and the
+    flag answers EBADF and creates nothing."""
+    args = _CloneArgs(flags=CLONE_INTO_CGROUP, exit_signal=_SIGCHLD, cgroup=(1 << 31) - 1)
+    result = _held().syscall(
+        ctypes.c_long(_SYS_CLONE3), ctypes.byref(args), ctypes.c_size_t(ctypes.sizeof(args))
+    )
+    err = ctypes.get_errno()
+    if result >= 0:  # pragma: no cover - a descriptor INT_MAX was open: never here
+        if result == 0:
+            os._exit(0)
+        os.waitpid(int(result), 0)
+        return "clone3 probe: descriptor INT_MAX is open, so the probe created a process"
+    if err == errno.EBADF:  # the call and the flag are known
+        return None
+    if err == errno.ENOSYS:
+        return "the kernel has no clone3 (Linux < 5.3, or a seccomp filter refuses it)"
+    if err == errno.EINVAL:
+        return "the kernel has no CLONE_INTO_CGROUP (Linux < 5.7)"
+    return f"clone3 probe failed: {os.strerror(err)}"

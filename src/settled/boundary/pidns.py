@@ -5,28 +5,38 @@ other member and waits for them before init's exit completes, so a reaped init i
 namespace. The init is a fork of the owner (no exec): it starts the command, reports the command's
 wait status over a pipe, reaps orphans until ECHILD and exits. As pid 1 it ignores TERM from
 outside, so the owner signals members directly and KILLs the init to finish. Needs CAP_SYS_ADMIN.
+
+The init is made by clone3 with CLONE_NEWPID where the kernel has it (spawn.py), so the owner
+itself never unshares a PID namespace and may start threads after the command runs; otherwise
+the owner unshares for its children in `setup` (and must then start its threads before).
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
-import signal
-from collections.abc import Callable
 
 from settled.boundary import linux, mountview, procfs
 from settled.boundary.base import Boundary, Evidence
 from settled.boundary.spawn import (
-    Launch,
     exec_in_child,
     fail_to_parent,
+    fork_into,
+    placement_failed,
     read_spawn_error,
     reset_child_signals,
+    spawn_via,
 )
 from settled.errors import BoundaryUnavailable
 
+TYPE_CHECKING = False  # on the owner's launch path: no typing, signal or contextlib imports
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from settled.boundary.spawn import Launch
+
 CAP_SYS_ADMIN = 21
-_KILLED_WITH_NAMESPACE = signal.SIGKILL  # wait status of a command killed with its namespace
+SIGKILL = 9  # signal.SIGKILL on every Linux architecture
+_KILLED_WITH_NAMESPACE = SIGKILL  # wait status of a command killed with its namespace
 
 
 def has_cap_sys_admin() -> bool:
@@ -100,27 +110,31 @@ class PidnsBoundary(Boundary):
         return f"pidns:init={self.init_pid}:start={procfs.start_time(self.init_pid)}"
 
     def setup(self) -> None:
+        """Only where the init cannot be cloned into its namespace: unshare it for this
+        process's children (after which the kernel refuses this process any new thread)."""
         if not has_cap_sys_admin():
             raise BoundaryUnavailable("pidns: needs CAP_SYS_ADMIN, which this process lacks")
-        unshare_pid_namespace()
-
-    def init_prepare(self) -> Callable[[], None] | None:
-        """What init does first, before the view: nothing here; join a cgroup in cgroup2+pidns."""
-        return None
+        if spawn_via(self.birth_cgroup(), new_pid_namespace=True) == "fork":
+            unshare_pid_namespace()
 
     def start(self, launch: Launch) -> int:
         errpipe_r, errpipe_w = os.pipe2(os.O_CLOEXEC)
         status_r, status_w = os.pipe2(os.O_CLOEXEC)
-        prepare = self.init_prepare()
-        pid = os.fork()
+        cgroup = self.birth_cgroup()
+        try:
+            pid, pidfd, placed = fork_into(cgroup, new_pid_namespace=True)
+        except OSError as exc:
+            for fd in (errpipe_r, errpipe_w, status_r, status_w):
+                os.close(fd)
+            raise placement_failed(exc, cgroup) from None
         if pid == 0:
             os.close(errpipe_r)
             os.close(status_r)
-            _run_init(launch, errpipe_w, status_w, prepare)
+            _run_init(launch, errpipe_w, status_w, lambda: self.prepare_child(placed))
         os.close(errpipe_w)
         os.close(status_w)
         self.init_pid = pid
-        self._pidfd = os.pidfd_open(pid)
+        self._pidfd = pidfd if pidfd >= 0 else os.pidfd_open(pid)
         self._status_r = status_r
         failure = read_spawn_error(errpipe_r)
         if failure is not None:
@@ -161,8 +175,10 @@ class PidnsBoundary(Boundary):
 
     def kill_all(self) -> None:
         if self.init_pid is not None and self._init_status is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.init_pid, signal.SIGKILL)
+            try:  # noqa: SIM105 - contextlib stays off the owner's launch path
+                os.kill(self.init_pid, SIGKILL)
+            except ProcessLookupError:
+                pass
 
     def is_empty(self) -> bool:
         return self._reap_init()

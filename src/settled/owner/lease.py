@@ -71,6 +71,10 @@ class LeaseKeeper:
         self._wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._thread.start()
 
+    @property
+    def started(self) -> bool:
+        return self._wake >= 0
+
     def fileno(self) -> int:
         """Readable once a cancel reason or a failure came back."""
         return self._wake

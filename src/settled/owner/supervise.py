@@ -24,34 +24,12 @@ from settled.boundary.base import Boundary, Evidence
 from settled.log.interleave import IndexWriter
 from settled.log.writer import StreamWriter, drain_once
 from settled.owner.lease import STALE_BEATS, LeaseKeeper
+from settled.owner.signals import OwnerSignals
 
 READ_BUFFER = 1 << 20
 STOP_POLL_S = 0.005
 POST_EVIDENCE_DRAIN_S = 10.0
 EVIDENCE_TIMEOUT_S = 30.0
-
-
-class OwnerSignals:
-    """Installed before the owner claims anything, so no signal can kill it with its default
-    action: TERM/INT/HUP become a cancel, USR1 means "look at the store now"."""
-
-    def __init__(self) -> None:
-        self.wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-        self.stop_reason: str | None = None
-        signal.set_wakeup_fd(self._wake_w, warn_on_full_buffer=False)
-        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-            signal.signal(sig, self._on_stop)
-        signal.signal(signal.SIGUSR1, lambda *_: None)
-
-    def _on_stop(self, signum: int, _frame: object) -> None:
-        self.stop_reason = self.stop_reason or f"owner received {signal.Signals(signum).name}"
-
-    def drain(self) -> None:
-        try:
-            while os.read(self.wake_r, 4096):
-                pass
-        except BlockingIOError:
-            pass
 
 
 @dataclass
