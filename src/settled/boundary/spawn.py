@@ -159,36 +159,59 @@ def exec_in_child(
     launch: Launch,
     errpipe: int,
     prepare: Callable[[], None] | None,
-    *,
-    build_view: bool = True,
 ) -> None:
-    """Runs in the forked child; never returns. `build_view` is False when a PID namespace's
-    init built the view already and this child inherits it."""
-    stage = "boundary"
+    """Runs in the forked (or cloned) child; never returns."""
+    at = ["boundary"]
     try:
         reset_child_signals()
         if prepare is not None:
             prepare()
-        stage = "isolation"
-        if build_view and launch.isolation.mount_namespace:
+        at[0] = "isolation"
+        if launch.isolation.mount_namespace:
             mountview.enter(launch.isolation)
-        stage = "stdio"
-        os.dup2(launch.io.stdin, 0)
-        os.dup2(launch.io.stdout, 1)
-        os.dup2(launch.io.stderr, 2)
-        os.closerange(3, errpipe)  # nothing of the owner's reaches the command
-        os.closerange(errpipe + 1, _MAX_FD)
-        stage = "privileges"
-        privileges.drop(launch.isolation)
-        stage = "chdir"
-        os.chdir(launch.cwd)
-        stage = "exec"
+        take_on_command(launch, errpipe, -1, at)
         execvpe(launch.argv[0], launch.argv, dict(launch.env))
     except BaseException as exc:  # the child must never return into the owner
-        detail = launch.argv[0] if stage == "exec" else launch.cwd
-        fail_to_parent(errpipe, stage, exc, detail)
+        fail_to_parent(errpipe, at[0], exc, launch.argv[0] if at[0] == "exec" else launch.cwd)
     finally:
         os._exit(127)
+
+
+def take_on_command(launch: Launch, errpipe: int, keep: int, at: list[str]) -> None:
+    """Make this process what the command starts as: its stdio on 0-2 and no other descriptor
+    (but `errpipe` and `keep`, both close-on-exec), its privileges, its cwd. Run by the child
+    about to exec, or by a PID namespace's init about to posix_spawn it (which then inherits
+    all of it). `at[0]` names the stage reached, for a failure's report; "exec" at the end."""
+    at[0] = "stdio"
+    os.dup2(launch.io.stdin, 0)
+    os.dup2(launch.io.stdout, 1)
+    os.dup2(launch.io.stderr, 2)
+    low, high = sorted((errpipe, keep if keep >= 0 else errpipe))
+    os.closerange(3, low)  # nothing of the owner's reaches the command
+    os.closerange(low + 1, high)
+    os.closerange(high + 1, _MAX_FD)
+    at[0] = "privileges"
+    privileges.drop(launch.isolation)
+    at[0] = "chdir"
+    os.chdir(launch.cwd)
+    at[0] = "exec"
+
+
+def program_path(file: str, env: Mapping[str, str]) -> str:
+    """The file execvpe would run for `file` with the command's PATH: for posix_spawn, which
+    does not search. A file found but not executable is refused as exec would refuse it."""
+    if os.path.dirname(file):
+        return file
+    refused: OSError | None = None
+    for directory in (env.get("PATH") or os.defpath).split(os.pathsep):
+        candidate = os.path.join(directory, file)
+        if os.path.isfile(candidate):
+            if os.access(candidate, os.X_OK):
+                return candidate
+            refused = refused or PermissionError(
+                errno_mod.EACCES, os.strerror(errno_mod.EACCES), candidate
+            )
+    raise refused or FileNotFoundError(errno_mod.ENOENT, os.strerror(errno_mod.ENOENT), file)
 
 
 def execvpe(file: str, argv: list[str], env: dict[str, str]) -> None:
