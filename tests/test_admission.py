@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
 import time
@@ -20,6 +21,7 @@ from conftest import _skip_unavailable
 
 from settled.boundary import linux
 from settled.boundary.cgroup2 import ROOT_DIR_NAME, find_hierarchy
+from settled.boundary.isolation import KEPT_CAPS
 from settled.errors import OwnerLaunchFailed
 from settled.identity import CommandSpec
 from settled.isolated import json_text, python_command
@@ -46,6 +48,18 @@ def spawn(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> st
     return str(request.param)
 
 
+@pytest.fixture(params=("c", "ctypes"))
+def calls(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Which binding of boundary/linux.py owners use: the C module, which `pip install -e .`
+    builds (a missing one fails here, never a silent skip), or the ctypes fallback."""
+    if request.param == "ctypes":
+        monkeypatch.setenv("SETTLED_LINUX_CALLS", "ctypes")
+    else:
+        monkeypatch.delenv("SETTLED_LINUX_CALLS", raising=False)
+        assert linux.BINDING == "c", "the C binding is not built: run scripts/setup"
+    return str(request.param)
+
+
 def _session_cgroup(task: str, session: str) -> Path:
     return Path(find_hierarchy(), ROOT_DIR_NAME, task, session)
 
@@ -57,24 +71,36 @@ def _wait_until(predicate: object, timeout: float = 20.0) -> None:
         time.sleep(0.01)
 
 
+PROBE = (
+    "grep -E '^(CapBnd|NoNewPrivs):' /proc/self/status; "
+    "test -e {home}/settled.db && echo home-visible || echo home-hidden; echo $$; exec sleep 30"
+)
+
+
 @pytest.mark.parametrize("kind", ["cgroup2+pidns", "cgroup2", "pidns", "subreaper"])
-def test_a_command_runs_inside_its_boundary_whichever_way_it_started(
-    rt: Runtime, task: TaskRecord, spawn: str, kind: str
+def test_a_command_runs_inside_its_boundary_and_isolation_whichever_way_it_started(
+    rt: Runtime, task: TaskRecord, spawn: str, calls: str, kind: str
 ) -> None:
     _skip_unavailable(kind)
-    admission = rt.exec(task.task, shell="echo $$; exec sleep 30", boundary=kind, key="k")
-    _wait_until(lambda: rt.read(admission.session, "stdout").endswith(b"\n"))
+    admission = rt.exec(task.task, shell=PROBE.format(home=rt.home), boundary=kind, key="k")
+    _wait_until(lambda: rt.read(admission.session, "stdout").count(b"\n") >= 4)
     record = rt.store.get_session(admission.session)
     assert record.command_pid is not None and record.boundary == kind
     if kind in CGROUP_KINDS:
         procs = (_session_cgroup(task.task, admission.session) / "cgroup.procs").read_text()
         assert str(record.command_pid) in procs.split(), "the command runs in its own cgroup"
+    bounding, no_new_privs, home, pid = (
+        rt.read(admission.session, "stdout").decode().split("\n")[:4]
+    )
+    assert int(bounding.split()[1], 16) == sum(1 << cap for cap in KEPT_CAPS)
+    assert no_new_privs.split()[1] == "1" and home == "home-hidden"
     if kind in ("cgroup2+pidns", "pidns"):  # init is pid 1 of the namespace, the command 2
-        assert rt.read(admission.session, "stdout") == b"2\n"
+        assert pid == "2"
     rt.cancel(admission.session, "seen")
     receipt = rt.wait(admission.session, timeout=30)["receipt"]
     assert receipt["death"]["proven"] is True
     assert receipt["owner"]["spawn"] == ("fork" if kind == "subreaper" else spawn)
+    assert receipt["owner"]["calls"] == calls
     if kind in CGROUP_KINDS:
         assert not _session_cgroup(task.task, admission.session).exists()
 
@@ -121,31 +147,40 @@ LAUNCH_PATH_PROBE = """
 import sys
 sys.path[:0] = sys.argv[1:]
 import settled.owner.main
+before_pid = set(sys.modules)
+import settled.owner.launch
 from settled import boundary
-from settled.boundary import spawn
 for kind in ("cgroup2+pidns", "cgroup2", "pidns", "subreaper"):
     boundary.make(kind, "t_probe", "s_probe", None, "/nonexistent")
-spawn.clone3_missing()  # ctypes, where the kernel has clone3
+settled.owner.launch.Ahead().close()  # the pipes, libc and the clone3 probe
+print(" ".join(sorted(before_pid)))
 print(" ".join(sorted(sys.modules)))
 """
+HEAVY = (
+    "json", "typing", "dataclasses", "enum", "re", "signal", "sqlite3", "inspect", "threading",
+    "settled.store", "settled.records", "settled.identity", "settled.home", "settled.log.writer",
+    "settled.owner.session", "settled.owner.supervise",
+)  # fmt: skip
 
 
 def test_the_owners_launch_path_imports_only_what_starting_the_command_needs() -> None:
     """Everything an owner loads before its command runs (the entry, the boundaries, the
     clone3 probe): no json, typing, dataclasses, signal (enum), re, sqlite3, the store,
-    records, identity or the log writer. They load while the command runs."""
-    out = subprocess.run(
-        [sys.executable, "-I", "-S", "-c", LAUNCH_PATH_PROBE, *owner_path()],
-        capture_output=True, text=True, timeout=30, check=True,
-    ).stdout.split()  # fmt: skip
-    loaded = set(out)
+    records, identity or the log writer, which load while the command runs. Before it says
+    its pid (the launcher's claim waits for it), not even the boundaries or ctypes."""
+    before_pid, loaded = (
+        set(line.split())
+        for line in subprocess.run(
+            [sys.executable, "-I", "-S", "-c", LAUNCH_PATH_PROBE, *owner_path()],
+            capture_output=True, text=True, timeout=30, check=True,
+        ).stdout.splitlines()
+    )  # fmt: skip
     assert "settled.boundary.combined" in loaded
-    for heavy in (
-        "json", "typing", "dataclasses", "enum", "re", "signal", "sqlite3", "inspect",
-        "settled.store", "settled.records", "settled.identity", "settled.home",
-        "settled.log.writer", "settled.owner.session", "settled.owner.supervise", "threading",
-    ):  # fmt: skip
+    for heavy in HEAVY:
         assert heavy not in loaded, f"{heavy} is imported on the owner's launch path"
+    for later in ("settled.boundary", "ctypes", "settled.owner.launch"):
+        assert later not in before_pid, f"{later} is imported before the owner says its pid"
+    assert "ctypes" not in loaded, "with the C binding built, the launch path needs no ctypes"
 
 
 def _admit(rt: Runtime, task: TaskRecord, key: str, shell: str, boundary: str) -> str:
@@ -187,7 +222,7 @@ def test_a_cgroup_made_for_a_claim_that_never_came_is_removed_by_recovery(
     settles the session as never started and removes it (never as its evidence)."""
     _skip_unavailable("cgroup2")
     session = _admit(rt, task, "orphan", "touch ran", "cgroup2")
-    prepared = handoff.prepare(rt.store, rt.home, session)
+    prepared = handoff.prepare(rt.store, rt.home, session, time.time())
     cgroup = _session_cgroup(task.task, session)
     assert cgroup.is_dir()
     monkeypatch.setattr("settled.recovery.READY_TIMEOUT_S", -1.0)  # as if it waited long
@@ -213,24 +248,21 @@ def test_an_owner_that_gets_no_orders_runs_nothing_and_exits(
         "settled.owner.main:main", ("settled", "blake3"), session, str(ready_w), str(orders_r)
     )
     env = {**os.environ, "SETTLED_OWNER_HOME": rt.home}
-    first = subprocess.Popen(argv, env=env, pass_fds=(orders_r, ready_w))
+    owner = subprocess.Popen(argv, env=env, pass_fds=(orders_r, ready_w))
     os.close(orders_r)
     os.close(ready_w)
-    assert first.wait(timeout=30) == 0
-    hello = json.loads(os.read(ready_r, 4096).split(b"\n")[0])
-    owner = int(hello["owner_pid"])
-    os.close(orders_w)  # no claim, no orders
-    _wait_until(lambda: not Path(f"/proc/{owner}").exists() or _zombie(owner))
-    os.close(ready_r)
+    try:
+        hello = json.loads(os.read(ready_r, 4096).split(b"\n")[0])
+        assert hello["owner_pid"] == owner.pid
+        os.close(orders_w)  # no claim, no orders
+        assert owner.wait(timeout=30) == 0
+    finally:
+        os.close(ready_r)
+        if owner.poll() is None:
+            owner.kill()
+            owner.wait()
     assert not Path(task.workspace, "ran").exists()
     assert rt.store.get_session(session).owner is None
-
-
-def _zombie(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
-    except FileNotFoundError:
-        return True
 
 
 def test_a_cancel_before_the_command_starts_removes_its_cgroup(
@@ -264,3 +296,24 @@ def test_json_text_writes_what_json_dumps_writes() -> None:
         assert json_text(value) == json.dumps(value)
     with pytest.raises(TypeError):
         json_text({"x": object()})
+
+
+def test_a_signal_sent_before_a_fresh_owners_handlers_exist_becomes_a_cancel(
+    rt: Runtime, task: TaskRecord, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fresh owner is claimed for while its interpreter starts, before its handlers exist:
+    it starts with TERM (and INT, HUP, USR1) blocked, so a TERM sent then waits for them and
+    is a cancel, not the owner's death."""
+    claim_for = handoff.claim_for
+
+    def then_term(store: object, prepared: handoff.Prepared, owner_pid: int) -> object:
+        claimed = claim_for(rt.store, prepared, owner_pid)
+        os.kill(owner_pid, signal.SIGTERM)  # its interpreter is still starting
+        return claimed
+
+    monkeypatch.setattr(handoff, "claim_for", then_term)
+    admission = rt.exec(task.task, shell="touch ran", key="t")
+    receipt = rt.wait(admission.session, timeout=30)["receipt"]
+    assert receipt["exit"]["reason"] == "cancelled"
+    assert "SIGTERM" in json.dumps(receipt["exit"])
+    assert not Path(task.workspace, "ran").exists()

@@ -105,6 +105,34 @@ def start_helper(
     return process, ready_r
 
 
+def spawn_detached(
+    argv: list[str],
+    log: str,
+    env: dict[str, str],
+    fds: tuple[int, ...],
+    blocked: tuple[int, ...] = (),
+) -> int:
+    """posix_spawn a helper in its own session (stdin /dev/null, stdout and stderr appended to
+    `log`), passing it `fds` at their own numbers (close-on-exec descriptors of the caller, so
+    no other child of the caller inherits them), with the `blocked` signals blocked until it
+    unblocks them. Returns its pid at once: it is the caller's child, for the caller to reap.
+    A vfork: the caller's memory is not copied, whatever its size."""
+    log_fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
+    try:
+        actions = [
+            (os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0),
+            (os.POSIX_SPAWN_DUP2, log_fd, 1),
+            (os.POSIX_SPAWN_DUP2, log_fd, 2),
+            # dup2 onto itself clears close-on-exec in the child only (POSIX; glibc >= 2.29)
+            *((os.POSIX_SPAWN_DUP2, fd, fd) for fd in fds),
+        ]
+        return os.posix_spawn(
+            argv[0], argv, env, file_actions=actions, setsid=True, setsigmask=blocked
+        )
+    finally:
+        os.close(log_fd)
+
+
 class NoReport(Exception):
     """The helper did not report: `timeout` (the deadline passed) or `eof` (it exited first)."""
 

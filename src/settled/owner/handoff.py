@@ -83,8 +83,8 @@ def isolation_facts(plan: IsolationPlan, sandbox: dict[str, Any] | None) -> dict
 class Prepared:
     """One session, ready to be claimed: its boundary made, or why it cannot be."""
 
-    def __init__(self, store: Store, home: str, record: SessionRecord) -> None:
-        self.home, self.record = home, record
+    def __init__(self, store: Store, home: str, record: SessionRecord, launched_at: float) -> None:
+        self.home, self.record, self.launched_at = home, record, launched_at
         self.task = store.get_task(record.task)
         self.spec = CommandSpec.from_json(record.spec)
         self.sandbox = sandbox_entry(self.task)
@@ -92,7 +92,6 @@ class Prepared:
         self.plan: IsolationPlan | None = None
         self.boundary: boundaries.Boundary | None = None
         self.failure: tuple[str, str, str] | None = None  # (reason, stage, error)
-        self.owner_at = 0.0
         self.claimed_at = 0.0
         self.claimed: SessionRecord | None = None
 
@@ -140,8 +139,9 @@ class Prepared:
             self.boundary = None
 
 
-def prepare(store: Store, home: str, session: str) -> Prepared:
-    prepared = Prepared(store, home, store.get_session(session))
+def prepare(store: Store, home: str, session: str, launched_at: float) -> Prepared:
+    """`launched_at`: when the owner's process was asked for (the receipt's timings)."""
+    prepared = Prepared(store, home, store.get_session(session), launched_at)
     prepared.make(store)
     return prepared
 
@@ -185,7 +185,7 @@ def orders(prepared: Prepared, claimed: SessionRecord) -> bytes:
         "generation": claimed.generation,
         "timings": {
             "admitted_at": record.created_at,
-            "owner_at": prepared.owner_at,
+            "launched_at": prepared.launched_at,
             "claimed_at": prepared.claimed_at,
         },
         "never_ran": prepared.failure,
@@ -227,18 +227,29 @@ READ_TIMEOUT_S = 30.0
 
 
 def hand_over(
-    store: Store, prepared: Prepared, reader: ReportReader, orders_fd: int, timeout: float
+    store: Store,
+    prepared: Prepared,
+    reader: ReportReader,
+    orders_fd: int,
+    timeout: float,
+    owner_pid: int | None = None,
 ) -> dict[str, Any]:
     """Steps 2-4 with an owner whose interpreter is starting: its readiness report, or
-    {"error": why}. Closes `orders_fd` (an owner that got no orders exits having run nothing)."""
+    {"error": why}. `owner_pid`: known from the spawn (a fresh owner: the claim is then made
+    while its interpreter starts), else said first thing by the owner. Closes `orders_fd` (an
+    owner that got no orders exits having run nothing)."""
     try:
-        hello = _next(reader, timeout)
-        if "owner_pid" not in hello:
-            prepared.discard()
-            return hello if "error" in hello else {"error": f"unexpected report {hello!r}"}
-        prepared.owner_at = float(hello.get("at") or time.time())
+        if owner_pid is None:
+            hello = _next(reader, timeout)
+            if "owner_pid" not in hello:
+                prepared.discard()
+                return hello if "error" in hello else {"error": f"unexpected report {hello!r}"}
+            owner_pid = int(hello["owner_pid"])
+            said = True
+        else:
+            said = False
         try:
-            claimed = claim_for(store, prepared, int(hello["owner_pid"]))
+            claimed = claim_for(store, prepared, owner_pid)
         except StaleWrite as exc:
             prepared.discard()
             return {"error": "claim lost", "detail": str(exc)}
@@ -251,6 +262,10 @@ def hand_over(
             return {"error": "the owner exited before it took its orders; see owner.log"}
     finally:
         os.close(orders_fd)
+    if not said:
+        hello = _next(reader, timeout)
+        if hello.get("owner_pid") != owner_pid:
+            return hello if "error" in hello else {"error": f"unexpected report {hello!r}"}
     report = _next(reader, timeout)
     if report.get("state") == "running":
         record_running(store, prepared, report)

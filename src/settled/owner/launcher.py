@@ -4,23 +4,29 @@ A `Launcher` turns an admitted session into a running owner and returns the owne
 report. Two implement it: `FreshLauncher` here, and the zygote's `WarmLauncher`
 (`owner/zygote.py`); a third (an owner started inside a remote sandbox) is a new module.
 
-The owner is a fresh `python -I -S` (7-10 ms to start, against ~47 ms for a default
-interpreter) with only settled and blake3 on its path. It forks once so the launcher reaps its
-first process at once and never leaves a zombie; the real owner is re-parented away from the
-caller and outlives the request, the CLI and any reader. While its interpreter starts, the
-launcher prepares the session in the caller's process, then claims it for the owner's pid and
-hands it its orders (handoff.py), so the owner imports nothing heavy before its command runs;
-the readiness pipe reports when it does. Both launchers share that handover.
+The owner is a fresh `python -I -S` (6-10 ms to start, against ~47 ms for a default
+interpreter) with only settled and blake3 on its path, posix_spawned in a session of its own
+(a vfork: the caller's memory is not copied), so its pid is known at once. While its
+interpreter starts, the launcher prepares the session in the caller's process and claims it for
+that pid (handoff.py), so the owner imports nothing heavy and waits for no fsync before its
+command runs; the readiness pipe reports when it does. The owner stays this process's child
+until it exits or this process does (then it is re-parented and outlives it): `Reaper` reaps
+each one by its pidfd as it exits, never with a blanket wait, so none is left a zombie.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import select
+import threading
+import time
 from typing import Any, Protocol
 
 from settled.home import make_session_dir
-from settled.isolated import ReportReader, import_roots, python_command, start_helper
+from settled.isolated import ReportReader, import_roots, python_command, spawn_detached
 from settled.owner.handoff import hand_over, prepare
+from settled.owner.signals import HANDLED
 from settled.store import Store
 
 READY_TIMEOUT_S = 30.0
@@ -62,28 +68,100 @@ def owner_command(session: str, ready_fd: int, orders_fd: int) -> list[str]:
 
 
 def launch_owner(home: str, session: str, store: Store) -> dict[str, Any]:
-    """Start the owner's interpreter, prepare the session meanwhile, then hand it over."""
-    directory = make_session_dir(home, session)
+    """Spawn the owner's interpreter, prepare and claim the session meanwhile, hand it over."""
+    log = os.path.join(make_session_dir(home, session), "owner.log")
+    launched_at = time.time()
+    ready_r, ready_w = os.pipe2(os.O_CLOEXEC)
     orders_r, orders_w = os.pipe2(os.O_CLOEXEC)
     try:
-        process, ready_r = start_helper(
-            lambda ready_w: owner_command(session, ready_w, orders_r),
-            os.path.join(directory, "owner.log"),
-            env={**os.environ, "SETTLED_OWNER_HOME": home},
-            pass_fds=(orders_r,),
+        pid = spawn_detached(
+            owner_command(session, ready_w, orders_r),
+            log,
+            {**os.environ, "SETTLED_OWNER_HOME": home},
+            (ready_w, orders_r),
+            blocked=HANDLED,  # claimed for before its handlers exist: a signal waits for them
         )
     except BaseException:
+        os.close(ready_r)
         os.close(orders_w)
         raise
     finally:
+        os.close(ready_w)
         os.close(orders_r)
+    REAPER.watch(pid)
     try:
         try:
-            prepared = prepare(store, home, session)  # while the interpreter starts
+            prepared = prepare(store, home, session, launched_at)  # while the interpreter starts
         except BaseException:
             os.close(orders_w)  # the owner reads EOF: no orders, it runs nothing
             raise
-        return hand_over(store, prepared, ReportReader(ready_r), orders_w, READY_TIMEOUT_S)
+        reader = ReportReader(ready_r)
+        return hand_over(store, prepared, reader, orders_w, READY_TIMEOUT_S, owner_pid=pid)
     finally:
         os.close(ready_r)
-        process.wait()  # the first process only forks the real owner and exits
+
+
+class Reaper:
+    """Reaps this process's owner children as they exit: one thread, one poll over their
+    pidfds, `waitpid` of exactly their pids (never -1: FACTS.md, statuses of the caller's own
+    children are the caller's). Started with the first owner; idle costs a blocked poll."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pidfds: dict[int, int] = {}  # pidfd -> pid
+        self._wake_r = self._wake_w = -1
+        self._thread: threading.Thread | None = None
+
+    def watch(self, pid: int) -> None:
+        try:
+            pidfd = os.pidfd_open(pid)
+        except ProcessLookupError:  # reaped already by the caller's own blanket wait
+            return
+        with self._lock:
+            self._pidfds[pidfd] = pid
+            if self._thread is None or not self._thread.is_alive():
+                self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+                self._thread = threading.Thread(target=self._run, name="settled-reaper")
+                self._thread.daemon = True
+                self._thread.start()
+            else:
+                os.write(self._wake_w, b"w")
+
+    def _run(self) -> None:
+        while True:
+            poller = select.poll()
+            poller.register(self._wake_r, select.POLLIN)
+            with self._lock:
+                for pidfd in self._pidfds:
+                    poller.register(pidfd, select.POLLIN)
+            for fd, _events in poller.poll():
+                if fd == self._wake_r:
+                    _drain(fd)
+                else:
+                    self._reap(fd)
+
+    def _reap(self, pidfd: int) -> None:
+        with self._lock:
+            pid = self._pidfds.pop(pidfd)
+        with contextlib.suppress(ChildProcessError):  # the caller reaped it (a blanket wait)
+            os.waitpid(pid, os.WNOHANG)
+        os.close(pidfd)
+
+    def after_fork(self) -> None:
+        """In a forked child of this process: the owners are not its children."""
+        for fd in (*self._pidfds, self._wake_r, self._wake_w):
+            if fd >= 0:
+                os.close(fd)
+        self._pidfds, self._thread = {}, None
+        self._wake_r = self._wake_w = -1
+        self._lock = threading.Lock()
+
+
+def _drain(fd: int) -> None:
+    with contextlib.suppress(BlockingIOError):
+        while os.read(fd, 4096):
+            pass
+
+
+REAPER = Reaper()
+os.register_at_fork(after_in_child=REAPER.after_fork)

@@ -21,6 +21,7 @@ from typing import Any
 
 from settled import faults
 from settled.backends import seals_logs
+from settled.boundary import linux
 from settled.boundary.base import Boundary
 from settled.boundary.isolation import IsolationPlan
 from settled.errors import StaleWrite, StorageFailed
@@ -361,11 +362,12 @@ class OwnerSession:
         )  # fmt: skip
         owner: dict[str, Any] = {
             "pid": os.getpid(),
-            "maxrss_kib": usage.ru_maxrss,
+            "maxrss_kib": _peak_rss_kib() or usage.ru_maxrss,
             "cpu_s": round(usage.ru_utime + usage.ru_stime, 6),
         }
-        if self.spawn_via is not None:
+        if self.spawn_via is not None:  # how the command started, and through which binding
             owner["spawn"] = self.spawn_via
+        owner["calls"] = linux.BINDING
         return process_receipt(
             isolation=isolation,
             session=self.session,
@@ -377,3 +379,16 @@ class OwnerSession:
             timings=self.timings,
             **facts,
         )
+
+
+def _peak_rss_kib() -> int | None:
+    """This process's own peak resident set (VmHWM). Not ru_maxrss: a fresh owner is
+    posix_spawned (vfork), and exec folds the spawning caller's peak into ru_maxrss."""
+    try:
+        with open("/proc/self/status") as handle:
+            for line in handle:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None

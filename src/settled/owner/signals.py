@@ -1,5 +1,7 @@
-"""The owner's signal handling: installed before it is claimed for, so that no signal kills it
-by its default action. TERM, INT and HUP become a cancel; USR1 means "look at the store now".
+"""The owner's signal handling: so that no signal kills it by its default action. TERM, INT
+and HUP become a cancel; USR1 means "look at the store now". A fresh owner is claimed for while
+its interpreter starts, so its launcher starts it with these signals blocked (`HANDLED`):
+one sent meanwhile waits, and is handled once the handlers are in and unblock it.
 
 On the owner's launch path, so it uses the builtin `_signal` (loaded with every interpreter)
 rather than `signal`, whose enum import costs 1.5-3.5 ms here. Must never do more in a handler
@@ -17,6 +19,7 @@ if TYPE_CHECKING:
 
 _signal = sys.modules.get("_signal") or __import__("_signal")
 STOP_SIGNALS = {_signal.SIGTERM: "SIGTERM", _signal.SIGINT: "SIGINT", _signal.SIGHUP: "SIGHUP"}
+HANDLED: tuple[int, ...] = (*STOP_SIGNALS, _signal.SIGUSR1)
 
 
 def _look(_signum: int, _frame: FrameType | None) -> None:
@@ -33,6 +36,7 @@ class OwnerSignals:
         for sig in STOP_SIGNALS:
             _signal.signal(sig, self._on_stop)
         _signal.signal(_signal.SIGUSR1, _look)
+        _signal.pthread_sigmask(_signal.SIG_UNBLOCK, HANDLED)  # what waited is handled now
 
     def _on_stop(self, signum: int, _frame: FrameType | None) -> None:
         name = STOP_SIGNALS.get(signum, f"signal {signum}")

@@ -18,6 +18,7 @@ import os
 import socket
 import subprocess
 import threading
+import time
 from typing import Any
 
 from settled.home import make_session_dir
@@ -40,6 +41,7 @@ def serve(sock_fd: int) -> int:
     """Loop: one request in, one owner forked, its pid out. EOF on the socket ends the zygote."""
     import ctypes  # noqa: F401 - pidns and subreaper owners need it; import it once, here
 
+    import settled.owner.launch  # the owner's launch path, likewise
     import settled.owner.main as owner_main  # imported once, before any fork
     import settled.owner.session  # what the owner loads once its command runs
     import settled.workspace.journal.client  # noqa: F401 - the owner's barrier client, likewise
@@ -118,6 +120,7 @@ class WarmLauncher:
 
     def launch(self, home: str, session: str, store: Store) -> dict[str, Any]:
         log = os.path.join(make_session_dir(home, session), "owner.log")
+        launched_at = time.time()
         ready_r, ready_w = os.pipe2(os.O_CLOEXEC)
         orders_r, orders_w = os.pipe2(os.O_CLOEXEC)
         umask = os.umask(0o022)
@@ -142,7 +145,7 @@ class WarmLauncher:
                 os.close(ready_w)
                 os.close(orders_r)
             try:
-                prepared = prepare(store, home, session)
+                prepared = prepare(store, home, session, launched_at)
             except BaseException:
                 os.close(orders_w)  # the owner reads EOF: no orders, it runs nothing
                 orders_w = -1
