@@ -1,7 +1,8 @@
 /* settled.boundary._linux: the C binding of boundary/linux.py.
  *
  * The Linux calls a session owner makes on its launch path, before its command runs: clone3
- * (CLONE_INTO_CGROUP, CLONE_NEWPID), unshare, mount, mount_setattr, prctl, capget and capset.
+ * (CLONE_INTO_CGROUP, CLONE_NEWPID), unshare, mount, mount_setattr, prctl, capget, capset, and
+ * fcntl with an integer argument (pipe sizes, seals: the fcntl module is one more library).
  * Python 3.11 has none of them; ctypes reaches them too (boundary/linux_ctypes.py, the
  * fallback the tests also run), but importing ctypes costs a fresh owner ~2 ms here and each
  * call through it ~10 us, where a command's isolation makes dozens.
@@ -146,7 +147,16 @@ static PyObject *m_capset(PyObject *self, PyObject *args) {
     return PyLong_FromLong(result(syscall(SYS_capset, &header, data)));
 }
 
+static PyObject *m_fcntl(PyObject *self, PyObject *args) {
+    int fd, cmd;
+    long arg;
+    if (!PyArg_ParseTuple(args, "iil", &fd, &cmd, &arg))
+        return NULL;
+    return PyLong_FromLong(result(fcntl(fd, cmd, arg)));
+}
+
 static PyMethodDef methods[] = {
+    {"fcntl", m_fcntl, METH_VARARGS, "fcntl(fd, cmd, int_arg) -> result or -errno."},
     {"clone3", m_clone3, METH_VARARGS,
      "clone3(flags, cgroup_fd) -> (pid or -errno, pidfd); (0, -1) in the child."},
     {"unshare", m_unshare, METH_VARARGS, "unshare(flags) -> 0 or -errno."},

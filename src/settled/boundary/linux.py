@@ -1,5 +1,6 @@
 """The Linux calls Python 3.11 lacks: unshare, mount, mount_setattr, prctl, capget/capset and
-clone3, as one interface over two bindings.
+clone3 (and fcntl with an integer argument, so the owner's launch path needs no fcntl module),
+as one interface over two bindings.
 
 Owns only the calling convention and the errno: each function raises OSError naming the call
 and its argument on failure, never returns a status to be forgotten. Never decides what to
@@ -56,6 +57,13 @@ MS_PRIVATE: Final = 1 << 18
 MOUNT_ATTR_RDONLY: Final = 0x1
 AT_RECURSIVE: Final = 0x8000
 
+F_ADD_SEALS: Final = 1033
+F_SETPIPE_SZ: Final = 1031
+F_SEAL_SEAL: Final = 0x1
+F_SEAL_SHRINK: Final = 0x2
+F_SEAL_GROW: Final = 0x4
+F_SEAL_WRITE: Final = 0x8
+
 PR_CAPBSET_DROP: Final = 24
 PR_SET_DUMPABLE: Final = 4
 PR_SET_NO_NEW_PRIVS: Final = 38
@@ -105,6 +113,10 @@ def _set_readonly(path: str, *, recursive: bool, readonly: bool) -> None:
 
 def prctl(option: int, arg2: int = 0, arg3: int = 0, arg4: int = 0, arg5: int = 0) -> int:
     return _check(_call.prctl(option, arg2, arg3, arg4, arg5), f"prctl({option})")
+
+
+def fcntl(fd: int, cmd: int, arg: int) -> int:
+    return _check(_call.fcntl(fd, cmd, arg), f"fcntl({fd}, {cmd})")
 
 
 _LAST_CAP: list[int] = []

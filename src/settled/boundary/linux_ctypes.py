@@ -134,6 +134,10 @@ def prctl(option: int, arg2: int = 0, arg3: int = 0, arg4: int = 0, arg5: int = 
     return _result(_libc().prctl(option, arg2, arg3, arg4, arg5))
 
 
+def fcntl(fd: int, cmd: int, arg: int) -> int:
+    return _result(_libc().fcntl(fd, cmd, ctypes.c_long(arg)))
+
+
 def capget() -> tuple[int, int, int, int]:
     header = _CapHeader(_LINUX_CAPABILITY_VERSION_3, 0)
     data = (_CapData * 2)()

@@ -39,16 +39,12 @@ from settled.errors import BoundaryUnavailable, StaleWrite
 from settled.home import last_words_path, read_home_id, session_dir, stdin_path
 from settled.identity import CommandSpec
 from settled.isolated import NoReport, ReportReader
+from settled.owner.lease import lease_seconds
 from settled.records import OwnerInfo, SessionRecord, TaskRecord
 from settled.store import Store
 
 ORDERS_VERSION = 1
 CD_AND_EXEC = 'cd -- "$0" && exec "$@"'  # an enter may start in the sandbox's root
-
-
-def lease_seconds() -> float:
-    """The lease an owner holds (SETTLED_LEASE_S; tests shorten it), read at each claim."""
-    return float(os.environ.get("SETTLED_LEASE_S") or 15.0)
 
 
 def sandbox_entry(task: TaskRecord) -> dict[str, Any] | None:

@@ -9,21 +9,20 @@ boundary, start the command inside it (clone3 straight into its cgroup and PID n
 the kernel can), report that it runs, then load the rest of the owner (session.py) while the
 pipes buffer the command's first output (1 MiB each).
 
-Imports only the standard library's os, sys, time, errno and fcntl, and settled's boundary
+Imports only the standard library's os, sys, time and errno, and settled's boundary
 package: no json, typing, dataclasses, signal, sqlite3 or store. Must never: start the command
 anywhere but inside its boundary, or before its orders (which follow a successful claim).
 """
 
 from __future__ import annotations
 
-import fcntl
 import os
 import sys
 import time
 
 from settled import boundary as boundaries
 from settled import faults
-from settled.boundary import cgroup2, combined, linux, pgroup, pidns, procfs, spawn, subreaper
+from settled.boundary import linux, procfs, spawn
 from settled.boundary.isolation import IsolationPlan
 from settled.boundary.spawn import ChildIO, Launch, SpawnFailed, spawn_via
 from settled.errors import BoundaryUnavailable
@@ -31,16 +30,16 @@ from settled.owner.last_words import LastWords
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
+    from contextlib import AbstractContextManager
     from typing import Any
 
     from settled.boundary.base import Boundary
+    from settled.owner.lease import LeaseKeeper, Renew
     from settled.owner.main import Ready
     from settled.owner.session import OwnerSession
     from settled.owner.signals import OwnerSignals
 
-_LOADED = (cgroup2, combined, pgroup, pidns, subreaper)  # boundaries.make() finds them loaded
 PIPE_SIZE = 1 << 20  # each output pipe: what the command may write before the drain starts
-F_SETPIPE_SZ = 1031
 
 
 class Ahead:
@@ -70,8 +69,8 @@ def sealed_stdin(data_path: str) -> int:
                 view = memoryview(chunk)
                 while view:
                     view = view[os.write(fd, view) :]
-        seals = fcntl.F_SEAL_SEAL | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE
-        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
+        seals = linux.F_SEAL_SEAL | linux.F_SEAL_SHRINK | linux.F_SEAL_GROW | linux.F_SEAL_WRITE
+        linux.fcntl(fd, linux.F_ADD_SEALS, seals)
         os.lseek(fd, 0, os.SEEK_SET)
     except BaseException:
         os.close(fd)
@@ -86,7 +85,7 @@ def output_pipes() -> dict[str, int]:
     for name in ("stdout", "stderr"):
         read_end, write_end = os.pipe2(os.O_CLOEXEC)
         try:  # noqa: SIM105 - contextlib stays off the owner's launch path
-            fcntl.fcntl(read_end, F_SETPIPE_SZ, PIPE_SIZE)
+            linux.fcntl(read_end, linux.F_SETPIPE_SZ, PIPE_SIZE)
         except OSError:  # above /proc/sys/fs/pipe-max-size for this user: keep the default
             pass
         fds[name], fds[f"{name}_w"] = read_end, write_end
@@ -110,6 +109,7 @@ class Launching:
         self.plan = IsolationPlan(**given["plan"]) if given["plan"] is not None else None
         self.last_words: LastWords | None = None
         self.session: OwnerSession | None = None
+        self.lease: LeaseKeeper | None = None  # started here only where threads come first
 
     def run(self) -> int:
         given = self.orders
@@ -130,7 +130,7 @@ class Launching:
             why = _storage_text(exc, self.home)
             return self._never_ran("not_started", "space", why, planned=False)
         if self._threads_first(boundary):
-            self._open_session().lease.start()
+            self._start_lease()
         try:
             boundary.setup()
         except BoundaryUnavailable as exc:
@@ -145,6 +145,25 @@ class Launching:
         thread (and so the session's imports) must come first, as they always did."""
         pid_namespace = boundary.kind in boundaries.PID_NAMESPACE_KINDS
         return pid_namespace and spawn_via(boundary.birth_cgroup(), True) == "fork"
+
+    def _start_lease(self) -> None:
+        """The lease keeper's thread, started before the boundary: it connects (through the
+        session, loaded once the command runs) only at the loop's first request."""
+        from settled.owner.lease import (
+            HEARTBEATS_PER_LEASE,
+            STALE_BEATS,
+            LeaseKeeper,
+            lease_seconds,
+        )
+
+        stale_after = STALE_BEATS * lease_seconds() / HEARTBEATS_PER_LEASE
+        self.lease = LeaseKeeper(self._renewals, stale_after=stale_after)
+        self.lease.start()
+
+    def _renewals(self) -> AbstractContextManager[Renew]:
+        """In the keeper's thread, at the loop's first request: the session runs the loop."""
+        assert self.session is not None
+        return self.session.renewals()
 
     def _start(self, boundary: Boundary) -> int:
         given = self.orders
@@ -187,7 +206,13 @@ class Launching:
             from settled.owner.session import OwnerSession
 
             self.session = OwnerSession(
-                self.home, self.orders, self.ready, self.signals, self.timings, self.last_words
+                self.home,
+                self.orders,
+                self.ready,
+                self.signals,
+                self.timings,
+                self.last_words,
+                self.lease,
             )
         return self.session
 
@@ -218,6 +243,8 @@ class Launching:
         self.ahead.close()
         if self.session is not None:
             self.session.close()
+        elif self.lease is not None:
+            self.lease.close()
         if self.last_words is not None:
             self.last_words.close()
 

@@ -29,16 +29,20 @@ from settled.home import SpaceGuard, journal_socket, log_path, storage_error
 from settled.identity import CommandSpec
 from settled.log.interleave import IndexWriter, index_path
 from settled.log.writer import StreamWriter
-from settled.owner.handoff import lease_seconds
 from settled.owner.last_words import LastWords
-from settled.owner.lease import STALE_BEATS, LeaseKeeper, Renew
+from settled.owner.lease import (
+    HEARTBEATS_PER_LEASE,
+    STALE_BEATS,
+    LeaseKeeper,
+    Renew,
+    lease_seconds,
+)
 from settled.owner.signals import OwnerSignals
 from settled.owner.supervise import Outcome, Streams, Supervisor
 from settled.receipts import exit_fact, not_started_fact, process_receipt
 from settled.store import Store, open_store
 
 LOG_CAP_ENV = "SETTLED_LOG_CAP"
-HEARTBEATS_PER_LEASE = 5  # a starved owner has four renewals to spare
 
 
 class OwnerSession:
@@ -50,7 +54,10 @@ class OwnerSession:
         signals: OwnerSignals,
         timings: dict[str, float],
         last_words: LastWords | None,
+        lease: LeaseKeeper | None = None,
     ) -> None:
+        """`lease`: a keeper started before the command (where its thread had to come first),
+        whose connection is this session's `_renewals`; otherwise one is made here."""
         self.home, self.orders, self.ready, self.signals = home, orders, ready, signals
         self.timings, self.last_words = timings, last_words
         self.session, self.task = str(orders["session"]), str(orders["task"])
@@ -66,7 +73,7 @@ class OwnerSession:
         self.streams: Streams | None = None
         self.spawn_via: str | None = None  # clone3 or fork, once the command started
         self.store_trouble: str | None = None  # the first renewal the store could not write
-        self.lease = LeaseKeeper(self._renewals, stale_after=STALE_BEATS * self.heartbeat_s)
+        self.lease = lease or LeaseKeeper(self.renewals, stale_after=STALE_BEATS * self.heartbeat_s)
 
     def close(self) -> None:
         self.lease.close()
@@ -163,7 +170,7 @@ class OwnerSession:
         return Streams(dict(pipes), writers, index=index)
 
     @contextlib.contextmanager
-    def _renewals(self) -> Iterator[Renew]:
+    def renewals(self) -> Iterator[Renew]:
         """Entered in the lease keeper's thread at its first renewal: a store connection of its
         own (a SQLite connection serves one thread), opened by the factory the owner's came from."""
         store = open_store(self.home)
