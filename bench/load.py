@@ -184,10 +184,10 @@ def _read(path: str) -> bytes | None:
 class ProcSampler:
     """Every 50 ms: our owners, zygotes and journal in /proc and their summed RSS (PSS every
     10th sample). Ours = cmdline names a settled helper and the environment carries our mark;
-    a zygote is a child of the benchmark, a fork stub is a child of a zygote (or of the
-    benchmark: the fresh launcher's first process), a child of an owner is a fork about to exec
-    the command; stubs and children are transient and left out of the owner sum. Runs in its own
-    process (`sample_main`) so the benchmark's 48 threads do not hold it off the GIL."""
+    a zygote and a fresh owner (posix_spawned by its launcher) are children of the benchmark,
+    a fork stub is a child of a zygote, a child of an owner is its command's namespace init or
+    a fork about to exec the command; stubs and children are left out of the owner sum. Runs in
+    its own process (`sample_main`) so the benchmark's 48 threads do not hold it off the GIL."""
 
     KINDS = ("owner", "zygote", "journal")
 
@@ -218,8 +218,8 @@ class ProcSampler:
         if env is None or stat is None or self.needle not in env.split(b"\0"):
             return ""
         ppid = int(stat[stat.rindex(b")") + 2 :].split()[1])
-        if kind == "owner" and ppid == self.bench:
-            kind = "zygote" if b"settled.owner.zygote" in cmd else "stub"
+        if kind == "owner" and ppid == self.bench:  # a fresh owner is the caller's own child
+            kind = "zygote" if b"settled.owner.zygote" in cmd else "owner"
         elif kind == "owner" and self.kinds.get(ppid) == "zygote":
             kind = "stub"
         elif self.kinds.get(ppid) in ("owner", "journal"):
@@ -824,7 +824,9 @@ def _offered(launcher: str, share: bool) -> bool:
 
 
 def run(quick: bool) -> tuple[dict[str, Any], str]:
-    from settled.owner.main import LEASE_S
+    from settled.owner.lease import lease_seconds
+
+    lease_s = lease_seconds()
 
     p = QUICK if quick else FULL
     variants = [name for name, (launcher, share) in VARIANTS.items() if _offered(launcher, share)]
@@ -837,7 +839,7 @@ def run(quick: bool) -> tuple[dict[str, Any], str]:
             **p,
             "variants": {name: VARIANTS[name] for name in variants},
             "command": command("KEY", p["bytes"], "GATE"),
-            "lease_s": LEASE_S,
+            "lease_s": lease_s,
         },
         "runs": {},
     }
