@@ -14,12 +14,13 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from conftest import _skip_unavailable
 
-from settled.boundary import linux
+from settled.boundary import availability, linux
 from settled.boundary.cgroup2 import ROOT_DIR_NAME, find_hierarchy
 from settled.boundary.isolation import KEPT_CAPS
 from settled.errors import OwnerLaunchFailed
@@ -58,6 +59,21 @@ def calls(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> st
         monkeypatch.delenv("SETTLED_LINUX_CALLS", raising=False)
         assert linux.BINDING == "c", "the C binding is not built: run scripts/setup"
     return str(request.param)
+
+
+@pytest.fixture(autouse=True)
+def _no_cgroup_left(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Every test here ends with no cgroup of its tasks left: made ahead of need or not, each
+    is removed by its owner, its lost launch, or recovery. (Its `rt` is set up first, so it is
+    still open at this teardown.)"""
+    uses_runtime = "rt" in request.fixturenames and availability()["cgroup2"] is None
+    runtime: Runtime | None = request.getfixturevalue("rt") if uses_runtime else None
+    yield
+    if runtime is not None:
+        hierarchy = find_hierarchy()
+        tasks = [t.task for t in runtime.store.list_tasks()]
+        left = [t for t in tasks if Path(hierarchy, ROOT_DIR_NAME, t).exists()]
+        assert not left, f"cgroups left for tasks {left}"
 
 
 def _session_cgroup(task: str, session: str) -> Path:
@@ -196,13 +212,15 @@ def test_a_lost_claim_runs_nothing_and_removes_the_cgroup_made_for_it(
     made: list[Path] = []
     claim_for = handoff.claim_for
 
-    def rival_first(store: object, prepared: handoff.Prepared, owner_pid: int) -> object:
+    def rival_first(
+        store: object, prepared: handoff.Prepared, owner_pid: int, start: int | None = None
+    ) -> object:
         """Another owner's claim lands between this launcher's prepare and its own claim."""
         made.append(_session_cgroup(prepared.record.task, prepared.record.session))
         assert made[0].is_dir(), "the cgroup is made ahead of the claim"
         rival = OwnerInfo(owner_pid, 1, "another-boot", time.time() + 60)
         rt.store.claim(prepared.record.session, prepared.record.generation, rival)
-        return claim_for(rt.store, prepared, owner_pid)
+        return claim_for(rt.store, prepared, owner_pid, start)
 
     monkeypatch.setattr(handoff, "claim_for", rival_first)
     with pytest.raises(OwnerLaunchFailed, match="claim lost"):
@@ -271,9 +289,11 @@ def test_a_cancel_before_the_command_starts_removes_its_cgroup(
     _skip_unavailable("cgroup2")
     claim_for = handoff.claim_for
 
-    def cancelled_first(store: object, prepared: handoff.Prepared, owner_pid: int) -> object:
+    def cancelled_first(
+        store: object, prepared: handoff.Prepared, owner_pid: int, start: int | None = None
+    ) -> object:
         rt.store.request_cancel(prepared.record.session, "changed my mind")
-        return claim_for(rt.store, prepared, owner_pid)
+        return claim_for(rt.store, prepared, owner_pid, start)
 
     monkeypatch.setattr(handoff, "claim_for", cancelled_first)
     admission = rt.exec(task.task, shell="touch ran", boundary="cgroup2", key="c")
@@ -306,8 +326,10 @@ def test_a_signal_sent_before_a_fresh_owners_handlers_exist_becomes_a_cancel(
     is a cancel, not the owner's death."""
     claim_for = handoff.claim_for
 
-    def then_term(store: object, prepared: handoff.Prepared, owner_pid: int) -> object:
-        claimed = claim_for(rt.store, prepared, owner_pid)
+    def then_term(
+        store: object, prepared: handoff.Prepared, owner_pid: int, start: int | None = None
+    ) -> object:
+        claimed = claim_for(rt.store, prepared, owner_pid, start)
         os.kill(owner_pid, signal.SIGTERM)  # its interpreter is still starting
         return claimed
 

@@ -142,13 +142,17 @@ def prepare(store: Store, home: str, session: str, launched_at: float) -> Prepar
     return prepared
 
 
-def claim_for(store: Store, prepared: Prepared, owner_pid: int) -> SessionRecord:
-    """The claim, for the owner process that reported `owner_pid`, with the boundary recorded
-    in the same write. Raises StaleWrite when it is lost."""
+def claim_for(
+    store: Store, prepared: Prepared, owner_pid: int, start_time: int | None = None
+) -> SessionRecord:
+    """The claim, for the owner process `owner_pid` (started at `start_time`, read at its spawn,
+    else now), with the boundary recorded in the same write. Raises StaleWrite when it is lost."""
     record = prepared.record
+    if start_time is None:
+        start_time = procfs.start_time(owner_pid)
     owner = OwnerInfo(
         owner_pid,
-        procfs.start_time(owner_pid) or 0,
+        start_time or 0,  # 0: gone already, so never alive for liveness
         procfs.boot_id(),
         time.time() + lease_seconds(),
         host=read_home_id(prepared.home),
@@ -228,12 +232,13 @@ def hand_over(
     reader: ReportReader,
     orders_fd: int,
     timeout: float,
-    owner_pid: int | None = None,
+    spawned: tuple[int, int | None] | None = None,
 ) -> dict[str, Any]:
     """Steps 2-4 with an owner whose interpreter is starting: its readiness report, or
-    {"error": why}. `owner_pid`: known from the spawn (a fresh owner: the claim is then made
-    while its interpreter starts), else said first thing by the owner. Closes `orders_fd` (an
-    owner that got no orders exits having run nothing)."""
+    {"error": why}. `spawned`: the owner's pid and start time, known from its spawn (a fresh
+    owner: the claim is then made while its interpreter starts); else the owner says its pid
+    first thing. Closes `orders_fd` (an owner that got no orders exits having run nothing)."""
+    owner_pid, start_time = spawned if spawned is not None else (None, None)
     try:
         if owner_pid is None:
             hello = _next(reader, timeout)
@@ -245,7 +250,7 @@ def hand_over(
         else:
             said = False
         try:
-            claimed = claim_for(store, prepared, owner_pid)
+            claimed = claim_for(store, prepared, owner_pid, start_time)
         except StaleWrite as exc:
             prepared.discard()
             return {"error": "claim lost", "detail": str(exc)}

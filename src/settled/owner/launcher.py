@@ -23,6 +23,7 @@ import threading
 import time
 from typing import Any, Protocol
 
+from settled.boundary import procfs
 from settled.home import make_session_dir
 from settled.isolated import ReportReader, import_roots, python_command, spawn_detached
 from settled.owner.handoff import hand_over, prepare
@@ -88,6 +89,7 @@ def launch_owner(home: str, session: str, store: Store) -> dict[str, Any]:
     finally:
         os.close(ready_w)
         os.close(orders_r)
+    start_time = procfs.start_time(pid)  # the owner's identity, read before anything can reap it
     REAPER.watch(pid)
     try:
         try:
@@ -96,7 +98,8 @@ def launch_owner(home: str, session: str, store: Store) -> dict[str, Any]:
             os.close(orders_w)  # the owner reads EOF: no orders, it runs nothing
             raise
         reader = ReportReader(ready_r)
-        return hand_over(store, prepared, reader, orders_w, READY_TIMEOUT_S, owner_pid=pid)
+        spawned = (pid, start_time)
+        return hand_over(store, prepared, reader, orders_w, READY_TIMEOUT_S, spawned)
     finally:
         os.close(ready_r)
 
