@@ -174,8 +174,8 @@ print(" ".join(sorted(sys.modules)))
 """
 HEAVY = (
     "json", "typing", "dataclasses", "enum", "re", "signal", "sqlite3", "inspect", "threading",
-    "settled.store", "settled.records", "settled.identity", "settled.home", "settled.log.writer",
-    "settled.owner.session", "settled.owner.supervise",
+    "fcntl", "settled.store", "settled.records", "settled.identity", "settled.home",
+    "settled.errors", "settled.log.writer", "settled.owner.session", "settled.owner.supervise",
 )  # fmt: skip
 
 

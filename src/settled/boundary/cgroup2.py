@@ -26,11 +26,10 @@ import errno
 import os
 import time
 
-from settled.boundary import procfs
+from settled.boundary import procfs, unavailable
 from settled.boundary.base import Boundary, Evidence
 from settled.boundary.spawn import join_cgroup
 from settled.boundary.subreaper import EscapeWitness
-from settled.errors import BoundaryUnavailable
 
 ROOT_DIR_NAME = "settled"
 
@@ -61,10 +60,10 @@ def find_hierarchy() -> str:
     else:
         own = _own_cgroup()
         if own is None:
-            raise BoundaryUnavailable("cgroup2: this process is in no cgroup v2 hierarchy")
+            raise unavailable("cgroup2: this process is in no cgroup v2 hierarchy")
         candidates = [os.path.join(m, own.lstrip("/")) for m in _cgroup2_mounts()]
         if not candidates:
-            raise BoundaryUnavailable("cgroup2: no cgroup2 filesystem is mounted")
+            raise unavailable("cgroup2: no cgroup2 filesystem is mounted")
     for base in candidates:
         if (
             os.path.isdir(base)
@@ -73,7 +72,7 @@ def find_hierarchy() -> str:
         ):
             _require_cgroup_kill(base)
             return base
-    raise BoundaryUnavailable(f"cgroup2: no writable cgroup v2 directory among {candidates}")
+    raise unavailable(f"cgroup2: no writable cgroup v2 directory among {candidates}")
 
 
 def _require_cgroup_kill(base: str) -> None:
@@ -82,10 +81,10 @@ def _require_cgroup_kill(base: str) -> None:
     try:
         os.mkdir(probe)
     except OSError as exc:
-        raise BoundaryUnavailable(f"cgroup2: cannot create a cgroup under {base}: {exc}") from exc
+        raise unavailable(f"cgroup2: cannot create a cgroup under {base}: {exc}") from exc
     try:
         if not os.path.exists(os.path.join(probe, "cgroup.kill")):
-            raise BoundaryUnavailable(f"cgroup2: {base} offers no cgroup.kill (kernel < 5.14)")
+            raise unavailable(f"cgroup2: {base} offers no cgroup.kill (kernel < 5.14)")
     finally:
         os.rmdir(probe)
 
@@ -132,11 +131,11 @@ class Cgroup2Boundary(Boundary):
             except FileNotFoundError:
                 continue
             except FileExistsError:
-                raise BoundaryUnavailable(
+                raise unavailable(
                     f"cgroup2: {self.path} exists already: another launch of this session made "
                     "it, and it is never shared"
                 ) from None
-        raise BoundaryUnavailable(f"cgroup2: could not create {self.path}")
+        raise unavailable(f"cgroup2: could not create {self.path}")
 
     def discard(self) -> None:
         """Undo `create` before anything started inside (a claim lost, a cancel): kill what a

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 
-from settled.boundary import linux, mountview, procfs
+from settled.boundary import linux, mountview, procfs, unavailable
 from settled.boundary.base import Boundary, Evidence
 from settled.boundary.spawn import (
     fail_to_parent,
@@ -27,7 +27,6 @@ from settled.boundary.spawn import (
     spawn_via,
     take_on_command,
 )
-from settled.errors import BoundaryUnavailable
 
 TYPE_CHECKING = False  # on the owner's launch path: no typing, signal or contextlib imports
 if TYPE_CHECKING:
@@ -48,7 +47,7 @@ def unshare_pid_namespace() -> None:
     try:
         linux.unshare(linux.CLONE_NEWPID)
     except OSError as exc:
-        raise BoundaryUnavailable(f"pidns: {exc.strerror}") from None
+        raise unavailable(f"pidns: {exc.strerror}") from None
 
 
 def _run_init(
@@ -119,7 +118,7 @@ class PidnsBoundary(Boundary):
         """Only where the init cannot be cloned into its namespace: unshare it for this
         process's children (after which the kernel refuses this process any new thread)."""
         if not has_cap_sys_admin():
-            raise BoundaryUnavailable("pidns: needs CAP_SYS_ADMIN, which this process lacks")
+            raise unavailable("pidns: needs CAP_SYS_ADMIN, which this process lacks")
         if spawn_via(self.birth_cgroup(), new_pid_namespace=True) == "fork":
             unshare_pid_namespace()
 

@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import os
 
-from settled.boundary import procfs
+from settled.boundary import procfs, unavailable
 from settled.boundary.base import Boundary, Evidence
-from settled.errors import BoundaryUnavailable
 
 TYPE_CHECKING = False  # on the owner's launch path: no typing, signal or contextlib imports
 if TYPE_CHECKING:
@@ -27,7 +26,7 @@ def become_subreaper() -> None:
     try:
         linux.prctl(PR_SET_CHILD_SUBREAPER, 1)
     except OSError as exc:
-        raise BoundaryUnavailable(f"subreaper: {exc.strerror}") from None
+        raise unavailable(f"subreaper: {exc.strerror}") from None
 
 
 def reap_orphans(

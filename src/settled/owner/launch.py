@@ -25,7 +25,6 @@ from settled import faults
 from settled.boundary import linux, procfs, spawn
 from settled.boundary.isolation import IsolationPlan
 from settled.boundary.spawn import ChildIO, Launch, SpawnFailed, spawn_via
-from settled.errors import BoundaryUnavailable
 from settled.owner.last_words import LastWords
 
 TYPE_CHECKING = False
@@ -133,7 +132,11 @@ class Launching:
             self._start_lease()
         try:
             boundary.setup()
-        except BoundaryUnavailable as exc:
+        except Exception as exc:  # the error module loads only if it is one of its errors
+            from settled.errors import BoundaryUnavailable
+
+            if not isinstance(exc, BoundaryUnavailable):
+                raise
             boundary.discard()
             return self._never_ran("not_started", "boundary", str(exc))
         faults.point("owner.after_boundary")
