@@ -110,20 +110,25 @@ def make(
     """The boundary of `kind`; a plain cgroup2 whose command could leave it (the plan does not
     contain it) also watches for escapes as a subreaper. `hierarchy`: the cgroup v2 directory
     the launcher found (an owner then probes nothing)."""
-    from settled.boundary.cgroup2 import Cgroup2Boundary
-    from settled.boundary.combined import CgroupPidnsBoundary
-    from settled.boundary.pgroup import PgroupBoundary
-    from settled.boundary.pidns import PidnsBoundary
-    from settled.boundary.subreaper import SubreaperBoundary
+    if kind == "cgroup2":  # each kind imports only its own module: an owner loads one
+        from settled.boundary.cgroup2 import Cgroup2Boundary
 
-    if kind == "cgroup2":
         contained = plan is not None and plan.cgroup_contained
         return Cgroup2Boundary(task, session, hierarchy, watch_escapes=not contained)
     if kind == "cgroup2+pidns":
+        from settled.boundary.combined import CgroupPidnsBoundary
+
         return CgroupPidnsBoundary(task, session, hierarchy)
-    classes: dict[str, type[Boundary]] = {
-        "pidns": PidnsBoundary,
-        "subreaper": SubreaperBoundary,
-        "pgroup": PgroupBoundary,
-    }
-    return classes[kind](task, session)
+    if kind == "pidns":
+        from settled.boundary.pidns import PidnsBoundary
+
+        return PidnsBoundary(task, session)
+    if kind == "subreaper":
+        from settled.boundary.subreaper import SubreaperBoundary
+
+        return SubreaperBoundary(task, session)
+    if kind == "pgroup":
+        from settled.boundary.pgroup import PgroupBoundary
+
+        return PgroupBoundary(task, session)
+    raise unavailable(f"unknown boundary {kind!r}")
