@@ -402,7 +402,8 @@ def _admit(
         barrier.wait()
     except threading.BrokenBarrierError:
         row["barrier_broken"] = True
-    starts_zygote = rt.launcher == "warm" and getattr(rt, "_warm", None) is None
+    # a warm Runtime of its own (not a shared launcher) starts its zygote at its first launch
+    starts_zygote = getattr(rt, "_launcher_kind", None) == "warm" and rt._launcher is None
     started = time.perf_counter()
     try:
         adm = rt.exec(task, shell=shell, key=key, env={MARK_ENV: token})
@@ -591,7 +592,6 @@ def run_once(root: str, variant: str, p: dict[str, Any]) -> dict[str, Any]:
     pool: RuntimePool | None = None
     admissions: list[dict[str, Any]] = []
     barriers: list[threading.Barrier] = []
-    closed = False
     shared: Any = None
     result: dict[str, Any] = {
         "variant": variant,
@@ -660,7 +660,6 @@ def run_once(root: str, variant: str, p: dict[str, Any]) -> dict[str, Any]:
         t0 = time.perf_counter()
         close = rt.close_task(task.task, deadline=CLOSE_DEADLINE_S)
         close_s = time.perf_counter() - t0
-        closed = bool(close.complete)
         journal_gone = await_exit(journal_pid, 10.0)
         for fact in facts.values():
             end_process(fact["receipt"]["owner"]["pid"], "session owner")
@@ -726,9 +725,8 @@ def run_once(root: str, variant: str, p: dict[str, Any]) -> dict[str, Any]:
             _recover_unknown(rt, task.task)
             _await_owners(rt, task.task)
             result["cgroups_left"] = _tidy_cgroups(task.task)
-            if not closed:
-                with contextlib.suppress(Exception):
-                    journal_lifecycle.stop(rt.workspace.socket())
+            with contextlib.suppress(Exception):  # one journal per home: a close leaves it up
+                journal_lifecycle.stop(rt.workspace.socket())
         if rt is not None:
             rt.close()
         if shared is not None:
