@@ -44,10 +44,10 @@ SPAWN_ENV = "SETTLED_SPAWN"
 # name -> (launcher, SETTLED_SPAWN): how each series starts its owners and their commands
 SERIES = {"fresh": ("fresh", None), "fresh-fork": ("fresh", "fork"), "warm": ("warm", None)}
 LAUNCH_PATH = (
-    "import sys; sys.path[:0] = sys.argv[1:]; import settled.owner.main; "
+    "import sys; sys.path += sys.argv[1:]; import settled.owner.main; "
     "import settled.owner.launch; settled.owner.launch.Ahead().close()"
 )
-SESSION_PATH = "import sys; sys.path[:0] = sys.argv[1:]; import settled.owner.session"
+SESSION_PATH = "import sys; sys.path += sys.argv[1:]; import settled.owner.session"
 PLACE = """
 import os, sys, time
 from settled.boundary import spawn

@@ -161,7 +161,7 @@ def test_clone3_makes_the_child_inside_its_cgroup_where_a_fork_must_join_it(
 
 LAUNCH_PATH_PROBE = """
 import sys
-sys.path[:0] = sys.argv[1:]
+sys.path += sys.argv[1:]
 import settled.owner.main
 before_pid = set(sys.modules)
 import settled.owner.launch

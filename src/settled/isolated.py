@@ -56,11 +56,13 @@ def python_command(target: str, modules: tuple[str, ...], *args: str) -> list[st
     """`python -I -S -c …` that puts `modules` on sys.path and calls `target(argv)`,
     where target is "package.module:function"; its return value is the exit status. The
     roots travel as a count and that many arguments: no json (nor any other import) to parse
-    them before the helper's own imports."""
+    them before the helper's own imports. They go after the standard library's entries, as
+    site-packages does in any interpreter: a standard module is then found without listing
+    site-packages (hundreds of entries), ~0.5 ms of a fresh owner's start."""
     module, _, function = target.partition(":")
     roots = import_roots(*modules)
     boot = (
-        "import sys; n = int(sys.argv[1]); sys.path[:0] = sys.argv[2 : 2 + n]; "
+        "import sys; n = int(sys.argv[1]); sys.path += sys.argv[2 : 2 + n]; "
         f"from {module} import {function}; sys.exit({function}(sys.argv[2 + n :]))"
     )
     return [sys.executable, "-I", "-S", "-c", boot, str(len(roots)), *roots, *args]
