@@ -70,13 +70,19 @@ def find_hierarchy() -> str:
             and os.access(base, os.W_OK)
             and os.path.exists(os.path.join(base, "cgroup.procs"))
         ):
-            _require_cgroup_kill(base)
+            if base not in _PROBED:
+                _require_cgroup_kill(base)
+                _PROBED.add(base)
             return base
     raise unavailable(f"cgroup2: no writable cgroup v2 directory among {candidates}")
 
 
+_PROBED: set[str] = set()  # hierarchies whose children have cgroup.kill: a kernel's feature
+
+
 def _require_cgroup_kill(base: str) -> None:
-    """A root cgroup never has cgroup.kill, so probe with a child (mkdir + rmdir: 0.05 ms)."""
+    """A root cgroup never has cgroup.kill, so probe with a child (mkdir + rmdir: 0.05 ms),
+    once per hierarchy and process: an admission asked it three times."""
     probe = os.path.join(base, f"{ROOT_DIR_NAME}-probe-{os.getpid()}-{os.urandom(4).hex()}")
     try:
         os.mkdir(probe)
