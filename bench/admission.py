@@ -347,6 +347,8 @@ def run(quick: bool) -> tuple[dict[str, Any], str]:
             for name in settled
         },
         "fresh_exec_return_p50_ms": fresh["p50"],
+        "fresh_over_python_pass_p50": fresh["p50"]
+        / dists["python -I -S -c pass (spawn + wait)"]["p50"],
         "target_ms": 20.0,
         "target_met": fresh["p50"] <= 20.0,
         "launch_path_imports_ms": launch_imports["total_self_ms"],
@@ -445,7 +447,10 @@ def render(data: dict[str, Any]) -> str:
             f"p50 over the p50 of posix_spawn + waitpid. State when exec returned: {states}. "
             f"The first, untimed exec of each Runtime took: {first}. Target (issue 15, goal 3): "
             f"fresh exec -> returned p50 <= 20 ms: {fmt(s['fresh_exec_return_p50_ms'])} ms, "
-            f"{met}.",
+            f"{met}; that is {fmt(s['fresh_over_python_pass_p50'], 2)} x the bare "
+            f"`python -I -S -c pass` of the same loop "
+            f"({fmt(d['python -I -S -c pass (spawn + wait)']['p50'])} ms, the floor of any "
+            "fresh owner, and what the machine's other load does to it).",
             md_table(["measurement (ms)", "n", "p50", "p90", "p99", "max", "p50 / spawn"], rows),
             "Where exec-to-return goes, from the receipt's wall-clock `timings`: the first "
             "seven phases add up to exec -> returned (its critical path); the claim runs beside "
