@@ -11,13 +11,20 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Iterator
-from typing import Any, Protocol
 
 from settled.errors import NotSettled
 from settled.records import OwnerFacts, OwnerInfo, SessionRecord
 from settled.states import SETTLED, UNKNOWN
 from settled.status import session_status
 from settled.store import Store
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any, Protocol, TypeAlias
+
+    LastWords: TypeAlias = Callable[[str], dict[str, Any] | None]  # session -> its last words
+else:
+    Protocol = object  # a protocol is the type checker's; at run time a plain base
 
 FIRST_PAUSE_S = 0.002
 LONGEST_PAUSE_S = 0.05
@@ -35,9 +42,6 @@ class Liveness(Protocol):
     def close_handle(self, handle: int) -> None: ...
 
     def ask_to_cancel(self, owner: OwnerInfo) -> None: ...
-
-
-LastWords = Callable[[str], dict[str, Any] | None]  # session -> what its owner said last
 
 
 class SessionWatch:

@@ -13,15 +13,18 @@ from __future__ import annotations
 
 import base64
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from settled.errors import UnknownSession, UnknownTask
 from settled.identity import parse_user
 from settled.records import SessionRecord, TaskRecord
-from settled.runtime import Runtime, StreamLog
+from settled.runtime import Runtime
 from settled.server.auth import Grant
 from settled.server.errors import NotPermitted
 from settled.states import SETTLED, UNKNOWN
+
+if TYPE_CHECKING:
+    from settled.runtime import StreamLog
 
 ESCALATION = (
     "TERM, KILL and INT are all delivered as a cancel of the session: its owner (not this "
