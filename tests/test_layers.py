@@ -54,6 +54,8 @@ FACES = {
     "settled.baseline",  # the demo's plain-subprocess baseline: it measures, it decides nothing
     "settled.cli",
     "settled.cli.verbs",
+    "settled.cli.frame",
+    "settled.cli.reads",
     "settled.cli.__main__",
     "settled.client",
     "settled.demo",
