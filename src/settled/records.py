@@ -182,9 +182,6 @@ class TaskRecord(Frozen):
     ) -> None:
         self._fill(locals())
 
-    def __hash__(self) -> int:  # its dicts are not hashable: a task is known by its id
-        return hash((type(self).__name__, self.task, self.generation, self.state))
-
     def to_json(self) -> dict[str, Any]:
         return {
             "host": self.host,
@@ -273,9 +270,6 @@ class SessionRecord(Frozen):
         isolation: dict[str, Any] | None = None,
     ) -> None:
         self._fill(locals())
-
-    def __hash__(self) -> int:  # its dicts are not hashable: a session is known by its id
-        return hash((type(self).__name__, self.session, self.generation, self.state))
 
     @property
     def live(self) -> bool:

@@ -275,6 +275,11 @@ class Runtime:
 
         return open_sandbox(self._sandbox_spec)
 
+    @property
+    def _sandbox_name(self) -> str:
+        """The provider's name, without opening the local one: an exec asks only that."""
+        return "local" if self._sandbox_spec == "local" else self.sandbox.name
+
     @functools.cached_property
     def workspace(self) -> WorkspaceService:
         from settled.workspace.checkpoint import WorkspaceService
@@ -285,7 +290,7 @@ class Runtime:
     def recovery(self) -> Recovery:
         from settled.recovery import Recovery
 
-        return Recovery(self.store, self.sessions, self.sandbox, self.home, self.host)
+        return Recovery(self.store, self.sessions, lambda: self.sandbox, self.home, self.host)
 
     def _ensure_journal(self, record: TaskRecord) -> None:
         """Have the home's journal watch the task's workspace (one request when it already
@@ -498,7 +503,7 @@ class Runtime:
             inherited=(*(n for n in caller.inherited if n not in explicit), *inherited),
             env_removed=caller.removed,
         )
-        entered = _check_sandbox(spec, record, self.sandbox.name)
+        entered = _check_sandbox(spec, record, self._sandbox_name)
         # refuse an impossible boundary before recording
         kind = boundaries.choose(spec.boundary, pid_namespace=not entered)
         if not entered:

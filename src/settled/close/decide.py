@@ -78,9 +78,6 @@ class CloseFacts(Frozen):
         steps = {} if steps is None else steps
         self._fill(locals())
 
-    def __hash__(self) -> int:  # its lists and dicts are not hashable: a close is its task's
-        return hash((type(self).__name__, self.task.task))
-
 
 class Blocked(Frozen):
     __slots__ = ("authority", "obligation", "session")
