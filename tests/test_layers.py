@@ -89,6 +89,7 @@ UNITS: list[tuple[str, str]] = [
     ("runtime", "settled.runtime"),
     ("faces", "settled.server"),
     ("faces", "settled.integrations"),  # the harness adapters: through the Runtime or Client
+    ("faces", "settled.probe"),  # `settled probe`: experiments through the Runtime or Client
 ]
 
 BELOW_RUNTIME = {
