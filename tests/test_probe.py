@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
 from conftest import proc_files
+from test_cli import SETTLED
 from test_client import TOKEN, Server
 
 from settled.boundary import inspect as boundary_inspect
@@ -192,6 +194,59 @@ def test_swerex_local_runtime_is_reported_as_it_really_behaves() -> None:
     assert found["late_write"]["verdict"] == NOT_APPLICABLE
     assert found["fenced"]["verdict"] == NOT_APPLICABLE
     assert found["receipt"]["verdict"] == FAILS
+
+
+@pytest.mark.timeout(120)
+def test_the_command_prints_one_json_object_and_exits_3_when_an_answer_fails(
+    tmp_path: Path,
+) -> None:
+    done = subprocess.run(
+        [*SETTLED, "probe", "--runtime", "subprocess", "--runtime", "settled",
+         "--only", "retry", "--only", "receipt", "--json"],
+        capture_output=True, timeout=100, cwd=tmp_path,
+    )  # fmt: skip
+    assert done.returncode == 3, done.stderr
+    report = json.loads(done.stdout)
+    assert report["holds"] is False and report["machine"]["cpus"]
+    plain, ours = report["runtimes"]
+    assert (plain["name"], ours["name"]) == ("subprocess", "settled")
+    for runtime in (plain, ours):
+        assert runtime["version"] and runtime["how"] and runtime["left_running"] == []
+        assert [a["question"] for a in runtime["answers"]] == ["retry", "receipt"]
+        for answer in runtime["answers"]:
+            assert set(answer) == {"question", "asks", "verdict", "answer", "evidence", "seconds"}
+    assert [a["verdict"] for a in plain["answers"]] == [FAILS, FAILS]
+    assert [a["verdict"] for a in ours["answers"]] == [HOLDS, HOLDS]
+
+
+@pytest.mark.timeout(120)
+def test_the_command_exits_0_when_every_answer_holds_and_prints_the_table(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [*SETTLED, "probe", "--only", "retry", "--only", "fenced"],
+        capture_output=True, timeout=100, cwd=tmp_path,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    out = done.stdout.decode()
+    assert "every applicable answer holds: 2 hold, 0 fail" in out
+    assert "probing settled" in done.stderr.decode()  # progress on stderr, the answers on stdout
+
+
+@pytest.mark.parametrize(
+    ("runtime", "named"),
+    [
+        ("nope", "'nope' is not one of settled, subprocess, swerex"),
+        ("http://127.0.0.1:1", "no settled service answers at http://127.0.0.1:1"),
+    ],
+)
+def test_an_unknown_runtime_or_an_unreachable_url_is_one_line_and_exit_2(
+    tmp_path: Path, runtime: str, named: str
+) -> None:
+    done = subprocess.run(
+        [*SETTLED, "probe", "--runtime", runtime], capture_output=True, timeout=60, cwd=tmp_path
+    )
+    assert done.returncode == 2 and done.stdout == b""
+    [line] = done.stderr.decode().splitlines()
+    assert named in line
 
 
 def test_the_table_has_a_row_per_question_and_a_column_per_runtime_headed_by_its_version() -> None:
