@@ -51,7 +51,6 @@ FACE_NEUTRAL = {
     "settled.states",
 }
 FACES = {
-    "settled.baseline",  # the demo's plain-subprocess baseline: it measures, it decides nothing
     "settled.cli",
     "settled.cli.verbs",
     "settled.cli.frame",
