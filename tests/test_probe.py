@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -256,3 +257,19 @@ def test_the_table_has_a_row_per_question_and_a_column_per_runtime_headed_by_its
     assert len(lines) == 2 + len(QUESTION_IDS)
     assert "**fails**: 2 launches" in lines[2] and "not asked" in lines[3]
     assert "n/a: subprocess has no task" in lines[-2]
+
+
+@pytest.mark.timeout(120)
+def test_a_terminated_probe_still_ends_every_command_it_started(tmp_path: Path) -> None:
+    probing = subprocess.Popen(
+        [*SETTLED, "probe", "--runtime", "subprocess"], cwd=tmp_path,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    assert probing.stderr is not None
+    for line in probing.stderr:  # SIGTERM while the setsid descendant holds the pipe
+        if b"a setsid descendant" in line:
+            break
+    probing.send_signal(signal.SIGTERM)
+    assert probing.wait(timeout=60) == 130
+    mark = f"PROBE_MARK=settled-probe-{probing.pid}-".encode()
+    assert [pid for pid, (env,) in proc_files("environ") if mark in env] == []

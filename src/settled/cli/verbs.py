@@ -417,10 +417,28 @@ def cmd_probe(args: argparse.Namespace) -> int:
         print(f"probing {version}: {question.asks}", file=sys.stderr, flush=True)
 
     quiet = getattr(args, "json", False) or getattr(args, "quiet", False)
-    report = probe(args.runtime or ["settled"], args.only or QUESTION_IDS,
-                   None if quiet else progress)  # fmt: skip
+    with _terminate_unwinds():
+        report = probe(args.runtime or ["settled"], args.only or QUESTION_IDS,
+                       None if quiet else progress)  # fmt: skip
     emit(args, report.to_json(), text(report), brief="holds" if report.holds else "fails")
     return report.exit_code
+
+
+@contextlib.contextmanager
+def _terminate_unwinds() -> Iterator[None]:
+    """SIGTERM and SIGHUP unwind like Ctrl-C meanwhile, so an interrupted probe still closes
+    its tasks, ends the commands it started and removes its home."""
+    import signal
+
+    def unwind(signum: int, _frame: object) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    before = {number: signal.signal(number, unwind) for number in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for number, handler in before.items():
+            signal.signal(number, handler)
 
 
 def _demo_home(args: argparse.Namespace) -> None:

@@ -28,6 +28,7 @@ HOW = (
     "swerex.runtime.local.LocalRuntime: a bash session (pexpect) per experiment, "
     "run_in_session(BashAction(command, timeout))"
 )
+STARTUP_S = 30.0  # its default (1 s) is too short for a bash on a loaded 2-CPU machine
 # The runtime process that dies mid-call: a child interpreter making the same calls.
 CHILD = """
 import asyncio, sys
@@ -36,7 +37,7 @@ from swerex.runtime.local import LocalRuntime
 
 async def main():
     rt = LocalRuntime()
-    await rt.create_session(CreateBashSessionRequest(session="probe"))
+    await rt.create_session(CreateBashSessionRequest(session="probe", startup_timeout=30))
     cd = BashAction(session="probe", command=f"cd {sys.argv[1]}", check="silent")
     await rt.run_in_session(cd)
     run = BashAction(session="probe", command=sys.argv[2], timeout=60, check="silent")
@@ -115,7 +116,8 @@ class SwerexAdapter:
         after, and whatever of it still runs is then ended."""
         from swerex.runtime.abstract import CloseBashSessionRequest, CreateBashSessionRequest
 
-        _sync(self.runtime.create_session(CreateBashSessionRequest(session=question)))
+        request = CreateBashSessionRequest(session=question, startup_timeout=STARTUP_S)
+        _sync(self.runtime.create_session(request))
         try:
             mark = self.sweep.mark(question)
             self._act(question, f"export PROBE_MARK={mark} && cd {scratch}", 30)
