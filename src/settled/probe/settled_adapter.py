@@ -107,8 +107,8 @@ class SettledAdapter:
         ok = again.reused and sessions == [again.session] and launches == 1
         return q.judged(
             ok,
-            f"{launches} launch: the retry got the same session {again.session} "
-            f"(reused={str(again.reused).lower()}), one session in the task",
+            f"{_launches(launches)}: the retry got the same session {again.session} "
+            f"(reused={str(again.reused).lower()}), {len(sessions)} session(s) in the task",
             how_lost=lost, session=again.session, reused=again.reused, sessions=sessions,
             launches=launches, receipt=receipt["digest"],
         )  # fmt: skip
@@ -198,20 +198,26 @@ class SettledAdapter:
         other = self.backend.refusal(task, q.DONE, "probe-owner_killed-other", {})
         recovered = self.backend.recover(task)
         receipt = self._receipt(session)
+        after = self.backend.exec(  # settled by recovery: a retry still gets it, not a relaunch
+            task, q.KILLED, "probe-owner_killed", env, timeout=120.0, grace=q.GRACE_S
+        )
         launches = q.count(self.backend.read_file(task, "launches.txt"))
         death = receipt["death"]
         ok = (
-            killed and gone and seen and retry.reused and retry.session == session
-            and launches == 1 and bool(death["proven"]) and death["source"] == "recovery"
+            killed and gone and seen and launches == 1
+            and all(r.reused and r.session == session for r in (retry, after))
+            and bool(death["proven"]) and death["source"] == "recovery"
         )  # fmt: skip
         return q.judged(
             ok,
             f"owner pid {pid} SIGKILLed; status said {view['state']}; the retry got the same "
-            f"session ({retry.state}), a new exec was {_refused(other)}; "
-            f"recovery proved it dead by {death['boundary']}; {launches} launch",
+            f"session ({retry.state}), a new exec was {_refused(other)}; recovery proved it "
+            f"dead by {death['boundary']}; a retry after that got it again; {_launches(launches)}",
             owner=owner, killed=killed, status_after_the_kill=view["state"],
             why=view.get("why"), retry={"session": retry.session, "reused": retry.reused,
-            "state": retry.state}, other_exec=other, recovered=recovered, death=death,
+            "state": retry.state}, retry_after_recovery={"session": after.session,
+            "reused": after.reused, "state": after.state}, other_exec=other,
+            recovered=recovered, death=death,
             drain=receipt["output"]["drain"], launches=launches, receipt=receipt["digest"],
         )  # fmt: skip
 
@@ -301,6 +307,10 @@ class SettledAdapter:
             close_receipt=close["digest"], process_receipt=process["digest"],
             allowed_by=allowed, words=explained.get("words"),
         )  # fmt: skip
+
+
+def _launches(count: int) -> str:
+    return f"{count} launch" + ("" if count == 1 else "es")
 
 
 def _refused(refusal: str | None) -> str:
