@@ -170,8 +170,9 @@ class PlainAdapter:
         _, ended = self._left("owner_killed")
         ran_on = sorted(orphans, key=lambda p: not p.cmdline.startswith("sleep"))
         words = (
-            f"the caller was SIGKILLed; `{ran_on[0].cmdline}` ran on unsupervised (pid "
-            f"{ran_on[0].pid})" if ran_on else "the caller was SIGKILLed; its command died with it"
+            f"the caller (its only supervisor) was SIGKILLed; `{ran_on[0].cmdline}` ran on "
+            f"unsupervised (pid {ran_on[0].pid})" if ran_on
+            else "the caller (its only supervisor) was SIGKILLed; its command died with it"
         )  # fmt: skip
         words += f"; nothing said Unknown; a retry launched it again ({launches} launches)"
         return q.judged(
