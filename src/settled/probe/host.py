@@ -125,6 +125,17 @@ class Sweep:
         return list(killed.values())
 
 
+def await_running(sweep: Sweep, question: str, cmdline: str, timeout: float) -> bool:
+    """Until a process of `question` runs `cmdline` (the command is mid-run); whether one did
+    within `timeout`."""
+    give_up = time.monotonic() + timeout
+    while not any(proc.cmdline == cmdline for proc in sweep.left(question)):
+        if time.monotonic() > give_up:
+            return False
+        time.sleep(0.01)
+    return True
+
+
 def _carries(environ: bytes, needle: bytes, prefix: bool) -> bool:
     """Whether one variable of the NUL-separated environment is the marker: exactly (one
     question's), or starting with it (any question of the run)."""

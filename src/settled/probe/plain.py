@@ -19,7 +19,7 @@ import sys
 import time
 
 from settled.probe import questions as q
-from settled.probe.host import Proc, Sweep
+from settled.probe.host import Proc, Sweep, await_running
 
 HOW = (
     'subprocess.run(cmd, shell=True, capture_output=True, text=True, encoding="utf-8", '
@@ -160,7 +160,7 @@ class PlainAdapter:
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )  # fmt: skip
         try:
-            launched = _await_line(scratch, 1, timeout=20.0)
+            launched = await_running(self.sweep, "owner_killed", q.KILLED_SLEEP, 20.0)
         finally:
             caller.send_signal(signal.SIGKILL)
             caller.wait(timeout=10)
@@ -212,16 +212,6 @@ def _read(scratch: str, name: str) -> bytes:
             return handle.read()
     except FileNotFoundError:
         return b""
-
-
-def _await_line(scratch: str, lines: int, timeout: float) -> bool:
-    """Until launches.txt has `lines` launch lines; whether it did within `timeout`."""
-    give_up = time.monotonic() + timeout
-    while q.count(_read(scratch, "launches.txt")) < lines:
-        if time.monotonic() > give_up:
-            return False
-        time.sleep(0.01)
-    return True
 
 
 def _compared(got: bytes, want: bytes, seconds: float) -> q.Outcome:

@@ -35,7 +35,8 @@ GRACE_S = 1.0  # settled's TERM-to-KILL grace in these experiments
 ON_TIME_SLACK_S = 1.5  # a loaded 2-CPU machine: a stop this late past the deadline is on time
 HOLDER = "setsid sleep 60 & echo parent exits"
 HOLDER_TIMEOUT_S = 4.0  # how long a caller that waits for EOF waits here
-KILLED = "echo launched >> launches.txt; echo launched; sleep 30"
+KILLED_SLEEP = "sleep 30"
+KILLED = f"echo launched >> launches.txt; echo launched; {KILLED_SLEEP}"
 LATE_WRITE = "sleep 0.2; printf %s {token} > late.txt"
 DONE = "echo done"
 

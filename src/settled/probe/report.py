@@ -125,7 +125,11 @@ def runtime_text(report: RuntimeReport, machine: dict[str, object]) -> str:
 
 def table(report: Report) -> str:
     """The comparison table: a row per question, a column per runtime, as Markdown."""
-    head = ["question"] + [r.runtime["version"] for r in report.runtimes]
+    versions = [r.runtime["version"] for r in report.runtimes]
+    head = ["question"] + [
+        f"{r.runtime['version']} ({r.runtime['where']})" if versions.count(v) > 1 else v
+        for r, v in zip(report.runtimes, versions, strict=True)
+    ]
     rows = [head, ["---"] * len(head)]
     for question in QUESTIONS:
         row = [question.asks]

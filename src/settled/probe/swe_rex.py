@@ -22,7 +22,7 @@ from collections.abc import Coroutine
 from typing import Any
 
 from settled.probe import questions as q
-from settled.probe.host import Sweep
+from settled.probe.host import Sweep, await_running
 
 HOW = (
     "swerex.runtime.local.LocalRuntime: a bash session (pexpect) per experiment, "
@@ -202,7 +202,7 @@ class SwerexAdapter:
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )  # fmt: skip
         try:
-            launched = _await_launch(scratch, timeout=30.0)
+            launched = await_running(self.sweep, "owner_killed", q.KILLED_SLEEP, 30.0)
         finally:
             child.send_signal(signal.SIGKILL)
             child.wait(timeout=10)
@@ -257,15 +257,6 @@ def _read(scratch: str, name: str) -> bytes:
             return handle.read()
     except FileNotFoundError:
         return b""
-
-
-def _await_launch(scratch: str, timeout: float) -> bool:
-    give_up = time.monotonic() + timeout
-    while q.count(_read(scratch, "launches.txt")) < 1:
-        if time.monotonic() > give_up:
-            return False
-        time.sleep(0.01)
-    return True
 
 
 def _compared(got: bytes, want: bytes, seen: Observed) -> q.Outcome:
