@@ -265,6 +265,7 @@ def test_the_table_has_a_row_per_question_and_a_column_per_runtime_headed_by_its
 def test_a_terminated_probe_still_ends_every_command_it_started(tmp_path: Path) -> None:
     probing = subprocess.Popen(
         [*SETTLED, "probe", "--runtime", "subprocess"], cwd=tmp_path,
+        env={**os.environ, "TMPDIR": str(tmp_path)},  # where its scratch directories go
         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
     )  # fmt: skip
     assert probing.stderr is not None
@@ -275,3 +276,4 @@ def test_a_terminated_probe_still_ends_every_command_it_started(tmp_path: Path) 
     assert probing.wait(timeout=60) == 130
     mark = f"PROBE_MARK=settled-probe-{probing.pid}-".encode()
     assert [pid for pid, (env,) in proc_files("environ") if mark in env] == []
+    assert list(tmp_path.glob("settled-probe-*")) == [], "its scratch directories are removed"

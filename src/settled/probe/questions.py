@@ -164,16 +164,18 @@ def run_questions(
             continue
         if progress is not None:
             progress(question)
-        scratch = tempfile.mkdtemp(prefix=f"settled-probe-{question.id}-")
+        scratch = None
         started = time.monotonic()
-        try:
+        try:  # made inside: an interrupt (SIGTERM unwinds) right after it still removes it
+            scratch = tempfile.mkdtemp(prefix=f"settled-probe-{question.id}-")
             outcome = experiments[question.id](scratch)
         except Exception as exc:  # the experiment broke: no answer holds without one
             outcome = fails(
                 f"the experiment raised {type(exc).__name__}: {exc}", error=type(exc).__name__
             )
         finally:
-            shutil.rmtree(scratch, ignore_errors=True)
+            if scratch is not None:
+                shutil.rmtree(scratch, ignore_errors=True)
         answers.append(Answer(question, outcome, time.monotonic() - started))
     return answers
 
