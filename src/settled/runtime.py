@@ -303,6 +303,15 @@ class Runtime:
 
         ensure_watching(record.task, record.workspace, run_dir(self.home))
 
+    def stop_journal(self) -> None:
+        """Stop this home's journal daemon and return once it let go of its lock: for a
+        caller that made a home for a moment (`settled probe`) and ends what it started. A
+        task still open then has no watch: its next checkpoint is a full scan."""
+        from settled.home import journal_socket
+        from settled.workspace.journal.lifecycle import stop
+
+        stop(journal_socket(self.home))
+
     def _last_words(self, session: str) -> dict[str, Any] | None:
         from settled.owner.last_words import read_last_words
 
