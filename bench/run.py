@@ -24,6 +24,7 @@ import isolation
 import kill
 import load
 import objects_s3
+import receipt
 import remote
 import startup
 import store_ops
@@ -38,6 +39,7 @@ BENCHMARKS = {
     "close_latency": close_latency.run,
     "load": load.run,
     "http": http_bench.run,
+    "receipt": receipt.run,
     "isolation": isolation.run,
     "remote": remote.run,
     "objects_s3": objects_s3.run,

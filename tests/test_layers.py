@@ -51,9 +51,10 @@ FACE_NEUTRAL = {
     "settled.states",
 }
 FACES = {
-    "settled.baseline",  # the demo's plain-subprocess baseline: it measures, it decides nothing
     "settled.cli",
     "settled.cli.verbs",
+    "settled.cli.frame",
+    "settled.cli.reads",
     "settled.cli.__main__",
     "settled.client",
     "settled.demo",
@@ -87,6 +88,7 @@ UNITS: list[tuple[str, str]] = [
     ("runtime", "settled.runtime"),
     ("faces", "settled.server"),
     ("faces", "settled.integrations"),  # the harness adapters: through the Runtime or Client
+    ("faces", "settled.probe"),  # `settled probe`: experiments through the Runtime or Client
 ]
 
 BELOW_RUNTIME = {

@@ -11,13 +11,20 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Iterator
-from typing import Any, Protocol
 
 from settled.errors import NotSettled
 from settled.records import OwnerFacts, OwnerInfo, SessionRecord
 from settled.states import SETTLED, UNKNOWN
 from settled.status import session_status
 from settled.store import Store
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any, Protocol, TypeAlias
+
+    LastWords: TypeAlias = Callable[[str], dict[str, Any] | None]  # session -> its last words
+else:
+    Protocol = object  # a protocol is the type checker's; at run time a plain base
 
 FIRST_PAUSE_S = 0.002
 LONGEST_PAUSE_S = 0.05
@@ -35,9 +42,6 @@ class Liveness(Protocol):
     def close_handle(self, handle: int) -> None: ...
 
     def ask_to_cancel(self, owner: OwnerInfo) -> None: ...
-
-
-LastWords = Callable[[str], dict[str, Any] | None]  # session -> what its owner said last
 
 
 class SessionWatch:
@@ -119,6 +123,13 @@ class SessionWatch:
         finally:
             if handle is not None:
                 self.liveness.close_handle(handle)
+
+    def exit_handle(self, session: str) -> int | None:
+        """A handle (a pidfd) that becomes readable when the session's owner exits, for a
+        waiter with an event loop of its own; None when no owner of this host is there to
+        watch (none yet, gone, or another host's). The caller closes it."""
+        owner = self.store.get_session(session).owner
+        return None if owner is None else self.liveness.exit_handle(owner)
 
     def settles_within(self, session: str, seconds: float) -> bool:
         """Whether the session left its owner's hands (settled or unknown) within `seconds`."""

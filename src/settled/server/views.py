@@ -13,15 +13,18 @@ from __future__ import annotations
 
 import base64
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from settled.errors import UnknownSession, UnknownTask
 from settled.identity import parse_user
 from settled.records import SessionRecord, TaskRecord
-from settled.runtime import Runtime, StreamLog
+from settled.runtime import Runtime
 from settled.server.auth import Grant
 from settled.server.errors import NotPermitted
 from settled.states import SETTLED, UNKNOWN
+
+if TYPE_CHECKING:
+    from settled.runtime import StreamLog
 
 ESCALATION = (
     "TERM, KILL and INT are all delivered as a cancel of the session: its owner (not this "
@@ -100,6 +103,11 @@ def _refuse_weakening(grant: Grant, task: TaskRecord, request: dict[str, Any]) -
 def session_status(rt: Runtime, grant: Grant, session: str) -> dict[str, Any]:
     visible_session(rt, grant, session)
     return rt.session_status(session)
+
+
+def owner_exit_handle(rt: Runtime, grant: Grant, session: str) -> int | None:
+    visible_session(rt, grant, session)
+    return rt.owner_exit_handle(session)
 
 
 def is_settled(view: dict[str, Any]) -> bool:

@@ -12,9 +12,14 @@ Never touches processes, logs or the workspace.
 from __future__ import annotations
 
 import json
-from typing import Any, Protocol
 
 from settled.records import HostRecord, OwnerInfo, SessionRecord, TaskRecord
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any, Protocol
+else:
+    Protocol = object  # a protocol is the type checker's; at run time a plain base
 
 
 class Store(Protocol):
