@@ -243,7 +243,7 @@ def test_a_cgroup_made_for_a_claim_that_never_came_is_removed_by_recovery(
     prepared = handoff.prepare(rt.store, rt.home, session, time.time())
     cgroup = _session_cgroup(task.task, session)
     assert cgroup.is_dir()
-    monkeypatch.setattr("settled.recovery.READY_TIMEOUT_S", -1.0)  # as if it waited long
+    monkeypatch.setattr("settled.owner.launcher.READY_TIMEOUT_S", -1.0)  # as if it waited long
     [result] = rt.recover(task.task)
     assert result["state"] == "settled"
     receipt = rt.store.get_session(session).receipt
