@@ -13,6 +13,7 @@ import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -339,3 +340,20 @@ def test_a_signal_sent_before_a_fresh_owners_handlers_exist_becomes_a_cancel(
     assert receipt["exit"]["reason"] == "cancelled"
     assert "SIGTERM" in json.dumps(receipt["exit"])
     assert not Path(task.workspace, "ran").exists()
+
+
+def test_the_reaper_thread_takes_no_signal_meant_for_the_callers_threads(
+    rt: Runtime, task: TaskRecord
+) -> None:
+    """A fresh owner is the caller's child, reaped by a thread of the caller's: that thread
+    blocks every signal, so one sent to the process (a Ctrl-C of `settled run`, whose relay
+    holds SIGINT around each chunk it prints and counts) reaches the caller's own threads."""
+    admission = rt.exec(task.task, shell="true", key="reaped")
+    rt.wait(admission.session, timeout=30)
+    [reaper] = [t for t in threading.enumerate() if t.name == "settled-reaper"]
+    status = Path(f"/proc/self/task/{reaper.native_id}/status").read_text()
+    blocked = int(
+        next(line for line in status.splitlines() if line.startswith("SigBlk:")).split()[1], 16
+    )
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGCHLD, signal.SIGUSR1):
+        assert blocked >> (sig - 1) & 1, f"the reaper thread does not block {sig.name}"

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import os
 import select
+import signal
 import threading
 import time
 from typing import Any, Protocol
@@ -126,7 +127,15 @@ class Reaper:
                 self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
                 self._thread = threading.Thread(target=self._run, name="settled-reaper")
                 self._thread.daemon = True
-                self._thread.start()
+                # Started with every signal blocked (a thread inherits its creator's mask): a
+                # signal sent to the caller's process is then delivered to its own threads
+                # only, so a caller that blocks SIGINT around a critical block (settled run's
+                # relay, counting what it printed) is never interrupted through this thread.
+                held = signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
+                try:
+                    self._thread.start()
+                finally:
+                    signal.pthread_sigmask(signal.SIG_SETMASK, held)
             else:
                 os.write(self._wake_w, b"w")
 
