@@ -357,3 +357,35 @@ def test_the_reaper_thread_takes_no_signal_meant_for_the_callers_threads(
     )
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGCHLD, signal.SIGUSR1):
         assert blocked >> (sig - 1) & 1, f"the reaper thread does not block {sig.name}"
+
+
+ALTERNATING = (
+    "import sys, time\n"
+    "for i in range(30):\n"
+    "    s = sys.stdout if i % 2 == 0 else sys.stderr\n"
+    "    s.buffer.write(b'%d|' % i); s.flush(); time.sleep(0.01)\n"
+)
+
+
+def test_the_order_of_the_two_streams_is_kept_while_the_owner_loads(
+    rt: Runtime, task: TaskRecord
+) -> None:
+    """A fresh owner loads its drain while its command already writes (about 40 ms here):
+    its first drain reads both pipes in order meanwhile, so a command alternating between them
+    every 10 ms from its start comes back alternating, not as one batch per stream."""
+    admission = rt.exec(task.task, argv=[sys.executable, "-c", ALTERNATING], key="alt")
+    rt.wait(admission.session, timeout=30)
+    chunks = rt.read_merged(admission.session)
+    assert b"".join(c.data for c in chunks) == b"".join(b"%d|" % i for i in range(30))
+    assert all(c.ordered for c in chunks)
+
+
+def test_the_logs_exist_once_exec_returns(rt: Runtime, task: TaskRecord) -> None:
+    """Created before the command runs (a full disk refuses the command, not its output),
+    so a reader right after exec finds them, though the owner loads its writers later."""
+    admission = rt.exec(task.task, shell="sleep 0.5; echo late", key="early")
+    directory = Path(rt.home, "sessions", admission.session)
+    assert (directory / "stdout.log").exists() and (directory / "stderr.log").exists()
+    assert rt.read(admission.session, "stdout") == b""
+    rt.wait(admission.session, timeout=30)
+    assert rt.read(admission.session, "stdout") == b"late\n"

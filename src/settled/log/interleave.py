@@ -45,8 +45,11 @@ def index_path(log_dir: str) -> str:
 class IndexWriter:
     """The owner's side: one record per stream switch, extended in place while a stream runs."""
 
-    def __init__(self, path: str) -> None:
-        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    def __init__(self, path: str, fd: int | None = None) -> None:
+        """`fd`: the index at `path` as its caller created it (O_WRONLY | O_CREAT | O_EXCL,
+        0600, as here), owned by the writer from here."""
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+        self._fd = os.open(path, flags, 0o600) if fd is None else fd
         self._failed: str | None = None
         self._last_tag = 0
         self._last_start = 0

@@ -74,7 +74,17 @@ class StreamSummary:
 class StreamWriter:
     """Append-only writer for one stream's log file."""
 
-    def __init__(self, path: str, cap: int | None = None, space: SpaceGuard | None = None) -> None:
+    def __init__(
+        self,
+        path: str,
+        cap: int | None = None,
+        space: SpaceGuard | None = None,
+        *,
+        fd: int | None = None,
+    ) -> None:
+        """`fd`: the log at `path` as its caller created it, with the flags and mode used here
+        (O_WRONLY | O_CREAT | O_EXCL | O_APPEND, 0600: an owner creates its logs before its
+        command runs, and loads this module while it runs); the writer owns it from here."""
         if cap is not None and cap < 0:
             raise ValueError(f"cap must be >= 0 or None, got {cap}")
         self._path = path
@@ -90,7 +100,7 @@ class StreamWriter:
         self._not_stored = 0
         self._summary: StreamSummary | None = None
         # O_EXCL: FileExistsError if the log already exists; a log is never reused.
-        self._fd = os.open(path, _OPEN_FLAGS, _FILE_MODE)
+        self._fd = os.open(path, _OPEN_FLAGS, _FILE_MODE) if fd is None else fd
 
     @property
     def path(self) -> str:

@@ -36,9 +36,10 @@ from settled import boundary as boundaries
 from settled.boundary import procfs
 from settled.boundary.isolation import IsolationPlan, IsolationUnavailable, make_plan
 from settled.errors import BoundaryUnavailable, StaleWrite
-from settled.home import last_words_path, read_home_id, session_dir, stdin_path
+from settled.home import last_words_path, log_path, read_home_id, session_dir, stdin_path
 from settled.identity import CommandSpec
 from settled.isolated import NoReport, ReportReader
+from settled.log.interleave import index_path
 from settled.owner.lease import lease_seconds
 from settled.records import OwnerInfo, SessionRecord, TaskRecord
 from settled.store import Store
@@ -200,6 +201,11 @@ def orders(prepared: Prepared, claimed: SessionRecord) -> bytes:
         "stdin": stdin_path(home, spec.stdin_digest) if spec.stdin_digest else None,
         "session_dir": session_dir(home, record.session),
         "last_words": last_words_path(home, record.session),
+        "logs": {
+            "stdout": log_path(home, record.session, "stdout"),
+            "stderr": log_path(home, record.session, "stderr"),
+            "index": index_path(session_dir(home, record.session)),
+        },
     }
     return marshal.dumps(given)
 

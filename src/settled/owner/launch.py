@@ -33,12 +33,16 @@ if TYPE_CHECKING:
     from typing import Any
 
     from settled.boundary.base import Boundary
+    from settled.owner.early import EarlyDrain
     from settled.owner.lease import LeaseKeeper, Renew
     from settled.owner.main import Ready
     from settled.owner.session import OwnerSession
     from settled.owner.signals import OwnerSignals
 
 PIPE_SIZE = 1 << 20  # each output pipe: what the command may write before the drain starts
+# log/writer.py's and log/interleave.py's own flags: the writers adopt what is created here
+LOG_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_CLOEXEC
+INDEX_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
 
 
 class Ahead:
@@ -77,6 +81,22 @@ def sealed_stdin(data_path: str) -> int:
     return fd
 
 
+def reserve_logs(paths: dict[str, str]) -> dict[str, int]:
+    """Create the session's logs and interleave index before its command runs (so they exist
+    once exec returns, and a full disk refuses the command, not its output); the writers
+    (session.py) adopt the descriptors. OSError (no space) to the caller, nothing left open."""
+    fds: dict[str, int] = {}
+    try:
+        for name in ("stdout", "stderr", "index"):
+            flags = INDEX_FLAGS if name == "index" else LOG_FLAGS
+            fds[name] = os.open(paths[name], flags, 0o600)
+    except BaseException:
+        for fd in fds.values():
+            os.close(fd)
+        raise
+    return fds
+
+
 def output_pipes() -> dict[str, int]:
     """stdout and stderr pipes, each enlarged so the command can write while the owner is
     still loading its drain: {name: read end, name_w: write end}."""
@@ -107,6 +127,8 @@ class Launching:
         self.timings: dict[str, float] = dict(given["timings"])
         self.plan = IsolationPlan(**given["plan"]) if given["plan"] is not None else None
         self.last_words: LastWords | None = None
+        self.logs: dict[str, int] = {}  # created before the command, adopted by the session
+        self.early: EarlyDrain | None = None
         self.session: OwnerSession | None = None
         self.lease: LeaseKeeper | None = None  # started here only where threads come first
 
@@ -124,12 +146,14 @@ class Launching:
             return self._never_ran("cancelled", "admission", cancel, planned=False)
         try:  # before anything runs: a place to say why, should the receipt not fit later
             self.last_words = LastWords(given["last_words"])
+            self.logs = reserve_logs(given["logs"])
         except OSError as exc:
             boundary.discard()
             why = _storage_text(exc, self.home)
             return self._never_ran("not_started", "space", why, planned=False)
         if self._threads_first(boundary):
             self._start_lease()
+            self._start_early_drain()
         try:
             boundary.setup()
         except Exception as exc:  # the error module loads only if it is one of its errors
@@ -199,9 +223,21 @@ class Launching:
             state="running", owner_pid=os.getpid(), pid=pid, boundary=boundary.kind,
             ref=boundary.ref, start=start_time, spawn=via,
         )  # fmt: skip
+        if self.early is None:
+            self._start_early_drain(pipes)
         faults.point("owner.after_spawn")
         session = self._open_session()
-        return session.supervise(boundary, pipes, started, pid, start_time, via)
+        assert self.early is not None
+        logs, self.logs = self.logs, {}
+        return session.supervise(boundary, pipes, logs, self.early, started, pid, start_time, via)
+
+    def _start_early_drain(self, pipes: dict[str, int] | None = None) -> None:
+        """Read both pipes in order from now until the session's drain takes over."""
+        from settled.owner.early import EarlyDrain
+
+        if pipes is None:
+            pipes = {name: self.ahead.pipes[name] for name in ("stdout", "stderr")}
+        self.early = EarlyDrain(pipes)
 
     def _open_session(self) -> OwnerSession:
         """The rest of the owner (store, logs, lease, supervision, receipt): imported here."""
@@ -230,7 +266,11 @@ class Launching:
     ) -> int:
         """The session's receipt says its command never started (session.py writes it); the
         caller removed the boundary the launcher made for it, if any."""
-        return self._open_session().never_ran(reason, stage, error, pipes, planned=planned)
+        if self.early is not None:
+            self.early.handover()  # nothing of a command that never started
+        logs, self.logs = self.logs, {}
+        session = self._open_session()
+        return session.never_ran(reason, stage, error, pipes, planned=planned, logs=logs)
 
     def say_last_words(self, reason: str) -> None:
         if self.session is not None:
@@ -243,6 +283,11 @@ class Launching:
             pass
 
     def close(self) -> None:
+        if self.early is not None:
+            self.early.handover()  # a session that failed: the thread ends before the owner
+        for fd in self.logs.values():
+            os.close(fd)
+        self.logs = {}
         self.ahead.close()
         if self.session is not None:
             self.session.close()

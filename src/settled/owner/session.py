@@ -27,8 +27,9 @@ from settled.boundary.isolation import IsolationPlan
 from settled.errors import StaleWrite, StorageFailed
 from settled.home import SpaceGuard, journal_socket, log_path, storage_error
 from settled.identity import CommandSpec
-from settled.log.interleave import IndexWriter, index_path
+from settled.log.interleave import IndexWriter
 from settled.log.writer import StreamWriter
+from settled.owner.early import EarlyDrain
 from settled.owner.last_words import LastWords
 from settled.owner.lease import (
     HEARTBEATS_PER_LEASE,
@@ -85,23 +86,25 @@ class OwnerSession:
         self,
         boundary: Boundary,
         pipes: dict[str, int],
+        logs: dict[str, int],
+        early: EarlyDrain,
         started: float,
         pid: int,
         start_time: int | None,
         via: str,
     ) -> int:
+        """`logs`: the logs and index created before the command ran; `early`: the drain
+        that read both pipes, in order, while this module loaded."""
         self.timings["supervised_at"] = time.time()  # the session's imports and store: loaded
         self.spawn_via = via
+        streams = self.streams = self._open_streams(pipes, logs)
+        _take_over(streams, early)
         try:
             self._record_running(boundary, pid, start_time)
         except StaleWrite as exc:
             return self._fenced(exc)
         if self.last_words is not None:
             self.last_words.sync()
-        try:
-            streams = self.streams = self._open_streams(pipes)
-        except OSError as exc:
-            return self._unlogged(boundary, exc)
         if not self.lease.started:  # where threads had to come first, it started before
             self.lease.start()
         supervisor = Supervisor(
@@ -138,16 +141,6 @@ class OwnerSession:
         print(f"owner fenced, exiting without a receipt: {exc}", file=sys.stderr)
         return 3
 
-    def _unlogged(self, boundary: Boundary, exc: OSError) -> int:
-        """The logs could not be created after the command started: stop it (its output has
-        nowhere to go), leave the boundary empty, and say why for recovery to settle it."""
-        boundary.await_empty(30.0)
-        boundary.evidence()  # removes an empty cgroup
-        boundary.teardown()
-        typed = storage_error(exc, self.home, "creating the session's logs")
-        self.say_last_words(f"the owner could not create the session's logs: {typed or exc}")
-        return 4
-
     def _settle_begin(self) -> None:
         """Record that the session is settling. A disk that refuses it does not stop the owner:
         the receipt settles a running session as well (states.py), and draining matters more."""
@@ -156,17 +149,18 @@ class OwnerSession:
         except StorageFailed as exc:
             self.store_trouble = self.store_trouble or str(exc)
 
-    def _open_streams(self, pipes: dict[str, int]) -> Streams:
-        """The logs of the pipes the command writes to (made now: the pipes hold what it
-        wrote meanwhile)."""
+    def _open_streams(self, pipes: dict[str, int], logs: dict[str, int]) -> Streams:
+        """The writers of the logs the command's pipes drain into: adopting the files created
+        before it ran (`logs`, emptied here), else creating them (a command that never ran)."""
         cap_text = os.environ.get(LOG_CAP_ENV)
         cap = int(cap_text) if cap_text else None
         space = SpaceGuard(self.home)  # both streams stop storing at the home's reserve
+        paths = self.orders["logs"]
         writers = {
-            name: StreamWriter(log_path(self.home, self.session, name), cap, space)
+            name: StreamWriter(paths[name], cap, space, fd=logs.pop(name, None))
             for name in ("stdout", "stderr")
         }
-        index = IndexWriter(index_path(self.orders["session_dir"]))
+        index = IndexWriter(paths["index"], fd=logs.pop("index", None))
         return Streams(dict(pipes), writers, index=index)
 
     @contextlib.contextmanager
@@ -285,15 +279,17 @@ class OwnerSession:
         pipes: dict[str, int] | None = None,
         *,
         planned: bool = True,
+        logs: dict[str, int] | None = None,
     ) -> int:
         """Settle a session whose command never started: its receipt says why, not an exit code.
-        `planned`: it got as far as its isolation plan (the receipt then shows it)."""
+        `planned`: it got as far as its isolation plan (the receipt then shows it); `logs`:
+        the logs created for it, if it got that far."""
         if not planned:
             self.plan = None
         self.lease.close()  # it never renewed; it ends before the receipt all the same
         for fd in (pipes or {}).values():
             os.close(fd)
-        streams = self._open_streams({})
+        streams = self._open_streams({}, logs if logs is not None else {})
         if streams.index is not None:
             streams.index.close()
         summaries = self._sealed({n: w.close().to_json() for n, w in streams.writers.items()})
@@ -399,3 +395,20 @@ def _peak_rss_kib() -> int | None:
     except OSError:
         return None
     return None
+
+
+def _take_over(streams: Streams, early: EarlyDrain) -> None:
+    """Append what the first drain read while this module loaded, in its order, as the
+    supervise loop's own drain would have (log first, then the index), and mark the streams
+    that reached EOF meanwhile."""
+    reads, ended = early.handover()
+    for name, data in reads:
+        writer = streams.writers[name]
+        before = writer.cursor
+        writer.append(data)
+        if streams.index is not None and writer.cursor != before:
+            streams.index.record(name, before, writer.cursor)
+    streams.open -= ended
+    if reads:  # the first drain, for the fault point as for the loop's own first drain
+        streams.drained = True
+        faults.point("owner.mid_drain")

@@ -52,6 +52,7 @@ class Streams:
     buffer: bytearray = field(default_factory=lambda: bytearray(READ_BUFFER))
     open: set[str] = field(default_factory=lambda: {"stdout", "stderr"})
     index: IndexWriter | None = None  # the order of the two streams' stored bytes
+    drained: bool = False  # bytes were drained before the loop (owner/early.py)
 
     def drain(self, name: str) -> None:
         writer = self.writers[name]
@@ -118,7 +119,7 @@ class Supervisor:
         self._selector.register(self.boundary.exit_fd(), selectors.EVENT_READ, "exit")
         self._selector.register(self.signals.wake_r, selectors.EVENT_READ, "wake")
         self._selector.register(self.lease.fileno(), selectors.EVENT_READ, "lease")
-        drained_once = False
+        drained_once = self.streams.drained  # owner.mid_drain fires once, at the first drain
         while True:
             now = time.monotonic()
             if now >= next_beat:
