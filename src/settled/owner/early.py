@@ -23,6 +23,12 @@ import os
 import select
 import sys
 
+from settled import faults
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from settled.owner.supervise import Streams
+
 LIMIT = 4 << 20  # bytes held at most: the owner's RSS while it loads
 READ = 1 << 16  # bytes per read: fresh bytes objects past 128 KiB fault page by page
 # While the owner's main thread imports, this thread waits for the GIL up to the switch
@@ -83,3 +89,19 @@ class EarlyDrain:
                 os.close(fd)
             self._stop_r = self._stop_w = -1
         return self.reads, self.ended
+
+    def hand_to(self, streams: Streams) -> None:
+        """Stop, then append every read to the session's logs and index in its order, as the
+        supervise loop's own drain would have (log first, then the index), and mark the
+        streams that reached EOF meanwhile."""
+        reads, ended = self.handover()
+        for name, data in reads:
+            writer = streams.writers[name]
+            before = writer.cursor
+            writer.append(data)
+            if streams.index is not None and writer.cursor != before:
+                streams.index.record(name, before, writer.cursor)
+        streams.open -= ended
+        if reads:  # the first drain, for the fault point as for the loop's own first drain
+            streams.drained = True
+            faults.point("owner.mid_drain")

@@ -5,9 +5,9 @@ Imported by main.py right after the owner reported its pid, so these imports (th
 package, ctypes where it clones or isolates) and the work that needs no orders (the output
 pipes, the clone3 probe, libc) happen while the launcher makes the claim: the owner is ready to
 start the command the moment its orders arrive. With them: reserve the last words, set up the
-boundary, start the command inside it (clone3 straight into its cgroup and PID namespace where
-the kernel can), report that it runs, then load the rest of the owner (session.py) while the
-pipes buffer the command's first output (1 MiB each).
+boundary, create its logs, start the command inside it (clone3 straight into its cgroup and
+PID namespace where the kernel can), report that it runs, then load the rest of the owner
+(session.py) while its first drain (early.py) reads both pipes in order.
 
 Imports only the standard library's os, sys, time and errno, and settled's boundary
 package: no json, typing, dataclasses, signal, sqlite3 or store. Must never: start the command
@@ -169,7 +169,7 @@ class Launching:
     def _threads_first(self, boundary: Boundary) -> bool:
         """Where the command's PID namespace cannot be cloned, this process unshares one for its
         children in `setup`, after which the kernel refuses it any thread: the lease keeper's
-        thread (and so the session's imports) must come first, as they always did."""
+        and the first drain's threads must come first, as the lease's always did."""
         pid_namespace = boundary.kind in boundaries.PID_NAMESPACE_KINDS
         return pid_namespace and spawn_via(boundary.birth_cgroup(), True) == "fork"
 

@@ -1,8 +1,9 @@
 """The session owner once its command runs (or could not start): supervision to the receipt.
 
-Loaded by the owner's launch path (main.py) after its command started, while the pipes buffer
-the first output: the store, the log writers and the interleave index, the lease keeper's
-thread, the supervise loop, the receipt and the journal client. Owns the session from the
+Loaded by the owner's launch path (launch.py) after its command started, while the first drain
+(early.py) reads both pipes: the store, the log writers and the interleave index (adopting the
+files created before the command), the lease keeper's thread, the supervise loop, the receipt
+and the journal client. Owns the session from the
 running command to its receipt: the drain, the deadline, the lease, death evidence, the logs'
 summaries, the terminal mutation, the receipt (or, when it cannot be written, the last words).
 Also writes the receipt of a session whose command never started. Must never: run a second
@@ -58,7 +59,7 @@ class OwnerSession:
         lease: LeaseKeeper | None = None,
     ) -> None:
         """`lease`: a keeper started before the command (where its thread had to come first),
-        whose connection is this session's `_renewals`; otherwise one is made here."""
+        whose connection is this session's `renewals`; otherwise one is made here."""
         self.home, self.orders, self.ready, self.signals = home, orders, ready, signals
         self.timings, self.last_words = timings, last_words
         self.session, self.task = str(orders["session"]), str(orders["task"])
@@ -98,7 +99,7 @@ class OwnerSession:
         self.timings["supervised_at"] = time.time()  # the session's imports and store: loaded
         self.spawn_via = via
         streams = self.streams = self._open_streams(pipes, logs)
-        _take_over(streams, early)
+        early.hand_to(streams)
         try:
             self._record_running(boundary, pid, start_time)
         except StaleWrite as exc:
@@ -395,20 +396,3 @@ def _peak_rss_kib() -> int | None:
     except OSError:
         return None
     return None
-
-
-def _take_over(streams: Streams, early: EarlyDrain) -> None:
-    """Append what the first drain read while this module loaded, in its order, as the
-    supervise loop's own drain would have (log first, then the index), and mark the streams
-    that reached EOF meanwhile."""
-    reads, ended = early.handover()
-    for name, data in reads:
-        writer = streams.writers[name]
-        before = writer.cursor
-        writer.append(data)
-        if streams.index is not None and writer.cursor != before:
-            streams.index.record(name, before, writer.cursor)
-    streams.open -= ended
-    if reads:  # the first drain, for the fault point as for the loop's own first drain
-        streams.drained = True
-        faults.point("owner.mid_drain")
