@@ -593,6 +593,7 @@ def run_once(root: str, variant: str, p: dict[str, Any]) -> dict[str, Any]:
     admissions: list[dict[str, Any]] = []
     barriers: list[threading.Barrier] = []
     shared: Any = None
+    journal_pid: int | None = None
     result: dict[str, Any] = {
         "variant": variant,
         "launcher": launcher,
@@ -727,6 +728,7 @@ def run_once(root: str, variant: str, p: dict[str, Any]) -> dict[str, Any]:
             result["cgroups_left"] = _tidy_cgroups(task.task)
             with contextlib.suppress(Exception):  # one journal per home: a close leaves it up
                 journal_lifecycle.stop(rt.workspace.socket())
+            await_exit(journal_pid, 10.0)  # it lets go of its lock before its process ends
         if rt is not None:
             rt.close()
         if shared is not None:
