@@ -15,8 +15,14 @@ dirty pages and a later fsync can "succeed"), so the durable cursor stays where 
 Must never: split, decode or look at the bytes; drop a byte silently (bytes past the cap are
 counted in ``not_stored``, bytes it could not store in ``dropped``); stop draining; retry a
 failed write or fsync; reuse an existing file. This runs on the supervisor's hot path: it
-allocates nothing per read and imports only os, fcntl, errno, dataclasses, typing, blake3 and
-settled's foundation.
+allocates nothing per read and imports only os, fcntl, errno, threading, dataclasses, typing,
+blake3 and settled's foundation.
+
+Threads: ``append`` belongs to the drain loop alone; ``sync`` may be called from any thread (the
+flusher behind the drain, the lease heartbeat, ``close``) and takes a lock that ``append`` never
+takes, so an fsync never stalls the copy. The cursor an fsync publishes is read before the fsync
+starts, and an append moves the cursor only after its write returned, so every byte the durable
+cursor names was in the file before the fsync began.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
+import threading
 from dataclasses import dataclass
 from typing import Final
 
@@ -89,6 +96,7 @@ class StreamWriter:
         self._drained = 0
         self._not_stored = 0
         self._summary: StreamSummary | None = None
+        self._sync_lock = threading.Lock()  # one fsync at a time; the durable cursor only grows
         # O_EXCL: FileExistsError if the log already exists; a log is never reused.
         self._fd = os.open(path, _OPEN_FLAGS, _FILE_MODE)
 
@@ -141,12 +149,17 @@ class StreamWriter:
 
     def sync(self) -> int:
         """fsync the log; return and record the durable cursor. A failed fsync is never
-        retried: the log stores nothing more and its durable cursor stays where it was."""
-        if self._fd < 0:
-            if self._summary is not None:
-                return self._durable
-            raise ValueError(f"sync of closed log {self._path}")
-        cursor = self._cursor
+        retried: the log stores nothing more and its durable cursor stays where it was.
+        Safe from any thread, beside the drain's appends (see the module's docstring)."""
+        with self._sync_lock:
+            if self._fd < 0:
+                if self._summary is not None:
+                    return self._durable
+                raise ValueError(f"sync of closed log {self._path}")
+            return self._sync_locked()
+
+    def _sync_locked(self) -> int:
+        cursor = self._cursor  # read once, before the fsync: every byte below it is written
         if self._sync_failed or (cursor == self._durable and cursor > 0):
             return self._durable  # nothing new since the last fsync: a silent stream costs nothing
         try:
@@ -165,26 +178,28 @@ class StreamWriter:
         return cursor
 
     def close(self) -> StreamSummary:
-        """sync, close the fd and return the summary; a second call returns the same summary."""
-        if self._summary is not None:
+        """sync, close the fd and return the summary; a second call returns the same summary.
+        Under the sync lock, so no other thread's fsync can reach a closed (or reused) fd."""
+        with self._sync_lock:
+            if self._summary is not None:
+                return self._summary
+            if self._fd < 0:
+                raise ValueError(f"log {self._path} is closed without a summary")
+            try:
+                self._sync_locked()
+            finally:
+                fd, self._fd = self._fd, -1
+                os.close(fd)
+            self._summary = StreamSummary(
+                cursor=self._cursor,
+                digest=f"{DIGEST_ALGORITHM}:{self._hasher.hexdigest()}",
+                drained=self._drained,
+                not_stored=self._not_stored,
+                cap=self._cap,
+                dropped=self._dropped,
+                dropped_reason=self._dropped_reason,
+            )
             return self._summary
-        if self._fd < 0:
-            raise ValueError(f"log {self._path} is closed without a summary")
-        try:
-            self.sync()
-        finally:
-            fd, self._fd = self._fd, -1
-            os.close(fd)
-        self._summary = StreamSummary(
-            cursor=self._cursor,
-            digest=f"{DIGEST_ALGORITHM}:{self._hasher.hexdigest()}",
-            drained=self._drained,
-            not_stored=self._not_stored,
-            cap=self._cap,
-            dropped=self._dropped,
-            dropped_reason=self._dropped_reason,
-        )
-        return self._summary
 
     @property
     def dropped(self) -> int:

@@ -36,6 +36,7 @@ from settled.home import (
     storage_error,
 )
 from settled.identity import CommandSpec
+from settled.log.flush import Flusher
 from settled.log.interleave import IndexWriter, index_path
 from settled.log.writer import StreamWriter, enlarge_pipe
 from settled.owner.last_words import LastWords
@@ -132,6 +133,7 @@ class Owner:
         self.last_words: LastWords | None = None
         self.store_trouble: str | None = None  # the first renewal the store could not write
         self.lease = LeaseKeeper(self._renewals, stale_after=STALE_BEATS * HEARTBEAT_S)
+        self.flusher = Flusher()  # fsyncs the logs behind the drain (log/flush.py)
 
     # -- the session, start to receipt ---------------------------------------------------
 
@@ -162,10 +164,12 @@ class Owner:
         # children, the kernel refuses it any new thread (CLONE_THREAD across PID namespaces).
         # It idles until the supervise loop asks for its first renewal.
         self.lease.start()
+        self.flusher.start()  # likewise before the boundary; idle until the streams exist
         try:
             return self._launch(record, signals)
         finally:
             self.lease.close()
+            self.flusher.close()
 
     def _launch(self, record: SessionRecord, signals: OwnerSignals) -> int:
         """From the claimed session to its receipt: boundary, spawn, supervision, settle."""
@@ -266,7 +270,7 @@ class Owner:
             enlarge_pipe(read_end)
             fds[name], fds[f"{name}_w"] = read_end, write_end
         index = IndexWriter(index_path(directory))
-        return Streams(fds, writers, index=index)
+        return Streams(fds, writers, index=index, flusher=self.flusher)
 
     def _plan(self, task: TaskRecord, kind: str) -> IsolationPlan:
         """What the command may see and do, from facts checked here: this process's
@@ -343,11 +347,7 @@ class Owner:
 
     def _settle(self, outcome: Outcome, streams: Streams) -> int:
         self.lease.close()  # ended by the supervisor already; no thread outlives the settle
-        summaries = {name: w.close() for name, w in streams.writers.items()}
-        if streams.index is not None:
-            streams.index.close()
-        for fd in streams.fds.values():
-            os.close(fd)
+        summaries = streams.close()
         assert outcome.evidence is not None
         terminal_mutation = self._terminal_mutation()
         now = time.monotonic()
@@ -423,11 +423,7 @@ class Owner:
         self.lease.close()  # it never renewed; it ends before the receipt all the same
         if streams is None:
             streams = self._open_streams()
-        for fd in streams.fds.values():
-            os.close(fd)
-        if streams.index is not None:
-            streams.index.close()
-        summaries = self._sealed({n: w.close().to_json() for n, w in streams.writers.items()})
+        summaries = self._sealed({n: s.to_json() for n, s in streams.close().items()})
         self.timings["settled_at"] = time.time()
         receipt = self._receipt(
             death={

@@ -21,8 +21,9 @@ from dataclasses import dataclass, field
 
 from settled import faults
 from settled.boundary.base import Boundary, Evidence
+from settled.log.flush import Flusher
 from settled.log.interleave import IndexWriter
-from settled.log.writer import StreamWriter, drain_once
+from settled.log.writer import StreamSummary, StreamWriter, drain_once
 from settled.owner.lease import STALE_BEATS, LeaseKeeper
 
 READ_BUFFER = 1 << 20
@@ -69,11 +70,23 @@ class Outcome:
 
 @dataclass
 class Streams:
+    """The two pipes and their logs. The drain's only bookkeeping per read is the writer's
+    append (write and hash), one in-memory move of the index and an integer compare: the
+    index is written at stream switches, and fsyncs happen behind the drain in the flusher's
+    thread, poked every `flusher.every` bytes of a stream (log/flush.py)."""
+
     fds: dict[str, int]
     writers: dict[str, StreamWriter]
     buffer: bytearray = field(default_factory=lambda: bytearray(READ_BUFFER))
     open: set[str] = field(default_factory=lambda: {"stdout", "stderr"})
     index: IndexWriter | None = None  # the order of the two streams' stored bytes
+    flusher: Flusher | None = None  # started by the owner before its boundary
+    _flush_at: dict[str, int] = field(default_factory=dict, init=False)
+
+    def __post_init__(self) -> None:
+        if self.flusher is not None:
+            self.flusher.attach([*self.writers.values(), *([self.index] if self.index else [])])
+            self._flush_at = dict.fromkeys(self.writers, self.flusher.every)
 
     def drain(self, name: str) -> None:
         writer = self.writers[name]
@@ -83,9 +96,26 @@ class Streams:
                 self.open.discard(name)
         except (BlockingIOError, InterruptedError):
             pass
-        if self.index is not None and writer.cursor != before:
-            # after the log write, so the index never names bytes the log lacks
-            self.index.record(name, before, writer.cursor)
+        after = writer.cursor
+        if after != before:
+            if self.index is not None:
+                # after the log write, so the index never names bytes the log lacks
+                self.index.record(name, before, after)
+            if self.flusher is not None and after >= self._flush_at[name]:
+                self._flush_at[name] = after + self.flusher.every
+                self.flusher.poke()
+
+    def close(self) -> dict[str, StreamSummary]:
+        """Stop the flusher, then close (and so fsync) each log, the index and the pipes."""
+        if self.flusher is not None:
+            self.flusher.close()
+        summaries = {name: writer.close() for name, writer in self.writers.items()}
+        if self.index is not None:
+            self.index.close()
+        for fd in self.fds.values():
+            os.close(fd)
+        self.fds = {}
+        return summaries
 
 
 class Supervisor:
