@@ -37,16 +37,17 @@ from common import (
     settled_rig,
     source_revision,
 )
+from drain_raw import KINDS, drain_once
 
 RATIO_TARGET = 1.1  # the issue's goal, through the CLI
 RSS_TARGET_MIB = 64
 FULL = {
     "size": "1G", "bytes": 1 << 30, "runs": 9, "line": "256M", "line_bytes": 256 << 20,
-    "wake_samples": 200, "wake_gap_s": 0.05,
+    "wake_samples": 200, "wake_gap_s": 0.05, "raw_runs": 5,
 }  # fmt: skip
 QUICK = {
     "size": "64M", "bytes": 64 << 20, "runs": 3, "line": "16M", "line_bytes": 16 << 20,
-    "wake_samples": 40, "wake_gap_s": 0.01,
+    "wake_samples": 40, "wake_gap_s": 0.01, "raw_runs": 1,
 }  # fmt: skip
 WAIT_S = 600.0
 CLI = os.path.join(os.path.dirname(sys.executable), "settled")
@@ -315,6 +316,22 @@ def _round(rig: Any, p: dict[str, Any], flood: str, target: str, i: int) -> dict
     return got
 
 
+def _raw(p: dict[str, Any], flood: str, target: str) -> list[dict[str, Any]]:
+    """Part four: drain strategies in a bare process (drain_raw.py), interleaved with the
+    baseline; each strategy's digest must be the others' (they hash the same bytes)."""
+    rounds = []
+    for i in range(p["raw_runs"]):
+        base, _ = _baseline(flood, target, p["bytes"])
+        got = {kind: drain_once(kind, p["size"], target) for kind in KINDS}
+        digests = {r["digest"] for r in got.values()}
+        if len(digests) != 1 or any(r["bytes"] != p["bytes"] for r in got.values()):
+            raise RuntimeError(f"raw drainers disagree: {got}")
+        rounds.append({"baseline_s": base, **got})
+        log(f"raw {i + 1}/{p['raw_runs']}: baseline {base:.3f} s, " + ", ".join(
+            f"{k} {r['s']:.3f} s" for k, r in got.items()))  # fmt: skip
+    return rounds
+
+
 def run(quick: bool) -> tuple[dict[str, Any], str]:
     p = QUICK if quick else FULL
     data: dict[str, Any] = {
@@ -341,10 +358,13 @@ def run(quick: bool) -> tuple[dict[str, Any], str]:
             f"{line['owner_maxrss_kib'] / 1024:.1f} MiB"
         )
         wake = _wake(rig, p)
+        raw = _raw(p, flood, target)
     data["runs"] = runs
+    data["raw"] = raw
     data["giant_line"] = line
     data["wake_latency_s"] = wake
     data["summary"] = _summary(runs, line, wake)
+    data["summary"]["raw"] = _raw_summary(raw)
     return data, render(data)
 
 
@@ -386,6 +406,25 @@ def _summary(
         },
     }
 
+
+def _raw_summary(raw: list[dict[str, Any]]) -> dict[str, Any]:
+    return {
+        kind: {
+            "median_s": median([r[kind]["s"] for r in raw]),
+            "median_ratio": median([r[kind]["s"] / r["baseline_s"] for r in raw]),
+            "ratios": [r[kind]["s"] / r["baseline_s"] for r in raw],
+            "median_cpu_s": median([r[kind]["cpu_s"] for r in raw]),
+            "mean_read_kib": median([r[kind]["bytes"] / r[kind]["reads"] / 1024 for r in raw]),
+        }
+        for kind in KINDS
+    }
+
+
+RAW_WORDS = {
+    "inline": "readv + write + hash, one fsync at the end (the owner before)",
+    "behind": "readv + write + hash, fsync every 8 MiB in a thread (the owner now)",
+    "splice": "splice pipe -> file; hash read back + fsync every 8 MiB in a thread",
+}
 
 RUN_COLUMNS = [
     "run", "baseline s", "settled s", "ratio", "CLI s", "CLI ratio", "baseline GB/s",
@@ -493,5 +532,21 @@ def render(data: dict[str, Any]) -> str:
             f"{p['wake_gap_s'] * 1e3:.0f} ms ({p['wake_samples']} per kind, two interleaved "
             f"rounds); latency is the reader's clock when the bytes arrive minus the stamp.",
             md_table(["reader", "n", "p50 ms", "p99 ms", "max ms", "p50 / pipe p50"], wake_rows),
+            f"Drain strategies in a bare process (bench/drain_raw.py, no settled around them), "
+            f"{len(data['raw'])} interleaved rounds with the baseline; every strategy's BLAKE3 "
+            f"digest checked equal:",
+            md_table(
+                ["strategy", "median s", "median ratio (all)", "median CPU s", "mean read KiB"],
+                [
+                    [
+                        RAW_WORDS[kind],
+                        fmt(r["median_s"], 3),
+                        f"{fmt(r['median_ratio'])} ({', '.join(fmt(x) for x in r['ratios'])})",
+                        fmt(r["median_cpu_s"]),
+                        fmt(r["mean_read_kib"], 0),
+                    ]
+                    for kind, r in s["raw"].items()
+                ],
+            ),
         ]
     )

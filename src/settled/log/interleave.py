@@ -259,7 +259,8 @@ def follow_merged(
 ) -> Iterator[Chunk]:
     """The merged view from ``start`` as it grows; ``limits()`` gives the cursors that may be
     served now and whether they are final. Unordered tails are served only once final (a live
-    tail is what the index will order on its next record)."""
+    tail is what the index will order on its next record). ``sleep`` waits between looks, at
+    most ``poll_interval`` and never past the timeout (the Runtime's ends on a stored byte)."""
     deadline = None if timeout is None else time.monotonic() + timeout
     cursor = start
     while True:
