@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import resource
+import select
 import subprocess
 import sys
 import threading
@@ -242,6 +243,33 @@ def _old_poll_follow(rig: Any, session: str, feed: Callable[[bytes], None]) -> N
         pause = min(pause * 2, 0.05)
 
 
+def _bare_follow(rig: Any, session: str, samples: int, stamps: Stamps) -> None:
+    """The floor under an evented follower: the log's inotify watch and pread, no store, no
+    final cursor (it stops at the number of stamps it expects)."""
+    from settled.home import log_path, session_dir
+    from settled.log.watch import LogWatch
+
+    watch = LogWatch(session_dir(rig.runtime.home, session))
+    path, cursor, fd = log_path(rig.runtime.home, session, "stdout"), 0, -1
+    try:
+        watch_fd, _ = watch.arm()
+        assert watch_fd is not None, watch.unavailable
+        while len(stamps.latencies) < samples:
+            if fd < 0 and os.path.exists(path):
+                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            data = os.pread(fd, 1 << 20, cursor) if fd >= 0 else b""
+            if data:
+                stamps.feed(data)
+                cursor += len(data)
+                continue
+            select.select([watch_fd], [], [], 1.0)
+            watch.clear()
+    finally:
+        watch.close()
+        if fd >= 0:
+            os.close(fd)
+
+
 def _settled_wake(rig: Any, samples: int, gap: float, how: str) -> list[float]:
     admission = rig.exec(argv=[sys.executable, "-c", STAMPER, str(samples), str(gap)])
     stamps = Stamps()
@@ -250,6 +278,8 @@ def _settled_wake(rig: Any, samples: int, gap: float, how: str) -> list[float]:
             stamps.feed(chunk)
     elif how == "poll":
         _old_poll_follow(rig, admission.session, stamps.feed)
+    elif how == "bare":
+        _bare_follow(rig, admission.session, samples, stamps)
     else:
         env = {**os.environ, "SETTLED_HOME": rig.runtime.home}
         argv = [CLI, "logs", admission.session, "--stream", "stdout", "--follow"]
@@ -270,6 +300,7 @@ WAKE_KINDS = {
     "pipe": "plain pipe, blocking os.read (baseline)",
     "runtime": "settled: `Runtime.follow` (inotify + pidfd)",
     "cli": "settled: `settled logs --follow`, its stdout read through a pipe",
+    "bare": "settled's log, read on its inotify wake-up alone (no store, no pause)",
     "poll": "settled, polled as before events (2-50 ms doubling)",
 }
 
