@@ -127,7 +127,14 @@ def _facts(receipt: dict[str, Any], wall0: float) -> dict[str, Any]:
     }
 
 
-def _settled(rig: Any, expect: int, **command: Any) -> dict[str, Any]:
+def _settled(rig: Any, expect: int, flush: str | None = None, **command: Any) -> dict[str, Any]:
+    """In this process; `flush` sets SETTLED_LOG_FLUSH for the owner ("0": no fsync behind)."""
+    if flush is not None:
+        os.environ["SETTLED_LOG_FLUSH"] = flush  # the owner inherits it as it starts
+        try:
+            return _settled(rig, expect, **command)
+        finally:
+            del os.environ["SETTLED_LOG_FLUSH"]
     os.sync()
     wall0 = time.time()
     started = time.perf_counter()
@@ -325,6 +332,7 @@ def _round(rig: Any, p: dict[str, Any], flood: str, target: str, i: int) -> dict
     base, base_cpu = _baseline(flood, target, p["bytes"])
     got = _settled(rig, p["bytes"], argv=["head", "-c", p["size"], "/dev/zero"])
     cli = _settled_cli(rig, p["bytes"], p["size"])
+    unflushed = _settled(rig, p["bytes"], "0", argv=["head", "-c", p["size"], "/dev/zero"])
     got.update(
         run=i + 1,
         load1=load,
@@ -338,10 +346,14 @@ def _round(rig: Any, p: dict[str, Any], flood: str, target: str, i: int) -> dict
         cli_ratio=cli["cli_to_receipt_s"] / base,
         cli_owner_cpu_s=cli["owner_cpu_s"],
         cli_owner_maxrss_kib=cli["owner_maxrss_kib"],
+        no_flush_s=unflushed["exec_to_receipt_s"],
+        no_flush_ratio=unflushed["exec_to_receipt_s"] / base,
+        no_flush_owner_cpu_s=unflushed["owner_cpu_s"],
     )
     log(
         f"drain {i + 1}/{p['runs']}: baseline {base:.3f} s, settled {got['exec_to_receipt_s']:.3f}"
         f" s (x{got['ratio']:.2f}), CLI {cli['cli_to_receipt_s']:.3f} s (x{got['cli_ratio']:.2f})"
+        f", no fsync behind {got['no_flush_s']:.3f} s (x{got['no_flush_ratio']:.2f})"
         f", owner RSS {got['owner_maxrss_kib'] / 1024:.1f} MiB, load {load:.1f}"
     )
     return got
@@ -414,6 +426,7 @@ def _summary(
         "cli_ratio": distribution(cli_ratios),
         "median_ratio": median(ratios),
         "median_cli_ratio": median(cli_ratios),
+        "no_flush_ratio": distribution([r["no_flush_ratio"] for r in runs]),
         "ratio_of_medians": median([r["exec_to_receipt_s"] for r in runs])
         / median([r["baseline_s"] for r in runs]),
         "median_ratio_to_settled_at": median([r["ratio_to_settled_at"] for r in runs]),
@@ -458,7 +471,8 @@ RAW_WORDS = {
 }
 
 RUN_COLUMNS = [
-    "run", "baseline s", "settled s", "ratio", "CLI s", "CLI ratio", "baseline GB/s",
+    "run", "baseline s", "settled s", "ratio", "CLI s", "CLI ratio", "no fsync behind s",
+    "no fsync behind ratio", "baseline GB/s",
     "settled GB/s", "owner peak RSS MiB", "owner CPU s", "baseline pipeline CPU s",
     "owner mean read KiB", "load (1 min)",
 ]  # fmt: skip
@@ -475,6 +489,8 @@ def render(data: dict[str, Any]) -> str:
             fmt(r["ratio"]),
             fmt(r["cli_s"], 3),
             fmt(r["cli_ratio"]),
+            fmt(r["no_flush_s"], 3),
+            fmt(r["no_flush_ratio"]),
             fmt(gbs / r["baseline_s"]),
             fmt(gbs / r["exec_to_receipt_s"]),
             fmt(r["owner_maxrss_kib"] / 1024, 1),
@@ -508,8 +524,9 @@ def render(data: dict[str, Any]) -> str:
             f"through the CLI (`settled exec --json -- head -c {p['size']} /dev/zero`, then "
             f"`settled wait S --json`: two new processes, timed until the second exits); "
             f"boundary `{data['runs'][0]['boundary']}`; against `head -c {p['size']} /dev/zero | "
-            f"cat > FILE && sync FILE`, interleaved (baseline, in-process, CLI), `sync` before "
-            f"each run. Home on `{fs['settled_home']['mount']}` ({fs['settled_home']['type']}, "
+            f"cat > FILE && sync FILE`, interleaved (baseline, in-process, CLI, in-process without "
+            f"the fsyncs behind the drain), `sync` before each run. Home on "
+            f"`{fs['settled_home']['mount']}` ({fs['settled_home']['type']}, "
             f"{fs['settled_home']['device']}), baseline file on the same device.",
             md_table(RUN_COLUMNS, rows),
             md_table(
@@ -527,6 +544,13 @@ def render(data: dict[str, Any]) -> str:
                         "median ratio in-process/baseline (spread min-max)",
                         f"{fmt(s['median_ratio'])} ({fmt(s['ratio']['min'])}-"
                         f"{fmt(s['ratio']['max'])})",
+                        "",
+                    ],
+                    [
+                        "median ratio in-process without fsync behind (SETTLED_LOG_FLUSH=0, the "
+                        "owner before this branch; spread)",
+                        f"{fmt(s['no_flush_ratio']['p50'])} ({fmt(s['no_flush_ratio']['min'])}-"
+                        f"{fmt(s['no_flush_ratio']['max'])})",
                         "",
                     ],
                     ["ratio of medians (in-process)", fmt(s["ratio_of_medians"]), ""],

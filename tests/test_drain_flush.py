@@ -17,9 +17,11 @@ import pytest
 from blake3 import blake3
 
 from settled.log import interleave
-from settled.log.flush import Flusher
+from settled.log.flush import FLUSH_ENV, FLUSH_EVERY, Flusher, flush_every
 from settled.log.writer import StreamWriter, enlarge_pipe
 from settled.owner.supervise import Streams
+from settled.records import TaskRecord
+from settled.runtime import Runtime
 
 MIB = 1 << 20
 
@@ -241,3 +243,33 @@ def test_a_flood_in_turns_syncs_behind_the_drain_and_the_merged_view_keeps_the_t
     assert b"".join(c.data for c in chunks) == b"".join(
         bytes([65 + i]) * (8 << 20) for i in range(6)
     )
+
+
+def test_the_flush_interval_comes_from_the_environment_and_zero_means_none(
+    tmp_path: Path,
+) -> None:
+    assert flush_every(None) == flush_every("") == FLUSH_EVERY
+    assert flush_every("1048576") == MIB
+    assert flush_every("0") is None
+    with pytest.raises(ValueError):
+        flush_every("-1")
+    flusher = Flusher(None)
+    flusher.start()  # nothing to start
+    streams, writes = _streams(tmp_path, flusher)
+    _feed(streams, writes["stdout"], "stdout", b"q" * (3 * MIB))
+    assert streams.writers["stdout"].durable == 0  # no fsync before the end
+    for w in writes.values():
+        os.close(w)
+    summaries = streams.close()
+    assert flusher.syncs == 0 and summaries["stdout"].cursor == 3 * MIB
+
+
+def test_an_owner_without_the_flusher_still_stores_and_digests_every_byte(
+    rt: Runtime, task: TaskRecord, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(FLUSH_ENV, "0")  # the owner reads it as it starts
+    session = rt.exec(task.task, shell="head -c 20M /dev/zero | tr '\\0' w", key="noflush").session
+    receipt = rt.wait(session, timeout=60)["receipt"]
+    out = receipt["output"]["stdout"]
+    assert out["cursor"] == 20 * MIB and out["complete"]
+    assert out["digest"] == "blake3:" + blake3(b"w" * (20 * MIB)).hexdigest()

@@ -12,6 +12,9 @@ durable cursor still names only bytes that were in the file before the fsync beg
 thread made it. An fsync that fails is the writer's business as it always was: it stores nothing
 more and its durable cursor stays put.
 
+``SETTLED_LOG_FLUSH`` (bytes; ``0`` for none, as before this existed) sets the interval for an
+owner, so a benchmark can measure the drain with and without it in one run.
+
 The thread must be started before the owner creates its boundary (a process that has unshared a
 PID namespace for its children cannot start a thread); it idles until the streams are attached.
 
@@ -25,6 +28,17 @@ from collections.abc import Sequence
 from typing import Final, Protocol
 
 FLUSH_EVERY: Final = 8 << 20  # bytes of one stream between two fsyncs behind the drain
+FLUSH_ENV: Final = "SETTLED_LOG_FLUSH"
+
+
+def flush_every(text: str | None) -> int | None:
+    """The interval ``SETTLED_LOG_FLUSH`` asks for: unset or empty the default, ``0`` none."""
+    if not text:
+        return FLUSH_EVERY
+    every = int(text)
+    if every < 0:
+        raise ValueError(f"{FLUSH_ENV} must be >= 0 bytes, got {text!r}")
+    return every or None
 
 
 class Syncable(Protocol):
@@ -32,11 +46,12 @@ class Syncable(Protocol):
 
 
 class Flusher:
-    """One thread that syncs what it is given whenever the drain pokes it."""
+    """One thread that syncs what it is given whenever the drain pokes it; with ``every``
+    None it never starts, and the logs are fsynced at the heartbeat and the end only."""
 
-    def __init__(self, every: int = FLUSH_EVERY) -> None:
-        if every <= 0:
-            raise ValueError(f"every must be > 0, got {every}")
+    def __init__(self, every: int | None = FLUSH_EVERY) -> None:
+        if every is not None and every <= 0:
+            raise ValueError(f"every must be > 0 or None, got {every}")
         self.every = every
         self.syncs = 0  # completed rounds, for tests and the receipt's curious reader
         self._targets: tuple[Syncable, ...] = ()
@@ -45,7 +60,8 @@ class Flusher:
         self._thread = threading.Thread(target=self._run, name="settled-flush", daemon=True)
 
     def start(self) -> None:
-        self._thread.start()
+        if self.every is not None:
+            self._thread.start()
 
     def attach(self, targets: Sequence[Syncable]) -> None:
         """What each poke syncs, in order (the stream logs, then the interleave index)."""

@@ -36,7 +36,7 @@ from settled.home import (
     storage_error,
 )
 from settled.identity import CommandSpec
-from settled.log.flush import Flusher
+from settled.log.flush import FLUSH_ENV, Flusher, flush_every
 from settled.log.interleave import IndexWriter, index_path
 from settled.log.writer import StreamWriter, enlarge_pipe
 from settled.owner.last_words import LastWords
@@ -133,7 +133,7 @@ class Owner:
         self.last_words: LastWords | None = None
         self.store_trouble: str | None = None  # the first renewal the store could not write
         self.lease = LeaseKeeper(self._renewals, stale_after=STALE_BEATS * HEARTBEAT_S)
-        self.flusher = Flusher()  # fsyncs the logs behind the drain (log/flush.py)
+        self.flusher = Flusher(flush_every(os.environ.get(FLUSH_ENV)))  # fsyncs behind the drain
 
     # -- the session, start to receipt ---------------------------------------------------
 

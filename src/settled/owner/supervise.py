@@ -81,12 +81,14 @@ class Streams:
     open: set[str] = field(default_factory=lambda: {"stdout", "stderr"})
     index: IndexWriter | None = None  # the order of the two streams' stored bytes
     flusher: Flusher | None = None  # started by the owner before its boundary
-    _flush_at: dict[str, int] = field(default_factory=dict, init=False)
+    _flush_at: dict[str, int] = field(default_factory=dict, init=False)  # poke at this cursor
+    _flush_every: int = field(default=0, init=False)  # 0: no flusher, fsyncs at beats only
 
     def __post_init__(self) -> None:
-        if self.flusher is not None:
+        if self.flusher is not None and self.flusher.every is not None:
             self.flusher.attach([*self.writers.values(), *([self.index] if self.index else [])])
-            self._flush_at = dict.fromkeys(self.writers, self.flusher.every)
+            self._flush_every = self.flusher.every
+            self._flush_at = dict.fromkeys(self.writers, self._flush_every)
 
     def drain(self, name: str) -> None:
         writer = self.writers[name]
@@ -101,8 +103,9 @@ class Streams:
             if self.index is not None:
                 # after the log write, so the index never names bytes the log lacks
                 self.index.record(name, before, after)
-            if self.flusher is not None and after >= self._flush_at[name]:
-                self._flush_at[name] = after + self.flusher.every
+            if self._flush_every and after >= self._flush_at[name]:
+                self._flush_at[name] = after + self._flush_every
+                assert self.flusher is not None  # a flush interval comes with its flusher
                 self.flusher.poke()
 
     def close(self) -> dict[str, StreamSummary]:
