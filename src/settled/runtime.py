@@ -848,8 +848,9 @@ class Runtime:
     def _woken(
         self, session: str, make: Callable[[Callable[[float], None]], Iterator[_T]]
     ) -> Iterator[_T]:
-        """A follow whose pauses end when the session's owner exits (checked eagerly by the
-        caller; this generator only runs it), so the end of a stream is seen at once."""
+        """A follow whose pauses end when a byte is stored or the session's owner exits
+        (checked eagerly by the caller; this generator only runs it), so new bytes and the end
+        of a stream are seen at once."""
         with self.pauses(session) as pause:
             yield from make(pause)
 
