@@ -127,14 +127,18 @@ def _facts(receipt: dict[str, Any], wall0: float) -> dict[str, Any]:
     }
 
 
-def _settled(rig: Any, expect: int, flush: str | None = None, **command: Any) -> dict[str, Any]:
-    """In this process; `flush` sets SETTLED_LOG_FLUSH for the owner ("0": no fsync behind)."""
-    if flush is not None:
-        os.environ["SETTLED_LOG_FLUSH"] = flush  # the owner inherits it as it starts
+def _settled(
+    rig: Any, expect: int, owner_env: dict[str, str] | None = None, **command: Any
+) -> dict[str, Any]:
+    """In this process; `owner_env` is set for the owner, which inherits it as it starts
+    (SETTLED_LOG_FLUSH=0: no fsyncs behind the drain; SETTLED_LOG_SPLICE=0: read and write)."""
+    if owner_env:
+        os.environ.update(owner_env)
         try:
             return _settled(rig, expect, **command)
         finally:
-            del os.environ["SETTLED_LOG_FLUSH"]
+            for name in owner_env:
+                del os.environ[name]
     os.sync()
     wall0 = time.time()
     started = time.perf_counter()
@@ -332,7 +336,9 @@ def _round(rig: Any, p: dict[str, Any], flood: str, target: str, i: int) -> dict
     base, base_cpu = _baseline(flood, target, p["bytes"])
     got = _settled(rig, p["bytes"], argv=["head", "-c", p["size"], "/dev/zero"])
     cli = _settled_cli(rig, p["bytes"], p["size"])
-    unflushed = _settled(rig, p["bytes"], "0", argv=["head", "-c", p["size"], "/dev/zero"])
+    flood = ["head", "-c", p["size"], "/dev/zero"]
+    spliced = _settled(rig, p["bytes"], {"SETTLED_LOG_SPLICE": "1"}, argv=flood)
+    unflushed = _settled(rig, p["bytes"], {"SETTLED_LOG_FLUSH": "0"}, argv=flood)  # as before
     got.update(
         run=i + 1,
         load1=load,
@@ -346,6 +352,9 @@ def _round(rig: Any, p: dict[str, Any], flood: str, target: str, i: int) -> dict
         cli_ratio=cli["cli_to_receipt_s"] / base,
         cli_owner_cpu_s=cli["owner_cpu_s"],
         cli_owner_maxrss_kib=cli["owner_maxrss_kib"],
+        splice_s=spliced["exec_to_receipt_s"],
+        splice_ratio=spliced["exec_to_receipt_s"] / base,
+        splice_owner_cpu_s=spliced["owner_cpu_s"],
         no_flush_s=unflushed["exec_to_receipt_s"],
         no_flush_ratio=unflushed["exec_to_receipt_s"] / base,
         no_flush_owner_cpu_s=unflushed["owner_cpu_s"],
@@ -353,7 +362,8 @@ def _round(rig: Any, p: dict[str, Any], flood: str, target: str, i: int) -> dict
     log(
         f"drain {i + 1}/{p['runs']}: baseline {base:.3f} s, settled {got['exec_to_receipt_s']:.3f}"
         f" s (x{got['ratio']:.2f}), CLI {cli['cli_to_receipt_s']:.3f} s (x{got['cli_ratio']:.2f})"
-        f", no fsync behind {got['no_flush_s']:.3f} s (x{got['no_flush_ratio']:.2f})"
+        f", splice {got['splice_s']:.3f} s (x{got['splice_ratio']:.2f})"
+        f", as before {got['no_flush_s']:.3f} s (x{got['no_flush_ratio']:.2f})"
         f", owner RSS {got['owner_maxrss_kib'] / 1024:.1f} MiB, load {load:.1f}"
     )
     return got
@@ -427,6 +437,9 @@ def _summary(
         "median_ratio": median(ratios),
         "median_cli_ratio": median(cli_ratios),
         "no_flush_ratio": distribution([r["no_flush_ratio"] for r in runs]),
+        "splice_ratio": distribution([r["splice_ratio"] for r in runs]),
+        "splice_over_read_write": median([r["splice_s"] / r["exec_to_receipt_s"] for r in runs]),
+        "before_over_now": median([r["no_flush_s"] / r["exec_to_receipt_s"] for r in runs]),
         "ratio_of_medians": median([r["exec_to_receipt_s"] for r in runs])
         / median([r["baseline_s"] for r in runs]),
         "median_ratio_to_settled_at": median([r["ratio_to_settled_at"] for r in runs]),
@@ -471,8 +484,8 @@ RAW_WORDS = {
 }
 
 RUN_COLUMNS = [
-    "run", "baseline s", "settled s", "ratio", "CLI s", "CLI ratio", "no fsync behind s",
-    "no fsync behind ratio", "baseline GB/s",
+    "run", "baseline s", "settled s", "ratio", "CLI s", "CLI ratio", "splice s", "splice ratio",
+    "as before s", "as before ratio", "baseline GB/s",
     "settled GB/s", "owner peak RSS MiB", "owner CPU s", "baseline pipeline CPU s",
     "owner mean read KiB", "load (1 min)",
 ]  # fmt: skip
@@ -489,6 +502,8 @@ def render(data: dict[str, Any]) -> str:
             fmt(r["ratio"]),
             fmt(r["cli_s"], 3),
             fmt(r["cli_ratio"]),
+            fmt(r["splice_s"], 3),
+            fmt(r["splice_ratio"]),
             fmt(r["no_flush_s"], 3),
             fmt(r["no_flush_ratio"]),
             fmt(gbs / r["baseline_s"]),
@@ -524,8 +539,9 @@ def render(data: dict[str, Any]) -> str:
             f"through the CLI (`settled exec --json -- head -c {p['size']} /dev/zero`, then "
             f"`settled wait S --json`: two new processes, timed until the second exits); "
             f"boundary `{data['runs'][0]['boundary']}`; against `head -c {p['size']} /dev/zero | "
-            f"cat > FILE && sync FILE`, interleaved (baseline, in-process, CLI, in-process without "
-            f"the fsyncs behind the drain), `sync` before each run. Home on "
+            f"cat > FILE && sync FILE`, interleaved (baseline, in-process, CLI, in-process with "
+            f"splice, in-process as before this branch: no fsyncs behind the drain), `sync` before "
+            f"each run. Home on "
             f"`{fs['settled_home']['mount']}` ({fs['settled_home']['type']}, "
             f"{fs['settled_home']['device']}), baseline file on the same device.",
             md_table(RUN_COLUMNS, rows),
@@ -547,10 +563,17 @@ def render(data: dict[str, Any]) -> str:
                         "",
                     ],
                     [
-                        "median ratio in-process without fsync behind (SETTLED_LOG_FLUSH=0, the "
-                        "owner before this branch; spread)",
+                        "median ratio in-process with splice (SETTLED_LOG_SPLICE=1; spread); "
+                        "paired median splice / read+write",
+                        f"{fmt(s['splice_ratio']['p50'])} ({fmt(s['splice_ratio']['min'])}-"
+                        f"{fmt(s['splice_ratio']['max'])}); {fmt(s['splice_over_read_write'])}",
+                        "",
+                    ],
+                    [
+                        "median ratio in-process as before this branch (no fsyncs behind the "
+                        "drain: SETTLED_LOG_FLUSH=0; spread); paired median before / now",
                         f"{fmt(s['no_flush_ratio']['p50'])} ({fmt(s['no_flush_ratio']['min'])}-"
-                        f"{fmt(s['no_flush_ratio']['max'])})",
+                        f"{fmt(s['no_flush_ratio']['max'])}); {fmt(s['before_over_now'])}",
                         "",
                     ],
                     ["ratio of medians (in-process)", fmt(s["ratio_of_medians"]), ""],

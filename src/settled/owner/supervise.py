@@ -91,10 +91,16 @@ class Streams:
             self._flush_at = dict.fromkeys(self.writers, self._flush_every)
 
     def drain(self, name: str) -> None:
+        """One read of the stream: a splice into its log where the writer may (in the kernel,
+        its digest behind), else readv into the buffer and append (write and hash)."""
         writer = self.writers[name]
         before = writer.cursor
+        fd = self.fds[name]
         try:
-            if drain_once(self.fds[name], self.buffer, writer) == 0:
+            moved = writer.splice_from(fd, READ_BUFFER) if writer.splicing else None
+            if moved is None:
+                moved = drain_once(fd, self.buffer, writer)
+            if moved == 0:
                 self.open.discard(name)
         except (BlockingIOError, InterruptedError):
             pass
