@@ -748,6 +748,24 @@ class Runtime:
 
         return explain(read_close_facts(self.store, grammar.check_id("task", task)))
 
+    def clocks(self, task: str, limit: int = 200) -> dict[str, Any]:
+        """The four clocks of the task's newest ``limit`` sessions and the task's close receipt
+        (settled.clocks), computed from the same recorded facts as ``explain``, with each live
+        session's owner observed now (a dead owner shows its session unknown, never failed)."""
+        from settled.clocks import task_clocks
+        from settled.close.facts import read_close_facts
+
+        facts = read_close_facts(self.store, grammar.check_id("task", task))
+        grammar.check_int("limit", limit, 1, grammar.MAX_CURSOR)
+        owners = {s.session: self.owner_facts(s) for s in facts.sessions if s.live}
+        return task_clocks(facts, owners, limit)
+
+    def await_change(self, topics: tuple[str, ...], seconds: float) -> None:
+        """Block until the store may have changed for one of ``topics`` (task or session ids;
+        ``"*"``: anything) or ``seconds`` pass: a wakeup where the store notifies (PostgreSQL),
+        a bounded sleep where it does not (SQLite). Spurious wakeups happen: read again."""
+        self.store.await_change(topics, grammar.check_seconds("seconds", seconds, MAX_WAIT))
+
     def restore(self, target: str, dest: str, *, same_owner: bool = False) -> RestoreResult:
         """Rebuild a task's last checkpoint (or a manifest id) into an empty directory that is
         not (and is not under) a symlink. Every entry is the caller's and set-id bits it has
