@@ -15,7 +15,7 @@ import base64
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from settled.errors import UnknownSession, UnknownTask
+from settled.errors import BadInput, UnknownSession, UnknownTask
 from settled.identity import parse_user
 from settled.records import SessionRecord, TaskRecord
 from settled.runtime import Runtime
@@ -201,3 +201,35 @@ def end_of_stream(rt: Runtime, session: str) -> dict[str, Any]:
     view = rt.session_status(session)
     receipt = view.get("receipt")
     return receipt if isinstance(receipt, dict) else view
+
+
+# -- the live view (settled.server.feed) ----------------------------------------------------
+
+
+def clocks(rt: Runtime, grant: Grant, task: str) -> dict[str, Any]:
+    """The task's four clocks per session, its state and its close receipt, if recorded."""
+    visible_task(rt, grant, task)
+    return rt.clocks(task)
+
+
+def board(
+    rt: Runtime, limit: int, extra: frozenset[str], final: frozenset[str]
+) -> tuple[list[str], dict[str, dict[str, Any]]]:
+    """(the newest ``limit`` tasks and then those of ``extra`` that exist, the clocks of each
+    of them not in ``final``). A complete task never changes again, so the feed passes the
+    ones it holds as ``final`` and they are not read again. Every token's view is cut from
+    this one board (settled.server.feed), so it is computed without a grant."""
+    order = [row["task"] for row in rt.list_tasks(limit)]
+    for task in sorted(extra - set(order)):
+        try:
+            rt.task_record(task)
+        except (UnknownTask, BadInput):  # a tokens file may name a task that is not (yet)
+            continue
+        order.append(task)
+    fresh = {}
+    for task in order:
+        if task not in final:
+            view = rt.clocks(task)
+            view.pop("close_receipt", None)  # the page asks for it when it shows it
+            fresh[task] = view
+    return order, fresh
