@@ -476,3 +476,41 @@ def test_a_scoped_tokens_event_ids_count_only_its_own_tasks(
         assert _events(since) == [{"event": "tasks", "id": snapshot["id"], "data": {"tasks": []}}]
         assert scoped.get(f"/v1/tasks/{other}/clocks").status_code == 404
         assert scoped.get(f"/v1/tasks/{mine}/clocks").json()["task"] == mine
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("store", ["sqlite", "postgresql"])
+def test_a_change_made_outside_the_server_reaches_a_follower(
+    start_server: Callable[..., Server],
+    tmp_path: Path,
+    home: Path,
+    store: str,
+    request: pytest.FixtureRequest,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """No nudge from the server's own handlers here: a Runtime of the test's process writes,
+    and the follower hears of it from the store (NOTIFY on PostgreSQL, polling on SQLite)."""
+    if store == "postgresql":
+        import pg
+
+        request.getfixturevalue("pg_cluster")
+        monkeypatch.setenv("SETTLED_STORE", pg.url_for_directory(str(home)))
+    server = start_server()
+    with server.client() as client, client.stream("GET", "/v1/events?follow=1") as live:
+        lines = live.iter_lines()
+        assert next(lines) == "event: snapshot"
+        snapshot = json.loads(next(line for line in lines if line.startswith("data: "))[6:])
+        woken = "store notifications and polling" if store == "postgresql" else "polling the store"
+        assert snapshot["woken_by"] == woken
+        (tmp_path / "workspace").mkdir()
+        with Runtime(str(home)) as rt:
+            task = rt.new_task(str(tmp_path / "workspace")).task
+            session = rt.exec(task, shell="echo from elsewhere", key="elsewhere").session
+            rt.wait(session, timeout=60)
+        for line in lines:  # bounded by the client's read timeout and the test's
+            if line.startswith("data: ") and session in line:
+                [view] = [t for t in json.loads(line[6:])["tasks"] if t["task"] == task]
+                if view["sessions"][0]["clocks"]["process"]["state"] == "settled":
+                    break
+    with Runtime(str(home)) as rt:
+        rt.close_task(task)  # ends the task's journal watch on whichever store

@@ -615,6 +615,12 @@ class Runtime:
             rows.append(row)
         return rows
 
+    def task_ids(self, limit: int = 50) -> list[str]:
+        """The newest ``limit`` tasks' ids, newest first: one read of the store, no session
+        or close read (what the live view of /ui lists before it reads the tasks it must)."""
+        grammar.check_int("limit", limit, 1, grammar.MAX_CURSOR)
+        return [record.task for record in self.store.list_tasks(limit)]
+
     def wait(self, session: str, timeout: float | None = None) -> dict[str, Any]:
         """Block until the session has a receipt (or is unknown); the session's clock, not ours.
         Raises NotSettled when `timeout` passes first; the session goes on."""

@@ -140,6 +140,8 @@ class ChangeFeed:
             order, fresh = await self.pool.call(views.board, BOARD_LIMIT, extra, final)
         except SettledError as exc:  # the store is down a moment: keep the streams, try again
             log.warning("the live view could not read the store: %s", exc)
+        except Exception:  # never the end of the loop: every listener waits on it
+            log.exception("the live view's refresh failed; the next one runs as usual")
         else:
             self._apply(order, fresh)
         self._refreshed = (self._refreshed[0], self._refreshed[1] + 1)
@@ -148,6 +150,8 @@ class ChangeFeed:
 
     def _apply(self, order: list[str], fresh: dict[str, dict[str, Any]]) -> None:
         self.order = order
+        shown = set(order)  # a task past the newest ones is forgotten (read again if it returns)
+        self.views = {task: view for task, view in self.views.items() if task in shown}
         for task, view in fresh.items():
             if self.views.get(task) != view:
                 self.views[task] = view
@@ -182,7 +186,14 @@ class ChangeFeed:
 
     def snapshot(self, grant: Grant, why: str) -> dict[str, Any]:
         shown = [t for t in self.order if grant.sees(t)]
-        return {"tasks": self.visible(grant, shown), "order": shown, "reset": why}
+        woken = "store notifications and polling" if self.notifies else "polling the store"
+        return {
+            "tasks": self.visible(grant, shown),
+            "order": shown,
+            "reset": why,
+            "woken_by": woken,
+            "poll_s": {"busy": FAST_S, "idle": IDLE_S},
+        }
 
     async def events(
         self, grant: Grant, resume: tuple[str, int] | None, follow: bool

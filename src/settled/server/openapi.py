@@ -349,8 +349,8 @@ def _live() -> dict[str, Any]:
             "get": _operation(
                 "Server-Sent Events of the tasks this token sees (the newest 50, and every task "
                 "a scoped token names) with their clocks: `event: snapshot` {tasks, order, "
-                "reset}, then `event: tasks` {tasks} per change; ids count only this token's "
-                "changes; keep-alive comments every 15 s",
+                "reset, woken_by, poll_s}, then `event: tasks` {tasks} per change; ids count "
+                "only this token's changes; keep-alive comments every 15 s",
                 {
                     "200": {
                         "description": "an event stream",

@@ -219,7 +219,7 @@ def board(
     of them not in ``final``). A complete task never changes again, so the feed passes the
     ones it holds as ``final`` and they are not read again. Every token's view is cut from
     this one board (settled.server.feed), so it is computed without a grant."""
-    order = [row["task"] for row in rt.list_tasks(limit)]
+    order = rt.task_ids(limit)
     for task in sorted(extra - set(order)):
         try:
             rt.task_record(task)
@@ -229,7 +229,10 @@ def board(
     fresh = {}
     for task in order:
         if task not in final:
-            view = rt.clocks(task)
+            try:
+                view = rt.clocks(task)
+            except UnknownTask:  # discarded since it was listed
+                continue
             view.pop("close_receipt", None)  # the page asks for it when it shows it
             fresh[task] = view
-    return order, fresh
+    return [t for t in order if t in fresh or t in final], fresh

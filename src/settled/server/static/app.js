@@ -85,7 +85,7 @@ function problem(body, res) {
 
 // -- the live stream of tasks (its own transport clock is the header's line) ------------------
 
-const live = { lastId: null, abort: null, retries: 0, order: [], tasks: new Map(), at: null };
+const live = { lastId: null, abort: null, retries: 0, order: [], tasks: new Map(), at: null, woken: "" };
 const ui = { task: null, explainFor: null, receiptFor: null };
 
 function setLink(state, words) {
@@ -155,6 +155,7 @@ function onEvent(name, data) {
   if (name === "snapshot") {
     live.tasks = new Map(data.tasks.map((t) => [t.task, t]));
     live.order = data.order.slice();
+    live.woken = data.woken_by;
   } else if (name === "tasks") {
     for (const view of data.tasks) {
       if (!live.tasks.has(view.task) && !live.order.includes(view.task)) live.order.unshift(view.task);
@@ -162,7 +163,7 @@ function onEvent(name, data) {
     }
   } else return;
   live.at = Date.now();
-  setLink("live", "live: last change seen " + new Date(live.at).toLocaleTimeString());
+  setLink("live", "live (" + live.woken + "): last change seen " + new Date(live.at).toLocaleTimeString());
   renderTasks();
   if (ui.task && live.tasks.has(ui.task)) renderTask(live.tasks.get(ui.task));
 }
