@@ -39,9 +39,14 @@ function json(value) { return JSON.stringify(value, null, 2); }
 
 // -- the token -------------------------------------------------------------------------------
 
+function fragmentToken() {
+  const found = /(?:^#|&)token=([^&]*)/.exec(location.hash); // "+" stays "+": not a form
+  if (!found) return null;
+  try { return decodeURIComponent(found[1]) || null; } catch (_) { return null; }
+}
+
 function tokenFromFragment() {
-  const params = new URLSearchParams(location.hash.slice(1));
-  const token = params.get("token");
+  const token = fragmentToken();
   if (token) sessionStorage.setItem(TOKEN_KEY, token);
   if (location.hash) history.replaceState(null, "", location.pathname); // out of the URL bar
 }
@@ -442,7 +447,7 @@ function renderHex(bytes, stream, cursor) {
   return el("span", { class: "chunk hex", data: { stream } }, stream + "\n" + lines.join("\n") + "\n");
 }
 
-const logState = { session: null, stream: "merged", cursor: 0, final: false, end: null, carry: {}, pages: [], dropped: null, busy: false, follow: null };
+const logState = { session: null, stream: "merged", cursor: 0, start: 0, final: false, end: null, carry: {}, pages: [], dropped: null, busy: false, follow: null };
 
 function openLog(session) {
   $("log-pane").hidden = false;
@@ -457,7 +462,7 @@ function readLog(event) {
   const cursor = Number($("log-from").value.trim() || "0");
   if (!Number.isSafeInteger(cursor) || cursor < 0) return setText("log-note", "a cursor is a whole number of bytes, 0 or more");
   Object.assign(logState, {
-    session: $("log-session").textContent, stream: $("log-stream").value, cursor, final: false,
+    session: $("log-session").textContent, stream: $("log-stream").value, cursor, start: cursor, final: false,
     end: null, carry: {}, pages: [], dropped: null,
   });
   $("log-out").replaceChildren();
@@ -548,7 +553,8 @@ function showPage(from, to, nodes) {
 function note(from, atEnd) {
   const s = logState;
   const unit = s.stream === "merged" ? "merged cursor" : s.stream + " cursor";
-  let words = "read [" + from + ", " + s.cursor + ") by " + unit + "; next page from " + s.cursor;
+  const first = s.dropped !== null ? s.dropped : s.start;
+  let words = "showing [" + first + ", " + s.cursor + ") by " + unit + " (last read from " + from + "); next page from " + s.cursor;
   if (s.final) words += atEnd || (s.end !== null && s.cursor >= s.end) ? "; end of the log: final" : "; the log is final";
   else words += "; the session may still write";
   if (s.dropped !== null) words += "; bytes before " + s.dropped + " are no longer shown (read from a cursor to see them)";
@@ -596,7 +602,7 @@ function start() {
   $("log-next").addEventListener("click", () => nextPage());
   $("log-follow").addEventListener("change", () => { if ($("log-follow").checked) followLog(); });
   window.addEventListener("hashchange", () => { // a link with #token=… to an open page
-    if (!new URLSearchParams(location.hash.slice(1)).get("token")) return;
+    if (!fragmentToken()) return;
     tokenFromFragment();
     live.lastId = null;
     connect();
