@@ -31,7 +31,7 @@ NOT_YET = "not_yet"
 UNKNOWN_CLOCK = "unknown"
 INCOMPLETE = "incomplete"
 CLOCKS = ("transport", "process", "output", "workspace")
-SESSIONS_SHOWN = 200  # a task's newest sessions on the page; the rest are counted
+SESSIONS_SHOWN = 50  # a task's newest sessions on the page (each row ~1.5 KB); the rest counted
 
 
 def _clock(

@@ -754,7 +754,7 @@ class Runtime:
 
         return explain(read_close_facts(self.store, grammar.check_id("task", task)))
 
-    def clocks(self, task: str, limit: int = 200) -> dict[str, Any]:
+    def clocks(self, task: str, limit: int = 50) -> dict[str, Any]:
         """The four clocks of the task's newest ``limit`` sessions and the task's close receipt
         (settled.clocks), computed from the same recorded facts as ``explain``, with each live
         session's owner observed now (a dead owner shows its session unknown, never failed)."""

@@ -241,17 +241,24 @@ class ChangeFeed:
             self._watcher = _Watcher(self.pool, asyncio.get_running_loop(), self.nudge)
             self._watcher.start()
 
-    def _stop_watcher(self) -> None:
-        if self._watcher is not None:
-            self._watcher.stop()
-            self._watcher = None
+    def _stop_watcher(self) -> _Watcher | None:
+        """Ask the watcher to stop (it does within ``NOTIFY_WAIT_S``); never waits for it on
+        the event loop."""
+        watcher, self._watcher = self._watcher, None
+        if watcher is not None:
+            watcher.stop()
+        return watcher
 
     async def stop(self) -> None:
+        """At shutdown: end the loop, then wait (off the loop, bounded) for the watcher."""
+        watcher = self._watcher
         if self._runner is not None:
             self._runner.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._runner
         self._stop_watcher()
+        if watcher is not None:
+            await asyncio.to_thread(watcher.join)
 
 
 class _Watcher:
@@ -278,4 +285,6 @@ class _Watcher:
 
     def stop(self) -> None:
         self._stop.set()
+
+    def join(self) -> None:
         self._thread.join(timeout=NOTIFY_WAIT_S + 5.0)
