@@ -1,4 +1,4 @@
-"""ui_feed: what one refresh of `/ui`'s live view costs (settled.server.feed), against `settled ls`.
+"""ui_feed: what `/ui`'s live view costs (settled.server.feed) and how late it shows a settle.
 
 The live view recomputes its board while anyone listens: every 0.25 s while a session is live
 or a close runs, every 1 s otherwise (on SQLite; PostgreSQL's NOTIFY wakes it sooner). One
@@ -9,20 +9,44 @@ read them again) and one open task with a live ``sleep``. Interleaved per round:
 ``Runtime.list_tasks(50)`` (what `settled ls` reads), the feed's steady refresh (complete tasks
 skipped), and a first refresh (every task read). Reported: ms per call, the ratio to the
 baseline, and the share of one core the steady refresh takes at each polling rate.
+
+Latency: through a real `settled serve` (a subprocess, port 0), a follower of
+`GET /v1/events?follow=1` and a long poll `GET /v1/sessions/{s}?wait=60` (the baseline: how a
+client that waits learns of a settle) watch the same sessions (`sleep` of 0.1-0.6 s, seeded, so
+the settles do not beat with the polling; 40 in a row, quick: 8), both measured from the
+receipt's `timings.settled_at` (the owner's clock, same host) to the moment each client has
+the news: the long poll's answer, the first event whose process clock for the session is
+settled.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import random
+import secrets
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
+import httpx
 from common import _stop_journals as stop_journals
-from common import distribution, end_process, fmt, header, log, machine, md_table, scratch
+from common import (
+    distribution,
+    end_process,
+    fmt,
+    header,
+    kill_marked,
+    log,
+    machine,
+    md_table,
+    scratch,
+)
+from http_bench import ServerProcess
 
-FULL = {"tasks": 50, "sessions": 2, "rounds": 200}
-QUICK = {"tasks": 10, "sessions": 2, "rounds": 30}
+FULL = {"tasks": 50, "sessions": 2, "rounds": 200, "settles": 40}
+QUICK = {"tasks": 10, "sessions": 2, "rounds": 30, "settles": 8}
 CLOSED_SHARE = 0.8
 
 
@@ -87,6 +111,7 @@ def run(quick: bool) -> tuple[dict[str, Any], str]:
                 end_process(pid, "session owner")
             rt.close()
             stop_journals(os.path.join(root, "home"))
+    latency = _latency(sizes["settles"])
     dist = {name: distribution(values) for name, values in times.items()}
     base = dist["ls"]["p50"]
     data: dict[str, Any] = {
@@ -99,6 +124,8 @@ def run(quick: bool) -> tuple[dict[str, Any], str]:
         "ms": dist,
         "runs_ms": times,
         "ratio_p50": {name: d["p50"] / base for name, d in dist.items()},
+        "latency_s": {name: distribution(values) for name, values in latency.items()},
+        "latency_runs_s": latency,
         "core_share_steady": {
             "busy": dist["steady"]["p50"] / 1000.0 / FAST_S,
             "idle": dist["steady"]["p50"] / 1000.0 / IDLE_S,
@@ -118,6 +145,13 @@ def _markdown(data: dict[str, Any]) -> str:
         rows.append([what, fmt(d["p50"]), fmt(d["p90"]), fmt(d["max"]),
                      fmt(data["ratio_p50"][name]) + "x"])  # fmt: skip
     share = data["core_share_steady"]
+    lat = data["latency_s"]
+    lat_rows = [
+        [name, fmt(d["p50"], 3), fmt(d["p90"], 3), fmt(d["max"], 3),
+         fmt(d["p50"] / max(lat["long poll"]["p50"], 1e-9)) + "x"]
+        for name, d in (("long poll `?wait=60` (baseline)", lat["long poll"]),
+                        ("live view `/v1/events?follow=1`", lat["live view"]))
+    ]  # fmt: skip
     sizes = data["sizes"]
     return "\n\n".join(
         [
@@ -129,5 +163,88 @@ def _markdown(data: dict[str, Any]) -> str:
             f"The steady refresh takes {share['busy'] * 100:.1f}% of one core while a session "
             f"is live (every {data['polling_s']['busy']} s) and {share['idle'] * 100:.1f}% when "
             f"nothing moves (every {data['polling_s']['idle']} s), only while a page listens.",
+            "How late a settle reaches a client of `settled serve` (s after the receipt's "
+            f"`settled_at`, {len(data['latency_runs_s']['long poll'])} sessions):",
+            md_table(["client", "p50 s", "p90 s", "max s", "p50 / baseline"], lat_rows),
         ]
     )
+
+
+# -- how late a settle reaches a page ---------------------------------------------------------
+
+
+class Follower:
+    """A reader of /v1/events?follow=1 on its own thread: when it first saw each session's
+    process clock settled (wall clock)."""
+
+    def __init__(self, server: ServerProcess) -> None:
+        self.server = server
+        self.seen: dict[str, float] = {}
+        self.ready = threading.Event()
+        self.thread = threading.Thread(target=self._read, daemon=True)
+        self.thread.start()
+        if not self.ready.wait(30):
+            raise RuntimeError("the live view sent no snapshot in 30 s")
+
+    def _read(self) -> None:
+        try:
+            with (
+                self.server.client() as client,
+                client.stream("GET", "/v1/events", params={"follow": "1"}) as stream,
+            ):
+                for line in stream.iter_lines():
+                    if line.startswith("data: "):
+                        self._note(json.loads(line[6:]), time.time())
+                        self.ready.set()
+        except httpx.HTTPError:
+            return  # the server stopped: the end of the benchmark
+
+    def _note(self, data: dict[str, Any], now: float) -> None:
+        for task in data["tasks"]:
+            for row in task["sessions"]:
+                settled = row["clocks"]["process"]["state"] == "settled"
+                if settled and row["session"] not in self.seen:
+                    self.seen[row["session"]] = now
+
+    def when(self, session: str, timeout: float = 30.0) -> float:
+        give_up = time.monotonic() + timeout
+        while session not in self.seen:
+            if time.monotonic() > give_up:
+                raise RuntimeError(f"the live view never showed {session} settled")
+            time.sleep(0.005)
+        return self.seen[session]
+
+
+def _latency(settles: int) -> dict[str, list[float]]:
+    out: dict[str, list[float]] = {"long poll": [], "live view": []}
+    token, mark = secrets.token_urlsafe(24), secrets.token_hex(8)
+    rng = random.Random(16)
+    with scratch("ui-latency") as root:
+        workspace = os.path.join(root, "workspace")
+        os.mkdir(workspace)
+        server = ServerProcess(root, os.path.join(root, "home"), token, mark)
+        owners: list[int] = []
+        try:
+            follower = Follower(server)
+            with server.client() as client:
+                task = client.post("/v1/tasks", json={"workspace": workspace}).json()["task"]
+                for n in range(settles):  # the length varies, or it would beat with the polling
+                    pause = f"{0.1 + rng.random() * 0.5:.3f}"
+                    body = {"key": f"k{n}", "argv": ["sleep", pause]}
+                    admitted = client.post(f"/v1/tasks/{task}/sessions", json=body).json()
+                    owners.append(admitted["owner_pid"])
+                    session = admitted["session"]
+                    view = client.get(f"/v1/sessions/{session}", params={"wait": 60}).json()
+                    answered = time.time()
+                    settled_at = float(view["receipt"]["timings"]["settled_at"])
+                    out["long poll"].append(answered - settled_at)
+                    out["live view"].append(follower.when(session) - settled_at)
+                client.post(f"/v1/tasks/{task}/close", json={})  # ends its journal watch
+        finally:
+            server.stop()
+            for pid in owners:
+                end_process(pid, "session owner")
+            left = kill_marked(mark)
+            if left:
+                log(f"warning: killed {len(left)} processes left with the benchmark's mark")
+    return out

@@ -334,6 +334,9 @@ def test_hostile_output_appears_as_text_and_never_runs(
         task = _task(client, tmp_path / "workspace")
         hostile = _run(client, task, "hostile", HOSTILE)
         line = _run(client, task, "line", "head -c 4194304 /dev/zero | tr '\\0' x")
+        split = _run(
+            client, task, "split", "head -c 65535 /dev/zero | tr '\\0' a; printf '\\303\\251 end'"
+        )
     _open_task(page, server.url, task, TOKEN)
     assert "token" not in page.url  # the fragment left the address bar
     page.locator(f"tr[data-session='{hostile}'] button").click()
@@ -366,6 +369,15 @@ def test_hostile_output_appears_as_text_and_never_runs(
     page.click("#log-load")
     page.locator("#log-out[data-cursor='4194304']").wait_for()
     assert "4194288  78 78 78" in (page.text_content("#log-out") or "")
+
+    # A character cut by the end of a page is held back and shown whole with the next one.
+    page.select_option("#log-view", "text")
+    page.locator(f"tr[data-session='{split}'] button").click()
+    page.locator("#log-out[data-cursor='65536']").wait_for()
+    assert page.text_content("#log-out") == "a" * 65535
+    page.click("#log-next")
+    page.locator("#log-out[data-final='true'][data-cursor='65541']").wait_for()
+    assert page.text_content("#log-out") == "a" * 65535 + "\u00e9 end"
     assert page.dialogs == []  # type: ignore[attr-defined]
 
 
@@ -514,3 +526,39 @@ def test_a_change_made_outside_the_server_reaches_a_follower(
                     break
     with Runtime(str(home)) as rt:
         rt.close_task(task)  # ends the task's journal watch on whichever store
+
+
+def _pidfds(pid: int) -> int:
+    fds = Path(f"/proc/{pid}/fd")
+    return sum(1 for fd in fds.iterdir() if os.readlink(fd) == "anon_inode:[pidfd]")
+
+
+@pytest.mark.timeout(120)
+def test_the_live_view_closes_every_owner_exit_handle_it_watched(
+    start_server: Callable[..., Server], tmp_path: Path
+) -> None:
+    """A follower makes the view watch each live session's owner for its exit (to show the
+    settle at once); once the sessions settle, the server holds none of those handles."""
+    server = start_server()
+    with server.client() as client:
+        task = _task(client, tmp_path / "workspace")
+        with client.stream("GET", "/v1/events?follow=1") as live:
+            lines = live.iter_lines()
+            assert next(lines) == "event: snapshot"
+            before = _pidfds(server.process.pid)
+            sessions = [_run(client, task, f"k{n}", "sleep 0.2") for n in range(5)]
+            settled: set[str] = set()
+            for line in lines:
+                if line.startswith("data: "):
+                    for view in json.loads(line[6:])["tasks"]:
+                        settled |= {
+                            row["session"]
+                            for row in view["sessions"]
+                            if row["clocks"]["process"]["state"] == "settled"
+                        }
+                if settled >= set(sessions):
+                    break
+            give_up = time.monotonic() + 30  # the handles close at the view's next refresh
+            while _pidfds(server.process.pid) > before and time.monotonic() < give_up:
+                time.sleep(0.05)
+            assert _pidfds(server.process.pid) <= before

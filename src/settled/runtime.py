@@ -766,6 +766,20 @@ class Runtime:
         owners = {s.session: self.owner_facts(s) for s in facts.sessions if s.live}
         return task_clocks(facts, owners, limit)
 
+    def exit_handle(self, session: str) -> int | None:
+        """A handle (a pidfd) that becomes readable when the live session's owner exits, or
+        None (no owner yet, an owner on another host, or none alive). The owner writes its
+        receipt before it exits, so whoever wakes on it reads the receipt; an owner that dies
+        without one wakes it too, and the status then says unknown. Close it with
+        ``close_exit_handle``."""
+        record = self.store.get_session(grammar.check_id("session", session))
+        if record.owner is None or not record.live:
+            return None
+        return self.sessions.liveness.exit_handle(record.owner)
+
+    def close_exit_handle(self, handle: int) -> None:
+        self.sessions.liveness.close_handle(handle)
+
     def await_change(self, topics: tuple[str, ...], seconds: float) -> None:
         """Block until the store may have changed for one of ``topics`` (task or session ids;
         ``"*"``: anything) or ``seconds`` pass: a wakeup where the store notifies (PostgreSQL),

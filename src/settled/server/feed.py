@@ -4,12 +4,14 @@ may see, each with its sessions' four clocks (settled.clocks through ``Runtime.c
 
 Owns: the board (the newest ``BOARD_LIMIT`` tasks, plus every task a subscribed scoped token
 names), refreshed while anyone listens: woken by the store's change notifications where it has
-them (PostgreSQL LISTEN, on a thread of its own), by this server's own writes (``nudge``), and
-otherwise by bounded polling (``FAST_S`` while a task has a live session or is closing,
-``IDLE_S`` when nothing moves). A change is a task whose view differs from the last one sent.
-Each grant has its own change log, so an event id (``<server instance>-<n>``) counts only the
-changes that token may see, and ``Last-Event-ID`` resumes with every task changed since; an id
-from another server instance, or older than the log keeps, gets a full snapshot instead.
+them (PostgreSQL LISTEN, on a thread of its own), by this server's own writes (``nudge``), by
+the exit of a live session's owner on this host (it writes its receipt, then exits: a handle
+from ``Runtime.exit_handle`` registered with the event loop), and otherwise by bounded polling
+(``FAST_S`` while a task has a live session or is closing, ``IDLE_S`` when nothing moves).
+A change is a task whose view differs from the last one sent. Each grant has its own change
+log, so an event id (``<server instance>-<n>``) counts only the changes that token may see, and
+``Last-Event-ID`` resumes with every task changed since; an id from another server instance,
+or older than the log keeps, gets a full snapshot instead.
 
 Must never: show a token a task outside its grant (not even as a gap in its event ids), hold a
 worker thread while it waits (the watcher has its own thread and Runtime; the board is computed
@@ -39,6 +41,7 @@ from settled.server.pool import RuntimePool
 from settled.states import is_live
 
 BOARD_LIMIT = 50
+EXITS_WATCHED = 256  # live sessions whose owner's exit wakes the view; past that, it polls
 RING = 4096  # changes each grant's log keeps for a resume; older ids get a snapshot
 FAST_S = 0.25
 IDLE_S = 1.0
@@ -110,6 +113,8 @@ class ChangeFeed:
         self._changed = asyncio.Event()
         self._refreshed = (0, 0)  # (refreshes started, refreshes done)
         self._watcher: _Watcher | None = None
+        self._exits: dict[str, int | None] = {}  # live session -> its owner's exit handle
+        self._closing: list[int] = []  # exit handles to close (on a worker, by the Runtime)
 
     # -- the loop ---------------------------------------------------------------------------
 
@@ -123,6 +128,7 @@ class ChangeFeed:
                 self._wake.clear()
                 started = time.monotonic()
                 await self._refresh()
+                await self._watch_exits()
                 pause = FAST_S if any(busy(v) for v in self.views.values()) else IDLE_S
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), pause)
@@ -130,6 +136,8 @@ class ChangeFeed:
         finally:
             self._runner = None
             self._stop_watcher()
+            with contextlib.suppress(RuntimeError):  # the pool may be closing: so is the process
+                await self._forget_exits(list(self._exits))
 
     async def _refresh(self) -> None:
         started, done = self._refreshed
@@ -157,6 +165,45 @@ class ChangeFeed:
                 self.views[task] = view
                 for grant_log in self._logs.values():
                     grant_log.record(task)
+
+    async def _watch_exits(self) -> None:
+        """Register each live session's owner exit with the event loop (the owner writes its
+        receipt, then exits: the view refreshes at once); forget the sessions no longer live."""
+        live = [
+            row["session"]
+            for view in self.views.values()
+            for row in view["sessions"]
+            if is_live(row["state"])
+        ]
+        await self._forget_exits([s for s in self._exits if s not in set(live)])
+        room = EXITS_WATCHED - len(self._exits)
+        new = [s for s in live if s not in self._exits][: max(0, room)]
+        if not new:
+            return
+        loop = asyncio.get_running_loop()
+        for session, handle in (await self.pool.call(views.exit_handles, new)).items():
+            self._exits[session] = handle
+            if handle is not None:
+                loop.add_reader(handle, self._exited, session)
+
+    def _exited(self, session: str) -> None:
+        handle = self._exits.get(session)
+        if handle is not None:
+            asyncio.get_running_loop().remove_reader(handle)
+            self._exits[session] = None  # closed when the session leaves the live ones
+            self._closing.append(handle)
+        self.nudge()
+
+    async def _forget_exits(self, sessions: list[str]) -> None:
+        loop = asyncio.get_running_loop()
+        for session in sessions:
+            handle = self._exits.pop(session, None)
+            if handle is not None:
+                loop.remove_reader(handle)
+                self._closing.append(handle)
+        closing, self._closing = self._closing, []
+        if closing:
+            await self.pool.call(views.close_handles, closing)
 
     async def _fresh(self) -> None:
         """Wait for a refresh that began after this call (so it covers a new listener)."""

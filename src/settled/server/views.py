@@ -236,3 +236,22 @@ def board(
             view.pop("close_receipt", None)  # the page asks for it when it shows it
             fresh[task] = view
     return [t for t in order if t in fresh or t in final], fresh
+
+
+def exit_handles(rt: Runtime, sessions: list[str]) -> dict[str, int | None]:
+    """For each live session whose owner has claimed it, a handle that wakes when that owner
+    exits (None: none to watch here, e.g. another host's); the feed refreshes at once instead
+    of at its next poll. A session not claimed yet is left out, to be asked again."""
+    handles: dict[str, int | None] = {}
+    for session in sessions:
+        try:
+            if rt.session_record(session).owner is not None:
+                handles[session] = rt.exit_handle(session)
+        except UnknownSession:
+            handles[session] = None
+    return handles
+
+
+def close_handles(rt: Runtime, handles: list[int]) -> None:
+    for handle in handles:
+        rt.close_exit_handle(handle)

@@ -447,7 +447,7 @@ function renderHex(bytes, stream, cursor) {
   return el("span", { class: "chunk hex", data: { stream } }, stream + "\n" + lines.join("\n") + "\n");
 }
 
-const logState = { session: null, stream: "merged", cursor: 0, start: 0, final: false, end: null, carry: {}, pages: [], dropped: null, busy: false, follow: null };
+const logState = { session: null, stream: "merged", cursor: 0, start: 0, final: false, end: null, carry: {}, pages: [], dropped: null, busy: null, gen: 0, follow: null };
 
 function openLog(session) {
   $("log-pane").hidden = false;
@@ -463,30 +463,37 @@ function readLog(event) {
   if (!Number.isSafeInteger(cursor) || cursor < 0) return setText("log-note", "a cursor is a whole number of bytes, 0 or more");
   Object.assign(logState, {
     session: $("log-session").textContent, stream: $("log-stream").value, cursor, start: cursor, final: false,
-    end: null, carry: {}, pages: [], dropped: null,
+    end: null, carry: {}, pages: [], dropped: null, gen: logState.gen + 1,
   });
-  $("log-out").replaceChildren();
+  const out = $("log-out");
+  out.replaceChildren();
+  delete out.dataset.cursor; // set again once the first page is read
+  delete out.dataset.final;
   nextPage();
 }
 
+// One read at a time per reading; a new reading (Read, another session) makes the answers of
+// an older one arrive to nothing.
 async function nextPage() {
-  if (logState.busy || !logState.session) return 0;
-  logState.busy = true;
+  const gen = logState.gen;
+  if (logState.busy === gen || !logState.session) return 0;
+  logState.busy = gen;
   try {
-    return await (logState.stream === "merged" ? mergedPage() : streamPage());
+    return await (logState.stream === "merged" ? mergedPage(gen) : streamPage(gen));
   } catch (err) {
-    if (!(err instanceof Unauthorized)) setText("log-note", "read failed: " + err);
+    if (!(err instanceof Unauthorized) && gen === logState.gen) setText("log-note", "read failed: " + err);
     return 0;
-  } finally { logState.busy = false; }
+  } finally { if (logState.busy === gen) logState.busy = null; }
 }
 
 function pageSize() { return Number($("log-page").value); }
 function hexView() { return $("log-view").value === "hex"; }
 
-async function mergedPage() {
+async function mergedPage(gen) {
   const s = logState;
   const from = s.cursor;
   const { res, body } = await apiJSON("/v1/sessions/" + encodeURIComponent(s.session) + "/merged?from=" + from + "&max=" + pageSize());
+  if (gen !== s.gen) return 0;
   if (!res.ok) { setText("log-note", problem(body, res)); return 0; }
   const chunks = body.chunks.map((c) => ({ ...c, bytes: base64Bytes(c.data) }));
   const last = body.final && chunks.length === 0;
@@ -499,10 +506,11 @@ async function mergedPage() {
   return s.cursor - from;
 }
 
-async function streamPage() {
+async function streamPage(gen) {
   const s = logState;
   const from = s.cursor;
   const res = await api("/v1/sessions/" + encodeURIComponent(s.session) + "/output?stream=" + s.stream + "&from=" + from + "&max=" + pageSize());
+  if (gen !== s.gen) return 0;
   if (!res.ok) {
     let body = null;
     try { body = await res.json(); } catch (_) { body = null; }
@@ -510,6 +518,7 @@ async function streamPage() {
     return 0;
   }
   const bytes = new Uint8Array(await res.arrayBuffer());
+  if (gen !== s.gen) return 0;
   const finalCursor = res.headers.get("Settled-Final-Cursor");
   s.end = finalCursor === null ? null : Number(finalCursor);
   s.cursor = from + bytes.length;
