@@ -33,6 +33,7 @@ from typing import Any
 import httpx
 from common import _stop_journals as stop_journals
 from common import (
+    await_exit,
     distribution,
     end_process,
     fmt,
@@ -40,6 +41,7 @@ from common import (
     kill_marked,
     log,
     machine,
+    marked,
     md_table,
     scratch,
 )
@@ -112,6 +114,7 @@ def run(quick: bool) -> tuple[dict[str, Any], str]:
             rt.close()
             stop_journals(os.path.join(root, "home"))
     latency = _latency(sizes["settles"])
+    left = int(latency.pop("left")[0])
     dist = {name: distribution(values) for name, values in times.items()}
     base = dist["ls"]["p50"]
     data: dict[str, Any] = {
@@ -126,6 +129,7 @@ def run(quick: bool) -> tuple[dict[str, Any], str]:
         "ratio_p50": {name: d["p50"] / base for name, d in dist.items()},
         "latency_s": {name: distribution(values) for name, values in latency.items()},
         "latency_runs_s": latency,
+        "left": left,
         "core_share_steady": {
             "busy": dist["steady"]["p50"] / 1000.0 / FAST_S,
             "idle": dist["steady"]["p50"] / 1000.0 / IDLE_S,
@@ -166,6 +170,8 @@ def _markdown(data: dict[str, Any]) -> str:
             "How late a settle reaches a client of `settled serve` (s after the receipt's "
             f"`settled_at`, {len(data['latency_runs_s']['long poll'])} sessions):",
             md_table(["client", "p50 s", "p90 s", "max s", "p50 / baseline"], lat_rows),
+            "Processes left carrying the benchmark's mark after the server stopped: "
+            f"**{data['left']}** (must be 0).",
         ]
     )
 
@@ -244,7 +250,11 @@ def _latency(settles: int) -> dict[str, list[float]]:
             server.stop()
             for pid in owners:
                 end_process(pid, "session owner")
+            stop_journals(os.path.join(root, "home"))  # the server's home started one
+            for pid in marked(mark):  # a stopped journal releases its lock, then exits
+                await_exit(pid, 5.0)
             left = kill_marked(mark)
             if left:
                 log(f"warning: killed {len(left)} processes left with the benchmark's mark")
+    out["left"] = [float(len(left))]
     return out
