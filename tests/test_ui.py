@@ -183,13 +183,14 @@ def browser_page(tmp_path: Path) -> Iterator[Page]:
     profile.mkdir()
     argv = [CHROMIUM, *CHROMIUM_FLAGS, f"--user-data-dir={profile}"]
     argv += ["--remote-debugging-address=127.0.0.1", "--remote-debugging-port=0", "about:blank"]
-    chromium = subprocess.Popen(
-        argv,
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-        stderr=open(tmp_path / "chromium.log", "wb"),  # noqa: SIM115 (closed with the process)
-        start_new_session=True,
-    )
+    with open(tmp_path / "chromium.log", "wb") as sink:  # the child keeps its own copy
+        chromium = subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=sink,
+            start_new_session=True,  # its renderers share its process group: ended with it
+        )
     try:
         port = _devtools_port(profile / "DevToolsActivePort", chromium)
         with sync_playwright() as driver:
