@@ -641,12 +641,6 @@ class Runtime:
         session's owner exits, so a relay sees a short command end then (sessions.pauses)."""
         return self.sessions.pauses(grammar.check_id("session", session))
 
-    def owner_exit_handle(self, session: str) -> int | None:
-        """A descriptor that becomes readable when the session's owner exits (it records the
-        receipt just before), for a waiter on an event loop; None when this host has no owner
-        of it to watch (then wait on the store). The caller closes it (`os.close`)."""
-        return self.sessions.exit_handle(grammar.check_id("session", session))
-
     def cancel(self, session: str, reason: str = "cancel requested") -> dict[str, Any]:
         """Ask the owner to stop the session (TERM, grace, KILL over the whole boundary)."""
         reason = grammar.check_text("reason", reason, grammar.MAX_REASON_BYTES)
@@ -787,10 +781,7 @@ class Runtime:
         receipt before it exits, so whoever wakes on it reads the receipt; an owner that dies
         without one wakes it too, and the status then says unknown. Close it with
         ``close_exit_handle``."""
-        record = self.store.get_session(grammar.check_id("session", session))
-        if record.owner is None or not record.live:
-            return None
-        return self.sessions.liveness.exit_handle(record.owner)
+        return self.sessions.exit_handle(grammar.check_id("session", session))
 
     def close_exit_handle(self, handle: int) -> None:
         self.sessions.liveness.close_handle(handle)

@@ -172,7 +172,7 @@ class Handlers:
         return _json(view, 202 if wait_s and not views.is_settled(view) else 200)
 
     async def _await_settled(self, grant: Grant, session: str, give_up: float) -> dict[str, Any]:
-        handle = await self.pool.call(views.owner_exit_handle, grant, session)
+        handle = await self.pool.call(views.exit_handle, grant, session)
         exited = asyncio.Event()
         loop = asyncio.get_running_loop()
         if handle is not None:

@@ -105,9 +105,9 @@ def session_status(rt: Runtime, grant: Grant, session: str) -> dict[str, Any]:
     return rt.session_status(session)
 
 
-def owner_exit_handle(rt: Runtime, grant: Grant, session: str) -> int | None:
+def exit_handle(rt: Runtime, grant: Grant, session: str) -> int | None:
     visible_session(rt, grant, session)
-    return rt.owner_exit_handle(session)
+    return rt.exit_handle(session)
 
 
 def is_settled(view: dict[str, Any]) -> bool:
