@@ -24,9 +24,11 @@ import isolation
 import kill
 import load
 import objects_s3
+import receipt
 import remote
 import startup
 import store_ops
+import ui_feed
 from common import RESULTS_DIR, log, write_results
 
 BENCHMARKS = {
@@ -38,10 +40,12 @@ BENCHMARKS = {
     "close_latency": close_latency.run,
     "load": load.run,
     "http": http_bench.run,
+    "receipt": receipt.run,
     "isolation": isolation.run,
     "remote": remote.run,
     "objects_s3": objects_s3.run,
     "store_ops": store_ops.run,
+    "ui_feed": ui_feed.run,
 }
 # Benchmarks that also write a file beside their results (a plot): called with (out_dir, data),
 # they return a markdown line to append to the benchmark's section.

@@ -7,7 +7,6 @@ the digest, nothing else may, and bad input is refused before anything is record
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import math
@@ -71,7 +70,7 @@ ONE_FIELD_CHANGES = [
 def test_changing_any_one_field_changes_the_digest(
     base: CommandSpec, change: dict[str, Any]
 ) -> None:
-    changed = dataclasses.replace(base, **change)
+    changed = base.replace(**change)
     assert changed.digest != base.digest
 
 

@@ -51,9 +51,10 @@ FACE_NEUTRAL = {
     "settled.states",
 }
 FACES = {
-    "settled.baseline",  # the demo's plain-subprocess baseline: it measures, it decides nothing
     "settled.cli",
     "settled.cli.verbs",
+    "settled.cli.frame",
+    "settled.cli.reads",
     "settled.cli.__main__",
     "settled.client",
     "settled.demo",
@@ -70,6 +71,7 @@ UNITS: list[tuple[str, str]] = [
     ("store", "settled.store"),
     ("decisions", "settled.close.decide"),
     ("decisions", "settled.status"),
+    ("decisions", "settled.clocks"),  # the four clocks of /ui, over the close's facts
     ("close", "settled.close.join"),
     ("close", "settled.close.facts"),  # reads the store for the join and for explain
     ("decisions", "settled.close"),  # the package: a docstring
@@ -87,6 +89,7 @@ UNITS: list[tuple[str, str]] = [
     ("runtime", "settled.runtime"),
     ("faces", "settled.server"),
     ("faces", "settled.integrations"),  # the harness adapters: through the Runtime or Client
+    ("faces", "settled.probe"),  # `settled probe`: experiments through the Runtime or Client
 ]
 
 BELOW_RUNTIME = {

@@ -111,7 +111,7 @@ def test_a_session_no_owner_ever_claimed_is_settled_as_never_started(
     rt: Runtime, task: TaskRecord, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     record, _ = rt.store.admit(task.task, "orphan", "sha256:" + "0" * 64, {"v": "x"})
-    monkeypatch.setattr("settled.recovery.READY_TIMEOUT_S", -1.0)  # as if it waited long
+    monkeypatch.setattr("settled.owner.launcher.READY_TIMEOUT_S", -1.0)  # as if it waited long
     [result] = rt.recover(task.task)
     assert result["state"] == "settled"
     receipt = rt.store.get_session(record.session).receipt

@@ -93,6 +93,86 @@ def test_read_only_verbs_do_not_import_the_checkpoint_the_server_or_mcp(
     assert heavy == [], f"`settled {' '.join(verb)}` imported {heavy}"
 
 
+# What the standard library would add to every `settled status` if let in: argparse brings
+# gettext and locale, dataclasses brings inspect (ast, dis, tokenize), hashlib loads OpenSSL,
+# typing is a module as large as the rest; together they cost more than the interpreter's start.
+NOT_ON_THE_READ_PATH = ("argparse", "dataclasses", "inspect", "typing", "_hashlib")
+
+
+@pytest.mark.parametrize(
+    "verb",
+    [["status", "{task}", "--json"], ["status", "{session}"], ["ps", "{task}"], ["ls", "-q"]],
+    ids=lambda verb: " ".join(verb),
+)
+def test_plain_read_verbs_load_none_of_the_costly_standard_library(
+    closed_task: tuple[Path, str, str], verb: list[str]
+) -> None:
+    home, task, session = closed_task
+    argv = [word.format(task=task, session=session) for word in verb]
+    loaded = _modules_of(argv, home)
+    assert "settled.runtime" in loaded  # the probe saw the verb run
+    assert sorted(set(NOT_ON_THE_READ_PATH) & loaded) == []
+
+
+QUICK_LINES = [
+    ["status", "t_0123456789abcdef"],
+    ["status", "s_0123456789abcdef", "--json"],
+    ["--json", "status", "t_0123456789abcdef", "-q", "--debug"],
+    ["--home", "/tmp/h", "status", "--home=/tmp/other", "t_0123456789abcdef"],
+    ["status", "t_0123456789abcdef", "--store", "sqlite:///tmp/x.db", "--objects=file:///o"],
+    ["ps", "t_0123456789abcdef", "--quiet"],
+    ["ls"],
+    ["ls", "--limit", "7", "--json"],
+    ["ls", "--limit=100000"],
+    ["--home=/tmp/h", "ls", "--json", "--json"],
+]
+NOT_QUICK = [
+    [],
+    ["status"],
+    ["status", "t_1", "t_2"],
+    ["status", "--help"],
+    ["status", "-h", "t_0123456789abcdef"],
+    ["status", "--js", "t_0123456789abcdef"],  # an abbreviation: argparse's to accept
+    ["status", "--home", "t_0123456789abcdef"],
+    ["status", "--home", "-x", "t_0123456789abcdef"],
+    ["status", "--", "t_0123456789abcdef"],
+    ["status", "bad id!"],
+    ["--limit", "5", "ls"],
+    ["ls", "--limit", "0"],
+    ["ls", "--limit", "ten"],
+    ["ps"],
+    ["logs", "s_0123456789abcdef"],
+    ["task", "new"],
+    ["--version"],
+]
+
+
+def test_the_quick_parse_of_a_read_verb_is_the_full_parsers_or_none() -> None:
+    """Every line the quick path takes gives the namespace argparse gives; every other line is
+    left to argparse, so help, abbreviations and refusals read as they always have."""
+    from settled.cli.reads import parse_quick
+    from settled.cli.verbs import build_parser
+
+    for argv in QUICK_LINES:
+        quick = parse_quick(argv)
+        assert quick is not None, argv
+        assert vars(quick) == vars(build_parser().parse_args(argv)), argv
+    for argv in NOT_QUICK:
+        assert parse_quick(argv) is None, argv
+
+
+def test_a_refused_read_verb_line_is_worded_by_the_full_parser(tmp_path: Path) -> None:
+    env = {**os.environ, "SETTLED_HOME": str(tmp_path)}
+    for argv, words in ((["status"], "required"), (["ls", "--limit", "0"], "--limit")):
+        done = subprocess.run(
+            [sys.executable, "-m", "settled", *argv, "--json"], env=env, capture_output=True,
+            timeout=60,
+        )  # fmt: skip
+        assert done.returncode == 2, done.stderr
+        assert words in done.stderr.decode(), done.stderr
+        assert "error" in json.loads(done.stdout)
+
+
 def test_version_imports_nothing_but_the_package(tmp_path: Path) -> None:
     from settled import __version__
 

@@ -13,7 +13,10 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterator
-from typing import BinaryIO
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import BinaryIO
 
 
 def fsync_dir(path: str) -> None:

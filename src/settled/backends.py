@@ -19,12 +19,15 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
-from typing import Final
-from urllib.parse import urlsplit, urlunsplit
 
 from settled.atomic import create_once
 from settled.errors import BadInput, HomeUnusable
+from settled.records import Frozen
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Final
+    from urllib.parse import SplitResult
 
 BINDING_FILE: Final = "backends.json"
 STORE_ENV: Final = "SETTLED_STORE"
@@ -52,18 +55,21 @@ class BackendMismatch(BadInput):
     """The home is bound to other backends than the ones asked for."""
 
 
-@dataclass(frozen=True)
-class Backends:
+class Backends(Frozen):
+    __slots__ = ("objects", "store")
     store: str  # sqlite:///abs/path | postgresql://...
     objects: str  # file:///abs/path | s3://bucket/prefix
 
+    def __init__(self, store: str, objects: str) -> None:
+        self._fill(locals())
+
     @property
     def store_scheme(self) -> str:
-        return urlsplit(self.store).scheme
+        return scheme(self.store)
 
     @property
     def objects_scheme(self) -> str:
-        return urlsplit(self.objects).scheme
+        return scheme(self.objects)
 
     @property
     def remote(self) -> bool:
@@ -75,15 +81,38 @@ class Backends:
         return {"store": redacted(self.store), "objects": redacted(self.objects)}
 
 
+def scheme(url: str) -> str:
+    """The scheme, as `urlsplit` reads it (lowercase; none unless a letter leads letters, digits,
+    `+`, `-` or `.` before the first colon), without importing urllib.parse: every verb reads
+    its home's binding, and urllib.parse (with ipaddress) costs as much as the rest of `status`."""
+    name, colon, _ = url.partition(":")
+    leads = name[:1].isascii() and name[:1].isalpha()
+    if colon and leads and all(c.isascii() and (c.isalnum() or c in "+-.") for c in name):
+        return name.lower()
+    return ""
+
+
+def _split(url: str) -> SplitResult:
+    from urllib.parse import urlsplit  # only where a URL is checked or redacted
+
+    return urlsplit(url)
+
+
+def _unsplit(parts: SplitResult) -> str:
+    from urllib.parse import urlunsplit
+
+    return urlunsplit(parts)
+
+
 def redacted(url: str) -> str:
     """The URL with any password replaced by `***`."""
-    parts = urlsplit(url)
+    parts = _split(url)
     if parts.password is None:
         return url
     user = parts.username or ""
     host = parts.hostname or ""
     port = f":{parts.port}" if parts.port else ""
-    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}{port}"))
+    return _unsplit(parts._replace(netloc=f"{user}:***@{host}{port}"))
 
 
 def default_backends(home: str) -> Backends:
@@ -99,7 +128,7 @@ def binding_path(home: str) -> str:
 
 def check_store_url(url: str) -> str:
     """The store URL normalised (`postgres://` spelled `postgresql://`), or BadBackend."""
-    parts = urlsplit(url)
+    parts = _split(url)
     if parts.scheme not in STORE_SCHEMES:
         raise BadBackend(
             f"store URL {redacted(url)!r}: the scheme must be one of sqlite:///PATH or "
@@ -111,11 +140,11 @@ def check_store_url(url: str) -> str:
         return f"sqlite://{os.path.normpath(parts.path)}"
     if not parts.path.strip("/"):
         raise BadBackend(f"store URL {redacted(url)!r} names no database (…/DBNAME)")
-    return urlunsplit(parts._replace(scheme="postgresql"))
+    return _unsplit(parts._replace(scheme="postgresql"))
 
 
 def check_objects_url(url: str) -> str:
-    parts = urlsplit(url)
+    parts = _split(url)
     if parts.scheme not in OBJECT_SCHEMES:
         raise BadBackend(
             f"objects URL {url!r}: the scheme must be one of file:///PATH or s3://BUCKET/PREFIX"

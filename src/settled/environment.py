@@ -17,23 +17,32 @@ import contextlib
 import os
 import pwd
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
 
 from settled.errors import BadInput
+from settled.records import Frozen
 
 STANDARD_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 SETTLED_PREFIX = "SETTLED_"  # the home, the store, tokens, fault points: settled's own
 STANDING_INHERIT_ENV = "SETTLED_INHERIT"
 
 
-@dataclass(frozen=True)
-class CallerEnv:
+class CallerEnv(Frozen):
     """What a caller passes: the variables, which of them came from its environment, and
     which of its variables were withheld (by name only; their values never travel)."""
 
-    env: dict[str, str] = field(default_factory=dict)
-    inherited: tuple[str, ...] = ()
-    removed: tuple[str, ...] = ()
+    __slots__ = ("env", "inherited", "removed")
+    env: dict[str, str]
+    inherited: tuple[str, ...]
+    removed: tuple[str, ...]
+
+    def __init__(
+        self,
+        env: dict[str, str] | None = None,
+        inherited: tuple[str, ...] = (),
+        removed: tuple[str, ...] = (),
+    ) -> None:
+        env = {} if env is None else env
+        self._fill(locals())
 
 
 def base_environment(uid: int | None = None) -> dict[str, str]:

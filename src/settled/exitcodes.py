@@ -13,10 +13,11 @@ deadline stopped it, 127 when it never started.
 
 from __future__ import annotations
 
-import signal
-from typing import Any, Final
-
 from settled.receipts import verify
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any, Final
 
 RUN_TIMEOUT: Final = 124
 """The timeout fired and settled stopped the command (as timeout(1) reports it), whatever the
@@ -34,7 +35,7 @@ status, or the receipt is not one this code can trust. Not failure and not succe
 RUN_SIGNAL_BASE: Final = 128
 """A command killed by signal N exits with RUN_SIGNAL_BASE + N, as a shell reports it."""
 
-RUN_CANCELLED: Final = RUN_SIGNAL_BASE + signal.SIGTERM
+RUN_CANCELLED: Final = RUN_SIGNAL_BASE + 15  # SIGTERM on Linux
 """A cancelled command that never ran, or that exited 0 on the TERM cancel sent it: what a shell
 reports for a command ended by TERM (a cancel never reads as success)."""
 
@@ -82,6 +83,8 @@ def _waited(exit_fact: dict[str, Any]) -> int | None:
     if code is not None:
         return code if type(code) is int and 0 <= code <= 255 else None
     if isinstance(name, str):
+        import signal  # only here: its enums cost every `settled status` a third of a ms
+
         try:
             return RUN_SIGNAL_BASE + signal.Signals["SIG" + name].value
         except KeyError:

@@ -68,9 +68,12 @@ import math
 import re
 import unicodedata
 from collections.abc import Iterable
-from typing import Any, Final
 
 from settled.errors import BadInput
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any, Final
 
 # -- the bounds -----------------------------------------------------------------------------
 

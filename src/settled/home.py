@@ -19,9 +19,9 @@ import errno
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 
 from settled.errors import HomeUnusable, SettledError, SpaceExhausted, StorageFailed, StoreMissing
+from settled.records import Frozen
 
 ROOT_HOME = "/var/lib/settled"  # root's home, as a system service keeps its state
 STORE_FILE = "settled.db"
@@ -216,14 +216,17 @@ SPACE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
 STORAGE_ERRNOS = SPACE_ERRNOS | {errno.EIO, errno.EROFS}
 
 
-@dataclass(frozen=True)
-class Space:
+class Space(Frozen):
     """One statvfs of the home's filesystem, with the reserve that applies to it."""
 
+    __slots__ = ("free", "path", "reserve", "total")
     path: str
     free: int  # bytes available to this user (f_bavail)
     total: int
     reserve: int
+
+    def __init__(self, path: str, free: int, total: int, reserve: int) -> None:
+        self._fill(locals())
 
     @property
     def spare(self) -> int:

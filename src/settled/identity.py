@@ -9,12 +9,15 @@ Never touches processes or the store.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
-from typing import Any
 
 from settled import grammar
 from settled.canonical import digest_of
 from settled.errors import BadInput
+from settled.records import Frozen
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
 
 SPEC_VERSION = "settled.command/v1"
 BOUNDARY_POLICIES = ("auto", "cgroup2+pidns", "cgroup2", "pidns", "subreaper", "pgroup")
@@ -32,64 +35,87 @@ def new_id(prefix: str) -> str:
     return f"{prefix}_{os.urandom(8).hex()}"
 
 
-@dataclass(frozen=True)
-class CommandSpec:
-    """Everything that defines a run; two specs with equal digests are the same command."""
+class CommandSpec(Frozen):
+    """Everything that defines a run; two specs with equal digests are the same command.
+    Built by keyword; every field is checked against its grammar (``settled.grammar``) here,
+    whoever builds the spec, and normalized so that one command has one digest."""
 
-    argv: tuple[str, ...] | None = None
-    shell: str | None = None
-    cwd: str = "."
-    env: tuple[tuple[str, str], ...] = ()
-    stdin_digest: str | None = None
-    timeout: float | None = None
-    grace: float = DEFAULT_GRACE_S
-    boundary: str = "auto"
-    service: bool = False
-    isolation: str = "auto"
-    user: tuple[int, int] | None = None  # (uid, gid) the command runs as; None: the owner's
-    writable: tuple[str, ...] = ()  # host paths granted writable beside the workspace and /tmp
-    inherited: tuple[str, ...] = ()  # names in env whose values came from the caller's environ
-    env_removed: tuple[str, ...] = ()  # the caller's names withheld from --inherit-env
+    __slots__ = (
+        "argv",
+        "boundary",
+        "cwd",
+        "env",
+        "env_removed",
+        "grace",
+        "inherited",
+        "isolation",
+        "service",
+        "shell",
+        "stdin_digest",
+        "timeout",
+        "user",
+        "writable",
+    )
+    argv: tuple[str, ...] | None
+    shell: str | None
+    cwd: str
+    env: tuple[tuple[str, str], ...]
+    stdin_digest: str | None
+    timeout: float | None
+    grace: float
+    boundary: str
+    service: bool
+    isolation: str
+    user: tuple[int, int] | None  # (uid, gid) the command runs as; None: the owner's
+    writable: tuple[str, ...]  # host paths granted writable beside the workspace and /tmp
+    inherited: tuple[str, ...]  # names in env whose values came from the caller's environ
+    env_removed: tuple[str, ...]  # the caller's names withheld from --inherit-env
 
-    def __post_init__(self) -> None:
-        """Every field inside its grammar (``settled.grammar``), whoever built the spec."""
-        if (self.argv is None) == (self.shell is None):
+    def __init__(
+        self,
+        *,
+        argv: tuple[str, ...] | None = None,
+        shell: str | None = None,
+        cwd: str = ".",
+        env: tuple[tuple[str, str], ...] = (),
+        stdin_digest: str | None = None,
+        timeout: float | None = None,
+        grace: float = DEFAULT_GRACE_S,
+        boundary: str = "auto",
+        service: bool = False,
+        isolation: str = "auto",
+        user: tuple[int, int] | None = None,
+        writable: tuple[str, ...] = (),
+        inherited: tuple[str, ...] = (),
+        env_removed: tuple[str, ...] = (),
+    ) -> None:
+        if (argv is None) == (shell is None):
             raise BadInput("a command needs exactly one of argv or shell")
-        if self.argv is not None:
-            object.__setattr__(self, "argv", grammar.check_argv("argv", self.argv))
-        if self.shell is not None:
-            grammar.check_text("shell", self.shell, grammar.MAX_ARG_BYTES)
-        grammar.check_text("cwd", self.cwd, grammar.MAX_PATH_BYTES)
-        object.__setattr__(self, "env", grammar.check_env("env", self.env))
-        grammar.check_command_size("command", self.exec_argv, self.env)
-        if self.timeout is not None:  # 5 and 5.0 are one command
-            timeout = grammar.check_seconds("timeout", self.timeout, grammar.MAX_TIMEOUT_S)
-            object.__setattr__(self, "timeout", timeout)
-        object.__setattr__(
-            self, "grace", grammar.check_seconds("grace", self.grace, grammar.MAX_GRACE_S)
-        )
-        grammar.check_choice("boundary", self.boundary, BOUNDARY_POLICIES)
-        grammar.check_choice("isolation", self.isolation, ISOLATION_POLICIES)
-        grammar.check_bool("service", self.service)
-        if self.user is not None:
-            object.__setattr__(self, "user", check_user(self.user))
-        writable = grammar.check_paths("writable", self.writable)
-        object.__setattr__(self, "writable", tuple(sorted(set(writable))))
-        names = {name for name, _ in self.env}
-        for label in ("inherited", "env_removed"):
-            listed = tuple(sorted(set(getattr(self, label))))
-            grammar.check_env(label, ((name, "") for name in listed))
-            object.__setattr__(self, label, listed)
-        if stray := set(self.inherited) - names:
+        if argv is not None:
+            argv = grammar.check_argv("argv", argv)
+        if shell is not None:
+            grammar.check_text("shell", shell, grammar.MAX_ARG_BYTES)
+        grammar.check_text("cwd", cwd, grammar.MAX_PATH_BYTES)
+        env = grammar.check_env("env", env)
+        grammar.check_command_size("command", _exec_argv(argv, shell), env)
+        if timeout is not None:  # 5 and 5.0 are one command
+            timeout = grammar.check_seconds("timeout", timeout, grammar.MAX_TIMEOUT_S)
+        grace = grammar.check_seconds("grace", grace, grammar.MAX_GRACE_S)
+        grammar.check_choice("boundary", boundary, BOUNDARY_POLICIES)
+        grammar.check_choice("isolation", isolation, ISOLATION_POLICIES)
+        grammar.check_bool("service", service)
+        if user is not None:
+            user = check_user(user)
+        writable = tuple(sorted(set(grammar.check_paths("writable", writable))))
+        inherited, env_removed = _names("inherited", inherited), _names("env_removed", env_removed)
+        if stray := set(inherited) - {name for name, _ in env}:
             raise BadInput(f"inherited names {sorted(stray)} are not in the command's env")
+        self._fill(locals())
 
     @property
     def exec_argv(self) -> list[str]:
         """What is executed: a single shell string runs through /bin/sh -c."""
-        if self.shell is not None:
-            return [SHELL, "-c", self.shell]
-        assert self.argv is not None
-        return list(self.argv)
+        return _exec_argv(self.argv, self.shell)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -136,6 +162,20 @@ class CommandSpec:
     @property
     def digest(self) -> str:
         return digest_of(self.to_json())
+
+
+def _exec_argv(argv: tuple[str, ...] | None, shell: str | None) -> list[str]:
+    if shell is not None:
+        return [SHELL, "-c", shell]
+    assert argv is not None
+    return list(argv)
+
+
+def _names(label: str, names: tuple[str, ...]) -> tuple[str, ...]:
+    """A list of environment names, each inside the grammar, sorted and without repeats."""
+    listed = tuple(sorted(set(names)))
+    grammar.check_env(label, ((name, "") for name in listed))
+    return listed
 
 
 def check_user(user: object) -> tuple[int, int]:

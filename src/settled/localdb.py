@@ -16,10 +16,13 @@ import errno
 import os
 import sqlite3
 import time
-from typing import Final
 
 from settled.errors import HomeUnusable, StorageFailed
 from settled.home import storage_error
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Final
 
 BUSY_TIMEOUT_S: Final = 60.0
 SQLITE_IOERR, SQLITE_FULL = 10, 13  # primary result codes (the low byte of an extended one)

@@ -7,12 +7,14 @@ Owns the shape of the process receipt (DESIGN.md) and the decoding of a wait sta
 from __future__ import annotations
 
 import os
-import signal
 import time
-from typing import Any
 
 from settled.canonical import digest_of
 from settled.errors import ReceiptTampered
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
 
 PROCESS_RECEIPT_VERSION = "settled.receipt.process/v1"
 SHELL_CONVENTIONS = {
@@ -31,6 +33,8 @@ def exit_fact(
             if shell and fact["code"] in SHELL_CONVENTIONS:
                 fact["note"] = SHELL_CONVENTIONS[fact["code"]]
         elif os.WIFSIGNALED(wait_status):
+            import signal  # the owner's, at its end: readers of receipts never need it
+
             fact["signal"] = signal.Signals(os.WTERMSIG(wait_status)).name.removeprefix("SIG")
     if elapsed_s is not None:
         fact["elapsed_s"] = round(elapsed_s, 6)

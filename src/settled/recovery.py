@@ -13,20 +13,25 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from typing import Any
 
-from settled.boundary.base import Evidence
-from settled.boundary.sandbox import SandboxProvider
 from settled.errors import SettledError, StaleWrite
 from settled.home import journal_socket, last_words_path, log_path
-from settled.log.recovered import close_at_disk
 from settled.owner.last_words import read_last_words
-from settled.owner.launcher import READY_TIMEOUT_S
 from settled.receipts import process_receipt
 from settled.records import SessionRecord
 from settled.sessions import SessionWatch
 from settled.states import ADMITTED, UNKNOWN
 from settled.store import Store
+
+# What settling a lost session needs (evidence, the log's close at disk, the sandbox) is
+# imported where it settles one: every exec asks `detect`, which needs none of it.
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from collections.abc import Callable
+    from typing import Any
+
+    from settled.boundary.base import Evidence
+    from settled.boundary.sandbox import SandboxProvider
 
 
 class Recovery:
@@ -40,16 +45,23 @@ class Recovery:
         self,
         store: Store,
         sessions: SessionWatch,
-        sandbox: SandboxProvider,
+        sandbox: Callable[[], SandboxProvider],
         home: str,
         host: str | None = None,
     ) -> None:
-        """`host`: this home's host id. Only sessions of its tasks are recovered here: a
-        boundary of another host cannot be inspected from this one (its cgroup path here is
-        empty, which would read as proof), and its owner is alive by its lease alone."""
-        self.store, self.sessions, self.sandbox, self.home = store, sessions, sandbox, home
+        """`sandbox` opens the provider (on first use). `host`: this home's host id. Only
+        sessions of its tasks are recovered here: a boundary of another host cannot be
+        inspected from this one (its cgroup path here is empty, which would read as proof),
+        and its owner is alive by its lease alone."""
+        self.store, self.sessions, self.home = store, sessions, home
+        self._open_sandbox = sandbox
         self.host = host
         self._task_hosts: dict[str, str | None] = {}
+
+    @property
+    def sandbox(self) -> SandboxProvider:
+        """The provider, opened when a boundary is first inspected (detecting needs none)."""
+        return self._open_sandbox()
 
     def ours(self, record: SessionRecord) -> bool:
         """Whether the session's task runs on this host (a task from before hosts: yes)."""
@@ -64,6 +76,8 @@ class Recovery:
         if not record.live:
             return None
         if record.owner is None:
+            from settled.owner.launcher import READY_TIMEOUT_S
+
             waited = now - record.created_at
             if record.state == ADMITTED and waited > READY_TIMEOUT_S:
                 return f"no owner claimed it in {waited:.0f} s (its launcher died)"
@@ -172,6 +186,8 @@ class Recovery:
         try:
             return self.sandbox.inspect(record, self.store.get_task(record.task))
         except SettledError as error:
+            from settled.boundary.base import Evidence
+
             return Evidence("sandbox", False, None, {"why": f"the provider failed: {error}"})
 
 
@@ -238,6 +254,7 @@ def _recovered_receipt(
     """The receipt of a lost owner's session. Its logs are closed in place (nothing written,
     so a full disk does not stop it) unless the lost owner may still be running, when a copy
     fences its late appends off (log/recovered.py)."""
+    from settled.log.recovered import close_at_disk
     from settled.workspace.journal import client as journal_client
 
     output = {

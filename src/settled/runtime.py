@@ -8,17 +8,11 @@ admission belongs to the owner; the runtime only reads facts and asks the owner 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
-import hashlib
 import os
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
 
 from settled import boundary as boundaries
 from settled import grammar
-from settled.atomic import write_atomic
 from settled.backends import bind, credential_names
 from settled.errors import BadInput, LogElsewhere, OwnerLaunchFailed, SettledError, WrongHost
 from settled.faults import ALL_POINTS as ALL_POINTS  # named for `settled close --list-fault-points`
@@ -34,51 +28,76 @@ from settled.home import (
     storage_errors,
 )
 from settled.home import storage_error as storage_error  # for the CLI: one line for a disk error
-from settled.identity import (
-    CommandSpec,
-    check_user,
-    new_key,
-    normalize_env,
-    parse_user,
-    resolve_cwd,
-)
-from settled.log import interleave
-from settled.log.reader import StreamLog as StreamLog
-from settled.log.reader import follow, read_range, stored_length
-from settled.log.view import MARKER, Window, read_window
-from settled.owner.last_words import read_last_words
 from settled.owner.liveness import HostedOwners
-from settled.records import OwnerFacts, SessionRecord, TaskRecord
+from settled.records import Frozen, OwnerFacts, SessionRecord, TaskRecord
 from settled.sessions import WAKE_BOUND_S, SessionWatch
 from settled.states import SETTLED, TASK_COMPLETE, TASK_OPEN
 from settled.status import session_status, task_status
 from settled.store import Store, open_store
 
 # What only some verbs need is imported where it is used: `settled status` and the other
-# readers must not pay for the checkpoint code, the launchers, recovery or the close join
-# (tests/test_startup.py holds the line).
+# readers must not pay for the checkpoint code, the launchers, recovery, the close join, the
+# command's identity or the log readers, nor for `typing` (tests/test_startup.py holds the line).
+TYPE_CHECKING = False
 if TYPE_CHECKING:
+    from collections.abc import Callable, Iterator, Sequence
+    from typing import Any, Concatenate, ParamSpec, TypeVar
+
     from settled.boundary.sandbox import SandboxProvider
     from settled.close.join import CloseJoin
     from settled.close.join import CloseResult as CloseResult  # what close_task returns
     from settled.environment import CallerEnv
+    from settled.identity import CommandSpec
+    from settled.log.interleave import Chunk
+    from settled.log.reader import StreamLog as StreamLog  # the type of stream_log()
+    from settled.log.view import Window
     from settled.owner.launcher import Launcher as Launcher  # the seam faces may share
     from settled.recovery import Recovery
     from settled.workspace.checkpoint import WorkspaceService
     from settled.workspace.restore import RestoreResult
 
+    _P = ParamSpec("_P")
+    _R = TypeVar("_R")
+    _T = TypeVar("_T")
 
-@dataclass(frozen=True)
-class Admission:
+
+class Admission(Frozen):
+    """What an exec answers: the session (new or reused) and its state at that moment."""
+
+    __slots__ = (
+        "boundary",
+        "digest",
+        "key",
+        "owner_pid",
+        "pid",
+        "reused",
+        "session",
+        "state",
+        "task",
+    )
     session: str
     task: str
     key: str
     digest: str
     reused: bool
     state: str
-    owner_pid: int | None = None
-    pid: int | None = None
-    boundary: str | None = None
+    owner_pid: int | None
+    pid: int | None
+    boundary: str | None
+
+    def __init__(
+        self,
+        session: str,
+        task: str,
+        key: str,
+        digest: str,
+        reused: bool,
+        state: str,
+        owner_pid: int | None = None,
+        pid: int | None = None,
+        boundary: str | None = None,
+    ) -> None:
+        self._fill(locals())
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -119,6 +138,8 @@ def open_launcher(kind: str | None = None) -> Launcher:
 def _resolve_user(user: str | tuple[int, int] | list[int] | None) -> tuple[int, int] | None:
     if user is None:
         return None
+    from settled.identity import check_user, parse_user
+
     if isinstance(user, str):
         return parse_user(user)
     return check_user(tuple(user))
@@ -197,11 +218,6 @@ def _check_sandbox(spec: CommandSpec, task: TaskRecord, provider: str) -> bool:
     return True
 
 
-_P = ParamSpec("_P")
-_R = TypeVar("_R")
-_T = TypeVar("_T")
-
-
 def _on_disk(
     what: str,
 ) -> Callable[[Callable[Concatenate[Runtime, _P], _R]], Callable[Concatenate[Runtime, _P], _R]]:
@@ -259,6 +275,11 @@ class Runtime:
 
         return open_sandbox(self._sandbox_spec)
 
+    @property
+    def _sandbox_name(self) -> str:
+        """The provider's name, without opening the local one: an exec asks only that."""
+        return "local" if self._sandbox_spec == "local" else self.sandbox.name
+
     @functools.cached_property
     def workspace(self) -> WorkspaceService:
         from settled.workspace.checkpoint import WorkspaceService
@@ -269,7 +290,7 @@ class Runtime:
     def recovery(self) -> Recovery:
         from settled.recovery import Recovery
 
-        return Recovery(self.store, self.sessions, self.sandbox, self.home, self.host)
+        return Recovery(self.store, self.sessions, lambda: self.sandbox, self.home, self.host)
 
     def _ensure_journal(self, record: TaskRecord) -> None:
         """Have the home's journal watch the task's workspace (one request when it already
@@ -282,7 +303,18 @@ class Runtime:
 
         ensure_watching(record.task, record.workspace, run_dir(self.home))
 
+    def stop_journal(self) -> None:
+        """Stop this home's journal daemon and return once it let go of its lock: for a
+        caller that made a home for a moment (`settled probe`) and ends what it started. A
+        task still open then has no watch: its next checkpoint is a full scan."""
+        from settled.home import journal_socket
+        from settled.workspace.journal.lifecycle import stop
+
+        stop(journal_socket(self.home))
+
     def _last_words(self, session: str) -> dict[str, Any] | None:
+        from settled.owner.last_words import read_last_words
+
         return read_last_words(last_words_path(self.home, session))
 
     def close(self) -> None:
@@ -330,6 +362,7 @@ class Runtime:
         import shutil
         import tempfile
 
+        from settled.identity import new_key
         from settled.workspace.ignore import bind as bind_ignore
         from settled.workspace.ignore import compile_rules
         from settled.workspace.placement import check_workspace, default_workspaces
@@ -377,7 +410,7 @@ class Runtime:
                 if created and not self._undo_task(record):
                     made = None  # the task was used meanwhile: its workspace stays
                 elif created and made_sandbox is not None:
-                    self._undo_sandbox(dataclasses.replace(record, sandbox=made_sandbox))
+                    self._undo_sandbox(record.replace(sandbox=made_sandbox))
                 raise
         except BaseException:
             if made is not None:
@@ -445,6 +478,13 @@ class Runtime:
         `env`; `inherited` names variables of `env` a remote caller took from its own. All of
         it is in the digest (settled.environment)."""
         from settled.environment import base_environment, compose
+        from settled.identity import (
+            DEFAULT_GRACE_S,
+            CommandSpec,
+            new_key,
+            normalize_env,
+            resolve_cwd,
+        )
 
         grammar.optional_key("key", key)
         if stdin is not None and not isinstance(stdin, bytes):
@@ -463,7 +503,7 @@ class Runtime:
             env=normalize_env(compose(base_environment(run_as and run_as[0]), caller, explicit)),
             stdin_digest=self._keep_stdin(stdin) if stdin is not None else None,
             timeout=timeout,
-            grace=grace if grace is not None else CommandSpec.grace,
+            grace=grace if grace is not None else DEFAULT_GRACE_S,
             boundary=boundary,
             service=service,
             isolation=isolation,
@@ -472,7 +512,7 @@ class Runtime:
             inherited=(*(n for n in caller.inherited if n not in explicit), *inherited),
             env_removed=caller.removed,
         )
-        entered = _check_sandbox(spec, record, self.sandbox.name)
+        entered = _check_sandbox(spec, record, self._sandbox_name)
         # refuse an impossible boundary before recording
         kind = boundaries.choose(spec.boundary, pid_namespace=not entered)
         if not entered:
@@ -513,6 +553,10 @@ class Runtime:
         raise WrongHost(record.task, record.host, owner.name if owner else None, self.host, verb)
 
     def _keep_stdin(self, data: bytes) -> str:
+        import hashlib
+
+        from settled.atomic import write_atomic
+
         digest = "sha256:" + hashlib.sha256(data).hexdigest()
         path = stdin_path(self.home, digest)
         if not os.path.exists(path):
@@ -579,6 +623,12 @@ class Runtime:
                 row["complete"] = self.explain(record.task)["complete"]
             rows.append(row)
         return rows
+
+    def task_ids(self, limit: int = 50) -> list[str]:
+        """The newest ``limit`` tasks' ids, newest first: one read of the store, no session
+        or close read (what the live view of /ui lists before it reads the tasks it must)."""
+        grammar.check_int("limit", limit, 1, grammar.MAX_CURSOR)
+        return [record.task for record in self.store.list_tasks(limit)]
 
     def wait(self, session: str, timeout: float | None = None) -> dict[str, Any]:
         """Block until the session has a receipt (or is unknown); the session's clock, not ours.
@@ -723,6 +773,35 @@ class Runtime:
 
         return explain(read_close_facts(self.store, grammar.check_id("task", task)))
 
+    def clocks(self, task: str, limit: int = 50) -> dict[str, Any]:
+        """The four clocks of the task's newest ``limit`` sessions and the task's close receipt
+        (settled.clocks), computed from the same recorded facts as ``explain``, with each live
+        session's owner observed now (a dead owner shows its session unknown, never failed)."""
+        from settled.clocks import task_clocks
+        from settled.close.facts import read_close_facts
+
+        facts = read_close_facts(self.store, grammar.check_id("task", task))
+        grammar.check_int("limit", limit, 1, grammar.MAX_CURSOR)
+        owners = {s.session: self.owner_facts(s) for s in facts.sessions if s.live}
+        return task_clocks(facts, owners, limit)
+
+    def exit_handle(self, session: str) -> int | None:
+        """A handle (a pidfd) that becomes readable when the live session's owner exits, or
+        None (no owner yet, an owner on another host, or none alive). The owner writes its
+        receipt before it exits, so whoever wakes on it reads the receipt; an owner that dies
+        without one wakes it too, and the status then says unknown. Close it with
+        ``close_exit_handle``."""
+        return self.sessions.exit_handle(grammar.check_id("session", session))
+
+    def close_exit_handle(self, handle: int) -> None:
+        self.sessions.liveness.close_handle(handle)
+
+    def await_change(self, topics: tuple[str, ...], seconds: float) -> None:
+        """Block until the store may have changed for one of ``topics`` (task or session ids;
+        ``"*"``: anything) or ``seconds`` pass: a wakeup where the store notifies (PostgreSQL),
+        a bounded sleep where it does not (SQLite). Spurious wakeups happen: read again."""
+        self.store.await_change(topics, grammar.check_seconds("seconds", seconds, MAX_WAIT))
+
     def restore(self, target: str, dest: str, *, same_owner: bool = False) -> RestoreResult:
         """Rebuild a task's last checkpoint (or a manifest id) into an empty directory that is
         not (and is not under) a symlink. Every entry is the caller's and set-id bits it has
@@ -780,6 +859,8 @@ class Runtime:
         if record.receipt is not None:
             return int(record.receipt["output"][stream]["cursor"])
         if not record.live:
+            from settled.log.reader import stored_length
+
             return stored_length(log_path(self.home, session, stream))
         return None
 
@@ -788,6 +869,8 @@ class Runtime:
         past what is stored)."""
         grammar.check_cursor("start", start)
         grammar.check_int("size", size, 1, grammar.MAX_CURSOR)
+        from settled.log.reader import read_range
+
         final = self.final_cursor(_session_stream(session, stream), stream)  # bounds the read
         return read_range(self._log_file(session, stream), start, size, final)
 
@@ -796,6 +879,8 @@ class Runtime:
     ) -> Iterator[bytes]:
         """The stream from cursor ``start`` as it grows, ending exactly at its final cursor;
         ``timeout`` bounds the whole follow (TimeoutError names the cursor reached)."""
+        from settled.log.reader import follow
+
         grammar.check_cursor("start", start)
         timeout = grammar.optional_seconds("timeout", timeout, MAX_WAIT)
         self.store.get_session(_session_stream(session, stream))
@@ -811,17 +896,19 @@ class Runtime:
         finals = {name: self.final_cursor(session, name) for name in ("stdout", "stderr")}
         if all(v is not None for v in finals.values()):
             return {k: int(v or 0) for k, v in finals.items()}, True
+        from settled.log.reader import stored_length
+
         now = {n: stored_length(log_path(self.home, session, n)) for n in ("stdout", "stderr")}
         return now, False
 
-    def read_merged(
-        self, session: str, start: int = 0, size: int = 1 << 20
-    ) -> list[interleave.Chunk]:
+    def read_merged(self, session: str, start: int = 0, size: int = 1 << 20) -> list[Chunk]:
         """Up to ``size`` bytes of both streams in the order the owner stored them, from
         merged cursor ``start`` (a byte offset into the merged view), as chunks tagged with
         stream, stream cursor and merged cursor. A chunk with ``ordered`` False is a tail the
         index did not cover (an old session without one: stdout then stderr). While the
         session runs, only the ordered prefix is served, so every merged cursor resumes."""
+        from settled.log import interleave
+
         grammar.check_cursor("start", start)
         grammar.check_int("size", size, 1, grammar.MAX_CURSOR)
         self.store.get_session(session)
@@ -833,9 +920,11 @@ class Runtime:
 
     def follow_merged(
         self, session: str, start: int = 0, timeout: float | None = None
-    ) -> Iterator[interleave.Chunk]:
+    ) -> Iterator[Chunk]:
         """The merged view from merged cursor ``start`` as it grows, ending at both final
         cursors; ``timeout`` bounds the whole follow."""
+        from settled.log import interleave
+
         grammar.check_cursor("start", start)
         timeout = grammar.optional_seconds("timeout", timeout, MAX_WAIT)
         self.store.get_session(session)
@@ -861,19 +950,22 @@ class Runtime:
         return self.window(_session_stream(session, stream), stream, 0, budget)[0].text
 
     def window(
-        self, session: str, stream: str, cursor: int, budget: int, *, marker: str = MARKER
+        self, session: str, stream: str, cursor: int, budget: int, *, marker: str | None = None
     ) -> tuple[Window, bool]:
         """The model view of the stream from ``cursor`` to what exists now (its final cursor
         once settled, else the bytes stored), within ``budget`` UTF-8 bytes; and whether that
         end is the final cursor. ``marker`` words the line naming the omitted range (a
-        template over stream, a, b, n and session). Reads at most ``2 * budget`` bytes; a
-        cursor past the end raises CursorOutOfRange."""
+        template over stream, a, b, n and session; default ``log.view.MARKER``). Reads at
+        most ``2 * budget`` bytes; a cursor past the end raises CursorOutOfRange."""
+        from settled.log.reader import stored_length
+        from settled.log.view import MARKER, read_window
+
         grammar.check_cursor("cursor", cursor)
         grammar.check_int("budget", budget, 0, grammar.MAX_BUDGET)
         final = self.final_cursor(session, stream)
         path = self._log_file(session, stream)
         end = final if final is not None else stored_length(path)
-        view = read_window(path, cursor, end, budget, stream, session, marker=marker)
+        view = read_window(path, cursor, end, budget, stream, session, marker=marker or MARKER)
         return view, final == end
 
     def _log_file(self, session: str, stream: str) -> str:
@@ -899,6 +991,8 @@ class Runtime:
         """The session's ``stream`` log ("stdout" or "stderr"), to read by cursor without a
         Runtime: its reads touch only the file, so an async streamer can poll it from worker
         threads that hold no store. The session is not looked up here."""
+        from settled.log.reader import StreamLog as StreamLog  # the type of stream_log()
+
         _session_stream(session, stream)
         return StreamLog(log_path(self.home, session, stream), stream)
 

@@ -11,13 +11,20 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Iterator
-from typing import Any, Protocol
 
 from settled.errors import NotSettled
 from settled.records import OwnerFacts, OwnerInfo, SessionRecord
 from settled.states import SETTLED, UNKNOWN
 from settled.status import session_status
 from settled.store import Store
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any, Protocol, TypeAlias
+
+    LastWords: TypeAlias = Callable[[str], dict[str, Any] | None]  # session -> its last words
+else:
+    Protocol = object  # a protocol is the type checker's; at run time a plain base
 
 WAKE_BOUND_S = 1.0  # the longest an evented sleep lasts: for changes no event announces
 POLL_S = 0.05  # the sleep where nothing can wake it (no owner here to watch, no log watch)
@@ -38,9 +45,6 @@ class Liveness(Protocol):
     def close_handle(self, handle: int) -> None: ...
 
     def ask_to_cancel(self, owner: OwnerInfo) -> None: ...
-
-
-LastWords = Callable[[str], dict[str, Any] | None]  # session -> what its owner said last
 
 
 class Wake(Protocol):
@@ -120,6 +124,16 @@ class SessionWatch:
             yield pause
         finally:
             pause.close()
+
+    def exit_handle(self, session: str) -> int | None:
+        """A handle (a pidfd) that becomes readable when the live session's owner exits, for a
+        waiter with an event loop of its own; None when no owner of this host is there to
+        watch (none yet, gone, another host's, or the session is no longer live). The caller
+        closes it (`Liveness.close_handle`)."""
+        record = self.store.get_session(session)
+        if record.owner is None or not record.live:
+            return None
+        return self.liveness.exit_handle(record.owner)
 
     def settles_within(self, session: str, seconds: float) -> bool:
         """Whether the session left its owner's hands (settled or unknown) within `seconds`."""

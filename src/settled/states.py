@@ -14,7 +14,9 @@ generation. Nothing here does I/O; everything that changes what a transition mea
 
 from __future__ import annotations
 
-from typing import Final
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Final
 
 ADMITTED: Final = "admitted"
 RUNNING: Final = "running"

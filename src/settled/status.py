@@ -7,17 +7,20 @@ why; it is never shown as failed, and nothing here may relaunch it.
 
 from __future__ import annotations
 
-import shlex
-from typing import Any
-
 from settled.records import OwnerFacts, SessionRecord, TaskRecord
 from settled.states import SETTLED, UNKNOWN
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
 
 
 def command_words(spec: dict[str, Any]) -> str:
     """The command as a person would type it: the shell text, or the argv quoted for sh."""
     if spec.get("shell") is not None:
         return str(spec["shell"])
+    import shlex  # a rendering need: loaded when a command is shown, not for every status
+
     return shlex.join(str(word) for word in spec.get("argv") or ())
 
 

@@ -8,11 +8,13 @@ explicit policy it cannot honour with `BoundaryUnavailable` rather than silently
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING, Any
 
 from settled.errors import BoundaryUnavailable
 
+TYPE_CHECKING = False
 if TYPE_CHECKING:
+    from typing import Any
+
     from settled.boundary.base import Boundary, Evidence
     from settled.boundary.cgroup2 import find_hierarchy as find_hierarchy
     from settled.boundary.isolation import IsolationPlan

@@ -1,5 +1,6 @@
-"""The `settled` command line's entry point: answers `--version` at once, and hands every verb
-to `settled.cli.verbs` (the parser and the handlers, contract in DESIGN.md).
+"""The `settled` command line's entry point: answers `--version` at once, runs the read verbs'
+plain command lines without argparse (`cli/reads.py`), and hands everything else to
+`settled.cli.verbs` (the parser and the handlers, contract in DESIGN.md).
 
 It exists so that what costs nothing stays free: a script that asks for the version, or an
 agent's hundredth `settled status`, pays only for the modules its verb needs (the verbs module
@@ -18,6 +19,13 @@ def main(argv: list[str] | None = None) -> int:
 
         print(f"settled {__version__}")
         return 0
+    from settled.cli.reads import parse_quick
+
+    quick = parse_quick(argv)
+    if quick is not None:
+        from settled.cli.frame import execute, with_runtime
+
+        return execute(quick, with_runtime)
     from settled.cli.verbs import main as run_verb
 
     return run_verb(argv)

@@ -11,20 +11,17 @@ import contextlib
 import json
 import os
 import sys
-import time
 from collections.abc import Callable, Iterable, Iterator
-from typing import TYPE_CHECKING, Any, NoReturn
 
 from settled import __version__, grammar
+from settled.cli.frame import bind_backends, emit, execute, fail, settled_code, with_runtime
+from settled.cli.reads import LS_LIMIT, cmd_ls, cmd_ps, cmd_status
 from settled.errors import (
     EXIT_BLOCKED,
-    EXIT_CODES,
     EXIT_FAILURE,
     EXIT_INTERRUPTED,
     EXIT_OK,
-    EXIT_USAGE,
     BadInput,
-    CursorOutOfRange,
     NotSettled,
     SettledError,
     exit_code_lines,
@@ -32,29 +29,13 @@ from settled.errors import (
 from settled.exitcodes import RUN_EXIT_CODES, RUN_UNKNOWN, command_exit_code
 from settled.identity import BOUNDARY_POLICIES, ISOLATION_POLICIES
 from settled.render import blocked_text, close_text, receipt_text, status_text
-from settled.states import SETTLED
 
+TYPE_CHECKING = False
 if TYPE_CHECKING:  # the runtime is imported by the verbs that open one (not --version, --help)
+    from typing import Any, NoReturn
+
     from settled.relay import Relay
     from settled.runtime import Admission, Runtime
-
-
-def _emit(
-    args: argparse.Namespace, payload: dict[str, Any], text: str, brief: str | None = None
-) -> None:
-    """One JSON object with --json; with -q only `brief` (the id a script wants), if any."""
-    if getattr(args, "json", False):
-        print(json.dumps(payload, sort_keys=True))
-    elif getattr(args, "quiet", False):
-        if brief is not None:
-            print(brief)
-    else:
-        print(text)
-
-
-def _settled_code(view: dict[str, Any]) -> int:
-    proven = view.get("receipt", {}).get("death", {}).get("proven", False)
-    return EXIT_OK if view["state"] == SETTLED and proven else EXIT_BLOCKED
 
 
 def cmd_task_new(rt: Runtime, args: argparse.Namespace) -> int:
@@ -66,7 +47,7 @@ def cmd_task_new(rt: Runtime, args: argparse.Namespace) -> int:
         ignore=args.ignore,
     )
     text = f"task {record.task} (key {record.key}) at {record.workspace}"
-    _emit(args, record.to_json(), text, brief=record.task)
+    emit(args, record.to_json(), text, brief=record.task)
     return EXIT_OK
 
 
@@ -134,12 +115,12 @@ def cmd_exec(rt: Runtime, args: argparse.Namespace) -> int:
     verb = "reused" if admission.reused else "admitted"
     text = f"{verb} session {admission.session} (key {admission.key}): {admission.state}"
     if not args.wait:
-        _emit(args, payload, text, brief=admission.session)
+        emit(args, payload, text, brief=admission.session)
         return EXIT_OK
     view = rt.wait(admission.session)
     payload.update(state=view["state"], receipt=view.get("receipt"))
-    _emit(args, payload, text + "\n" + status_text(view), brief=admission.session)
-    return _settled_code(view)
+    emit(args, payload, text + "\n" + status_text(view), brief=admission.session)
+    return settled_code(view)
 
 
 def cmd_run(rt: Runtime, args: argparse.Namespace) -> int:
@@ -201,8 +182,8 @@ def _relay(rt: Runtime, relay: Relay, cancel_on_interrupt: bool) -> int:
 def cmd_wait(rt: Runtime, args: argparse.Namespace) -> int:
     view = rt.wait(args.session, args.timeout)
     receipt = view.get("receipt")
-    _emit(args, receipt or view, receipt_text(receipt) if receipt else status_text(view))
-    return _settled_code(view)
+    emit(args, receipt or view, receipt_text(receipt) if receipt else status_text(view))
+    return settled_code(view)
 
 
 def cmd_logs(rt: Runtime, args: argparse.Namespace) -> int:
@@ -270,76 +251,9 @@ def _range_chunks(rt: Runtime, session: str, stream: str, start: int) -> Iterato
         cursor += len(chunk)
 
 
-def cmd_status(rt: Runtime, args: argparse.Namespace) -> int:
-    target: str = args.target
-    view = rt.task_status(target) if target.startswith("t_") else rt.session_status(target)
-    _emit(args, view, status_text(view))
-    return EXIT_OK
-
-
-def cmd_ls(rt: Runtime, args: argparse.Namespace) -> int:
-    rows = rt.list_tasks(args.limit)
-    now = time.time()
-    table: list[tuple[str, ...]] = [("TASK", "STATE", "SESSIONS", "AGE", "WORKSPACE")]
-    for row in rows:
-        state = row["state"]
-        if "complete" in row:
-            state += " (complete)" if row["complete"] else " (not complete)"
-        sessions = f"{row['sessions']}" + (f" ({row['live']} live)" if row["live"] else "")
-        table.append(
-            (row["task"], state, sessions, _age(now - row["created_at"]), row["workspace"])
-        )
-    text = _table(table) if rows else "no tasks in this home (create one: settled task new)"
-    _emit(args, {"tasks": rows}, text, brief="\n".join(r["task"] for r in rows) or None)
-    return EXIT_OK
-
-
-def cmd_ps(rt: Runtime, args: argparse.Namespace) -> int:
-    view = rt.task_status(args.task)
-    table: list[tuple[str, ...]] = [
-        ("SESSION", "KEY", "STATE", "EXIT", "OUT/ERR BYTES", "DURATION", "COMMAND")
-    ]
-    for s in view["sessions"]:
-        exit_fact = s.get("exit") or {}
-        code = exit_fact.get("code", exit_fact.get("signal", "-"))
-        cursors = s.get("cursors") or {}
-        started, ended = s.get("started_at"), s.get("settled_at")
-        took = _age((ended or time.time()) - started) if started else "-"
-        table.append((
-            s["session"], s["key"], s["state"], str(code),
-            f"{cursors.get('stdout', 0)}/{cursors.get('stderr', 0)}", took,
-            _shorten(s.get("command") or "", 60),
-        ))  # fmt: skip
-    text = _table(table) if view["sessions"] else f"task {args.task} has no sessions"
-    _emit(args, view, text, brief="\n".join(s["session"] for s in view["sessions"]) or None)
-    return EXIT_OK
-
-
-def _age(seconds: float) -> str:
-    """A duration the way `ps` and `docker ps` show one: the largest unit that fits."""
-    if seconds < 1:
-        return f"{seconds * 1000:.0f}ms"
-    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
-        if seconds >= size:
-            return f"{seconds / size:.0f}{unit}"
-    return f"{seconds:.1f}s"
-
-
-def _shorten(text: str, width: int) -> str:
-    return text if len(text) <= width else text[: width - 1] + "…"
-
-
-def _table(rows: list[tuple[str, ...]]) -> str:
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    return "\n".join(
-        "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
-        for row in rows
-    )
-
-
 def cmd_cancel(rt: Runtime, args: argparse.Namespace) -> int:
     view = rt.cancel(args.session, args.reason)
-    _emit(args, view, status_text(view))
+    emit(args, view, status_text(view))
     return EXIT_OK
 
 
@@ -354,17 +268,17 @@ def cmd_close(rt: Runtime, args: argparse.Namespace) -> int:
         raise BadInput("close needs a TASK (or --list-fault-points)")
     result = rt.close_task(args.task, args.final, args.deadline)
     if result.complete:
-        _emit(args, result.to_json(), close_text(result.to_json()))
+        emit(args, result.to_json(), close_text(result.to_json()))
         return EXIT_OK
     payload = result.to_json()
-    _emit(args, payload, blocked_text(args.task, payload["blocked_on"]))
+    emit(args, payload, blocked_text(args.task, payload["blocked_on"]))
     return EXIT_BLOCKED
 
 
 def cmd_checkpoint(rt: Runtime, args: argparse.Namespace) -> int:
     receipt = rt.checkpoint(args.task, incremental=not args.full)
     stats = receipt["scan"]["stats"]
-    _emit(
+    emit(
         args,
         receipt,
         f"checkpoint {receipt['manifest']} ({receipt['entries']} entries, "
@@ -385,7 +299,7 @@ def cmd_recover(rt: Runtime, args: argparse.Namespace) -> int:
         results, header, vanished = rt.recover(args.task), [], {}
     still = [r for r in results if r["state"] == "unknown"]
     lines = [f"{r['session']}: {r['state']} — {r.get('evidence') or r.get('why')}" for r in results]
-    _emit(
+    emit(
         args,
         {**vanished, "sessions": results},
         "\n".join(header + lines) or "no session needs recovery",
@@ -401,7 +315,7 @@ def cmd_hosts(rt: Runtime, args: argparse.Namespace) -> int:
         + (f"  vanished: {h['vanished_why']}" if h["vanished_at"] else "")
         for h in hosts
     ]
-    _emit(args, {"hosts": hosts}, "\n".join(lines))
+    emit(args, {"hosts": hosts}, "\n".join(lines))
     return EXIT_OK
 
 
@@ -413,13 +327,13 @@ def cmd_task_destroy(rt: Runtime, args: argparse.Namespace) -> int:
         f"  {r['session']}: {r['state']} — {r.get('evidence') or r.get('why')}"
         for r in result["sessions"]
     ]
-    _emit(args, result, "\n".join(lines))
+    emit(args, result, "\n".join(lines))
     return EXIT_BLOCKED if any(r["state"] == "unknown" for r in result["sessions"]) else EXIT_OK
 
 
 def cmd_explain(rt: Runtime, args: argparse.Namespace) -> int:
     view = rt.explain(args.task)
-    _emit(args, view, view["words"])
+    emit(args, view, view["words"])
     return EXIT_OK if view["complete"] else EXIT_BLOCKED
 
 
@@ -464,7 +378,7 @@ def cmd_restore(rt: Runtime, args: argparse.Namespace) -> int:
         )
     if result.not_restorable:
         text += f"; not restorable: {result.not_restorable}"
-    _emit(args, payload, text)
+    emit(args, payload, text)
     return EXIT_OK if result.complete else EXIT_BLOCKED
 
 
@@ -482,7 +396,7 @@ def cmd_verify(rt: Runtime, args: argparse.Namespace) -> int:
         f"re-hashed and parsed, {result['blobs']} blobs {checked}, {result['bytes_read']} bytes "
         f"read; {verdict}"
     )
-    _emit(args, result, "\n".join(lines))
+    emit(args, result, "\n".join(lines))
     return EXIT_OK if result["verified"] else EXIT_BLOCKED
 
 
@@ -490,6 +404,41 @@ def cmd_demo(rt: Runtime, args: argparse.Namespace) -> int:
     from settled.demo import run_demo
 
     return run_demo(rt)
+
+
+def cmd_probe(args: argparse.Namespace) -> int:
+    """Never on the user's home: the settled runtime is probed on a fresh one it removes."""
+    if getattr(args, "home", None) is not None:
+        raise UsageError("probe runs settled on a fresh temporary home of its own; drop --home")
+    from settled.probe import QUESTION_IDS, probe
+    from settled.probe.report import text
+
+    def progress(version: str, question: Any) -> None:
+        print(f"probing {version}: {question.asks}", file=sys.stderr, flush=True)
+
+    quiet = getattr(args, "json", False) or getattr(args, "quiet", False)
+    with _terminate_unwinds():
+        report = probe(args.runtime or ["settled"], args.only or QUESTION_IDS,
+                       None if quiet else progress)  # fmt: skip
+    emit(args, report.to_json(), text(report), brief="holds" if report.holds else "fails")
+    return report.exit_code
+
+
+@contextlib.contextmanager
+def _terminate_unwinds() -> Iterator[None]:
+    """SIGTERM and SIGHUP unwind like Ctrl-C meanwhile, so an interrupted probe still closes
+    its tasks, ends the commands it started and removes its home."""
+    import signal
+
+    def unwind(signum: int, _frame: object) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    before = {number: signal.signal(number, unwind) for number in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for number, handler in before.items():
+            signal.signal(number, handler)
 
 
 def _demo_home(args: argparse.Namespace) -> None:
@@ -867,8 +816,9 @@ def _build(only: str | None) -> tuple[argparse.ArgumentParser, bool]:
 
     ls = _verb(sub, "ls", common, "the tasks of this home, newest first", "settled ls --limit 10")
     ls.add_argument(
-        "--limit", type=_integer("--limit", 1, 100_000), default=50, help="at most this many"
-    )
+        "--limit", type=_integer("--limit", *LS_LIMIT[:2]), default=LS_LIMIT[2],
+        help="at most this many",
+    )  # fmt: skip
     ls.set_defaults(handler=cmd_ls)
 
     ps = _verb(sub, "ps", common, "the sessions of a task", "settled ps t_0123")
@@ -1014,7 +964,7 @@ def _build(only: str | None) -> tuple[argparse.ArgumentParser, bool]:
         sub,
         "serve",
         common,
-        "the HTTP service (bearer tokens)",
+        "the HTTP service (bearer tokens) and its page of the four clocks at /ui",
         "SETTLED_TOKEN=$(openssl rand -hex 16) settled serve --port 8765",
     )
     srv.add_argument("--host", type=_text("--host", 255, 1), default="127.0.0.1")
@@ -1037,6 +987,32 @@ def _build(only: str | None) -> tuple[argparse.ArgumentParser, bool]:
         "per session)",
     )  # fmt: skip
 
+    probe = _verb(
+        sub,
+        "probe",
+        common,
+        "the essay's review checklist, run as experiments against a runtime",
+        "settled probe --runtime subprocess --runtime swerex --runtime settled",
+        epilog="exit codes of probe:\n"
+        "    0  every answer holds, or is not applicable and says why\n"
+        "    2  bad input: an unknown runtime or question, a URL that does not answer,\n"
+        "       a runtime not installed here (nothing was run)\n"
+        "    3  at least one answer fails, or something the probe started outlived it",
+    )
+    probe.add_argument(
+        "--runtime", action="append", metavar="NAME|URL",
+        help="settled (on a fresh temporary home, never yours), subprocess (subprocess.run "
+        "with a timeout), swerex (SWE-ReX's local runtime), or http(s)://HOST:PORT of a settled "
+        "service (token from SETTLED_TOKEN); repeat it for a table comparing them "
+        "(default: settled)",
+    )  # fmt: skip
+    probe.add_argument(
+        "--only", action="append", metavar="QUESTION",
+        help="ask only this question (repeatable): retry, long_line, binary, silent, holder, "
+        "owner_killed, late_write, fenced, receipt (default: all)",
+    )  # fmt: skip
+    probe.set_defaults(handler=cmd_probe)
+
     demo = _verb(sub, "demo", common, "the main job on the embedded default", "settled demo")
     demo.set_defaults(handler=cmd_demo)
     return parser, only is None or only in verbs.choices
@@ -1052,38 +1028,12 @@ def main(argv: list[str] | None = None) -> int:
         args = parse(argv)
     except SettledError as exc:  # a BadValue of an argument's grammar, or a UsageError
         as_json = argparse.Namespace(json="--json" in argv)
-        return _fail(as_json, exc.to_json(), str(exc), exc.exit_code)
-    try:
-        return _dispatch(args)
-    except SettledError as exc:
-        return _fail(args, exc.to_json(), str(exc), exc.exit_code)
-    except CursorOutOfRange as exc:
-        return _fail(args, {"error": "CursorOutOfRange", "message": str(exc)}, str(exc), EXIT_USAGE)
-    except OSError as exc:  # a disk error no verb typed: still one line naming the disk
-        from settled.runtime import storage_error
-
-        typed = storage_error(exc, getattr(args, "home", None) or "the settled home", args.verb)
-        if typed is None:
-            return _internal_error(args, exc)
-        return _fail(args, typed.to_json(), str(typed), typed.exit_code)
-    except KeyboardInterrupt:
-        payload = {"error": "Interrupted", "message": "interrupted"}
-        return _fail(args, payload, "interrupted", EXIT_INTERRUPTED)
-    except Exception as exc:
-        return _internal_error(args, exc)
-
-
-def _internal_error(args: argparse.Namespace, exc: Exception) -> int:
-    """A bug: one line (the traceback only with --debug), and a code that is listed."""
-    message = f"{type(exc).__name__}: {exc} (please report this)"
-    return _fail(args, {"error": "internal error", "message": message}, message, EXIT_FAILURE)
+        return fail(as_json, exc.to_json(), str(exc), exc.exit_code)
+    return execute(args, _dispatch)
 
 
 def _dispatch(args: argparse.Namespace) -> int:
-    # Through the environment, so every face (a server's worker Runtimes, MCP) binds the same.
-    for flag, name in (("store", "SETTLED_STORE"), ("objects", "SETTLED_OBJECTS")):
-        if getattr(args, flag, None):
-            os.environ[name] = getattr(args, flag)
+    bind_backends(args)
     if args.verb == "mcp":  # stdio is the protocol: nothing else may print on stdout
         from settled.mcp_server import run_stdio
 
@@ -1094,13 +1044,11 @@ def _dispatch(args: argparse.Namespace) -> int:
         from settled.server import serve
 
         return serve(getattr(args, "home", None), args.host, args.port, args.tokens)
+    if args.verb == "probe":  # opens no Runtime on the user's home: it makes its own
+        return cmd_probe(args)
     if args.verb == "demo":
         _demo_home(args)
-    from settled.runtime import Runtime
-
-    handler: Callable[[Runtime, argparse.Namespace], int] = args.handler
-    with Runtime(getattr(args, "home", None)) as rt:
-        return handler(rt, args)
+    return with_runtime(args)
 
 
 def _serve_swerex(args: argparse.Namespace) -> int:
@@ -1124,14 +1072,3 @@ def _serve_swerex(args: argparse.Namespace) -> int:
     serve_swerex(ready_home(getattr(args, "home", None)), args.host, args.port, key or None,
                  args.swerex_workspace)  # fmt: skip
     return EXIT_OK
-
-
-def _fail(args: argparse.Namespace, payload: dict[str, Any], message: str, code: int) -> int:
-    if getattr(args, "debug", False) and sys.exc_info()[0] is not None:
-        import traceback
-
-        traceback.print_exc()
-    if getattr(args, "json", False):
-        print(json.dumps(payload, sort_keys=True))
-    print(f"settled: {payload['error']}: {message}", file=sys.stderr)
-    return code if code in EXIT_CODES and code != EXIT_OK else EXIT_FAILURE

@@ -21,18 +21,22 @@ names each such stream, `explain` words it, and the close receipt lists it in
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
-
-from settled.records import SessionRecord, TaskRecord
+from settled.records import Frozen, SessionRecord, TaskRecord
 from settled.states import SETTLED, UNKNOWN
 
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
 
-@dataclass(frozen=True)
-class Step:
+
+class Step(Frozen):
+    __slots__ = ("authority", "name", "obligation")
     name: str
     authority: str
     obligation: str
+
+    def __init__(self, name: str, authority: str, obligation: str) -> None:
+        self._fill(locals())
 
 
 # The join, in order (DESIGN.md, close). Each row is one recorded fact.
@@ -57,33 +61,47 @@ STEPS: tuple[Step, ...] = (
 )
 
 
-@dataclass(frozen=True)
-class CloseFacts:
+class CloseFacts(Frozen):
     """Everything the store recorded about one task's close, handed in by the driver."""
 
+    __slots__ = ("sessions", "steps", "task")
     task: TaskRecord
     sessions: list[SessionRecord]
-    steps: dict[str, dict[str, Any]] = field(default_factory=dict)
+    steps: dict[str, dict[str, Any]]
+
+    def __init__(
+        self,
+        task: TaskRecord,
+        sessions: list[SessionRecord],
+        steps: dict[str, dict[str, Any]] | None = None,
+    ) -> None:
+        steps = {} if steps is None else steps
+        self._fill(locals())
 
 
-@dataclass(frozen=True)
-class Blocked:
+class Blocked(Frozen):
+    __slots__ = ("authority", "obligation", "session")
     authority: str
     obligation: str
-    session: str | None = None
+    session: str | None
+
+    def __init__(self, authority: str, obligation: str, session: str | None = None) -> None:
+        self._fill(locals())
 
     def to_json(self) -> dict[str, Any]:
         return {"authority": self.authority, "obligation": self.obligation, "session": self.session}
 
 
-@dataclass(frozen=True)
-class Next:
+class Next(Frozen):
+    __slots__ = ("step",)
     step: Step
 
+    def __init__(self, step: Step) -> None:
+        self._fill(locals())
 
-@dataclass(frozen=True)
-class Done:
-    pass
+
+class Done(Frozen):
+    __slots__ = ()
 
 
 Decision = Next | Blocked | Done

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import importlib
 import os
-from typing import TYPE_CHECKING, Any, Final
 
 from settled.errors import CursorOutOfRange
 
+TYPE_CHECKING = False
 if TYPE_CHECKING:
+    from typing import Any, Final
+
     from settled.log.reader import follow, read_range, stored_length
     from settled.log.view import Window, model_view, read_window, render_view, window_view
     from settled.log.writer import (

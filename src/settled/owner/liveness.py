@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import select
-import signal
 import time
 
 from settled.boundary import procfs
@@ -58,6 +56,8 @@ class LocalOwners:
     def await_exit(self, handle: int | None, seconds: float, also: int | None = None) -> bool:
         """Sleep up to `seconds`, waking at once if the owner behind `handle` exits or `also`
         (a follower's log watch) is readable; whether the owner has exited."""
+        import select  # a waiter's, not every status reader's
+
         poller = select.poll()
         if handle is not None:
             poller.register(handle, select.POLLIN)
@@ -71,6 +71,8 @@ class LocalOwners:
 
     def ask_to_cancel(self, owner: OwnerInfo) -> None:
         """The owner reads the cancel request from the store when SIGUSR1 wakes it."""
+        import signal
+
         with contextlib.suppress(ProcessLookupError):
             os.kill(owner.pid, signal.SIGUSR1)
 

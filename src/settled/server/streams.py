@@ -28,14 +28,17 @@ import json
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from starlette.responses import Response, StreamingResponse
 
 from settled.errors import CursorOutOfRange
-from settled.runtime import Runtime, StreamLog
+from settled.runtime import Runtime
 from settled.server import views
 from settled.server.pool import RuntimePool
+
+if TYPE_CHECKING:
+    from settled.runtime import StreamLog
 
 RAW_CHUNK = 1 << 20
 SSE_EVENT_BYTES = 64 << 10

@@ -12,9 +12,14 @@ Never touches processes, logs or the workspace.
 from __future__ import annotations
 
 import json
-from typing import Any, Protocol
 
 from settled.records import HostRecord, OwnerInfo, SessionRecord, TaskRecord
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any, Protocol
+else:
+    Protocol = object  # a protocol is the type checker's; at run time a plain base
 
 
 class Store(Protocol):
@@ -151,9 +156,9 @@ class Store(Protocol):
     def fence(self, task: str, generation: int) -> int: ...
 
     def await_change(self, topics: tuple[str, ...], seconds: float) -> None:
-        """Block until a change of one of `topics` (session or task ids) may have happened,
-        or `seconds` pass. Spurious wakeups are allowed: the caller reads again either way. A
-        store with notifications (PostgreSQL) wakes on them; one without sleeps."""
+        """Block until a change of one of `topics` (session or task ids; "*": any) may have
+        happened, or `seconds` pass. Spurious wakeups are allowed: the caller reads again
+        either way. A store with notifications (PostgreSQL) wakes on them; one without sleeps."""
         ...
 
     def close(self) -> None: ...

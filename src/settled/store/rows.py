@@ -8,13 +8,16 @@ The overlap of two workspaces is decided here for the same reason. Pure: no data
 from __future__ import annotations
 
 import json
-from typing import Any, Final
 
 from settled.canonical import digest_of_canonical
 from settled.errors import ReceiptTampered
 from settled.receipts import checked
 from settled.records import HostRecord, OwnerInfo, SessionRecord, TaskRecord
 from settled.store import loads
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any, Final
 
 RECEIPT_EVENTS: Final = ("receipt", "lose", "recover")
 

@@ -15,7 +15,6 @@ import sqlite3
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
 
 from settled.canonical import canonical_bytes
 from settled.errors import (
@@ -62,6 +61,10 @@ from settled.store.rows import (
     session_from_row,
     task_from_row,
 )
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
 
 SCHEMA_VERSION = 8
 

@@ -24,6 +24,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+# Where a run directory's journal lives: its socket, its log and its task state files.
+SOCKET_NAME, LOG_NAME, STATE_DIR = "journal.sock", "journal.log", "journal"
+
 
 @dataclass(frozen=True)
 class Watermark:

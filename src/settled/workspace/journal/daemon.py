@@ -34,11 +34,10 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from settled.atomic import write_atomic
-from settled.workspace.journal.client import unix_address
+from settled.workspace.journal.client import SOCKET_NAME, STATE_DIR, unix_address
 from settled.workspace.journal.errors import JournalUnavailable
 from settled.workspace.journal.inotify import Journal, Watcher
 
-SOCKET_NAME, LOG_NAME, STATE_DIR = "journal.sock", "journal.log", "journal"
 RESERVE = 1 << 16  # sequence numbers reserved on disk ahead of the last one reported
 _MAX_LINE = 1 << 16
 _MAX_TASK = 128

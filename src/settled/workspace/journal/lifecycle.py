@@ -15,21 +15,18 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
-import subprocess
 import time
 from collections.abc import Iterator
-from typing import Any
 
-from settled.isolated import (
-    HelperUnavailable,
-    NoReport,
-    python_command,
-    read_report,
-    start_helper,
-)
 from settled.workspace.journal import client
-from settled.workspace.journal.daemon import LOG_NAME, SOCKET_NAME, STATE_DIR
+from settled.workspace.journal.client import LOG_NAME, SOCKET_NAME, STATE_DIR
 from settled.workspace.journal.errors import JournalUnavailable
+
+# Starting a daemon (isolated, subprocess) is imported where it happens: an exec that finds
+# the journal running (every exec but a home's first) sends one request and loads neither.
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
 
 IDLE_EXIT_S = 60.0  # how long a daemon with no task watched and no client stays
 
@@ -170,6 +167,10 @@ def _start_lock(path: str, deadline: float) -> Iterator[None]:
 
 def _spawn(run_dir: str, idle_exit_s: float, timeout: float) -> dict[str, Any]:
     """Start `python -I -S` (about 10 ms) that forks the daemon and exits; read its report."""
+    import subprocess
+
+    from settled.isolated import HelperUnavailable, python_command, start_helper
+
     try:
         argv = python_command(
             "settled.workspace.journal.daemon:main", ("settled", "inotify_simple"), run_dir
@@ -198,6 +199,8 @@ def _spawn(run_dir: str, idle_exit_s: float, timeout: float) -> dict[str, Any]:
 
 
 def _read_report(fd: int, give_up: float) -> dict[str, Any]:
+    from settled.isolated import NoReport, read_report
+
     try:
         report = read_report(fd, give_up)
     except NoReport as exc:
