@@ -44,6 +44,7 @@ FACE_NEUTRAL = {
     "settled.environment",  # the caller's variables and env files, resolved where they are
     "settled.errors",
     "settled.exitcodes",
+    "settled.faults",  # a face's own named fault points (the server's): a name and a crash
     "settled.grammar",
     "settled.identity",
     "settled.records",

@@ -24,7 +24,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from settled import grammar
+from settled import faults, grammar
 from settled.errors import BadInput
 from settled.server import bodies, streams, views
 from settled.server.auth import GRANT_SCOPE_KEY, BearerAuth, Grant, TokenTable
@@ -110,6 +110,7 @@ class Handlers:
         body = bodies.session_request(await bodies.json_body(request, bodies.SESSION_FIELDS))
         task = request.path_params["task"]
         admission = await self.pool.call(views.admit, grant_of(request), task, body)
+        faults.point("server.after_admission")
         return _json(admission, 200 if admission["reused"] else 201)
 
     async def close(self, request: Request) -> Response:
@@ -118,6 +119,7 @@ class Handlers:
         complete, answer = await self.pool.call_long(
             views.close, grant_of(request), task, body["final"], body["deadline"]
         )
+        faults.point("server.before_close_response")
         return _json(answer, 200 if complete else 409)
 
     async def explain(self, request: Request) -> Response:
