@@ -90,6 +90,7 @@ UNITS: list[tuple[str, str]] = [
     ("runtime", "settled.runtime"),
     ("faces", "settled.server"),
     ("faces", "settled.integrations"),  # the harness adapters: through the Runtime or Client
+    ("faces", "settled.soak"),  # the crash soak: drives the Runtime, the CLI and the server
 ]
 
 BELOW_RUNTIME = {
