@@ -175,7 +175,7 @@ def server_stream(lane: Lane, attempt: Attempt, armed: procs.Server) -> bool:
     from settled.client import TransportFailed
 
     lane.open_task()
-    work = Work(attempt.key, attempt.rng.choice((64, 400)), pause=0.0, step=0.002)
+    work = Work(attempt.key, attempt.rng.choice((64, 400)), pause=0.0, step=0.02)
     session = lane.launch(work)
     via = attempt.rng.choice(("output", "events"))
     received = b""

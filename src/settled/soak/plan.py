@@ -30,6 +30,7 @@ LAUNCHES = ".launches"  # each command appends its logical key here first: one l
 OUTPUT_DIR = "out"  # each command that ends writes out/<key>: the close's checkpoint must hold it
 TICK = b"tick"
 TICKER_PAUSE_S = 0.1
+STEP_LINES = 32  # a paced command sleeps its step after each this many lines
 
 
 class Violation(Exception):
@@ -70,7 +71,8 @@ class Attempt:
 
 class Work:
     """A command whose every byte is known in advance: it appends its key to LAUNCHES, prints
-    `lines` numbered lines (pausing `pause` s halfway), then writes out/<key>."""
+    `lines` numbered lines (pausing `pause` s halfway, and `step` s every STEP_LINES lines),
+    then writes out/<key>."""
 
     def __init__(self, key: str, lines: int, pause: float, step: float = 0.0) -> None:
         self.key, self.lines, self.pause, self.step = key, lines, pause, step
@@ -78,7 +80,7 @@ class Work:
     @property
     def shell(self) -> str:
         half = self.lines // 2
-        each = f"sleep {self.step}; " if self.step else ""
+        each = f"[ $((i % {STEP_LINES})) -eq 0 ] && sleep {self.step}; " if self.step else ""
         loop = "while [ $i -lt {end} ]; do printf '{key}.%04d\\n' $i; " + each + "i=$((i+1)); done"
         return (
             f"echo {self.key} >> {LAUNCHES}; i=0; {loop.format(end=half, key=self.key)}; "
