@@ -25,6 +25,7 @@ import kill
 import load
 import objects_s3
 import remote
+import soak
 import startup
 import store_ops
 from common import RESULTS_DIR, log, write_results
@@ -42,6 +43,7 @@ BENCHMARKS = {
     "remote": remote.run,
     "objects_s3": objects_s3.run,
     "store_ops": store_ops.run,
+    "soak": soak.run,
 }
 # Benchmarks that also write a file beside their results (a plot): called with (out_dir, data),
 # they return a markdown line to append to the benchmark's section.
