@@ -38,6 +38,13 @@ if TYPE_CHECKING:
     from settled.records import TaskRecord
 
 PLANT_ENV = "SETTLED_SOAK_PLANT"
+RECOVERABLE = ("cgroup2+pidns", "pidns")  # boundaries whose death recovery can prove alone
+
+
+class Unsupported(RuntimeError):
+    """This machine cannot run the soak (said in one line, not as a traceback)."""
+
+
 SETTLE_S = 90.0
 
 
@@ -78,6 +85,13 @@ class Lane:
         key = f"tick-{self.task.task}"
         self.ticker = self.exec(key, ticker(key), service=True).session
         self.seen.expect(self.ticker, key, None)
+        boundary = self.rt.session_record(self.ticker).boundary
+        if boundary not in RECOVERABLE:
+            raise Unsupported(
+                f"this machine runs commands in boundary {boundary}, where a lost owner's "
+                f"session stays unknown for good; the soak needs one of {RECOVERABLE}, whose "
+                "death recovery can prove"
+            )
         return self.task
 
     def env_for(self, key: str) -> dict[str, str]:
@@ -298,6 +312,8 @@ class Lane:
             self.check_ticker()
         except Violation as violation:
             result["violation"] = violation.to_json()
+        except Unsupported as exc:
+            result["error"] = str(exc)
         except Exception:  # the soak's own failure, not settled's: said whole
             result["error"] = traceback.format_exc()
         result["seconds"] = round(time.monotonic() - started, 4)
