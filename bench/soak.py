@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -48,12 +49,23 @@ def _soak(crashes: int, lanes: int) -> dict[str, Any]:
     argv += ["--seed", str(SEED), "--lanes", str(lanes), "--json"]
     env = {k: v for k, v in os.environ.items() if not k.startswith("SETTLED_")}
     started = time.perf_counter()
-    done = subprocess.run(argv, env=env, capture_output=True, timeout=3600)
+    process = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        out, err = process.communicate(timeout=3600)
+    except BaseException:  # Ctrl-C or a timeout: the soak ends what it started, then us
+        process.send_signal(signal.SIGINT)
+        try:
+            process.communicate(timeout=180)
+        finally:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+        raise
     wall = time.perf_counter() - started
-    if done.returncode != 0:
-        log(f"warning: soak exited {done.returncode}: {done.stderr.decode()[-2000:]}")
-    report: dict[str, Any] = json.loads(done.stdout) if done.stdout.strip() else {}
-    return {"crashes_asked": crashes, "lanes": lanes, "exit": done.returncode, "wall_s": wall,
+    if process.returncode != 0:
+        log(f"warning: soak exited {process.returncode}: {err.decode()[-2000:]}")
+    report: dict[str, Any] = json.loads(out) if out.strip() else {}
+    return {"crashes_asked": crashes, "lanes": lanes, "exit": process.returncode, "wall_s": wall,
             "report": report}  # fmt: skip
 
 

@@ -63,6 +63,8 @@ def test_each_attempt_is_drawn_from_the_seed_alone() -> None:
     other = [Attempt(8, n, POINTS).point for n in range(50)]
     assert first == again and [p for p, _ in first] != other
     assert {Attempt(7, n, POINTS).family for n in range(200)} == set(FAMILIES)
+    alone = Attempt(7, 3, (Attempt(7, 3, POINTS).point,))  # a replay with --points
+    assert alone.work().shell == first[3][1], "the same parameters as in the whole run"
 
 
 @pytest.mark.timeout(600)

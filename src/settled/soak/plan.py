@@ -1,7 +1,7 @@
 """The soak's plan and its words: the fault point of each attempt, drawn from the seed, and the
 invariants a violation names.
 
-Owns: the seeded choice of attempt n's point and parameters (`attempt(seed, n, points)`), the
+Owns: the seeded choice of attempt n's point and parameters (`Attempt(seed, n, points)`), the
 families the points fall in, the commands a cycle runs and the bytes they must leave, and
 `Violation`.
 
@@ -57,8 +57,9 @@ class Attempt:
 
     def __init__(self, seed: int, number: int, points: tuple[str, ...]) -> None:
         self.seed, self.number = seed, number
+        self.point = random.Random(f"settled-soak:{seed}:{number}:point").choice(points)
+        # its own stream: a replay limited to this point (--points) draws the same parameters
         self.rng = random.Random(f"settled-soak:{seed}:{number}")
-        self.point = self.rng.choice(points)
         self.family = family(self.point)
         self.key = f"a{number}"  # the logical key: settled's key and the launch marker's line
 

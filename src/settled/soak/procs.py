@@ -23,6 +23,7 @@ TOKEN_ENV = "SETTLED_TOKEN"
 CLI = [sys.executable, "-m", "settled.cli"]
 CLI_TIMEOUT_S = 120.0
 SERVER_START_S = 60.0
+PR_SET_PDEATHSIG = 1
 
 
 def fault_env(point: str | None) -> dict[str, str]:
@@ -65,6 +66,7 @@ class Server:
                 stdin=subprocess.DEVNULL,
                 stdout=sink,
                 stderr=sink,
+                preexec_fn=_ends_with_parent,
             )
         self.url = self._listening(home)
 
@@ -105,6 +107,14 @@ class Server:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait(timeout=15)
+
+
+def _ends_with_parent() -> None:
+    """In the server's child before exec: SIGTERM it if its starter dies, even by SIGKILL
+    (PR_SET_PDEATHSIG), so a soak killed outright leaves no server serving its home."""
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def marked(mark: str) -> list[int]:
