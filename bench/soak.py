@@ -22,7 +22,7 @@ import sys
 import time
 from typing import Any
 
-from common import fmt, header, log, machine, md_table, median, settled_rig
+from common import fmt, header, log, machine, md_table, median, settled_rig, source_revision
 
 FULL = {"runs": [(200, 1), (200, 2), (200, 3), (200, 4), (1000, 3)], "baseline": 20}
 QUICK = {"runs": [(60, 3), (30, 1)], "baseline": 8}
@@ -81,7 +81,8 @@ def _families(report: dict[str, Any]) -> dict[str, dict[str, float]]:
 def run(quick: bool) -> tuple[dict[str, Any], str]:
     sizes = QUICK if quick else FULL
     data: dict[str, Any] = {"benchmark": "soak", "quick": quick, "machine": machine(),
-                            "seed": SEED, "baselines": [], "soaks": []}  # fmt: skip
+                            "source": source_revision(), "seed": SEED, "baselines": [],
+                            "soaks": []}  # fmt: skip
     data["baselines"].append(_baseline(sizes["baseline"]))
     for crashes, lanes in sizes["runs"]:
         log(f"soak: {crashes} crashes, {lanes} lanes")
