@@ -24,6 +24,7 @@ import isolation
 import kill
 import load
 import objects_s3
+import receipt
 import remote
 import soak
 import startup
@@ -39,6 +40,7 @@ BENCHMARKS = {
     "close_latency": close_latency.run,
     "load": load.run,
     "http": http_bench.run,
+    "receipt": receipt.run,
     "isolation": isolation.run,
     "remote": remote.run,
     "objects_s3": objects_s3.run,

@@ -269,9 +269,9 @@ def test_demo_runs_on_the_embedded_default(tmp_path: Path, marker: str) -> None:
     out = done.stdout.decode()
     assert "4194304 bytes" in out and "(timeout)" in out and "stopped by TERM" in out
     assert "never started" in out and "reused=true" in out
-    table = out[out.index("| probe") :].splitlines()
-    assert len(table) == 9 and "2 launches" in table[2] and "1 launch" in table[2]
-    assert "bit for bit" in table[4] and "in the checkpoint, restored" in table[7]
+    table = out[out.index("| question") :].splitlines()  # settled.probe's table, two runtimes
+    assert len(table) == 11 and "2 launches" in table[2] and "1 launch" in table[2]
+    assert "bit for bit" in table[4] and "late.txt restored from checkpoint" in table[8]
     assert kill_marked(marker, b"sleep") == []
     assert "settled-demo-" in out  # a fresh home of its own, not the user's
 

@@ -162,6 +162,7 @@ def test_every_verb_has_help_with_an_example_and_exit_codes(cli: CLI) -> None:
     verbs = [
         "run", "exec", "attach", "ls", "ps", "wait", "logs", "status", "cancel", "close",
         "checkpoint", "recover", "hosts", "explain", "restore", "verify", "mcp", "serve", "demo",
+        "probe",
     ]  # fmt: skip
     for verb in [*verbs, "task new", "task destroy"]:
         text = cli.run(*verb.split(), "--help").stdout.decode()

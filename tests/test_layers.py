@@ -52,7 +52,6 @@ FACE_NEUTRAL = {
     "settled.states",
 }
 FACES = {
-    "settled.baseline",  # the demo's plain-subprocess baseline: it measures, it decides nothing
     "settled.cli",
     "settled.cli.verbs",
     "settled.cli.frame",
@@ -90,6 +89,7 @@ UNITS: list[tuple[str, str]] = [
     ("runtime", "settled.runtime"),
     ("faces", "settled.server"),
     ("faces", "settled.integrations"),  # the harness adapters: through the Runtime or Client
+    ("faces", "settled.probe"),  # `settled probe`: experiments through the Runtime or Client
     ("faces", "settled.soak"),  # the crash soak: drives the Runtime, the CLI and the server
 ]
 

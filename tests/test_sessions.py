@@ -317,3 +317,33 @@ def test_a_followers_pause_wakes_on_the_owners_exit_and_then_never_spins() -> No
     assert calls == [
         ("handle", 1), ("exit", 0.05), ("closed", 99), ("store", 0.05), ("store", 0.05)
     ]  # fmt: skip
+
+
+def test_the_owner_exit_handle_is_readable_exactly_when_the_owner_has_exited(
+    rt: Runtime, task: TaskRecord
+) -> None:
+    """What the server's long poll waits on: a live owner's handle is not readable; once the
+    command ends and the owner exits it is, and by then the receipt is recorded; a session
+    whose owner has exited gives none, or one that is readable at once (an unreaped owner)."""
+    import select
+
+    session = rt.exec(task.task, shell="sleep 30", timeout=60).session
+    handle = rt.owner_exit_handle(session)
+    assert handle is not None
+    try:
+        poller = select.poll()
+        poller.register(handle, select.POLLIN)
+        assert poller.poll(200) == []  # the owner runs while its command does
+        rt.cancel(session, "the test is done with it")
+        assert poller.poll(30_000) != []  # readable: the owner exited
+        assert rt.session_record(session).receipt is not None  # recorded before it exited
+    finally:
+        os.close(handle)
+    again = rt.owner_exit_handle(session)
+    if again is not None:
+        try:
+            poller = select.poll()
+            poller.register(again, select.POLLIN)
+            assert poller.poll(0) != []
+        finally:
+            os.close(again)

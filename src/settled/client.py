@@ -284,9 +284,11 @@ def _seg(value: str) -> str:
 
 
 def _task_call(
-    workspace: str, key: str, shared_workspace: bool = False, ignore: Sequence[str] = ()
+    workspace: str | None, key: str, shared_workspace: bool = False, ignore: Sequence[str] = ()
 ) -> _Call:
-    body: dict[str, Any] = {"workspace": workspace, "key": key}
+    body: dict[str, Any] = (
+        {"key": key} if workspace is None else {"workspace": workspace, "key": key}
+    )
     if shared_workspace:  # only when asked: the body of every other request is unchanged
         body["shared_workspace"] = True
     if ignore:
@@ -703,15 +705,25 @@ class Client(_Base):
 
     def new_task(
         self,
-        workspace: str,
+        workspace: str | None,
         key: str | None = None,
         *,
         shared_workspace: bool = False,
         ignore: Sequence[str] = (),
     ) -> dict[str, Any]:
-        """Create a task over `workspace` (a key already used returns its task); one that
-        overlaps another open task's workspace is refused unless `shared_workspace`."""
+        """Create a task over `workspace` (None: a new directory the server makes; a key
+        already used returns its task); one that overlaps another open task's workspace is
+        refused unless `shared_workspace`."""
         return self._call(_task_call(workspace, key or new_key(), shared_workspace, ignore))
+
+    def task_status(self, task: str) -> dict[str, Any]:
+        """The task's computed status and a row per session."""
+        return self._call(_Call("GET", f"/v1/tasks/{_seg(task)}"))
+
+    def recover(self, task: str | None = None) -> dict[str, Any]:
+        """Settle the sessions whose owner is gone (of `task`, else of every task the token
+        sees) from their boundary's evidence: `{"sessions": [...]}`, what each became."""
+        return self._call(_Call("POST", "/v1/recover", {"task": task} if task else {}))
 
     def exec(
         self,
@@ -945,15 +957,25 @@ class AsyncClient(_Base):
 
     async def new_task(
         self,
-        workspace: str,
+        workspace: str | None,
         key: str | None = None,
         *,
         shared_workspace: bool = False,
         ignore: Sequence[str] = (),
     ) -> dict[str, Any]:
-        """Create a task over `workspace` (a key already used returns its task); one that
-        overlaps another open task's workspace is refused unless `shared_workspace`."""
+        """Create a task over `workspace` (None: a new directory the server makes; a key
+        already used returns its task); one that overlaps another open task's workspace is
+        refused unless `shared_workspace`."""
         return await self._call(_task_call(workspace, key or new_key(), shared_workspace, ignore))
+
+    async def task_status(self, task: str) -> dict[str, Any]:
+        """The task's computed status and a row per session."""
+        return await self._call(_Call("GET", f"/v1/tasks/{_seg(task)}"))
+
+    async def recover(self, task: str | None = None) -> dict[str, Any]:
+        """Settle the sessions whose owner is gone (of `task`, else of every task the token
+        sees) from their boundary's evidence: `{"sessions": [...]}`, what each became."""
+        return await self._call(_Call("POST", "/v1/recover", {"task": task} if task else {}))
 
     async def exec(
         self,

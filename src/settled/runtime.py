@@ -303,6 +303,15 @@ class Runtime:
 
         ensure_watching(record.task, record.workspace, run_dir(self.home))
 
+    def stop_journal(self) -> None:
+        """Stop this home's journal daemon and return once it let go of its lock: for a
+        caller that made a home for a moment (`settled probe`) and ends what it started. A
+        task still open then has no watch: its next checkpoint is a full scan."""
+        from settled.home import journal_socket
+        from settled.workspace.journal.lifecycle import stop
+
+        stop(journal_socket(self.home))
+
     def _last_words(self, session: str) -> dict[str, Any] | None:
         from settled.owner.last_words import read_last_words
 
@@ -625,6 +634,12 @@ class Runtime:
         """A sleep for whoever follows the session's output: it wakes at once when the
         session's owner exits, so a relay sees a short command end then (sessions.pauses)."""
         return self.sessions.pauses(grammar.check_id("session", session))
+
+    def owner_exit_handle(self, session: str) -> int | None:
+        """A descriptor that becomes readable when the session's owner exits (it records the
+        receipt just before), for a waiter on an event loop; None when this host has no owner
+        of it to watch (then wait on the store). The caller closes it (`os.close`)."""
+        return self.sessions.exit_handle(grammar.check_id("session", session))
 
     def cancel(self, session: str, reason: str = "cancel requested") -> dict[str, Any]:
         """Ask the owner to stop the session (TERM, grace, KILL over the whole boundary)."""

@@ -124,6 +124,13 @@ class SessionWatch:
             if handle is not None:
                 self.liveness.close_handle(handle)
 
+    def exit_handle(self, session: str) -> int | None:
+        """A handle (a pidfd) that becomes readable when the session's owner exits, for a
+        waiter with an event loop of its own; None when no owner of this host is there to
+        watch (none yet, gone, or another host's). The caller closes it."""
+        owner = self.store.get_session(session).owner
+        return None if owner is None else self.liveness.exit_handle(owner)
+
     def settles_within(self, session: str, seconds: float) -> bool:
         """Whether the session left its owner's hands (settled or unknown) within `seconds`."""
         try:

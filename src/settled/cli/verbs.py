@@ -406,6 +406,41 @@ def cmd_demo(rt: Runtime, args: argparse.Namespace) -> int:
     return run_demo(rt)
 
 
+def cmd_probe(args: argparse.Namespace) -> int:
+    """Never on the user's home: the settled runtime is probed on a fresh one it removes."""
+    if getattr(args, "home", None) is not None:
+        raise UsageError("probe runs settled on a fresh temporary home of its own; drop --home")
+    from settled.probe import QUESTION_IDS, probe
+    from settled.probe.report import text
+
+    def progress(version: str, question: Any) -> None:
+        print(f"probing {version}: {question.asks}", file=sys.stderr, flush=True)
+
+    quiet = getattr(args, "json", False) or getattr(args, "quiet", False)
+    with _terminate_unwinds():
+        report = probe(args.runtime or ["settled"], args.only or QUESTION_IDS,
+                       None if quiet else progress)  # fmt: skip
+    emit(args, report.to_json(), text(report), brief="holds" if report.holds else "fails")
+    return report.exit_code
+
+
+@contextlib.contextmanager
+def _terminate_unwinds() -> Iterator[None]:
+    """SIGTERM and SIGHUP unwind like Ctrl-C meanwhile, so an interrupted probe still closes
+    its tasks, ends the commands it started and removes its home."""
+    import signal
+
+    def unwind(signum: int, _frame: object) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    before = {number: signal.signal(number, unwind) for number in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for number, handler in before.items():
+            signal.signal(number, handler)
+
+
 def _demo_home(args: argparse.Namespace) -> None:
     """The demo runs in a fresh home of its own unless one is named, so trying it leaves the
     user's home (and its list of tasks) as it was."""
@@ -952,16 +987,46 @@ def _build(only: str | None) -> tuple[argparse.ArgumentParser, bool]:
         "per session)",
     )  # fmt: skip
 
+    probe = _verb(
+        sub,
+        "probe",
+        common,
+        "the essay's review checklist, run as experiments against a runtime",
+        "settled probe --runtime subprocess --runtime swerex --runtime settled",
+        epilog="exit codes of probe:\n"
+        "    0  every answer holds, or is not applicable and says why\n"
+        "    2  bad input: an unknown runtime or question, a URL that does not answer,\n"
+        "       a runtime not installed here (nothing was run)\n"
+        "    3  at least one answer fails, or something the probe started outlived it",
+    )
+    probe.add_argument(
+        "--runtime", action="append", metavar="NAME|URL",
+        help="settled (on a fresh temporary home, never yours), subprocess (subprocess.run "
+        "with a timeout), swerex (SWE-ReX's local runtime), or http(s)://HOST:PORT of a settled "
+        "service (token from SETTLED_TOKEN); repeat it for a table comparing them "
+        "(default: settled)",
+    )  # fmt: skip
+    probe.add_argument(
+        "--only", action="append", metavar="QUESTION",
+        help="ask only this question (repeatable): retry, long_line, binary, silent, holder, "
+        "owner_killed, late_write, fenced, receipt (default: all)",
+    )  # fmt: skip
+    probe.set_defaults(handler=cmd_probe)
+
     soak = _verb(
         sub, "soak", common,
         "crash settled at random fault points (owner, checkpoint, close, recovery, server) "
         "with sessions running, and check every invariant after each crash; in a temporary "
         "home of its own, removed after",
         "settled soak --crashes 1000 --seed 42 --json",
-        epilog="exit codes:\n  0 every invariant held\n  1 the soak itself could not run (a "
-        "lane failed, the points were not reached, or it could not end what it started)\n"
-        "  2 bad input\n  3 a violation: the invariant, the seed, the crash, the point and "
-        "the command that replays it\n130 interrupted (everything it started is ended)",
+        epilog="exit codes of soak:\n"
+        "    0  every invariant held\n"
+        "    1  the soak itself could not run (a lane failed, the points were not reached,\n"
+        "       or it could not end what it started)\n"
+        "    2  bad input (nothing was run)\n"
+        "    3  a violation: the invariant, the seed, the crash, the point, and the command\n"
+        "       that replays it\n"
+        "  130  interrupted (everything it started is ended)",
     )  # fmt: skip
     soak.add_argument(
         "--crashes", type=_integer("--crashes", 1, 1_000_000), default=100,
@@ -1016,6 +1081,8 @@ def _dispatch(args: argparse.Namespace) -> int:
         from settled.server import serve
 
         return serve(getattr(args, "home", None), args.host, args.port, args.tokens)
+    if args.verb == "probe":  # opens no Runtime on the user's home: it makes its own
+        return cmd_probe(args)
     if args.verb == "soak":  # a temporary home of its own, never the caller's
         return _soak(args)
     if args.verb == "demo":

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -132,18 +133,43 @@ class Handlers:
         return _json(await self.pool.call(views.recover, grant_of(request), task))
 
     async def session(self, request: Request) -> Response:
-        """The status view; with ``?wait=S`` it first waits (polling from the event loop, no
-        thread held) up to S seconds for the receipt, and answers 202 if it is not there yet."""
+        """The status view; with ``?wait=S`` it first waits up to S seconds for the receipt
+        (from the event loop, no thread held), and answers 202 if it is not there yet. The
+        wait wakes when the owner exits (it records the receipt just before), so a short
+        command's receipt is answered then, not at the next look; the looks remain for an
+        owner elsewhere or none yet."""
         session = request.path_params["session"]
         wait_s = bodies.query_wait(request, MAX_WAIT_S)
         grant = grant_of(request)
         view = await self.pool.call(views.session_status, grant, session)
-        give_up, pause = time.monotonic() + wait_s, 0.005
-        while wait_s and not views.is_settled(view) and time.monotonic() < give_up:
-            await asyncio.sleep(max(0.0, min(pause, give_up - time.monotonic())))
-            pause = min(pause * 1.5, 0.1)
-            view = await self.pool.call(views.session_status, grant, session)
+        if wait_s and not views.is_settled(view):
+            view = await self._await_settled(grant, session, time.monotonic() + wait_s)
         return _json(view, 202 if wait_s and not views.is_settled(view) else 200)
+
+    async def _await_settled(self, grant: Grant, session: str, give_up: float) -> dict[str, Any]:
+        handle = await self.pool.call(views.owner_exit_handle, grant, session)
+        exited = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        if handle is not None:
+            loop.add_reader(handle, exited.set)
+        try:
+            pause = 0.005
+            while True:
+                view = await self.pool.call(views.session_status, grant, session)
+                if views.is_settled(view) or time.monotonic() >= give_up:
+                    return view
+                seconds = max(0.0, min(pause, give_up - time.monotonic()))
+                if handle is None or exited.is_set():  # nothing left to wake us: look again
+                    await asyncio.sleep(seconds)
+                    pause = min(pause * 1.5, 0.1)
+                    continue
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(exited.wait(), seconds)
+                pause = min(pause * 1.5, 1.0)  # the owner's exit wakes us before this
+        finally:
+            if handle is not None:
+                loop.remove_reader(handle)
+                os.close(handle)
 
     async def signal(self, request: Request) -> Response:
         name, reason = bodies.signal_request(await bodies.json_body(request, bodies.SIGNAL_FIELDS))

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from settled import grammar
+from settled import __version__, grammar
 from settled.identity import BOUNDARY_POLICIES, ISOLATION_POLICIES
 
 VERSION = "1"
@@ -433,6 +433,7 @@ def document() -> dict[str, Any]:
         "info": {
             "title": "settled",
             "version": VERSION,
+            "x-settled-version": __version__,  # what `settled probe URL` reports it probed
             "description": "Run commands for coding agents; output replayable by cursor.",
         },
         "paths": {**_open(), **_tasks(), **_sessions()},

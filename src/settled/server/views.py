@@ -105,6 +105,11 @@ def session_status(rt: Runtime, grant: Grant, session: str) -> dict[str, Any]:
     return rt.session_status(session)
 
 
+def owner_exit_handle(rt: Runtime, grant: Grant, session: str) -> int | None:
+    visible_session(rt, grant, session)
+    return rt.owner_exit_handle(session)
+
+
 def is_settled(view: dict[str, Any]) -> bool:
     """The long poll's end: a receipt exists, or the session is unknown. (``Runtime.wait``
     also waits out an unknown whose owner process still runs; the long poll answers it.)"""
