@@ -72,6 +72,7 @@ UNITS: list[tuple[str, str]] = [
     ("store", "settled.store"),
     ("decisions", "settled.close.decide"),
     ("decisions", "settled.status"),
+    ("decisions", "settled.clocks"),  # the four clocks of /ui, over the close's facts
     ("close", "settled.close.join"),
     ("close", "settled.close.facts"),  # reads the store for the join and for explain
     ("decisions", "settled.close"),  # the package: a docstring

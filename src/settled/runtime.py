@@ -624,6 +624,12 @@ class Runtime:
             rows.append(row)
         return rows
 
+    def task_ids(self, limit: int = 50) -> list[str]:
+        """The newest ``limit`` tasks' ids, newest first: one read of the store, no session
+        or close read (what the live view of /ui lists before it reads the tasks it must)."""
+        grammar.check_int("limit", limit, 1, grammar.MAX_CURSOR)
+        return [record.task for record in self.store.list_tasks(limit)]
+
     def wait(self, session: str, timeout: float | None = None) -> dict[str, Any]:
         """Block until the session has a receipt (or is unknown); the session's clock, not ours.
         Raises NotSettled when `timeout` passes first; the session goes on."""
@@ -634,12 +640,6 @@ class Runtime:
         """A sleep for whoever follows the session's output: it wakes at once when the
         session's owner exits, so a relay sees a short command end then (sessions.pauses)."""
         return self.sessions.pauses(grammar.check_id("session", session))
-
-    def owner_exit_handle(self, session: str) -> int | None:
-        """A descriptor that becomes readable when the session's owner exits (it records the
-        receipt just before), for a waiter on an event loop; None when this host has no owner
-        of it to watch (then wait on the store). The caller closes it (`os.close`)."""
-        return self.sessions.exit_handle(grammar.check_id("session", session))
 
     def cancel(self, session: str, reason: str = "cancel requested") -> dict[str, Any]:
         """Ask the owner to stop the session (TERM, grace, KILL over the whole boundary)."""
@@ -762,6 +762,35 @@ class Runtime:
         from settled.close.facts import read_close_facts
 
         return explain(read_close_facts(self.store, grammar.check_id("task", task)))
+
+    def clocks(self, task: str, limit: int = 50) -> dict[str, Any]:
+        """The four clocks of the task's newest ``limit`` sessions and the task's close receipt
+        (settled.clocks), computed from the same recorded facts as ``explain``, with each live
+        session's owner observed now (a dead owner shows its session unknown, never failed)."""
+        from settled.clocks import task_clocks
+        from settled.close.facts import read_close_facts
+
+        facts = read_close_facts(self.store, grammar.check_id("task", task))
+        grammar.check_int("limit", limit, 1, grammar.MAX_CURSOR)
+        owners = {s.session: self.owner_facts(s) for s in facts.sessions if s.live}
+        return task_clocks(facts, owners, limit)
+
+    def exit_handle(self, session: str) -> int | None:
+        """A handle (a pidfd) that becomes readable when the live session's owner exits, or
+        None (no owner yet, an owner on another host, or none alive). The owner writes its
+        receipt before it exits, so whoever wakes on it reads the receipt; an owner that dies
+        without one wakes it too, and the status then says unknown. Close it with
+        ``close_exit_handle``."""
+        return self.sessions.exit_handle(grammar.check_id("session", session))
+
+    def close_exit_handle(self, handle: int) -> None:
+        self.sessions.liveness.close_handle(handle)
+
+    def await_change(self, topics: tuple[str, ...], seconds: float) -> None:
+        """Block until the store may have changed for one of ``topics`` (task or session ids;
+        ``"*"``: anything) or ``seconds`` pass: a wakeup where the store notifies (PostgreSQL),
+        a bounded sleep where it does not (SQLite). Spurious wakeups happen: read again."""
+        self.store.await_change(topics, grammar.check_seconds("seconds", seconds, MAX_WAIT))
 
     def restore(self, target: str, dest: str, *, same_owner: bool = False) -> RestoreResult:
         """Rebuild a task's last checkpoint (or a manifest id) into an empty directory that is

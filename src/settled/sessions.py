@@ -125,11 +125,14 @@ class SessionWatch:
                 self.liveness.close_handle(handle)
 
     def exit_handle(self, session: str) -> int | None:
-        """A handle (a pidfd) that becomes readable when the session's owner exits, for a
+        """A handle (a pidfd) that becomes readable when the live session's owner exits, for a
         waiter with an event loop of its own; None when no owner of this host is there to
-        watch (none yet, gone, or another host's). The caller closes it."""
-        owner = self.store.get_session(session).owner
-        return None if owner is None else self.liveness.exit_handle(owner)
+        watch (none yet, gone, another host's, or the session is no longer live). The caller
+        closes it (`Liveness.close_handle`)."""
+        record = self.store.get_session(session)
+        if record.owner is None or not record.live:
+            return None
+        return self.liveness.exit_handle(record.owner)
 
     def settles_within(self, session: str, seconds: float) -> bool:
         """Whether the session left its owner's hands (settled or unknown) within `seconds`."""

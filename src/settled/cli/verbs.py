@@ -964,7 +964,7 @@ def _build(only: str | None) -> tuple[argparse.ArgumentParser, bool]:
         sub,
         "serve",
         common,
-        "the HTTP service (bearer tokens)",
+        "the HTTP service (bearer tokens) and its page of the four clocks at /ui",
         "SETTLED_TOKEN=$(openssl rand -hex 16) settled serve --port 8765",
     )
     srv.add_argument("--host", type=_text("--host", 255, 1), default="127.0.0.1")
