@@ -18,6 +18,7 @@ import subprocess
 import threading
 from typing import Any
 
+from settled import faults
 from settled.home import make_session_dir
 from settled.isolated import python_command
 from settled.owner.launcher import READY_TIMEOUT_S, _read_ready
@@ -73,6 +74,7 @@ def _become_owner(request: dict[str, Any], ready_fd: int | None, run: Any) -> No
         os.setsid()
         os.environ.clear()
         os.environ.update(request["env"])
+        faults.arm(os.environ.get("SETTLED_FAULT", ""))  # imported with the zygote's own
         os.umask(request["umask"])
         log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         null = os.open(os.devnull, os.O_RDONLY)

@@ -27,7 +27,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from settled import grammar
+from settled import faults, grammar
 from settled.errors import BadInput
 from settled.runtime import Runtime
 from settled.server import bodies, streams, views
@@ -136,6 +136,7 @@ class Handlers:
         task = request.path_params["task"]
         admission = await self.pool.call(views.admit, grant_of(request), task, body)
         self.service.feed.nudge()
+        faults.point("server.after_admission")
         return _json(admission, 200 if admission["reused"] else 201)
 
     async def close(self, request: Request) -> Response:
@@ -146,6 +147,7 @@ class Handlers:
             views.close, grant_of(request), task, body["final"], body["deadline"]
         )
         self.service.feed.nudge()
+        faults.point("server.before_close_response")
         return _json(answer, 200 if complete else 409)
 
     async def explain(self, request: Request) -> Response:
