@@ -30,7 +30,7 @@ from settled.home import (
 from settled.home import storage_error as storage_error  # for the CLI: one line for a disk error
 from settled.owner.liveness import HostedOwners
 from settled.records import Frozen, OwnerFacts, SessionRecord, TaskRecord
-from settled.sessions import SessionWatch
+from settled.sessions import WAKE_BOUND_S, SessionWatch
 from settled.states import SETTLED, TASK_COMPLETE, TASK_OPEN
 from settled.status import session_status, task_status
 from settled.store import Store, open_store
@@ -636,10 +636,20 @@ class Runtime:
         grammar.check_id("session", session)
         return self.sessions.wait(session, grammar.optional_seconds("timeout", timeout, MAX_WAIT))
 
-    def pauses(self, session: str) -> contextlib.AbstractContextManager[Callable[[float], None]]:
-        """A sleep for whoever follows the session's output: it wakes at once when the
-        session's owner exits, so a relay sees a short command end then (sessions.pauses)."""
-        return self.sessions.pauses(grammar.check_id("session", session))
+    @contextlib.contextmanager
+    def pauses(self, session: str) -> Iterator[Callable[[float], None]]:
+        """A sleep for whoever follows the session's output, `pause(seconds)`: it wakes at once
+        when a byte is stored in the session's log (an inotify watch, log/watch.py) and when
+        the session's owner exits, so a relay sees output and the end of a command then, not
+        at a poll (sessions.pauses); `seconds` bounds it. Where neither can be watched, it polls."""
+        from settled.log.watch import LogWatch  # ctypes only once a follower first waits
+
+        watch = LogWatch(session_dir(self.home, grammar.check_id("session", session)))
+        try:
+            with self.sessions.pauses(session, wake=watch) as pause:
+                yield pause
+        finally:
+            watch.close()
 
     def cancel(self, session: str, reason: str = "cancel requested") -> dict[str, Any]:
         """Ask the owner to stop the session (TERM, grace, KILL over the whole boundary)."""
@@ -876,8 +886,9 @@ class Runtime:
         self.store.get_session(_session_stream(session, stream))
         path = self._log_file(session, stream)
         final = functools.partial(self.final_cursor, session, stream)
-        return self._woken(session, lambda pause: follow(path, start, final, timeout=timeout,
-                                                         sleep=pause))  # fmt: skip
+        return self._woken(session, lambda pause: follow(
+            path, start, final, timeout=timeout, sleep=pause,
+            poll_interval=WAKE_BOUND_S))  # fmt: skip
 
     def _merged_limits(self, session: str) -> tuple[dict[str, int], bool]:
         """The cursors each stream may be served to in the merged view, and whether final
@@ -920,13 +931,15 @@ class Runtime:
         directory = session_dir(self.home, session)
         limits = functools.partial(self._merged_limits, session)
         return self._woken(session, lambda pause: interleave.follow_merged(
-            directory, limits, start, timeout=timeout, sleep=pause))  # fmt: skip
+            directory, limits, start, timeout=timeout, sleep=pause,
+            poll_interval=WAKE_BOUND_S))  # fmt: skip
 
     def _woken(
         self, session: str, make: Callable[[Callable[[float], None]], Iterator[_T]]
     ) -> Iterator[_T]:
-        """A follow whose pauses end when the session's owner exits (checked eagerly by the
-        caller; this generator only runs it), so the end of a stream is seen at once."""
+        """A follow whose pauses end when a byte is stored or the session's owner exits
+        (checked eagerly by the caller; this generator only runs it), so new bytes and the end
+        of a stream are seen at once."""
         with self.pauses(session) as pause:
             yield from make(pause)
 

@@ -36,6 +36,7 @@ from settled.home import (
     storage_error,
 )
 from settled.identity import CommandSpec
+from settled.log.flush import FLUSH_ENV, Flusher, flush_every
 from settled.log.interleave import IndexWriter, index_path
 from settled.log.writer import StreamWriter, enlarge_pipe
 from settled.owner.last_words import LastWords
@@ -48,6 +49,9 @@ from settled.store import Store, open_store
 LEASE_S = float(os.environ.get("SETTLED_LEASE_S") or 15.0)  # tests shorten it
 HEARTBEAT_S = LEASE_S / 5  # five renewals per lease: a starved owner has four to spare
 LOG_CAP_ENV = "SETTLED_LOG_CAP"
+# "1": splice where the log is out of the command's reach. Off by default: measured slower than
+# read + write here (bench/drain.py: the digest must read the bytes back, so no copy is saved).
+LOG_SPLICE_ENV = "SETTLED_LOG_SPLICE"
 
 
 def command_environment(spec: CommandSpec) -> dict[str, str]:
@@ -132,6 +136,7 @@ class Owner:
         self.last_words: LastWords | None = None
         self.store_trouble: str | None = None  # the first renewal the store could not write
         self.lease = LeaseKeeper(self._renewals, stale_after=STALE_BEATS * HEARTBEAT_S)
+        self.flusher = Flusher(flush_every(os.environ.get(FLUSH_ENV)))  # fsyncs behind the drain
 
     # -- the session, start to receipt ---------------------------------------------------
 
@@ -162,10 +167,12 @@ class Owner:
         # children, the kernel refuses it any new thread (CLONE_THREAD across PID namespaces).
         # It idles until the supervise loop asks for its first renewal.
         self.lease.start()
+        self.flusher.start()  # likewise before the boundary; idle until the streams exist
         try:
             return self._launch(record, signals)
         finally:
             self.lease.close()
+            self.flusher.close()
 
     def _launch(self, record: SessionRecord, signals: OwnerSignals) -> int:
         """From the claimed session to its receipt: boundary, spawn, supervision, settle."""
@@ -256,8 +263,11 @@ class Owner:
         cap_text = os.environ.get(LOG_CAP_ENV)
         cap = int(cap_text) if cap_text else None
         space = SpaceGuard(self.home)  # both streams stop storing at the home's reserve
+        splice = os.environ.get(LOG_SPLICE_ENV) == "1" and self._log_out_of_reach()
         writers = {
-            name: StreamWriter(log_path(self.home, self.record.session, name), cap, space)
+            name: StreamWriter(
+                log_path(self.home, self.record.session, name), cap, space, splice=splice
+            )
             for name in ("stdout", "stderr")
         }
         fds: dict[str, int] = {}
@@ -266,7 +276,22 @@ class Owner:
             enlarge_pipe(read_end)
             fds[name], fds[f"{name}_w"] = read_end, write_end
         index = IndexWriter(index_path(directory))
-        return Streams(fds, writers, index=index)
+        return Streams(fds, writers, index=index, flusher=self.flusher)
+
+    def _log_out_of_reach(self) -> bool:
+        """Whether nothing but this owner can write the session's logs while it drains: the
+        command's mount namespace hides the home and its PID namespace (with its own /proc)
+        hides this process and its descriptors. Only then may a log splice and hash its bytes
+        back from the file (log/writer.py); otherwise it hashes what it writes."""
+        plan = self.plan
+        return (
+            plan is not None
+            and self.sandbox is None
+            and plan.mount_namespace
+            and plan.home in plan.hide_dirs
+            and plan.private_proc
+            and self.boundary_kind in boundaries.PID_NAMESPACE_KINDS
+        )
 
     def _plan(self, task: TaskRecord, kind: str) -> IsolationPlan:
         """What the command may see and do, from facts checked here: this process's
@@ -343,11 +368,7 @@ class Owner:
 
     def _settle(self, outcome: Outcome, streams: Streams) -> int:
         self.lease.close()  # ended by the supervisor already; no thread outlives the settle
-        summaries = {name: w.close() for name, w in streams.writers.items()}
-        if streams.index is not None:
-            streams.index.close()
-        for fd in streams.fds.values():
-            os.close(fd)
+        summaries = streams.close()
         assert outcome.evidence is not None
         terminal_mutation = self._terminal_mutation()
         now = time.monotonic()
@@ -423,11 +444,7 @@ class Owner:
         self.lease.close()  # it never renewed; it ends before the receipt all the same
         if streams is None:
             streams = self._open_streams()
-        for fd in streams.fds.values():
-            os.close(fd)
-        if streams.index is not None:
-            streams.index.close()
-        summaries = self._sealed({n: w.close().to_json() for n, w in streams.writers.items()})
+        summaries = self._sealed({n: s.to_json() for n, s in streams.close().items()})
         self.timings["settled_at"] = time.time()
         receipt = self._receipt(
             death={
