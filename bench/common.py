@@ -161,7 +161,7 @@ def write_results(out_dir: str, name: str, data: dict[str, Any], markdown: str) 
 
 ORDER = (
     "drain", "admission", "kill", "checkpoint", "close_latency", "load", "http", "objects_s3",
-    "remote", "store_ops",
+    "remote", "store_ops", "ui_feed", "soak",
 )  # fmt: skip
 
 

@@ -26,8 +26,10 @@ import load
 import objects_s3
 import receipt
 import remote
+import soak
 import startup
 import store_ops
+import ui_feed
 from common import RESULTS_DIR, log, write_results
 
 BENCHMARKS = {
@@ -44,6 +46,8 @@ BENCHMARKS = {
     "remote": remote.run,
     "objects_s3": objects_s3.run,
     "store_ops": store_ops.run,
+    "soak": soak.run,
+    "ui_feed": ui_feed.run,
 }
 # Benchmarks that also write a file beside their results (a plot): called with (out_dir, data),
 # they return a markdown line to append to the benchmark's section.

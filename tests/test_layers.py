@@ -44,6 +44,7 @@ FACE_NEUTRAL = {
     "settled.environment",  # the caller's variables and env files, resolved where they are
     "settled.errors",
     "settled.exitcodes",
+    "settled.faults",  # a face's own named fault points (the server's): a name and a crash
     "settled.grammar",
     "settled.identity",
     "settled.records",
@@ -71,6 +72,7 @@ UNITS: list[tuple[str, str]] = [
     ("store", "settled.store"),
     ("decisions", "settled.close.decide"),
     ("decisions", "settled.status"),
+    ("decisions", "settled.clocks"),  # the four clocks of /ui, over the close's facts
     ("close", "settled.close.join"),
     ("close", "settled.close.facts"),  # reads the store for the join and for explain
     ("decisions", "settled.close"),  # the package: a docstring
@@ -89,6 +91,7 @@ UNITS: list[tuple[str, str]] = [
     ("faces", "settled.server"),
     ("faces", "settled.integrations"),  # the harness adapters: through the Runtime or Client
     ("faces", "settled.probe"),  # `settled probe`: experiments through the Runtime or Client
+    ("faces", "settled.soak"),  # the crash soak: drives the Runtime, the CLI and the server
 ]
 
 BELOW_RUNTIME = {

@@ -14,6 +14,7 @@ import contextlib
 import os
 import time
 
+from settled import faults
 from settled.errors import SettledError, StaleWrite
 from settled.home import journal_socket, last_words_path, log_path
 from settled.owner.last_words import read_last_words
@@ -100,6 +101,7 @@ class Recovery:
             with contextlib.suppress(StaleWrite):  # it settled (or another detector won)
                 self.store.mark_unknown(record.session, record.generation, why)
                 found.append(record.session)
+                faults.point("recovery.after_unknown")
         return found
 
     def last_words(self, session: str) -> dict[str, Any] | None:
@@ -129,7 +131,9 @@ class Recovery:
             generation = self.store.take_over(record.session, record.generation)
         except StaleWrite as exc:
             return {"session": record.session, "state": "skipped", "why": str(exc)}
+        faults.point("recovery.after_take_over")
         evidence = given or self.sandbox.inspect(record, self.store.get_task(record.task))
+        faults.point("recovery.after_kill")
         source = str(evidence.observed.get("source") or source)  # "provider": its own word
         if not evidence.proven:
             why = str(
@@ -142,6 +146,7 @@ class Recovery:
         receipt = _recovered_receipt(
             self.home, record, generation, evidence, source, writer_may_live
         )
+        faults.point("recovery.before_receipt")
         try:
             self.store.write_receipt(record.session, generation, receipt, event="recover")
         except StaleWrite as exc:  # another recovery (a second destroy) took it over since

@@ -7,7 +7,10 @@ cursors, which is all a later `settled attach SESSION --from N --stderr-from M` 
 from the same byte.
 
 One thread, no store connection shared across threads: the relay reads each stream from its
-cursor, and only when neither grew asks the store whether the session has settled.
+cursor, and only when neither grew asks the store whether the session has settled. Between looks
+it sleeps in the runtime's pause, which a byte stored in the session's log or the owner's exit
+ends at once (an inotify watch and a pidfd, `Runtime.pauses`): no polling interval stands
+between a byte and the terminal while the command runs.
 """
 
 from __future__ import annotations
@@ -21,8 +24,7 @@ from typing import BinaryIO
 from settled.runtime import Runtime
 
 STREAMS = ("stdout", "stderr")
-FIRST_PAUSE_S = 0.002
-LONGEST_PAUSE_S = 0.05  # what a quiet command costs in latency at most; doubling keeps it cheap
+LOOK_EVERY_S = 1.0  # the longest a pause lasts: its events (a stored byte, the exit) end it
 
 
 @contextlib.contextmanager
@@ -53,8 +55,8 @@ class Relay:
         stored bytes end before their final cursor (stream -> (stored end, final)), which a
         caller must report rather than pretend the output is whole. A KeyboardInterrupt
         leaves `cursors` at the first byte not yet written (every written byte is flushed).
-        Between looks it sleeps in `sleep`, by default the runtime's, which ends when the owner
-        exits."""
+        Between looks it calls `sleep(LOOK_EVERY_S)`, by default the runtime's pause, which
+        ends when a byte is stored or the owner exits; a `sleep` given here must wake as early."""
         if sleep is not None:
             return self._relay(rt, sinks, sleep)
         with rt.pauses(self.session) as pause:
@@ -63,10 +65,8 @@ class Relay:
     def _relay(
         self, rt: Runtime, sinks: dict[str, BinaryIO], sleep: Callable[[float], None]
     ) -> dict[str, tuple[int, int]]:
-        pause = FIRST_PAUSE_S
         while True:
             if self._copy_new(rt, sinks):
-                pause = FIRST_PAUSE_S
                 continue
             finals = {stream: rt.final_cursor(self.session, stream) for stream in STREAMS}
             if all(final is not None for final in finals.values()):
@@ -77,8 +77,7 @@ class Relay:
                     for s, final in finals.items()
                     if final is not None and self.cursors[s] < final
                 }
-            sleep(pause)
-            pause = min(pause * 2, LONGEST_PAUSE_S)
+            sleep(LOOK_EVERY_S)
 
     def _copy_new(self, rt: Runtime, sinks: dict[str, BinaryIO]) -> bool:
         moved = False

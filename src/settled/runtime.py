@@ -30,7 +30,7 @@ from settled.home import (
 from settled.home import storage_error as storage_error  # for the CLI: one line for a disk error
 from settled.owner.liveness import HostedOwners
 from settled.records import Frozen, OwnerFacts, SessionRecord, TaskRecord
-from settled.sessions import SessionWatch
+from settled.sessions import WAKE_BOUND_S, SessionWatch
 from settled.states import SETTLED, TASK_COMPLETE, TASK_OPEN
 from settled.status import session_status, task_status
 from settled.store import Store, open_store
@@ -624,22 +624,32 @@ class Runtime:
             rows.append(row)
         return rows
 
+    def task_ids(self, limit: int = 50) -> list[str]:
+        """The newest ``limit`` tasks' ids, newest first: one read of the store, no session
+        or close read (what the live view of /ui lists before it reads the tasks it must)."""
+        grammar.check_int("limit", limit, 1, grammar.MAX_CURSOR)
+        return [record.task for record in self.store.list_tasks(limit)]
+
     def wait(self, session: str, timeout: float | None = None) -> dict[str, Any]:
         """Block until the session has a receipt (or is unknown); the session's clock, not ours.
         Raises NotSettled when `timeout` passes first; the session goes on."""
         grammar.check_id("session", session)
         return self.sessions.wait(session, grammar.optional_seconds("timeout", timeout, MAX_WAIT))
 
-    def pauses(self, session: str) -> contextlib.AbstractContextManager[Callable[[float], None]]:
-        """A sleep for whoever follows the session's output: it wakes at once when the
-        session's owner exits, so a relay sees a short command end then (sessions.pauses)."""
-        return self.sessions.pauses(grammar.check_id("session", session))
+    @contextlib.contextmanager
+    def pauses(self, session: str) -> Iterator[Callable[[float], None]]:
+        """A sleep for whoever follows the session's output, `pause(seconds)`: it wakes at once
+        when a byte is stored in the session's log (an inotify watch, log/watch.py) and when
+        the session's owner exits, so a relay sees output and the end of a command then, not
+        at a poll (sessions.pauses); `seconds` bounds it. Where neither can be watched, it polls."""
+        from settled.log.watch import LogWatch  # ctypes only once a follower first waits
 
-    def owner_exit_handle(self, session: str) -> int | None:
-        """A descriptor that becomes readable when the session's owner exits (it records the
-        receipt just before), for a waiter on an event loop; None when this host has no owner
-        of it to watch (then wait on the store). The caller closes it (`os.close`)."""
-        return self.sessions.exit_handle(grammar.check_id("session", session))
+        watch = LogWatch(session_dir(self.home, grammar.check_id("session", session)))
+        try:
+            with self.sessions.pauses(session, wake=watch) as pause:
+                yield pause
+        finally:
+            watch.close()
 
     def cancel(self, session: str, reason: str = "cancel requested") -> dict[str, Any]:
         """Ask the owner to stop the session (TERM, grace, KILL over the whole boundary)."""
@@ -763,6 +773,35 @@ class Runtime:
 
         return explain(read_close_facts(self.store, grammar.check_id("task", task)))
 
+    def clocks(self, task: str, limit: int = 50) -> dict[str, Any]:
+        """The four clocks of the task's newest ``limit`` sessions and the task's close receipt
+        (settled.clocks), computed from the same recorded facts as ``explain``, with each live
+        session's owner observed now (a dead owner shows its session unknown, never failed)."""
+        from settled.clocks import task_clocks
+        from settled.close.facts import read_close_facts
+
+        facts = read_close_facts(self.store, grammar.check_id("task", task))
+        grammar.check_int("limit", limit, 1, grammar.MAX_CURSOR)
+        owners = {s.session: self.owner_facts(s) for s in facts.sessions if s.live}
+        return task_clocks(facts, owners, limit)
+
+    def exit_handle(self, session: str) -> int | None:
+        """A handle (a pidfd) that becomes readable when the live session's owner exits, or
+        None (no owner yet, an owner on another host, or none alive). The owner writes its
+        receipt before it exits, so whoever wakes on it reads the receipt; an owner that dies
+        without one wakes it too, and the status then says unknown. Close it with
+        ``close_exit_handle``."""
+        return self.sessions.exit_handle(grammar.check_id("session", session))
+
+    def close_exit_handle(self, handle: int) -> None:
+        self.sessions.liveness.close_handle(handle)
+
+    def await_change(self, topics: tuple[str, ...], seconds: float) -> None:
+        """Block until the store may have changed for one of ``topics`` (task or session ids;
+        ``"*"``: anything) or ``seconds`` pass: a wakeup where the store notifies (PostgreSQL),
+        a bounded sleep where it does not (SQLite). Spurious wakeups happen: read again."""
+        self.store.await_change(topics, grammar.check_seconds("seconds", seconds, MAX_WAIT))
+
     def restore(self, target: str, dest: str, *, same_owner: bool = False) -> RestoreResult:
         """Rebuild a task's last checkpoint (or a manifest id) into an empty directory that is
         not (and is not under) a symlink. Every entry is the caller's and set-id bits it has
@@ -847,8 +886,9 @@ class Runtime:
         self.store.get_session(_session_stream(session, stream))
         path = self._log_file(session, stream)
         final = functools.partial(self.final_cursor, session, stream)
-        return self._woken(session, lambda pause: follow(path, start, final, timeout=timeout,
-                                                         sleep=pause))  # fmt: skip
+        return self._woken(session, lambda pause: follow(
+            path, start, final, timeout=timeout, sleep=pause,
+            poll_interval=WAKE_BOUND_S))  # fmt: skip
 
     def _merged_limits(self, session: str) -> tuple[dict[str, int], bool]:
         """The cursors each stream may be served to in the merged view, and whether final
@@ -891,13 +931,15 @@ class Runtime:
         directory = session_dir(self.home, session)
         limits = functools.partial(self._merged_limits, session)
         return self._woken(session, lambda pause: interleave.follow_merged(
-            directory, limits, start, timeout=timeout, sleep=pause))  # fmt: skip
+            directory, limits, start, timeout=timeout, sleep=pause,
+            poll_interval=WAKE_BOUND_S))  # fmt: skip
 
     def _woken(
         self, session: str, make: Callable[[Callable[[float], None]], Iterator[_T]]
     ) -> Iterator[_T]:
-        """A follow whose pauses end when the session's owner exits (checked eagerly by the
-        caller; this generator only runs it), so the end of a stream is seen at once."""
+        """A follow whose pauses end when a byte is stored or the session's owner exits
+        (checked eagerly by the caller; this generator only runs it), so new bytes and the end
+        of a stream are seen at once."""
         with self.pauses(session) as pause:
             yield from make(pause)
 

@@ -26,8 +26,8 @@ if TYPE_CHECKING:
 else:
     Protocol = object  # a protocol is the type checker's; at run time a plain base
 
-FIRST_PAUSE_S = 0.002
-LONGEST_PAUSE_S = 0.05
+WAKE_BOUND_S = 1.0  # the longest an evented sleep lasts: for changes no event announces
+POLL_S = 0.05  # the sleep where nothing can wake it (no owner here to watch, no log watch)
 
 
 class Liveness(Protocol):
@@ -37,11 +37,26 @@ class Liveness(Protocol):
 
     def exit_handle(self, owner: OwnerInfo) -> int | None: ...
 
-    def await_exit(self, handle: int | None, seconds: float) -> bool: ...
+    def await_exit(self, handle: int | None, seconds: float, also: int | None = None) -> bool:
+        """Sleep up to `seconds`, waking when the owner exits or `also` (an fd) is readable;
+        whether the owner has exited."""
+        ...
 
     def close_handle(self, handle: int) -> None: ...
 
     def ask_to_cancel(self, owner: OwnerInfo) -> None: ...
+
+
+class Wake(Protocol):
+    """What else may end a follower's pause: a descriptor readable when the session's log
+    changes (log/watch.py `LogWatch`)."""
+
+    def arm(self) -> tuple[int | None, bool]:
+        """(the descriptor to poll, or None when nothing is watched; whether the watch was
+        set up by this call, so that changes before it were missed)."""
+        ...
+
+    def clear(self) -> None: ...
 
 
 class SessionWatch:
@@ -74,12 +89,12 @@ class SessionWatch:
         """Block until the session has a receipt (or is unknown); the session's clock, not ours.
 
         Sleeps on the owner's exit handle (it writes the receipt just before it exits), so a
-        waiter wakes at once instead of on its next poll. Without one (no owner yet, or an
-        owner on another host) it sleeps in `Store.await_change`, which a store with
-        notifications ends at the session's next change; the poll remains for everything else.
+        waiter wakes at once and otherwise looks only every `WAKE_BOUND_S`. Without one (no
+        owner yet, or an owner on another host) it sleeps in `Store.await_change`, which a
+        store with notifications ends at the session's next change; the poll remains for
+        everything else.
         """
         give_up = None if timeout is None else time.monotonic() + timeout
-        pause = FIRST_PAUSE_S
         with self.pauses(session) as sleep:
             while True:
                 view = self.status(session)
@@ -94,42 +109,31 @@ class SessionWatch:
                         f"on (wait again, or read its output with `settled logs {session} "
                         "--follow`)"
                     )
-                sleep(pause if give_up is None else min(pause, max(0.0, give_up - now)))
-                pause = min(pause * 1.5, LONGEST_PAUSE_S)
+                sleep(WAKE_BOUND_S if give_up is None else min(WAKE_BOUND_S, give_up - now))
 
     @contextlib.contextmanager
-    def pauses(self, session: str) -> Iterator[Callable[[float], None]]:
-        """A sleep for a waiter or a follower of the session that wakes at once when its owner
-        exits (the receipt is recorded just before), so the end of a short command is seen
-        then and not at the next poll. Without an owner here to watch (none yet, or one on
-        another host), and once the owner is gone, it sleeps in `Store.await_change`: a
-        follower of a lost owner polls, it never spins."""
-        handle: int | None = None
-        exited = False
-
-        def pause(seconds: float) -> None:
-            nonlocal handle, exited
-            if handle is None and not exited:  # until an owner is recorded here to watch
-                owner = self.store.get_session(session).owner
-                handle = None if owner is None else self.liveness.exit_handle(owner)
-            if handle is None:  # no owner here to watch: the store says when it changes
-                self.store.await_change((session,), seconds)
-            elif self.liveness.await_exit(handle, seconds):
-                self.liveness.close_handle(handle)
-                handle, exited = None, True
-
+    def pauses(self, session: str, wake: Wake | None = None) -> Iterator[Callable[[float], None]]:
+        """A sleep for a waiter or a follower of the session, `pause(seconds)`: it ends when
+        the owner exits (the receipt is recorded just before) or, given a `wake` (the log's
+        watch), when the log changes, and after `seconds` at most. Where nothing can wake it
+        (no owner here to watch: none yet, one on another host, or one gone; or a log that
+        cannot be watched) it sleeps `POLL_S` at most, in `Store.await_change` when there is
+        no owner: a follower of a lost owner polls, it never spins."""
+        pause = _Pause(self, session, wake)
         try:
             yield pause
         finally:
-            if handle is not None:
-                self.liveness.close_handle(handle)
+            pause.close()
 
     def exit_handle(self, session: str) -> int | None:
-        """A handle (a pidfd) that becomes readable when the session's owner exits, for a
+        """A handle (a pidfd) that becomes readable when the live session's owner exits, for a
         waiter with an event loop of its own; None when no owner of this host is there to
-        watch (none yet, gone, or another host's). The caller closes it."""
-        owner = self.store.get_session(session).owner
-        return None if owner is None else self.liveness.exit_handle(owner)
+        watch (none yet, gone, another host's, or the session is no longer live). The caller
+        closes it (`Liveness.close_handle`)."""
+        record = self.store.get_session(session)
+        if record.owner is None or not record.live:
+            return None
+        return self.liveness.exit_handle(record.owner)
 
     def settles_within(self, session: str, seconds: float) -> bool:
         """Whether the session left its owner's hands (settled or unknown) within `seconds`."""
@@ -154,3 +158,42 @@ class SessionWatch:
             return False
         facts = self.owner_facts(record)
         return facts is not None and facts.process_alive
+
+
+class _Pause:
+    """One follower's or waiter's sleep (`SessionWatch.pauses`): the owner's exit handle,
+    taken once an owner is recorded, and the log's watch, polled together."""
+
+    def __init__(self, watch: SessionWatch, session: str, wake: Wake | None) -> None:
+        self._store, self._liveness = watch.store, watch.liveness
+        self._session, self._wake = session, wake
+        self._handle: int | None = None
+        self._exited = False
+
+    def __call__(self, seconds: float) -> None:
+        seconds = max(0.0, seconds)
+        if self._handle is None and not self._exited:  # until an owner is recorded here
+            owner = self._store.get_session(self._session).owner
+            self._handle = None if owner is None else self._liveness.exit_handle(owner)
+        if self._handle is None:  # no owner here to watch: the store says when it changes
+            self._store.await_change((self._session,), min(seconds, POLL_S))
+            return
+        if self._wake is None:
+            exited = self._liveness.await_exit(self._handle, seconds)
+        else:
+            fd, fresh = self._wake.arm()
+            if fresh:
+                return  # the watch starts now: the caller looks again before sleeping on it
+            if fd is None:  # the log cannot be watched (yet): poll it
+                exited = self._liveness.await_exit(self._handle, min(seconds, POLL_S))
+            else:
+                exited = self._liveness.await_exit(self._handle, seconds, fd)
+                self._wake.clear()  # before the caller looks: a later byte wakes the next pause
+        if exited:
+            self._liveness.close_handle(self._handle)
+            self._handle, self._exited = None, True
+
+    def close(self) -> None:
+        if self._handle is not None:
+            self._liveness.close_handle(self._handle)
+            self._handle = None

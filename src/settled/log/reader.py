@@ -131,8 +131,10 @@ def follow(
     ``poll_interval`` seconds) for more bytes. Once it returns an int, yield up to exactly that
     cursor and stop. ``timeout`` bounds the whole follow, measured from the first request for a
     chunk and checked between chunks; when it elapses, TimeoutError names the cursor reached.
-    The file may not exist yet when following starts. ``sleep`` waits between looks (the
-    Runtime's wakes when the session's owner exits).
+    The file may not exist yet when following starts. ``sleep`` waits between looks, at most
+    ``poll_interval``: the Runtime's pause ends when a byte is stored in the log (inotify,
+    log/watch.py) or the session's owner exits, so it passes a long interval and the follower
+    wakes on events; ``time.sleep`` polls.
     """
     if start < 0:
         raise CursorOutOfRange(start, stored_length(path), stream_name(path))

@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from typing import Any
 
     from settled.boundary.base import Boundary
+    from settled.log.flush import Flusher
     from settled.owner.early import EarlyDrain
     from settled.owner.lease import LeaseKeeper, Renew
     from settled.owner.main import Ready
@@ -42,7 +43,11 @@ if TYPE_CHECKING:
 PIPE_SIZE = 1 << 20  # each output pipe: what the command may write before the drain starts
 # log/writer.py's and log/interleave.py's own flags: the writers adopt what is created here
 LOG_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_CLOEXEC
+SPLICE_LOG_FLAGS = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC  # read back to hash
 INDEX_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+# "1": splice where the log is out of the command's reach. Off by default: measured slower than
+# read + write here (bench/drain.py: the digest must read the bytes back, so no copy is saved).
+LOG_SPLICE_ENV = "SETTLED_LOG_SPLICE"
 
 
 class Ahead:
@@ -81,14 +86,30 @@ def sealed_stdin(data_path: str) -> int:
     return fd
 
 
-def reserve_logs(paths: dict[str, str]) -> dict[str, int]:
+def log_out_of_reach(plan: IsolationPlan | None, sandbox: object, kind: str | None) -> bool:
+    """Whether nothing but this owner can write the session's logs while it drains: the
+    command's mount namespace hides the home and its PID namespace (with its own /proc) hides
+    this process and its descriptors. Only then may a log splice and hash its bytes back from
+    the file (log/writer.py); otherwise it hashes what it writes."""
+    return (
+        plan is not None
+        and sandbox is None
+        and plan.mount_namespace
+        and plan.home in plan.hide_dirs
+        and plan.private_proc
+        and kind in boundaries.PID_NAMESPACE_KINDS
+    )
+
+
+def reserve_logs(paths: dict[str, str], splice: bool) -> dict[str, int]:
     """Create the session's logs and interleave index before its command runs (so they exist
     once exec returns, and a full disk refuses the command, not its output); the writers
     (session.py) adopt the descriptors. OSError (no space) to the caller, nothing left open."""
     fds: dict[str, int] = {}
+    log_flags = SPLICE_LOG_FLAGS if splice else LOG_FLAGS
     try:
         for name in ("stdout", "stderr", "index"):
-            flags = INDEX_FLAGS if name == "index" else LOG_FLAGS
+            flags = INDEX_FLAGS if name == "index" else log_flags
             fds[name] = os.open(paths[name], flags, 0o600)
     except BaseException:
         for fd in fds.values():
@@ -131,6 +152,10 @@ class Launching:
         self.early: EarlyDrain | None = None
         self.session: OwnerSession | None = None
         self.lease: LeaseKeeper | None = None  # started here only where threads come first
+        self.flusher: Flusher | None = None  # likewise
+        self.splice = os.environ.get(LOG_SPLICE_ENV) == "1" and log_out_of_reach(
+            self.plan, given["sandbox"], given["boundary"]
+        )
 
     def run(self) -> int:
         given = self.orders
@@ -146,7 +171,7 @@ class Launching:
             return self._never_ran("cancelled", "admission", cancel, planned=False)
         try:  # before anything runs: a place to say why, should the receipt not fit later
             self.last_words = LastWords(given["last_words"])
-            self.logs = reserve_logs(given["logs"])
+            self.logs = reserve_logs(given["logs"], self.splice)
         except OSError as exc:
             boundary.discard()
             why = _storage_text(exc, self.home)
@@ -174,8 +199,10 @@ class Launching:
         return pid_namespace and spawn_via(boundary.birth_cgroup(), True) == "fork"
 
     def _start_lease(self) -> None:
-        """The lease keeper's thread, started before the boundary: it connects (through the
-        session, loaded once the command runs) only at the loop's first request."""
+        """The lease keeper's and the log flusher's threads, started before the boundary: the
+        keeper connects (through the session, loaded once the command runs) only at the loop's
+        first request, and the flusher idles until the session attaches the logs."""
+        from settled.log.flush import FLUSH_ENV, Flusher, flush_every
         from settled.owner.lease import (
             HEARTBEATS_PER_LEASE,
             STALE_BEATS,
@@ -186,6 +213,8 @@ class Launching:
         stale_after = STALE_BEATS * lease_seconds() / HEARTBEATS_PER_LEASE
         self.lease = LeaseKeeper(self._renewals, stale_after=stale_after)
         self.lease.start()
+        self.flusher = Flusher(flush_every(os.environ.get(FLUSH_ENV)))  # idle until attached
+        self.flusher.start()
 
     def _renewals(self) -> AbstractContextManager[Renew]:
         """In the keeper's thread, at the loop's first request: the session runs the loop."""
@@ -252,6 +281,8 @@ class Launching:
                 self.timings,
                 self.last_words,
                 self.lease,
+                self.flusher,
+                splice=self.splice,
             )
         return self.session
 
@@ -291,8 +322,10 @@ class Launching:
         self.ahead.close()
         if self.session is not None:
             self.session.close()
-        elif self.lease is not None:
-            self.lease.close()
+        else:
+            for thread in (self.lease, self.flusher):
+                if thread is not None:
+                    thread.close()
         if self.last_words is not None:
             self.last_words.close()
 

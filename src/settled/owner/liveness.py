@@ -53,15 +53,18 @@ class LocalOwners:
             return None
         return fd
 
-    def await_exit(self, handle: int | None, seconds: float) -> bool:
-        """Sleep up to `seconds`, waking at once if the owner behind `handle` exits; whether
-        it has exited."""
+    def await_exit(self, handle: int | None, seconds: float, also: int | None = None) -> bool:
+        """Sleep up to `seconds`, waking at once if the owner behind `handle` exits or `also`
+        (a follower's log watch) is readable; whether the owner has exited."""
         import select  # a waiter's, not every status reader's
 
         poller = select.poll()
         if handle is not None:
             poller.register(handle, select.POLLIN)
-        return bool(poller.poll(max(0.0, seconds) * 1000.0))
+        if also is not None:
+            poller.register(also, select.POLLIN)
+        ready = poller.poll(max(0.0, seconds) * 1000.0)
+        return handle is not None and any(fd == handle for fd, _ in ready)
 
     def close_handle(self, handle: int) -> None:
         os.close(handle)

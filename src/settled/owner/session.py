@@ -28,6 +28,7 @@ from settled.boundary.isolation import IsolationPlan
 from settled.errors import StaleWrite, StorageFailed
 from settled.home import SpaceGuard, journal_socket, log_path, storage_error
 from settled.identity import CommandSpec
+from settled.log.flush import FLUSH_ENV, Flusher, flush_every
 from settled.log.interleave import IndexWriter
 from settled.log.writer import StreamWriter
 from settled.owner.early import EarlyDrain
@@ -57,9 +58,13 @@ class OwnerSession:
         timings: dict[str, float],
         last_words: LastWords | None,
         lease: LeaseKeeper | None = None,
+        flusher: Flusher | None = None,
+        *,
+        splice: bool = False,
     ) -> None:
-        """`lease`: a keeper started before the command (where its thread had to come first),
-        whose connection is this session's `renewals`; otherwise one is made here."""
+        """`lease` and `flusher`: started before the command where their threads had to come
+        first (the keeper's connection is this session's `renewals`); otherwise made here and
+        started once the command runs. `splice`: the logs were made for it (launch.py)."""
         self.home, self.orders, self.ready, self.signals = home, orders, ready, signals
         self.timings, self.last_words = timings, last_words
         self.session, self.task = str(orders["session"]), str(orders["task"])
@@ -76,9 +81,12 @@ class OwnerSession:
         self.spawn_via: str | None = None  # clone3 or fork, once the command started
         self.store_trouble: str | None = None  # the first renewal the store could not write
         self.lease = lease or LeaseKeeper(self.renewals, stale_after=STALE_BEATS * self.heartbeat_s)
+        self.flusher = flusher or Flusher(flush_every(os.environ.get(FLUSH_ENV)))
+        self.splice = splice
 
     def close(self) -> None:
         self.lease.close()
+        self.flusher.close()
         self.store.close()
 
     # -- the running command, to its receipt ---------------------------------------------
@@ -106,8 +114,9 @@ class OwnerSession:
             return self._fenced(exc)
         if self.last_words is not None:
             self.last_words.sync()
-        if not self.lease.started:  # where threads had to come first, it started before
+        if not self.lease.started:  # where threads had to come first, they started before
             self.lease.start()
+            self.flusher.start()
         supervisor = Supervisor(
             boundary,
             streams,
@@ -152,17 +161,19 @@ class OwnerSession:
 
     def _open_streams(self, pipes: dict[str, int], logs: dict[str, int]) -> Streams:
         """The writers of the logs the command's pipes drain into: adopting the files created
-        before it ran (`logs`, emptied here), else creating them (a command that never ran)."""
+        before it ran (`logs`, emptied here, made for splicing where `self.splice`), else
+        creating them (a command that never ran); fsynced behind the drain by the flusher."""
         cap_text = os.environ.get(LOG_CAP_ENV)
         cap = int(cap_text) if cap_text else None
         space = SpaceGuard(self.home)  # both streams stop storing at the home's reserve
         paths = self.orders["logs"]
+        splice = self.splice and "stdout" in logs
         writers = {
-            name: StreamWriter(paths[name], cap, space, fd=logs.pop(name, None))
+            name: StreamWriter(paths[name], cap, space, splice=splice, fd=logs.pop(name, None))
             for name in ("stdout", "stderr")
         }
         index = IndexWriter(paths["index"], fd=logs.pop("index", None))
-        return Streams(dict(pipes), writers, index=index)
+        return Streams(dict(pipes), writers, index=index, flusher=self.flusher)
 
     @contextlib.contextmanager
     def renewals(self) -> Iterator[Renew]:
@@ -199,11 +210,7 @@ class OwnerSession:
 
     def _settle(self, outcome: Outcome, streams: Streams) -> int:
         self.lease.close()  # ended by the supervisor already; no thread outlives the settle
-        summaries = {name: w.close() for name, w in streams.writers.items()}
-        if streams.index is not None:
-            streams.index.close()
-        for fd in streams.fds.values():
-            os.close(fd)
+        summaries = streams.close()  # the flusher, then each log (fsynced), the index, the pipes
         assert outcome.evidence is not None
         terminal_mutation = self._terminal_mutation()
         now = time.monotonic()
@@ -291,9 +298,7 @@ class OwnerSession:
         for fd in (pipes or {}).values():
             os.close(fd)
         streams = self._open_streams({}, logs if logs is not None else {})
-        if streams.index is not None:
-            streams.index.close()
-        summaries = self._sealed({n: w.close().to_json() for n, w in streams.writers.items()})
+        summaries = self._sealed({n: s.to_json() for n, s in streams.close().items()})
         self.timings["settled_at"] = time.time()
         receipt = self._receipt(
             death={

@@ -21,8 +21,9 @@ from dataclasses import dataclass, field
 
 from settled import faults
 from settled.boundary.base import Boundary, Evidence
+from settled.log.flush import Flusher
 from settled.log.interleave import IndexWriter
-from settled.log.writer import StreamWriter, drain_once
+from settled.log.writer import StreamSummary, StreamWriter, drain_once
 from settled.owner.lease import STALE_BEATS, LeaseKeeper
 from settled.owner.signals import OwnerSignals
 
@@ -47,24 +48,62 @@ class Outcome:
 
 @dataclass
 class Streams:
+    """The two pipes and their logs. The drain's only bookkeeping per read is the writer's
+    append (write and hash), one in-memory move of the index and an integer compare: the
+    index is written at stream switches, and fsyncs happen behind the drain in the flusher's
+    thread, poked every `flusher.every` bytes of a stream (log/flush.py)."""
+
     fds: dict[str, int]
     writers: dict[str, StreamWriter]
     buffer: bytearray = field(default_factory=lambda: bytearray(READ_BUFFER))
     open: set[str] = field(default_factory=lambda: {"stdout", "stderr"})
     index: IndexWriter | None = None  # the order of the two streams' stored bytes
     drained: bool = False  # bytes were drained before the loop (owner/early.py)
+    flusher: Flusher | None = None  # started by the owner (before its boundary, if it must)
+    _flush_at: dict[str, int] = field(default_factory=dict, init=False)  # poke at this cursor
+    _flush_every: int = field(default=0, init=False)  # 0: no flusher, fsyncs at beats only
+
+    def __post_init__(self) -> None:
+        if self.flusher is not None and self.flusher.every is not None:
+            self.flusher.attach([*self.writers.values(), *([self.index] if self.index else [])])
+            self._flush_every = self.flusher.every
+            self._flush_at = dict.fromkeys(self.writers, self._flush_every)
 
     def drain(self, name: str) -> None:
+        """One read of the stream: a splice into its log where the writer may (in the kernel,
+        its digest behind), else readv into the buffer and append (write and hash)."""
         writer = self.writers[name]
         before = writer.cursor
+        fd = self.fds[name]
         try:
-            if drain_once(self.fds[name], self.buffer, writer) == 0:
+            moved = writer.splice_from(fd, READ_BUFFER) if writer.splicing else None
+            if moved is None:
+                moved = drain_once(fd, self.buffer, writer)
+            if moved == 0:
                 self.open.discard(name)
         except (BlockingIOError, InterruptedError):
             pass
-        if self.index is not None and writer.cursor != before:
-            # after the log write, so the index never names bytes the log lacks
-            self.index.record(name, before, writer.cursor)
+        after = writer.cursor
+        if after != before:
+            if self.index is not None:
+                # after the log write, so the index never names bytes the log lacks
+                self.index.record(name, before, after)
+            if self._flush_every and after >= self._flush_at[name]:
+                self._flush_at[name] = after + self._flush_every
+                assert self.flusher is not None  # a flush interval comes with its flusher
+                self.flusher.poke()
+
+    def close(self) -> dict[str, StreamSummary]:
+        """Stop the flusher, then close (and so fsync) each log, the index and the pipes."""
+        if self.flusher is not None:
+            self.flusher.close()
+        summaries = {name: writer.close() for name, writer in self.writers.items()}
+        if self.index is not None:
+            self.index.close()
+        for fd in self.fds.values():
+            os.close(fd)
+        self.fds = {}
+        return summaries
 
 
 class Supervisor:

@@ -21,6 +21,7 @@ import threading
 import time
 from typing import Any
 
+from settled import faults
 from settled.home import make_session_dir
 from settled.isolated import ReportReader, python_command
 from settled.owner.handoff import hand_over, prepare
@@ -80,6 +81,7 @@ def _become_owner(request: dict[str, Any], fds: list[int], run: Any) -> None:
         os.setsid()
         os.environ.clear()
         os.environ.update(request["env"])
+        faults.arm(os.environ.get("SETTLED_FAULT", ""))  # imported with the zygote's own
         os.umask(request["umask"])
         log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         null = os.open(os.devnull, os.O_RDONLY)

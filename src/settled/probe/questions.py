@@ -12,6 +12,8 @@ experiment's error hide the others, or call a runtime that could not show a thin
 from __future__ import annotations
 
 import hashlib
+import os
+import secrets
 import shutil
 import tempfile
 import time
@@ -164,18 +166,21 @@ def run_questions(
             continue
         if progress is not None:
             progress(question)
-        scratch = None
+        # Named before it is made: an interrupt (SIGTERM unwinds) landing inside the mkdir or
+        # right after it still finds the name, and removes what exists of it.
+        scratch = os.path.join(
+            tempfile.gettempdir(), f"settled-probe-{question.id}-{secrets.token_hex(6)}"
+        )
         started = time.monotonic()
-        try:  # made inside: an interrupt (SIGTERM unwinds) right after it still removes it
-            scratch = tempfile.mkdtemp(prefix=f"settled-probe-{question.id}-")
+        try:
+            os.mkdir(scratch, 0o700)
             outcome = experiments[question.id](scratch)
         except Exception as exc:  # the experiment broke: no answer holds without one
             outcome = fails(
                 f"the experiment raised {type(exc).__name__}: {exc}", error=type(exc).__name__
             )
         finally:
-            if scratch is not None:
-                shutil.rmtree(scratch, ignore_errors=True)
+            shutil.rmtree(scratch, ignore_errors=True)
         answers.append(Answer(question, outcome, time.monotonic() - started))
     return answers
 

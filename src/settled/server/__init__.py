@@ -110,6 +110,7 @@ def serve(
     bound_host, bound_port = sock.getsockname()[:2]
     shown = f"[{bound_host}]" if ":" in bound_host else bound_host
     _say(f"listening on http://{shown}:{bound_port} (home {home})")
+    _say(f"the four clocks, on a page: http://{shown}:{bound_port}/ui (it asks for a token)")
     if not ipaddress.ip_address(bound_host).is_loopback:
         _say(
             "warning: not a loopback address and no TLS here: bearer tokens and output cross "

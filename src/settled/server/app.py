@@ -2,12 +2,14 @@
 
 Owns: the route table (paths, methods and status codes of DESIGN.md's HTTP contract, and the
 OpenAPI document at ``/openapi.json`` that describes exactly these routes), the service's
-lifespan (a Runtime pool sharing one warm launcher, a recovery pass at start and every 10 s)
-and the choice of status code for each answer.
+lifespan (a Runtime pool sharing one warm launcher, a recovery pass at start and every 10 s,
+the live view's feed), the choice of status code for each answer, and the page at ``/ui``
+(server/page.py), nudging the feed after every write so the page sees it at once.
 
 Must never: call the Runtime on the event loop (every call goes through the pool), wait on a
 worker thread for a session (waits poll from the loop), cancel a session because a request or a
-stream ended, or answer anything but ``/healthz`` without a known bearer token.
+stream ended, or answer anything but ``/healthz`` and the page's static files without a known
+bearer token.
 """
 
 from __future__ import annotations
@@ -22,15 +24,19 @@ from typing import Any
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from settled import grammar
+from settled import faults, grammar
 from settled.errors import BadInput
+from settled.runtime import Runtime
 from settled.server import bodies, streams, views
 from settled.server.auth import GRANT_SCOPE_KEY, BearerAuth, Grant, TokenTable
 from settled.server.errors import EXCEPTION_HANDLERS
+from settled.server.feed import ChangeFeed, parse_event_id
 from settled.server.openapi import document
+from settled.server.page import FILES as PAGE_FILES
+from settled.server.page import Page
 from settled.server.pool import RECOVER_EVERY_S, Recoverer, RuntimePool, recover_once
 
 MAX_WAIT_S = grammar.MAX_HTTP_WAIT_S  # a long poll holds a connection (settled.grammar)
@@ -43,6 +49,7 @@ class Service:
         self.home, self.tokens = home, tokens
         self._pool: RuntimePool | None = None
         self._recoverer: Recoverer | None = None
+        self._feed: ChangeFeed | None = None
 
     @property
     def pool(self) -> RuntimePool:
@@ -50,18 +57,33 @@ class Service:
             raise RuntimeError("the service is not running (its lifespan has not started)")
         return self._pool
 
+    @property
+    def feed(self) -> ChangeFeed:
+        if self._feed is None:
+            raise RuntimeError("the service is not running (its lifespan has not started)")
+        return self._feed
+
     async def start(self) -> None:
         self._pool = RuntimePool(self.home)
         await self._pool.call(recover_once)  # sessions whose owner died while we were down
+        notifies = await self._pool.call(store_notifies)
+        self._feed = ChangeFeed(self._pool, notifies)
         self._recoverer = Recoverer(self.home, self._pool.launcher, RECOVER_EVERY_S)
         self._recoverer.start()
 
-    def stop(self) -> None:
+    async def stop(self) -> None:
+        if self._feed is not None:
+            await self._feed.stop()
         if self._recoverer is not None:
             self._recoverer.stop()
         if self._pool is not None:
             self._pool.close()
-        self._pool = self._recoverer = None
+        self._pool = self._recoverer = self._feed = None
+
+
+def store_notifies(rt: Runtime) -> bool:
+    """Whether the store wakes a waiter on a change (PostgreSQL NOTIFY) or only sleeps."""
+    return rt.backends.store_scheme == "postgresql"
 
 
 def grant_of(request: Request) -> Grant:
@@ -79,6 +101,7 @@ class Handlers:
 
     def __init__(self, service: Service) -> None:
         self.service = service
+        self.page = Page()
 
     @property
     def pool(self) -> RuntimePool:
@@ -101,6 +124,7 @@ class Handlers:
             body["shared_workspace"],
             body["ignore"],
         )
+        self.service.feed.nudge()
         return _json(task, 201)
 
     async def task_status(self, request: Request) -> Response:
@@ -111,14 +135,19 @@ class Handlers:
         body = bodies.session_request(await bodies.json_body(request, bodies.SESSION_FIELDS))
         task = request.path_params["task"]
         admission = await self.pool.call(views.admit, grant_of(request), task, body)
+        self.service.feed.nudge()
+        faults.point("server.after_admission")
         return _json(admission, 200 if admission["reused"] else 201)
 
     async def close(self, request: Request) -> Response:
         body = bodies.close_request(await bodies.json_body(request, bodies.CLOSE_FIELDS))
         task = request.path_params["task"]
+        self.service.feed.nudge()  # the close seals at once: show it, then its receipt
         complete, answer = await self.pool.call_long(
             views.close, grant_of(request), task, body["final"], body["deadline"]
         )
+        self.service.feed.nudge()
+        faults.point("server.before_close_response")
         return _json(answer, 200 if complete else 409)
 
     async def explain(self, request: Request) -> Response:
@@ -145,7 +174,7 @@ class Handlers:
         return _json(view, 202 if wait_s and not views.is_settled(view) else 200)
 
     async def _await_settled(self, grant: Grant, session: str, give_up: float) -> dict[str, Any]:
-        handle = await self.pool.call(views.owner_exit_handle, grant, session)
+        handle = await self.pool.call(views.exit_handle, grant, session)
         exited = asyncio.Event()
         loop = asyncio.get_running_loop()
         if handle is not None:
@@ -175,6 +204,7 @@ class Handlers:
         delivered, answer = await self.pool.call(
             views.signal, grant_of(request), session, name, reason
         )
+        self.service.feed.nudge()
         return _json(answer, 202 if delivered else 200)
 
     async def _facts(self, request: Request) -> streams.StreamFacts:
@@ -205,6 +235,19 @@ class Handlers:
         facts = await self._facts(request)
         return streams.events_response(self.pool, facts, start)
 
+    async def clocks(self, request: Request) -> Response:
+        task = request.path_params["task"]
+        return _json(await self.pool.call(views.clocks, grant_of(request), task))
+
+    async def live(self, request: Request) -> Response:
+        """The tasks this token sees with their clocks: a snapshot (or, with Last-Event-ID,
+        what changed since), then with ``follow=1`` every change as it is seen."""
+        resume = parse_event_id(request.headers.get("last-event-id"))
+        follow = bodies.query_flag(request, "follow")
+        body = self.service.feed.events(grant_of(request), resume, follow)
+        headers = {"Cache-Control": "no-store", "X-Accel-Buffering": "no"}
+        return StreamingResponse(body, media_type="text/event-stream", headers=headers)
+
 
 def routes(h: Handlers) -> list[Route]:
     return [
@@ -221,6 +264,9 @@ def routes(h: Handlers) -> list[Route]:
         Route("/v1/sessions/{session}/merged", h.merged, methods=["GET"]),
         Route("/v1/sessions/{session}/signal", h.signal, methods=["POST"]),
         Route("/v1/recover", h.recover, methods=["POST"]),
+        Route("/v1/tasks/{task}/clocks", h.clocks, methods=["GET"]),
+        Route("/v1/events", h.live, methods=["GET"]),
+        *(Route(path, h.page.serve, methods=["GET"]) for path in PAGE_FILES),
     ]
 
 
@@ -236,7 +282,7 @@ def create_app(home: str, tokens: TokenTable) -> Starlette:
         try:
             yield
         finally:
-            service.stop()
+            await service.stop()
 
     return Starlette(
         routes=routes(Handlers(service)),

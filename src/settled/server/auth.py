@@ -29,10 +29,11 @@ from typing import Any
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from settled.errors import BadInput
+from settled.server.page import OPEN_PATHS as PAGE_PATHS
 
 TOKEN_ENV = "SETTLED_TOKEN"
 MIN_TOKEN_CHARS = 16
-OPEN_PATHS = frozenset({"/healthz"})
+OPEN_PATHS = frozenset({"/healthz"}) | PAGE_PATHS  # the page holds no data (server/page.py)
 GRANT_SCOPE_KEY = "settled.grant"
 
 

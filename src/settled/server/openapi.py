@@ -308,6 +308,83 @@ def _sessions() -> dict[str, Any]:
     }
 
 
+LIVE_EVENT = {  # one event of /v1/events, as its fields
+    "type": "object",
+    "required": ["event", "id", "data"],
+    "properties": {
+        "event": {"type": "string", "enum": ["snapshot", "tasks"]},
+        "id": {"type": "string", "pattern": "^[0-9a-f]{8}-[0-9]{1,19}$"},
+        "data": {"type": "string", "contentMediaType": JSON},
+    },
+}
+
+
+def _live() -> dict[str, Any]:
+    """The live view of `/ui`: a task's clocks, and the stream of every visible task's."""
+    follow = _query(
+        "follow",
+        "keep the stream open and send every change as it is seen (without it: the snapshot, "
+        "or the changes since Last-Event-ID, then the end)",
+        {"type": "string", "enum": ["0", "1", "true", "false"]},
+    )
+    resume = {
+        "name": "Last-Event-ID",
+        "in": "header",
+        "required": False,
+        "description": "an id this stream sent (`<instance>-<n>`): resume with every task "
+        "changed since; an id of another server instance gets a snapshot",
+        "schema": {"type": "string", "pattern": "^([0-9a-f]{8}-[0-9]{1,19})?$"},
+    }
+    return {
+        "/v1/tasks/{task}/clocks": {
+            "get": _operation(
+                "Each session's transport, process, output and workspace clocks (state, when "
+                "settled, which receipt by kind and digest, in words), the task's state and "
+                "its close receipt once recorded",
+                {"200": _json("the task's clocks"), **AUTH_ERRORS},
+                parameters=[TASK],
+            )
+        },
+        "/v1/events": {
+            "get": _operation(
+                "Server-Sent Events of the tasks this token sees (the newest 50, and every task "
+                "a scoped token names) with their clocks: `event: snapshot` {tasks, order, "
+                "reset, woken_by, poll_s}, then `event: tasks` {tasks} per change; ids count "
+                "only this token's changes; keep-alive comments every 15 s",
+                {
+                    "200": {
+                        "description": "an event stream",
+                        "content": {"text/event-stream": {"schema": LIVE_EVENT}},
+                    },
+                    "400": _error("a malformed Last-Event-ID or follow"),
+                    "401": AUTH_ERRORS["401"],
+                },
+                parameters=[follow, resume],
+            )
+        },
+    }
+
+
+def _page() -> dict[str, Any]:
+    """`/ui`: static files, served without a token; every call the page makes needs one."""
+    files = {"/ui": "text/html", "/ui/app.js": "text/javascript", "/ui/app.css": "text/css"}
+    return {
+        path: {
+            "get": {
+                "summary": f"The page of the four clocks ({path}); no token needed, no data in it",
+                "security": [],
+                "responses": {
+                    "200": {
+                        "description": "a static file",
+                        "content": {media: {"schema": {"type": "string"}}},
+                    }
+                },
+            }
+        }
+        for path, media in files.items()
+    }
+
+
 def _open() -> dict[str, Any]:
     return {
         "/healthz": {
@@ -436,7 +513,7 @@ def document() -> dict[str, Any]:
             "x-settled-version": __version__,  # what `settled probe URL` reports it probed
             "description": "Run commands for coding agents; output replayable by cursor.",
         },
-        "paths": {**_open(), **_tasks(), **_sessions()},
+        "paths": {**_open(), **_tasks(), **_sessions(), **_live(), **_page()},
         "components": {
             "schemas": _schemas(),
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from starlette.responses import Response, StreamingResponse
 
+from settled import faults
 from settled.errors import CursorOutOfRange
 from settled.runtime import Runtime
 from settled.server import views
@@ -92,6 +93,7 @@ async def tail(
             cursor += len(data)
             pause, quiet_since = POLL_MIN_S, time.monotonic()
             yield data
+            faults.point("server.mid_stream")
             continue
         if end is not None:
             if cursor >= end:

@@ -15,7 +15,7 @@ import base64
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from settled.errors import UnknownSession, UnknownTask
+from settled.errors import BadInput, UnknownSession, UnknownTask
 from settled.identity import parse_user
 from settled.records import SessionRecord, TaskRecord
 from settled.runtime import Runtime
@@ -105,9 +105,9 @@ def session_status(rt: Runtime, grant: Grant, session: str) -> dict[str, Any]:
     return rt.session_status(session)
 
 
-def owner_exit_handle(rt: Runtime, grant: Grant, session: str) -> int | None:
+def exit_handle(rt: Runtime, grant: Grant, session: str) -> int | None:
     visible_session(rt, grant, session)
-    return rt.owner_exit_handle(session)
+    return rt.exit_handle(session)
 
 
 def is_settled(view: dict[str, Any]) -> bool:
@@ -206,3 +206,57 @@ def end_of_stream(rt: Runtime, session: str) -> dict[str, Any]:
     view = rt.session_status(session)
     receipt = view.get("receipt")
     return receipt if isinstance(receipt, dict) else view
+
+
+# -- the live view (settled.server.feed) ----------------------------------------------------
+
+
+def clocks(rt: Runtime, grant: Grant, task: str) -> dict[str, Any]:
+    """The task's four clocks per session, its state and its close receipt, if recorded."""
+    visible_task(rt, grant, task)
+    return rt.clocks(task)
+
+
+def board(
+    rt: Runtime, limit: int, extra: frozenset[str], final: frozenset[str]
+) -> tuple[list[str], dict[str, dict[str, Any]]]:
+    """(the newest ``limit`` tasks and then those of ``extra`` that exist, the clocks of each
+    of them not in ``final``). A complete task never changes again, so the feed passes the
+    ones it holds as ``final`` and they are not read again. Every token's view is cut from
+    this one board (settled.server.feed), so it is computed without a grant."""
+    order = rt.task_ids(limit)
+    for task in sorted(extra - set(order)):
+        try:
+            rt.task_record(task)
+        except (UnknownTask, BadInput):  # a tokens file may name a task that is not (yet)
+            continue
+        order.append(task)
+    fresh = {}
+    for task in order:
+        if task not in final:
+            try:
+                view = rt.clocks(task)
+            except UnknownTask:  # discarded since it was listed
+                continue
+            view.pop("close_receipt", None)  # the page asks for it when it shows it
+            fresh[task] = view
+    return [t for t in order if t in fresh or t in final], fresh
+
+
+def exit_handles(rt: Runtime, sessions: list[str]) -> dict[str, int | None]:
+    """For each live session whose owner has claimed it, a handle that wakes when that owner
+    exits (None: none to watch here, e.g. another host's); the feed refreshes at once instead
+    of at its next poll. A session not claimed yet is left out, to be asked again."""
+    handles: dict[str, int | None] = {}
+    for session in sessions:
+        try:
+            if rt.session_record(session).owner is not None:
+                handles[session] = rt.exit_handle(session)
+        except UnknownSession:
+            handles[session] = None
+    return handles
+
+
+def close_handles(rt: Runtime, handles: list[int]) -> None:
+    for handle in handles:
+        rt.close_exit_handle(handle)

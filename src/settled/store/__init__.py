@@ -174,9 +174,9 @@ class Store(Protocol):
     def fence(self, task: str, generation: int) -> int: ...
 
     def await_change(self, topics: tuple[str, ...], seconds: float) -> None:
-        """Block until a change of one of `topics` (session or task ids) may have happened,
-        or `seconds` pass. Spurious wakeups are allowed: the caller reads again either way. A
-        store with notifications (PostgreSQL) wakes on them; one without sleeps."""
+        """Block until a change of one of `topics` (session or task ids; "*": any) may have
+        happened, or `seconds` pass. Spurious wakeups are allowed: the caller reads again
+        either way. A store with notifications (PostgreSQL) wakes on them; one without sleeps."""
         ...
 
     def close(self) -> None: ...

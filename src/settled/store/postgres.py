@@ -873,10 +873,10 @@ class PostgresStore:
         return self.get_session(session)
 
     def await_change(self, topics: tuple[str, ...], seconds: float) -> None:
-        """Block until a change of one of `topics` (session or task ids) is notified, or
-        `seconds` pass. The first call only starts listening and returns at once: a change
-        between the caller's last read and the LISTEN would otherwise be missed, so the caller
-        reads again, now with every later change queued for it."""
+        """Block until a change of one of `topics` (session or task ids; "*": any) is
+        notified, or `seconds` pass. The first call only starts listening and returns at once:
+        a change between the caller's last read and the LISTEN would otherwise be missed, so
+        the caller reads again, now with every later change queued for it."""
         give_up = time.monotonic() + max(0.0, seconds)
         wanted = set(topics)
         with self._listen_lock, self._unreachable():
@@ -887,7 +887,7 @@ class PostgresStore:
                 return
             while (left := give_up - time.monotonic()) > 0:
                 for note in self._listener.notifies(timeout=left, stop_after=1):
-                    if wanted & set(note.payload.split()):
+                    if "*" in wanted or wanted & set(note.payload.split()):
                         return
 
     # -- the close join and checkpoints --------------------------------------------------
