@@ -5,7 +5,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
-from common import end_process, settled_rig  # noqa: E402
+from common import end_process, settled_rig
 
 with settled_rig("once", None) as rig:
     for _ in range(3):
