@@ -184,10 +184,10 @@ def _read(path: str) -> bytes | None:
 class ProcSampler:
     """Every 50 ms: our owners, zygotes and journal in /proc and their summed RSS (PSS every
     10th sample). Ours = cmdline names a settled helper and the environment carries our mark;
-    a zygote is a child of the benchmark, a fork stub is a child of a zygote (or of the
-    benchmark: the fresh launcher's first process), a child of an owner is a fork about to exec
-    the command; stubs and children are transient and left out of the owner sum. Runs in its own
-    process (`sample_main`) so the benchmark's 48 threads do not hold it off the GIL."""
+    a zygote and a fresh owner (posix_spawned by its launcher) are children of the benchmark,
+    a fork stub is a child of a zygote, a child of an owner is its command's namespace init or
+    a fork about to exec the command; stubs and children are left out of the owner sum. Runs in
+    its own process (`sample_main`) so the benchmark's 48 threads do not hold it off the GIL."""
 
     KINDS = ("owner", "zygote", "journal")
 
@@ -218,8 +218,8 @@ class ProcSampler:
         if env is None or stat is None or self.needle not in env.split(b"\0"):
             return ""
         ppid = int(stat[stat.rindex(b")") + 2 :].split()[1])
-        if kind == "owner" and ppid == self.bench:
-            kind = "zygote" if b"settled.owner.zygote" in cmd else "stub"
+        if kind == "owner" and ppid == self.bench:  # a fresh owner is the caller's own child
+            kind = "zygote" if b"settled.owner.zygote" in cmd else "owner"
         elif kind == "owner" and self.kinds.get(ppid) == "zygote":
             kind = "stub"
         elif self.kinds.get(ppid) in ("owner", "journal"):
@@ -402,7 +402,8 @@ def _admit(
         barrier.wait()
     except threading.BrokenBarrierError:
         row["barrier_broken"] = True
-    starts_zygote = rt.launcher == "warm" and getattr(rt, "_warm", None) is None
+    # a warm Runtime of its own (not a shared launcher) starts its zygote at its first launch
+    starts_zygote = getattr(rt, "_launcher_kind", None) == "warm" and rt._launcher is None
     started = time.perf_counter()
     try:
         adm = rt.exec(task, shell=shell, key=key, env={MARK_ENV: token})
@@ -591,8 +592,8 @@ def run_once(root: str, variant: str, p: dict[str, Any]) -> dict[str, Any]:
     pool: RuntimePool | None = None
     admissions: list[dict[str, Any]] = []
     barriers: list[threading.Barrier] = []
-    closed = False
     shared: Any = None
+    journal_pid: int | None = None
     result: dict[str, Any] = {
         "variant": variant,
         "launcher": launcher,
@@ -660,7 +661,6 @@ def run_once(root: str, variant: str, p: dict[str, Any]) -> dict[str, Any]:
         t0 = time.perf_counter()
         close = rt.close_task(task.task, deadline=CLOSE_DEADLINE_S)
         close_s = time.perf_counter() - t0
-        closed = bool(close.complete)
         journal_gone = await_exit(journal_pid, 10.0)
         for fact in facts.values():
             end_process(fact["receipt"]["owner"]["pid"], "session owner")
@@ -726,9 +726,9 @@ def run_once(root: str, variant: str, p: dict[str, Any]) -> dict[str, Any]:
             _recover_unknown(rt, task.task)
             _await_owners(rt, task.task)
             result["cgroups_left"] = _tidy_cgroups(task.task)
-            if not closed:
-                with contextlib.suppress(Exception):
-                    journal_lifecycle.stop(rt.workspace.socket())
+            with contextlib.suppress(Exception):  # one journal per home: a close leaves it up
+                journal_lifecycle.stop(rt.workspace.socket())
+            await_exit(journal_pid, 10.0)  # it lets go of its lock before its process ends
         if rt is not None:
             rt.close()
         if shared is not None:
@@ -824,7 +824,9 @@ def _offered(launcher: str, share: bool) -> bool:
 
 
 def run(quick: bool) -> tuple[dict[str, Any], str]:
-    from settled.owner.main import LEASE_S
+    from settled.owner.lease import lease_seconds
+
+    lease_s = lease_seconds()
 
     p = QUICK if quick else FULL
     variants = [name for name, (launcher, share) in VARIANTS.items() if _offered(launcher, share)]
@@ -837,7 +839,7 @@ def run(quick: bool) -> tuple[dict[str, Any], str]:
             **p,
             "variants": {name: VARIANTS[name] for name in variants},
             "command": command("KEY", p["bytes"], "GATE"),
-            "lease_s": LEASE_S,
+            "lease_s": lease_s,
         },
         "runs": {},
     }

@@ -245,7 +245,8 @@ def test_a_real_owner_drains_while_the_store_is_locked(
     size = 32 * MIB
     admission = rt.exec(
         task.task,
-        shell=f"printf go; sleep 1; head -c {size} /dev/zero; exec sleep 600",
+        # 2 s: the owner drains "go" only once its session has loaded (~50 ms after the start)
+        shell=f"printf go; sleep 2; head -c {size} /dev/zero; exec sleep 600",
         key="locked",
     )
     log = Path(rt.home, "sessions", admission.session, "stdout.log")

@@ -18,7 +18,7 @@ import pytest
 from blake3 import blake3
 
 from settled.log.writer import SPLICE_BLOCK, StreamSummary, StreamWriter, drain_once, enlarge_pipe
-from settled.owner.main import LOG_SPLICE_ENV, Owner
+from settled.owner.launch import LOG_SPLICE_ENV, log_out_of_reach
 from settled.records import TaskRecord
 from settled.runtime import Runtime
 
@@ -188,26 +188,27 @@ def test_the_reserve_is_asked_per_block_and_its_refusal_stops_storing_at_a_prefi
     assert guard.asked[:2] == [SPLICE_BLOCK, SPLICE_BLOCK]  # a look per block, not per read
 
 
-def _owner(**facts: Any) -> Owner:
-    owner = Owner.__new__(Owner)
+def _out_of_reach(**facts: Any) -> bool:
+    """owner/launch.py's choice (made before the logs are created, with their flags) for a
+    plan, sandbox and boundary kind as given."""
     plan = SimpleNamespace(mount_namespace=True, home="/h", hide_dirs=("/h",), private_proc=True)
-    owner.plan, owner.sandbox, owner.boundary_kind = plan, None, "cgroup2+pidns"  # type: ignore[assignment]
+    chosen: dict[str, Any] = {"plan": plan, "sandbox": None, "kind": "cgroup2+pidns"}
     for name, value in facts.items():
         if hasattr(plan, name):
             setattr(plan, name, value)
         else:
-            setattr(owner, name, value)
-    return owner
+            chosen[name] = value
+    return log_out_of_reach(chosen["plan"], chosen["sandbox"], chosen["kind"])
 
 
 def test_an_owner_splices_only_where_nothing_but_itself_can_write_the_log() -> None:
-    assert _owner()._log_out_of_reach()
-    assert not _owner(mount_namespace=False)._log_out_of_reach()
-    assert not _owner(hide_dirs=())._log_out_of_reach()  # the home is visible
-    assert not _owner(private_proc=False)._log_out_of_reach()  # the owner's fds are
-    assert not _owner(boundary_kind="cgroup2")._log_out_of_reach()  # no PID namespace
-    assert not _owner(sandbox={"sandbox": "x"})._log_out_of_reach()
-    assert not _owner(plan=None)._log_out_of_reach()
+    assert _out_of_reach()
+    assert not _out_of_reach(mount_namespace=False)
+    assert not _out_of_reach(hide_dirs=())  # the home is visible
+    assert not _out_of_reach(private_proc=False)  # the owner's fds are
+    assert not _out_of_reach(kind="cgroup2")  # no PID namespace
+    assert not _out_of_reach(sandbox={"sandbox": "x"})
+    assert not _out_of_reach(plan=None)
 
 
 @pytest.mark.parametrize("splice", ["1", "0"], ids=["splice", "read-write"])

@@ -523,6 +523,43 @@ def test_claim_at_a_wrong_generation_raises_stale_write_and_changes_nothing(stor
     assert store.get_session(record.session) == record
 
 
+def test_a_claim_records_its_boundary_in_the_same_write(store: Store) -> None:
+    """One durable write before anything runs: the owner, the boundary and its isolation."""
+    record = admit(store, new_task(store))
+    isolation = {"policy": "auto", "cgroup": "namespace, read-only"}
+    claimed = store.claim(
+        record.session, record.generation, OWNER,
+        boundary="cgroup2", boundary_ref="/sys/fs/cgroup/x", isolation=isolation,
+    )  # fmt: skip
+    assert claimed.state == RUNNING and claimed.owner == OWNER
+    assert (claimed.boundary, claimed.boundary_ref) == ("cgroup2", "/sys/fs/cgroup/x")
+    assert claimed.isolation == isolation
+    assert claimed.command_pid is None
+    assert store.get_session(record.session) == claimed
+
+
+def test_a_lost_claim_records_no_boundary(store: Store) -> None:
+    record = admit(store, new_task(store))
+    store.claim(record.session, record.generation, OWNER)
+    with pytest.raises(StaleWrite):
+        store.claim(record.session, record.generation, OTHER_OWNER, boundary="cgroup2")
+    assert store.get_session(record.session).boundary is None
+
+
+def test_a_launch_recorded_without_the_flush_is_read_like_any_other(store: Store) -> None:
+    """durable=False skips the flush to disk (a pid means nothing after a power cut), never
+    the commit: every reader sees it at once, and the compare-and-set still holds."""
+    record = drive(store, new_task(store), RUNNING)
+    store.record_launch(record.session, record.generation, "pidns", "ref", 42, 7, durable=False)
+    after = store.get_session(record.session)
+    assert (after.boundary, after.boundary_ref, after.command_pid) == ("pidns", "ref", 42)
+    with pytest.raises(StaleWrite):
+        store.record_launch(
+            record.session, record.generation + 1, "pidns", "r", 1, 2, durable=False
+        )
+    store.record_launch(record.session, record.generation, "pidns", "ref", 42, 7)  # FULL again
+
+
 def test_claim_of_an_unknown_session_raises_unknown_session(store: Store) -> None:
     with pytest.raises(UnknownSession):
         store.claim("s_nope", 1, OWNER)

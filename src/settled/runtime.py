@@ -328,7 +328,7 @@ class Runtime:
     def _launch(self, session: str) -> dict[str, Any]:
         if self._launcher is None:
             self._launcher = open_launcher(self._launcher_kind)
-        return self._launcher.launch(self.home, session)
+        return self._launcher.launch(self.home, session, self.store)
 
     def __enter__(self) -> Runtime:
         return self

@@ -2,29 +2,59 @@
 
 A boundary starts the command inside itself, can signal every member, and after a kill can say
 whether it is provably empty. Evidence is what the kernel showed, never an inference from a pipe
-closing or an exit code. Only the session owner holds a Boundary.
+closing or an exit code. Only the session owner holds a Boundary, but the launcher that claims
+for it creates what lives outside the owner's process (`create`: a cgroup directory) before the
+claim, so that the claim and the boundary's record are one write.
+
+Imported on the owner's launch path, before its command runs: the standard library's os and
+time only (no dataclasses, typing, signal or contextlib, ~8 ms of imports together here).
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
-import signal
 import time
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
-from typing import ClassVar
 
 from settled.boundary import procfs
-from settled.boundary.spawn import Launch, fork_exec
+from settled.boundary.spawn import fork_exec
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    import signal
+    from typing import ClassVar
+
+    from settled.boundary.spawn import Launch
 
 
-@dataclass
 class Evidence:
-    boundary: str
-    proven: bool
-    evidence: str | None
-    observed: dict[str, object] = field(default_factory=dict)
+    """What a boundary observed, and whether it proves that nothing of the session can run."""
+
+    __slots__ = ("boundary", "evidence", "observed", "proven")
+
+    def __init__(
+        self,
+        boundary: str,
+        proven: bool,
+        evidence: str | None,
+        observed: dict[str, object] | None = None,
+    ) -> None:
+        self.boundary, self.proven, self.evidence = boundary, proven, evidence
+        self.observed: dict[str, object] = {} if observed is None else observed
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Evidence) and (
+            (self.boundary, self.proven, self.evidence, self.observed)
+            == (other.boundary, other.proven, other.evidence, other.observed)
+        )
+
+    __hash__ = None  # type: ignore[assignment]  # mutable, as the dataclass it replaces
+
+    def __repr__(self) -> str:
+        return (
+            f"Evidence(boundary={self.boundary!r}, proven={self.proven!r}, "
+            f"evidence={self.evidence!r}, observed={self.observed!r})"
+        )
 
     def to_json(self, source: str) -> dict[str, object]:
         return {
@@ -38,6 +68,7 @@ class Evidence:
 
 class Boundary(ABC):
     kind: ClassVar[str]
+    hierarchy: str | None = None  # the cgroup v2 directory, for the kinds that have a cgroup
 
     def __init__(self, task: str, session: str) -> None:
         self.task, self.session = task, session
@@ -50,15 +81,32 @@ class Boundary(ABC):
         """What recovery needs to find this boundary again (a cgroup path, an init identity)."""
         return None
 
-    def setup(self) -> None:  # noqa: B027 - a hook; most boundaries need no setup
-        """Create the boundary in the owner, before the command exists."""
+    def ref_before_start(self, owner_pid: int) -> str | None:
+        """`ref` as recorded with the claim, before anything started, for the owner process
+        `owner_pid` (the launcher that claims for an owner is another process)."""
+        return self.ref
 
-    def prepare_child(self) -> None:  # noqa: B027 - a hook; subreaper needs none
-        """Runs in the forked child before exec: join the boundary."""
+    def create(self) -> None:  # noqa: B027 - a hook; most boundaries make nothing outside
+        """Make what lives outside the owner's process (a cgroup), before the claim that
+        records it: run by the launcher, or by an owner that claims for itself."""
+
+    def discard(self) -> None:  # noqa: B027 - a hook, like create
+        """Undo `create` for a claim that was lost: nothing was started inside."""
+
+    def setup(self) -> None:  # noqa: B027 - a hook; most boundaries need no setup
+        """Set up the owner's own process (a subreaper, a PID namespace for its children),
+        before the command exists."""
+
+    def birth_cgroup(self) -> str | None:
+        """The cgroup the command (or its namespace's init) must start in, or None."""
+        return None
+
+    def prepare_child(self, placed: bool) -> None:  # noqa: B027 - a hook; subreaper needs none
+        """Runs in the child before exec. `placed`: the kernel started it inside
+        `birth_cgroup()` (clone3); otherwise it joins that cgroup here, first."""
 
     def start(self, launch: Launch) -> int:
-        self.main_pid = fork_exec(launch, self.prepare_child)
-        self._pidfd = os.pidfd_open(self.main_pid)
+        self.main_pid, self._pidfd = fork_exec(launch, self.prepare_child, self.birth_cgroup())
         return self.main_pid
 
     def exit_fd(self) -> int:
@@ -78,10 +126,12 @@ class Boundary(ABC):
     def members(self) -> list[int]:
         """Live processes inside the boundary (the main process included while it lives)."""
 
-    def signal_all(self, sig: signal.Signals) -> None:
+    def signal_all(self, sig: signal.Signals | int) -> None:
         for pid in self.members():
-            with contextlib.suppress(ProcessLookupError):
+            try:  # noqa: SIM105 - contextlib stays off the owner's launch path
                 os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
 
     @abstractmethod
     def kill_all(self) -> None:

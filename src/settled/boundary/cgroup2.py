@@ -2,8 +2,15 @@
 
 Evidence: `cgroup.kill`, then `cgroup.events` reporting `populated 0`, then a successful rmdir.
 The hierarchy is found from /proc/self/mountinfo and /proc/self/cgroup (here it is mounted at
-/sys/fs/cgroup/unified, not /sys/fs/cgroup). The child joins before it execs. Never trusts a
+/sys/fs/cgroup/unified, not /sys/fs/cgroup). The command starts inside it (clone3 with
+CLONE_INTO_CGROUP; where that is missing, the child joins before it execs). Never trusts a
 missing pid as proof: only the kernel's populated flag counts.
+
+The session's cgroup is made ahead of need: by the launcher, while the owner's interpreter
+starts, before the claim that records it (one write for both). It is named for its session
+(`settled/<task>/<session>`), so recovery finds it by name whether or not the owner lived to use
+it; a claim that is lost removes it, and recovery removes the cgroup of a session that no owner
+ever claimed (boundary/local.py). It never serves another session.
 
 A root process can write its pid into the `cgroup.procs` of a cgroup above its own and leave;
 its session's cgroup then reports `populated 0` while it runs on. Isolation prevents that (a
@@ -19,10 +26,10 @@ import errno
 import os
 import time
 
-from settled.boundary import procfs
+from settled.boundary import procfs, unavailable
 from settled.boundary.base import Boundary, Evidence
+from settled.boundary.spawn import join_cgroup
 from settled.boundary.subreaper import EscapeWitness
-from settled.errors import BoundaryUnavailable
 
 ROOT_DIR_NAME = "settled"
 
@@ -53,31 +60,37 @@ def find_hierarchy() -> str:
     else:
         own = _own_cgroup()
         if own is None:
-            raise BoundaryUnavailable("cgroup2: this process is in no cgroup v2 hierarchy")
+            raise unavailable("cgroup2: this process is in no cgroup v2 hierarchy")
         candidates = [os.path.join(m, own.lstrip("/")) for m in _cgroup2_mounts()]
         if not candidates:
-            raise BoundaryUnavailable("cgroup2: no cgroup2 filesystem is mounted")
+            raise unavailable("cgroup2: no cgroup2 filesystem is mounted")
     for base in candidates:
         if (
             os.path.isdir(base)
             and os.access(base, os.W_OK)
             and os.path.exists(os.path.join(base, "cgroup.procs"))
         ):
-            _require_cgroup_kill(base)
+            if base not in _PROBED:
+                _require_cgroup_kill(base)
+                _PROBED.add(base)
             return base
-    raise BoundaryUnavailable(f"cgroup2: no writable cgroup v2 directory among {candidates}")
+    raise unavailable(f"cgroup2: no writable cgroup v2 directory among {candidates}")
+
+
+_PROBED: set[str] = set()  # hierarchies whose children have cgroup.kill: a kernel's feature
 
 
 def _require_cgroup_kill(base: str) -> None:
-    """A root cgroup never has cgroup.kill, so probe with a child (mkdir + rmdir: 0.05 ms)."""
+    """A root cgroup never has cgroup.kill, so probe with a child (mkdir + rmdir: 0.05 ms),
+    once per hierarchy and process: an admission asked it three times."""
     probe = os.path.join(base, f"{ROOT_DIR_NAME}-probe-{os.getpid()}-{os.urandom(4).hex()}")
     try:
         os.mkdir(probe)
     except OSError as exc:
-        raise BoundaryUnavailable(f"cgroup2: cannot create a cgroup under {base}: {exc}") from exc
+        raise unavailable(f"cgroup2: cannot create a cgroup under {base}: {exc}") from exc
     try:
         if not os.path.exists(os.path.join(probe, "cgroup.kill")):
-            raise BoundaryUnavailable(f"cgroup2: {base} offers no cgroup.kill (kernel < 5.14)")
+            raise unavailable(f"cgroup2: {base} offers no cgroup.kill (kernel < 5.14)")
     finally:
         os.rmdir(probe)
 
@@ -100,8 +113,9 @@ class Cgroup2Boundary(Boundary):
     ) -> None:
         super().__init__(task, session)
         self.witness = EscapeWitness() if watch_escapes else None
-        self.hierarchy = hierarchy or find_hierarchy()
-        self.task_path = os.path.join(self.hierarchy, ROOT_DIR_NAME, task)
+        found = hierarchy or find_hierarchy()
+        self.hierarchy = found
+        self.task_path = os.path.join(found, ROOT_DIR_NAME, task)
         self.path = os.path.join(self.task_path, session)
         self._kill_rounds = 0
         self._removed = False
@@ -112,9 +126,9 @@ class Cgroup2Boundary(Boundary):
     def ref(self) -> str:
         return self.path
 
-    def setup(self) -> None:
-        if self.witness is not None:
-            self.witness.setup()
+    def create(self) -> None:
+        """Make the session's cgroup. One that exists already is refused, never shared: it is
+        another launch's of the same session (which loses its claim) or a leftover."""
         for _attempt in range(100):  # a sibling owner may rmdir an empty parent under us
             try:
                 os.makedirs(self.task_path, exist_ok=True)
@@ -122,11 +136,38 @@ class Cgroup2Boundary(Boundary):
                 return
             except FileNotFoundError:
                 continue
-        raise BoundaryUnavailable(f"cgroup2: could not create {self.path}")
+            except FileExistsError:
+                raise unavailable(
+                    f"cgroup2: {self.path} exists already: another launch of this session made "
+                    "it, and it is never shared"
+                ) from None
+        raise unavailable(f"cgroup2: could not create {self.path}")
 
-    def prepare_child(self) -> None:
-        with open(os.path.join(self.path, "cgroup.procs"), "w") as handle:
-            handle.write("0")  # "0" names the writing process itself
+    def discard(self) -> None:
+        """Undo `create` before anything started inside (a claim lost, a cancel): kill what a
+        root process of another session may have put there all the same, then remove it.
+        Never through the escape witness: in a launcher, its sweep would take the launcher's
+        own children for the session's."""
+        give_up = time.monotonic() + 5.0
+        while os.path.isdir(self.path):
+            self.kill_all()
+            if _read_events(self.path).get("populated") == "0":
+                self._remove()
+                return
+            if time.monotonic() > give_up:
+                return
+            time.sleep(0.001)
+
+    def setup(self) -> None:
+        if self.witness is not None:
+            self.witness.setup()
+
+    def birth_cgroup(self) -> str:
+        return self.path
+
+    def prepare_child(self, placed: bool) -> None:
+        if not placed:
+            join_cgroup(self.path)
 
     def members(self) -> list[int]:
         try:

@@ -26,11 +26,13 @@ token, or open the disk's block device and read everything.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
-from dataclasses import dataclass, field
-from typing import Any, Final
 
 from settled.boundary import procfs
+
+TYPE_CHECKING = False  # typing and dataclasses cost ~6 ms to import; the owner's launch path
+if TYPE_CHECKING:  # rebuilds a plan from its orders, so this module does without both
+    from collections.abc import Iterable
+    from typing import Any, Final
 
 ISOLATION_POLICIES: Final = ("auto", "strict", "none")
 
@@ -67,29 +69,66 @@ def cap_name(cap: int) -> str:
     return CAP_NAMES[cap] if cap < len(CAP_NAMES) else f"CAP_{cap}"
 
 
-@dataclass(frozen=True)
-class IsolationPlan:
-    """Everything the child will do to the command's view and privileges, decided up front."""
+_PLAN_FIELDS: Final = (
+    "policy", "mount_namespace", "cgroup_namespace", "private_proc", "pins", "readonly_host",
+    "writable", "protect", "hide_dirs", "hide_files", "expose", "readonly_sys", "minimal_dev",
+    "drop_caps", "no_new_privs", "uid", "gid", "home", "missing",
+)  # fmt: skip
 
-    policy: str
-    mount_namespace: bool = False
-    cgroup_namespace: bool = False
-    private_proc: bool = False
-    pins: tuple[str, ...] = ()  # ancestors bound onto themselves: a mount point cannot be renamed
-    readonly_host: bool = False
-    writable: tuple[str, ...] = ()  # on a read-only host, bound back writable
-    protect: tuple[str, ...] = ()  # settled's own code under a writable path: bound read-only
-    hide_dirs: tuple[str, ...] = ()
-    hide_files: tuple[str, ...] = ()
-    expose: str | None = None  # the workspace, re-bound inside a hidden directory that holds it
-    readonly_sys: bool = False
-    minimal_dev: bool = False
-    drop_caps: bool = False
-    no_new_privs: bool = True
-    uid: int | None = None
-    gid: int | None = None
-    home: str | None = None
-    missing: dict[str, str] = field(default_factory=dict)
+
+class IsolationPlan:
+    """Everything the child will do to the command's view and privileges, decided up front.
+
+    A plain class, not a dataclass: the owner rebuilds it from its orders (`fields`) on its
+    launch path, which must not pay for dataclasses (and inspect, which it imports)."""
+
+    __slots__ = _PLAN_FIELDS
+
+    def __init__(
+        self,
+        policy: str,
+        mount_namespace: bool = False,
+        cgroup_namespace: bool = False,
+        private_proc: bool = False,
+        pins: tuple[str, ...] = (),  # ancestors bound onto themselves: cannot be renamed
+        readonly_host: bool = False,
+        writable: tuple[str, ...] = (),  # on a read-only host, bound back writable
+        protect: tuple[str, ...] = (),  # settled's own code under a writable path: read-only
+        hide_dirs: tuple[str, ...] = (),
+        hide_files: tuple[str, ...] = (),
+        expose: str | None = None,  # the workspace, re-bound inside a hidden directory
+        readonly_sys: bool = False,
+        minimal_dev: bool = False,
+        drop_caps: bool = False,
+        no_new_privs: bool = True,
+        uid: int | None = None,
+        gid: int | None = None,
+        home: str | None = None,
+        missing: dict[str, str] | None = None,
+    ) -> None:
+        self.policy, self.mount_namespace = policy, mount_namespace
+        self.cgroup_namespace, self.private_proc = cgroup_namespace, private_proc
+        self.pins, self.readonly_host = tuple(pins), readonly_host
+        self.writable, self.protect = tuple(writable), tuple(protect)
+        self.hide_dirs, self.hide_files, self.expose = tuple(hide_dirs), tuple(hide_files), expose
+        self.readonly_sys, self.minimal_dev = readonly_sys, minimal_dev
+        self.drop_caps, self.no_new_privs = drop_caps, no_new_privs
+        self.uid, self.gid, self.home = uid, gid, home
+        self.missing = dict(missing or {})
+
+    def fields(self) -> dict[str, Any]:
+        """The plan as plain values (what the launcher hands its owner): IsolationPlan(**it)."""
+        return {name: getattr(self, name) for name in _PLAN_FIELDS}
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, IsolationPlan) and self.fields() == other.fields()
+
+    def __hash__(self) -> int:
+        return hash(tuple(repr(v) for v in self.fields().values()))
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in self.fields().items())
+        return f"IsolationPlan({args})"
 
     @property
     def cgroup_contained(self) -> bool:
@@ -175,17 +214,23 @@ def choose_hidden(
 DEFAULT_WRITABLE: Final = ("/tmp", "/var/tmp")
 
 
+_RUNTIME_PATHS: list[tuple[str, ...]] = []
+
+
 def settled_runtime_paths() -> tuple[str, ...]:
     """What settled's own processes execute: its code, blake3, the interpreter's prefixes. A
     command must never change them (the next owner would run its code), even where they lie
-    under a path it may write, such as a clone in /tmp."""
-    import sys
+    under a path it may write, such as a clone in /tmp. Found once per process (every plan
+    asks, on the admission path)."""
+    if not _RUNTIME_PATHS:
+        import sys
 
-    from settled.isolated import import_roots
+        from settled.isolated import import_roots
 
-    paths = {*import_roots("settled", "blake3"), sys.prefix, sys.base_prefix}
-    paths.add(os.path.dirname(os.path.realpath(sys.executable)))
-    return tuple(sorted(os.path.realpath(p) for p in paths))
+        paths = {*import_roots("settled", "blake3"), sys.prefix, sys.base_prefix}
+        paths.add(os.path.dirname(os.path.realpath(sys.executable)))
+        _RUNTIME_PATHS.append(tuple(sorted(os.path.realpath(p) for p in paths)))
+    return _RUNTIME_PATHS[0]
 
 
 def choose_protected(writable: Iterable[str], runtime: Iterable[str]) -> tuple[str, ...]:

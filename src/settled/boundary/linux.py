@@ -1,22 +1,49 @@
-"""Thin ctypes bindings for the Linux calls Python 3.11 lacks: unshare, mount, mount_setattr,
-prctl and capget/capset.
+"""The Linux calls Python 3.11 lacks: unshare, mount, mount_setattr, prctl, capget/capset and
+clone3 (and fcntl with an integer argument, so the owner's launch path needs no fcntl module),
+as one interface over two bindings.
 
 Owns only the calling convention and the errno: each function raises OSError naming the call
-and its argument on failure, never returns a status to be forgotten. libc is loaded on the
-first call, which an owner makes before it forks (the zygote once for all its owners), so the
-child only calls. Never decides what to call.
+and its argument on failure, never returns a status to be forgotten. Never decides what to
+call (spawn.py decides whether to clone3; mountview and privileges what to mount and drop).
+
+The binding is the C module `_linux` (built by `pip install -e .`; a fresh owner imports it in
+~0.1 ms, where ctypes costs ~2 ms, and a call costs ~1 us where ctypes costs ~10), else ctypes
+(linux_ctypes.py): where the module was not built, or where SETTLED_LINUX_CALLS=ctypes asks
+(the tests run both). `BINDING` says which, and every receipt names it (owner.calls). Imports
+only os and errno besides the binding: the owner loads it on its launch path.
 """
 
 from __future__ import annotations
 
-import ctypes
-import functools
+import errno
 import os
-from typing import Final
+
+TYPE_CHECKING = False  # typing costs ~1.5 ms to import: the launch path does without it
+if TYPE_CHECKING:
+    from typing import Any, Final
+
+CALLS_ENV = "SETTLED_LINUX_CALLS"  # "ctypes": never the C binding
+
+
+def _binding() -> tuple[str, Any]:
+    if os.environ.get(CALLS_ENV) != "ctypes":
+        try:
+            from settled.boundary import _linux  # type: ignore[attr-defined, unused-ignore]
+        except ImportError:
+            pass
+        else:
+            return "c", _linux
+    from settled.boundary import linux_ctypes
+
+    return "ctypes", linux_ctypes
+
+
+BINDING, _call = _binding()  # _call: Any, the binding module (C or ctypes)
 
 CLONE_NEWNS: Final = 0x00020000
 CLONE_NEWCGROUP: Final = 0x02000000
 CLONE_NEWPID: Final = 0x20000000
+CLONE_INTO_CGROUP: Final = 0x200000000  # Linux 5.7
 
 MS_RDONLY: Final = 1
 MS_NOSUID: Final = 2
@@ -28,59 +55,25 @@ MS_REC: Final = 16384
 MS_PRIVATE: Final = 1 << 18
 
 MOUNT_ATTR_RDONLY: Final = 0x1
-AT_FDCWD: Final = -100
 AT_RECURSIVE: Final = 0x8000
-_SYS_MOUNT_SETATTR: Final = 442  # same number on every architecture (added in 5.12)
+
+F_ADD_SEALS: Final = 1033
+F_SETPIPE_SZ: Final = 1031
+F_SEAL_SEAL: Final = 0x1
+F_SEAL_SHRINK: Final = 0x2
+F_SEAL_GROW: Final = 0x4
+F_SEAL_WRITE: Final = 0x8
 
 PR_CAPBSET_DROP: Final = 24
 PR_SET_DUMPABLE: Final = 4
 PR_SET_NO_NEW_PRIVS: Final = 38
 PR_CAP_AMBIENT: Final = 47
 PR_CAP_AMBIENT_CLEAR_ALL: Final = 4
-_LINUX_CAPABILITY_VERSION_3: Final = 0x20080522
-
-
-class _MountAttr(ctypes.Structure):
-    _fields_ = [
-        ("attr_set", ctypes.c_uint64),
-        ("attr_clr", ctypes.c_uint64),
-        ("propagation", ctypes.c_uint64),
-        ("userns_fd", ctypes.c_uint64),
-    ]
-
-
-class _CapHeader(ctypes.Structure):
-    _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
-
-
-class _CapData(ctypes.Structure):
-    _fields_ = [
-        ("effective", ctypes.c_uint32),
-        ("permitted", ctypes.c_uint32),
-        ("inheritable", ctypes.c_uint32),
-    ]
-
-
-@functools.cache
-def _libc() -> ctypes.CDLL:
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mount.argtypes = [
-        ctypes.c_char_p,
-        ctypes.c_char_p,
-        ctypes.c_char_p,
-        ctypes.c_ulong,
-        ctypes.c_char_p,
-    ]
-    libc.unshare.argtypes = [ctypes.c_int]
-    libc.prctl.argtypes = [ctypes.c_int] + [ctypes.c_ulong] * 4
-    libc.syscall.restype = ctypes.c_long
-    return libc
 
 
 def _check(result: int, what: str) -> int:
     if result < 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"{what}: {os.strerror(err)}")
+        raise OSError(-result, f"{what}: {os.strerror(-result)}")
     return result
 
 
@@ -89,13 +82,13 @@ def _b(value: str | None) -> bytes | None:
 
 
 def unshare(flags: int) -> None:
-    _check(_libc().unshare(flags), f"unshare({flags:#x})")
+    _check(_call.unshare(flags), f"unshare({flags:#x})")
 
 
 def mount(
     source: str | None, target: str, fstype: str | None, flags: int, data: str | None = None
 ) -> None:
-    result = _libc().mount(_b(source), _b(target), _b(fstype), flags, _b(data))
+    result = _call.mount(_b(source), os.fsencode(target), _b(fstype), flags, _b(data))
     _check(result, f"mount {fstype or 'bind'} on {target}")
 
 
@@ -112,49 +105,64 @@ def make_writable(path: str, *, recursive: bool) -> None:
 
 
 def _set_readonly(path: str, *, recursive: bool, readonly: bool) -> None:
-    attr = (
-        _MountAttr(MOUNT_ATTR_RDONLY, 0, 0, 0)
-        if readonly
-        else _MountAttr(0, MOUNT_ATTR_RDONLY, 0, 0)
-    )
+    attr_set, attr_clr = (MOUNT_ATTR_RDONLY, 0) if readonly else (0, MOUNT_ATTR_RDONLY)
     flags = AT_RECURSIVE if recursive else 0
-    result = _libc().syscall(
-        _SYS_MOUNT_SETATTR,
-        ctypes.c_int(AT_FDCWD),
-        ctypes.c_char_p(os.fsencode(path)),
-        ctypes.c_uint(flags),
-        ctypes.byref(attr),
-        ctypes.c_size_t(ctypes.sizeof(attr)),
-    )
-    _check(int(result), f"mount_setattr({'read-only' if readonly else 'writable'}) on {path}")
+    result = _call.mount_setattr(os.fsencode(path), flags, attr_set, attr_clr)
+    _check(result, f"mount_setattr({'read-only' if readonly else 'writable'}) on {path}")
 
 
 def prctl(option: int, arg2: int = 0, arg3: int = 0, arg4: int = 0, arg5: int = 0) -> int:
-    return _check(_libc().prctl(option, arg2, arg3, arg4, arg5), f"prctl({option})")
+    return _check(_call.prctl(option, arg2, arg3, arg4, arg5), f"prctl({option})")
+
+
+def fcntl(fd: int, cmd: int, arg: int) -> int:
+    return _check(_call.fcntl(fd, cmd, arg), f"fcntl({fd}, {cmd})")
+
+
+_LAST_CAP: list[int] = []
 
 
 def last_cap() -> int:
-    with open("/proc/sys/kernel/cap_last_cap") as handle:
-        return int(handle.read())
+    if not _LAST_CAP:
+        with open("/proc/sys/kernel/cap_last_cap") as handle:
+            _LAST_CAP.append(int(handle.read()))
+    return _LAST_CAP[0]
 
 
 def capget() -> tuple[int, int, int]:
     """(effective, permitted, inheritable) of this thread, as 64-bit masks."""
-    header = _CapHeader(_LINUX_CAPABILITY_VERSION_3, 0)
-    data = (_CapData * 2)()
-    _check(_libc().capget(ctypes.byref(header), data), "capget")
-    return (
-        data[0].effective | data[1].effective << 32,
-        data[0].permitted | data[1].permitted << 32,
-        data[0].inheritable | data[1].inheritable << 32,
-    )
+    result, effective, permitted, inheritable = _call.capget()
+    _check(result, "capget")
+    return effective, permitted, inheritable
 
 
 def capset(effective: int, permitted: int, inheritable: int) -> None:
-    header = _CapHeader(_LINUX_CAPABILITY_VERSION_3, 0)
-    data = (_CapData * 2)()
-    for index, shift in ((0, 0), (1, 32)):
-        data[index].effective = effective >> shift & 0xFFFFFFFF
-        data[index].permitted = permitted >> shift & 0xFFFFFFFF
-        data[index].inheritable = inheritable >> shift & 0xFFFFFFFF
-    _check(_libc().capset(ctypes.byref(header), data), "capset")
+    _check(_call.capset(effective, permitted, inheritable), "capset")
+
+
+def clone3(flags: int, cgroup_fd: int = -1) -> tuple[int, int]:
+    """clone3(2) with CLONE_PIDFD added: (pid, pidfd) in the parent, (0, -1) in the child,
+    which continues from here as a copy of the calling thread alone (no fork handler runs:
+    the caller has no other thread). `cgroup_fd` is the directory for CLONE_INTO_CGROUP."""
+    pid, pidfd = _call.clone3(flags, cgroup_fd)
+    _check(pid, f"clone3({flags:#x})")
+    return pid, pidfd
+
+
+def clone3_missing() -> str | None:
+    """Why clone3 with CLONE_INTO_CGROUP cannot be used here, or None when it can. The probe
+    names a descriptor that cannot be open (INT_MAX), so a kernel that knows the call and the
+    flag answers EBADF and creates nothing."""
+    result, _pidfd = _call.clone3(CLONE_INTO_CGROUP, (1 << 31) - 1)
+    if result >= 0:  # pragma: no cover - a descriptor INT_MAX was open: never here
+        if result == 0:
+            os._exit(0)
+        os.waitpid(result, 0)
+        return "clone3 probe: descriptor INT_MAX is open, so the probe created a process"
+    if -result == errno.EBADF:  # the call and the flag are known
+        return None
+    if -result == errno.ENOSYS:
+        return "the kernel has no clone3 (Linux < 5.3, or a seccomp filter refuses it)"
+    if -result == errno.EINVAL:
+        return "the kernel has no CLONE_INTO_CGROUP (Linux < 5.7)"
+    return f"clone3 probe failed: {os.strerror(-result)}"

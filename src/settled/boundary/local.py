@@ -9,6 +9,7 @@ its orphans were re-parented to init and cannot be enumerated.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from settled.boundary import inspect as boundary_inspect
@@ -40,6 +41,7 @@ class LocalSandbox:
         before = never_started(session)
         kind, ref = session.boundary, session.boundary_ref
         if before is not None or kind is None:
+            _remove_made_ahead(session)
             return before or Evidence("none", True, None)
         if kind == "cgroup2+pidns":
             return boundary_inspect.kill_cgroup_pidns(
@@ -58,6 +60,16 @@ class LocalSandbox:
             f"boundary {kind} gives no evidence once its owner is gone: its orphans were "
             "re-parented to init and cannot be enumerated; destroy the task's sandbox",
         )
+
+
+def _remove_made_ahead(session: SessionRecord) -> None:
+    """A launcher makes the session's cgroup before its claim; one that died between the two
+    left it, empty, for a session recovery has now fenced. It holds nothing of the command
+    (none ever started), so it is killed (a root process of another session could have joined
+    it) and removed, never taken as evidence."""
+    path = boundary_inspect.cgroup_path_of(session.task, session.session)
+    if path is not None and os.path.isdir(path):
+        boundary_inspect.kill_cgroup(path)
 
 
 def _inspect_cgroup(session: SessionRecord, ref: str | None) -> Evidence:

@@ -28,10 +28,14 @@ Never runs in the owner itself, and never decides what to hide (isolation.py doe
 from __future__ import annotations
 
 import os
-from typing import Final
 
 from settled.boundary import linux
-from settled.boundary.isolation import IsolationPlan
+
+TYPE_CHECKING = False  # the owner's launch path imports this: no typing at run time
+if TYPE_CHECKING:
+    from typing import Final
+
+    from settled.boundary.isolation import IsolationPlan
 
 _COVER_FLAGS: Final = linux.MS_NOSUID | linux.MS_NODEV | linux.MS_NOEXEC
 _PROC_READ_ONLY: Final = ("sys", "sysrq-trigger", "irq", "bus", "fs")

@@ -7,9 +7,7 @@ unknown. Exists so that a caller who cannot have anything stronger gets an hones
 
 from __future__ import annotations
 
-import contextlib
 import os
-import signal
 
 from settled.boundary import procfs
 from settled.boundary.base import Boundary, Evidence
@@ -22,7 +20,7 @@ class PgroupBoundary(Boundary):
     def ref(self) -> str | None:
         return f"pgid:{self.main_pid}" if self.main_pid else None
 
-    def prepare_child(self) -> None:
+    def prepare_child(self, placed: bool) -> None:
         os.setpgid(0, 0)
 
     def members(self) -> list[int]:
@@ -31,8 +29,10 @@ class PgroupBoundary(Boundary):
     def kill_all(self) -> None:
         if self.main_pid is None:
             return
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.main_pid, signal.SIGKILL)
+        try:  # noqa: SIM105 - contextlib stays off the owner's launch path
+            os.killpg(self.main_pid, 9)  # SIGKILL
+        except ProcessLookupError:
+            pass
 
     def is_empty(self) -> bool:
         self.collect_main()

@@ -13,7 +13,11 @@ from __future__ import annotations
 import os
 
 from settled.boundary import linux
-from settled.boundary.isolation import KEPT_CAPS, IsolationPlan
+from settled.boundary.isolation import KEPT_CAPS
+
+TYPE_CHECKING = False  # the owner's launch path imports this: no typing at run time
+if TYPE_CHECKING:
+    from settled.boundary.isolation import IsolationPlan
 
 
 def drop(plan: IsolationPlan) -> None:

@@ -6,17 +6,18 @@ ticks since boot, on the same boot id, is. Never sends signals: callers decide w
 
 from __future__ import annotations
 
-import functools
 import os
 
 _BOOT_ID_PATH = "/proc/sys/kernel/random/boot_id"
+_boot_id: list[str] = []  # functools.cache without functools: the owner's launch path imports this
 
 
-@functools.cache
 def boot_id() -> str:
     """Constant for the life of the boot, so read once per process."""
-    with open(_BOOT_ID_PATH) as handle:
-        return handle.read().strip()
+    if not _boot_id:
+        with open(_BOOT_ID_PATH) as handle:
+            _boot_id.append(handle.read().strip())
+    return _boot_id[0]
 
 
 def _stat_fields(pid: int) -> list[str] | None:

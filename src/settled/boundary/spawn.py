@@ -1,37 +1,50 @@
-"""fork + exec of the command, with the child placed inside its boundary before it execs.
+"""fork + exec of the command, with the child placed inside its boundary before it runs.
 
-Why not subprocess: between fork and exec the child must join a cgroup (or become init of a PID
-namespace), build its isolated view, close every descriptor but 0-2, give up its privileges, and
-report a failure at any of those steps as a fact rather than an exit code; and the owner must
+Why not subprocess: between fork and exec the child must be inside its cgroup (or be init of a
+PID namespace), build its isolated view, close every descriptor but 0-2, give up its privileges,
+and report a failure at any of those steps as a fact rather than an exit code; and the owner must
 never reap with a blanket wait. This is the only place settled forks a command.
+
+Two ways into a cgroup. `clone3(CLONE_INTO_CGROUP)` makes the child inside it (and, for a PID
+namespace, as the namespace's init: CLONE_NEWPID), so it never runs an instruction outside and
+no process migration is paid (a migration waits for an RCU grace period: ~15 ms here). Where the
+kernel (< 5.7) or Python cannot, or `SETTLED_SPAWN=fork` asks for it, the child is forked and
+writes its own pid into `cgroup.procs` before anything else, as settled always did; the receipt's
+timings say which (`spawn_via`).
 
 Stages, in order, as a SpawnFailed names them: boundary, isolation, stdio, privileges, chdir,
 exec. The view is built before the privileges are dropped (it needs them), the cwd is entered
 after (as the uid the command runs as).
+
+Imported on the owner's launch path: os, sys and errno only (the builtin `_signal`, not `signal`,
+whose enum import costs 1.5-3.5 ms here).
 """
 
 from __future__ import annotations
 
 import errno as errno_mod
 import os
-import signal
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+import sys
 
 from settled.boundary import mountview, privileges
 from settled.boundary.isolation import IsolationPlan
 
-_RESET_SIGNALS = (
-    signal.SIGPIPE,
-    signal.SIGXFSZ,
-    signal.SIGTERM,
-    signal.SIGINT,
-    signal.SIGHUP,
-    signal.SIGUSR1,
-    signal.SIGUSR2,
-    signal.SIGCHLD,
-    signal.SIGQUIT,
-)
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from collections.abc import Callable, Mapping
+
+# The builtin behind `signal`, loaded with every interpreter (it has no stub, hence ModuleType).
+_signal = sys.modules.get("_signal") or __import__("_signal")
+
+_RESET_SIGNALS = tuple(
+    getattr(_signal, name)
+    for name in (
+        "SIGPIPE", "SIGXFSZ", "SIGTERM", "SIGINT", "SIGHUP", "SIGUSR1", "SIGUSR2", "SIGCHLD",
+        "SIGQUIT",
+    )
+)  # fmt: skip
+
+SPAWN_ENV = "SETTLED_SPAWN"  # "fork": never clone3 (tests run both ways)
 
 
 class SpawnFailed(OSError):
@@ -42,35 +55,95 @@ class SpawnFailed(OSError):
         self.stage, self.detail = stage, detail
 
 
-@dataclass(frozen=True)
 class ChildIO:
-    stdin: int
-    stdout: int
-    stderr: int
+    __slots__ = ("stderr", "stdin", "stdout")
+
+    def __init__(self, stdin: int, stdout: int, stderr: int) -> None:
+        self.stdin, self.stdout, self.stderr = stdin, stdout, stderr
 
 
-@dataclass(frozen=True)
 class Launch:
     """What the child needs to become the command: no more is passed, nothing else inherited."""
 
-    argv: list[str]
-    cwd: str
-    env: Mapping[str, str]
-    io: ChildIO
-    isolation: IsolationPlan = field(
-        default_factory=lambda: IsolationPlan("none", no_new_privs=False)
-    )
+    __slots__ = ("argv", "cwd", "env", "io", "isolation")
+
+    def __init__(
+        self,
+        argv: list[str],
+        cwd: str,
+        env: Mapping[str, str],
+        io: ChildIO,
+        isolation: IsolationPlan | None = None,
+    ) -> None:
+        self.argv, self.cwd, self.env, self.io = argv, cwd, env, io
+        self.isolation = isolation or IsolationPlan("none", no_new_privs=False)
 
 
 _MAX_FD = (1 << 31) - 1
+_CLONE3: list[str | None] = []  # the probe's answer, once per process
+
+
+def clone3_missing() -> str | None:
+    """Why the command will not be started with clone3 (the fork-and-join path then), or None.
+    Probed once per process: an owner's boundary setup and its spawn must agree."""
+    if not _CLONE3:
+        if os.environ.get(SPAWN_ENV) == "fork":
+            _CLONE3.append(f"{SPAWN_ENV}=fork asked for fork and join")
+        else:
+            try:
+                from settled.boundary import linux
+            except ImportError as exc:  # a Python built without ctypes
+                _CLONE3.append(f"this Python cannot call clone3: {exc}")
+            else:
+                _CLONE3.append(linux.clone3_missing())
+    return _CLONE3[0]
+
+
+def spawn_via(cgroup: str | None, new_pid_namespace: bool) -> str:
+    """How a child of this boundary is started: "clone3" or "fork"."""
+    if (cgroup is not None or new_pid_namespace) and clone3_missing() is None:
+        return "clone3"
+    return "fork"
+
+
+def fork_into(cgroup: str | None, new_pid_namespace: bool) -> tuple[int, int, bool]:
+    """(pid, pidfd or -1, placed); pid is 0 in the child. `placed`: the kernel started the
+    child inside `cgroup` (and, asked, as init of a new PID namespace); otherwise it is a plain
+    fork, which must join `cgroup` itself before anything else (and whose owner unshared the
+    PID namespace beforehand). Raises OSError (ENODEV: the cgroup was removed meanwhile)."""
+    if spawn_via(cgroup, new_pid_namespace) == "fork":
+        return os.fork(), -1, False
+    if len(os.listdir("/proc/self/task")) > 1:
+        # The child of a raw clone3 is a copy of this thread alone, with every lock another
+        # thread held copied held (no fork handler runs): the owner clones before it starts
+        # any thread, and this guards that order loudly.
+        raise RuntimeError("clone3 with more than one thread running: the owner's order broke")
+    from settled.boundary import linux
+
+    flags = (linux.CLONE_INTO_CGROUP if cgroup is not None else 0) | (
+        linux.CLONE_NEWPID if new_pid_namespace else 0
+    )
+    directory = -1 if cgroup is None else os.open(cgroup, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        pid, pidfd = linux.clone3(flags, directory)
+    finally:
+        if directory >= 0:
+            os.close(directory)
+    return pid, pidfd, True
+
+
+def join_cgroup(cgroup: str) -> None:
+    """In a forked child: move itself into `cgroup` ("0" names the writing process)."""
+    with open(os.path.join(cgroup, "cgroup.procs"), "w") as handle:
+        handle.write("0")
 
 
 def reset_child_signals() -> None:
     """Undo what the Python owner set: SIG_IGN for SIGPIPE survives exec, handlers and masks."""
-    signal.set_wakeup_fd(-1)
+    _signal.set_wakeup_fd(-1)
     for sig in _RESET_SIGNALS:
-        signal.signal(sig, signal.SIG_DFL)
-    signal.pthread_sigmask(signal.SIG_SETMASK, set())
+        _signal.signal(sig, _signal.SIG_DFL)
+    _signal.pthread_sigmask(_signal.SIG_SETMASK, ())
 
 
 def fail_to_parent(errpipe: int, stage: str, exc: BaseException, detail: str) -> None:
@@ -86,36 +159,78 @@ def exec_in_child(
     launch: Launch,
     errpipe: int,
     prepare: Callable[[], None] | None,
-    *,
-    build_view: bool = True,
 ) -> None:
-    """Runs in the forked child; never returns. `build_view` is False when a PID namespace's
-    init built the view already and this child inherits it."""
-    stage = "boundary"
+    """Runs in the forked (or cloned) child; never returns."""
+    at = ["boundary"]
     try:
         reset_child_signals()
         if prepare is not None:
             prepare()
-        stage = "isolation"
-        if build_view and launch.isolation.mount_namespace:
+        at[0] = "isolation"
+        if launch.isolation.mount_namespace:
             mountview.enter(launch.isolation)
-        stage = "stdio"
-        os.dup2(launch.io.stdin, 0)
-        os.dup2(launch.io.stdout, 1)
-        os.dup2(launch.io.stderr, 2)
-        os.closerange(3, errpipe)  # nothing of the owner's reaches the command
-        os.closerange(errpipe + 1, _MAX_FD)
-        stage = "privileges"
-        privileges.drop(launch.isolation)
-        stage = "chdir"
-        os.chdir(launch.cwd)
-        stage = "exec"
-        os.execvpe(launch.argv[0], launch.argv, dict(launch.env))
+        take_on_command(launch, errpipe, -1, at)
+        execvpe(launch.argv[0], launch.argv, dict(launch.env))
     except BaseException as exc:  # the child must never return into the owner
-        detail = launch.argv[0] if stage == "exec" else launch.cwd
-        fail_to_parent(errpipe, stage, exc, detail)
+        fail_to_parent(errpipe, at[0], exc, launch.argv[0] if at[0] == "exec" else launch.cwd)
     finally:
         os._exit(127)
+
+
+def take_on_command(launch: Launch, errpipe: int, keep: int, at: list[str]) -> None:
+    """Make this process what the command starts as: its stdio on 0-2 and no other descriptor
+    (but `errpipe` and `keep`, both close-on-exec), its privileges, its cwd. Run by the child
+    about to exec, or by a PID namespace's init about to posix_spawn it (which then inherits
+    all of it). `at[0]` names the stage reached, for a failure's report; "exec" at the end."""
+    at[0] = "stdio"
+    os.dup2(launch.io.stdin, 0)
+    os.dup2(launch.io.stdout, 1)
+    os.dup2(launch.io.stderr, 2)
+    low, high = sorted((errpipe, keep if keep >= 0 else errpipe))
+    os.closerange(3, low)  # nothing of the owner's reaches the command
+    os.closerange(low + 1, high)
+    os.closerange(high + 1, _MAX_FD)
+    at[0] = "privileges"
+    privileges.drop(launch.isolation)
+    at[0] = "chdir"
+    os.chdir(launch.cwd)
+    at[0] = "exec"
+
+
+def program_path(file: str, env: Mapping[str, str]) -> str:
+    """The file execvpe would run for `file` with the command's PATH: for posix_spawn, which
+    does not search. A file found but not executable is refused as exec would refuse it."""
+    if os.path.dirname(file):
+        return file
+    refused: OSError | None = None
+    for directory in (env.get("PATH") or os.defpath).split(os.pathsep):
+        candidate = os.path.join(directory, file)
+        if os.path.isfile(candidate):
+            if os.access(candidate, os.X_OK):
+                return candidate
+            refused = refused or PermissionError(
+                errno_mod.EACCES, os.strerror(errno_mod.EACCES), candidate
+            )
+    raise refused or FileNotFoundError(errno_mod.ENOENT, os.strerror(errno_mod.ENOENT), file)
+
+
+def execvpe(file: str, argv: list[str], env: dict[str, str]) -> None:
+    """os.execvpe without its `import warnings` (an import in the child, on the launch path):
+    the same search of the command's PATH, the same error kept (the first that is not
+    "no such file")."""
+    if os.path.dirname(file):
+        os.execve(file, argv, env)
+    first: OSError | None = None
+    last: OSError = FileNotFoundError(errno_mod.ENOENT, os.strerror(errno_mod.ENOENT), file)
+    for directory in (env.get("PATH") or os.defpath).split(os.pathsep):
+        try:
+            os.execve(os.path.join(directory, file), argv, env)
+        except (FileNotFoundError, NotADirectoryError) as exc:
+            last = exc
+        except OSError as exc:
+            last = exc
+            first = first or exc
+    raise first or last
 
 
 def read_spawn_error(errpipe_r: int) -> SpawnFailed | None:
@@ -133,16 +248,32 @@ def read_spawn_error(errpipe_r: int) -> SpawnFailed | None:
     return SpawnFailed(stage, int(err), detail)
 
 
-def fork_exec(launch: Launch, prepare: Callable[[], None] | None = None) -> int:
-    """Start the command as a direct child; returns its pid or raises SpawnFailed (child reaped)."""
+def placement_failed(exc: OSError, cgroup: str | None) -> SpawnFailed:
+    """clone3 refused: the command never existed (ENODEV: its cgroup was removed meanwhile)."""
+    where = f"clone3 into {cgroup}" if cgroup is not None else "clone3 of a PID namespace"
+    return SpawnFailed("boundary", exc.errno or errno_mod.EIO, where)
+
+
+def fork_exec(
+    launch: Launch, prepare: Callable[[bool], None] | None = None, cgroup: str | None = None
+) -> tuple[int, int]:
+    """Start the command as a direct child inside `cgroup` (if any): (pid, pidfd), or raises
+    SpawnFailed (the child reaped). `prepare(placed)` runs in the child first."""
     errpipe_r, errpipe_w = os.pipe2(os.O_CLOEXEC)
-    pid = os.fork()
+    try:
+        pid, pidfd, placed = fork_into(cgroup, new_pid_namespace=False)
+    except OSError as exc:
+        os.close(errpipe_r)
+        os.close(errpipe_w)
+        raise placement_failed(exc, cgroup) from None
     if pid == 0:
         os.close(errpipe_r)
-        exec_in_child(launch, errpipe_w, prepare)
+        exec_in_child(launch, errpipe_w, None if prepare is None else lambda: prepare(placed))
     os.close(errpipe_w)
     failure = read_spawn_error(errpipe_r)
     if failure is not None:
         os.waitpid(pid, 0)
+        if pidfd >= 0:
+            os.close(pidfd)
         raise failure
-    return pid
+    return pid, pidfd if pidfd >= 0 else os.pidfd_open(pid)

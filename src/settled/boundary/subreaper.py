@@ -7,16 +7,17 @@ status: it peeks with WNOWAIT and reaps by pid, stashing the main status when it
 
 from __future__ import annotations
 
-import contextlib
 import os
-import signal
-from collections.abc import Callable
 
-from settled.boundary import procfs
+from settled.boundary import procfs, unavailable
 from settled.boundary.base import Boundary, Evidence
-from settled.errors import BoundaryUnavailable
+
+TYPE_CHECKING = False  # on the owner's launch path: no typing, signal or contextlib imports
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 PR_SET_CHILD_SUBREAPER = 36
+SIGKILL = 9  # signal.SIGKILL, the same on every Linux architecture
 
 
 def become_subreaper() -> None:
@@ -25,7 +26,7 @@ def become_subreaper() -> None:
     try:
         linux.prctl(PR_SET_CHILD_SUBREAPER, 1)
     except OSError as exc:
-        raise BoundaryUnavailable(f"subreaper: {exc.strerror}") from None
+        raise unavailable(f"subreaper: {exc.strerror}") from None
 
 
 def reap_orphans(
@@ -71,8 +72,10 @@ class EscapeWitness:
                 self.escaped.append(
                     {**procfs.describe(pid), "cgroup": procfs.cgroup_of(pid), "stopped_by": "KILL"}
                 )
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+            try:  # noqa: SIM105 - contextlib stays off the owner's launch path
+                os.kill(pid, SIGKILL)
+            except ProcessLookupError:
+                pass
         return not live
 
 
@@ -88,6 +91,9 @@ class SubreaperBoundary(Boundary):
     def ref(self) -> str:
         return f"subreaper:{os.getpid()}"
 
+    def ref_before_start(self, owner_pid: int) -> str:
+        return f"subreaper:{owner_pid}"
+
     def setup(self) -> None:
         become_subreaper()
 
@@ -95,7 +101,7 @@ class SubreaperBoundary(Boundary):
         return procfs.live_descendants(os.getpid())
 
     def kill_all(self) -> None:
-        self.signal_all(signal.SIGKILL)
+        self.signal_all(SIGKILL)
 
     def _reap_available(self) -> None:
         """Reap every exited child by pid; the main child's status is kept, not lost."""

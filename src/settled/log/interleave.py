@@ -61,8 +61,11 @@ class IndexWriter:
     one (a stale end is never written over a newer one); the fsync runs outside the lock, so a
     switch never waits for the disk."""
 
-    def __init__(self, path: str) -> None:
-        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    def __init__(self, path: str, fd: int | None = None) -> None:
+        """`fd`: the index at `path` as its caller created it (O_WRONLY | O_CREAT | O_EXCL,
+        0600, as here), owned by the writer from here."""
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+        self._fd = os.open(path, flags, 0o600) if fd is None else fd
         self._failed: str | None = None
         self._lock = threading.Lock()
         self._last_tag = 0

@@ -109,7 +109,11 @@ class StreamWriter:
         space: SpaceGuard | None = None,
         *,
         splice: bool = False,
+        fd: int | None = None,
     ) -> None:
+        """`fd`: the log at `path` as its caller created it, with the flags and mode used here
+        (those of `splice` when it splices; 0600): an owner creates its logs before its command
+        runs, and loads this module while it runs. The writer owns it from here."""
         if cap is not None and cap < 0:
             raise ValueError(f"cap must be >= 0 or None, got {cap}")
         self._path = path
@@ -132,7 +136,9 @@ class StreamWriter:
         self._hash_error: str | None = None
         self._back: bytearray | None = None
         # O_EXCL: FileExistsError if the log already exists; a log is never reused.
-        self._fd = os.open(path, _SPLICE_FLAGS if splice else _OPEN_FLAGS, _FILE_MODE)
+        if fd is None:
+            fd = os.open(path, _SPLICE_FLAGS if splice else _OPEN_FLAGS, _FILE_MODE)
+        self._fd = fd
 
     @property
     def path(self) -> str:

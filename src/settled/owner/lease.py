@@ -33,19 +33,29 @@ import threading
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager, suppress
-from dataclasses import dataclass
-
-STALE_BEATS = 2  # a loop that has not asked for this many heartbeat periods may be stuck
 
 Renew = Callable[[float], str | None]  # renew a lease that runs from this wall time; cancel back
 Connect = Callable[[], AbstractContextManager[Renew]]  # entered in the thread, so is its store
 
+STALE_BEATS = 2  # a loop that has not asked for this many heartbeat periods may be stuck
+HEARTBEATS_PER_LEASE = 5  # a starved owner has four renewals to spare
 
-@dataclass(frozen=True)
+
+def lease_seconds() -> float:
+    """The lease an owner holds (SETTLED_LEASE_S; tests shorten it), read when asked."""
+    return float(os.environ.get("SETTLED_LEASE_S") or 15.0)
+
+
 class _Request:
-    number: int
-    asked_at: float  # the loop's monotonic clock
-    alive_at: float  # the same moment on the wall clock, where the new lease starts
+    """A plain class, not a dataclass: an owner whose thread must come before its command (no
+    clone3 for a PID namespace) imports this on its launch path."""
+
+    __slots__ = ("alive_at", "asked_at", "number")
+
+    def __init__(self, number: int, asked_at: float, alive_at: float) -> None:
+        self.number = number
+        self.asked_at = asked_at  # the loop's monotonic clock
+        self.alive_at = alive_at  # the same moment on the wall clock, where the new lease starts
 
 
 class LeaseKeeper:
@@ -70,6 +80,10 @@ class LeaseKeeper:
     def start(self) -> None:
         self._wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._thread.start()
+
+    @property
+    def started(self) -> bool:
+        return self._wake >= 0
 
     def fileno(self) -> int:
         """Readable once a cancel reason or a failure came back."""

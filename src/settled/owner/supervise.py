@@ -25,34 +25,12 @@ from settled.log.flush import Flusher
 from settled.log.interleave import IndexWriter
 from settled.log.writer import StreamSummary, StreamWriter, drain_once
 from settled.owner.lease import STALE_BEATS, LeaseKeeper
+from settled.owner.signals import OwnerSignals
 
 READ_BUFFER = 1 << 20
 STOP_POLL_S = 0.005
 POST_EVIDENCE_DRAIN_S = 10.0
 EVIDENCE_TIMEOUT_S = 30.0
-
-
-class OwnerSignals:
-    """Installed before the owner claims anything, so no signal can kill it with its default
-    action: TERM/INT/HUP become a cancel, USR1 means "look at the store now"."""
-
-    def __init__(self) -> None:
-        self.wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-        self.stop_reason: str | None = None
-        signal.set_wakeup_fd(self._wake_w, warn_on_full_buffer=False)
-        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-            signal.signal(sig, self._on_stop)
-        signal.signal(signal.SIGUSR1, lambda *_: None)
-
-    def _on_stop(self, signum: int, _frame: object) -> None:
-        self.stop_reason = self.stop_reason or f"owner received {signal.Signals(signum).name}"
-
-    def drain(self) -> None:
-        try:
-            while os.read(self.wake_r, 4096):
-                pass
-        except BlockingIOError:
-            pass
 
 
 @dataclass
@@ -80,7 +58,8 @@ class Streams:
     buffer: bytearray = field(default_factory=lambda: bytearray(READ_BUFFER))
     open: set[str] = field(default_factory=lambda: {"stdout", "stderr"})
     index: IndexWriter | None = None  # the order of the two streams' stored bytes
-    flusher: Flusher | None = None  # started by the owner before its boundary
+    drained: bool = False  # bytes were drained before the loop (owner/early.py)
+    flusher: Flusher | None = None  # started by the owner (before its boundary, if it must)
     _flush_at: dict[str, int] = field(default_factory=dict, init=False)  # poke at this cursor
     _flush_every: int = field(default=0, init=False)  # 0: no flusher, fsyncs at beats only
 
@@ -179,7 +158,7 @@ class Supervisor:
         self._selector.register(self.boundary.exit_fd(), selectors.EVENT_READ, "exit")
         self._selector.register(self.signals.wake_r, selectors.EVENT_READ, "wake")
         self._selector.register(self.lease.fileno(), selectors.EVENT_READ, "lease")
-        drained_once = False
+        drained_once = self.streams.drained  # owner.mid_drain fires once, at the first drain
         while True:
             now = time.monotonic()
             if now >= next_beat:

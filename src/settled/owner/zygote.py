@@ -1,12 +1,14 @@
 """The warm launcher: a pre-imported interpreter that forks session owners on request.
 
-A fresh `python -I -S` owner pays ~40-60 ms of interpreter start and imports before it can claim
-its session; a fork of this process pays ~1-2 ms. The zygote belongs to one Runtime: it is that
-Runtime's child, talks to it over a socketpair, and exits when the socketpair closes (the Runtime
-closed or its process died), so it never outlives its owner. Owners it forks are detached at once
-(setsid, a second fork) and outlive it. It holds no store connection and no lock while it forks.
-The caller's environment and umask travel with each request, so an owner runs with the caller's
-environment, not the zygote's (a command sees neither: only its spec's env, settled.environment).
+A fresh `python -I -S` owner pays 7-10 ms of interpreter start before it can run its command,
+and ~40 ms of imports while it runs; a fork of this process pays ~1-2 ms for both. The zygote
+belongs to one Runtime: it is that Runtime's child, talks to it over a socketpair, and exits
+when the socketpair closes (the Runtime closed or its process died), so it never outlives its
+owner. Owners it forks are detached at once (setsid, a second fork) and outlive it. It holds
+no store connection and no lock while it forks. The launcher claims for the owner and hands it
+its orders (handoff.py), as for a fresh owner. The caller's environment and umask travel with
+each request, so an owner runs with the caller's environment, not the zygote's (a command sees
+neither: only its spec's env, settled.environment).
 """
 
 from __future__ import annotations
@@ -16,12 +18,15 @@ import os
 import socket
 import subprocess
 import threading
+import time
 from typing import Any
 
 from settled import faults
 from settled.home import make_session_dir
-from settled.isolated import python_command
-from settled.owner.launcher import READY_TIMEOUT_S, _read_ready
+from settled.isolated import ReportReader, python_command
+from settled.owner.handoff import hand_over, prepare
+from settled.owner.launcher import READY_TIMEOUT_S
+from settled.store import Store
 
 MAX_REQUEST = 1 << 20
 ZYGOTE_MODULES = ("settled", "blake3")
@@ -37,37 +42,39 @@ def serve(sock_fd: int) -> int:
     """Loop: one request in, one owner forked, its pid out. EOF on the socket ends the zygote."""
     import ctypes  # noqa: F401 - pidns and subreaper owners need it; import it once, here
 
+    import settled.owner.launch  # the owner's launch path, likewise
     import settled.owner.main as owner_main  # imported once, before any fork
+    import settled.owner.session  # what the owner loads once its command runs
     import settled.workspace.journal.client  # noqa: F401 - the owner's barrier client, likewise
     from settled import store
-    from settled.boundary import linux
+    from settled.boundary import linux, spawn
 
     store.load_implementation()  # the store the owner opens, likewise
 
     linux.capget()  # libc loaded once here, not in every owner that isolates its command
+    spawn.clone3_missing()  # probed once here (ctypes' PyDLL handle with it)
 
     sock = socket.socket(fileno=sock_fd)
     os.chdir("/")
     while True:
         try:
-            message, fds, _flags, _addr = socket.recv_fds(sock, MAX_REQUEST, 1)
+            message, fds, _flags, _addr = socket.recv_fds(sock, MAX_REQUEST, 2)
         except InterruptedError:
             continue
         if not message:
             return 0
         request = json.loads(message)
-        ready_fd = fds[0] if fds else None
         pid = os.fork()
         if pid == 0:
             sock.close()
-            _become_owner(request, ready_fd, owner_main.run_session)
-        if ready_fd is not None:
-            os.close(ready_fd)
+            _become_owner(request, fds, owner_main.run_session)
+        for fd in fds:
+            os.close(fd)
         os.waitpid(pid, 0)  # the child forks the real owner and exits at once
         sock.sendall(b"ok\n")
 
 
-def _become_owner(request: dict[str, Any], ready_fd: int | None, run: Any) -> None:
+def _become_owner(request: dict[str, Any], fds: list[int], run: Any) -> None:
     """In the forked child: detach, take the caller's environment, fork the owner, exit."""
     code = 1
     try:
@@ -85,7 +92,8 @@ def _become_owner(request: dict[str, Any], ready_fd: int | None, run: Any) -> No
         os.close(null)
         if os.fork() != 0:
             os._exit(0)
-        code = run(request["home"], request["session"], ready_fd)
+        ready_fd, orders_fd = fds
+        code = run(request["home"], request["session"], ready_fd, orders_fd)
     finally:
         os._exit(code)
 
@@ -112,9 +120,11 @@ class WarmLauncher:
         theirs.close()
         return ours
 
-    def launch(self, home: str, session: str) -> dict[str, Any]:
+    def launch(self, home: str, session: str, store: Store) -> dict[str, Any]:
         log = os.path.join(make_session_dir(home, session), "owner.log")
+        launched_at = time.time()
         ready_r, ready_w = os.pipe2(os.O_CLOEXEC)
+        orders_r, orders_w = os.pipe2(os.O_CLOEXEC)
         umask = os.umask(0o022)
         os.umask(umask)
         request = {
@@ -125,18 +135,28 @@ class WarmLauncher:
             "log": log,
         }
         try:
-            with self._lock:
-                if self._sock is None:
-                    self._sock = self._start()
-                socket.send_fds(self._sock, [json.dumps(request).encode()], [ready_w])
+            try:
+                with self._lock:
+                    if self._sock is None:
+                        self._sock = self._start()
+                    message = [json.dumps(request).encode()]
+                    socket.send_fds(self._sock, message, [ready_w, orders_r])
+                    if self._sock.recv(16) != b"ok\n":
+                        raise RuntimeError("the warm launcher did not answer; see its stderr")
+            finally:
                 os.close(ready_w)
-                ready_w = -1
-                if self._sock.recv(16) != b"ok\n":
-                    raise RuntimeError("the warm launcher did not answer; see its stderr")
-            return _read_ready(ready_r, READY_TIMEOUT_S)
+                os.close(orders_r)
+            try:
+                prepared = prepare(store, home, session, launched_at)
+            except BaseException:
+                os.close(orders_w)  # the owner reads EOF: no orders, it runs nothing
+                orders_w = -1
+                raise
+            owner_w, orders_w = orders_w, -1  # hand_over closes it
+            return hand_over(store, prepared, ReportReader(ready_r), owner_w, READY_TIMEOUT_S)
         finally:
-            if ready_w >= 0:
-                os.close(ready_w)
+            if orders_w >= 0:
+                os.close(orders_w)
             os.close(ready_r)
 
     def close(self) -> None:

@@ -102,7 +102,20 @@ class Store(Protocol):
 
     def list_sessions(self, task: str) -> list[SessionRecord]: ...
 
-    def claim(self, session: str, generation: int, owner: OwnerInfo) -> SessionRecord: ...
+    def claim(
+        self,
+        session: str,
+        generation: int,
+        owner: OwnerInfo,
+        *,
+        boundary: str | None = None,
+        boundary_ref: str | None = None,
+        isolation: dict[str, Any] | None = None,
+    ) -> SessionRecord:
+        """admitted -> running with `owner`. With `boundary`, the boundary (and the isolation
+        its command gets) is recorded in the same write: one durable commit before the
+        command runs, where a claim and then `record_launch` were two."""
+        ...
 
     def record_launch(
         self,
@@ -113,7 +126,12 @@ class Store(Protocol):
         command_pid: int | None,
         command_start_time: int | None,
         isolation: dict[str, Any] | None = None,
-    ) -> None: ...
+        *,
+        durable: bool = True,
+    ) -> None:
+        """`durable=False` may skip the flush to disk (never the commit): for facts that
+        mean nothing after a power cut, such as the command's pid."""
+        ...
 
     def heartbeat(
         self, session: str, generation: int, lease_until: float, stdout: int, stderr: int

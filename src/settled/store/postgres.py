@@ -709,8 +709,21 @@ class PostgresStore:
             raise StaleWrite(f"session {session} is not live at generation {generation}")
         return str(row[0])
 
-    def claim(self, session: str, generation: int, owner: OwnerInfo) -> SessionRecord:
-        sets = {"owner": json.dumps(owner.to_json()), "started_at": time.time()}
+    def claim(
+        self,
+        session: str,
+        generation: int,
+        owner: OwnerInfo,
+        *,
+        boundary: str | None = None,
+        boundary_ref: str | None = None,
+        isolation: dict[str, Any] | None = None,
+    ) -> SessionRecord:
+        sets: dict[str, Any] = {"owner": json.dumps(owner.to_json()), "started_at": time.time()}
+        if boundary is not None:
+            sets |= {"boundary": boundary, "boundary_ref": boundary_ref}
+            if isolation is not None:
+                sets["isolation"] = canonical_bytes(isolation).decode()
         self._write(lambda cur: self._transition(cur, session, generation, "claim", sets))
         return self.get_session(session)
 
@@ -723,7 +736,11 @@ class PostgresStore:
         command_pid: int | None,
         command_start_time: int | None,
         isolation: dict[str, Any] | None = None,
+        *,
+        durable: bool = True,
     ) -> None:
+        """`durable=False`: committed without waiting for the WAL flush, for facts of this
+        boot only (a pid), which no crash of the server's host can make wrong."""
         sets: dict[str, Any] = {
             "boundary": boundary,
             "boundary_ref": boundary_ref,
@@ -734,6 +751,8 @@ class PostgresStore:
             sets["isolation"] = canonical_bytes(isolation).decode()
 
         def work(cur: Cursor) -> None:
+            if not durable:
+                cur.execute("SET LOCAL synchronous_commit = off")
             self._notify(cur, self._update_live(cur, session, generation, sets), session)
 
         self._write(work)

@@ -165,6 +165,18 @@ TASK_COLUMNS = (
 )
 
 
+def _launch_sets(
+    boundary: str | None, boundary_ref: str | None, isolation: dict[str, Any] | None
+) -> dict[str, Any]:
+    """The boundary's columns a claim records with the owner (none when it names no boundary)."""
+    if boundary is None:
+        return {}
+    sets: dict[str, Any] = {"boundary": boundary, "boundary_ref": boundary_ref}
+    if isolation is not None:
+        sets["isolation"] = canonical_bytes(isolation).decode()
+    return sets
+
+
 class SQLiteStore:
     """One connection per instance; one instance per process (owners open their own)."""
 
@@ -553,15 +565,20 @@ class SQLiteStore:
         if cursor.rowcount != 1:
             raise StaleWrite(f"session {session} is not live at generation {generation}")
 
-    def claim(self, session: str, generation: int, owner: OwnerInfo) -> SessionRecord:
+    def claim(
+        self,
+        session: str,
+        generation: int,
+        owner: OwnerInfo,
+        *,
+        boundary: str | None = None,
+        boundary_ref: str | None = None,
+        isolation: dict[str, Any] | None = None,
+    ) -> SessionRecord:
+        sets: dict[str, Any] = {"owner": json.dumps(owner.to_json()), "started_at": time.time()}
+        sets |= _launch_sets(boundary, boundary_ref, isolation)
         with self._write() as db:
-            self._transition(
-                db,
-                session,
-                generation,
-                "claim",
-                {"owner": json.dumps(owner.to_json()), "started_at": time.time()},
-            )
+            self._transition(db, session, generation, "claim", sets)
         return self.get_session(session)
 
     def record_launch(
@@ -573,7 +590,12 @@ class SQLiteStore:
         command_pid: int | None,
         command_start_time: int | None,
         isolation: dict[str, Any] | None = None,
+        *,
+        durable: bool = True,
     ) -> None:
+        """`durable=False`: not fsynced (synchronous=NORMAL for this one transaction), for
+        facts of this boot only (a pid), which no power cut can make wrong: every process of
+        the boot dies with it. Other processes see the write at once either way."""
         sets: dict[str, Any] = {
             "boundary": boundary,
             "boundary_ref": boundary_ref,
@@ -582,8 +604,14 @@ class SQLiteStore:
         }
         if isolation is not None:
             sets["isolation"] = canonical_bytes(isolation).decode()
-        with self._write() as db:
-            self._update_live(db, session, generation, sets)
+        if not durable:
+            self._db.execute("PRAGMA synchronous=NORMAL")
+        try:
+            with self._write() as db:
+                self._update_live(db, session, generation, sets)
+        finally:
+            if not durable:
+                self._db.execute("PRAGMA synchronous=FULL")
 
     def heartbeat(
         self, session: str, generation: int, lease_until: float, stdout: int, stderr: int

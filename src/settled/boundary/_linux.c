@@ -1,0 +1,180 @@
+/* settled.boundary._linux: the C binding of boundary/linux.py.
+ *
+ * The Linux calls a session owner makes on its launch path, before its command runs: clone3
+ * (CLONE_INTO_CGROUP, CLONE_NEWPID), unshare, mount, mount_setattr, prctl, capget, capset, and
+ * fcntl with an integer argument (pipe sizes, seals: the fcntl module is one more library).
+ * Python 3.11 has none of them; ctypes reaches them too (boundary/linux_ctypes.py, the
+ * fallback the tests also run), but importing ctypes costs a fresh owner ~2 ms here and each
+ * call through it ~10 us, where a command's isolation makes dozens.
+ *
+ * Owns only the calls: each returns the system call's result, or -errno on failure, and
+ * linux.py turns that into OSError. Never decides what to call.
+ *
+ * clone3 keeps the GIL held across the call (no Py_BEGIN_ALLOW_THREADS): the child returns
+ * into Python as a copy of the calling thread alone, which must hold the GIL in both.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <errno.h>
+#include <fcntl.h>
+#include <sched.h>
+#include <signal.h>
+#include <stdint.h>
+#include <string.h>
+#include <sys/mount.h>
+#include <sys/prctl.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#ifndef SYS_clone3
+#define SYS_clone3 435
+#endif
+#ifndef SYS_mount_setattr
+#define SYS_mount_setattr 442
+#endif
+#ifndef CLONE_PIDFD
+#define CLONE_PIDFD 0x00001000
+#endif
+#ifndef CLONE_INTO_CGROUP
+#define CLONE_INTO_CGROUP 0x200000000ULL
+#endif
+
+struct settled_clone_args { /* struct clone_args up to cgroup: CLONE_ARGS_SIZE_VER2 */
+    uint64_t flags, pidfd, child_tid, parent_tid, exit_signal, stack, stack_size, tls,
+        set_tid, set_tid_size, cgroup;
+};
+
+struct settled_mount_attr {
+    uint64_t attr_set, attr_clr, propagation, userns_fd;
+};
+
+struct settled_cap_header {
+    uint32_t version;
+    int pid;
+};
+
+struct settled_cap_data {
+    uint32_t effective, permitted, inheritable;
+};
+
+#define CAP_VERSION_3 0x20080522
+
+static long result(long value) { return value < 0 ? -errno : value; }
+
+static PyObject *m_clone3(PyObject *self, PyObject *args) {
+    unsigned long long flags;
+    int cgroup;
+    if (!PyArg_ParseTuple(args, "Ki", &flags, &cgroup))
+        return NULL;
+    int pidfd = -1;
+    struct settled_clone_args clone_args;
+    memset(&clone_args, 0, sizeof clone_args);
+    clone_args.flags = flags | CLONE_PIDFD;
+    clone_args.pidfd = (uint64_t)(uintptr_t)&pidfd;
+    clone_args.exit_signal = SIGCHLD;
+    if (flags & CLONE_INTO_CGROUP)
+        clone_args.cgroup = (uint64_t)(int64_t)cgroup;
+    long pid = syscall(SYS_clone3, &clone_args, sizeof clone_args);
+    if (pid < 0)
+        return Py_BuildValue("(li)", (long)-errno, -1);
+    return Py_BuildValue("(li)", pid, pid == 0 ? -1 : pidfd);
+}
+
+static PyObject *m_unshare(PyObject *self, PyObject *args) {
+    int flags;
+    if (!PyArg_ParseTuple(args, "i", &flags))
+        return NULL;
+    return PyLong_FromLong(result(unshare(flags)));
+}
+
+static PyObject *m_mount(PyObject *self, PyObject *args) {
+    Py_buffer source, target, fstype, data;
+    unsigned long flags;
+    if (!PyArg_ParseTuple(args, "z*y*z*kz*", &source, &target, &fstype, &flags, &data))
+        return NULL;
+    long value = result(mount(source.buf, target.buf, fstype.buf, flags, data.buf));
+    PyBuffer_Release(&source);
+    PyBuffer_Release(&target);
+    PyBuffer_Release(&fstype);
+    PyBuffer_Release(&data);
+    return PyLong_FromLong(value);
+}
+
+static PyObject *m_mount_setattr(PyObject *self, PyObject *args) {
+    Py_buffer path;
+    unsigned int at_flags;
+    unsigned long long attr_set, attr_clr;
+    if (!PyArg_ParseTuple(args, "y*IKK", &path, &at_flags, &attr_set, &attr_clr))
+        return NULL;
+    struct settled_mount_attr attr = {attr_set, attr_clr, 0, 0};
+    long value = result(
+        syscall(SYS_mount_setattr, AT_FDCWD, path.buf, at_flags, &attr, sizeof attr));
+    PyBuffer_Release(&path);
+    return PyLong_FromLong(value);
+}
+
+static PyObject *m_prctl(PyObject *self, PyObject *args) {
+    int option;
+    unsigned long arg2 = 0, arg3 = 0, arg4 = 0, arg5 = 0;
+    if (!PyArg_ParseTuple(args, "i|kkkk", &option, &arg2, &arg3, &arg4, &arg5))
+        return NULL;
+    return PyLong_FromLong(result(prctl(option, arg2, arg3, arg4, arg5)));
+}
+
+static PyObject *m_capget(PyObject *self, PyObject *unused) {
+    struct settled_cap_header header = {CAP_VERSION_3, 0};
+    struct settled_cap_data data[2];
+    memset(data, 0, sizeof data);
+    if (syscall(SYS_capget, &header, data) < 0)
+        return Py_BuildValue("(iKKK)", -errno, 0ULL, 0ULL, 0ULL);
+    return Py_BuildValue(
+        "(iKKK)", 0,
+        (unsigned long long)data[0].effective | (unsigned long long)data[1].effective << 32,
+        (unsigned long long)data[0].permitted | (unsigned long long)data[1].permitted << 32,
+        (unsigned long long)data[0].inheritable | (unsigned long long)data[1].inheritable << 32);
+}
+
+static PyObject *m_capset(PyObject *self, PyObject *args) {
+    unsigned long long effective, permitted, inheritable;
+    if (!PyArg_ParseTuple(args, "KKK", &effective, &permitted, &inheritable))
+        return NULL;
+    struct settled_cap_header header = {CAP_VERSION_3, 0};
+    struct settled_cap_data data[2] = {
+        {(uint32_t)effective, (uint32_t)permitted, (uint32_t)inheritable},
+        {(uint32_t)(effective >> 32), (uint32_t)(permitted >> 32), (uint32_t)(inheritable >> 32)},
+    };
+    return PyLong_FromLong(result(syscall(SYS_capset, &header, data)));
+}
+
+static PyObject *m_fcntl(PyObject *self, PyObject *args) {
+    int fd, cmd;
+    long arg;
+    if (!PyArg_ParseTuple(args, "iil", &fd, &cmd, &arg))
+        return NULL;
+    return PyLong_FromLong(result(fcntl(fd, cmd, arg)));
+}
+
+static PyMethodDef methods[] = {
+    {"fcntl", m_fcntl, METH_VARARGS, "fcntl(fd, cmd, int_arg) -> result or -errno."},
+    {"clone3", m_clone3, METH_VARARGS,
+     "clone3(flags, cgroup_fd) -> (pid or -errno, pidfd); (0, -1) in the child."},
+    {"unshare", m_unshare, METH_VARARGS, "unshare(flags) -> 0 or -errno."},
+    {"mount", m_mount, METH_VARARGS,
+     "mount(source, target, fstype, flags, data) -> 0 or -errno; None passes NULL."},
+    {"mount_setattr", m_mount_setattr, METH_VARARGS,
+     "mount_setattr(path, at_flags, attr_set, attr_clr) -> 0 or -errno."},
+    {"prctl", m_prctl, METH_VARARGS, "prctl(option, arg2=0, arg3=0, arg4=0, arg5=0) -> result."},
+    {"capget", m_capget, METH_NOARGS,
+     "capget() -> (0 or -errno, effective, permitted, inheritable) of this thread."},
+    {"capset", m_capset, METH_VARARGS, "capset(effective, permitted, inheritable) -> 0 or -errno."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "settled.boundary._linux",
+    "The Linux calls of a session owner's launch path (boundary/linux.py is the interface).", -1,
+    methods, NULL, NULL, NULL, NULL,
+};
+
+PyMODINIT_FUNC PyInit__linux(void) { return PyModule_Create(&module); }

@@ -1,0 +1,107 @@
+"""The owner's first drain: both pipes read, in order, while the rest of the owner loads.
+
+A fresh owner's command runs some 40 ms before its log writers and supervise loop exist
+(session.py loads meanwhile). The pipes would keep every byte it writes (1 MiB each), but not
+the order between the two streams: a command alternating between them would come back as one
+batch per stream, and the interleave index would record that. This thread reads both pipes
+from the command's first byte and keeps each read as (stream, bytes), in the order it read
+them, until the session takes them over (`handover`) and appends them to the logs and the
+index exactly as its own drain would have. Bounded: with LIMIT bytes held it stops reading, and
+the pipes hold the rest (the command then waits, as on any full pipe).
+
+Started right after the owner reported that its command runs (clone3 asks for a single thread
+before), or, where the owner must start its threads before it unshares a PID namespace, before
+the command. A `_thread`, not a `threading.Thread`: the builtin is loaded with the interpreter,
+and threading.py would cost the owner 2-3 ms before its drain starts. Must never: write, drop
+or reorder a byte, or outlive `handover`.
+"""
+
+from __future__ import annotations
+
+import _thread
+import os
+import select
+import sys
+
+from settled import faults
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from settled.owner.supervise import Streams
+
+LIMIT = 4 << 20  # bytes held at most: the owner's RSS while it loads
+READ = 1 << 16  # bytes per read: fresh bytes objects past 128 KiB fault page by page
+# While the owner's main thread imports, this thread waits for the GIL up to the switch
+# interval (5 ms by default) each time a pipe becomes readable: a shorter one meanwhile keeps
+# two streams' writes apart when they come a few ms apart.
+SWITCH_INTERVAL_S = 0.0005
+
+
+class EarlyDrain:
+    def __init__(self, fds: dict[str, int]) -> None:
+        self.reads: list[tuple[str, bytes]] = []
+        self.ended: set[str] = set()
+        self._held = 0
+        self._by_fd = {fd: name for name, fd in fds.items()}
+        self._stop_r, self._stop_w = os.pipe2(os.O_CLOEXEC)
+        self._done = _thread.allocate_lock()  # held while the thread runs
+        self._done.acquire()
+        self._interval = sys.getswitchinterval()
+        sys.setswitchinterval(SWITCH_INTERVAL_S)
+        _thread.start_new_thread(self._run, ())
+
+    def _run(self) -> None:
+        try:
+            self._drain()
+        finally:
+            self._done.release()
+
+    def _drain(self) -> None:
+        poller = select.poll()
+        poller.register(self._stop_r, select.POLLIN)
+        for fd in self._by_fd:
+            poller.register(fd, select.POLLIN)
+        while self._by_fd and self._held < LIMIT:
+            ready = [fd for fd, _events in poller.poll()]
+            if self._stop_r in ready:
+                return
+            for fd in ready:
+                self._read(fd, poller)
+
+    def _read(self, fd: int, poller: select.poll) -> None:
+        name = self._by_fd[fd]
+        data = os.read(fd, READ)  # readable: returns at once, with what the pipe holds
+        if not data:
+            self.ended.add(name)
+            poller.unregister(fd)
+            del self._by_fd[fd]
+            return
+        self.reads.append((name, data))
+        self._held += len(data)
+
+    def handover(self) -> tuple[list[tuple[str, bytes]], set[str]]:
+        """Stop reading; every read so far, in order, and the streams that reached EOF."""
+        if self._stop_w >= 0:
+            os.write(self._stop_w, b"x")
+            self._done.acquire()  # the thread ended
+            sys.setswitchinterval(self._interval)
+            for fd in (self._stop_r, self._stop_w):
+                os.close(fd)
+            self._stop_r = self._stop_w = -1
+        return self.reads, self.ended
+
+    def hand_to(self, streams: Streams) -> None:
+        """Stop, then append every read to the session's logs and index in its order, as the
+        supervise loop's own drain would have (log first, then the index), and mark the
+        streams that reached EOF meanwhile."""
+        reads, ended = self.handover()
+        for name, data in reads:
+            writer = streams.writers[name]
+            before = writer.cursor
+            writer.append(data)
+            if streams.index is not None and writer.cursor != before:
+                streams.index.record(name, before, writer.cursor)
+        streams.open -= ended
+        if reads:  # the first drain, for the fault point as for the loop's own first drain
+            streams.drained = True
+            faults.point("owner.mid_drain")

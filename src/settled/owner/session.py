@@ -1,0 +1,403 @@
+"""The session owner once its command runs (or could not start): supervision to the receipt.
+
+Loaded by the owner's launch path (launch.py) after its command started, while the first drain
+(early.py) reads both pipes: the store, the log writers and the interleave index (adopting the
+files created before the command), the lease keeper's thread, the supervise loop, the receipt
+and the journal client. Owns the session from the
+running command to its receipt: the drain, the deadline, the lease, death evidence, the logs'
+summaries, the terminal mutation, the receipt (or, when it cannot be written, the last words).
+Also writes the receipt of a session whose command never started. Must never: run a second
+command, or write for a session its generation no longer holds (the store refuses: StaleWrite).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import resource
+import sys
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from settled import faults
+from settled.backends import seals_logs
+from settled.boundary import linux
+from settled.boundary.base import Boundary
+from settled.boundary.isolation import IsolationPlan
+from settled.errors import StaleWrite, StorageFailed
+from settled.home import SpaceGuard, journal_socket, log_path, storage_error
+from settled.identity import CommandSpec
+from settled.log.flush import FLUSH_ENV, Flusher, flush_every
+from settled.log.interleave import IndexWriter
+from settled.log.writer import StreamWriter
+from settled.owner.early import EarlyDrain
+from settled.owner.last_words import LastWords
+from settled.owner.lease import (
+    HEARTBEATS_PER_LEASE,
+    STALE_BEATS,
+    LeaseKeeper,
+    Renew,
+    lease_seconds,
+)
+from settled.owner.signals import OwnerSignals
+from settled.owner.supervise import Outcome, Streams, Supervisor
+from settled.receipts import exit_fact, not_started_fact, process_receipt
+from settled.store import Store, open_store
+
+LOG_CAP_ENV = "SETTLED_LOG_CAP"
+
+
+class OwnerSession:
+    def __init__(
+        self,
+        home: str,
+        orders: dict[str, Any],
+        ready: Any,  # main.Ready: its `send` ends the readiness pipe
+        signals: OwnerSignals,
+        timings: dict[str, float],
+        last_words: LastWords | None,
+        lease: LeaseKeeper | None = None,
+        flusher: Flusher | None = None,
+        *,
+        splice: bool = False,
+    ) -> None:
+        """`lease` and `flusher`: started before the command where their threads had to come
+        first (the keeper's connection is this session's `renewals`); otherwise made here and
+        started once the command runs. `splice`: the logs were made for it (launch.py)."""
+        self.home, self.orders, self.ready, self.signals = home, orders, ready, signals
+        self.timings, self.last_words = timings, last_words
+        self.session, self.task = str(orders["session"]), str(orders["task"])
+        self.generation = int(orders["generation"])
+        self.boundary_kind: str | None = orders["boundary"]
+        self.plan = IsolationPlan(**orders["plan"]) if orders["plan"] is not None else None
+        self.sandbox: dict[str, Any] | None = orders["sandbox"]
+        self.lease_s = lease_seconds()
+        self.heartbeat_s = self.lease_s / HEARTBEATS_PER_LEASE
+        self.store: Store = open_store(home)
+        self.record = self.store.get_session(self.session)
+        self.spec = CommandSpec.from_json(self.record.spec)
+        self.streams: Streams | None = None
+        self.spawn_via: str | None = None  # clone3 or fork, once the command started
+        self.store_trouble: str | None = None  # the first renewal the store could not write
+        self.lease = lease or LeaseKeeper(self.renewals, stale_after=STALE_BEATS * self.heartbeat_s)
+        self.flusher = flusher or Flusher(flush_every(os.environ.get(FLUSH_ENV)))
+        self.splice = splice
+
+    def close(self) -> None:
+        self.lease.close()
+        self.flusher.close()
+        self.store.close()
+
+    # -- the running command, to its receipt ---------------------------------------------
+
+    def supervise(
+        self,
+        boundary: Boundary,
+        pipes: dict[str, int],
+        logs: dict[str, int],
+        early: EarlyDrain,
+        started: float,
+        pid: int,
+        start_time: int | None,
+        via: str,
+    ) -> int:
+        """`logs`: the logs and index created before the command ran; `early`: the drain
+        that read both pipes, in order, while this module loaded."""
+        self.timings["supervised_at"] = time.time()  # the session's imports and store: loaded
+        self.spawn_via = via
+        streams = self.streams = self._open_streams(pipes, logs)
+        early.hand_to(streams)
+        try:
+            self._record_running(boundary, pid, start_time)
+        except StaleWrite as exc:
+            return self._fenced(exc)
+        if self.last_words is not None:
+            self.last_words.sync()
+        if not self.lease.started:  # where threads had to come first, they started before
+            self.lease.start()
+            self.flusher.start()
+        supervisor = Supervisor(
+            boundary,
+            streams,
+            timeout=self.spec.timeout,
+            grace=self.spec.grace,
+            lease=self.lease,
+            heartbeat_every=self.heartbeat_s,
+            signals=self.signals,
+            settling=self._settle_begin,
+        )
+        try:
+            outcome = supervisor.run(started)
+        except StaleWrite as exc:
+            return self._fenced(exc)
+        boundary.teardown()
+        return self._settle(outcome, streams)
+
+    def _record_running(self, boundary: Boundary, pid: int, start_time: int | None) -> None:
+        """The launcher records the pid and the boundary's ref when the owner reports; this
+        makes sure of it (a launcher that died first), durably, before the command is
+        supervised. A fenced session raises StaleWrite."""
+        record = self.store.get_session(self.session)
+        if record.command_pid == pid and record.boundary_ref == boundary.ref:
+            return
+        self.store.record_launch(
+            self.session, self.generation, boundary.kind, boundary.ref, pid, start_time
+        )
+
+    def _fenced(self, exc: StaleWrite) -> int:
+        # Fenced: recovery took this session over (we were stopped or starved past our
+        # lease). Its boundary, log and receipt are recovery's now; touch nothing, leave.
+        print(f"owner fenced, exiting without a receipt: {exc}", file=sys.stderr)
+        return 3
+
+    def _settle_begin(self) -> None:
+        """Record that the session is settling. A disk that refuses it does not stop the owner:
+        the receipt settles a running session as well (states.py), and draining matters more."""
+        try:
+            self.store.settle_begin(self.session, self.generation)
+        except StorageFailed as exc:
+            self.store_trouble = self.store_trouble or str(exc)
+
+    def _open_streams(self, pipes: dict[str, int], logs: dict[str, int]) -> Streams:
+        """The writers of the logs the command's pipes drain into: adopting the files created
+        before it ran (`logs`, emptied here, made for splicing where `self.splice`), else
+        creating them (a command that never ran); fsynced behind the drain by the flusher."""
+        cap_text = os.environ.get(LOG_CAP_ENV)
+        cap = int(cap_text) if cap_text else None
+        space = SpaceGuard(self.home)  # both streams stop storing at the home's reserve
+        paths = self.orders["logs"]
+        splice = self.splice and "stdout" in logs
+        writers = {
+            name: StreamWriter(paths[name], cap, space, splice=splice, fd=logs.pop(name, None))
+            for name in ("stdout", "stderr")
+        }
+        index = IndexWriter(paths["index"], fd=logs.pop("index", None))
+        return Streams(dict(pipes), writers, index=index, flusher=self.flusher)
+
+    @contextlib.contextmanager
+    def renewals(self) -> Iterator[Renew]:
+        """Entered in the lease keeper's thread at its first renewal: a store connection of its
+        own (a SQLite connection serves one thread), opened by the factory the owner's came from."""
+        store = open_store(self.home)
+        try:
+            yield lambda alive_at: self._heartbeat(store, alive_at)
+        finally:
+            store.close()
+
+    def _heartbeat(self, store: Store, alive_at: float) -> str | None:
+        """Renew the lease from `alive_at` (when the loop asked) and publish the durable cursors.
+        Safe beside the loop's appends: `sync` reads a writer's cursor once, and an append moves
+        the cursor only after its write returned, so the fsync covers every byte it names."""
+        assert self.streams is not None  # the loop asks only once the streams exist
+        durable = {name: writer.sync() for name, writer in self.streams.writers.items()}
+        if self.streams.index is not None:
+            self.streams.index.sync()
+        try:
+            return store.heartbeat(
+                self.session,
+                self.generation,
+                alive_at + self.lease_s,
+                durable["stdout"],
+                durable["stderr"],
+            )
+        except StorageFailed as exc:
+            # The store's disk refused the renewal: not a reason to stop draining. The lease is
+            # not extended, so if this lasts, the session shows unknown (and recovery may fence
+            # this owner) exactly as for a starved owner; the next beat tries again.
+            self.store_trouble = self.store_trouble or str(exc)
+            return None
+
+    def _settle(self, outcome: Outcome, streams: Streams) -> int:
+        self.lease.close()  # ended by the supervisor already; no thread outlives the settle
+        summaries = streams.close()  # the flusher, then each log (fsynced), the index, the pipes
+        assert outcome.evidence is not None
+        terminal_mutation = self._terminal_mutation()
+        now = time.monotonic()
+        self.timings.update(
+            {
+                "exited_after_s": round((outcome.exited or now) - outcome.started, 6),
+                "evidence_after_exit_s": round(
+                    (outcome.evidence_at or now) - (outcome.exited or now), 6
+                ),
+                "settled_at": time.time(),
+            }
+        )
+        if outcome.stop_decided is not None and outcome.reason in ("timeout", "cancelled"):
+            self.timings["stop_to_evidence_s"] = round(
+                (outcome.evidence_at or now) - outcome.stop_decided, 6
+            )
+        elapsed = (outcome.exited - outcome.started) if outcome.exited else None
+        receipt = self._receipt(
+            death=outcome.evidence.to_json("owner"),
+            exit=exit_fact(
+                outcome.wait_status,
+                outcome.reason,
+                shell=self.spec.shell is not None,
+                elapsed_s=elapsed,
+            ),
+            output={
+                **self._sealed({name: s.to_json() for name, s in summaries.items()}),
+                "drain": "complete" if outcome.drain_complete else "incomplete",
+            },
+            stragglers=outcome.stragglers,
+            terminal_mutation=terminal_mutation,
+        )
+        faults.point("owner.before_receipt")
+        event = "receipt" if outcome.evidence.proven else "lose"
+        return self._write_receipt(receipt, event)
+
+    def _write_receipt(self, receipt: dict[str, Any], event: str = "receipt") -> int:
+        """Write the receipt; if the disk refuses it, leave the reason in the last words (whose
+        block was reserved before the command ran), so recovery and status can say why this
+        session is unknown instead of finding a silent owner."""
+        try:
+            faults.point("owner.receipt_write")
+            self.store.write_receipt(self.session, self.generation, receipt, event=event)
+        except StorageFailed as exc:
+            failure = str(exc)
+        except OSError as exc:
+            failure = str(storage_error(exc, self.home, "writing the receipt") or exc)
+        else:
+            return 0
+        self.say_last_words(
+            f"the owner could not write its receipt: {failure}",
+            receipt=receipt["digest"],
+            output={
+                name: {k: receipt["output"][name].get(k) for k in ("cursor", "dropped")}
+                for name in ("stdout", "stderr")
+            },
+        )
+        return 4
+
+    def say_last_words(self, reason: str, **facts: Any) -> None:
+        """Record why this owner ends without a receipt (also on its owner.log, if it can)."""
+        if self.store_trouble:
+            facts.setdefault("store_trouble", self.store_trouble)
+        if self.last_words is not None:
+            self.last_words.record(reason, **facts)
+        with contextlib.suppress(OSError, ValueError):
+            print(f"settled owner: {reason}", file=sys.stderr, flush=True)
+
+    def never_ran(
+        self,
+        reason: str,
+        stage: str,
+        error: str,
+        pipes: dict[str, int] | None = None,
+        *,
+        planned: bool = True,
+        logs: dict[str, int] | None = None,
+    ) -> int:
+        """Settle a session whose command never started: its receipt says why, not an exit code.
+        `planned`: it got as far as its isolation plan (the receipt then shows it); `logs`:
+        the logs created for it, if it got that far."""
+        if not planned:
+            self.plan = None
+        self.lease.close()  # it never renewed; it ends before the receipt all the same
+        for fd in (pipes or {}).values():
+            os.close(fd)
+        streams = self._open_streams({}, logs if logs is not None else {})
+        summaries = self._sealed({n: s.to_json() for n, s in streams.close().items()})
+        self.timings["settled_at"] = time.time()
+        receipt = self._receipt(
+            death={
+                "boundary": self.boundary_kind,
+                "proven": True,
+                "evidence": f"the command never started ({stage}): no process of it ever ran",
+                "source": "owner",
+                "observed": {"stage": stage},
+            },
+            exit={**not_started_fact(stage, error), "reason": reason},
+            output={
+                "stdout": summaries["stdout"],
+                "stderr": summaries["stderr"],
+                "drain": "complete",
+            },
+            stragglers=[],
+            terminal_mutation={"seq": None, "source": "none", "why": "the command never ran"},
+        )
+        code = self._write_receipt(receipt)
+        self.ready.send(state="settled", owner_pid=os.getpid(), error=error)
+        return code
+
+    def _sealed(self, facts: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+        """Each stream's fact, with its sealed copy in the object store named when the home's
+        objects live outside it (log/seal.py). A seal that fails is named in the fact and
+        does not stop the receipt: death and cursors are proven all the same, and the log
+        still lies in the home."""
+        if not seals_logs(self.home):
+            return facts
+        from settled.log.seal import seal_stream  # after death: off the launch path
+        from settled.workspace.open_objects import open_object_store
+
+        started = time.monotonic()
+        try:
+            objects = open_object_store(self.home)
+            for name, fact in facts.items():
+                path = log_path(self.home, self.session, name)
+                fact["sealed"] = seal_stream(objects, path, fact["cursor"], fact["digest"])
+        except BaseException as exc:  # never the receipt's cost: a library's panic is named too
+            if isinstance(exc, KeyboardInterrupt | SystemExit):
+                raise
+            for fact in facts.values():
+                fact.setdefault("sealed", {"error": f"{type(exc).__name__}: {exc}"})
+        self.timings["seal_s"] = round(time.monotonic() - started, 6)
+        return facts
+
+    def _terminal_mutation(self) -> dict[str, Any]:
+        """The journal's watermark read after death evidence: every write of the session's
+        processes completed before it, so each is at or below this sequence number."""
+        # imported after evidence, off the launch path
+        from settled.workspace.journal import client as journal_client
+
+        return journal_client.terminal_mutation(journal_socket(self.home), self.task)
+
+    def _isolation(self) -> dict[str, Any] | None:
+        if self.plan is None:
+            return None
+        from settled.owner.handoff import isolation_facts
+
+        return isolation_facts(self.plan, self.sandbox)
+
+    def _receipt(self, **facts: Any) -> dict[str, Any]:
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        recorded = self._isolation()
+        isolation = (
+            {**recorded, "env_removed": list(self.spec.env_removed)}
+            if recorded is not None
+            else {"policy": self.spec.isolation, "applied": False,
+                  "why": "the command never started, so no isolation was built"}
+        )  # fmt: skip
+        owner: dict[str, Any] = {
+            "pid": os.getpid(),
+            "maxrss_kib": _peak_rss_kib() or usage.ru_maxrss,
+            "cpu_s": round(usage.ru_utime + usage.ru_stime, 6),
+        }
+        if self.spawn_via is not None:  # how the command started, and through which binding
+            owner["spawn"] = self.spawn_via
+        owner["calls"] = linux.BINDING
+        return process_receipt(
+            isolation=isolation,
+            session=self.session,
+            task=self.task,
+            key=self.record.key,
+            command_digest=self.record.digest,
+            generation=self.generation,
+            owner=owner,
+            timings=self.timings,
+            **facts,
+        )
+
+
+def _peak_rss_kib() -> int | None:
+    """This process's own peak resident set (VmHWM). Not ru_maxrss: a fresh owner is
+    posix_spawned (vfork), and exec folds the spawning caller's peak into ru_maxrss."""
+    try:
+        with open("/proc/self/status") as handle:
+            for line in handle:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
