@@ -389,3 +389,48 @@ def test_the_logs_exist_once_exec_returns(rt: Runtime, task: TaskRecord) -> None
     assert rt.read(admission.session, "stdout") == b""
     rt.wait(admission.session, timeout=30)
     assert rt.read(admission.session, "stdout") == b"late\n"
+
+
+def test_the_first_drain_copies_each_read_to_its_log_and_the_writer_alone_records_it(
+    tmp_path: Path,
+) -> None:
+    """An owner killed while it loads must leave what its command wrote where recovery reads
+    a lost owner's logs: the first drain copies each read into the log at once. At the handover
+    the writer cuts that copy back and appends the reads through its own path, so the cap and
+    the digest are the writer's: what the receipt names is exactly what it counted."""
+    import time
+
+    from blake3 import blake3
+
+    from settled.log.writer import StreamWriter
+    from settled.owner.early import EarlyDrain
+    from settled.owner.supervise import Streams
+
+    pipes, logs, ends = {}, {}, {}
+    for name in ("stdout", "stderr"):
+        pipes[name], ends[name] = os.pipe()
+        logs[name] = os.open(
+            tmp_path / f"{name}.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600
+        )
+    early = EarlyDrain(pipes, logs)
+    os.write(ends["stdout"], b"before the writers exist\n")
+    os.write(ends["stderr"], b"and on stderr\n")
+    give_up = time.monotonic() + 10
+    while (tmp_path / "stderr.log").read_bytes() != b"and on stderr\n":
+        assert time.monotonic() < give_up, "the first drain copied nothing to the log"
+        time.sleep(0.005)
+    assert (tmp_path / "stdout.log").read_bytes() == b"before the writers exist\n"
+
+    writers = {
+        "stdout": StreamWriter(str(tmp_path / "stdout.log"), cap=6, fd=logs["stdout"]),
+        "stderr": StreamWriter(str(tmp_path / "stderr.log"), fd=logs["stderr"]),
+    }
+    streams = Streams(dict(pipes), writers, index=None)
+    early.hand_to(streams)
+    summaries = {name: writer.close() for name, writer in writers.items()}
+    assert (tmp_path / "stdout.log").read_bytes() == b"before"  # the cap, applied by the writer
+    assert summaries["stdout"].not_stored == len(b"before the writers exist\n") - 6
+    assert summaries["stdout"].digest == "blake3:" + blake3(b"before").hexdigest()
+    assert (tmp_path / "stderr.log").read_bytes() == b"and on stderr\n"
+    for fd in (*pipes.values(), *ends.values()):
+        os.close(fd)

@@ -190,6 +190,15 @@ class StreamWriter:
         self._granted -= moved
         return moved
 
+    def discard_uncounted(self) -> None:
+        """Cut the file back to the bytes this writer counted (its cursor). An owner's first
+        drain copies what it reads into the log before the writer exists, so that a killed
+        owner leaves it for recovery; the reads are then appended through this writer, which
+        applies the cap, the reserve and the digest. No durable cursor ever named a byte past
+        the cursor, so nothing promised is taken back."""
+        os.ftruncate(self._fd, self._cursor)
+        os.lseek(self._fd, self._cursor, os.SEEK_SET)
+
     def append(self, data: memoryview | bytes) -> None:
         """Store all of ``data`` (looping on short writes); bytes past the cap are only counted,
         and so are bytes that cannot be stored once the log could not be written."""

@@ -9,6 +9,12 @@ them, until the session takes them over (`handover`) and appends them to the log
 index exactly as its own drain would have. Bounded: with LIMIT bytes held it stops reading, and
 the pipes hold the rest (the command then waits, as on any full pipe).
 
+Each read is also copied to its log at once: an owner killed before its writers exist then
+leaves the bytes where recovery reads a lost owner's logs, instead of only in its memory. A
+copy, not the record: at the handover each writer cuts its file back to what it counted and
+appends the reads through its own path (cap, reserve, digest, index), so what the receipt
+names is the writer's alone. No durable cursor ever names a copied byte before that.
+
 Started right after the owner reported that its command runs (clone3 asks for a single thread
 before), or, where the owner must start its threads before it unshares a PID namespace, before
 the command. A `_thread`, not a `threading.Thread`: the builtin is loaded with the interpreter,
@@ -38,8 +44,10 @@ SWITCH_INTERVAL_S = 0.0005
 
 
 class EarlyDrain:
-    def __init__(self, fds: dict[str, int]) -> None:
+    def __init__(self, fds: dict[str, int], logs: dict[str, int] | None = None) -> None:
+        """`fds`: each stream's pipe; `logs`: each stream's log, where reads are copied."""
         self.reads: list[tuple[str, bytes]] = []
+        self._logs = dict(logs or {})
         self.ended: set[str] = set()
         self._held = 0
         self._by_fd = {fd: name for name, fd in fds.items()}
@@ -78,6 +86,20 @@ class EarlyDrain:
             return
         self.reads.append((name, data))
         self._held += len(data)
+        self._copy(name, data)
+
+    def _copy(self, name: str, data: bytes) -> None:
+        """The crash copy of one read; a log that refuses it (no space, an I/O error) gets no
+        more copies, and the read is held all the same."""
+        fd = self._logs.get(name)
+        if fd is None:
+            return
+        view = memoryview(data)
+        try:
+            while view:
+                view = view[os.write(fd, view) :]
+        except OSError:
+            del self._logs[name]
 
     def handover(self) -> tuple[list[tuple[str, bytes]], set[str]]:
         """Stop reading; every read so far, in order, and the streams that reached EOF."""
@@ -95,6 +117,8 @@ class EarlyDrain:
         supervise loop's own drain would have (log first, then the index), and mark the
         streams that reached EOF meanwhile."""
         reads, ended = self.handover()
+        for writer in streams.writers.values():  # the crash copies: rewritten below
+            writer.discard_uncounted()
         for name, data in reads:
             writer = streams.writers[name]
             before = writer.cursor

@@ -266,7 +266,7 @@ class Launching:
 
         if pipes is None:
             pipes = {name: self.ahead.pipes[name] for name in ("stdout", "stderr")}
-        self.early = EarlyDrain(pipes)
+        self.early = EarlyDrain(pipes, {name: self.logs[name] for name in pipes})
 
     def _open_session(self) -> OwnerSession:
         """The rest of the owner (store, logs, lease, supervision, receipt): imported here."""
