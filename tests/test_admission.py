@@ -15,8 +15,9 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from conftest import _skip_unavailable
@@ -391,20 +392,10 @@ def test_the_logs_exist_once_exec_returns(rt: Runtime, task: TaskRecord) -> None
     assert rt.read(admission.session, "stdout") == b"late\n"
 
 
-def test_the_first_drain_copies_each_read_to_its_log_and_the_writer_alone_records_it(
-    tmp_path: Path,
-) -> None:
-    """An owner killed while it loads must leave what its command wrote where recovery reads
-    a lost owner's logs: the first drain copies each read into the log at once. At the handover
-    the writer cuts that copy back and appends the reads through its own path, so the cap and
-    the digest are the writer's: what the receipt names is exactly what it counted."""
-    import time
-
-    from blake3 import blake3
-
-    from settled.log.writer import StreamWriter
+def _first_drain(
+    tmp_path: Path, cap: int | None
+) -> tuple[Any, dict[str, int], dict[str, int], dict[str, int]]:
     from settled.owner.early import EarlyDrain
-    from settled.owner.supervise import Streams
 
     pipes, logs, ends = {}, {}, {}
     for name in ("stdout", "stderr"):
@@ -412,25 +403,67 @@ def test_the_first_drain_copies_each_read_to_its_log_and_the_writer_alone_record
         logs[name] = os.open(
             tmp_path / f"{name}.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600
         )
-    early = EarlyDrain(pipes, logs)
-    os.write(ends["stdout"], b"before the writers exist\n")
-    os.write(ends["stderr"], b"and on stderr\n")
+    return EarlyDrain(pipes, logs, cap), pipes, logs, ends
+
+
+def _until(check: Callable[[], bool], what: str) -> None:
     give_up = time.monotonic() + 10
-    while (tmp_path / "stderr.log").read_bytes() != b"and on stderr\n":
-        assert time.monotonic() < give_up, "the first drain copied nothing to the log"
+    while not check():
+        assert time.monotonic() < give_up, what
         time.sleep(0.005)
-    assert (tmp_path / "stdout.log").read_bytes() == b"before the writers exist\n"
+
+
+def _hand_over(early: Any, pipes: dict[str, int], logs: dict[str, int], tmp_path: Path,
+               cap: int | None) -> dict[str, Any]:  # fmt: skip
+    from settled.log.writer import StreamWriter
+    from settled.owner.supervise import Streams
 
     writers = {
-        "stdout": StreamWriter(str(tmp_path / "stdout.log"), cap=6, fd=logs["stdout"]),
-        "stderr": StreamWriter(str(tmp_path / "stderr.log"), fd=logs["stderr"]),
+        name: StreamWriter(str(tmp_path / f"{name}.log"), cap=cap, fd=logs[name])
+        for name in ("stdout", "stderr")
     }
-    streams = Streams(dict(pipes), writers, index=None)
-    early.hand_to(streams)
-    summaries = {name: writer.close() for name, writer in writers.items()}
-    assert (tmp_path / "stdout.log").read_bytes() == b"before"  # the cap, applied by the writer
+    early.hand_to(Streams(dict(pipes), writers, index=None))
+    return {name: writer.close() for name, writer in writers.items()}
+
+
+def test_the_first_drain_writes_the_first_bytes_to_the_log_and_the_writer_adopts_them(
+    tmp_path: Path,
+) -> None:
+    """An owner killed while it loads must leave what its command first wrote where recovery
+    reads a lost owner's logs: the first drain writes each stream's first bytes (within the
+    cap) to its log at once. The writer then counts them and digests them from the bytes read,
+    and the log only ever grows, as its readers expect."""
+    from blake3 import blake3
+
+    early, pipes, logs, ends = _first_drain(tmp_path, cap=6)
+    os.write(ends["stdout"], b"before the writers exist\n")
+    os.write(ends["stderr"], b"and on stderr\n")
+    _until(lambda: (tmp_path / "stderr.log").read_bytes() == b"and on", "nothing was written")
+    _until(lambda: (tmp_path / "stdout.log").read_bytes() == b"before", "nothing was written")
+    summaries = _hand_over(early, pipes, logs, tmp_path, cap=6)
+    assert (tmp_path / "stdout.log").read_bytes() == b"before"  # never past the cap
+    assert summaries["stdout"].cursor == 6
     assert summaries["stdout"].not_stored == len(b"before the writers exist\n") - 6
     assert summaries["stdout"].digest == "blake3:" + blake3(b"before").hexdigest()
-    assert (tmp_path / "stderr.log").read_bytes() == b"and on stderr\n"
+    assert summaries["stderr"].digest == "blake3:" + blake3(b"and on").hexdigest()
+    for fd in (*pipes.values(), *ends.values()):
+        os.close(fd)
+
+
+def test_past_its_first_bytes_a_stream_is_stored_by_its_writer_whole_and_in_order(
+    tmp_path: Path,
+) -> None:
+    from blake3 import blake3
+
+    from settled.owner.early import COPY_LIMIT
+
+    early, pipes, logs, ends = _first_drain(tmp_path, cap=None)
+    data = os.urandom(COPY_LIMIT + 40_000)
+    os.write(ends["stdout"], data)
+    _until(lambda: (tmp_path / "stdout.log").stat().st_size == COPY_LIMIT, "no first bytes")
+    summaries = _hand_over(early, pipes, logs, tmp_path, cap=None)
+    assert (tmp_path / "stdout.log").read_bytes() == data
+    assert summaries["stdout"].cursor == len(data)
+    assert summaries["stdout"].digest == "blake3:" + blake3(data).hexdigest()
     for fd in (*pipes.values(), *ends.values()):
         os.close(fd)

@@ -245,12 +245,16 @@ def test_a_real_owner_drains_while_the_store_is_locked(
     size = 32 * MIB
     admission = rt.exec(
         task.task,
-        # 2 s: the owner drains "go" only once its session has loaded (~50 ms after the start)
+        # 2 s: the owner's session loads meanwhile (~50 ms) and its supervise loop runs
         shell=f"printf go; sleep 2; head -c {size} /dev/zero; exec sleep 600",
         key="locked",
     )
-    log = Path(rt.home, "sessions", admission.session, "stdout.log")
-    assert _until(lambda: log.exists() and log.stat().st_size == 2, 10.0), "no owner drains"
+    directory = Path(rt.home, "sessions", admission.session)
+    log, index = directory / "stdout.log", directory / "interleave.idx"
+    assert _until(lambda: log.exists() and log.stat().st_size == 2, 10.0), "nothing drained"
+    # The first drain writes "go" before the session exists; the session's first heartbeat
+    # syncs the index that records it: from then on the supervise loop drains.
+    assert _until(lambda: index.exists() and index.stat().st_size > 0, 10.0), "no heartbeat"
     blocker = sqlite3.connect(os.path.join(rt.home, "settled.db"), isolation_level=None)
     try:
         blocker.execute("BEGIN IMMEDIATE")  # every store write waits, the owner's heartbeat too

@@ -190,14 +190,18 @@ class StreamWriter:
         self._granted -= moved
         return moved
 
-    def discard_uncounted(self) -> None:
-        """Cut the file back to the bytes this writer counted (its cursor). An owner's first
-        drain copies what it reads into the log before the writer exists, so that a killed
-        owner leaves it for recovery; the reads are then appended through this writer, which
-        applies the cap, the reserve and the digest. No durable cursor ever named a byte past
-        the cursor, so nothing promised is taken back."""
-        os.ftruncate(self._fd, self._cursor)
-        os.lseek(self._fd, self._cursor, os.SEEK_SET)
+    def adopt(self, data: bytes) -> None:
+        """Count ``data`` as stored: it is in the file already at the cursor, written there
+        before this writer existed by the owner's first drain (owner/early.py), within the
+        cap. Digested from ``data`` itself, the bytes that were read from the pipe, never read
+        back from the file (in splice mode the read-back digests the file, as for every byte)."""
+        size = len(data)
+        if self._cap is not None and self._cursor + size > self._cap:
+            raise ValueError(f"adopting {size} bytes at {self._cursor} passes the cap {self._cap}")
+        self._drained += size
+        self._cursor += size
+        if not self._behind:
+            self._hasher.update(data)
 
     def append(self, data: memoryview | bytes) -> None:
         """Store all of ``data`` (looping on short writes); bytes past the cap are only counted,

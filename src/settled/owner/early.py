@@ -9,11 +9,13 @@ them, until the session takes them over (`handover`) and appends them to the log
 index exactly as its own drain would have. Bounded: with LIMIT bytes held it stops reading, and
 the pipes hold the rest (the command then waits, as on any full pipe).
 
-Each read is also copied to its log at once: an owner killed before its writers exist then
-leaves the bytes where recovery reads a lost owner's logs, instead of only in its memory. A
-copy, not the record: at the handover each writer cuts its file back to what it counted and
-appends the reads through its own path (cap, reserve, digest, index), so what the receipt
-names is the writer's alone. No durable cursor ever names a copied byte before that.
+The first COPY_LIMIT bytes of each stream (never past its cap) are also written to its log at
+once, in the order read: an owner killed before its writers exist then leaves them where
+recovery reads a lost owner's logs, instead of only in its memory. The log only grows, as
+readers expect of it. At the handover each writer adopts what was written (it counts and
+digests the bytes from this thread's own copy, never from the file) and appends the rest; the
+index records every read in order. Bounded so that what is written before the writer can ask
+the home's reserve stays small: the reserve is asked for everything after it.
 
 Started right after the owner reported that its command runs (clone3 asks for a single thread
 before), or, where the owner must start its threads before it unshares a PID namespace, before
@@ -36,6 +38,7 @@ if TYPE_CHECKING:
     from settled.owner.supervise import Streams
 
 LIMIT = 4 << 20  # bytes held at most: the owner's RSS while it loads
+COPY_LIMIT = 64 << 10  # bytes of each stream written to its log before its writer exists
 READ = 1 << 16  # bytes per read: fresh bytes objects past 128 KiB fault page by page
 # While the owner's main thread imports, this thread waits for the GIL up to the switch
 # interval (5 ms by default) each time a pipe becomes readable: a shorter one meanwhile keeps
@@ -44,10 +47,16 @@ SWITCH_INTERVAL_S = 0.0005
 
 
 class EarlyDrain:
-    def __init__(self, fds: dict[str, int], logs: dict[str, int] | None = None) -> None:
-        """`fds`: each stream's pipe; `logs`: each stream's log, where reads are copied."""
+    def __init__(
+        self, fds: dict[str, int], logs: dict[str, int] | None = None, cap: int | None = None
+    ) -> None:
+        """`fds`: each stream's pipe; `logs`: each stream's log, where the first reads are
+        written; `cap`: the per-stream cap of the writers to come (None: none)."""
         self.reads: list[tuple[str, bytes]] = []
         self._logs = dict(logs or {})
+        limit = COPY_LIMIT if cap is None else min(COPY_LIMIT, max(0, cap))
+        self.room = dict.fromkeys(self._logs, limit)  # what each log may still take here
+        self.written = dict.fromkeys(self._logs, 0)  # bytes of each stream in its log
         self.ended: set[str] = set()
         self._held = 0
         self._by_fd = {fd: name for name, fd in fds.items()}
@@ -89,15 +98,18 @@ class EarlyDrain:
         self._copy(name, data)
 
     def _copy(self, name: str, data: bytes) -> None:
-        """The crash copy of one read; a log that refuses it (no space, an I/O error) gets no
-        more copies, and the read is held all the same."""
+        """Write what fits of one read to its log; a log that refuses a write (no space, an
+        I/O error) gets nothing more here, and the read is held all the same."""
         fd = self._logs.get(name)
-        if fd is None:
+        if fd is None or self.room[name] == 0:
             return
-        view = memoryview(data)
+        view = memoryview(data)[: self.room[name]]
         try:
             while view:
-                view = view[os.write(fd, view) :]
+                done = os.write(fd, view)
+                self.written[name] += done
+                self.room[name] -= done
+                view = view[done:]
         except OSError:
             del self._logs[name]
 
@@ -117,12 +129,16 @@ class EarlyDrain:
         supervise loop's own drain would have (log first, then the index), and mark the
         streams that reached EOF meanwhile."""
         reads, ended = self.handover()
-        for writer in streams.writers.values():  # the crash copies: rewritten below
-            writer.discard_uncounted()
+        in_log = dict(self.written)  # the first bytes of each stream, written here already
         for name, data in reads:
             writer = streams.writers[name]
             before = writer.cursor
-            writer.append(data)
+            there = min(len(data), in_log.get(name, 0))
+            if there:
+                writer.adopt(data[:there])
+                in_log[name] -= there
+            if there < len(data):
+                writer.append(data[there:])
             if streams.index is not None and writer.cursor != before:
                 streams.index.record(name, before, writer.cursor)
         streams.open -= ended

@@ -266,7 +266,9 @@ class Launching:
 
         if pipes is None:
             pipes = {name: self.ahead.pipes[name] for name in ("stdout", "stderr")}
-        self.early = EarlyDrain(pipes, {name: self.logs[name] for name in pipes})
+        cap = os.environ.get("SETTLED_LOG_CAP")  # session.LOG_CAP_ENV, read without loading it
+        logs = {name: self.logs[name] for name in pipes}
+        self.early = EarlyDrain(pipes, logs, int(cap) if cap else None)
 
     def _open_session(self) -> OwnerSession:
         """The rest of the owner (store, logs, lease, supervision, receipt): imported here."""
