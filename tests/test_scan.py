@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import socket
 import sqlite3
+import stat
 import threading
 import time
 from pathlib import Path
 
 import pytest
 
+from settled.workspace import ignore, walk
 from settled.workspace import scan as scan_module
 from settled.workspace.hashing import DEFAULT_ALGORITHM, digest_bytes
 from settled.workspace.index import Index
@@ -20,6 +24,14 @@ from settled.workspace.objectstore import DurabilityError
 from settled.workspace.scan import ScanResult, TornRead, scan
 
 SETTLE_S = 2 * scan_module.CLOCK_SLACK_NS / 1e9
+WALKERS = (walk.NATIVE, walk.PYTHON)
+
+
+@pytest.fixture(autouse=True, params=WALKERS)
+def walker(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every test here runs over both walkers: the C one and its pure Python twin."""
+    monkeypatch.setenv("SETTLED_WALKER", request.param)
+    return str(request.param)
 
 
 def settle() -> None:
@@ -50,11 +62,12 @@ def cutoff(result: ScanResult) -> int:
     return node.trusted_before_ns
 
 
-def test_unchanged_files_are_not_read_again(tmp_path: Path) -> None:
+def test_unchanged_files_are_not_read_again(tmp_path: Path, walker: str) -> None:
     make_tree(tmp_path, files=20)
     settle()
     first = scan(tmp_path)
     second = scan(tmp_path, first.index)
+    assert first.stats.walker == second.stats.walker == walker
     assert first.stats.files_hashed == 20
     assert (second.stats.files_hashed, second.stats.bytes_read) == (0, 0)
     assert second.stats.entries_reused == 20
@@ -398,3 +411,118 @@ def test_an_unreadable_stat_cache_node_is_refused_not_trusted(tmp_path: Path) ->
     cold = Index.from_bytes(first.index.to_bytes(), cache)
     with pytest.raises(IndexMismatch, match=f"{node.ref} of 'd0'"):
         scan(workspace, cold, store, cache=cache)
+
+
+def every_kind(root: Path) -> None:
+    """A tree with every entry kind the scanner records, ignored paths and a non-ASCII name."""
+    (root / "d" / "deep" / "deeper").mkdir(parents=True)
+    (root / "empty").mkdir()
+    (root / "build").mkdir()
+    (root / "build" / "out.o").write_bytes(b"ignored")
+    (root / "x.log").write_bytes(b"ignored too")
+    (root / "keep.log").write_bytes(b"kept by negation")
+    for i in range(12):
+        (root / "d" / f"f{i}").write_bytes(b"file %d\n" % i)
+    (root / "d" / "deep" / "deeper" / "leaf").write_bytes(b"leaf")
+    (root / "d" / "empty-file").write_bytes(b"")
+    (root / "héllo wörld.txt").write_bytes(b"non-ascii name")
+    os.link(root / "d" / "f0", root / "d" / "hard-link-to-f0")
+    os.symlink("f1", root / "d" / "link-in")
+    os.symlink("/etc/passwd", root / "link-out")
+    os.symlink("missing", root / "dangling")
+    os.symlink("d", root / "dir-link")
+    os.mkfifo(root / "fifo")
+    with contextlib.closing(socket.socket(socket.AF_UNIX)) as sock:
+        sock.bind(str(root / "sock"))
+    with contextlib.suppress(PermissionError):  # a device node needs CAP_MKNOD
+        os.mknod(root / "null", 0o600 | stat.S_IFCHR, os.makedev(1, 3))
+    os.chmod(root / "d" / "f2", 0o751)
+    with open(root / "sparse", "wb") as handle:  # a hole past MIN_HOLE, data at both ends
+        handle.write(b"head")
+        handle.seek(1 << 20)
+        handle.write(b"tail")
+
+
+def comparable(result: ScanResult) -> tuple[list[Entry], dict[str, str], dict[str, object]]:
+    stats = {k: v for k, v in vars(result.stats).items() if k != "walker"}
+    return observed(result), result.trees, stats
+
+
+def test_both_walkers_give_identical_results(tmp_path: Path, walker: str) -> None:
+    """Every entry kind, racy files, ignored paths: the same index, trees and counters from the
+    C walker and its Python twin, on a first scan, a rescan and a rescan after changes."""
+    if walker != walk.NATIVE:
+        pytest.skip("compares both walkers once")
+    every_kind(tmp_path)
+    rules = ignore.compile_rules(["build/", "*.log", "!keep.log"])
+    results: dict[str, list[ScanResult]] = {walk.NATIVE: [], walk.PYTHON: []}
+
+    def both(previous: dict[str, Index | None]) -> dict[str, ScanResult]:
+        out = {}
+        for name in (walk.NATIVE, walk.PYTHON):
+            os.environ["SETTLED_WALKER"] = name
+            out[name] = scan(tmp_path, previous[name], ignore=rules)
+            assert out[name].stats.walker == name
+            results[name].append(out[name])
+        return out
+
+    first = both({walk.NATIVE: None, walk.PYTHON: None})  # everything racy: just written
+    settle()
+    second = both({name: first[name].index for name in first})  # racy ones re-read once
+    third = both({name: second[name].index for name in second})  # all vouched for
+    (tmp_path / "d" / "f3").write_bytes(b"changed\n")
+    (tmp_path / "d" / "f4").unlink()
+    (tmp_path / "d" / "new").write_bytes(b"new")
+    os.chmod(tmp_path / "d" / "f5", 0o600)
+    fourth = both({name: third[name].index for name in third})
+    for step in (first, second, third, fourth):
+        assert comparable(step[walk.NATIVE]) == comparable(step[walk.PYTHON])
+    paths = set(fourth[walk.NATIVE].index.by_path)
+    assert {"keep.log", "fifo", "sock", "dangling", "héllo wörld.txt", "d/new"} <= paths
+    assert not {"build", "build/out.o", "x.log", "d/f4"} & paths
+    assert second[walk.NATIVE].stats.files_hashed == 18  # re-read once: racy when first seen
+    assert third[walk.NATIVE].stats.files_hashed == 0
+    assert third[walk.NATIVE].stats.entries_reused == 18 + 4  # the files and the symlinks
+    assert fourth[walk.NATIVE].stats.files_hashed == 3  # f3, f5 (its mode), new
+
+
+def test_a_walker_that_cannot_be_used_is_an_error_not_a_silent_fallback(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("SETTLED_WALKER", "fast")
+    with pytest.raises(walk.WalkerUnavailable, match="SETTLED_WALKER='fast'"):
+        walk.choose()
+    monkeypatch.setattr(walk, "_native", lambda: None)  # as if the extension were not built
+    monkeypatch.setenv("SETTLED_WALKER", walk.NATIVE)
+    with pytest.raises(walk.WalkerUnavailable, match="pip install -e"):
+        walk.choose()
+    monkeypatch.delenv("SETTLED_WALKER")
+    assert walk.choose()[0] == walk.PYTHON  # the fallback, named in every scan's stats
+
+
+def test_the_c_walker_is_built(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CI installs with `pip install -e .`, which must have compiled it."""
+    monkeypatch.delenv("SETTLED_WALKER", raising=False)
+    assert walk.choose()[0] == walk.NATIVE
+
+
+def test_a_directory_listed_ahead_that_fails_is_named_when_reached(
+    tmp_path: Path, walker: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Siblings are listed together; one whose listing failed fails the scan with its own
+    path, when the walk reaches it (a mode cannot make a directory unreadable to root)."""
+    for name in ("a", "b", "c"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "f").write_bytes(name.encode())
+    name, real = walk.choose(walker)
+
+    def failing_b(jobs: list[walk.Job], workers: int) -> list[walk.Listed | OSError]:
+        listed = real(jobs, workers)
+        for i, (fd, _, _) in enumerate(jobs):
+            if os.readlink(f"/proc/self/fd/{fd}") == str(tmp_path / "b"):
+                listed[i] = PermissionError(13, "Permission denied")
+        return listed
+
+    monkeypatch.setattr(scan_module, "choose", lambda: (name, failing_b))
+    with pytest.raises(scan_module.WorkspaceUnreadable, match="'b'"):
+        scan(tmp_path)

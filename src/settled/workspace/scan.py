@@ -76,11 +76,15 @@ from settled.workspace.nodecache import NodeCache
 from settled.workspace.objectstore import CHUNK, ObjectStore
 from settled.workspace.publish import Publisher
 from settled.workspace.sparse import Extent, data_ranges, hash_zeros, may_have_holes
+from settled.workspace.walk import COARSE_FS_SLACK_NS as COARSE_FS_SLACK_NS
+from settled.workspace.walk import Job, Listed, choose, reusable
 
 CLOCK_SLACK_NS: Final = 20_000_000
-COARSE_FS_SLACK_NS: Final = 2_000_000_000
 TORN_ATTEMPTS: Final = 4
 TORN_BACKOFF_S: Final = (0.0, 0.005, 0.02, 0.05)
+
+AHEAD_BATCH: Final = 64  # subdirectories listed together, on the walker's threads
+AHEAD_FDS: Final = 256  # at most this many listed ahead (each holds its directory fd)
 
 _PROC_FD: Final = "/proc/self/fd"
 _DIR_FLAGS: Final = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -124,6 +128,7 @@ class ScanStats:
     nodes_built: int = 0  # directories whose stat-cache node changed
     objects_grouped: int = 0  # objects made durable by one group sync, not an fsync each
     sparse_files: int = 0  # files read as data extents and holes (the holes never read)
+    walker: str = ""  # which scan_dir listed the directories: "native" (C) or "python"
 
 
 @dataclass(frozen=True)
@@ -196,38 +201,21 @@ def _usable(previous: Index | None, algo: str, only: Iterable[str] | None) -> In
     return previous
 
 
-def _cached_matches(cached: Entry, st: os.stat_result, kind: str) -> bool:
-    return (
-        cached.mtime_ns == st.st_mtime_ns
-        and cached.ctime_ns == st.st_ctime_ns
-        and cached.size == st.st_size
-        and cached.ino == st.st_ino
-        and cached.dev == st.st_dev
-        and cached.mode == stat.S_IMODE(st.st_mode)
-        and cached.uid == st.st_uid  # a chown changes ctime too; the owner is in the tree
-        and cached.gid == st.st_gid
-        and cached.type == kind
-    )
-
-
-def _trusted(cached: Entry, trusted_before_ns: int) -> bool:
-    """Racy-git: a stat match proves nothing for a timestamp at or after the cache's cutoff."""
-    coarse = cached.ctime_ns % 1_000_000_000 == 0
-    cutoff = trusted_before_ns - (COARSE_FS_SLACK_NS if coarse else 0)
-    return cached.mtime_ns < cutoff and cached.ctime_ns < cutoff
-
-
 _REUSE, _RACY = 1, 2
 
 
 def _verdict(cached: Entry, st: os.stat_result, trusted_before_ns: int) -> int:
     """What the stat cache says of a file or symlink: ``_REUSE`` its entry, re-read it because
-    its timestamps are ``_RACY``, or 0 (no match: read it)."""
+    its timestamps are ``_RACY``, or 0 (no match: read it). ``walk.reusable`` is the rule."""
+    if reusable(cached, st, trusted_before_ns):
+        return _REUSE
     if (cached.digest or cached.target) is None:
         return 0
-    if not _cached_matches(cached, st, TYPES.get(stat.S_IFMT(st.st_mode), "")):
-        return 0
-    return _REUSE if _trusted(cached, trusted_before_ns) else _RACY
+    # no match, or a match too recent to trust: which one, by the same fields with no cutoff
+    return _RACY if reusable(cached, st, _NO_CUTOFF) else 0
+
+
+_NO_CUTOFF: Final = 1 << 62  # later than any timestamp: only the stat fields are compared
 
 
 def _same_link(before: os.stat_result, after: os.stat_result, target: str) -> bool:
@@ -306,6 +294,9 @@ class _Scanner:
         self.buffer = bytearray(CHUNK)
         self.view = memoryview(self.buffer)
         self.ignore = NO_RULES
+        self.stats.walker, self.scan_dirs = choose()
+        self.workers = _workers()
+        self.ahead: dict[str, tuple[int, Listed | OSError]] = {}  # listed with a sibling
 
     # -- modes ---------------------------------------------------------------------------------
 
@@ -363,8 +354,9 @@ class _Scanner:
     # -- walking -------------------------------------------------------------------------------
 
     def walk(self, top_fd: int, top: str) -> DirNode:
-        """List ``top`` and everything below it, holding one directory fd per level; returns
-        the node of ``top`` (each directory's node is built once its children are done)."""
+        """List ``top`` and everything below it, holding one directory fd per level (and the
+        fds of the siblings listed ahead); returns the node of ``top`` (each directory's node
+        is built once its children are done)."""
         first, subdirs = self.list_dir(top_fd, top)
         stack = [(first, top_fd, subdirs)]
         try:
@@ -372,10 +364,11 @@ class _Scanner:
                 current, fd, pending = stack[-1]
                 if pending:
                     name = pending.pop()
-                    sub = self.open_subdir(fd, current, name)
-                    if sub is not None:
+                    opened = self.descend(fd, current, name, pending)
+                    if opened is not None:
+                        sub, listed = opened
                         try:
-                            child, below = self.list_dir(sub, join(current.path, name))
+                            child, below = self.record(sub, join(current.path, name), listed)
                         except BaseException:
                             os.close(sub)
                             raise
@@ -394,46 +387,82 @@ class _Scanner:
             for _, fd, _ in stack:
                 if fd != top_fd:
                     os.close(fd)
+            for fd, _ in self.ahead.values():
+                os.close(fd)
+            self.ahead.clear()
+
+    def descend(
+        self, fd: int, current: _Dir, name: str, pending: list[str]
+    ) -> tuple[int, Listed | OSError] | None:
+        """The subdirectory ``name`` opened and listed (None if it is no longer one to enter).
+        It was listed ahead with its siblings, or is now, with the next of them (``pending``,
+        popped from the end): one ``scan_dirs`` call lists them on the walker's threads."""
+        child = join(current.path, name)
+        ahead = self.ahead.pop(child, None)
+        if ahead is not None:
+            return ahead
+        room = max(0, min(AHEAD_BATCH, AHEAD_FDS - len(self.ahead)) - 1)
+        names = [name, *pending[::-1][:room]]  # the next siblings, in the order they come
+        opened: list[tuple[str, int]] = []
+        try:
+            for sibling in names:
+                sub = self.open_subdir(fd, current, sibling)
+                if sub is not None:
+                    opened.append((join(current.path, sibling), sub))
+            jobs = [self.job(path, sub) for path, sub in opened]
+            listed = self.scan_dirs(jobs, self.workers) if jobs else []
+        except BaseException:
+            for _, sub in opened:
+                os.close(sub)
+            raise
+        for (path, sub), result in zip(opened, listed, strict=True):
+            self.ahead[path] = (sub, result)
+        return self.ahead.pop(child, None)
+
+    def job(self, rel: str, fd: int) -> Job:
+        previous = self.previous_node(rel)
+        if previous is None:
+            return fd, None, 0
+        return fd, previous.entries, previous.trusted_before_ns
 
     def list_dir(self, fd: int, rel: str) -> tuple[_Dir, list[str]]:
         """Record every child of the directory open at ``fd``; return it and its subdir names."""
+        (listed,) = self.scan_dirs([self.job(rel, fd)], 1)
+        return self.record(fd, rel, listed)
+
+    def record(self, fd: int, rel: str, listed: Listed | OSError) -> tuple[_Dir, list[str]]:
+        """The directory at ``rel`` from its listing: the cached entries the stat cache vouched
+        for as they were, and the rest (new, changed, racy, directories, other types) recorded
+        now, by name, in sorted order."""
         self.stats.dirs_listed += 1
-        try:
-            with os.scandir(fd) as listing:
-                names = sorted(item.name for item in listing)
-        except OSError as error:
-            raise WorkspaceUnreadable(rel, error) from error
-        previous = self.previous_node(rel)
-        current = _Dir(rel, {}, previous, listed=True)
-        cached_rows = previous.entries if previous is not None else {}
-        cutoff = previous.trusted_before_ns if previous is not None else 0
+        if isinstance(listed, OSError):
+            name = listed.filename if isinstance(listed.filename, str) else None
+            where = rel if name is None else ("" if rel == ROOT else rel + "/") + name
+            raise WorkspaceUnreadable(where, listed) from listed
+        rows, fresh = listed
+        current = _Dir(rel, rows, self.previous_node(rel), listed=True)
         prefix = "" if rel == ROOT else rel + "/"
-        rows, subdirs, reused = current.rows, [], 0
-        for name in names:  # the hot loop of every scan: one lstat, and the stat cache inline
+        ignore = self.ignore
+        if ignore.patterns:  # the rules bound to the task: a vouched-for row obeys them too
+            for name in [name for name in rows if ignore.ignores(prefix + name, False)]:
+                del rows[name]
+        self.stats.entries_reused += len(rows)
+        subdirs = []
+        fresh.sort()
+        for name, st in fresh:
             if not name.isascii():
                 try:
                     name.encode("utf-8")
                 except UnicodeEncodeError:
                     raise UnrepresentablePath(prefix + name) from None
-            st = self.lstat(fd, name, prefix + name)
-            if st is None:
-                continue  # vanished while listed
-            if self.ignore.patterns and self.ignore.ignores(
-                prefix + name, stat.S_ISDIR(st.st_mode)
-            ):
+            if ignore.patterns and ignore.ignores(prefix + name, stat.S_ISDIR(st.st_mode)):
                 continue  # left out by the task's bound rules: not recorded, never walked
-            cached = cached_rows.get(name)
-            if cached is not None and _verdict(cached, st, cutoff) == _REUSE:
-                rows[name] = cached
-                reused += 1
-                continue
             entry = self.entry(fd, name, prefix + name, st, current)
             if entry is None:
                 continue  # vanished while read
             rows[name] = entry
             if entry.type == DIR:
                 subdirs.append(name)
-        self.stats.entries_reused += reused
         self.entries_listed += len(rows)
         subdirs.reverse()  # popped from the end: walk in sorted order
         return current, subdirs
@@ -790,6 +819,14 @@ class _Scanner:
             if row is not None and row.type == DIR:
                 parent.rows[name_of(rel)] = with_node(row, node)
         raise AssertionError("the root is always rebuilt with the directories below it")
+
+
+def _workers() -> int:
+    """Threads for the walker's system calls: the CPUs this process may run on, at most 4."""
+    try:
+        return max(1, min(4, len(os.sched_getaffinity(0))))
+    except OSError:
+        return 1
 
 
 def _carried(now: Entry, known: Entry) -> Entry:
