@@ -208,3 +208,55 @@ def test_an_index_finds_every_object_and_nothing_else() -> None:
         assert all(index.find(key) == at for key, at in records.items())
         assert not any(index.find(rng.randbytes(32) + b"\x01") for _ in range(200))
         assert not any(index.find(key[:32] + b"\x02") for key in list(records)[:50])
+
+
+def test_rereads_read_a_pack_once_and_stamp_nothing_if_it_changed_meanwhile(
+    store: LocalObjectStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    data = payloads(30)
+    digests = packed(store, data)
+    loose = store.put_bytes(b"a file of its own")
+    opened: list[str] = []
+    real_open = os.open
+
+    def counting_open(path: str, flags: int, *args: int, **kwargs: int) -> int:
+        opened.append(os.path.basename(str(path)))
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(packs_module.os, "open", counting_open)
+    got = store.rereads([*digests, loose])
+    assert [g.actual for g in got if not isinstance(g, Exception)] == [*digests, loose]
+    assert all(
+        not isinstance(g, Exception) and g.stamp == store.stamp(d)
+        for g, d in zip(got, [*digests, loose], strict=True)
+    )
+    assert len([name for name in opened if name.endswith(".pack")]) == 1
+    monkeypatch.undo()
+    real_read_at = packs_module.read_at
+    pack = pack_file(store, ".pack")
+
+    def read_then_touch(fd: int, offset: int, size: int) -> bytes:
+        got = real_read_at(fd, offset, size)
+        pack.chmod(0o400)  # the pack changes (its ctime) while the batch reads it
+        return got
+
+    monkeypatch.setattr(packs_module, "read_at", read_then_touch)
+    changed = store.rereads(digests[:3])
+    assert all(
+        not isinstance(g, Exception) and g.actual == d and g.stamp is None
+        for g, d in zip(changed, digests, strict=False)
+    )
+
+
+def test_rereads_name_a_damaged_and_a_dropped_packed_object(store: LocalObjectStore) -> None:
+    data = payloads(6)
+    digests = packed(store, data)
+    rewrite_at(pack_file(store, ".pack"), 0, b"Z")  # the first object's first byte
+    store.quarantine(digests[1])  # its bytes are fine, but its name is taken away
+    got = store.rereads(digests)
+    assert not isinstance(got[0], Exception) and got[0].actual != digests[0]
+    assert isinstance(got[1], ObjectMissing)
+    assert all(
+        not isinstance(g, Exception) and g.actual == d
+        for g, d in zip(got[2:], digests[2:], strict=True)
+    )

@@ -176,8 +176,12 @@ def test_a_directory_replaced_by_a_symlink_mid_walk_is_never_entered(
     assert result.stats.bytes_read == 0
 
 
-def _append_during_first_reads(monkeypatch: pytest.MonkeyPatch, path: Path, times: int) -> None:
-    """Append to ``path`` just before the scanner's next ``times`` reads of it."""
+def _append_during_first_reads(
+    monkeypatch: pytest.MonkeyPatch, path: Path, times: int, reads: str
+) -> None:
+    """Append to ``path`` during the scanner's next ``times`` reads of it: the walker's
+    read-ahead of small files (``reads="ahead"``: its second fstat sees the append), then
+    each of its slow reads (``os.readv``). ``reads="slow"`` turns the read-ahead off."""
     real_readv = os.readv
     target = os.stat(path).st_ino
     left = [times]
@@ -190,15 +194,34 @@ def _append_during_first_reads(monkeypatch: pytest.MonkeyPatch, path: Path, time
         return real_readv(fd, buffers)
 
     monkeypatch.setattr(os, "readv", readv)
+    if reads == "slow":
+        monkeypatch.setattr(scan_module, "READ_SMALL", -1)
+        return
+    real = walk.choose()
+
+    def read_files(
+        dir_fd: int, names: list[str], limit: int, workers: int
+    ) -> list[walk.Read | None]:
+        got = real.read_files(dir_fd, names, limit, workers)
+        for i, read in enumerate(got):
+            if read is not None and read[0].st_ino == target and left[0]:
+                left[0] -= 1
+                with open(path, "ab") as handle:
+                    handle.write(b"+more")
+                got[i] = (read[0], read[1], os.stat(path))  # as if it landed mid-read
+        return got
+
+    monkeypatch.setattr(scan_module, "choose", lambda: real._replace(read_files=read_files))
 
 
+@pytest.mark.parametrize("reads", ["ahead", "slow"])
 def test_a_file_appended_to_during_the_read_is_reread_never_torn(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, reads: str
 ) -> None:
     path = tmp_path / "log"
     path.write_bytes(b"start")
     store = LocalObjectStore(tmp_path.parent / f"{tmp_path.name}-objects")
-    _append_during_first_reads(monkeypatch, path, times=1)
+    _append_during_first_reads(monkeypatch, path, times=1, reads=reads)
     result = scan(tmp_path, store=store)
     final = digest_bytes(DEFAULT_ALGORITHM, b"start+more")
     assert entry(result, "log").digest == final and entry(result, "log").size == 10
@@ -206,12 +229,13 @@ def test_a_file_appended_to_during_the_read_is_reread_never_torn(
     assert store.has(final) and os.listdir(store.temp_dir) == []
 
 
+@pytest.mark.parametrize("reads", ["ahead", "slow"])
 def test_a_file_that_keeps_changing_fails_the_scan_with_torn_read(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, reads: str
 ) -> None:
     path = tmp_path / "busy"
     path.write_bytes(b"start")
-    _append_during_first_reads(monkeypatch, path, times=100)
+    _append_during_first_reads(monkeypatch, path, times=100, reads=reads)
     with pytest.raises(TornRead, match="'busy'"):
         scan(tmp_path)
 
@@ -455,26 +479,26 @@ def test_both_walkers_give_identical_results(tmp_path: Path, walker: str) -> Non
         pytest.skip("compares both walkers once")
     every_kind(tmp_path)
     rules = ignore.compile_rules(["build/", "*.log", "!keep.log"])
-    results: dict[str, list[ScanResult]] = {walk.NATIVE: [], walk.PYTHON: []}
 
-    def both(previous: dict[str, Index | None]) -> dict[str, ScanResult]:
+    def both(previous: Index | None) -> dict[str, ScanResult]:
+        """Each walker from the same previous index: the stat cache's decisions (racy or not)
+        depend on that index's cutoff only, never on when each scan ran."""
         out = {}
         for name in (walk.NATIVE, walk.PYTHON):
             os.environ["SETTLED_WALKER"] = name
-            out[name] = scan(tmp_path, previous[name], ignore=rules)
+            out[name] = scan(tmp_path, previous, ignore=rules)
             assert out[name].stats.walker == name
-            results[name].append(out[name])
         return out
 
-    first = both({walk.NATIVE: None, walk.PYTHON: None})  # everything racy: just written
+    first = both(None)
     settle()
-    second = both({name: first[name].index for name in first})  # racy ones re-read once
-    third = both({name: second[name].index for name in second})  # all vouched for
+    second = both(first[walk.NATIVE].index)  # everything racy in the first: re-read once
+    third = both(second[walk.NATIVE].index)  # all vouched for
     (tmp_path / "d" / "f3").write_bytes(b"changed\n")
     (tmp_path / "d" / "f4").unlink()
     (tmp_path / "d" / "new").write_bytes(b"new")
     os.chmod(tmp_path / "d" / "f5", 0o600)
-    fourth = both({name: third[name].index for name in third})
+    fourth = both(third[walk.NATIVE].index)
     for step in (first, second, third, fourth):
         assert comparable(step[walk.NATIVE]) == comparable(step[walk.PYTHON])
     paths = set(fourth[walk.NATIVE].index.by_path)
@@ -497,13 +521,13 @@ def test_a_walker_that_cannot_be_used_is_an_error_not_a_silent_fallback(
     with pytest.raises(walk.WalkerUnavailable, match="pip install -e"):
         walk.choose()
     monkeypatch.delenv("SETTLED_WALKER")
-    assert walk.choose()[0] == walk.PYTHON  # the fallback, named in every scan's stats
+    assert walk.choose().name == walk.PYTHON  # the fallback, named in every scan's stats
 
 
 def test_the_c_walker_is_built(monkeypatch: pytest.MonkeyPatch) -> None:
     """CI installs with `pip install -e .`, which must have compiled it."""
     monkeypatch.delenv("SETTLED_WALKER", raising=False)
-    assert walk.choose()[0] == walk.NATIVE
+    assert walk.choose().name == walk.NATIVE
 
 
 def test_a_directory_listed_ahead_that_fails_is_named_when_reached(
@@ -514,15 +538,35 @@ def test_a_directory_listed_ahead_that_fails_is_named_when_reached(
     for name in ("a", "b", "c"):
         (tmp_path / name).mkdir()
         (tmp_path / name / "f").write_bytes(name.encode())
-    name, real = walk.choose(walker)
+    real = walk.choose(walker)
 
     def failing_b(jobs: list[walk.Job], workers: int) -> list[walk.Listed | OSError]:
-        listed = real(jobs, workers)
+        listed = real.scan_dirs(jobs, workers)
         for i, (fd, _, _) in enumerate(jobs):
             if os.readlink(f"/proc/self/fd/{fd}") == str(tmp_path / "b"):
                 listed[i] = PermissionError(13, "Permission denied")
         return listed
 
-    monkeypatch.setattr(scan_module, "choose", lambda: (name, failing_b))
+    monkeypatch.setattr(scan_module, "choose", lambda: real._replace(scan_dirs=failing_b))
     with pytest.raises(scan_module.WorkspaceUnreadable, match="'b'"):
         scan(tmp_path)
+
+
+def test_a_file_swapped_for_a_fifo_after_the_listing_is_never_opened(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, walker: str
+) -> None:
+    """The walker reads small files after listing them: one replaced by a FIFO in between is
+    recorded as the FIFO it now is (opening it for reading would block the scan forever)."""
+    (tmp_path / "f").write_bytes(b"a file when listed")
+    real = walk.choose(walker)
+
+    def swap_after_listing(jobs: list[walk.Job], workers: int) -> list[walk.Listed | OSError]:
+        listed = real.scan_dirs(jobs, workers)
+        if (tmp_path / "f").is_file():
+            (tmp_path / "f").unlink()
+            os.mkfifo(tmp_path / "f")
+        return listed
+
+    monkeypatch.setattr(scan_module, "choose", lambda: real._replace(scan_dirs=swap_after_listing))
+    result = scan(tmp_path, store=LocalObjectStore(tmp_path.parent / f"{tmp_path.name}-o"))
+    assert entry(result, "f").type == "fifo" and result.stats.files_hashed == 0

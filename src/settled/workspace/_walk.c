@@ -22,6 +22,7 @@
 #include <fcntl.h>
 #include <pthread.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
@@ -297,42 +298,46 @@ fail:
     return NULL;
 }
 
+/* A few threads taking the items of one call in turn (the caller's thread is one of them). */
+typedef struct {
+    void (*run)(void *context, size_t i);
+    void *context;
+    size_t count;
+    size_t next; /* taken with __atomic_fetch_add by each worker */
+} pool_t;
+
+static void *pool_work(void *arg) {
+    pool_t *pool = arg;
+    for (;;) {
+        size_t i = __atomic_fetch_add(&pool->next, 1, __ATOMIC_RELAXED);
+        if (i >= pool->count) break;
+        pool->run(pool->context, i);
+    }
+    return NULL;
+}
+
+/* Without the GIL. A thread that cannot be started leaves its share to the others. */
+static void run_pool(pool_t *pool, int workers) {
+    pthread_t threads[MAX_WORKERS];
+    int started = 0;
+    if (workers > MAX_WORKERS) workers = MAX_WORKERS;
+    if ((size_t)workers > pool->count) workers = (int)pool->count;
+    for (int i = 1; i < workers; i++) {
+        if (pthread_create(&threads[started], NULL, pool_work, pool) == 0) started++;
+    }
+    pool_work(pool);
+    for (int i = 0; i < started; i++) pthread_join(threads[i], NULL);
+}
+
 typedef struct {
     int fd;
     int nomem;
     listing_t listing;
 } job_t;
 
-typedef struct {
-    job_t *jobs;
-    size_t count;
-    size_t next; /* taken with __atomic_fetch_add by each worker */
-} batch_t;
-
-/* Without the GIL: list and lstat the batch's directories, one at a time per worker. */
-static void *work(void *arg) {
-    batch_t *batch = arg;
-    for (;;) {
-        size_t i = __atomic_fetch_add(&batch->next, 1, __ATOMIC_RELAXED);
-        if (i >= batch->count) break;
-        job_t *job = &batch->jobs[i];
-        job->nomem = list_and_stat(job->fd, &job->listing);
-    }
-    return NULL;
-}
-
-/* Run the batch on `workers` threads, the caller's included (a thread that cannot be started
- * leaves its share to the others). */
-static void run_batch(batch_t *batch, int workers) {
-    pthread_t threads[MAX_WORKERS];
-    int started = 0;
-    if (workers > MAX_WORKERS) workers = MAX_WORKERS;
-    if ((size_t)workers > batch->count) workers = (int)batch->count;
-    for (int i = 1; i < workers; i++) {
-        if (pthread_create(&threads[started], NULL, work, batch) == 0) started++;
-    }
-    work(batch);
-    for (int i = 0; i < started; i++) pthread_join(threads[i], NULL);
+static void list_job(void *context, size_t i) {
+    job_t *job = &((job_t *)context)[i];
+    job->nomem = list_and_stat(job->fd, &job->listing);
 }
 
 PyDoc_STRVAR(scan_dirs_doc,
@@ -367,9 +372,9 @@ static PyObject *scan_dirs(PyObject *self, PyObject *args) {
             goto done;
         }
     }
-    batch_t batch = {jobs, (size_t)count, 0};
+    pool_t pool = {list_job, jobs, (size_t)count, 0};
     Py_BEGIN_ALLOW_THREADS
-    run_batch(&batch, workers < 1 ? 1 : workers);
+    run_pool(&pool, workers < 1 ? 1 : workers);
     Py_END_ALLOW_THREADS
     results = PyList_New(count);
     if (results == NULL) goto done;
@@ -405,8 +410,133 @@ done:
     return results;
 }
 
+/* -- reading small regular files ------------------------------------------------------------ */
+
+typedef struct {
+    int dir_fd;
+    int proc_fd; /* /proc/self/fd, open: a reopen is one lookup in it, not a path walk */
+    long long limit;
+    const char *name;
+    int ok;
+    struct stat before, after;
+    char *data;
+    size_t length;
+} read_t;
+
+/* Without the GIL: open the name without following (O_PATH), and only if fstat says it is a
+ * regular file of at most `limit` bytes, reopen it for reading through /proc/self/fd, read it
+ * (one byte past its size, to see growth), fstat it again. Anything else: ok = 0. */
+static void read_job(void *context, size_t i) {
+    read_t *r = &((read_t *)context)[i];
+    r->ok = 0;
+    int path_fd = openat(r->dir_fd, r->name, O_PATH | O_NOFOLLOW | O_CLOEXEC);
+    if (path_fd < 0) return;
+    if (fstat(path_fd, &r->before) != 0 || !S_ISREG(r->before.st_mode) ||
+        r->before.st_size > r->limit) {
+        close(path_fd);
+        return;
+    }
+    char number[32];
+    snprintf(number, sizeof number, "%d", path_fd);
+    int fd = openat(r->proc_fd, number, O_RDONLY | O_CLOEXEC);
+    close(path_fd);
+    if (fd < 0) return;
+    size_t room = (size_t)r->before.st_size + 1;
+    r->data = malloc(room);
+    size_t got = 0;
+    while (r->data != NULL && got < room) {
+        ssize_t n = read(fd, r->data + got, room - got);
+        if (n < 0 && errno == EINTR) continue;
+        if (n < 0) {
+            got = (size_t)-1;
+            break;
+        }
+        if (n == 0) break;
+        got += (size_t)n;
+    }
+    if (r->data != NULL && got != (size_t)-1 && fstat(fd, &r->after) == 0) {
+        r->length = got;
+        r->ok = 1;
+    }
+    close(fd);
+}
+
+PyDoc_STRVAR(read_files_doc,
+"read_files(dir_fd, names, limit, workers) -> list\n\n"
+"Read each named regular file of at most `limit` bytes in the directory open at dir_fd, on\n"
+"up to `workers` threads without the GIL: opened without following (O_PATH), checked with\n"
+"fstat, reopened through /proc/self/fd, read up to one byte past its size, fstat again.\n"
+"Each result is (before, data, after) (two os.stat_result and the bytes read), or None for\n"
+"anything else (gone, not a regular file, larger, unreadable): the caller reads those itself.");
+
+static PyObject *read_files(PyObject *self, PyObject *args) {
+    (void)self;
+    int dir_fd, workers;
+    long long limit;
+    PyObject *names;
+    if (!PyArg_ParseTuple(args, "iO!Li", &dir_fd, &PyList_Type, &names, &limit, &workers))
+        return NULL;
+    Py_ssize_t count = PyList_GET_SIZE(names);
+    read_t *reads = calloc(count ? (size_t)count : 1, sizeof(read_t));
+    PyObject **encoded = calloc(count ? (size_t)count : 1, sizeof(PyObject *));
+    PyObject *results = NULL;
+    int proc_fd = -1;
+    if (reads == NULL || encoded == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    proc_fd = open("/proc/self/fd", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (proc_fd < 0) {
+        PyErr_SetFromErrnoWithFilename(PyExc_OSError, "/proc/self/fd");
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < count; i++) {
+        encoded[i] = PyUnicode_EncodeFSDefault(PyList_GET_ITEM(names, i));
+        if (encoded[i] == NULL) goto done;
+        reads[i].dir_fd = dir_fd;
+        reads[i].proc_fd = proc_fd;
+        reads[i].limit = limit;
+        reads[i].name = PyBytes_AS_STRING(encoded[i]);
+    }
+    pool_t pool = {read_job, reads, (size_t)count, 0};
+    Py_BEGIN_ALLOW_THREADS
+    run_pool(&pool, workers < 1 ? 1 : workers);
+    Py_END_ALLOW_THREADS
+    results = PyList_New(count);
+    if (results == NULL) goto done;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        PyObject *result;
+        if (!reads[i].ok) {
+            result = Py_NewRef(Py_None);
+        } else {
+            PyObject *before = stat_result_of(&reads[i].before);
+            PyObject *data = PyBytes_FromStringAndSize(reads[i].data, (Py_ssize_t)reads[i].length);
+            PyObject *after = stat_result_of(&reads[i].after);
+            result = before && data && after ? PyTuple_Pack(3, before, data, after) : NULL;
+            Py_XDECREF(before);
+            Py_XDECREF(data);
+            Py_XDECREF(after);
+            if (result == NULL) {
+                Py_CLEAR(results);
+                goto done;
+            }
+        }
+        PyList_SET_ITEM(results, i, result);
+    }
+done:
+    if (proc_fd >= 0) close(proc_fd);
+    for (Py_ssize_t i = 0; reads != NULL && encoded != NULL && i < count; i++) {
+        free(reads[i].data);
+        Py_XDECREF(encoded[i]);
+    }
+    free(reads);
+    free(encoded);
+    return results;
+}
+
 static PyMethodDef methods[] = {
     {"scan_dirs", scan_dirs, METH_VARARGS, scan_dirs_doc},
+    {"read_files", read_files, METH_VARARGS, read_files_doc},
     {NULL, NULL, 0, NULL},
 };
 

@@ -64,20 +64,14 @@ from settled.workspace.objectstore import (
     StoredObject,
     VersionMissing,
 )
-from settled.workspace.packs import (
-    PackIndex,
-    Packs,
-    PackWriter,
-    identity_of,
-    key_of,
-    read_at,
-)
+from settled.workspace.packs import Found, Packs, PackState, PackWriter, key_from
 
 OBJECT_MODE: Final = 0o400
 DIR_MODE: Final = 0o700
 TEMP_DIR: Final = "tmp"
 QUARANTINE_DIR: Final = "quarantine"
 _REREAD_FLAGS: Final = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+_OPEN_FLAGS: Final = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 class StoreUnusable(SettledError):
@@ -127,14 +121,6 @@ def _stamp_of(st: os.stat_result) -> Stamp:
     return Stamp(st.st_ctime_ns, st.st_ino, st.st_mtime_ns, st.st_size, st.st_dev)
 
 
-def _packed_stamp(index: PackIndex, pack: os.stat_result, size: int) -> Stamp:
-    """A packed object's copy: its pack's ctime and inode, and its index's ctime, each of which
-    any change (a write, a chmod, a replaced index: the quarantine's) moves on, and which the
-    verified-object record's racy rule checks like a file's ctime and mtime. Not a maximum of
-    the two: two files can get the very same timestamp from the kernel's coarse clock."""
-    return Stamp(pack.st_ctime_ns, pack.st_ino, index.identity[4], size, pack.st_dev)
-
-
 def _names_in(directory: str) -> list[str]:
     try:
         return sorted(os.listdir(directory))
@@ -170,6 +156,7 @@ class _Group:
         self.pack: PackWriter | None = None
         self.synced = False
         self.packs_present: set[str] = set()  # packs seen on disk during this group
+        self.fanouts: dict[str, set[str]] = {}  # algo -> its fan-out directories, listed once
         self.lock = threading.Lock()
 
     def add(self, key: bytes, data: Buffer) -> bool:
@@ -225,8 +212,8 @@ class LocalObjectStore:
     # -- naming --------------------------------------------------------------------------------
 
     def path_of(self, digest: str) -> str:
-        algo, hexdigest = parse_digest(digest)  # a concatenation: os.path.join cost 6 us here
-        return f"{self._prefix}{algo}/{hexdigest[:2]}/{hexdigest[2:]}"
+        """Where ``digest`` is (or would be) as a file of its own; a packed one is not there."""
+        return self._file(*parse_digest(digest))  # a concatenation: os.path.join cost 6 us
 
     # -- writing -------------------------------------------------------------------------------
 
@@ -297,63 +284,53 @@ class LocalObjectStore:
         groups = self._staging.groups
         return groups[-1] if groups else None
 
-    def _present(self, digest: str, key: bytes, group: _Group) -> bool:
-        """Whether a staged object is already stored (dedupe): as a file, or in a pack this
-        store knows of (the packs directory is not listed again for each object: a copy
-        another process packed meanwhile is at worst stored twice)."""
-        try:
-            if stat.S_ISREG(os.lstat(self.path_of(digest)).st_mode):
-                return True
-        except FileNotFoundError:
-            pass
-        found = self.packs.locate(key, refresh=False)
-        if found is None:
+    def _present(self, algo: str, hexdigest: str, key: bytes, group: _Group) -> bool:
+        """Whether a staged object is already stored (dedupe): in a pack this store knows of,
+        or as a file (looked for only under the fan-out directories there were when the group
+        began: a copy another process adds meanwhile is at worst stored twice)."""
+        if self.packs.present(key, group.packs_present):
+            return True
+        fanouts = group.fanouts.get(algo)
+        if fanouts is None:
+            fanouts = group.fanouts[algo] = set(_names_in(os.path.join(self.root, algo)))
+        if hexdigest[:2] not in fanouts:
             return False
-        name = found[0].name
-        if name not in group.packs_present:
-            try:
-                if not stat.S_ISREG(os.lstat(self.packs.pack_path(name)).st_mode):
-                    return False
-            except FileNotFoundError:
-                return False
-            group.packs_present.add(name)
-        return True
+        try:
+            return stat.S_ISREG(os.lstat(self._file(algo, hexdigest)).st_mode)
+        except FileNotFoundError:
+            return False
 
     def quarantine(self, digest: str) -> str | None:
         """Move whatever holds ``digest``'s name out of it, into ``<root>/quarantine/`` (kept as
         evidence, never deleted), so the next write of those bytes can link the right ones.
         Returns where it went, or None if nothing held the name. Only for an object found not
         to hash to its name (or not a regular file): the caller has just re-hashed it. A packed
-        object's bytes are copied there, then its pack's index is replaced by one without it."""
-        source = self.path_of(digest)
-        algo, hexdigest = parse_digest(digest)
+        object (the copy a read finds first) has its bytes copied there, then its pack's index
+        replaced by one without it."""
+        algo, hexdigest, key = self._parse(digest)
         quarantine = os.path.join(self.root, QUARANTINE_DIR)
         self._ensure_dir(quarantine)
         target = os.path.join(
             quarantine, f"{algo}-{hexdigest}.{time.time_ns()}.{secrets.token_hex(4)}"
         )
+        if self.packs.where(key) is not None:
+            moved = self._quarantine_packed(key, target)
+            if moved is not None:
+                return moved
+        source = self._file(algo, hexdigest)
         try:
             os.rename(source, target)  # same filesystem; the new name is fresh, never replaced
         except FileNotFoundError:
-            return self._quarantine_packed(digest, target)
+            return self._quarantine_packed(key, target)
         _fsync_dir(quarantine)
         _fsync_dir(os.path.dirname(source))
         return target
 
-    def _quarantine_packed(self, digest: str, target: str) -> str | None:
-        key = key_of(digest)
-        found = self.packs.locate(key)
+    def _quarantine_packed(self, key: bytes, target: str) -> str | None:
+        found = self.packs.evidence(key)
         if found is None:
             return None
-        index, offset, size = found
-        try:
-            fd = os.open(self.packs.pack_path(index.name), _REREAD_FLAGS)
-            try:
-                evidence = read_at(fd, offset, size)
-            finally:
-                os.close(fd)
-        except OSError as error:
-            evidence = f"the pack could not be read: {error}".encode()
+        index, evidence = found
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
         fd = os.open(target, flags, OBJECT_MODE)
         try:
@@ -366,25 +343,42 @@ class LocalObjectStore:
         return target
 
     # -- reading -------------------------------------------------------------------------------
+    # A digest is looked for in the packs this process knows of (no system call), then as a
+    # file, then in packs other processes wrote since this one last listed them.
+
+    def _parse(self, digest: str) -> tuple[str, str, bytes]:
+        algo, hexdigest = parse_digest(digest)
+        return algo, hexdigest, key_from(algo, hexdigest)
+
+    def _file(self, algo: str, hexdigest: str) -> str:
+        return f"{self._prefix}{algo}/{hexdigest[:2]}/{hexdigest[2:]}"
 
     def has(self, digest: str) -> bool:
+        algo, hexdigest, key = self._parse(digest)
+        found = self.packs.where(key)
+        if found is not None and self.packs.state(key, {}, found) is not None:
+            return True
         try:
-            return stat.S_ISREG(os.lstat(self.path_of(digest)).st_mode)
+            return stat.S_ISREG(os.lstat(self._file(algo, hexdigest)).st_mode)
         except FileNotFoundError:
-            return self._packed_state(digest, {}) is not None
+            return self.packs.state(key, {}) is not None
 
     def open(self, digest: str, version: str | None = None) -> BinaryIO:
         """The object's bytes; its only version is its digest (``VersionMissing`` otherwise)."""
-        path = self.path_of(digest)
+        algo, hexdigest, key = self._parse(digest)
         if version is not None and version != digest:
             raise VersionMissing(digest, version)
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except FileNotFoundError:
-            got = self._reread_packed(digest, keep=True)
-            assert got.data is not None
-            return io.BytesIO(got.data)
-        return os.fdopen(fd, "rb")
+        if self.packs.where(key) is None:
+            try:
+                fd = os.open(
+                    self._file(algo, hexdigest), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+                )
+                return os.fdopen(fd, "rb")
+            except FileNotFoundError:
+                pass
+        got = self.packs.reread(digest, algo, key, keep=True)  # ObjectMissing if none has it
+        assert got.data is not None
+        return io.BytesIO(got.data)
 
     def read(self, digest: str, version: str | None = None) -> bytes:
         with self.open(digest, version) as handle:
@@ -394,67 +388,50 @@ class LocalObjectStore:
         """One ``lstat`` each, in order (~12 us an object: nothing to overlap); a packed
         object's pack and index are looked at once per call."""
         results: list[Stamp | Exception] = []
-        packs: dict[str, tuple[PackIndex, os.stat_result] | None] = {}
+        seen: dict[str, PackState | None] = {}
         for digest in digests:
             try:
-                results.append(self._stamp(digest, packs))
+                results.append(self._stamp(digest, seen))
             except (OSError, SettledError) as error:
                 results.append(error)
         return results
 
     def stamp(self, digest: str) -> Stamp:
         """The ``lstat`` identity of the object file (the read-back's hot loop: one syscall);
-        for a packed object, of its pack and its index together."""
+        for a packed object, of its pack and its index (``packs.stamp_of``)."""
         return self._stamp(digest, {})
 
-    def _stamp(
-        self, digest: str, packs: dict[str, tuple[PackIndex, os.stat_result] | None]
-    ) -> Stamp:
+    def _stamp(self, digest: str, seen: dict[str, PackState | None]) -> Stamp:
+        algo, hexdigest, key = self._parse(digest)
+        found = self.packs.where(key)
+        if found is not None:
+            packed = self.packs.stamp(key, seen, found)
+            if packed is not None:
+                return packed
         try:
-            st = os.lstat(self.path_of(digest))
+            st = os.lstat(self._file(algo, hexdigest))
         except FileNotFoundError:
-            state = self._packed_state(digest, packs)
-            if state is None:
+            packed = self.packs.stamp(key, seen)
+            if packed is None:
                 raise ObjectMissing(digest) from None
-            index, pack, _, size = state
-            return _packed_stamp(index, pack, size)
+            return packed
         if not stat.S_ISREG(st.st_mode):
             raise ObjectUnreadable(digest, "not a regular file")
         return _stamp_of(st)
 
-    def _packed_state(
-        self, digest: str, packs: dict[str, tuple[PackIndex, os.stat_result] | None]
-    ) -> tuple[PackIndex, os.stat_result, int, int] | None:
-        """The pack holding ``digest`` as it is now (its index re-read if it was replaced), the
-        pack's lstat, and the object's offset and size; None if no pack on disk names it."""
-        key = key_of(digest)
-        found = self.packs.locate(key)
-        if found is None:
-            return None
-        name = found[0].name
-        if name not in packs:
-            packs[name] = None
-            index = self.packs.current(found[0])
-            with contextlib.suppress(FileNotFoundError):
-                pack = os.lstat(self.packs.pack_path(name))
-                if index is not None and stat.S_ISREG(pack.st_mode):
-                    packs[name] = (index, pack)
-        state = packs[name]
-        if state is None:
-            return None
-        at = state[0].find(key)
-        return None if at is None else (state[0], state[1], at[0], at[1])
-
     def reread(self, digest: str, *, keep: bool = False) -> Reread:
         """Open without following, fstat before and after, hash every byte: the copy's stamp
         is returned only if the two fstats agree (nothing changed it while it was read)."""
-        algo = parse_digest(digest)[0]
-        path = self.path_of(digest)
+        algo, hexdigest, key = self._parse(digest)
+        found = self.packs.where(key)
+        if found is not None:
+            with contextlib.suppress(ObjectMissing):  # gone from its pack: a file, maybe
+                return self.packs.reread(digest, algo, key, keep=keep, found=found)
         started = time.time_ns()
         try:
-            fd = os.open(path, _REREAD_FLAGS)
+            fd = os.open(self._file(algo, hexdigest), _REREAD_FLAGS)
         except FileNotFoundError:
-            return self._reread_packed(digest, keep=keep)
+            return self.packs.reread(digest, algo, key, keep=keep)  # ObjectMissing if not
         except OSError as error:  # ELOOP: a symlink holds the name
             raise ObjectUnreadable(digest, f"cannot open: {error.strerror}") from None
         try:
@@ -480,36 +457,35 @@ class LocalObjectStore:
         actual = format_digest(algo, hasher.hexdigest())
         return Reread(actual, size, data, stamp if unchanged else None, started)
 
-    def _reread_packed(self, digest: str, *, keep: bool) -> Reread:
-        """``reread`` of a packed object: its bytes from its pack, between two fstats of it."""
-        algo = parse_digest(digest)[0]
-        started = time.time_ns()
-        state = self._packed_state(digest, {})
-        if state is None:
-            raise ObjectMissing(digest)
-        index, _, offset, size = state
+    def rereads(self, digests: Sequence[str]) -> list[Reread | Exception]:
+        """``reread`` of each, in order; the packed ones a pack at a time (one open and one
+        pair of fstats of the pack for all of its objects asked for), the others one by one."""
+        results: list[Reread | Exception | None] = [None] * len(digests)
+        by_pack: dict[str, list[tuple[int, str, str, bytes, Found]]] = {}
+        for i, digest in enumerate(digests):
+            try:
+                algo, _, key = self._parse(digest)
+            except SettledError as error:
+                results[i] = error
+                continue
+            found = self.packs.where(key)
+            if found is None:
+                results[i] = self._reread_or_error(digest)
+            else:
+                by_pack.setdefault(found[0].name, []).append((i, digest, algo, key, found))
+        for items in by_pack.values():
+            for (i, digest, *_), got in zip(items, self.packs.rereads(items), strict=True):
+                missing = isinstance(got, ObjectMissing)  # gone from its pack: a file, maybe
+                results[i] = self._reread_or_error(digest) if missing else got
+        done = [result for result in results if result is not None]
+        assert len(done) == len(digests), "every digest has its result"
+        return done
+
+    def _reread_or_error(self, digest: str) -> Reread | Exception:
         try:
-            fd = os.open(self.packs.pack_path(index.name), _REREAD_FLAGS)
-        except FileNotFoundError:
-            raise ObjectMissing(digest) from None
-        except OSError as error:
-            raise ObjectUnreadable(digest, f"cannot open its pack: {error.strerror}") from None
-        try:
-            before = os.fstat(fd)
-            if not stat.S_ISREG(before.st_mode):
-                raise ObjectUnreadable(digest, "its pack is not a regular file")
-            data = read_at(fd, offset, size)
-            after = os.fstat(fd)
-        except OSError as error:
-            raise ObjectUnreadable(digest, f"cannot read its pack: {error.strerror}") from None
-        finally:
-            os.close(fd)
-        hasher = new_hasher(algo, size_hint=len(data))
-        hasher.update(data)
-        unchanged = identity_of(before) == identity_of(after)
-        stamp = _packed_stamp(index, after, size) if unchanged else None
-        actual = format_digest(algo, hasher.hexdigest())
-        return Reread(actual, len(data), data if keep else None, stamp, started)
+            return self.reread(digest)
+        except SettledError as error:  # what reread says of the object; OSError propagates
+            return error
 
     def verify(self, digest: str) -> bool:
         """Re-hash the stored bytes; False if they do not match ``digest`` or it is missing."""
@@ -637,9 +613,10 @@ class _LocalWriter:
         if self._done:
             raise ValueError("commit() or stage() after commit(), stage() or abort()")
         digest = self.digest()
+        hexdigest = digest[len(self._algo) + 1 :]
         try:
-            key = key_of(digest)
-            if self._store._present(digest, key, group):
+            key = key_from(self._algo, hexdigest)
+            if self._store._present(self._algo, hexdigest, key, group):
                 return _PackedStaged(digest, self._size, created=False)
             return _PackedStaged(digest, self._size, created=group.add(key, self._pending))
         finally:

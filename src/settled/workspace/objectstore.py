@@ -291,6 +291,12 @@ class ObjectStore(Protocol):
         (never following a link, never opening anything but an object)."""
         ...
 
+    def rereads(self, digests: Sequence[str]) -> list[Reread | Exception]:
+        """``reread`` (without keeping the bytes) of each digest, in order: a Reread, or the
+        error its ``reread`` raised. One call for a read-back's objects: a local store reads
+        each pack's objects between one pair of fstats of it, a remote one overlaps its GETs."""
+        ...
+
     def verify(self, digest: str) -> bool:
         """Re-hash the stored bytes; False if they do not match ``digest`` or it is missing."""
         ...

@@ -39,6 +39,7 @@ import secrets
 import stat
 import struct
 import threading
+import time
 from array import array
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -47,8 +48,15 @@ from typing import Final
 import blake3
 
 from settled.errors import SettledError
-from settled.workspace.hashing import ALGORITHMS, format_digest, parse_digest
-from settled.workspace.objectstore import CHUNK, DurabilityError
+from settled.workspace.hashing import ALGORITHMS, format_digest, new_hasher, parse_digest
+from settled.workspace.objectstore import (
+    CHUNK,
+    DurabilityError,
+    ObjectMissing,
+    ObjectUnreadable,
+    Reread,
+    Stamp,
+)
 
 PACKS_DIR: Final = "packs"
 MAGIC: Final = b"STLPIDX1"
@@ -58,6 +66,7 @@ _KEY: Final = 33  # the digest's 32 bytes, then its algorithm's number
 _TRAILER: Final = 32
 _ALGO_BYTE: Final = {algo: number for number, algo in enumerate(ALGORITHMS, start=1)}
 _ALGO_OF: Final = {number: algo for algo, number in _ALGO_BYTE.items()}
+_ALGO_BYTES: Final = {algo: bytes((number,)) for algo, number in _ALGO_BYTE.items()}
 _OPEN_FLAGS: Final = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 _WRITE_FLAGS: Final = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 
@@ -68,8 +77,11 @@ class PackUnusable(SettledError):
 
 def key_of(digest: str) -> bytes:
     """The index key of a digest (``hashing.BadDigest`` if it is not one)."""
-    algo, hexdigest = parse_digest(digest)
-    return bytes.fromhex(hexdigest) + bytes((_ALGO_BYTE[algo],))
+    return key_from(*parse_digest(digest))
+
+
+def key_from(algo: str, hexdigest: str) -> bytes:
+    return bytes.fromhex(hexdigest) + _ALGO_BYTES[algo]
 
 
 def digest_of(key: bytes) -> str:
@@ -265,10 +277,10 @@ class Packs:
         self.unusable: dict[str, str] = {}  # index name -> why it is not used
 
     def pack_path(self, name: str) -> str:
-        return os.path.join(self.dir, f"{name}.pack")
+        return f"{self.dir}/{name}.pack"
 
     def index_path(self, name: str) -> str:
-        return os.path.join(self.dir, f"{name}.idx")
+        return f"{self.dir}/{name}.idx"
 
     def add(self, index: PackIndex) -> None:
         """A pack this process just finished: searchable without listing the directory."""
@@ -282,6 +294,10 @@ class Packs:
         if found is None and refresh and self.refresh():
             found = self._search(key)
         return found
+
+    def where(self, key: bytes) -> tuple[PackIndex, int, int] | None:
+        """Which pack this process knows of names ``key`` (no system call)."""
+        return self._search(key)
 
     def _search(self, key: bytes) -> tuple[PackIndex, int, int] | None:
         for index in list(self._loaded.values()):
@@ -386,6 +402,168 @@ class Packs:
             return self.current(now)
         finally:
             os.close(lock)
+
+    # -- a packed object, as the store holds it now --------------------------------------------
+
+    def state(
+        self, key: bytes, seen: dict[str, PackState | None], found: Found | None = None
+    ) -> Located | None:
+        """The pack naming ``key`` as it is now (its index re-read if it was replaced), with
+        the pack's lstat and the object's offset and size; None if no pack on disk names it.
+        ``seen`` memoizes each pack's state for one call over many objects; ``found``: what
+        ``where`` said, if it was asked."""
+        found = found or self.locate(key)
+        if found is None:
+            return None
+        name = found[0].name
+        if name not in seen:
+            seen[name] = None
+            index = self.current(found[0])
+            with contextlib.suppress(FileNotFoundError):
+                pack = os.lstat(self.pack_path(name))
+                if index is not None and stat.S_ISREG(pack.st_mode):
+                    seen[name] = (index, pack)
+        state = seen[name]
+        if state is None:
+            return None
+        index, pack = state
+        at = found[1:] if index is found[0] else index.find(key)
+        return None if at is None else (index, pack, at[0], at[1])
+
+    def stamp(
+        self, key: bytes, seen: dict[str, PackState | None], found: Found | None = None
+    ) -> Stamp | None:
+        located = self.state(key, seen, found)
+        return None if located is None else stamp_of(located[0], located[1], located[3])
+
+    def reread(
+        self, digest: str, algo: str, key: bytes, *, keep: bool, found: Found | None = None
+    ) -> Reread:
+        """The object's bytes from its pack, between two fstats of the pack; the copy's stamp
+        only if they agree. ``ObjectMissing`` if no pack on disk names it. The pack is the
+        file its name holds when opened; its index, the one its name holds now."""
+        started = time.time_ns()
+        found = found or self.locate(key)
+        index = None if found is None else self.current(found[0])
+        at = None
+        if index is not None and found is not None:
+            at = found[1:] if index is found[0] else index.find(key)
+        if index is None or at is None:
+            raise ObjectMissing(digest)
+        offset, size = at
+        try:
+            fd = os.open(self.pack_path(index.name), _OPEN_FLAGS)
+        except FileNotFoundError:
+            raise ObjectMissing(digest) from None
+        except OSError as error:
+            raise ObjectUnreadable(digest, f"cannot open its pack: {error.strerror}") from None
+        try:
+            before = os.fstat(fd)
+            if not stat.S_ISREG(before.st_mode):
+                raise ObjectUnreadable(digest, "its pack is not a regular file")
+            data = read_at(fd, offset, size)
+            after = os.fstat(fd)
+        except OSError as error:
+            raise ObjectUnreadable(digest, f"cannot read its pack: {error.strerror}") from None
+        finally:
+            os.close(fd)
+        hasher = new_hasher(algo, size_hint=len(data))
+        hasher.update(data)
+        unchanged = identity_of(before) == identity_of(after)
+        stamp = stamp_of(index, after, size) if unchanged else None
+        actual = format_digest(algo, hasher.hexdigest())
+        return Reread(actual, len(data), data if keep else None, stamp, started)
+
+    def rereads(self, items: list[tuple[int, str, str, bytes, Found]]) -> list[Reread | Exception]:
+        """``reread`` of objects ``where`` placed in one pack (``(i, digest, algo, key, found)``
+        each): the pack opened once, every object read and hashed between one pair of fstats of
+        it, so each copy's stamp holds only if the pack did not change during all of them."""
+        started = time.time_ns()
+        index = self.current(items[0][4][0])
+        if index is None:
+            return [ObjectMissing(digest) for _, digest, *_ in items]
+        try:
+            fd = os.open(self.pack_path(index.name), _OPEN_FLAGS)
+        except FileNotFoundError:
+            return [ObjectMissing(digest) for _, digest, *_ in items]
+        except OSError as error:
+            why = f"cannot open its pack: {error.strerror}"
+            return [ObjectUnreadable(digest, why) for _, digest, *_ in items]
+        results: list[tuple[str, str, int] | Exception] = []
+        try:
+            before = os.fstat(fd)
+            if not stat.S_ISREG(before.st_mode):
+                why = "its pack is not a regular file"
+                return [ObjectUnreadable(digest, why) for _, digest, *_ in items]
+            for _, digest, algo, key, found in items:
+                at = found[1:] if index is found[0] else index.find(key)
+                if at is None:
+                    results.append(ObjectMissing(digest))
+                    continue
+                data = read_at(fd, at[0], at[1])
+                hasher = new_hasher(algo, size_hint=len(data))
+                hasher.update(data)
+                results.append((format_digest(algo, hasher.hexdigest()), digest, len(data)))
+            after = os.fstat(fd)
+        except OSError as error:
+            why = f"cannot read its pack: {error.strerror}"
+            return [ObjectUnreadable(digest, why) for _, digest, *_ in items]
+        finally:
+            os.close(fd)
+        unchanged = identity_of(before) == identity_of(after)
+        return [
+            got
+            if isinstance(got, Exception)
+            else Reread(
+                got[0], got[2], None, stamp_of(index, after, got[2]) if unchanged else None, started
+            )
+            for got in results
+        ]
+
+    def present(self, key: bytes, checked: set[str]) -> bool:
+        """For the dedupe of a write: a pack this process knows of names ``key`` and its pack
+        file is there (looked at once per pack in ``checked``). The directory is not listed
+        again: a copy another process packed meanwhile is at worst stored twice."""
+        found = self._search(key)
+        if found is None:
+            return False
+        name = found[0].name
+        if name not in checked:
+            try:
+                if not stat.S_ISREG(os.lstat(self.pack_path(name)).st_mode):
+                    return False
+            except FileNotFoundError:
+                return False
+            checked.add(name)
+        return True
+
+    def evidence(self, key: bytes) -> tuple[PackIndex, bytes] | None:
+        """What the pack naming ``key`` holds for it now (for the quarantine to keep)."""
+        found = self.locate(key)
+        if found is None:
+            return None
+        index, offset, size = found
+        try:
+            fd = os.open(self.pack_path(index.name), _OPEN_FLAGS)
+            try:
+                return index, read_at(fd, offset, size)
+            finally:
+                os.close(fd)
+        except OSError as error:
+            return index, f"the pack could not be read: {error}".encode()
+
+
+Found = tuple[PackIndex, int, int]  # the index naming an object, its offset and size
+PackState = tuple[PackIndex, os.stat_result]  # a pack's index as it is now, and the pack's lstat
+Located = tuple[PackIndex, os.stat_result, int, int]  # ... and the object's offset and size
+
+
+def stamp_of(index: PackIndex, pack: os.stat_result, size: int) -> Stamp:
+    """A packed object's copy: its pack's ctime and inode, and its index's ctime, each of which
+    any change (a write, a chmod, a replaced index: the quarantine's) moves on, and which the
+    verified-object record's racy rule checks like a file's ctime and mtime. Not a maximum of
+    the two: two files can get the very same timestamp from the kernel's coarse clock."""
+    return Stamp(pack.st_ctime_ns, pack.st_ino, index.identity[4], size, pack.st_dev)
 
 
 def _read_all(fd: int, size: int) -> bytes:

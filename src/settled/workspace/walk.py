@@ -1,4 +1,4 @@
-"""The scanner's per-directory hot loop, and which implementation of it runs.
+"""The scanner's hot loops (listing directories, reading small files), and which of two runs.
 
 Owns ``scan_dirs(dirs, workers)``: for each ``(fd, cached, cutoff)``, list the directory open
 at ``fd``, lstat every entry relative to it (never following), and split the entries into
@@ -9,16 +9,26 @@ re-reads). An entry gone between the listing and its lstat is left out; any othe
 that directory's result, an ``OSError`` with the entry's name as ``filename`` when it concerns
 one entry (the scanner raises it when it reaches that directory).
 
-Two implementations with one contract: ``_walk.scan_dirs`` (C: getdents64 and fstatat without
+And ``read_files(dir_fd, names, limit, workers)``: the files of one directory that the scanner
+must read, each opened without following (``O_PATH``), checked to be a regular file of at most
+``limit`` bytes by fstat, only then reopened for reading through ``/proc/self/fd`` (one lookup
+in that directory, held open: a path walk from ``/proc`` each time cost ~20% more), read one
+byte past its size and fstat'd again: ``(before, data, after)``, or None for anything else
+(gone, no longer a regular file, larger, unreadable), which the scanner then reads the slow
+way, with its own checks and errors. The scanner decides from the two stats whether the read
+was torn; nothing here records anything.
+
+Two implementations with one contract: ``_walk`` (C: getdents64, fstatat and the reads without
 the GIL on up to ``workers`` threads, the stat cache compared in C; built by ``pip install -e
-.``) and ``python_scan_dirs`` below (``os.scandir`` and ``os.stat``, one directory at a time).
-The C one is used when it imports; ``SETTLED_WALKER=python`` chooses the Python one, and
+.``) and the ``python_*`` functions below (one directory, one file at a time). The C one is
+used when it imports; ``SETTLED_WALKER=python`` chooses the Python one, and
 ``SETTLED_WALKER=native`` makes a missing extension an error instead of a fallback. Which one
 ran is in every scan's stats (``walker``), so a slow fallback is never silent. The tests run
 the scanner over both and compare their results.
 
-Must never: follow a symlink, open anything but the directory it is given, or vouch for an
-entry that the other implementation would re-read (``scan._verdict`` is the rule for both).
+Must never: follow a symlink, open a file that fstat did not show to be regular, open anything
+else but the directories it is given, or vouch for an entry that the other implementation would
+re-read (``reusable`` is the rule for both).
 """
 
 from __future__ import annotations
@@ -26,7 +36,7 @@ from __future__ import annotations
 import os
 import stat
 from collections.abc import Callable
-from typing import Final
+from typing import Final, NamedTuple
 
 from settled.errors import SettledError
 from settled.workspace.manifest import TYPES, Entry
@@ -39,6 +49,15 @@ Fresh = list[tuple[str, os.stat_result]]
 Listed = tuple[dict[str, Entry], Fresh]
 Job = tuple[int, dict[str, Entry] | None, int]  # fd, the cached rows, their cutoff
 ScanDirs = Callable[[list[Job], int], list[Listed | OSError]]
+Read = tuple[os.stat_result, bytes, os.stat_result]  # before, the bytes, after
+ReadFiles = Callable[[int, list[str], int, int], list[Read | None]]
+
+
+class Walker(NamedTuple):
+    name: str
+    scan_dirs: ScanDirs
+    read_files: ReadFiles
+
 
 # The C loop reads an Entry by position: these must be where it looks (see _walk.c).
 _LAYOUT: Final = {
@@ -112,7 +131,45 @@ def _scan_dir(fd: int, cached: dict[str, Entry] | None, cutoff: int) -> Listed:
     return rows, fresh
 
 
-def _native() -> ScanDirs | None:
+_PROC_FD: Final = "/proc/self/fd"
+
+
+def python_read_files(dir_fd: int, names: list[str], limit: int, workers: int) -> list[Read | None]:
+    """The pure Python twin of ``_walk.read_files`` (``workers`` ignored: one at a time)."""
+    proc_fd = os.open(_PROC_FD, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        return [_read_file(dir_fd, name, limit, proc_fd) for name in names]
+    finally:
+        os.close(proc_fd)
+
+
+def _read_file(dir_fd: int, name: str, limit: int, proc_fd: int) -> Read | None:
+    try:
+        path_fd = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+    except OSError:
+        return None
+    try:
+        before = os.fstat(path_fd)
+        if not stat.S_ISREG(before.st_mode) or before.st_size > limit:
+            return None
+        fd = os.open(str(path_fd), os.O_RDONLY | os.O_CLOEXEC, dir_fd=proc_fd)
+    except OSError:
+        return None
+    finally:
+        os.close(path_fd)
+    try:
+        chunks, room = [], before.st_size + 1
+        while room > 0 and (chunk := os.read(fd, room)):
+            chunks.append(chunk)
+            room -= len(chunk)
+        return before, b"".join(chunks), os.fstat(fd)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
+def _native() -> Walker | None:
     try:
         from settled.workspace import _walk
     except ImportError:
@@ -121,23 +178,25 @@ def _native() -> ScanDirs | None:
         raise WalkerUnavailable(
             "manifest.Entry's fields moved: update _walk.c's E_* positions and walk._LAYOUT"
         )
-    scan_dirs: ScanDirs = _walk.scan_dirs
-    return scan_dirs
+    return Walker(NATIVE, _walk.scan_dirs, _walk.read_files)
 
 
-def choose(wanted: str | None = None) -> tuple[str, ScanDirs]:
+def choose(wanted: str | None = None) -> Walker:
     """The walker to use: ``wanted`` (or ``SETTLED_WALKER``), else the C one if built."""
     wanted = wanted or os.environ.get("SETTLED_WALKER") or None
     if wanted not in (None, NATIVE, PYTHON):
         raise WalkerUnavailable(f"SETTLED_WALKER={wanted!r}: expected {NATIVE!r} or {PYTHON!r}")
     if wanted == PYTHON:
-        return PYTHON, python_scan_dirs
+        return PYTHON_WALKER
     native = _native()
     if native is not None:
-        return NATIVE, native
+        return native
     if wanted == NATIVE:
         raise WalkerUnavailable(
             "the C walker settled.workspace._walk is not built: reinstall with "
             "`pip install -e .` (it needs gcc and the Python headers)"
         )
-    return PYTHON, python_scan_dirs
+    return PYTHON_WALKER
+
+
+PYTHON_WALKER: Final = Walker(PYTHON, python_scan_dirs, python_read_files)
