@@ -260,3 +260,19 @@ def test_rereads_name_a_damaged_and_a_dropped_packed_object(store: LocalObjectSt
         not isinstance(g, Exception) and g.actual == d
         for g, d in zip(got[2:], digests[2:], strict=True)
     )
+
+
+def test_lookups_find_objects_in_many_small_packs_and_a_large_one(
+    store: LocalObjectStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(packs_module, "DICT_KEYS", 40)  # the large pack fills it, then searched
+    other = LocalObjectStore(tmp_path / "objects")  # a second writer, knowing of no pack yet
+    large = packed(store, payloads(10, b"large"))
+    smalls = [packed(store, payloads(3, b"small %d" % i)) for i in range(20)]
+    twice = packed(other, payloads(3, b"small 7"))  # not deduped: a second copy of pack 7's
+    for reader in (store, LocalObjectStore(tmp_path / "objects")):
+        assert all(reader.has(d) for d in large + [d for s in smalls for d in s])
+    assert store.quarantine(twice[0]) is not None  # dropped from the pack found first...
+    assert store.has(twice[0]) and store.verify(twice[0])  # ...the other copy still names it
+    assert store.quarantine(twice[0]) is not None and not store.has(twice[0])
+    assert store.packs.where(key_of(digest_bytes(DEFAULT_ALGORITHM, b"absent"))) is None

@@ -59,6 +59,7 @@ from settled.workspace.objectstore import (
 )
 
 PACKS_DIR: Final = "packs"
+DICT_KEYS: Final = 500_000  # keys looked up by a dictionary (~55 MB); past it, by searching
 MAGIC: Final = b"STLPIDX1"
 _HEADER: Final = struct.Struct("<8sIB3xQ")  # magic, count, fan-out bits, pack size
 _LOCATION: Final = struct.Struct("<QQ")  # offset, size
@@ -148,8 +149,13 @@ class PackIndex:
         return int(offset), int(size)
 
     def digests(self) -> Iterator[str]:
-        for at in range(0, len(self.keys), _KEY):
-            yield digest_of(self.keys[at : at + _KEY])
+        for key in self.keys_():
+            yield digest_of(key)
+
+    def keys_(self) -> Iterator[bytes]:
+        keys = self.keys
+        for at in range(0, len(keys), _KEY):
+            yield keys[at : at + _KEY]
 
 
 def index_bytes(records: dict[bytes, tuple[int, int]], pack_size: int) -> bytes:
@@ -267,14 +273,48 @@ class PackWriter:
 
 
 class Packs:
-    """The packs of one store, their indexes loaded as needed and kept while unchanged."""
+    """The packs of one store, their indexes loaded as needed and kept while unchanged.
+
+    A lookup asks one dictionary of the keys of every pack loaded, as long as it holds at most
+    ``DICT_KEYS`` keys (~110 bytes each), then the packs that did not fit, largest first: its
+    cost is one dictionary lookup whatever the number of packs (a checkpoint adds one or two),
+    and a read-back's closure of 100,000 stamps does not search 100,000 times (~2 us each)."""
 
     def __init__(self, root: str) -> None:
         self.dir = os.path.join(root, PACKS_DIR)
         self._loaded: dict[str, PackIndex] = {}
+        self._large: list[PackIndex] = []  # the packs not in the dictionary, largest first
+        self._by_key: dict[bytes, str] = {}  # key -> a pack naming it (at most DICT_KEYS)
+        self._in_dict: set[str] = set()  # the packs whose keys are in it
         self._seen: tuple[int, int] | None = None  # the directory's (ino, mtime_ns) last listed
         self._lock = threading.Lock()
         self.unusable: dict[str, str] = {}  # index name -> why it is not used
+
+    def _put(self, name: str, index: PackIndex | None) -> None:
+        """Load, replace or forget one pack's index (under the lock)."""
+        old = self._loaded.pop(name, None)
+        if old is not None and old.name in self._in_dict:
+            self._in_dict.discard(name)
+            for key in old.keys_():
+                if self._by_key.get(key) == name:
+                    del self._by_key[key]
+        elif old is not None:
+            self._large = [other for other in self._large if other.name != name]
+        if index is not None:
+            self._loaded[name] = index
+            if len(self._by_key) + index.count <= DICT_KEYS:
+                self._in_dict.add(name)
+                for key in index.keys_():
+                    self._by_key.setdefault(key, name)
+            else:
+                self._large = sorted([*self._large, index], key=lambda i: -i.count)
+        if old is not None:  # a key only it named in the dictionary may be in another pack
+            for key in old.keys_():
+                if key not in self._by_key:
+                    for other in self._loaded.values():
+                        if other.name in self._in_dict and other.find(key) is not None:
+                            self._by_key[key] = other.name
+                            break
 
     def pack_path(self, name: str) -> str:
         return f"{self.dir}/{name}.pack"
@@ -285,7 +325,7 @@ class Packs:
     def add(self, index: PackIndex) -> None:
         """A pack this process just finished: searchable without listing the directory."""
         with self._lock:
-            self._loaded[index.name] = index
+            self._put(index.name, index)
 
     def locate(self, key: bytes, *, refresh: bool = True) -> tuple[PackIndex, int, int] | None:
         """Which loaded pack holds ``key`` and where; on a miss, packs other processes wrote
@@ -300,7 +340,13 @@ class Packs:
         return self._search(key)
 
     def _search(self, key: bytes) -> tuple[PackIndex, int, int] | None:
-        for index in list(self._loaded.values()):
+        name = self._by_key.get(key)
+        if name is not None:
+            index = self._loaded.get(name)
+            at = None if index is None else index.find(key)
+            if index is not None and at is not None:
+                return index, at[0], at[1]
+        for index in self._large:
             at = index.find(key)
             if at is not None:
                 return index, at[0], at[1]
@@ -319,12 +365,12 @@ class Packs:
         with self._lock:
             changed = False
             for gone in set(self._loaded) - names:
-                del self._loaded[gone]
+                self._put(gone, None)
                 changed = True
             for name in sorted(names - set(self._loaded) - set(self.unusable)):
                 index = self._read(name)
                 if index is not None:
-                    self._loaded[name] = index
+                    self._put(name, index)
                     changed = True
             self._seen = seen
         return changed
@@ -336,16 +382,13 @@ class Packs:
             st = os.lstat(self.index_path(index.name))
         except FileNotFoundError:
             with self._lock:
-                self._loaded.pop(index.name, None)
+                self._put(index.name, None)
             return None
         if identity_of(st) == index.identity:
             return index
         fresh = self._read(index.name)
         with self._lock:
-            if fresh is None:
-                self._loaded.pop(index.name, None)
-            else:
-                self._loaded[index.name] = fresh
+            self._put(index.name, fresh)
         return fresh
 
     def _read(self, name: str) -> PackIndex | None:

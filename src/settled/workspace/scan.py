@@ -327,6 +327,10 @@ class _Scanner:
         self.stats.walker = self.walker.name
         self.workers = _workers()
         self.ahead: dict[str, tuple[int, Listed | OSError]] = {}  # listed with a sibling
+        self.dirty: list[str] = []  # incremental mode: the dirty directories, sorted
+        self.dirty_at: dict[str, int] = {}  # where each is in that list
+        self.dirty_next = 0  # the first of them not listed ahead yet
+        self.dirty_ahead: dict[str, tuple[tuple[int, int], Listed | OSError]] = {}
 
     # -- modes ---------------------------------------------------------------------------------
 
@@ -358,7 +362,9 @@ class _Scanner:
         assert self.previous is not None
         top = Entry.from_stat(ROOT, os.fstat(self.root_fd))
         self.entries_listed += 1
-        for rel in sorted({_normalize_dirty(path) for path in only}):
+        self.dirty = sorted({_normalize_dirty(path) for path in only})
+        self.dirty_at = {rel: at for at, rel in enumerate(self.dirty)}
+        for rel in self.dirty:
             if self._covered(rel):
                 continue
             fd, opened = self.open_nearest(rel)
@@ -456,9 +462,37 @@ class _Scanner:
         return fd, previous.entries, previous.trusted_before_ns
 
     def list_dir(self, fd: int, rel: str) -> tuple[_Dir, list[str]]:
-        """Record every child of the directory open at ``fd``; return it and its subdir names."""
-        (listed,) = self.walker.scan_dirs([self.job(rel, fd)], 1)
-        return self.record(fd, rel, listed)
+        """Record every child of the directory open at ``fd``; return it and its subdir names.
+        A dirty directory of an incremental scan was listed ahead with the next ones (if it
+        is still the very directory that was listed then)."""
+        ahead = self.listed_ahead(fd, rel)
+        if ahead is None:
+            (ahead,) = self.walker.scan_dirs([self.job(rel, fd)], 1)
+        return self.record(fd, rel, ahead)
+
+    def listed_ahead(self, fd: int, rel: str) -> Listed | OSError | None:
+        """Incremental mode: the dirty directories from ``rel`` on are opened beneath the root
+        (never following), listed together on the walker's threads and closed, a batch at a
+        time; ``rel``'s listing, if the directory open at ``fd`` is the one that was listed."""
+        if rel not in self.dirty_ahead:
+            if rel not in self.dirty[self.dirty_next :]:
+                return None
+            start = self.dirty.index(rel, self.dirty_next)
+            batch = self.dirty[start : start + AHEAD_BATCH]
+            self.dirty_next = start + len(batch)
+            opened = [
+                (d, sub) for d in batch if (sub := _open_beneath(self.root_fd, d)) is not None
+            ]
+            try:
+                jobs = [self.job(d, sub) for d, sub in opened]
+                listed = self.walker.scan_dirs(jobs, self.workers)
+                for (d, sub), result in zip(opened, listed, strict=True):
+                    self.dirty_ahead[d] = (_identity(os.fstat(sub)), result)
+            finally:
+                for _, sub in opened:
+                    os.close(sub)
+        identity, result = self.dirty_ahead.pop(rel)
+        return result if identity == _identity(os.fstat(fd)) else None
 
     def record(self, fd: int, rel: str, listed: Listed | OSError) -> tuple[_Dir, list[str]]:
         """The directory at ``rel`` from its listing: the cached entries the stat cache vouched
@@ -916,6 +950,27 @@ class _ReadAhead:
         walker, workers = self.scanner.walker, self.scanner.workers
         got = walker.read_files(self.fd, names, READ_SMALL, workers)
         self.read.update(zip(names, got, strict=True))
+
+
+def _identity(st: os.stat_result) -> tuple[int, int]:
+    return st.st_dev, st.st_ino
+
+
+def _open_beneath(root_fd: int, rel: str) -> int | None:
+    """The directory at ``rel`` opened component by component from the root, never following
+    a symlink; None if it cannot be (the walk then opens and lists it itself)."""
+    fd = root_fd
+    try:
+        for name in [] if rel == ROOT else rel.split("/"):
+            sub = os.open(name, _DIR_FLAGS, dir_fd=fd)
+            if fd != root_fd:
+                os.close(fd)
+            fd = sub
+    except OSError:
+        if fd != root_fd:
+            os.close(fd)
+        return None
+    return fd if fd != root_fd else os.dup(root_fd)
 
 
 def _workers() -> int:
