@@ -276,3 +276,15 @@ def test_lookups_find_objects_in_many_small_packs_and_a_large_one(
     assert store.has(twice[0]) and store.verify(twice[0])  # ...the other copy still names it
     assert store.quarantine(twice[0]) is not None and not store.has(twice[0])
     assert store.packs.where(key_of(digest_bytes(DEFAULT_ALGORITHM, b"absent"))) is None
+
+
+def test_location_of_names_the_file_and_the_bytes_a_read_finds(store: LocalObjectStore) -> None:
+    data = payloads(4)
+    digests = packed(store, data)
+    loose = store.put_bytes(b"loose")
+    where, offset, size = store.location_of(digests[2]) or ("", -1, -1)
+    with open(where, "rb") as handle:
+        handle.seek(offset)
+        assert handle.read(size) == data[2] and where.endswith(".pack")
+    assert store.location_of(loose) == (store.path_of(loose), 0, 5)
+    assert store.location_of(digest_bytes(DEFAULT_ALGORITHM, b"absent")) is None

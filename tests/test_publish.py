@@ -31,14 +31,16 @@ def payloads(count: int, size: int = 100) -> list[bytes]:
     return [(b"%06d" % i) * (size // 6) for i in range(count)]
 
 
-def test_past_the_threshold_objects_are_staged_then_synced_once(store: LocalObjectStore) -> None:
+def test_past_the_threshold_every_object_is_staged_then_synced_once(
+    store: LocalObjectStore,
+) -> None:
     data = [*payloads(40), os.urandom(3 * (1 << 20))]  # the last one spills to its temp file
     with Publisher(store, group_from=10) as publisher:
         submit_all(publisher, store, data)
-        staged = [digest_bytes(DEFAULT_ALGORITHM, d) for d in data[10:]]
+        staged = [digest_bytes(DEFAULT_ALGORITHM, d) for d in data]
         assert not any(store.has(digest) for digest in staged)  # no name before the sync
         publisher.close()
-    assert (publisher.submitted, publisher.grouped, publisher.created) == (41, 31, 41)
+    assert (publisher.submitted, publisher.grouped, publisher.created) == (41, 41, 41)
     assert all(store.verify(digest_bytes(DEFAULT_ALGORITHM, d)) for d in data)
     assert os.listdir(store.temp_dir) == []
 
@@ -69,9 +71,19 @@ def test_a_failed_group_sync_names_no_object_and_leaves_no_temp(
     with pytest.raises(DurabilityError, match="Input/output error"), publisher:
         submit_all(publisher, store, data)
     present = [store.has(digest_bytes(DEFAULT_ALGORITHM, d)) for d in data]
-    assert present == [True] * 5 + [False] * 15  # the first five had an fsync each
+    assert present == [False] * 20  # the five held back were staged with the rest
     assert os.listdir(store.temp_dir) == []
     assert os.listdir(store.packs.dir) == []  # the pack that was never named is gone
+
+
+def test_a_small_publish_is_committed_object_by_object_at_close(store: LocalObjectStore) -> None:
+    data = payloads(GROUP_FROM)
+    with Publisher(store) as publisher:
+        submit_all(publisher, store, data)
+        assert not any(store.has(digest_bytes(DEFAULT_ALGORITHM, d)) for d in data)
+    assert (publisher.grouped, publisher.created) == (0, GROUP_FROM)
+    assert all(os.path.isfile(store.path_of(digest_bytes(DEFAULT_ALGORITHM, d))) for d in data)
+    assert not os.path.exists(store.packs.dir)
 
 
 def test_a_group_of_small_objects_is_one_pack_named_after_its_sync(
@@ -98,7 +110,7 @@ def test_a_large_scan_stages_its_blobs_and_trees(tmp_path: Path) -> None:
             (workspace / f"d{d:02d}" / f"f{f}").write_bytes(b"%d/%d" % (d, f))
     result = scan(workspace, store=store)
     assert result.stats.blobs_written == 200
-    assert result.stats.objects_grouped == (200 - GROUP_FROM) + (101 - GROUP_FROM)  # blobs, trees
+    assert result.stats.objects_grouped == 200 + 101 > 2 * GROUP_FROM  # blobs, then trees
     assert len([n for n in os.listdir(store.packs.dir) if n.endswith(".idx")]) == 2
     assert all(store.verify(digest) for digest in result.blobs)
     assert all(store.has(tree) for tree in result.trees)

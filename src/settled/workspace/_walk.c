@@ -39,6 +39,7 @@ enum {
 #define NS 1000000000LL
 #define LIST_BUFFER (64 * 1024)
 #define MAX_WORKERS 16
+#define MIN_ITEMS_PER_WORKER 32 /* files (or directories) a thread must have to be started */
 
 struct linux_dirent64 {
     uint64_t d_ino;
@@ -316,12 +317,15 @@ static void *pool_work(void *arg) {
     return NULL;
 }
 
-/* Without the GIL. A thread that cannot be started leaves its share to the others. */
+/* Without the GIL. A thread that cannot be started leaves its share to the others; a call
+ * with few items runs on the caller's thread alone (starting one costs ~50-100 us). */
 static void run_pool(pool_t *pool, int workers) {
     pthread_t threads[MAX_WORKERS];
     int started = 0;
     if (workers > MAX_WORKERS) workers = MAX_WORKERS;
-    if ((size_t)workers > pool->count) workers = (int)pool->count;
+    if ((size_t)workers > pool->count / MIN_ITEMS_PER_WORKER) {
+        workers = (int)(pool->count / MIN_ITEMS_PER_WORKER);
+    }
     for (int i = 1; i < workers; i++) {
         if (pthread_create(&threads[started], NULL, pool_work, pool) == 0) started++;
     }

@@ -215,6 +215,22 @@ class LocalObjectStore:
         """Where ``digest`` is (or would be) as a file of its own; a packed one is not there."""
         return self._file(*parse_digest(digest))  # a concatenation: os.path.join cost 6 us
 
+    def location_of(self, digest: str) -> tuple[str, int, int] | None:
+        """Where the bytes a read of ``digest`` finds lie: ``(file, offset, size)``, the file
+        its own (offset 0) or its pack; None if the store does not hold it. For diagnostics
+        and tests: readers go through ``open``, ``reread`` and ``stamp``."""
+        algo, hexdigest, key = self._parse(digest)
+        found = self.packs.where(key)
+        if found is None:
+            with contextlib.suppress(FileNotFoundError):
+                st = os.lstat(self._file(algo, hexdigest))
+                return self._file(algo, hexdigest), 0, st.st_size
+            found = self.packs.locate(key)
+        if found is None:
+            return None
+        index, offset, size = found
+        return self.packs.pack_path(index.name), offset, size
+
     # -- writing -------------------------------------------------------------------------------
 
     def writer(
