@@ -11,7 +11,7 @@ import pytest
 from settled.workspace import packs as packs_module
 from settled.workspace.hashing import DEFAULT_ALGORITHM, SHA256, digest_bytes
 from settled.workspace.objects import LocalObjectStore
-from settled.workspace.objectstore import ObjectMissing
+from settled.workspace.objectstore import DurabilityError, ObjectMissing
 from settled.workspace.packs import PackWriter, key_of
 from settled.workspace.publish import Publisher
 
@@ -288,3 +288,19 @@ def test_location_of_names_the_file_and_the_bytes_a_read_finds(store: LocalObjec
         assert handle.read(size) == data[2] and where.endswith(".pack")
     assert store.location_of(loose) == (store.path_of(loose), 0, 5)
     assert store.location_of(digest_bytes(DEFAULT_ALGORITHM, b"absent")) is None
+
+
+@pytest.mark.parametrize("action", ["enospc", "eio"])
+def test_a_failing_write_into_a_pack_fails_the_publish_and_names_nothing(
+    store: LocalObjectStore, monkeypatch: pytest.MonkeyPatch, action: str
+) -> None:
+    from settled import faults
+
+    monkeypatch.setattr(faults, "_ARMED_POINT", "checkpoint.blob_write")
+    monkeypatch.setattr(faults, "_ARMED_ACTION", action)
+    data = payloads(20)
+    with pytest.raises(DurabilityError, match=r"injected at fault point checkpoint\.blob_write"):
+        packed(store, data)
+    monkeypatch.undo()
+    assert not any(store.has(digest_bytes(DEFAULT_ALGORITHM, d)) for d in data)
+    assert os.listdir(store.packs.dir) == [] and os.listdir(store.temp_dir) == []

@@ -47,6 +47,7 @@ from typing import Final
 
 import blake3
 
+from settled import faults
 from settled.errors import SettledError
 from settled.workspace.hashing import ALGORITHMS, format_digest, new_hasher, parse_digest
 from settled.workspace.objectstore import (
@@ -221,6 +222,10 @@ class PackWriter:
 
     def add(self, key: bytes, data: bytes | bytearray | memoryview) -> bool:
         """Append an object's bytes (hashed to ``key`` by the caller); False if already added."""
+        try:
+            faults.point("checkpoint.blob_write")  # as for every object a store writes
+        except OSError as error:
+            raise DurabilityError(self.path, error) from error
         with self._lock:
             if key in self.records or self._fd is None:
                 return False
