@@ -226,7 +226,10 @@ def test_a_staged_object_is_stored_once_synced_and_published(store: ObjectStore)
 
 
 def test_a_digest_that_is_not_a_digest_is_refused_by_every_operation(store: ObjectStore) -> None:
-    for bad in ("blake3:../../etc/passwd", "md5:" + "0" * 64, "blake3:" + "A" * 64, "nocolon"):
+    for bad in (
+        "blake3:../../etc/passwd", "md5:" + "0" * 64, "blake3:" + "A" * 64, "nocolon",
+        "blake3:" + "0" * 62 + " 0", "blake3:" + "é" * 64, "blake3:" + "0" * 63 + "g",
+    ):  # fmt: skip
         for operation in (store.has, store.read, store.open, store.stamp, store.reread):
             with pytest.raises(BadDigest):
                 operation(bad)
@@ -399,7 +402,10 @@ def test_a_batch_fsyncs_each_fanout_directory_once_at_its_end(
 
 
 def test_a_digest_that_is_not_a_digest_is_never_a_path(local: LocalObjectStore) -> None:
-    for bad in ("blake3:../../etc/passwd", "md5:" + "0" * 64, "blake3:" + "A" * 64, "nocolon"):
+    for bad in (
+        "blake3:../../etc/passwd", "md5:" + "0" * 64, "blake3:" + "A" * 64, "nocolon",
+        "blake3:" + "0" * 62 + " 0", "blake3:" + "é" * 64, "blake3:" + "0" * 63 + "g",
+    ):  # fmt: skip
         with pytest.raises(BadDigest):
             local.path_of(bad)
     with pytest.raises(ObjectMissing, match="blake3:" + "0" * 64):

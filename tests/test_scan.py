@@ -195,7 +195,7 @@ def _append_during_first_reads(
 
     monkeypatch.setattr(os, "readv", readv)
     if reads == "slow":
-        monkeypatch.setattr(scan_module, "READ_SMALL", -1)
+        monkeypatch.setattr(walk, "READ_SMALL", -1)
         return
     real = walk.choose()
 
@@ -621,3 +621,31 @@ def test_a_dirty_directory_replaced_after_it_was_listed_ahead_is_recorded_as_it_
     paths = set(result.index.by_path)
     assert swapped and {"b/g", "old-b/f"} <= paths and "b/f" not in paths
     assert entry(result, "old-b/f").digest == digest_bytes(DEFAULT_ALGORITHM, b"b changed")
+
+
+def test_the_garbage_collector_is_paused_during_a_scan_and_restored_after(tmp_path: Path) -> None:
+    import gc
+
+    make_tree(tmp_path, files=3)
+    seen: list[bool] = []
+    real = walk.choose()
+
+    def noting(jobs: list[walk.Job], workers: int) -> list[walk.Listed | OSError]:
+        seen.append(gc.isenabled())
+        return real.scan_dirs(jobs, workers)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(scan_module, "choose", lambda: real._replace(scan_dirs=noting))
+        assert gc.isenabled()
+        scan(tmp_path)
+        assert gc.isenabled() and seen and not any(seen)
+        gc.disable()
+        try:
+            scan(tmp_path)
+            assert not gc.isenabled()  # left as it was found
+        finally:
+            gc.enable()
+        patch.setattr(scan_module, "choose", lambda: real._replace(scan_dirs=None))
+        with pytest.raises(TypeError):
+            scan(tmp_path)
+        assert gc.isenabled()  # restored on the way out of a failed scan too

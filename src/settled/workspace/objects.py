@@ -43,6 +43,7 @@ from settled import faults
 from settled.errors import SettledError
 from settled.workspace.hashing import (
     ALGORITHMS,
+    BLAKE3,
     DEFAULT_ALGORITHM,
     HEX_LENGTH,
     Buffer,
@@ -72,6 +73,10 @@ TEMP_DIR: Final = "tmp"
 QUARANTINE_DIR: Final = "quarantine"
 _REREAD_FLAGS: Final = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 _OPEN_FLAGS: Final = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+_BLAKE3_PREFIX: Final = f"{BLAKE3}:"
+_BLAKE3_CUT: Final = len(_BLAKE3_PREFIX)
+_BLAKE3_LENGTH: Final = _BLAKE3_CUT + HEX_LENGTH
+_BLAKE3_BYTE: Final = key_from(BLAKE3, "00" * 32)[32:]
 
 
 class StoreUnusable(SettledError):
@@ -363,6 +368,13 @@ class LocalObjectStore:
     # file, then in packs other processes wrote since this one last listed them.
 
     def _parse(self, digest: str) -> tuple[str, str, bytes]:
+        """``(algo, hex, key)`` of a digest; ``BadDigest`` if it is not one. The common form
+        is checked without the regular expression (a read-back parses 100,000 of them)."""
+        if len(digest) == _BLAKE3_LENGTH and digest.startswith(_BLAKE3_PREFIX):
+            hexdigest = digest[_BLAKE3_CUT:]
+            if hexdigest.isalnum() and hexdigest == hexdigest.lower():
+                with contextlib.suppress(ValueError):
+                    return BLAKE3, hexdigest, bytes.fromhex(hexdigest) + _BLAKE3_BYTE
         algo, hexdigest = parse_digest(digest)
         return algo, hexdigest, key_from(algo, hexdigest)
 

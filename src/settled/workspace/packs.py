@@ -41,7 +41,7 @@ import struct
 import threading
 import time
 from array import array
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Final
 
@@ -60,7 +60,9 @@ from settled.workspace.objectstore import (
 )
 
 PACKS_DIR: Final = "packs"
-DICT_KEYS: Final = 500_000  # keys looked up by a dictionary (~55 MB); past it, by searching
+DICT_KEYS: Final = 500_000  # keys looked up by a dictionary (~70 MB); past it, by searching
+_SLOT_SHIFT: Final = 40
+_RECORD_MASK: Final = (1 << _SLOT_SHIFT) - 1
 MAGIC: Final = b"STLPIDX1"
 _HEADER: Final = struct.Struct("<8sIB3xQ")  # magic, count, fan-out bits, pack size
 _LOCATION: Final = struct.Struct("<QQ")  # offset, size
@@ -139,14 +141,20 @@ class PackIndex:
 
     def find(self, key: bytes) -> tuple[int, int] | None:
         """(offset, size) of the object with this key, or None."""
+        record = self.record(key)
+        return None if record is None else self.location(record)
+
+    def record(self, key: bytes) -> int | None:
+        """The number of the record naming ``key``, or None."""
         bucket = int.from_bytes(key[:2], "big") >> (16 - self.bits)
         start, end = self.fanout[bucket] * _KEY, self.fanout[bucket + 1] * _KEY
         at = self.keys.find(key, start, end)
         while at >= 0 and at % _KEY:  # a match across two keys is no match
             at = self.keys.find(key, at + 1, end)
-        if at < 0:
-            return None
-        offset, size = _LOCATION.unpack_from(self.locations, (at // _KEY) * _LOCATION.size)
+        return None if at < 0 else at // _KEY
+
+    def location(self, record: int) -> tuple[int, int]:
+        offset, size = _LOCATION.unpack_from(self.locations, record * _LOCATION.size)
         return int(offset), int(size)
 
     def digests(self) -> Iterator[str]:
@@ -281,16 +289,18 @@ class Packs:
     """The packs of one store, their indexes loaded as needed and kept while unchanged.
 
     A lookup asks one dictionary of the keys of every pack loaded, as long as it holds at most
-    ``DICT_KEYS`` keys (~110 bytes each), then the packs that did not fit, largest first: its
-    cost is one dictionary lookup whatever the number of packs (a checkpoint adds one or two),
-    and a read-back's closure of 100,000 stamps does not search 100,000 times (~2 us each)."""
+    ``DICT_KEYS`` keys (~140 bytes each: the key, and its pack's slot and record number in one
+    int), then the packs that did not fit, largest first: its cost is one dictionary lookup
+    whatever the number of packs (a checkpoint adds one or two), and a read-back's closure of
+    100,000 stamps does not search 100,000 times (~2 us each)."""
 
     def __init__(self, root: str) -> None:
         self.dir = os.path.join(root, PACKS_DIR)
         self._loaded: dict[str, PackIndex] = {}
         self._large: list[PackIndex] = []  # the packs not in the dictionary, largest first
-        self._by_key: dict[bytes, str] = {}  # key -> a pack naming it (at most DICT_KEYS)
-        self._in_dict: set[str] = set()  # the packs whose keys are in it
+        self._by_key: dict[bytes, int] = {}  # key -> slot << 40 | its record in that pack
+        self._slots: list[PackIndex | None] = []  # the packs in the dictionary, by slot
+        self._slot_of: dict[str, int] = {}
         self._seen: tuple[int, int] | None = None  # the directory's (ino, mtime_ns) last listed
         self._lock = threading.Lock()
         self.unusable: dict[str, str] = {}  # index name -> why it is not used
@@ -298,28 +308,42 @@ class Packs:
     def _put(self, name: str, index: PackIndex | None) -> None:
         """Load, replace or forget one pack's index (under the lock)."""
         old = self._loaded.pop(name, None)
-        if old is not None and old.name in self._in_dict:
-            self._in_dict.discard(name)
+        slot = self._slot_of.pop(name, None)
+        if old is not None and slot is not None:
+            self._slots[slot] = None
             for key in old.keys_():
-                if self._by_key.get(key) == name:
+                if (self._by_key.get(key, -1) >> _SLOT_SHIFT) == slot:
                     del self._by_key[key]
         elif old is not None:
             self._large = [other for other in self._large if other.name != name]
         if index is not None:
             self._loaded[name] = index
             if len(self._by_key) + index.count <= DICT_KEYS:
-                self._in_dict.add(name)
-                for key in index.keys_():
-                    self._by_key.setdefault(key, name)
+                self._add_keys(index, index.keys_())
             else:
                 self._large = sorted([*self._large, index], key=lambda i: -i.count)
         if old is not None:  # a key only it named in the dictionary may be in another pack
             for key in old.keys_():
                 if key not in self._by_key:
-                    for other in self._loaded.values():
-                        if other.name in self._in_dict and other.find(key) is not None:
-                            self._by_key[key] = other.name
+                    for other in self._slots:
+                        if other is not None and other.find(key) is not None:
+                            self._add_keys(other, [key])
                             break
+
+    def _add_keys(self, index: PackIndex, keys: Iterable[bytes]) -> None:
+        slot = self._slot_of.get(index.name)
+        if slot is None:
+            slot = self._slot_of[index.name] = len(self._slots)
+            self._slots.append(index)
+        base = slot << _SLOT_SHIFT
+        if isinstance(keys, list):  # a few keys again: their record numbers looked up
+            for key in keys:
+                record = index.record(key)
+                if record is not None:
+                    self._by_key.setdefault(key, base | record)
+            return
+        for record, key in enumerate(keys):
+            self._by_key.setdefault(key, base | record)
 
     def pack_path(self, name: str) -> str:
         return f"{self.dir}/{name}.pack"
@@ -345,12 +369,12 @@ class Packs:
         return self._search(key)
 
     def _search(self, key: bytes) -> tuple[PackIndex, int, int] | None:
-        name = self._by_key.get(key)
-        if name is not None:
-            index = self._loaded.get(name)
-            at = None if index is None else index.find(key)
-            if index is not None and at is not None:
-                return index, at[0], at[1]
+        value = self._by_key.get(key)
+        if value is not None:
+            index = self._slots[value >> _SLOT_SHIFT]
+            if index is not None:
+                offset, size = index.location(value & _RECORD_MASK)
+                return index, offset, size
         for index in self._large:
             at = index.find(key)
             if at is not None:

@@ -1,11 +1,15 @@
 """The workspace scanner: a stat cache like git's index, and the walk that fills it.
 
 Owns ``scan``, which builds an ``Index`` (per-directory stat-cache nodes, defined in ``index``,
-each naming the tree object its directory hashes to): a walk with directory fds,
-``os.scandir`` and lstat that records every entry by type and mode, hashes regular files
-(publishing them into an ``ObjectStore`` in the same read: hash and copy together, link only if
-new), re-reads a file only when the stat cache cannot vouch for it, and publishes the trees it
-built once every blob they name is durable (and its stat-cache nodes into the ``NodeCache``).
+each naming the tree object its directory hashes to): a walk with directory fds that lists and
+lstats every entry (``walk``: a C loop without the GIL, or its pure Python twin), records every
+entry by type and mode, hashes regular files (publishing them into an ``ObjectStore`` in the
+same read: hash and copy together, stored only if new), re-reads a file only when the stat
+cache cannot vouch for it, and publishes the trees it built once every blob they name is durable
+(and its stat-cache nodes into the ``NodeCache``). Speed without a weaker proof: siblings (and
+an incremental scan's dirty directories) are listed together on the walker's threads, the small
+files of a listing are read in batches by the same checks as one at a time (``ReadAhead``), and
+the cyclic GC is paused while a scan allocates its entries (``gc_paused``).
 
 Stat-cache rules. A file or symlink whose type, mode, owner, size, ino, dev, mtime_ns and ctime_ns
 equal its previous node's row is not re-read, unless its mtime or ctime is not strictly older than
@@ -31,8 +35,9 @@ during the read a torn read. A directory moved elsewhere mid-walk is listed as i
 opened (its fd is held); mount points inside the root are crossed; hard links are recorded as
 separate files.
 
-About 500 lines, over the usual 400: the walk, its no-follow checks, the stat cache, torn-read
-retries and the incremental mode share one walker's state, and split they would share internals.
+About 900 lines, over the usual 400: the walk, its no-follow checks, the stat cache, torn-read
+retries, the listings ahead and the incremental mode share one walker's state, and split they
+would share internals (what does not, the loops and the read-ahead, lives in ``walk``).
 
 Must never: follow a symlink, open a non-regular file, record a torn read, publish a tree before
 the blobs it names are durable, write anything but store objects, or talk to the settled store.
@@ -42,12 +47,10 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import gc
 import os
 import stat
-import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Final
 
@@ -79,14 +82,23 @@ from settled.workspace.objectstore import CHUNK, ObjectStore
 from settled.workspace.publish import Publisher
 from settled.workspace.sparse import Extent, data_ranges, hash_zeros, may_have_holes
 from settled.workspace.walk import COARSE_FS_SLACK_NS as COARSE_FS_SLACK_NS
-from settled.workspace.walk import Job, Listed, Read, choose, reusable
+from settled.workspace.walk import (
+    Job,
+    Listed,
+    Read,
+    ReadAhead,
+    choose,
+    identity,
+    open_beneath,
+    reusable,
+    workers,
+)
+from settled.workspace.walk import gc_paused as gc_paused
 
 CLOCK_SLACK_NS: Final = 20_000_000
 TORN_ATTEMPTS: Final = 4
 TORN_BACKOFF_S: Final = (0.0, 0.005, 0.02, 0.05)
 
-READ_SMALL: Final = 64 * 1024 - 1  # read whole by the walker (below sparse.MIN_HOLE: no hole)
-READ_AHEAD_BYTES: Final = 8 << 20  # the most of them held at once
 AHEAD_BATCH: Final = 64  # subdirectories listed together, on the walker's threads
 AHEAD_FDS: Final = 256  # at most this many listed ahead (each holds its directory fd)
 
@@ -184,30 +196,6 @@ def scan(
     index = Index(algo, started, top, scanner.sink, scanner.nodes)
     scanner.stats.entries_carried = max(0, index.count - scanner.entries_listed)
     return ScanResult(index, scanner.stats, frozenset(scanner.hashed), scanner.new_trees)
-
-
-_gc_lock = threading.Lock()
-_gc_pausers = [0, False]  # scans in progress; whether the collector ran before the first
-
-
-@contextlib.contextmanager
-def gc_paused() -> Iterator[None]:
-    """The cyclic garbage collector off for the duration (back on when the last concurrent
-    scan ends, if it was on before the first). A scan allocates hundreds of thousands of
-    entries, stat results and writers, none of them in a cycle, and the collector walking
-    them again and again cost ~1 s of CPU in the first checkpoint of 100,000 files here."""
-    with _gc_lock:
-        if _gc_pausers[0] == 0:
-            _gc_pausers[1] = gc.isenabled()
-            gc.disable()
-        _gc_pausers[0] += 1
-    try:
-        yield
-    finally:
-        with _gc_lock:
-            _gc_pausers[0] -= 1
-            if _gc_pausers[0] == 0 and _gc_pausers[1]:
-                gc.enable()
 
 
 def _under_ignored(rel: str, ignore: IgnoreRules) -> bool:
@@ -325,7 +313,7 @@ class _Scanner:
         self.ignore = NO_RULES
         self.walker = choose()
         self.stats.walker = self.walker.name
-        self.workers = _workers()
+        self.workers = workers()
         self.ahead: dict[str, tuple[int, Listed | OSError]] = {}  # listed with a sibling
         self.dirty: list[str] = []  # incremental mode: the dirty directories, sorted
         self.dirty_at: dict[str, int] = {}  # where each is in that list
@@ -480,19 +468,17 @@ class _Scanner:
             start = self.dirty.index(rel, self.dirty_next)
             batch = self.dirty[start : start + AHEAD_BATCH]
             self.dirty_next = start + len(batch)
-            opened = [
-                (d, sub) for d in batch if (sub := _open_beneath(self.root_fd, d)) is not None
-            ]
+            opened = [(d, sub) for d in batch if (sub := open_beneath(self.root_fd, d)) is not None]
             try:
                 jobs = [self.job(d, sub) for d, sub in opened]
                 listed = self.walker.scan_dirs(jobs, self.workers)
                 for (d, sub), result in zip(opened, listed, strict=True):
-                    self.dirty_ahead[d] = (_identity(os.fstat(sub)), result)
+                    self.dirty_ahead[d] = (identity(os.fstat(sub)), result)
             finally:
                 for _, sub in opened:
                     os.close(sub)
-        identity, result = self.dirty_ahead.pop(rel)
-        return result if identity == _identity(os.fstat(fd)) else None
+        listed_as, result = self.dirty_ahead.pop(rel)
+        return result if listed_as == identity(os.fstat(fd)) else None
 
     def record(self, fd: int, rel: str, listed: Listed | OSError) -> tuple[_Dir, list[str]]:
         """The directory at ``rel`` from its listing: the cached entries the stat cache vouched
@@ -523,7 +509,7 @@ class _Scanner:
             if ignore.patterns and ignore.ignores(prefix + name, stat.S_ISDIR(st.st_mode)):
                 continue  # left out by the task's bound rules: not recorded, never walked
             kept.append((name, st))
-        ahead = _ReadAhead(self, fd, kept)
+        ahead = ReadAhead(self.walker, self.workers, fd, kept)
         for name, st in kept:
             entry = self.entry(fd, name, prefix + name, st, current, read=ahead.get(name))
             if entry is None:
@@ -914,74 +900,6 @@ class _Scanner:
             if row is not None and row.type == DIR:
                 parent.rows[name_of(rel)] = with_node(row, node)
         raise AssertionError("the root is always rebuilt with the directories below it")
-
-
-class _ReadAhead:
-    """The small regular files of one listing, read by the walker in batches (on its threads,
-    without the GIL) just before the scanner records them, at most ``READ_AHEAD_BYTES`` at a
-    time; what a batch could not read is read the slow way."""
-
-    def __init__(self, scanner: _Scanner, fd: int, kept: list[tuple[str, os.stat_result]]) -> None:
-        self.scanner, self.fd = scanner, fd
-        self.small = [
-            (name, st.st_size)
-            for name, st in kept
-            if stat.S_ISREG(st.st_mode) and st.st_size <= READ_SMALL
-        ]
-        self.wanted = {name for name, _ in self.small}
-        self.next = 0
-        self.read: dict[str, Read | None] = {}
-
-    def get(self, name: str) -> Read | None:
-        if name not in self.wanted:
-            return None
-        if name not in self.read:
-            self.fetch()
-        return self.read.pop(name, None)
-
-    def fetch(self) -> None:
-        names: list[str] = []
-        total = 0
-        while self.next < len(self.small) and (not names or total < READ_AHEAD_BYTES):
-            name, size = self.small[self.next]
-            names.append(name)
-            total += size
-            self.next += 1
-        walker, workers = self.scanner.walker, self.scanner.workers
-        got = walker.read_files(self.fd, names, READ_SMALL, workers)
-        self.read.update(zip(names, got, strict=True))
-
-
-def _identity(st: os.stat_result) -> tuple[int, int]:
-    return st.st_dev, st.st_ino
-
-
-def _open_beneath(root_fd: int, rel: str) -> int | None:
-    """The directory at ``rel`` opened component by component from the root, never following
-    a symlink; None if it cannot be (the walk then opens and lists it itself)."""
-    fd = root_fd
-    try:
-        for name in [] if rel == ROOT else rel.split("/"):
-            sub = os.open(name, _DIR_FLAGS, dir_fd=fd)
-            if fd != root_fd:
-                os.close(fd)
-            fd = sub
-    except OSError:
-        if fd != root_fd:
-            os.close(fd)
-        return None
-    return fd if fd != root_fd else os.dup(root_fd)
-
-
-def _workers() -> int:
-    """Threads for the walker's system calls: one for each CPU this process may run on, at
-    most 4. Measured here (2 CPUs, 30,000 files of 100 B, warm): reading them took 7.6 us a
-    file on one thread, 5.0 on two, 9-11 on four (every open and close takes the process's
-    file table lock); lstat'ing 100,000 entries, 2.8 s on one, 1.7 on two, 1.8 on four."""
-    try:
-        return max(1, min(4, len(os.sched_getaffinity(0))))
-    except OSError:
-        return 1
 
 
 def _carried(now: Entry, known: Entry) -> Entry:

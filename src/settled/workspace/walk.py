@@ -33,9 +33,12 @@ re-read (``reusable`` is the rule for both).
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import os
 import stat
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from typing import Final, NamedTuple
 
 from settled.errors import SettledError
@@ -200,3 +203,103 @@ def choose(wanted: str | None = None) -> Walker:
 
 
 PYTHON_WALKER: Final = Walker(PYTHON, python_scan_dirs, python_read_files)
+
+
+READ_SMALL: Final = 64 * 1024 - 1  # read whole by the walker (below sparse.MIN_HOLE: no hole)
+READ_AHEAD_BYTES: Final = 8 << 20  # the most of them held at once
+_DIR_FLAGS: Final = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_ROOT: Final = "."
+
+
+class ReadAhead:
+    """The small regular files of one listing, read by the walker in batches (on its threads,
+    without the GIL) just before the scanner records them, at most ``READ_AHEAD_BYTES`` at a
+    time; what a batch could not read is read the slow way."""
+
+    def __init__(
+        self, walker: Walker, workers: int, fd: int, kept: list[tuple[str, os.stat_result]]
+    ) -> None:
+        self.walker, self.workers, self.fd = walker, workers, fd
+        self.small = [
+            (name, st.st_size)
+            for name, st in kept
+            if stat.S_ISREG(st.st_mode) and st.st_size <= READ_SMALL
+        ]
+        self.wanted = {name for name, _ in self.small}
+        self.next = 0
+        self.read: dict[str, Read | None] = {}
+
+    def get(self, name: str) -> Read | None:
+        if name not in self.wanted:
+            return None
+        if name not in self.read:
+            self.fetch()
+        return self.read.pop(name, None)
+
+    def fetch(self) -> None:
+        names: list[str] = []
+        total = 0
+        while self.next < len(self.small) and (not names or total < READ_AHEAD_BYTES):
+            name, size = self.small[self.next]
+            names.append(name)
+            total += size
+            self.next += 1
+        got = self.walker.read_files(self.fd, names, READ_SMALL, self.workers)
+        self.read.update(zip(names, got, strict=True))
+
+
+def identity(st: os.stat_result) -> tuple[int, int]:
+    return st.st_dev, st.st_ino
+
+
+def open_beneath(root_fd: int, rel: str) -> int | None:
+    """The directory at ``rel`` opened component by component from the root, never following
+    a symlink; None if it cannot be (the walk then opens and lists it itself)."""
+    fd = root_fd
+    try:
+        for name in [] if rel == _ROOT else rel.split("/"):
+            sub = os.open(name, _DIR_FLAGS, dir_fd=fd)
+            if fd != root_fd:
+                os.close(fd)
+            fd = sub
+    except OSError:
+        if fd != root_fd:
+            os.close(fd)
+        return None
+    return fd if fd != root_fd else os.dup(root_fd)
+
+
+def workers() -> int:
+    """Threads for the walker's system calls: one for each CPU this process may run on, at
+    most 4. Measured here (2 CPUs, 30,000 files of 100 B, warm): reading them took 7.6 us a
+    file on one thread, 5.0 on two, 9-11 on four (every open and close takes the process's
+    file table lock); listing and lstat'ing 100,000 entries, 278 ms on one, 165 on two, 177 on
+    four."""
+    try:
+        return max(1, min(4, len(os.sched_getaffinity(0))))
+    except OSError:
+        return 1
+
+
+_gc_lock = threading.Lock()
+_gc_pausers = [0, False]  # scans in progress; whether the collector ran before the first
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """The cyclic garbage collector off for the duration (back on when the last concurrent
+    scan ends, if it was on before the first). A scan allocates hundreds of thousands of
+    entries, stat results and writers, none of them in a cycle, and the collector walking
+    them again and again cost ~1 s of CPU in the first checkpoint of 100,000 files here."""
+    with _gc_lock:
+        if _gc_pausers[0] == 0:
+            _gc_pausers[1] = gc.isenabled()
+            gc.disable()
+        _gc_pausers[0] += 1
+    try:
+        yield
+    finally:
+        with _gc_lock:
+            _gc_pausers[0] -= 1
+            if _gc_pausers[0] == 0 and _gc_pausers[1]:
+                gc.enable()
