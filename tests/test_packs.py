@@ -232,15 +232,15 @@ def test_rereads_read_a_pack_once_and_stamp_nothing_if_it_changed_meanwhile(
     )
     assert len([name for name in opened if name.endswith(".pack")]) == 1
     monkeypatch.undo()
-    real_read_at = packs_module.read_at
+    real_pread = os.pread
     pack = pack_file(store, ".pack")
 
-    def read_then_touch(fd: int, offset: int, size: int) -> bytes:
-        got = real_read_at(fd, offset, size)
+    def read_then_touch(fd: int, size: int, offset: int) -> bytes:
+        got = real_pread(fd, size, offset)
         pack.chmod(0o400)  # the pack changes (its ctime) while the batch reads it
         return got
 
-    monkeypatch.setattr(packs_module, "read_at", read_then_touch)
+    monkeypatch.setattr(os, "pread", read_then_touch)
     changed = store.rereads(digests[:3])
     assert all(
         not isinstance(g, Exception) and g.actual == d and g.stamp is None
