@@ -145,12 +145,23 @@ def small_owner_kib(runtime: Runtime) -> int:
 
 
 def tamper_object(objects: Any, digest: str, change: Callable[[bytes], bytes]) -> None:
-    """Change a stored object's bytes behind its store's back, where it lies: the local file,
-    or a newer version of its key in the bucket (with the store's own client)."""
-    if hasattr(objects, "path_of"):
-        path = Path(objects.path_of(digest))
+    """Change a stored object's bytes behind its store's back, where it lies: the local file
+    (or, for an object in a local pack, its bytes in the pack, which only a change of the same
+    size can be), or a newer version of its key in the bucket (with the store's own client)."""
+    if hasattr(objects, "location_of"):
+        where, offset, size = objects.location_of(digest)
+        path = Path(where)
         path.chmod(0o600)
-        path.write_bytes(change(path.read_bytes()))
+        if where == objects.path_of(digest):
+            path.write_bytes(change(path.read_bytes()))
+            return
+        with open(path, "r+b") as handle:
+            handle.seek(offset)
+            new = change(handle.read(size))
+            assert len(new) == size, "a packed object can only be changed in place"
+            handle.seek(offset)
+            handle.write(new)
+        path.chmod(0o400)
         return
     key = objects.key_of(digest)
     body = objects.client().get_object(Bucket=objects.bucket, Key=key)["Body"].read()

@@ -80,6 +80,7 @@ UNITS: list[tuple[str, str]] = [
     ("log", "settled.log"),
     ("objects", "settled.workspace.objectstore"),
     ("objects", "settled.workspace.objects"),
+    ("objects", "settled.workspace.packs"),  # the local store's packs: objects.py's alone
     ("objects", "settled.workspace.s3objects"),
     ("objects", "settled.workspace.hashing"),
     ("objects", "settled.workspace.open_objects"),

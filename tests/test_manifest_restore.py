@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Final
 
 import pytest
+from conftest import tamper_object
 
 from settled.canonical import canonical_bytes
 from settled.workspace.hashing import DEFAULT_ALGORITHM, digest_bytes
@@ -486,8 +487,7 @@ def test_the_read_back_checks_what_the_checkpoint_published_and_what_it_reuses(
     Path(store.path_of(new_tree)).write_bytes(original)
 
     reused_blob = digest_bytes(DEFAULT_ALGORITHM, b"same")  # in d3, not re-read by the scan
-    os.chmod(store.path_of(reused_blob), 0o644)
-    Path(store.path_of(reused_blob)).write_bytes(b"SAME")
+    tamper_object(store, reused_blob, lambda _: b"SAME")  # in the first scan's pack
     tampered = check(SINCE_PARENT)
     assert [(p.object, p.problem, p.paths) for p in tampered.problems] == [
         (reused_blob, "damaged", ("d3/same",))

@@ -183,6 +183,22 @@ def test_a_reread_hashes_every_byte_and_names_the_copy_it_read(store: ObjectStor
     assert store.reread(digest).data is None
 
 
+def test_rereads_answers_each_digest_in_order_like_reread(store: ObjectStore) -> None:
+    present = [store.put_bytes(b"reread %d" % i) for i in range(3)]
+    absent = digest_bytes(DEFAULT_ALGORITHM, b"never written")
+    asked = [present[2], absent, present[0], "not-a-digest", present[1]]
+    got = store.rereads(asked)
+    assert [type(g).__name__ for g in got] == [
+        "Reread", "ObjectMissing", "Reread", "BadDigest", "Reread"
+    ]  # fmt: skip
+    for digest, one in zip(asked, got, strict=True):
+        if digest in present:
+            assert not isinstance(one, Exception)
+            assert (one.actual, one.data) == (digest, None)
+            assert one.stamp == store.stamp(digest)
+    assert store.rereads([]) == []
+
+
 def test_an_absent_object_is_missing_to_every_reader(store: ObjectStore) -> None:
     absent = digest_bytes(DEFAULT_ALGORITHM, b"never written")
     assert not store.has(absent) and not store.verify(absent)
@@ -210,7 +226,10 @@ def test_a_staged_object_is_stored_once_synced_and_published(store: ObjectStore)
 
 
 def test_a_digest_that_is_not_a_digest_is_refused_by_every_operation(store: ObjectStore) -> None:
-    for bad in ("blake3:../../etc/passwd", "md5:" + "0" * 64, "blake3:" + "A" * 64, "nocolon"):
+    for bad in (
+        "blake3:../../etc/passwd", "md5:" + "0" * 64, "blake3:" + "A" * 64, "nocolon",
+        "blake3:" + "0" * 62 + " 0", "blake3:" + "é" * 64, "blake3:" + "0" * 63 + "g",
+    ):  # fmt: skip
         for operation in (store.has, store.read, store.open, store.stamp, store.reread):
             with pytest.raises(BadDigest):
                 operation(bad)
@@ -383,7 +402,10 @@ def test_a_batch_fsyncs_each_fanout_directory_once_at_its_end(
 
 
 def test_a_digest_that_is_not_a_digest_is_never_a_path(local: LocalObjectStore) -> None:
-    for bad in ("blake3:../../etc/passwd", "md5:" + "0" * 64, "blake3:" + "A" * 64, "nocolon"):
+    for bad in (
+        "blake3:../../etc/passwd", "md5:" + "0" * 64, "blake3:" + "A" * 64, "nocolon",
+        "blake3:" + "0" * 62 + " 0", "blake3:" + "é" * 64, "blake3:" + "0" * 63 + "g",
+    ):  # fmt: skip
         with pytest.raises(BadDigest):
             local.path_of(bad)
     with pytest.raises(ObjectMissing, match="blake3:" + "0" * 64):

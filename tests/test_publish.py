@@ -1,4 +1,4 @@
-"""Publishing many objects: each fsynced while few, then staged and synced once as a group."""
+"""Publishing many objects: each fsynced while few, then staged into one pack, synced once."""
 
 from __future__ import annotations
 
@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from settled.workspace import objects as objects_module
+from settled.workspace import packs as packs_module
 from settled.workspace.hashing import DEFAULT_ALGORITHM, digest_bytes
 from settled.workspace.objects import LocalObjectStore
 from settled.workspace.objectstore import DurabilityError
-from settled.workspace.publish import Publisher
+from settled.workspace.publish import GROUP_FROM, Publisher
 from settled.workspace.scan import scan
 
 
@@ -31,14 +31,16 @@ def payloads(count: int, size: int = 100) -> list[bytes]:
     return [(b"%06d" % i) * (size // 6) for i in range(count)]
 
 
-def test_past_the_threshold_objects_are_staged_then_synced_once(store: LocalObjectStore) -> None:
+def test_past_the_threshold_every_object_is_staged_then_synced_once(
+    store: LocalObjectStore,
+) -> None:
     data = [*payloads(40), os.urandom(3 * (1 << 20))]  # the last one spills to its temp file
     with Publisher(store, group_from=10) as publisher:
         submit_all(publisher, store, data)
-        staged = [digest_bytes(DEFAULT_ALGORITHM, d) for d in data[10:]]
+        staged = [digest_bytes(DEFAULT_ALGORITHM, d) for d in data]
         assert not any(store.has(digest) for digest in staged)  # no name before the sync
         publisher.close()
-    assert (publisher.submitted, publisher.grouped, publisher.created) == (41, 31, 41)
+    assert (publisher.submitted, publisher.grouped, publisher.created) == (41, 41, 41)
     assert all(store.verify(digest_bytes(DEFAULT_ALGORITHM, d)) for d in data)
     assert os.listdir(store.temp_dir) == []
 
@@ -56,26 +58,48 @@ def test_a_staged_object_already_present_is_not_written_again(store: LocalObject
 def test_a_failed_group_sync_names_no_object_and_leaves_no_temp(
     store: LocalObjectStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    def failing_syncfs(fd: int, path: str) -> None:
-        raise DurabilityError(f"the filesystem of {path}", OSError(5, "Input/output error"))
+    real_fsync = packs_module._fsync
 
-    monkeypatch.setattr(objects_module, "_syncfs", failing_syncfs)
+    def failing_pack_fsync(fd: int, path: str) -> None:
+        if path.endswith(".pack"):
+            raise DurabilityError(path, OSError(5, "Input/output error"))
+        real_fsync(fd, path)
+
+    monkeypatch.setattr(packs_module, "_fsync", failing_pack_fsync)
     data = payloads(20)
     publisher = Publisher(store, group_from=5)
     with pytest.raises(DurabilityError, match="Input/output error"), publisher:
         submit_all(publisher, store, data)
     present = [store.has(digest_bytes(DEFAULT_ALGORITHM, d)) for d in data]
-    assert present == [True] * 5 + [False] * 15  # the first five had an fsync each
+    assert present == [False] * 20  # the five held back were staged with the rest
     assert os.listdir(store.temp_dir) == []
+    assert os.listdir(store.packs.dir) == []  # the pack that was never named is gone
 
 
-def test_without_syncfs_every_object_gets_its_own_fsync(
-    store: LocalObjectStore, monkeypatch: pytest.MonkeyPatch
+def test_a_small_publish_is_committed_object_by_object_at_close(store: LocalObjectStore) -> None:
+    data = payloads(GROUP_FROM)
+    with Publisher(store) as publisher:
+        submit_all(publisher, store, data)
+        assert not any(store.has(digest_bytes(DEFAULT_ALGORITHM, d)) for d in data)
+    assert (publisher.grouped, publisher.created) == (0, GROUP_FROM)
+    assert all(os.path.isfile(store.path_of(digest_bytes(DEFAULT_ALGORITHM, d))) for d in data)
+    assert not os.path.exists(store.packs.dir)
+
+
+def test_a_group_of_small_objects_is_one_pack_named_after_its_sync(
+    store: LocalObjectStore,
 ) -> None:
-    monkeypatch.setattr(objects_module, "_SYNCFS", None)
+    data = payloads(50)
     with Publisher(store, group_from=0) as publisher:
-        submit_all(publisher, store, payloads(10))
-    assert (publisher.grouped, publisher.created) == (0, 10)
+        submit_all(publisher, store, data)
+        assert os.listdir(store.packs.dir) == [next(iter(os.listdir(store.packs.dir)))]
+        assert not any(store.has(digest_bytes(DEFAULT_ALGORITHM, d)) for d in data)
+    assert (publisher.grouped, publisher.created) == (50, 50)
+    names = sorted(os.listdir(store.packs.dir))
+    assert [n.rsplit(".", 1)[1] for n in names] == ["idx", "pack"]
+    assert all(os.stat(os.path.join(store.packs.dir, n)).st_mode & 0o777 == 0o400 for n in names)
+    assert all(store.verify(digest_bytes(DEFAULT_ALGORITHM, d)) for d in data)
+    assert not os.path.exists(store.path_of(digest_bytes(DEFAULT_ALGORITHM, data[0])))
 
 
 def test_a_large_scan_stages_its_blobs_and_trees(tmp_path: Path) -> None:
@@ -86,7 +110,8 @@ def test_a_large_scan_stages_its_blobs_and_trees(tmp_path: Path) -> None:
             (workspace / f"d{d:02d}" / f"f{f}").write_bytes(b"%d/%d" % (d, f))
     result = scan(workspace, store=store)
     assert result.stats.blobs_written == 200
-    assert result.stats.objects_grouped == (200 - 64) + (101 - 64)  # blobs, then trees
+    assert result.stats.objects_grouped == 200 + 101 > 2 * GROUP_FROM  # blobs, then trees
+    assert len([n for n in os.listdir(store.packs.dir) if n.endswith(".idx")]) == 2
     assert all(store.verify(digest) for digest in result.blobs)
     assert all(store.has(tree) for tree in result.trees)
     assert os.listdir(store.temp_dir) == []

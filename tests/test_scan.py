@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import socket
 import sqlite3
+import stat
 import threading
 import time
 from pathlib import Path
 
 import pytest
 
+from settled.workspace import ignore, walk
 from settled.workspace import scan as scan_module
 from settled.workspace.hashing import DEFAULT_ALGORITHM, digest_bytes
 from settled.workspace.index import Index
@@ -20,6 +24,14 @@ from settled.workspace.objectstore import DurabilityError
 from settled.workspace.scan import ScanResult, TornRead, scan
 
 SETTLE_S = 2 * scan_module.CLOCK_SLACK_NS / 1e9
+WALKERS = (walk.NATIVE, walk.PYTHON)
+
+
+@pytest.fixture(autouse=True, params=WALKERS)
+def walker(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every test here runs over both walkers: the C one and its pure Python twin."""
+    monkeypatch.setenv("SETTLED_WALKER", request.param)
+    return str(request.param)
 
 
 def settle() -> None:
@@ -50,11 +62,12 @@ def cutoff(result: ScanResult) -> int:
     return node.trusted_before_ns
 
 
-def test_unchanged_files_are_not_read_again(tmp_path: Path) -> None:
+def test_unchanged_files_are_not_read_again(tmp_path: Path, walker: str) -> None:
     make_tree(tmp_path, files=20)
     settle()
     first = scan(tmp_path)
     second = scan(tmp_path, first.index)
+    assert first.stats.walker == second.stats.walker == walker
     assert first.stats.files_hashed == 20
     assert (second.stats.files_hashed, second.stats.bytes_read) == (0, 0)
     assert second.stats.entries_reused == 20
@@ -163,8 +176,12 @@ def test_a_directory_replaced_by_a_symlink_mid_walk_is_never_entered(
     assert result.stats.bytes_read == 0
 
 
-def _append_during_first_reads(monkeypatch: pytest.MonkeyPatch, path: Path, times: int) -> None:
-    """Append to ``path`` just before the scanner's next ``times`` reads of it."""
+def _append_during_first_reads(
+    monkeypatch: pytest.MonkeyPatch, path: Path, times: int, reads: str
+) -> None:
+    """Append to ``path`` during the scanner's next ``times`` reads of it: the walker's
+    read-ahead of small files (``reads="ahead"``: its second fstat sees the append), then
+    each of its slow reads (``os.readv``). ``reads="slow"`` turns the read-ahead off."""
     real_readv = os.readv
     target = os.stat(path).st_ino
     left = [times]
@@ -177,15 +194,34 @@ def _append_during_first_reads(monkeypatch: pytest.MonkeyPatch, path: Path, time
         return real_readv(fd, buffers)
 
     monkeypatch.setattr(os, "readv", readv)
+    if reads == "slow":
+        monkeypatch.setattr(walk, "READ_SMALL", -1)
+        return
+    real = walk.choose()
+
+    def read_files(
+        dir_fd: int, names: list[str], limit: int, workers: int
+    ) -> list[walk.Read | None]:
+        got = real.read_files(dir_fd, names, limit, workers)
+        for i, read in enumerate(got):
+            if read is not None and read[0].st_ino == target and left[0]:
+                left[0] -= 1
+                with open(path, "ab") as handle:
+                    handle.write(b"+more")
+                got[i] = (read[0], read[1], os.stat(path))  # as if it landed mid-read
+        return got
+
+    monkeypatch.setattr(scan_module, "choose", lambda: real._replace(read_files=read_files))
 
 
+@pytest.mark.parametrize("reads", ["ahead", "slow"])
 def test_a_file_appended_to_during_the_read_is_reread_never_torn(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, reads: str
 ) -> None:
     path = tmp_path / "log"
     path.write_bytes(b"start")
     store = LocalObjectStore(tmp_path.parent / f"{tmp_path.name}-objects")
-    _append_during_first_reads(monkeypatch, path, times=1)
+    _append_during_first_reads(monkeypatch, path, times=1, reads=reads)
     result = scan(tmp_path, store=store)
     final = digest_bytes(DEFAULT_ALGORITHM, b"start+more")
     assert entry(result, "log").digest == final and entry(result, "log").size == 10
@@ -193,12 +229,13 @@ def test_a_file_appended_to_during_the_read_is_reread_never_torn(
     assert store.has(final) and os.listdir(store.temp_dir) == []
 
 
+@pytest.mark.parametrize("reads", ["ahead", "slow"])
 def test_a_file_that_keeps_changing_fails_the_scan_with_torn_read(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, reads: str
 ) -> None:
     path = tmp_path / "busy"
     path.write_bytes(b"start")
-    _append_during_first_reads(monkeypatch, path, times=100)
+    _append_during_first_reads(monkeypatch, path, times=100, reads=reads)
     with pytest.raises(TornRead, match="'busy'"):
         scan(tmp_path)
 
@@ -398,3 +435,217 @@ def test_an_unreadable_stat_cache_node_is_refused_not_trusted(tmp_path: Path) ->
     cold = Index.from_bytes(first.index.to_bytes(), cache)
     with pytest.raises(IndexMismatch, match=f"{node.ref} of 'd0'"):
         scan(workspace, cold, store, cache=cache)
+
+
+def every_kind(root: Path) -> None:
+    """A tree with every entry kind the scanner records, ignored paths and a non-ASCII name."""
+    (root / "d" / "deep" / "deeper").mkdir(parents=True)
+    (root / "empty").mkdir()
+    (root / "build").mkdir()
+    (root / "build" / "out.o").write_bytes(b"ignored")
+    (root / "x.log").write_bytes(b"ignored too")
+    (root / "keep.log").write_bytes(b"kept by negation")
+    for i in range(12):
+        (root / "d" / f"f{i}").write_bytes(b"file %d\n" % i)
+    (root / "d" / "deep" / "deeper" / "leaf").write_bytes(b"leaf")
+    (root / "d" / "empty-file").write_bytes(b"")
+    (root / "héllo wörld.txt").write_bytes(b"non-ascii name")
+    os.link(root / "d" / "f0", root / "d" / "hard-link-to-f0")
+    os.symlink("f1", root / "d" / "link-in")
+    os.symlink("/etc/passwd", root / "link-out")
+    os.symlink("missing", root / "dangling")
+    os.symlink("d", root / "dir-link")
+    os.mkfifo(root / "fifo")
+    with contextlib.closing(socket.socket(socket.AF_UNIX)) as sock:
+        sock.bind(str(root / "sock"))
+    with contextlib.suppress(PermissionError):  # a device node needs CAP_MKNOD
+        os.mknod(root / "null", 0o600 | stat.S_IFCHR, os.makedev(1, 3))
+    os.chmod(root / "d" / "f2", 0o751)
+    with open(root / "sparse", "wb") as handle:  # a hole past MIN_HOLE, data at both ends
+        handle.write(b"head")
+        handle.seek(1 << 20)
+        handle.write(b"tail")
+
+
+def comparable(result: ScanResult) -> tuple[list[Entry], dict[str, str], dict[str, object]]:
+    stats = {k: v for k, v in vars(result.stats).items() if k != "walker"}
+    return observed(result), result.trees, stats
+
+
+def test_both_walkers_give_identical_results(tmp_path: Path, walker: str) -> None:
+    """Every entry kind, racy files, ignored paths: the same index, trees and counters from the
+    C walker and its Python twin, on a first scan, a rescan and a rescan after changes."""
+    if walker != walk.NATIVE:
+        pytest.skip("compares both walkers once")
+    every_kind(tmp_path)
+    rules = ignore.compile_rules(["build/", "*.log", "!keep.log"])
+
+    def both(previous: Index | None) -> dict[str, ScanResult]:
+        """Each walker from the same previous index: the stat cache's decisions (racy or not)
+        depend on that index's cutoff only, never on when each scan ran."""
+        out = {}
+        for name in (walk.NATIVE, walk.PYTHON):
+            os.environ["SETTLED_WALKER"] = name
+            out[name] = scan(tmp_path, previous, ignore=rules)
+            assert out[name].stats.walker == name
+        return out
+
+    first = both(None)
+    settle()
+    second = both(first[walk.NATIVE].index)  # everything racy in the first: re-read once
+    third = both(second[walk.NATIVE].index)  # all vouched for
+    (tmp_path / "d" / "f3").write_bytes(b"changed\n")
+    (tmp_path / "d" / "f4").unlink()
+    (tmp_path / "d" / "new").write_bytes(b"new")
+    os.chmod(tmp_path / "d" / "f5", 0o600)
+    fourth = both(third[walk.NATIVE].index)
+    for step in (first, second, third, fourth):
+        assert comparable(step[walk.NATIVE]) == comparable(step[walk.PYTHON])
+    paths = set(fourth[walk.NATIVE].index.by_path)
+    assert {"keep.log", "fifo", "sock", "dangling", "héllo wörld.txt", "d/new"} <= paths
+    assert not {"build", "build/out.o", "x.log", "d/f4"} & paths
+    assert second[walk.NATIVE].stats.files_hashed > 0  # what was racy when first seen
+    assert third[walk.NATIVE].stats.files_hashed == 0
+    assert third[walk.NATIVE].stats.entries_reused == 18 + 4  # the files and the symlinks
+    assert fourth[walk.NATIVE].stats.files_hashed == 3  # f3, f5 (its mode), new
+
+
+def test_a_walker_that_cannot_be_used_is_an_error_not_a_silent_fallback(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("SETTLED_WALKER", "fast")
+    with pytest.raises(walk.WalkerUnavailable, match="SETTLED_WALKER='fast'"):
+        walk.choose()
+    monkeypatch.setattr(walk, "_native", lambda: None)  # as if the extension were not built
+    monkeypatch.setenv("SETTLED_WALKER", walk.NATIVE)
+    with pytest.raises(walk.WalkerUnavailable, match="pip install -e"):
+        walk.choose()
+    monkeypatch.delenv("SETTLED_WALKER")
+    assert walk.choose().name == walk.PYTHON  # the fallback, named in every scan's stats
+
+
+def test_the_c_walker_is_built(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CI installs with `pip install -e .`, which must have compiled it."""
+    monkeypatch.delenv("SETTLED_WALKER", raising=False)
+    assert walk.choose().name == walk.NATIVE
+
+
+def test_a_directory_listed_ahead_that_fails_is_named_when_reached(
+    tmp_path: Path, walker: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Siblings are listed together; one whose listing failed fails the scan with its own
+    path, when the walk reaches it (a mode cannot make a directory unreadable to root)."""
+    for name in ("a", "b", "c"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "f").write_bytes(name.encode())
+    real = walk.choose(walker)
+
+    def failing_b(jobs: list[walk.Job], workers: int) -> list[walk.Listed | OSError]:
+        listed = real.scan_dirs(jobs, workers)
+        for i, (fd, _, _) in enumerate(jobs):
+            if os.readlink(f"/proc/self/fd/{fd}") == str(tmp_path / "b"):
+                listed[i] = PermissionError(13, "Permission denied")
+        return listed
+
+    monkeypatch.setattr(scan_module, "choose", lambda: real._replace(scan_dirs=failing_b))
+    with pytest.raises(scan_module.WorkspaceUnreadable, match="'b'"):
+        scan(tmp_path)
+
+
+def test_a_file_swapped_for_a_fifo_after_the_listing_is_never_opened(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, walker: str
+) -> None:
+    """The walker reads small files after listing them: one replaced by a FIFO in between is
+    recorded as the FIFO it now is (opening it for reading would block the scan forever)."""
+    (tmp_path / "f").write_bytes(b"a file when listed")
+    real = walk.choose(walker)
+
+    def swap_after_listing(jobs: list[walk.Job], workers: int) -> list[walk.Listed | OSError]:
+        listed = real.scan_dirs(jobs, workers)
+        if (tmp_path / "f").is_file():
+            (tmp_path / "f").unlink()
+            os.mkfifo(tmp_path / "f")
+        return listed
+
+    monkeypatch.setattr(scan_module, "choose", lambda: real._replace(scan_dirs=swap_after_listing))
+    result = scan(tmp_path, store=LocalObjectStore(tmp_path.parent / f"{tmp_path.name}-o"))
+    assert entry(result, "f").type == "fifo" and result.stats.files_hashed == 0
+
+
+def test_many_dirty_directories_are_listed_ahead_in_batches_and_match_a_full_scan(
+    tmp_path: Path, walker: str
+) -> None:
+    count = scan_module.AHEAD_BATCH + 6
+    for d in range(count):
+        (tmp_path / f"d{d:03d}").mkdir()
+        for f in range(3):
+            (tmp_path / f"d{d:03d}" / f"f{f}").write_bytes(b"%d %d" % (d, f))
+    settle()
+    first = scan(tmp_path)
+    settle()
+    for d in range(count):
+        (tmp_path / f"d{d:03d}" / "f1").write_bytes(b"changed %d" % d)
+    dirty = [f"d{d:03d}" for d in range(count)]
+    incremental = scan(tmp_path, first.index, only=dirty)
+    full = scan(tmp_path, first.index)
+    assert observed(incremental) == observed(full)
+    assert (incremental.stats.dirs_listed, incremental.stats.files_hashed) == (count, count)
+
+
+def test_a_dirty_directory_replaced_after_it_was_listed_ahead_is_recorded_as_it_is_now(
+    tmp_path: Path, walker: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "f").write_bytes(name.encode())
+    settle()
+    first = scan(tmp_path)
+    (tmp_path / "a" / "f").write_bytes(b"a changed")
+    (tmp_path / "b" / "f").write_bytes(b"b changed")
+    real = walk.choose(walker)
+    swapped = []
+
+    def swap_b_after_listing(jobs: list[walk.Job], workers: int) -> list[walk.Listed | OSError]:
+        listed = real.scan_dirs(jobs, workers)
+        if len(jobs) > 1 and not swapped:  # the batch listed ahead: now b is another directory
+            os.rename(tmp_path / "b", tmp_path / "old-b")
+            (tmp_path / "b").mkdir()
+            (tmp_path / "b" / "g").write_bytes(b"the new b")
+            swapped.append(True)
+        return listed
+
+    monkeypatch.setattr(
+        scan_module, "choose", lambda: real._replace(scan_dirs=swap_b_after_listing)
+    )
+    result = scan(tmp_path, first.index, only=["a", "b"])
+    paths = set(result.index.by_path)
+    assert swapped and {"b/g", "old-b/f"} <= paths and "b/f" not in paths
+    assert entry(result, "old-b/f").digest == digest_bytes(DEFAULT_ALGORITHM, b"b changed")
+
+
+def test_the_garbage_collector_is_paused_during_a_scan_and_restored_after(tmp_path: Path) -> None:
+    import gc
+
+    make_tree(tmp_path, files=3)
+    seen: list[bool] = []
+    real = walk.choose()
+
+    def noting(jobs: list[walk.Job], workers: int) -> list[walk.Listed | OSError]:
+        seen.append(gc.isenabled())
+        return real.scan_dirs(jobs, workers)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(scan_module, "choose", lambda: real._replace(scan_dirs=noting))
+        assert gc.isenabled()
+        scan(tmp_path)
+        assert gc.isenabled() and seen and not any(seen)
+        gc.disable()
+        try:
+            scan(tmp_path)
+            assert not gc.isenabled()  # left as it was found
+        finally:
+            gc.enable()
+        patch.setattr(scan_module, "choose", lambda: real._replace(scan_dirs=None))
+        with pytest.raises(TypeError):
+            scan(tmp_path)
+        assert gc.isenabled()  # restored on the way out of a failed scan too

@@ -49,7 +49,7 @@ from settled.workspace.nodecache import NodeCache
 from settled.workspace.objectstore import ObjectMissing, ObjectStore, StoredObject
 from settled.workspace.open_objects import open_object_store as open_object_store
 from settled.workspace.readback import QUARANTINABLE, Problem, ReadBack, read_back
-from settled.workspace.scan import ScanError, ScanResult, scan
+from settled.workspace.scan import ScanError, ScanResult, gc_paused, scan
 from settled.workspace.verified import VerifiedRecord
 
 CHECKPOINT_RECEIPT_VERSION = "settled.receipt.checkpoint/v1"
@@ -172,7 +172,8 @@ class WorkspaceService:
         faults.point("checkpoint.after_manifest")
         faults.point("checkpoint.before_read_back")
         fresh, open_trees = self._fresh(scan_fact)
-        check = self._read_back(manifest, index, fresh, open_trees)
+        with gc_paused():  # like the scan: ~100,000 objects re-read, none in a cycle
+            check = self._read_back(manifest, index, fresh, open_trees)
         healed = None
         if not check.ok:
             healed, check, manifest = self._heal(task, index, scan_fact, check, fresh, open_trees)

@@ -62,7 +62,7 @@ from settled.workspace.manifest import (
     join,
     read_head,
 )
-from settled.workspace.objectstore import ObjectMissing, ObjectStore, ObjectUnreadable
+from settled.workspace.objectstore import ObjectMissing, ObjectStore, ObjectUnreadable, Reread
 from settled.workspace.verified import Verified, VerifiedRecord
 
 CLOSURE: Final = "closure"
@@ -111,12 +111,23 @@ def rehash(store: ObjectStore, digest: str, *, keep: bool = False) -> Rehash:
     """Re-read ``digest`` from the store and hash every byte; ``keep`` returns the bytes."""
     try:
         got = store.reread(digest, keep=keep)
-    except ObjectMissing:
+    except SettledError as error:  # missing, unreadable, or not a digest
+        return _rehashed(digest, error)
+    return _rehashed(digest, got)
+
+
+def rehash_all(store: ObjectStore, digests: list[str]) -> list[Rehash]:
+    """``rehash`` of each (bytes not kept), the store asked for all of them at once."""
+    return [_rehashed(d, got) for d, got in zip(digests, store.rereads(digests), strict=True)]
+
+
+def _rehashed(digest: str, got: Reread | Exception) -> Rehash:
+    if isinstance(got, ObjectMissing):
         return Rehash(Problem(digest, MISSING))
-    except ObjectUnreadable as error:  # a symlink holds the name, or not a regular file
-        return Rehash(Problem(digest, INVALID, detail=error.detail))
-    except SettledError as error:  # not a digest
-        return Rehash(Problem(digest, INVALID, detail=str(error)))
+    if isinstance(got, ObjectUnreadable):  # a symlink holds the name, or not a regular file
+        return Rehash(Problem(digest, INVALID, detail=got.detail))
+    if isinstance(got, Exception):  # not a digest, or unreadable
+        return Rehash(Problem(digest, INVALID, detail=str(got)))
     if got.actual != digest:
         return Rehash(Problem(digest, DAMAGED, detail=f"reads back as {got.actual}"), size=got.size)
     identity = None if got.stamp is None else Verified.of_stamp(got.stamp, got.started_ns)
@@ -347,11 +358,13 @@ class _Walk:
             self.trusted += trusted
         else:
             rehash += candidates
-        for digest in rehash:
-            self._rehash(digest, keep=False, is_tree=trees)
+        for digest, got in zip(rehash, rehash_all(self.store, rehash), strict=True):
+            self._note(digest, got, is_tree=trees)
 
     def _rehash(self, digest: str, *, keep: bool, is_tree: bool) -> Rehash:
-        got = rehash(self.store, digest, keep=keep)
+        return self._note(digest, rehash(self.store, digest, keep=keep), is_tree=is_tree)
+
+    def _note(self, digest: str, got: Rehash, *, is_tree: bool) -> Rehash:
         self.done.add(digest)
         self.bytes_read += got.size
         if is_tree:

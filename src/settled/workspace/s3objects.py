@@ -538,6 +538,24 @@ class S3ObjectStore:
         with ThreadPoolExecutor(STAMP_CONCURRENCY, thread_name_prefix="s3-stamp") as pool:
             return list(pool.map(one, digests))
 
+    def rereads(self, digests: Sequence[str]) -> list[Reread | Exception]:
+        """``reread`` of each, ``STAMP_CONCURRENCY`` GETs in flight (as ``stamps``); what
+        ``reread`` says of an object is its result, any other error is raised."""
+
+        def one(digest: str) -> Reread | Exception:
+            try:
+                return self.reread(digest)
+            except SettledError as error:
+                return error
+
+        if len(digests) < 2 * STAMP_CONCURRENCY or not threads_can_start():
+            return [one(d) for d in digests]
+        self.client()  # made once, before the threads share it
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(STAMP_CONCURRENCY, thread_name_prefix="s3-reread") as pool:
+            return list(pool.map(one, digests))
+
     def reread(self, digest: str, *, keep: bool = False) -> Reread:
         """One ``GET`` (one version, served whole), hashed a chunk at a time; its stamp is the
         response's, so it names exactly the copy that was hashed."""

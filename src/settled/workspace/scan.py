@@ -1,11 +1,15 @@
 """The workspace scanner: a stat cache like git's index, and the walk that fills it.
 
 Owns ``scan``, which builds an ``Index`` (per-directory stat-cache nodes, defined in ``index``,
-each naming the tree object its directory hashes to): a walk with directory fds,
-``os.scandir`` and lstat that records every entry by type and mode, hashes regular files
-(publishing them into an ``ObjectStore`` in the same read: hash and copy together, link only if
-new), re-reads a file only when the stat cache cannot vouch for it, and publishes the trees it
-built once every blob they name is durable (and its stat-cache nodes into the ``NodeCache``).
+each naming the tree object its directory hashes to): a walk with directory fds that lists and
+lstats every entry (``walk``: a C loop without the GIL, or its pure Python twin), records every
+entry by type and mode, hashes regular files (publishing them into an ``ObjectStore`` in the
+same read: hash and copy together, stored only if new), re-reads a file only when the stat
+cache cannot vouch for it, and publishes the trees it built once every blob they name is durable
+(and its stat-cache nodes into the ``NodeCache``). Speed without a weaker proof: siblings (and
+an incremental scan's dirty directories) are listed together on the walker's threads, the small
+files of a listing are read in batches by the same checks as one at a time (``ReadAhead``), and
+the cyclic GC is paused while a scan allocates its entries (``gc_paused``).
 
 Stat-cache rules. A file or symlink whose type, mode, owner, size, ino, dev, mtime_ns and ctime_ns
 equal its previous node's row is not re-read, unless its mtime or ctime is not strictly older than
@@ -31,8 +35,9 @@ during the read a torn read. A directory moved elsewhere mid-walk is listed as i
 opened (its fd is held); mount points inside the root are crossed; hard links are recorded as
 separate files.
 
-About 500 lines, over the usual 400: the walk, its no-follow checks, the stat cache, torn-read
-retries and the incremental mode share one walker's state, and split they would share internals.
+About 900 lines, over the usual 400: the walk, its no-follow checks, the stat cache, torn-read
+retries, the listings ahead and the incremental mode share one walker's state, and split they
+would share internals (what does not, the loops and the read-ahead, lives in ``walk``).
 
 Must never: follow a symlink, open a non-regular file, record a torn read, publish a tree before
 the blobs it names are durable, write anything but store objects, or talk to the settled store.
@@ -76,11 +81,26 @@ from settled.workspace.nodecache import NodeCache
 from settled.workspace.objectstore import CHUNK, ObjectStore
 from settled.workspace.publish import Publisher
 from settled.workspace.sparse import Extent, data_ranges, hash_zeros, may_have_holes
+from settled.workspace.walk import COARSE_FS_SLACK_NS as COARSE_FS_SLACK_NS
+from settled.workspace.walk import (
+    Job,
+    Listed,
+    Read,
+    ReadAhead,
+    choose,
+    identity,
+    open_beneath,
+    reusable,
+    workers,
+)
+from settled.workspace.walk import gc_paused as gc_paused
 
 CLOCK_SLACK_NS: Final = 20_000_000
-COARSE_FS_SLACK_NS: Final = 2_000_000_000
 TORN_ATTEMPTS: Final = 4
 TORN_BACKOFF_S: Final = (0.0, 0.005, 0.02, 0.05)
+
+AHEAD_BATCH: Final = 64  # subdirectories listed together, on the walker's threads
+AHEAD_FDS: Final = 256  # at most this many listed ahead (each holds its directory fd)
 
 _PROC_FD: Final = "/proc/self/fd"
 _DIR_FLAGS: Final = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -124,6 +144,7 @@ class ScanStats:
     nodes_built: int = 0  # directories whose stat-cache node changed
     objects_grouped: int = 0  # objects made durable by one group sync, not an fsync each
     sparse_files: int = 0  # files read as data extents and holes (the holes never read)
+    walker: str = ""  # which scan_dir listed the directories: "native" (C) or "python"
 
 
 @dataclass(frozen=True)
@@ -168,7 +189,8 @@ def scan(
     try:
         scanner = _Scanner(root_fd, previous, store, cache, algo, started - CLOCK_SLACK_NS)
         scanner.ignore = ignore
-        top = scanner.run(only)
+        with gc_paused():
+            top = scanner.run(only)
     finally:
         os.close(root_fd)
     index = Index(algo, started, top, scanner.sink, scanner.nodes)
@@ -196,38 +218,21 @@ def _usable(previous: Index | None, algo: str, only: Iterable[str] | None) -> In
     return previous
 
 
-def _cached_matches(cached: Entry, st: os.stat_result, kind: str) -> bool:
-    return (
-        cached.mtime_ns == st.st_mtime_ns
-        and cached.ctime_ns == st.st_ctime_ns
-        and cached.size == st.st_size
-        and cached.ino == st.st_ino
-        and cached.dev == st.st_dev
-        and cached.mode == stat.S_IMODE(st.st_mode)
-        and cached.uid == st.st_uid  # a chown changes ctime too; the owner is in the tree
-        and cached.gid == st.st_gid
-        and cached.type == kind
-    )
-
-
-def _trusted(cached: Entry, trusted_before_ns: int) -> bool:
-    """Racy-git: a stat match proves nothing for a timestamp at or after the cache's cutoff."""
-    coarse = cached.ctime_ns % 1_000_000_000 == 0
-    cutoff = trusted_before_ns - (COARSE_FS_SLACK_NS if coarse else 0)
-    return cached.mtime_ns < cutoff and cached.ctime_ns < cutoff
-
-
 _REUSE, _RACY = 1, 2
 
 
 def _verdict(cached: Entry, st: os.stat_result, trusted_before_ns: int) -> int:
     """What the stat cache says of a file or symlink: ``_REUSE`` its entry, re-read it because
-    its timestamps are ``_RACY``, or 0 (no match: read it)."""
+    its timestamps are ``_RACY``, or 0 (no match: read it). ``walk.reusable`` is the rule."""
+    if reusable(cached, st, trusted_before_ns):
+        return _REUSE
     if (cached.digest or cached.target) is None:
         return 0
-    if not _cached_matches(cached, st, TYPES.get(stat.S_IFMT(st.st_mode), "")):
-        return 0
-    return _REUSE if _trusted(cached, trusted_before_ns) else _RACY
+    # no match, or a match too recent to trust: which one, by the same fields with no cutoff
+    return _RACY if reusable(cached, st, _NO_CUTOFF) else 0
+
+
+_NO_CUTOFF: Final = 1 << 62  # later than any timestamp: only the stat fields are compared
 
 
 def _same_link(before: os.stat_result, after: os.stat_result, target: str) -> bool:
@@ -306,6 +311,14 @@ class _Scanner:
         self.buffer = bytearray(CHUNK)
         self.view = memoryview(self.buffer)
         self.ignore = NO_RULES
+        self.walker = choose()
+        self.stats.walker = self.walker.name
+        self.workers = workers()
+        self.ahead: dict[str, tuple[int, Listed | OSError]] = {}  # listed with a sibling
+        self.dirty: list[str] = []  # incremental mode: the dirty directories, sorted
+        self.dirty_at: dict[str, int] = {}  # where each is in that list
+        self.dirty_next = 0  # the first of them not listed ahead yet
+        self.dirty_ahead: dict[str, tuple[tuple[int, int], Listed | OSError]] = {}
 
     # -- modes ---------------------------------------------------------------------------------
 
@@ -337,7 +350,9 @@ class _Scanner:
         assert self.previous is not None
         top = Entry.from_stat(ROOT, os.fstat(self.root_fd))
         self.entries_listed += 1
-        for rel in sorted({_normalize_dirty(path) for path in only}):
+        self.dirty = sorted({_normalize_dirty(path) for path in only})
+        self.dirty_at = {rel: at for at, rel in enumerate(self.dirty)}
+        for rel in self.dirty:
             if self._covered(rel):
                 continue
             fd, opened = self.open_nearest(rel)
@@ -363,8 +378,9 @@ class _Scanner:
     # -- walking -------------------------------------------------------------------------------
 
     def walk(self, top_fd: int, top: str) -> DirNode:
-        """List ``top`` and everything below it, holding one directory fd per level; returns
-        the node of ``top`` (each directory's node is built once its children are done)."""
+        """List ``top`` and everything below it, holding one directory fd per level (and the
+        fds of the siblings listed ahead); returns the node of ``top`` (each directory's node
+        is built once its children are done)."""
         first, subdirs = self.list_dir(top_fd, top)
         stack = [(first, top_fd, subdirs)]
         try:
@@ -372,10 +388,11 @@ class _Scanner:
                 current, fd, pending = stack[-1]
                 if pending:
                     name = pending.pop()
-                    sub = self.open_subdir(fd, current, name)
-                    if sub is not None:
+                    opened = self.descend(fd, current, name, pending)
+                    if opened is not None:
+                        sub, listed = opened
                         try:
-                            child, below = self.list_dir(sub, join(current.path, name))
+                            child, below = self.record(sub, join(current.path, name), listed)
                         except BaseException:
                             os.close(sub)
                             raise
@@ -394,46 +411,112 @@ class _Scanner:
             for _, fd, _ in stack:
                 if fd != top_fd:
                     os.close(fd)
+            for fd, _ in self.ahead.values():
+                os.close(fd)
+            self.ahead.clear()
+
+    def descend(
+        self, fd: int, current: _Dir, name: str, pending: list[str]
+    ) -> tuple[int, Listed | OSError] | None:
+        """The subdirectory ``name`` opened and listed (None if it is no longer one to enter).
+        It was listed ahead with its siblings, or is now, with the next of them (``pending``,
+        popped from the end): one ``scan_dirs`` call lists them on the walker's threads."""
+        child = join(current.path, name)
+        ahead = self.ahead.pop(child, None)
+        if ahead is not None:
+            return ahead
+        room = max(0, min(AHEAD_BATCH, AHEAD_FDS - len(self.ahead)) - 1)
+        names = [name, *pending[::-1][:room]]  # the next siblings, in the order they come
+        opened: list[tuple[str, int]] = []
+        try:
+            for sibling in names:
+                sub = self.open_subdir(fd, current, sibling)
+                if sub is not None:
+                    opened.append((join(current.path, sibling), sub))
+            jobs = [self.job(path, sub) for path, sub in opened]
+            listed = self.walker.scan_dirs(jobs, self.workers) if jobs else []
+        except BaseException:
+            for _, sub in opened:
+                os.close(sub)
+            raise
+        for (path, sub), result in zip(opened, listed, strict=True):
+            self.ahead[path] = (sub, result)
+        return self.ahead.pop(child, None)
+
+    def job(self, rel: str, fd: int) -> Job:
+        previous = self.previous_node(rel)
+        if previous is None:
+            return fd, None, 0
+        return fd, previous.entries, previous.trusted_before_ns
 
     def list_dir(self, fd: int, rel: str) -> tuple[_Dir, list[str]]:
-        """Record every child of the directory open at ``fd``; return it and its subdir names."""
+        """Record every child of the directory open at ``fd``; return it and its subdir names.
+        A dirty directory of an incremental scan was listed ahead with the next ones (if it
+        is still the very directory that was listed then)."""
+        ahead = self.listed_ahead(fd, rel)
+        if ahead is None:
+            (ahead,) = self.walker.scan_dirs([self.job(rel, fd)], 1)
+        return self.record(fd, rel, ahead)
+
+    def listed_ahead(self, fd: int, rel: str) -> Listed | OSError | None:
+        """Incremental mode: the dirty directories from ``rel`` on are opened beneath the root
+        (never following), listed together on the walker's threads and closed, a batch at a
+        time; ``rel``'s listing, if the directory open at ``fd`` is the one that was listed."""
+        if rel not in self.dirty_ahead:
+            if rel not in self.dirty[self.dirty_next :]:
+                return None
+            start = self.dirty.index(rel, self.dirty_next)
+            batch = self.dirty[start : start + AHEAD_BATCH]
+            self.dirty_next = start + len(batch)
+            opened = [(d, sub) for d in batch if (sub := open_beneath(self.root_fd, d)) is not None]
+            try:
+                jobs = [self.job(d, sub) for d, sub in opened]
+                listed = self.walker.scan_dirs(jobs, self.workers)
+                for (d, sub), result in zip(opened, listed, strict=True):
+                    self.dirty_ahead[d] = (identity(os.fstat(sub)), result)
+            finally:
+                for _, sub in opened:
+                    os.close(sub)
+        listed_as, result = self.dirty_ahead.pop(rel)
+        return result if listed_as == identity(os.fstat(fd)) else None
+
+    def record(self, fd: int, rel: str, listed: Listed | OSError) -> tuple[_Dir, list[str]]:
+        """The directory at ``rel`` from its listing: the cached entries the stat cache vouched
+        for as they were, and the rest (new, changed, racy, directories, other types) recorded
+        now, by name, in sorted order."""
         self.stats.dirs_listed += 1
-        try:
-            with os.scandir(fd) as listing:
-                names = sorted(item.name for item in listing)
-        except OSError as error:
-            raise WorkspaceUnreadable(rel, error) from error
-        previous = self.previous_node(rel)
-        current = _Dir(rel, {}, previous, listed=True)
-        cached_rows = previous.entries if previous is not None else {}
-        cutoff = previous.trusted_before_ns if previous is not None else 0
+        if isinstance(listed, OSError):
+            name = listed.filename if isinstance(listed.filename, str) else None
+            where = rel if name is None else ("" if rel == ROOT else rel + "/") + name
+            raise WorkspaceUnreadable(where, listed) from listed
+        rows, fresh = listed
+        current = _Dir(rel, rows, self.previous_node(rel), listed=True)
         prefix = "" if rel == ROOT else rel + "/"
-        rows, subdirs, reused = current.rows, [], 0
-        for name in names:  # the hot loop of every scan: one lstat, and the stat cache inline
+        ignore = self.ignore
+        if ignore.patterns:  # the rules bound to the task: a vouched-for row obeys them too
+            for name in [name for name in rows if ignore.ignores(prefix + name, False)]:
+                del rows[name]
+        self.stats.entries_reused += len(rows)
+        subdirs = []
+        fresh.sort()
+        kept = []
+        for name, st in fresh:
             if not name.isascii():
                 try:
                     name.encode("utf-8")
                 except UnicodeEncodeError:
                     raise UnrepresentablePath(prefix + name) from None
-            st = self.lstat(fd, name, prefix + name)
-            if st is None:
-                continue  # vanished while listed
-            if self.ignore.patterns and self.ignore.ignores(
-                prefix + name, stat.S_ISDIR(st.st_mode)
-            ):
+            if ignore.patterns and ignore.ignores(prefix + name, stat.S_ISDIR(st.st_mode)):
                 continue  # left out by the task's bound rules: not recorded, never walked
-            cached = cached_rows.get(name)
-            if cached is not None and _verdict(cached, st, cutoff) == _REUSE:
-                rows[name] = cached
-                reused += 1
-                continue
-            entry = self.entry(fd, name, prefix + name, st, current)
+            kept.append((name, st))
+        ahead = ReadAhead(self.walker, self.workers, fd, kept)
+        for name, st in kept:
+            entry = self.entry(fd, name, prefix + name, st, current, read=ahead.get(name))
             if entry is None:
                 continue  # vanished while read
             rows[name] = entry
             if entry.type == DIR:
                 subdirs.append(name)
-        self.stats.entries_reused += reused
         self.entries_listed += len(rows)
         subdirs.reverse()  # popped from the end: walk in sorted order
         return current, subdirs
@@ -518,8 +601,10 @@ class _Scanner:
         st: os.stat_result,
         at: _Dir,
         budget: int = TORN_ATTEMPTS,
+        read: Read | None = None,
     ) -> Entry | None:
-        """The entry for ``child`` given its lstat: from the stat cache, or read afresh."""
+        """The entry for ``child`` given its lstat: from the stat cache, or read afresh (from
+        ``read``, what the walker read of it ahead, unless that read was torn)."""
         if budget <= 0:
             raise TornRead(child, TORN_ATTEMPTS)
         kind = TYPES.get(stat.S_IFMT(st.st_mode))
@@ -536,7 +621,32 @@ class _Scanner:
                 at.racy = True
         if kind == SYMLINK:
             return self.read_link(fd, name, child, st, at, budget)
+        if read is not None:
+            entry = self.from_read(child, read)
+            if entry is not None:
+                return entry
         return self.read_file(fd, name, child, at, budget)
+
+    def from_read(self, child: str, read: Read) -> Entry | None:
+        """The entry of a small file the walker read whole (None if the read was torn: the
+        file is then read again the slow way, with its retries)."""
+        before, data, after = read
+        if _torn(before, after, len(data)):
+            self.stats.torn_retries += 1
+            return None
+        if self.store is None or self.publisher is None:
+            hasher = new_hasher(self.algo, size_hint=len(data))
+            hasher.update(data)
+            digest = format_digest(self.algo, hasher.hexdigest())
+        else:
+            writer = self.store.writer(self.algo, size_hint=len(data))
+            writer.write(data)
+            digest = writer.digest()
+            self.publisher.submit(writer)  # staged into the group's pack, or committed
+        self.stats.files_hashed += 1
+        self.stats.bytes_read += len(data)
+        self.hashed.add(digest)
+        return Entry.from_stat(child, before, digest=digest)
 
     def read_link(
         self, fd: int, name: str, child: str, before: os.stat_result, at: _Dir, budget: int
