@@ -440,6 +440,7 @@ def test_the_first_drain_writes_the_first_bytes_to_the_log_and_the_writer_adopts
     os.write(ends["stderr"], b"and on stderr\n")
     _until(lambda: (tmp_path / "stderr.log").read_bytes() == b"and on", "nothing was written")
     _until(lambda: (tmp_path / "stdout.log").read_bytes() == b"before", "nothing was written")
+    _until(lambda: len(early.reads) == 2, "not all read")
     summaries = _hand_over(early, pipes, logs, tmp_path, cap=6)
     assert (tmp_path / "stdout.log").read_bytes() == b"before"  # never past the cap
     assert summaries["stdout"].cursor == 6
@@ -461,6 +462,7 @@ def test_past_its_first_bytes_a_stream_is_stored_by_its_writer_whole_and_in_orde
     data = os.urandom(COPY_LIMIT + 40_000)
     os.write(ends["stdout"], data)
     _until(lambda: (tmp_path / "stdout.log").stat().st_size == COPY_LIMIT, "no first bytes")
+    _until(lambda: sum(len(d) for _, d in early.reads) == len(data), "not all read")
     summaries = _hand_over(early, pipes, logs, tmp_path, cap=None)
     assert (tmp_path / "stdout.log").read_bytes() == data
     assert summaries["stdout"].cursor == len(data)

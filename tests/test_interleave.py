@@ -158,3 +158,28 @@ def test_the_merged_route_serves_chunks_and_a_resumable_cursor(
     with Client(server.url, TOKEN) as http:
         page = http.merged(session, 3, size=6)
         assert b"".join(base64.b64decode(c["data"]) for c in page["chunks"]) == EXPECTED[3:9]
+
+
+def test_the_ordered_prefix_a_live_follow_may_serve_only_grows(tmp_path: Path) -> None:
+    """A live follow serves the last record's unsynced tail as ordered while the other stream
+    ends at its records. The drain writes that record's end before it stores a byte of the
+    other stream, so a reader that then sees the other stream grow still finds the tail it
+    served recorded: what it served is never taken back (CursorOutOfRange for its cursor)."""
+    index = interleave.IndexWriter(interleave.index_path(str(tmp_path)))
+    logs = {name: tmp_path / f"{name}.log" for name in ("stdout", "stderr")}
+    logs["stdout"].write_bytes(b"xy")
+    logs["stderr"].write_bytes(b"")
+    index.before_storing("stdout")
+    index.record("stdout", 0, 1)
+    index.record("stdout", 1, 2)  # the same stream: its end moves in memory only
+    served = interleave.ordered_limits(str(tmp_path), {"stdout": 2, "stderr": 0})
+    assert served == {"stdout": 2, "stderr": 0}  # the unsynced tail, served as ordered
+    index.before_storing("stderr")  # the drain, about to store stderr's first byte
+    logs["stderr"].write_bytes(b"e")  # stored; the index has no stderr record yet
+    later = interleave.ordered_limits(str(tmp_path), {"stdout": 2, "stderr": 1})
+    assert later["stdout"] >= served["stdout"]
+    index.record("stderr", 0, 1)
+    index.close()
+    assert interleave.ordered_limits(str(tmp_path), {"stdout": 2, "stderr": 1}) == {
+        "stdout": 2, "stderr": 1,
+    }  # fmt: skip

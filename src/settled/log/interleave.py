@@ -89,13 +89,25 @@ class IndexWriter:
             self._last_end = end  # one int: the flusher's sync writes it, or the next switch
             return
         with self._lock:
-            if self._last_tag:
+            if self._last_tag and self._last_end != self._written_end:
                 self._write_last()  # the finished record's final end, before the next one
                 if self._failed is not None:
                     return
             self._last_tag, self._last_start, self._last_end = tag, start, end
             self._offset += RECORD.size
             self._write_last()
+
+    def before_storing(self, stream: str) -> None:
+        """Called by the drain before bytes of ``stream`` are stored in its log. When the last
+        record is the other stream's, its end is written now, first: a live reader may have
+        served that record's unsynced tail as ordered (`pieces` does while this stream ends at
+        its records), and once this stream's log grows it would no longer; with the end on
+        disk before then, the ordered prefix a live follow serves only ever grows."""
+        if self._last_tag in (0, TAGS[stream]) or self._failed is not None:
+            return
+        with self._lock:
+            if self._last_end != self._written_end:
+                self._write_last()
 
     def sync(self) -> None:
         """Write the last record's end so far, then fsync (outside the lock)."""

@@ -106,6 +106,7 @@ class EarlyDrain:
         view = memoryview(data)[: self.room[name]]
         try:
             while view:
+                faults.point("owner.log_write")  # a write of drained output, as the writer's
                 done = os.write(fd, view)
                 self.written[name] += done
                 self.room[name] -= done
@@ -133,6 +134,8 @@ class EarlyDrain:
         for name, data in reads:
             writer = streams.writers[name]
             before = writer.cursor
+            if streams.index is not None:
+                streams.index.before_storing(name)
             there = min(len(data), in_log.get(name, 0))
             if there:
                 writer.adopt(data[:there])

@@ -75,6 +75,8 @@ class Streams:
         writer = self.writers[name]
         before = writer.cursor
         fd = self.fds[name]
+        if self.index is not None:
+            self.index.before_storing(name)
         try:
             moved = writer.splice_from(fd, READ_BUFFER) if writer.splicing else None
             if moved is None:
