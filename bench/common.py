@@ -155,6 +155,11 @@ def write_results(out_dir: str, name: str, data: dict[str, Any], markdown: str) 
     os.makedirs(out_dir, exist_ok=True)
     text = json.dumps(_rounded(data), indent=1)
     _write_atomic(os.path.join(out_dir, f"{name}.json"), text + "\n")
+    write_markdown(out_dir, name, markdown)
+
+
+def write_markdown(out_dir: str, name: str, markdown: str) -> None:
+    """`<name>.md`, and the README that gathers every benchmark's."""
     _write_atomic(os.path.join(out_dir, f"{name}.md"), markdown.rstrip() + "\n")
     write_readme(out_dir)
 

@@ -10,6 +10,7 @@ results are ratios against baselines measured in the same run.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import sys
@@ -24,13 +25,14 @@ import isolation
 import kill
 import load
 import objects_s3
+import plots
 import receipt
 import remote
 import soak
 import startup
 import store_ops
 import ui_feed
-from common import RESULTS_DIR, log, write_results
+from common import RESULTS_DIR, log, write_markdown, write_results
 
 BENCHMARKS = {
     "drain": drain.run,
@@ -51,7 +53,11 @@ BENCHMARKS = {
 }
 # Benchmarks that also write a file beside their results (a plot): called with (out_dir, data),
 # they return a markdown line to append to the benchmark's section.
-ARTIFACTS = {"close_latency": close_latency.plot}
+ARTIFACTS = {
+    "close_latency": close_latency.plot,
+    "admission": plots.admission_svg,
+    "drain": plots.drain_svg,
+}
 
 
 def _terminate(signum: int, _frame: object) -> None:
@@ -64,8 +70,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("which", nargs="?", default="all", choices=[*BENCHMARKS, "all"])
     parser.add_argument("--quick", action="store_true", help="small sizes: a CI smoke run")
     parser.add_argument("--out", help="results directory (default bench/results[/quick])")
+    parser.add_argument(
+        "--figures", action="store_true",
+        help="only redraw the figures of results already in the directory (no run)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     out = args.out or (os.path.join(RESULTS_DIR, "quick") if args.quick else RESULTS_DIR)
+    if args.figures:
+        return redraw(out, list(ARTIFACTS) if args.which == "all" else [args.which])
     signal.signal(signal.SIGTERM, _terminate)
     signal.signal(signal.SIGHUP, _terminate)
     names = list(BENCHMARKS) if args.which == "all" else [args.which]
@@ -82,6 +94,23 @@ def main(argv: list[str] | None = None) -> int:
         print(markdown + "\n", flush=True)
         log(f"== {name} done in {data['duration_s']:.1f} s -> {out}/{name}.json, {name}.md")
     log(f"all done in {time.monotonic() - started:.1f} s; tables in {out}/README.md")
+    return 0
+
+
+def redraw(out: str, names: list[str]) -> int:
+    """Each figure again from its benchmark's JSON, and its line in the benchmark's markdown."""
+    for name in names:
+        artifact = ARTIFACTS.get(name)
+        source = os.path.join(out, f"{name}.json")
+        if artifact is None or not os.path.exists(source):
+            log(f"{name}: no figure, or no {source} to draw it from")
+            continue
+        with open(source) as handle:
+            data = json.load(handle)
+        with open(os.path.join(out, f"{name}.md")) as handle:
+            kept = [line for line in handle.read().rstrip().split("\n\n") if "![" not in line]
+        write_markdown(out, name, "\n\n".join([*kept, artifact(out, data)]))
+        log(f"{name}: figure redrawn in {out}")
     return 0
 
 
