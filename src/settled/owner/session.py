@@ -107,10 +107,14 @@ class OwnerSession:
         self.timings["supervised_at"] = time.time()  # the session's imports and store: loaded
         self.spawn_via = via
         streams = self.streams = self._open_streams(pipes, logs)
-        early.hand_to(streams)
+        # The first drain goes on reading while the store records the run and the loop is
+        # built, and hands over just before the loop starts: a gap between the two would let
+        # both pipes fill, and the order between a stdout and a stderr write made meanwhile
+        # could not be told.
         try:
             self._record_running(boundary, pid, start_time)
         except StaleWrite as exc:
+            early.handover()
             return self._fenced(exc)
         if self.last_words is not None:
             self.last_words.sync()
@@ -127,6 +131,7 @@ class OwnerSession:
             signals=self.signals,
             settling=self._settle_begin,
         )
+        early.hand_to(streams)
         try:
             outcome = supervisor.run(started)
         except StaleWrite as exc:
