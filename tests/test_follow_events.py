@@ -14,6 +14,7 @@ import select
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -22,12 +23,13 @@ import pytest
 
 from settled import relay as relay_module
 from settled import runtime as runtime_module
+from settled import sessions as sessions_module
 from settled.home import session_dir
 from settled.log.watch import LogWatch
 from settled.records import TaskRecord
 from settled.relay import Relay
 from settled.runtime import Runtime
-from settled.sessions import POLL_S, SessionWatch
+from settled.sessions import EARLY_LOOK_S, POLL_S, SessionWatch
 
 HOUR = 3600.0
 # Writes one byte, then waits for the test to create `gate` in the workspace, then one more.
@@ -139,7 +141,23 @@ class _Wake:
         self.cleared += 1
 
 
-def test_a_pause_looks_again_when_its_watch_starts_and_polls_when_there_is_none() -> None:
+def test_a_young_sessions_pause_arms_no_watch_and_still_wakes_on_the_exit() -> None:
+    """Closing an inotify instance can wait for an RCU grace period (8-20 ms here): a follower
+    arms the log's watch only once the session outlived ARM_AFTER_S. Until then each pause
+    sleeps on the owner's exit handle (the exit wakes it at once) for EARLY_LOOK_S at most."""
+    owners = _Owners()
+    watch = SessionWatch(_Store(), owners)  # type: ignore[arg-type]
+    wake = _Wake([])  # an arm() would pop from an empty list
+    with watch.pauses("s_0123456789abcdef", wake=wake) as pause:
+        pause(HOUR)
+        pause(HOUR)
+    assert owners.waits == [(EARLY_LOOK_S, None), (EARLY_LOOK_S, None)]
+
+
+def test_a_pause_looks_again_when_its_watch_starts_and_polls_when_there_is_none(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(sessions_module, "ARM_AFTER_S", 0.0)  # past the young session's time
     owners = _Owners()
     watch = SessionWatch(_Store(), owners)  # type: ignore[arg-type]
     wake = _Wake([(5, True), (5, False), (None, False)])
@@ -242,6 +260,7 @@ def test_logs_follow_in_a_new_process_shows_a_byte_while_the_command_runs_and_lo
     try:
         assert cli.stdout is not None
         assert cli.stdout.read(1) == b"x"  # while the command waits at its gate
+        time.sleep(sessions_module.ARM_AFTER_S * 4)  # a follow that lasts: it arms the watch
         _open_gate(task)
         out, err = cli.communicate(timeout=60)
     finally:

@@ -28,6 +28,13 @@ else:
 
 WAKE_BOUND_S = 1.0  # the longest an evented sleep lasts: for changes no event announces
 POLL_S = 0.05  # the sleep where nothing can wake it (no owner here to watch, no log watch)
+# A log watch is an inotify instance, and closing one waits for an RCU grace period when its
+# mark is fresh: 0.1 ms at best, 8-20 ms often (measured here), more than a short command's
+# whole life through `settled run`. So a follower arms it only once the session has outlived
+# ARM_AFTER_S; until then the owner's exit still wakes it at once, and new bytes are looked
+# for every EARLY_LOOK_S.
+ARM_AFTER_S = 0.05
+EARLY_LOOK_S = 0.005
 
 
 class Liveness(Protocol):
@@ -169,6 +176,7 @@ class _Pause:
         self._session, self._wake = session, wake
         self._handle: int | None = None
         self._exited = False
+        self._arm_at = time.monotonic() + ARM_AFTER_S
 
     def __call__(self, seconds: float) -> None:
         seconds = max(0.0, seconds)
@@ -180,6 +188,8 @@ class _Pause:
             return
         if self._wake is None:
             exited = self._liveness.await_exit(self._handle, seconds)
+        elif time.monotonic() < self._arm_at:  # young: the exit wakes it, bytes are looked for
+            exited = self._liveness.await_exit(self._handle, min(seconds, EARLY_LOOK_S))
         else:
             fd, fresh = self._wake.arm()
             if fresh:
