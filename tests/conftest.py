@@ -184,6 +184,16 @@ def stop_journals(root: Path) -> None:
 
     for sock in root.glob("**/journal.sock"):
         journal_lifecycle.stop(str(sock))
+    stop_launchers(root)
+
+
+def stop_launchers(root: Path) -> None:
+    """A CLI call starts its home's warm launcher; a test ends the ones under its tmp_path."""
+    from settled.owner import home_launcher
+
+    for sock in root.glob(f"**/{home_launcher.SOCKET_NAME}"):
+        with contextlib.suppress(Exception):
+            home_launcher.stop(str(sock.parent))
 
 
 def _settle_everything(runtime: Runtime) -> None:

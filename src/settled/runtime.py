@@ -113,7 +113,7 @@ class Admission(Frozen):
         }
 
 
-LAUNCHERS = ("fresh", "warm")
+LAUNCHERS = ("fresh", "warm", "home")
 
 
 def _check_launcher_kind(kind: str | None) -> str:
@@ -124,12 +124,19 @@ def _check_launcher_kind(kind: str | None) -> str:
 
 
 def open_launcher(kind: str | None = None) -> Launcher:
-    """A launcher of `kind` ("fresh" or "warm"; default SETTLED_LAUNCHER, else "fresh") that
-    many Runtimes of one process may share; its opener closes it."""
-    if _check_launcher_kind(kind) == "fresh":
+    """A launcher of `kind` that many Runtimes of one process may share; its opener closes
+    it. "fresh": a new interpreter per owner; "warm": this process's own zygote; "home": the
+    home's zygote, shared by every process of the home's user (what the CLI uses: a CLI call
+    is a new process each time). Default SETTLED_LAUNCHER, else "fresh"."""
+    kind = _check_launcher_kind(kind)
+    if kind == "fresh":
         from settled.owner.launcher import FreshLauncher
 
         return FreshLauncher()
+    if kind == "home":
+        from settled.owner.home_launcher import HomeLauncher
+
+        return HomeLauncher()
     from settled.owner.zygote import WarmLauncher
 
     return WarmLauncher()

@@ -98,11 +98,22 @@ def bind_backends(args: Namespace) -> None:
             os.environ[name] = getattr(args, flag)
 
 
+CLI_LAUNCHER = "home"  # a CLI call is a new process: the home's zygote forks its owners
+
+
+def _launcher_for(args: Namespace) -> str:
+    """The demo is one long process on a temporary home: its own zygote ends with it, where
+    the home's would outlive the home."""
+    return "warm" if getattr(args, "verb", None) == "demo" else CLI_LAUNCHER
+
+
 def with_runtime(args: Namespace) -> int:
-    """The verb's handler with a Runtime on the verb's home, closed after."""
+    """The verb's handler with a Runtime on the verb's home, closed after. Its owners come from
+    the home's warm launcher unless SETTLED_LAUNCHER names another."""
     from settled.runtime import Runtime
 
     bind_backends(args)
     handler: Handler = args.handler
-    with Runtime(getattr(args, "home", None)) as rt:
+    launcher = os.environ.get("SETTLED_LAUNCHER") or _launcher_for(args)
+    with Runtime(getattr(args, "home", None), launcher=launcher) as rt:
         return handler(rt, args)

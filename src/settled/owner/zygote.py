@@ -19,6 +19,7 @@ import socket
 import subprocess
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from settled import faults
@@ -40,10 +41,26 @@ def main(argv: list[str]) -> int:
 
 def serve(sock_fd: int) -> int:
     """Loop: one request in, one owner forked, its pid out. EOF on the socket ends the zygote."""
+    preload()
+    sock = socket.socket(fileno=sock_fd)
+    os.chdir("/")
+    while True:
+        try:
+            message, fds, _flags, _addr = socket.recv_fds(sock, MAX_REQUEST, 2)
+        except InterruptedError:
+            continue
+        if not message:
+            return 0
+        fork_owner(json.loads(message), fds, (sock,))
+        sock.sendall(b"ok\n")
+
+
+def preload() -> None:
+    """Import, once and before any fork, everything an owner runs: each fork then has it."""
     import ctypes  # noqa: F401 - pidns and subreaper owners need it; import it once, here
 
     import settled.owner.launch  # the owner's launch path, likewise
-    import settled.owner.main as owner_main  # imported once, before any fork
+    import settled.owner.main  # imported once, before any fork
     import settled.owner.session  # what the owner loads once its command runs
     import settled.workspace.journal.client  # noqa: F401 - the owner's barrier client, likewise
     from settled import store
@@ -54,24 +71,20 @@ def serve(sock_fd: int) -> int:
     linux.capget()  # libc loaded once here, not in every owner that isolates its command
     spawn.clone3_missing()  # probed once here (ctypes' PyDLL handle with it)
 
-    sock = socket.socket(fileno=sock_fd)
-    os.chdir("/")
-    while True:
-        try:
-            message, fds, _flags, _addr = socket.recv_fds(sock, MAX_REQUEST, 2)
-        except InterruptedError:
-            continue
-        if not message:
-            return 0
-        request = json.loads(message)
-        pid = os.fork()
-        if pid == 0:
+
+def fork_owner(request: dict[str, Any], fds: list[int], sockets: tuple[socket.socket, ...]) -> None:
+    """Fork the owner `request` asks for, handing it `fds` (its ready and orders pipes); the
+    child closes `sockets` (the zygote's own), detaches and becomes the owner."""
+    from settled.owner.main import run_session  # preloaded: no import after the fork
+
+    pid = os.fork()
+    if pid == 0:
+        for sock in sockets:
             sock.close()
-            _become_owner(request, fds, owner_main.run_session)
-        for fd in fds:
-            os.close(fd)
-        os.waitpid(pid, 0)  # the child forks the real owner and exits at once
-        sock.sendall(b"ok\n")
+        _become_owner(request, fds, run_session)
+    for fd in fds:
+        os.close(fd)
+    os.waitpid(pid, 0)  # the child forks the real owner and exits at once
 
 
 def _become_owner(request: dict[str, Any], fds: list[int], run: Any) -> None:
@@ -121,43 +134,15 @@ class WarmLauncher:
         return ours
 
     def launch(self, home: str, session: str, store: Store) -> dict[str, Any]:
-        log = os.path.join(make_session_dir(home, session), "owner.log")
-        launched_at = time.time()
-        ready_r, ready_w = os.pipe2(os.O_CLOEXEC)
-        orders_r, orders_w = os.pipe2(os.O_CLOEXEC)
-        umask = os.umask(0o022)
-        os.umask(umask)
-        request = {
-            "home": home,
-            "session": session,
-            "env": dict(os.environ),
-            "umask": umask,
-            "log": log,
-        }
-        try:
-            try:
-                with self._lock:
-                    if self._sock is None:
-                        self._sock = self._start()
-                    message = [json.dumps(request).encode()]
-                    socket.send_fds(self._sock, message, [ready_w, orders_r])
-                    if self._sock.recv(16) != b"ok\n":
-                        raise RuntimeError("the warm launcher did not answer; see its stderr")
-            finally:
-                os.close(ready_w)
-                os.close(orders_r)
-            try:
-                prepared = prepare(store, home, session, launched_at)
-            except BaseException:
-                os.close(orders_w)  # the owner reads EOF: no orders, it runs nothing
-                orders_w = -1
-                raise
-            owner_w, orders_w = orders_w, -1  # hand_over closes it
-            return hand_over(store, prepared, ReportReader(ready_r), owner_w, READY_TIMEOUT_S)
-        finally:
-            if orders_w >= 0:
-                os.close(orders_w)
-            os.close(ready_r)
+        return launch_through(self._send, home, session, store)
+
+    def _send(self, request: dict[str, Any], fds: list[int]) -> None:
+        with self._lock:
+            if self._sock is None:
+                self._sock = self._start()
+            socket.send_fds(self._sock, [json.dumps(request).encode()], fds)
+            if self._sock.recv(16) != b"ok\n":
+                raise RuntimeError("the warm launcher did not answer; see its stderr")
 
     def close(self) -> None:
         with self._lock:
@@ -167,3 +152,36 @@ class WarmLauncher:
             if self._process is not None:
                 self._process.wait(timeout=10)
                 self._process = None
+
+
+def launch_through(
+    send: Callable[[dict[str, Any], list[int]], None], home: str, session: str, store: Store
+) -> dict[str, Any]:
+    """Ask a zygote (through `send`, which returns once it forked the owner) for the session's
+    owner, then claim for it and hand it its orders, as for a fresh owner (handoff.py)."""
+    log = os.path.join(make_session_dir(home, session), "owner.log")
+    launched_at = time.time()
+    ready_r, ready_w = os.pipe2(os.O_CLOEXEC)
+    orders_r, orders_w = os.pipe2(os.O_CLOEXEC)
+    umask = os.umask(0o022)
+    os.umask(umask)
+    request = {"home": home, "session": session, "env": dict(os.environ), "umask": umask,
+               "log": log}  # fmt: skip
+    try:
+        try:
+            send(request, [ready_w, orders_r])
+        finally:
+            os.close(ready_w)
+            os.close(orders_r)
+        try:
+            prepared = prepare(store, home, session, launched_at)
+        except BaseException:
+            os.close(orders_w)  # the owner reads EOF: no orders, it runs nothing
+            orders_w = -1
+            raise
+        owner_w, orders_w = orders_w, -1  # hand_over closes it
+        return hand_over(store, prepared, ReportReader(ready_r), owner_w, READY_TIMEOUT_S)
+    finally:
+        if orders_w >= 0:
+            os.close(orders_w)
+        os.close(ready_r)
