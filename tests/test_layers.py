@@ -174,6 +174,7 @@ CHOSEN_ONLY_BY: dict[str, set[str]] = {
     "settled.workspace.objects": {"settled.workspace.open_objects"},
     "settled.workspace.s3objects": {"settled.workspace.open_objects"},
     "settled.owner.zygote": {"settled.runtime"},
+    "settled.owner.home_launcher": {"settled.runtime"},
     "settled.owner.liveness": {"settled.runtime"},
     "settled.boundary.local": {"settled.boundary.sandbox"},
     "settled.boundary.command": {"settled.boundary.sandbox"},

@@ -36,7 +36,7 @@ from typing import Any
 
 from settled.home import run_dir
 from settled.isolated import NoReport, python_command, read_report, start_helper
-from settled.owner.zygote import MAX_REQUEST, ZYGOTE_MODULES, fork_owner, launch_through, preload
+from settled.owner.forking import MAX_REQUEST, ZYGOTE_MODULES, fork_owner, launch_through, preload
 from settled.store import Store
 
 SOCKET_NAME = "launcher.sock"
