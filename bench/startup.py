@@ -56,7 +56,7 @@ def _timed(argv: list[str], env: dict[str, str], timeout_s: float = 120.0) -> fl
 
 
 def _import_profile(argv: list[str], env: dict[str, str]) -> list[tuple[str, float]]:
-    """The top-level imports of one `status` and their cumulative milliseconds."""
+    """The top-level imports of one CLI call and their cumulative milliseconds."""
     probe = "import sys; from settled.cli import main; sys.exit(main(sys.argv[1:]))"
     done = subprocess.run(
         [sys.executable, "-X", "importtime", "-c", probe, *argv],
@@ -93,18 +93,26 @@ def run(quick: bool) -> tuple[dict[str, Any], str]:
             "status": [*settled, "status", task, "--json"],
             "ls": [*settled, "ls", "--json"],
             "run": [*settled, "run", "--task", task, "--", "true"],
+            "run, fresh owner": [*settled, "run", "--task", task, "--", "true"],
         }
+        envs = {name: env for name in cases}  # `run`: the home's warm launcher, as a user gets
+        envs["run, fresh owner"] = {**env, "SETTLED_LAUNCHER": "fresh"}
         samples: dict[str, list[float]] = {name: [] for name in cases}
-        for argv in cases.values():  # warm the page cache once
-            _timed(argv, env)
+        for name, argv in cases.items():  # warm the page cache once (and start the launcher)
+            _timed(argv, envs[name])
         for n in range(params["rounds"]):
             for name, argv in cases.items():
-                samples[name].append(_timed(argv, env))
+                samples[name].append(_timed(argv, envs[name]))
             if n % 10 == 9:
                 log(f"startup: {n + 1}/{params['rounds']} rounds")
         data["imports_of_status_ms"] = _import_profile(["status", task, "--json"], env)
+        data["imports_of_run_ms"] = _import_profile(["run", "--task", task, "--", "true"], env)
         with Runtime(home) as rt:
             data["closed"] = rt.close_task(task).complete  # every `run` session settled
+        from settled.home import run_dir
+        from settled.owner import home_launcher
+
+        home_launcher.stop(run_dir(home))  # the CLI's `run` started it; it ends with the bench
     data["results"] = {name: distribution(values) for name, values in samples.items()}
     data["command"] = " ".join(cases["status"]).replace(task, "TASK")
     return data, _markdown(data)
@@ -114,7 +122,8 @@ def _markdown(data: dict[str, Any]) -> str:
     results = data["results"]
     base = results["python -c pass"]["p50"]
     rows = []
-    for name in ("python -c pass", "stdlib floor", "version", "status", "ls", "run"):
+    for name in ("python -c pass", "stdlib floor", "version", "status", "ls", "run",
+                 "run, fresh owner"):  # fmt: skip
         d = results[name]
         target = TARGETS.get(name)
         ratio = d["p50"] / base
@@ -127,15 +136,21 @@ def _markdown(data: dict[str, Any]) -> str:
         ["top-level import of `status`", "cumulative ms (-X importtime)"],
         [[f"`{name}`", fmt(ms, 1)] for name, ms in data["imports_of_status_ms"]],
     )
+    run_imports = md_table(
+        ["top-level import of `run`", "cumulative ms (-X importtime)"],
+        [[f"`{name}`", fmt(ms, 1)] for name, ms in data.get("imports_of_run_ms", [])],
+    )
     return "\n\n".join([
         header("startup", data),
         f"Source `{data['source']}`; {data['params']['rounds']} interleaved rounds; "
         "each case is a whole process (`settled` is the console script). The ratio is the "
         "p50 over the p50 of `python -c pass` of the same interpreter. `stdlib floor` is "
         f"`python -c '{STDLIB_FLOOR}'`: the standard library `status` needs, which no lazy "
-        "import removes.",
+        "import removes. `run` forks its owner from the home's warm launcher (what the CLI "
+        "does); `run, fresh owner` starts a new interpreter per owner (SETTLED_LAUNCHER=fresh).",
         md_table(["case", "p50 ms", "p90 ms", "min ms", "x pass", "target", ""], rows),
         imports,
+        run_imports,
     ])  # fmt: skip
 
 
