@@ -134,8 +134,8 @@ def _another_uid_is_refused(run: Path) -> None:
         "s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET); s.settimeout(5)\n"
         "try:\n    s.connect(sys.argv[1])\n"
         "except PermissionError:\n    print('refused'); sys.exit()\n"
-        's.send(b\'{"op": "stop"}\')\n'
-        "try:\n    print('answer', s.recv(16))\nexcept ConnectionResetError:\n    print('reset')\n"
+        "try:\n    s.send(b'{\"op\": \"stop\"}'); print('answer', s.recv(16))\n"
+        "except (BrokenPipeError, ConnectionResetError):\n    print('reset')\n"
     )
     sock = str(run / SOCKET_NAME)
     denied = subprocess.run([sys.executable, "-c", probe, sock], capture_output=True, timeout=30)

@@ -132,6 +132,13 @@ def _log(home: Path, session: str, stream: str = "stdout") -> bytes:
     return (home / "sessions" / session / f"{stream}.log").read_bytes()
 
 
+def _await_gone(pid: int, seconds: float = 30.0) -> None:
+    give_up = time.monotonic() + seconds
+    while os.path.exists(f"/proc/{pid}") and time.monotonic() < give_up:
+        time.sleep(0.01)  # the owner was not our child: no pidfd wait needed for a test
+    assert not os.path.exists(f"/proc/{pid}"), f"owner {pid} did not crash at its fault point"
+
+
 def _b3(data: bytes) -> str:
     return "blake3:" + blake3.blake3(data).hexdigest()
 
@@ -299,6 +306,8 @@ def test_recover_and_close_on_a_full_disk_give_a_receipt_or_one_line_never_a_tra
                     boundary="cgroup2")  # fmt: skip
         monkeypatch.delenv("SETTLED_FAULT")
         [record] = rt.store.list_sessions(task.task)
+    assert record.owner is not None
+    _await_gone(record.owner.pid)  # the fault fires mid-drain, after exec returned
     filler = _fill(small_fs)  # now nothing more fits
     outcomes = []
     for verb in (["recover"], ["close", task.task]):
