@@ -3,6 +3,7 @@ that leaves when idle, when stopped, when another settled asks, and never serves
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -171,3 +172,33 @@ def test_the_run_directory_is_private(tmp_path: Path) -> None:
             sock.connect(str(run / SOCKET_NAME))  # its owner may
     finally:
         assert home_launcher.stop(str(run))
+
+
+def test_an_edit_of_the_installed_settled_replaces_the_zygote(
+    cli: CLI, task: dict[str, Any]
+) -> None:
+    run = cli.home / "run"
+    assert cli.run("run", "--task", task["task"], "--", "true").returncode == 0
+    old = _zygote_pid(run)
+    module = Path(home_launcher.__file__).with_name("forking.py")
+    before = module.stat()
+    try:
+        newest = home_launcher._newest_change(str(module.parent.parent))
+        os.utime(module, ns=(before.st_atime_ns, newest + 10**9))  # the newest edit now
+        again = cli.run("run", "--task", task["task"], "--", "sh", "-c", "echo new")
+    finally:
+        os.utime(module, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert again.returncode == 0 and again.stdout == b"new\n", again.stderr
+    assert _gone_within(old, 30), _state(old)  # it left rather than fork old code
+    assert _zygote_pid(run) != old
+
+
+def _state(pid: int) -> str:
+    """What a process that should have left is doing, for the failure's message."""
+    with (
+        contextlib.suppress(OSError),
+        open(f"/proc/{pid}/stat") as stat,
+        open(f"/proc/{pid}/wchan") as wchan,
+    ):
+        return f"{stat.read()} wchan={wchan.read()}"
+    return "gone"

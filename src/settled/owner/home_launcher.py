@@ -53,13 +53,26 @@ class LauncherUnavailable(RuntimeError):
 
 
 def identity() -> str:
-    """What a zygote must share with its caller to fork its owners: this settled's version and
-    where it is installed, with the install's time (a reinstall in place changes it)."""
+    """What a zygote must share with its caller to fork its owners: this settled's version,
+    where it is installed, and the newest change to any of its modules (a reinstall in place,
+    or an edit of an editable install, changes it: ~0.5 ms for ~150 files)."""
     import settled
 
     package = os.path.dirname(os.path.abspath(settled.__file__))
-    stamp = os.stat(os.path.join(package, "__init__.py")).st_mtime_ns
-    return f"{settled.__version__} {package} {stamp}"
+    return f"{settled.__version__} {package} {_newest_change(package)}"
+
+
+def _newest_change(package: str) -> int:
+    newest, folders = 0, [package]
+    while folders:
+        with os.scandir(folders.pop()) as entries:
+            for entry in entries:
+                if entry.is_dir(follow_symlinks=False):
+                    if entry.name != "__pycache__":
+                        folders.append(entry.path)
+                elif entry.name.endswith((".py", ".so")):
+                    newest = max(newest, entry.stat(follow_symlinks=False).st_mtime_ns)
+    return newest
 
 
 # -- the zygote process -------------------------------------------------------------------------
