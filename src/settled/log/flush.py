@@ -24,8 +24,15 @@ Must never: write or read a log's bytes, raise into the drain, or outlive ``clos
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
-from typing import Final, Protocol
+
+TYPE_CHECKING = False  # loaded by every owner: no typing or collections.abc at run time
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+    from typing import Final, Protocol
+
+    class Syncable(Protocol):
+        def sync(self) -> object: ...
+
 
 FLUSH_EVERY: Final = 8 << 20  # bytes of one stream between two fsyncs behind the drain
 FLUSH_ENV: Final = "SETTLED_LOG_FLUSH"
@@ -39,10 +46,6 @@ def flush_every(text: str | None) -> int | None:
     if every < 0:
         raise ValueError(f"{FLUSH_ENV} must be >= 0 bytes, got {text!r}")
     return every or None
-
-
-class Syncable(Protocol):
-    def sync(self) -> object: ...
 
 
 class Flusher:

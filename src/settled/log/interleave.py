@@ -34,12 +34,15 @@ import os
 import struct
 import threading
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from typing import Final
 
 from settled.errors import CursorOutOfRange
 from settled.log.reader import pread_exact, stored_length
+from settled.records import Frozen
+
+TYPE_CHECKING = False  # loaded by every owner: no typing, dataclasses or collections.abc
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterator
+    from typing import Final
 
 INDEX_NAME: Final = "interleave.idx"
 HEADER: Final = b"settled-ilv-v1\n\0"
@@ -142,16 +145,21 @@ class IndexWriter:
             self._failed = f"write failed: {exc}"
 
 
-@dataclass(frozen=True)
-class Piece:
+class Piece(Frozen):
     """A run of one stream in the merged view: ``[start, end)`` of ``stream`` at merged ``at``."""
 
+    __slots__ = ("stream", "start", "end", "at", "ordered", "tail")  # noqa: RUF023 - field order
     stream: str
     start: int
     end: int
     at: int
     ordered: bool  # False: the index did not cover it (no index, or a tail it missed)
-    tail: bool = False  # ordered as the last record's unsynced tail (see the module docstring)
+    tail: bool  # ordered as the last record's unsynced tail (see the module docstring)
+
+    def __init__(
+        self, stream: str, start: int, end: int, at: int, ordered: bool, tail: bool = False
+    ) -> None:
+        self._fill(locals())
 
 
 def pieces(log_dir: str, limits: dict[str, int]) -> list[Piece]:
@@ -215,15 +223,18 @@ def _records(path: str) -> Iterator[tuple[str, int, int]]:
         os.close(fd)
 
 
-@dataclass(frozen=True)
-class Chunk:
+class Chunk(Frozen):
     """Bytes of one stream in the merged view: merged cursor ``at``, stream cursor ``cursor``."""
 
+    __slots__ = ("stream", "cursor", "at", "data", "ordered")  # noqa: RUF023 - field order
     stream: str
     cursor: int
     at: int
     data: bytes
     ordered: bool
+
+    def __init__(self, stream: str, cursor: int, at: int, data: bytes, ordered: bool) -> None:
+        self._fill(locals())
 
 
 def read_merged(

@@ -14,10 +14,13 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 
 from settled.errors import CursorOutOfRange
+from settled.records import Frozen
+
+TYPE_CHECKING = False  # loaded by every owner (interleave.py): no dataclasses, collections.abc
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterator
 
 
 def stream_name(path: str) -> str:
@@ -69,14 +72,17 @@ def read_at(path: str, cursor: int, size: int, limit: int | None) -> tuple[bytes
         os.close(fd)
 
 
-@dataclass(frozen=True)
-class StreamLog:
+class StreamLog(Frozen):
     """One stream's log file, named so its reader never needs the layout of the home: each
     call is one short read (open, fstat, pread, close) that holds nothing between calls, so
     any thread may make it, and an event loop can hand each one to a worker."""
 
+    __slots__ = ("path", "stream")
     path: str
     stream: str
+
+    def __init__(self, path: str, stream: str) -> None:
+        self._fill(locals())
 
     def stored_length(self) -> int:
         """The bytes stored so far (0 before the file exists)."""

@@ -15,8 +15,8 @@ dirty pages and a later fsync can "succeed"), so the durable cursor stays where 
 Must never: split, decode or look at the bytes; drop a byte silently (bytes past the cap are
 counted in ``not_stored``, bytes it could not store in ``dropped``); stop draining; retry a
 failed write or fsync; reuse an existing file. This runs on the supervisor's hot path: it
-allocates nothing per read and imports only os, fcntl, errno, threading, dataclasses, typing,
-blake3 and settled's foundation.
+allocates nothing per read and imports only os, fcntl, errno, threading, blake3 and settled's
+foundation (no dataclasses or typing: every fresh owner loads this).
 
 Splice (``splice=True``; off unless ``SETTLED_LOG_SPLICE=1``, as it measured slower than read +
 write on this machine, bench/drain.py; and then chosen by the owner only where nothing but itself
@@ -47,13 +47,16 @@ import errno
 import fcntl
 import os
 import threading
-from dataclasses import dataclass
-from typing import Final
 
 from blake3 import blake3
 
 from settled import faults
 from settled.home import SpaceGuard
+from settled.records import Frozen
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Final
 
 DIGEST_ALGORITHM: Final = "blake3"
 
@@ -69,17 +72,31 @@ _HASH_CHUNK: Final = 1 << 20
 _FILE_MODE: Final = 0o600
 
 
-@dataclass(frozen=True)
-class StreamSummary:
+class StreamSummary(Frozen):
     """What one stream's receipt says about its log."""
 
+    __slots__ = (  # noqa: RUF023 - field order
+        "cursor", "digest", "drained", "not_stored", "cap", "dropped", "dropped_reason",
+    )  # fmt: skip
     cursor: int  # bytes stored in the file == final cursor
     digest: str  # "blake3:<hex>" over exactly the stored bytes
     drained: int  # all bytes read from the pipe (stored + not_stored)
     not_stored: int  # bytes drained past the cap, counted but not written
     cap: int | None  # per-stream cap in bytes, None = unlimited
-    dropped: int = 0  # bytes drained that could not be stored (disk full, I/O error, reserve)
-    dropped_reason: str | None = None  # why the first of them was not stored
+    dropped: int  # bytes drained that could not be stored (disk full, I/O error, reserve)
+    dropped_reason: str | None  # why the first of them was not stored
+
+    def __init__(
+        self,
+        cursor: int,
+        digest: str,
+        drained: int,
+        not_stored: int,
+        cap: int | None,
+        dropped: int = 0,
+        dropped_reason: str | None = None,
+    ) -> None:
+        self._fill(locals())
 
     @property
     def complete(self) -> bool:

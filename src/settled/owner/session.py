@@ -18,7 +18,6 @@ import resource
 import sys
 import time
 from collections.abc import Iterator
-from typing import Any
 
 from settled import faults
 from settled.backends import seals_logs
@@ -44,6 +43,10 @@ from settled.owner.signals import OwnerSignals
 from settled.owner.supervise import Outcome, Streams, Supervisor
 from settled.receipts import exit_fact, not_started_fact, process_receipt
 from settled.store import Store, open_store
+
+TYPE_CHECKING = False  # loaded by every fresh owner while its command runs: no typing
+if TYPE_CHECKING:
+    from typing import Any
 
 LOG_CAP_ENV = "SETTLED_LOG_CAP"
 

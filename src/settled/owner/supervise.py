@@ -13,57 +13,71 @@ a descendant may hold a pipe.
 from __future__ import annotations
 
 import os
-import selectors
-import signal
+import select
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from settled import faults
-from settled.boundary.base import Boundary, Evidence
-from settled.log.flush import Flusher
-from settled.log.interleave import IndexWriter
-from settled.log.writer import StreamSummary, StreamWriter, drain_once
-from settled.owner.lease import STALE_BEATS, LeaseKeeper
-from settled.owner.signals import OwnerSignals
+from settled.log.writer import drain_once
+from settled.owner.lease import STALE_BEATS
+
+TYPE_CHECKING = False  # loaded by every fresh owner: no dataclasses, typing, signal, selectors
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from settled.boundary.base import Boundary, Evidence
+    from settled.log.flush import Flusher
+    from settled.log.interleave import IndexWriter
+    from settled.log.writer import StreamSummary, StreamWriter
+    from settled.owner.lease import LeaseKeeper
+    from settled.owner.signals import OwnerSignals
 
 READ_BUFFER = 1 << 20
 STOP_POLL_S = 0.005
 POST_EVIDENCE_DRAIN_S = 10.0
 EVIDENCE_TIMEOUT_S = 30.0
+SIGTERM = 15  # on every Linux architecture, without the signal module's enums
 
 
-@dataclass
 class Outcome:
-    wait_status: int | None = None
-    reason: str = "exited"
-    started: float = 0.0
-    exited: float | None = None
-    stop_decided: float | None = None
-    evidence_at: float | None = None
-    evidence: Evidence | None = None
-    stragglers: list[dict[str, object]] = field(default_factory=list)
-    drain_complete: bool = False
+    """What the loop observed, filled in as it goes."""
+
+    def __init__(self) -> None:
+        self.wait_status: int | None = None
+        self.reason = "exited"
+        self.started = 0.0
+        self.exited: float | None = None
+        self.stop_decided: float | None = None
+        self.evidence_at: float | None = None
+        self.evidence: Evidence | None = None
+        self.stragglers: list[dict[str, object]] = []
+        self.drain_complete = False
 
 
-@dataclass
 class Streams:
     """The two pipes and their logs. The drain's only bookkeeping per read is the writer's
     append (write and hash), one in-memory move of the index and an integer compare: the
     index is written at stream switches, and fsyncs happen behind the drain in the flusher's
     thread, poked every `flusher.every` bytes of a stream (log/flush.py)."""
 
-    fds: dict[str, int]
-    writers: dict[str, StreamWriter]
-    buffer: bytearray = field(default_factory=lambda: bytearray(READ_BUFFER))
-    open: set[str] = field(default_factory=lambda: {"stdout", "stderr"})
-    index: IndexWriter | None = None  # the order of the two streams' stored bytes
-    drained: bool = False  # bytes were drained before the loop (owner/early.py)
-    flusher: Flusher | None = None  # started by the owner (before its boundary, if it must)
-    _flush_at: dict[str, int] = field(default_factory=dict, init=False)  # poke at this cursor
-    _flush_every: int = field(default=0, init=False)  # 0: no flusher, fsyncs at beats only
-
-    def __post_init__(self) -> None:
+    def __init__(
+        self,
+        fds: dict[str, int],
+        writers: dict[str, StreamWriter],
+        *,
+        index: IndexWriter | None = None,
+        flusher: Flusher | None = None,
+    ) -> None:
+        """`index`: the order of the two streams' stored bytes; `flusher`: started by the
+        owner (before its boundary, if it must)."""
+        self.fds = fds
+        self.writers = writers
+        self.buffer = bytearray(READ_BUFFER)
+        self.open = {"stdout", "stderr"}
+        self.index = index
+        self.drained = False  # bytes were drained before the loop (owner/early.py)
+        self.flusher = flusher
+        self._flush_at: dict[str, int] = {}  # poke the flusher at this cursor
+        self._flush_every = 0  # 0: no flusher, fsyncs at beats only
         if self.flusher is not None and self.flusher.every is not None:
             self.flusher.attach([*self.writers.values(), *([self.index] if self.index else [])])
             self._flush_every = self.flusher.every
@@ -108,6 +122,31 @@ class Streams:
         return summaries
 
 
+class _Poller:
+    """The part of `selectors.EpollSelector` the loop uses, on `select.epoll` itself: every
+    fd is registered for reading, and any event on it (EOF and errors too) makes it ready."""
+
+    def __init__(self) -> None:
+        self._epoll = select.epoll()
+        self._names: dict[int, str] = {}
+
+    def register(self, fd: int, name: str) -> None:
+        self._epoll.register(fd, select.EPOLLIN)
+        self._names[fd] = name
+
+    def unregister(self, fd: int) -> None:
+        self._epoll.unregister(fd)
+        del self._names[fd]
+
+    def select(self, timeout: float | None) -> list[tuple[int, str]]:
+        """(fd, name) of each ready fd; waits up to `timeout` s (None: until one is)."""
+        ready = self._epoll.poll(-1 if timeout is None else max(0.0, timeout))
+        return [(fd, self._names[fd]) for fd, _events in ready]
+
+    def close(self) -> None:
+        self._epoll.close()
+
+
 class Supervisor:
     """Runs one command inside one boundary to death evidence; knows nothing of the store."""
 
@@ -132,7 +171,7 @@ class Supervisor:
         self._cancel: str | None = None
         self._kill_at: float | None = None
         self._stopping = False
-        self._selector = selectors.DefaultSelector()
+        self._selector = _Poller()
 
     # -- the loop ------------------------------------------------------------------------
 
@@ -156,10 +195,10 @@ class Supervisor:
         next_beat, last_turn = started + self.heartbeat_every, started
         for name, fd in self.streams.fds.items():
             os.set_blocking(fd, False)
-            self._selector.register(fd, selectors.EVENT_READ, name)
-        self._selector.register(self.boundary.exit_fd(), selectors.EVENT_READ, "exit")
-        self._selector.register(self.signals.wake_r, selectors.EVENT_READ, "wake")
-        self._selector.register(self.lease.fileno(), selectors.EVENT_READ, "lease")
+            self._selector.register(fd, name)
+        self._selector.register(self.boundary.exit_fd(), "exit")
+        self._selector.register(self.signals.wake_r, "wake")
+        self._selector.register(self.lease.fileno(), "lease")
         drained_once = self.streams.drained  # owner.mid_drain fires once, at the first drain
         while True:
             now = time.monotonic()
@@ -179,17 +218,16 @@ class Supervisor:
                 if self._kill_at is not None and now >= self._kill_at:
                     break
             wait = self._next_wait(now, deadline, next_beat)
-            for key, _ in self._selector.select(wait):
-                name = key.data
+            for fd, name in self._selector.select(wait):
                 if name in ("stdout", "stderr"):
                     self.streams.drain(name)
                     if name not in self.streams.open:
-                        self._selector.unregister(key.fd)
+                        self._selector.unregister(fd)
                     if not drained_once:
                         drained_once = True
                         faults.point("owner.mid_drain")
                 elif name == "exit":
-                    self._on_exit_fd(key.fd)
+                    self._on_exit_fd(fd)
                 elif name == "lease":
                     self._cancel = self._cancel or self.lease.on_wake()
                 else:
@@ -232,7 +270,7 @@ class Supervisor:
         self._stopping = True
         self._kill_at = now + self.grace
         if self.grace > 0:
-            self.boundary.signal_all(signal.SIGTERM)
+            self.boundary.signal_all(SIGTERM)
         else:  # no grace: KILL over the boundary now; TERM one by one would only delay it
             self.boundary.kill_all()
         self.settling()  # recorded after the signal, so the store's latency is not the kill's
@@ -248,7 +286,7 @@ class Supervisor:
         if left:
             self.outcome.stragglers = [{**m, "stopped_by": "TERM"} for m in left]
             if self.grace > 0:
-                self.boundary.signal_all(signal.SIGTERM)
+                self.boundary.signal_all(SIGTERM)
 
     def _finish(self) -> Outcome:
         out = self.outcome
@@ -273,14 +311,14 @@ class Supervisor:
         """After evidence no writer can remain, so EOF comes at once; bounded all the same."""
         give_up = time.monotonic() + budget
         pending = {self.streams.fds[n]: n for n in self.streams.open}
-        selector = selectors.DefaultSelector()
+        selector = _Poller()
         for fd, name in pending.items():
-            selector.register(fd, selectors.EVENT_READ, name)
+            selector.register(fd, name)
         while self.streams.open and time.monotonic() < give_up:
-            for key, _ in selector.select(max(0.0, give_up - time.monotonic())):
-                self.streams.drain(key.data)
-                if key.data not in self.streams.open:
-                    selector.unregister(key.fd)
+            for fd, name in selector.select(give_up - time.monotonic()):
+                self.streams.drain(name)
+                if name not in self.streams.open:
+                    selector.unregister(fd)
         selector.close()
         return not self.streams.open
 
