@@ -195,7 +195,9 @@ def test_a_stuck_loop_is_not_renewed(rig: Callable[..., Any]) -> None:
         time.sleep(20 * BEAT_S)
         stuck["to"] = time.monotonic()
 
-    supervisor, _, _, renewals = rig(["/bin/sh", "-c", "sleep 0.5"], settling=settling)
+    # a straggler outlives the main process, so the loop records settling (a command that
+    # leaves nothing to stop settles in one step, without it)
+    supervisor, _, _, renewals = rig(["/bin/sh", "-c", "sleep 30 & sleep 0.5"], settling=settling)
     thread, result = _supervise_in_background(supervisor)
     thread.join(15)
     assert not thread.is_alive() and "outcome" in result, result

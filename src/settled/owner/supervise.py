@@ -276,17 +276,21 @@ class Supervisor:
         self.settling()  # recorded after the signal, so the store's latency is not the kill's
 
     def _on_main_exit(self) -> None:
-        """The main process is gone: whoever is left in the boundary is a straggler."""
+        """The main process is gone: whoever is left in the boundary is a straggler, stopped
+        (TERM, the grace, KILL) while the session is recorded as settling. With none left
+        there is nothing to stop and the evidence is at hand: the receipt settles the running
+        session in one step (states.py), and no `settling` write queues on the store's write
+        lock behind those of every other owner whose command exited at the same moment."""
         self._stopping = True
         now = time.monotonic()
         self.outcome.stop_decided = now
-        self.settling()
         self._kill_at = now + self.grace  # also bounds a straggler that appears after this look
         left = self.boundary.describe_members()
         if left:
             self.outcome.stragglers = [{**m, "stopped_by": "TERM"} for m in left]
             if self.grace > 0:
                 self.boundary.signal_all(SIGTERM)
+            self.settling()  # after the signal, as in _begin_stop
 
     def _finish(self) -> Outcome:
         out = self.outcome
