@@ -7,6 +7,7 @@ admission belongs to the owner; the runtime only reads facts and asks the owner 
 
 from __future__ import annotations
 
+import _thread
 import contextlib
 import functools
 import os
@@ -113,6 +114,44 @@ class Admission(Frozen):
         }
 
 
+class _Admitting:
+    """Admissions of one key in this process, one at a time until the store answered.
+
+    A retry storm sends a key's duplicates together, most of them into one process (a server's
+    threads, a harness's pool): each would find no session, look for vanished owners over every
+    live session of the task and queue on the store's write lock, to learn that another one
+    inserted the row. Here the first runs the admission and the others wait for its answer
+    (woken by it, never by a timer), then read the session as any later retry does. Nothing is
+    decided here: the store's conditional insert still admits exactly one, across processes."""
+
+    def __init__(self) -> None:
+        self._lock = _thread.allocate_lock()  # the builtin: `settled status` loads no threading
+        self._running: dict[tuple[str, str, str], _thread.LockType] = {}
+
+    @contextlib.contextmanager
+    def turn(self, home: str, task: str, key: str) -> Iterator[bool]:
+        """True to the caller that admits the key now; False, once that one has the store's
+        answer (or failed), to a caller that came meanwhile: it reads the answer instead."""
+        name = (home, task, key)
+        with self._lock:
+            running = self._running.get(name)
+            if running is None:
+                mine = self._running[name] = _thread.allocate_lock()
+                mine.acquire()  # held until the answer: the others block on it
+        if running is not None:
+            with running:  # each waiter in turn, as the first lets go
+                pass
+            yield False
+            return
+        try:
+            yield True
+        finally:
+            with self._lock:
+                del self._running[name]
+            mine.release()
+
+
+_ADMITTING = _Admitting()
 LAUNCHERS = ("fresh", "warm", "home")
 
 
@@ -525,12 +564,17 @@ class Runtime:
         if not entered:
             _check_isolation(spec, kind)
         key = key or new_key()
-        existing = self.store.find_session(task, key)
-        if existing is not None and existing.digest == spec.digest:
-            return self._admission(existing, reused=True)  # a retry: nothing to inspect
-        check_reserve(self.home, f"exec in task {task}")  # a retry still gets its session
-        self.recovery.detect(task)  # a session whose owner vanished freezes admission
-        session, reused = self.store.admit(task, key, spec.digest, spec.to_json())
+        while True:
+            existing = self.store.find_session(task, key)
+            if existing is not None and existing.digest == spec.digest:
+                return self._admission(existing, reused=True)  # a retry: nothing to inspect
+            with _ADMITTING.turn(self.home, task, key) as first:
+                if not first:
+                    continue  # this process admitted the key meanwhile: read its answer
+                check_reserve(self.home, f"exec in task {task}")  # a retry still gets its session
+                self.recovery.detect(task)  # a session whose owner vanished freezes admission
+                session, reused = self.store.admit(task, key, spec.digest, spec.to_json())
+            break
         if reused:
             return self._admission(session, reused=True)
         self._ensure_journal(record)  # one request when watched; restarts a lost daemon
@@ -581,7 +625,7 @@ class Runtime:
             key=record.key,
             digest=record.digest,
             reused=reused,
-            state=self.session_status(record.session)["state"],
+            state=self.sessions.status_of(record)["state"],
             owner_pid=record.owner.pid if record.owner else None,
             pid=record.command_pid,
             boundary=record.boundary,

@@ -79,7 +79,12 @@ class SessionWatch:
         return None if record.owner is None else self.liveness.facts(record.owner)
 
     def status(self, session: str) -> dict[str, Any]:
-        record = self.store.get_session(session)
+        return self.status_of(self.store.get_session(session))
+
+    def status_of(self, record: SessionRecord) -> dict[str, Any]:
+        """The status of a record just read (an admission's): read again only where its owner
+        is gone, as `status` does."""
+        session = record.session
         facts = self.owner_facts(record)
         if facts is not None and not facts.alive and record.live:
             # The owner writes its receipt before it exits: one that settled and exited between
