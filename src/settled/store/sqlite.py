@@ -233,6 +233,8 @@ class SQLiteStore:
             raise typed from exc
 
     def _migrate(self) -> None:
+        if self._schema_version() == SCHEMA_VERSION:
+            return  # every open after the first: a read, no write transaction to queue for
         with self._write() as db:
             db.execute("CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT)")
             row = db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
@@ -255,12 +257,22 @@ class SQLiteStore:
                     (str(SCHEMA_VERSION),),
                 )
 
+    def _schema_version(self) -> int | None:
+        try:
+            row = self._db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
+        except sqlite3.OperationalError:  # no meta table: a store never migrated
+            return None
+        return int(row[0]) if row else None
+
     def _check_identity(self) -> None:
         """The store and home.id name one home. The first open records the id in both (the
         store first, so a home.id never exists without its store); a lost home.id is written
         again from the store, a store an older settled made takes home.id's; a store whose id
         is another home's is refused naming both."""
         file_id = read_home_id(self.home)
+        row = self._db.execute("SELECT value FROM meta WHERE key='home_id'").fetchone()
+        if row is not None and row[0] == file_id:
+            return  # both name this home: nothing to write (an owner opens two stores)
         with self._write() as db:
             row = db.execute("SELECT value FROM meta WHERE key='home_id'").fetchone()
             store_id = row[0] if row else None
@@ -660,6 +672,7 @@ class SQLiteStore:
             raise StaleWrite(f"a receipt settles a session only by {RECEIPT_EVENTS}, not {event!r}")
         checked(receipt, f"the receipt offered for session {session}")  # refused unsealed
         output = receipt.get("output", {})
+        text = canonical_bytes(receipt).decode()  # before the write lock: others queue on it
         with self._write() as db:
             self._transition(
                 db,
@@ -667,7 +680,7 @@ class SQLiteStore:
                 generation,
                 event,
                 {
-                    "receipt": canonical_bytes(receipt).decode(),
+                    "receipt": text,
                     "settled_at": time.time(),
                     **{
                         f"{stream}_durable": output[stream]["cursor"]
