@@ -3,8 +3,9 @@
 One task, one workspace. Each of the N keys gets D admissions of the same command with the same
 key, fired together (a per-key barrier) from a pool of T threads, each thread with its own
 Runtime (one store connection): N*D admissions, of which exactly N may launch. Variants, one
-after another: the fresh launcher (a new interpreter per owner, what a CLI user gets), the warm
-launcher with a zygote per Runtime, and one warm launcher shared by every Runtime of the process.
+after another: the fresh launcher (a new interpreter per owner), the warm launcher with a zygote
+per Runtime, one warm launcher shared by every Runtime of the process, and the home's zygote that
+every process of the home shares (owner/home_launcher.py: what a CLI user gets).
 Every command appends one line to `launches/<key>` in the workspace, then blocks on a shared
 flock gate the benchmark holds, so all N sessions are alive at once; once every admission has
 returned the gate opens, each command writes `yes <key> | head -c 1 MiB` to stdout and, as its
@@ -66,8 +67,14 @@ from common import (
 FULL = {"sessions": 200, "duplicates": 10, "threads": 48, "bytes": MIB}
 QUICK = {"sessions": 20, "duplicates": 3, "threads": 16, "bytes": MIB}
 # variant -> (launcher, one zygote shared by every thread's Runtime); fresh first: what a CLI
-# user gets; then a zygote per Runtime; then one zygote for the process (Runtime(shared_launcher=))
-VARIANTS = {"fresh": ("fresh", False), "warm": ("warm", False), "warm-shared": ("warm", True)}
+# user gets without a home zygote; then a zygote per Runtime; then one zygote for the process
+# (Runtime(shared_launcher=)); then the home's zygote (owner/home_launcher.py), the CLI's default
+VARIANTS = {
+    "fresh": ("fresh", False),
+    "warm": ("warm", False),
+    "warm-shared": ("warm", True),
+    "home": ("home", False),  # the home's zygote, shared by every process (what the CLI uses)
+}
 WAIT_S = 300.0  # one session, gate open to receipt
 BARRIER_S = 120.0
 CLOSE_DEADLINE_S = 60.0
@@ -733,6 +740,8 @@ def run_once(root: str, variant: str, p: dict[str, Any]) -> dict[str, Any]:
             rt.close()
         if shared is not None:
             shared.close()  # the creator of a shared launcher closes it
+        if launcher == "home":
+            _stop_home_zygote(home)
         os.environ.pop(MARK_ENV, None)
         result["left_what"] = [_describe(pid) for pid in marked(token)]
         result["left"] = len(kill_marked(token))
@@ -740,6 +749,17 @@ def run_once(root: str, variant: str, p: dict[str, Any]) -> dict[str, Any]:
             log(f"warning: killed {result['left']} leftover processes: {result['left_what']}")
         shutil.rmtree(base, ignore_errors=True)
     return result
+
+
+def _stop_home_zygote(home: str) -> None:
+    """The home's zygote outlives its callers until it idles out: the benchmark ends it."""
+    try:
+        from settled.home import run_dir
+        from settled.owner.home_launcher import stop
+
+        stop(run_dir(home))
+    except Exception as exc:
+        log(f"warning: stopping the home's zygote: {exc!r}")
 
 
 def _recover_unknown(rt: Any, task: str) -> None:
@@ -878,7 +898,8 @@ def render(data: dict[str, Any]) -> str:
         f"{p['sessions']} keys x {p['duplicates']} concurrent duplicate admissions = {total} "
         f"`Runtime.exec` calls from {p['threads']} threads (one Runtime each; `fresh`: a new "
         "interpreter per owner, `warm`: each Runtime forks owners from its own zygote, "
-        "`warm-shared`: one zygote for all of them, `Runtime(shared_launcher=)`), one task; each "
+        "`warm-shared`: one zygote for all of them, `Runtime(shared_launcher=)`, `home`: the "
+        "home's zygote that every process shares, what the CLI uses), one task; each "
         f"command appends a line to `launches/<key>`, waits on a flock gate held until every "
         f"admission returned (so all {p['sessions']} sessions are alive at once), then writes "
         f"{p['bytes'] // MIB} MiB (`yes <key> | head -c {p['bytes']}`) and its exit stamp to "
