@@ -30,18 +30,25 @@ ZYGOTE_MODULES = ("settled", "blake3")
 def preload() -> None:
     """Import, once and before any fork, everything an owner runs: each fork then has it."""
     import ctypes  # noqa: F401 - pidns and subreaper owners need it; import it once, here
+    import encodings.ascii  # noqa: F401 - a codec looked up by name is imported at first use
+    import gc
 
     import settled.owner.launch  # the owner's launch path, likewise
     import settled.owner.main  # imported once, before any fork
     import settled.owner.session  # what the owner loads once its command runs
     import settled.workspace.journal.client  # noqa: F401 - the owner's barrier client, likewise
-    from settled import store
+    from settled import boundary, store
     from settled.boundary import linux, spawn
 
     store.load_implementation()  # the store the owner opens, likewise
+    boundary.preload()  # the boundary it makes, likewise
 
     linux.capget()  # libc loaded once here, not in every owner that isolates its command
     spawn.clone3_missing()  # probed once here (ctypes' PyDLL handle with it)
+    # Last: the collector of every fork never walks what was loaded here, so it never writes
+    # to (and makes the kernel copy) the pages of the shared heap. Those objects live as long
+    # as the process anyway; only garbage this very call made would now never be collected.
+    gc.freeze()
 
 
 def fork_owner(request: dict[str, Any], fds: list[int], sockets: tuple[socket.socket, ...]) -> None:
