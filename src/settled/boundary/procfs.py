@@ -42,6 +42,13 @@ def state_of(pid: int) -> str | None:
     return fields[0] if fields else None
 
 
+def start_and_state(pid: int) -> tuple[int, str] | None:
+    """`start_time` and `state_of` from one read of /proc/PID/stat (a liveness check asks both
+    of every live session's owner at each admission), or None if the pid is gone."""
+    fields = _stat_fields(pid)
+    return (int(fields[19]), fields[0]) if fields else None
+
+
 def is_same_process(pid: int, started: int | None) -> bool:
     return started is not None and start_time(pid) == started
 

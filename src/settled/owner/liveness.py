@@ -27,7 +27,8 @@ class LocalOwners:
         lease_fresh = owner.lease_until > now
         if owner.boot_id != procfs.boot_id():
             return OwnerFacts(False, f"owner recorded on boot {owner.boot_id}", lease_fresh)
-        if procfs.start_time(owner.pid) != owner.start_time or procfs.state_of(owner.pid) == "Z":
+        seen = procfs.start_and_state(owner.pid)
+        if seen is None or seen[0] != owner.start_time or seen[1] == "Z":
             return OwnerFacts(
                 False, f"owner pid {owner.pid} is gone (or is another process now)", lease_fresh
             )
