@@ -75,6 +75,7 @@ VARIANTS = {
     "warm-shared": ("warm", True),
     "home": ("home", False),  # the home's zygote, shared by every process (what the CLI uses)
 }
+VARIANTS_ENV = "SETTLED_LOAD_VARIANTS"  # comma-separated names: run only these
 WAIT_S = 300.0  # one session, gate open to receipt
 BARRIER_S = 120.0
 CLOSE_DEADLINE_S = 60.0
@@ -207,6 +208,7 @@ class ProcSampler:
         self.peak_at: dict[str, float] = {}
         self.series: list[tuple[float, int, int]] = []  # (t, owners alive, owners' RSS bytes)
         self.sweep_s: list[float] = []
+        self.pss_at_most = (0, 0)  # (owners alive, their summed PSS) at the fullest PSS sample
         self.interval_s: list[float] = []
         self.started = time.monotonic()
 
@@ -224,8 +226,11 @@ class ProcSampler:
         stat = _read(f"/proc/{pid}/stat")
         if env is None or stat is None or self.needle not in env.split(b"\0"):
             return ""
-        ppid = int(stat[stat.rindex(b")") + 2 :].split()[1])
-        if kind == "owner" and ppid == self.bench:  # a fresh owner is the caller's own child
+        fields = stat[stat.rindex(b")") + 2 :].split()
+        ppid, sid = int(fields[1]), int(fields[3])
+        if b"home_launcher" in cmd and pid == sid and self.kinds.get(ppid) != "zygote":
+            kind = "zygote"  # the home's: its own session's leader; its forks share its cmdline
+        elif kind == "owner" and ppid == self.bench:  # a fresh owner is the caller's own child
             kind = "zygote" if b"settled.owner.zygote" in cmd else "owner"
         elif kind == "owner" and self.kinds.get(ppid) == "zygote":
             kind = "stub"
@@ -272,6 +277,8 @@ class ProcSampler:
                     if kind == "owner" and name == "rss":
                         self.peak_at["owner_rss"] = now
                         self.peak_at["owners_at_rss_peak"] = values["count"]
+        if with_pss and sums["owner"]["count"] >= self.pss_at_most[0]:
+            self.pss_at_most = (sums["owner"]["count"], sums["owner"]["pss"])
         if self.series:
             self.interval_s.append(now - self.series[-1][0])
         self.series.append((now, sums["owner"]["count"], sums["owner"]["rss"]))
@@ -279,9 +286,15 @@ class ProcSampler:
 
     def report(self) -> dict[str, Any]:
         step = max(1, len(self.series) // 400)  # keep the JSON small
+        owners, pss = self.pss_at_most
         return {
             "peak": self.peak,
             "peak_at_s": self.peak_at,
+            "owners_pss_at_most": {
+                "owners": owners,
+                "pss": pss,
+                "per_owner": pss / owners if owners else 0,
+            },
             "samples": len(self.series),
             "sweep_ms": distribution([s * 1e3 for s in self.sweep_s]),
             "interval_ms": distribution([s * 1e3 for s in self.interval_s]),
@@ -623,7 +636,7 @@ def run_once(root: str, variant: str, p: dict[str, Any]) -> dict[str, Any]:
             shared = WarmLauncher()
         pool = RuntimePool(p["threads"], home, launcher, shared)
         log(f"  {variant}: {p['threads']} runtimes open; {len(keys) * p['duplicates']} admissions")
-        t_start = time.time()
+        t_start, cpu_start = time.time(), time.process_time()
         jobs = []
         for key in keys:  # key-major: a key's duplicates are queued together, so never deadlock
             barrier = threading.Barrier(p["duplicates"], timeout=BARRIER_S)
@@ -638,7 +651,7 @@ def run_once(root: str, variant: str, p: dict[str, Any]) -> dict[str, Any]:
                     )
                 )
         _gather(jobs, 600.0, "admissions")
-        t_admitted = time.time()
+        t_admitted, cpu_admitted = time.time(), time.process_time()
         order = [(key, dup) for key in keys for dup in range(p["duplicates"])]
         admissions = [
             j.result if j.error is None else {"key": k, "dup": d, "error": repr(j.error)}
@@ -654,11 +667,11 @@ def run_once(root: str, variant: str, p: dict[str, Any]) -> dict[str, Any]:
         probe_live = _alone(rt, task.task, keys[0], probe_shell, token, PROBES)
         if gate is not None:
             gate.open()
-        t_gate = time.time()
+        t_gate, cpu_gate = time.time(), time.process_time()
         sessions = sorted({r["session"] for r in admissions if "session" in r})
         waits = [pool.submit(lambda r, s=s: _wait(r, s)) for s in sessions]
         _gather(waits, WAIT_S + 60.0, "waits")
-        t_waited = time.time()
+        t_waited, cpu_waited = time.time(), time.process_time()
         wait_errors = [repr(j.error) for j in waits if j.error is not None]
         log(f"  {variant}: {len(sessions)} receipts {t_waited - t_gate:.1f} s after the gate")
         memory = sampler.stop()
@@ -686,6 +699,7 @@ def run_once(root: str, variant: str, p: dict[str, Any]) -> dict[str, Any]:
                 ),
             },
             memory=memory,
+            cpu=_cpu(cpu_admitted - cpu_start, cpu_waited - cpu_gate, facts),
             wall={
                 "admissions_s": t_admitted - t_start,
                 "gate_to_last_receipt_s": (max(stored) - t_gate) if stored else None,
@@ -741,7 +755,7 @@ def run_once(root: str, variant: str, p: dict[str, Any]) -> dict[str, Any]:
         if shared is not None:
             shared.close()  # the creator of a shared launcher closes it
         if launcher == "home":
-            _stop_home_zygote(home)
+            _stop_home_zygote(home, token)
         os.environ.pop(MARK_ENV, None)
         result["left_what"] = [_describe(pid) for pid in marked(token)]
         result["left"] = len(kill_marked(token))
@@ -751,8 +765,25 @@ def run_once(root: str, variant: str, p: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
-def _stop_home_zygote(home: str) -> None:
-    """The home's zygote outlives its callers until it idles out: the benchmark ends it."""
+def _cpu(admissions_s: float, waits_s: float, facts: dict[str, Any]) -> dict[str, Any]:
+    """Where the CPU went: the benchmark process (the callers' threads) while admitting and
+    while waiting, and the owners (each receipt's `owner.cpu_s`: its whole life)."""
+    owners = [f["receipt"]["owner"]["cpu_s"] for f in facts.values()]
+    return {
+        "callers_admitting_s": admissions_s,
+        "callers_waiting_s": waits_s,
+        "owners_s": sum(owners),
+        "owner_ms": distribution([c * 1e3 for c in owners]),
+        "per_session_ms": (admissions_s + sum(owners)) * 1e3 / len(owners) if owners else None,
+    }
+
+
+def _stop_home_zygote(home: str, token: str) -> None:
+    """The home's zygote outlives its callers until it idles out: the benchmark ends it, and
+    waits for its process (it lets go of its lock a moment before it exits)."""
+    zygotes = [
+        pid for pid in marked(token) if b"home_launcher" in (_read(f"/proc/{pid}/cmdline") or b"")
+    ]
     try:
         from settled.home import run_dir
         from settled.owner.home_launcher import stop
@@ -760,6 +791,8 @@ def _stop_home_zygote(home: str) -> None:
         stop(run_dir(home))
     except Exception as exc:
         log(f"warning: stopping the home's zygote: {exc!r}")
+    for pid in zygotes:
+        await_exit(pid, 10.0)
 
 
 def _recover_unknown(rt: Any, task: str) -> None:
@@ -850,6 +883,8 @@ def run(quick: bool) -> tuple[dict[str, Any], str]:
 
     p = QUICK if quick else FULL
     variants = [name for name, (launcher, share) in VARIANTS.items() if _offered(launcher, share)]
+    if only := os.environ.get(VARIANTS_ENV):  # a subset, to profile one of them
+        variants = [name for name in variants if name in only.split(",")]
     data: dict[str, Any] = {
         "benchmark": "load",
         "quick": quick,
@@ -885,6 +920,12 @@ def _left(r: dict[str, Any]) -> str:
 
 def _mib(n: float) -> str:
     return fmt(n / MIB, 1)
+
+
+def _pss_per_owner(at: dict[str, Any] | None) -> str:
+    if not at or not at["owners"]:
+        return "-"
+    return f"{at['owners']} / {_mib(at['pss'])} / {fmt(at['per_owner'] / MIB, 2)}"
 
 
 def render(data: dict[str, Any]) -> str:
@@ -1016,6 +1057,35 @@ def render(data: dict[str, Any]) -> str:
             rows,
         )
     )
+    cpu = [(n, r["cpu"]) for n, r in runs.items() if r.get("cpu")]
+    if cpu:
+        parts += [
+            "",
+            "**CPU** (s; the callers' 2 cores are shared with every owner: the admission phase "
+            "cannot be faster than its CPU over 2)",
+            "",
+            md_table(
+                [
+                    "variant",
+                    "callers, admitting",
+                    "callers, waiting",
+                    "owners (sum)",
+                    "owner p50 / max (ms)",
+                    "callers' admitting + owners, per session (ms)",
+                ],
+                [
+                    [
+                        n,
+                        fmt(c["callers_admitting_s"]),
+                        fmt(c["callers_waiting_s"]),
+                        fmt(c["owners_s"]),
+                        f"{fmt(c['owner_ms'].get('p50'))} / {fmt(c['owner_ms'].get('max'))}",
+                        fmt(c["per_session_ms"]),
+                    ]
+                    for n, c in cpu
+                ],
+            ),
+        ]
     parts += [
         "",
         "**Memory** (peak over the run; /proc sampled every 50 ms, PSS every 500 ms; RSS counts "
@@ -1038,6 +1108,7 @@ def render(data: dict[str, Any]) -> str:
                 _mib(owner["rss"]),
                 _mib(owner["pss"]),
                 fmt(owner["rss"] / at_peak / MIB, 1) if at_peak else "-",
+                _pss_per_owner(m.get("owners_pss_at_most")),
                 f"{zygote['count']} / {_mib(zygote['rss'])} / {_mib(zygote['pss'])}",
                 _mib(jour["rss"]),
                 " / ".join(fmt(mx.get(q, float("nan")) / 1024, 1) for q in ("p50", "p90", "max")),
@@ -1051,6 +1122,7 @@ def render(data: dict[str, Any]) -> str:
                 "sum RSS (MiB)",
                 "sum PSS (MiB)",
                 "RSS per owner at peak (MiB)",
+                "PSS per owner: owners / sum / each (MiB), fullest PSS sample",
                 "zygotes: n / RSS / PSS (MiB)",
                 "journal RSS (MiB)",
                 "receipt maxrss p50 / p90 / max (MiB)",
