@@ -51,6 +51,14 @@ if TYPE_CHECKING:
 LOG_CAP_ENV = "SETTLED_LOG_CAP"
 
 
+def _load_settle_path() -> None:
+    """Import what the settle needs while the command runs (the early drain reads on): the
+    journal's client is ~10 ms of imports in a fresh owner (a zygote's fork has it), which
+    after the command's exit would stand between its death evidence and its receipt, and at
+    load every owner whose command exits at once would queue for the CPU with it."""
+    from settled.workspace.journal import client  # noqa: F401
+
+
 class OwnerSession:
     def __init__(
         self,
@@ -124,6 +132,7 @@ class OwnerSession:
         if not self.lease.started:  # where threads had to come first, they started before
             self.lease.start()
             self.flusher.start()
+        _load_settle_path()
         supervisor = Supervisor(
             boundary,
             streams,
