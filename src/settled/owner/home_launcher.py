@@ -204,9 +204,15 @@ class HomeLauncher:
 
 
 def _ask(run: str, request: dict[str, Any], fds: list[int]) -> bytes:
+    """One request. The connect blocks, bounded by SO_SNDTIMEO: when a burst of callers (a
+    server's threads, 200 sessions at once) fills the zygote's listen backlog, the kernel
+    queues this caller until the zygote accepts, where a socket with a timeout (non-blocking
+    underneath) failed the launch at once with EAGAIN."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as sock:
-        sock.settimeout(REPLY_TIMEOUT_S)
+        wait = struct.pack("ll", int(REPLY_TIMEOUT_S), 0)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, wait)
         sock.connect(os.path.join(run, SOCKET_NAME))
+        sock.settimeout(REPLY_TIMEOUT_S)
         socket.send_fds(sock, [json.dumps(request).encode()], fds)
         return sock.recv(16)
 
