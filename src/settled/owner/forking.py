@@ -10,6 +10,7 @@ run a command without the caller's orders.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import time
@@ -56,6 +57,7 @@ def fork_owner(request: dict[str, Any], fds: list[int], sockets: tuple[socket.so
     child closes `sockets` (the zygote's own), detaches and becomes the owner."""
     from settled.owner.main import run_session  # preloaded: no import after the fork
 
+    reap_stubs()
     pid = os.fork()
     if pid == 0:
         for sock in sockets:
@@ -63,7 +65,19 @@ def fork_owner(request: dict[str, Any], fds: list[int], sockets: tuple[socket.so
         _become_owner(request, fds, run_session)
     for fd in fds:
         os.close(fd)
-    os.waitpid(pid, 0)  # the child forks the real owner and exits at once
+    # Not waited for: the child forks the real owner and exits at once, but under load it
+    # waits for a CPU first, and the zygote serves one caller at a time (200 queued behind
+    # each other's scheduling). It is reaped at the next fork or when the zygote ends; what
+    # the caller learns of the owner comes over the ready pipe, as before (EOF if it failed).
+    reap_stubs()
+
+
+def reap_stubs(*, all_of_them: bool = False) -> None:
+    """Reap the zygote's exited children (its only children are the stubs); `all_of_them`:
+    wait for every one still running too, as a zygote does before it ends."""
+    with contextlib.suppress(ChildProcessError):
+        while os.waitpid(-1, 0 if all_of_them else os.WNOHANG)[0] > 0:
+            pass
 
 
 def _become_owner(request: dict[str, Any], fds: list[int], run: Any) -> None:

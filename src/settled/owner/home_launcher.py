@@ -36,7 +36,14 @@ from typing import Any
 
 from settled.home import run_dir
 from settled.isolated import NoReport, python_command, read_report, start_helper
-from settled.owner.forking import MAX_REQUEST, ZYGOTE_MODULES, fork_owner, launch_through, preload
+from settled.owner.forking import (
+    MAX_REQUEST,
+    ZYGOTE_MODULES,
+    fork_owner,
+    launch_through,
+    preload,
+    reap_stubs,
+)
 from settled.store import Store
 
 SOCKET_NAME = "launcher.sock"
@@ -113,6 +120,7 @@ def serve_home(run: str, idle_s: float, ready_fd: int) -> int:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)  # before the lock goes: a caller then starts a new one
         listener.close()
+        reap_stubs(all_of_them=True)
         os.close(lock)
     return 0
 

@@ -21,7 +21,14 @@ import threading
 from typing import Any
 
 from settled.isolated import python_command
-from settled.owner.forking import MAX_REQUEST, ZYGOTE_MODULES, fork_owner, launch_through, preload
+from settled.owner.forking import (
+    MAX_REQUEST,
+    ZYGOTE_MODULES,
+    fork_owner,
+    launch_through,
+    preload,
+    reap_stubs,
+)
 from settled.store import Store
 
 # -- the zygote process -----------------------------------------------------------------------
@@ -42,6 +49,7 @@ def serve(sock_fd: int) -> int:
         except InterruptedError:
             continue
         if not message:
+            reap_stubs(all_of_them=True)
             return 0
         fork_owner(json.loads(message), fds, (sock,))
         sock.sendall(b"ok\n")
