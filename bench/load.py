@@ -79,7 +79,18 @@ VARIANTS_ENV = "SETTLED_LOAD_VARIANTS"  # comma-separated names: run only these
 WAIT_S = 300.0  # one session, gate open to receipt
 BARRIER_S = 120.0
 CLOSE_DEADLINE_S = 60.0
-ADMISSION_FIELDS = ("key", "dup", "reused", "latency_s", "starts_zygote", "error")
+# A new admission's steps, from the receipt's timings (the caller's and the owner's clocks):
+# the caller's admission and launch request; the launcher's queue, fork and the owner's hello;
+# the claim (the store's write lock and fsync); its orders; the spawn; the owner's store and loop
+STEPS = (
+    ("admitted_at", "launched_at"),
+    ("launched_at", "owner_at"),
+    ("owner_at", "claimed_at"),
+    ("claimed_at", "orders_at"),
+    ("orders_at", "spawned_at"),
+    ("spawned_at", "supervised_at"),
+)
+ADMISSION_FIELDS = ("key", "dup", "reused", "latency_s", "starts_zygote", "error", "called_at")
 PROBES = 20  # reused admissions from one caller, with every session live and with none
 SAMPLE_S = 0.05
 PSS_EVERY = 10
@@ -424,7 +435,7 @@ def _admit(
         row["barrier_broken"] = True
     # a warm Runtime of its own (not a shared launcher) starts its zygote at its first launch
     starts_zygote = getattr(rt, "_launcher_kind", None) == "warm" and rt._launcher is None
-    started = time.perf_counter()
+    started, row["called_at"] = time.perf_counter(), time.time()
     try:
         adm = rt.exec(task, shell=shell, key=key, env={MARK_ENV: token})
     except Exception as exc:
@@ -546,6 +557,24 @@ def _verify(
     return counts, facts
 
 
+def _steps(admissions: list[dict[str, Any]], facts: dict[str, Any]) -> dict[str, Any]:
+    """Each new admission's steps: the call to the store's admission (the caller's clock), then
+    STEPS from the receipt's timings."""
+    called = {r["session"]: r["called_at"] for r in admissions if r.get("reused") is False}
+    first = [
+        (f["receipt"]["timings"]["admitted_at"] - called[session]) * 1e3
+        for session, f in facts.items()
+        if session in called
+    ]
+    steps = {"called_at -> admitted_at": distribution(first)}
+    for a, b in STEPS:
+        times = [
+            (f["receipt"]["timings"][b] - f["receipt"]["timings"][a]) * 1e3 for f in facts.values()
+        ]
+        steps[f"{a} -> {b}"] = distribution(times)
+    return steps
+
+
 def _latencies(admissions: list[dict[str, Any]], facts: dict[str, Any]) -> dict[str, Any]:
     ok = [r for r in admissions if "session" in r]
     out: dict[str, Any] = {
@@ -582,6 +611,7 @@ def _latencies(admissions: list[dict[str, Any]], facts: dict[str, Any]) -> dict[
         "evidence_after_exit": distribution(evidence),
     }
     out["admitted_to_spawned_ms"] = distribution(spawned)
+    out["new_admission_steps_ms"] = _steps(admissions, facts)
     out["owner_maxrss_kib"] = distribution(
         [float(f["receipt"]["owner"]["maxrss_kib"]) for f in facts.values()]
     )
@@ -1024,6 +1054,33 @@ def render(data: dict[str, Any]) -> str:
                 ]
             )
     parts.append(md_table(["variant", "interval", "n", "p50", "p90", "p99", "max"], rows))
+    steps = [
+        (n, r["latency"]["new_admission_steps_ms"])
+        for n, r in runs.items()
+        if r.get("latency", {}).get("new_admission_steps_ms")
+    ]
+    if steps:
+        parts += [
+            "",
+            "**A new admission, step by step** (ms, from each receipt's timings: where the "
+            "time goes under load; `launched -> owner` is the launcher's queue and fork and "
+            "the owner's first word, `owner -> claimed` the claim's wait for the store's write "
+            "lock and its fsync)",
+            "",
+            md_table(
+                ["variant", "step", "n", "p50", "p90", "p99", "max"],
+                [
+                    [
+                        n,
+                        step.replace("_at", ""),
+                        d.get("n", 0),
+                        *(fmt(d.get(q)) for q in ("p50", "p90", "p99", "max")),
+                    ]
+                    for n, by_step in steps
+                    for step, d in by_step.items()
+                ],
+            ),
+        ]
     parts += ["", "**Wall time and close**", ""]
     rows = []
     for name, r in runs.items():
