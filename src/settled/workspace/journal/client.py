@@ -10,34 +10,70 @@ is None here (never an exception), and the caller records that and falls back to
 
 Must never import anything outside the standard library (no `settled.*`, no inotify_simple): a
 session owner started with `python -I -S` and only its own import roots imports this module on
-the path from death evidence to its receipt (tests/test_journal.py checks every import).
+the path from death evidence to its receipt (tests/test_journal.py checks every import). For the
+same reason it loads no dataclasses, typing or `socket` (whose enums cost ~2 ms): a fresh owner
+would pay ~10 ms of imports between its command's exit and its receipt.
 """
 
 from __future__ import annotations
 
+import _socket
 import contextlib
 import json
 import os
-import socket
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
-from typing import Any
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
 
 # Where a run directory's journal lives: its socket, its log and its task state files.
 SOCKET_NAME, LOG_NAME, STATE_DIR = "journal.sock", "journal.log", "journal"
+_FIELDS = ("seq", "overflowed", "trustworthy", "dirty_dirs", "lost_watches", "reasons")
 
 
-@dataclass(frozen=True)
 class Watermark:
-    """Where a task's journal stood at a barrier. `trustworthy` False: do a full scan."""
+    """Where a task's journal stood at a barrier. `trustworthy` False: do a full scan.
+    Immutable, compared and hashed by its fields (the frozen dataclass it was)."""
 
+    __slots__ = _FIELDS
     seq: int
     overflowed: bool
     trustworthy: bool
     dirty_dirs: frozenset[str]
-    lost_watches: frozenset[str] = frozenset()
-    reasons: tuple[str, ...] = ()
+    lost_watches: frozenset[str]
+    reasons: tuple[str, ...]
+
+    def __init__(
+        self,
+        seq: int,
+        overflowed: bool,
+        trustworthy: bool,
+        dirty_dirs: frozenset[str],
+        lost_watches: frozenset[str] = frozenset(),
+        reasons: tuple[str, ...] = (),
+    ) -> None:
+        values = (seq, overflowed, trustworthy, dirty_dirs, lost_watches, reasons)
+        for name, value in zip(_FIELDS, values, strict=True):
+            object.__setattr__(self, name, value)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError(f"Watermark is frozen: cannot assign {name!r}")
+
+    def _values(self) -> tuple[Any, ...]:
+        return tuple(getattr(self, name) for name in _FIELDS)
+
+    def __eq__(self, other: object) -> bool:
+        if type(other) is not Watermark:
+            return NotImplemented
+        return self._values() == other._values()
+
+    def __hash__(self) -> int:
+        return hash(self._values())
+
+    def __repr__(self) -> str:
+        return "Watermark(" + ", ".join(f"{n}={getattr(self, n)!r}" for n in _FIELDS) + ")"
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -80,23 +116,24 @@ def request(socket_path: str, fields: dict[str, Any], timeout: float) -> dict[st
     deadline = time.monotonic() + timeout
     data = b""
     try:
-        with (
-            socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC) as sock,
-            unix_address(socket_path) as address,
-        ):
-            sock.settimeout(timeout)
-            sock.connect(address)
-            sock.sendall(line)
-            sock.shutdown(socket.SHUT_WR)  # one request per connection: the journal drops it
-            while b"\n" not in data:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    return None
-                sock.settimeout(remaining)
-                chunk = sock.recv(1 << 16)
-                if not chunk:
-                    return None
-                data += chunk
+        sock = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM | _socket.SOCK_CLOEXEC)
+        try:
+            with unix_address(socket_path) as address:
+                sock.settimeout(timeout)
+                sock.connect(address)
+                sock.sendall(line)
+                sock.shutdown(_socket.SHUT_WR)  # one request per connection: the journal drops it
+                while b"\n" not in data:
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        return None
+                    sock.settimeout(remaining)
+                    chunk = sock.recv(1 << 16)
+                    if not chunk:
+                        return None
+                    data += chunk
+        finally:
+            sock.close()
         reply = json.loads(data.partition(b"\n")[0])
     except (OSError, ValueError):
         return None
