@@ -23,7 +23,10 @@ descriptor (``close``; it is close-on-exec).
 from __future__ import annotations
 
 import os
-from typing import Any, Final
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any, Final
 
 IN_MODIFY: Final = 0x00000002
 IN_CLOSE_WRITE: Final = 0x00000008

@@ -12,10 +12,8 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import time
 from collections.abc import Callable
-from typing import Any
 
 from settled import faults
 from settled.home import make_session_dir
@@ -23,6 +21,11 @@ from settled.isolated import ReportReader
 from settled.owner.handoff import hand_over, prepare
 from settled.owner.launcher import READY_TIMEOUT_S
 from settled.store import Store
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    import socket
+    from typing import Any
 
 MAX_REQUEST = 1 << 20
 ZYGOTE_MODULES = ("settled", "blake3")

@@ -30,7 +30,6 @@ import contextlib
 import marshal
 import os
 import time
-from typing import Any
 
 from settled import boundary as boundaries
 from settled.boundary import procfs
@@ -43,6 +42,10 @@ from settled.log.interleave import index_path
 from settled.owner.lease import lease_seconds
 from settled.records import OwnerInfo, SessionRecord, TaskRecord
 from settled.store import Store
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
 
 ORDERS_VERSION = 1
 CD_AND_EXEC = 'cd -- "$0" && exec "$@"'  # an enter may start in the sandbox's root

@@ -23,16 +23,14 @@ outlive IDLE_EXIT_S without a request.
 
 from __future__ import annotations
 
+import _socket  # the caller's side: `socket` (its enums and selectors, ~2 ms) is the zygote's
 import contextlib
 import fcntl
 import json
 import os
-import select
-import socket
 import struct
 import threading
 import time
-from typing import Any
 
 from settled.home import run_dir
 from settled.isolated import NoReport, python_command, read_report, start_helper
@@ -45,6 +43,11 @@ from settled.owner.forking import (
     reap_stubs,
 )
 from settled.store import Store
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    import socket
+    from typing import Any
 
 SOCKET_NAME = "launcher.sock"
 LOCK_NAME = "launcher.lock"  # held by the running zygote for its whole life
@@ -108,6 +111,8 @@ def serve_home(run: str, idle_s: float, ready_fd: int) -> int:
     path = os.path.join(run, SOCKET_NAME)
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)  # a dead zygote's: the lock says none runs
+    import socket  # preloaded by now: the zygote's own serving
+
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     listener.bind(path)
     os.chmod(path, 0o600)
@@ -126,6 +131,8 @@ def serve_home(run: str, idle_s: float, ready_fd: int) -> int:
 
 
 def _serve(listener: socket.socket, mine: str, idle_s: float) -> None:
+    import select
+
     poller = select.poll()
     poller.register(listener, select.POLLIN)
     while True:
@@ -151,6 +158,8 @@ def _serve(listener: socket.socket, mine: str, idle_s: float) -> None:
 
 
 def _receive(conn: socket.socket) -> tuple[dict[str, Any] | None, list[int]]:
+    import socket
+
     try:
         message, fds, _flags, _addr = socket.recv_fds(conn, MAX_REQUEST, 2)
     except OSError:
@@ -167,7 +176,7 @@ def _receive(conn: socket.socket) -> tuple[dict[str, Any] | None, list[int]]:
 
 
 def _same_user(conn: socket.socket) -> bool:
-    credentials = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    credentials = conn.getsockopt(_socket.SOL_SOCKET, _socket.SO_PEERCRED, struct.calcsize("3i"))
     _pid, uid, _gid = struct.unpack("3i", credentials)
     return bool(uid == os.getuid())
 
@@ -216,13 +225,18 @@ def _ask(run: str, request: dict[str, Any], fds: list[int]) -> bytes:
     server's threads, 200 sessions at once) fills the zygote's listen backlog, the kernel
     queues this caller until the zygote accepts, where a socket with a timeout (non-blocking
     underneath) failed the launch at once with EAGAIN."""
-    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as sock:
+    sock = _socket.socket(_socket.AF_UNIX, _socket.SOCK_SEQPACKET | _socket.SOCK_CLOEXEC)
+    try:
         wait = struct.pack("ll", int(REPLY_TIMEOUT_S), 0)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, wait)
+        sock.setsockopt(_socket.SOL_SOCKET, _socket.SO_SNDTIMEO, wait)
         sock.connect(os.path.join(run, SOCKET_NAME))
         sock.settimeout(REPLY_TIMEOUT_S)
-        socket.send_fds(sock, [json.dumps(request).encode()], fds)
-        return sock.recv(16)
+        rights = [(_socket.SOL_SOCKET, _socket.SCM_RIGHTS, struct.pack(f"{len(fds)}i", *fds))]
+        sock.sendmsg([json.dumps(request).encode()], rights if fds else [])
+        answer: bytes = sock.recv(16)
+        return answer
+    finally:
+        sock.close()
 
 
 def start(run: str, idle_s: float = IDLE_EXIT_S) -> None:
@@ -258,11 +272,13 @@ def _zygote_command(run: str, idle_s: float, ready_w: int) -> list[str]:
 
 
 def _answers(run: str) -> bool:
-    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as sock:
-        try:
-            sock.connect(os.path.join(run, SOCKET_NAME))
-        except OSError:
-            return False
+    sock = _socket.socket(_socket.AF_UNIX, _socket.SOCK_SEQPACKET | _socket.SOCK_CLOEXEC)
+    try:
+        sock.connect(os.path.join(run, SOCKET_NAME))
+    except OSError:
+        return False
+    finally:
+        sock.close()
     return True
 
 

@@ -22,7 +22,6 @@ import select
 import signal
 import threading
 import time
-from typing import Any, Protocol
 
 from settled.boundary import procfs
 from settled.home import make_session_dir
@@ -33,6 +32,12 @@ from settled.store import Store
 
 READY_TIMEOUT_S = 30.0
 OWNER_MODULES = ("settled", "blake3")
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any, Protocol
+else:
+    Protocol = object  # a protocol is the type checker's; at run time a plain base
 
 
 class Launcher(Protocol):
