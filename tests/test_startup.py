@@ -219,6 +219,8 @@ def test_run_does_not_import_the_checkpoint_the_server_or_mcp(tmp_path: Path) ->
         forbidden = ("settled.workspace.checkpoint", "settled.server", "settled.mcp_server")
         assert [m for m in forbidden if m in loaded] == []
         assert "settled.relay" in loaded
+        heavy = ("typing", "dataclasses", "inspect", "socket")  # ~10 ms the call never uses
+        assert [m for m in heavy if m in loaded] == []
     finally:
         with Runtime(str(tmp_path)) as rt:
             assert rt.close_task(task).complete  # the run's session settled; its journal stops
