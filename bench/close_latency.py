@@ -62,7 +62,7 @@ VARIANTS = {
 PRIMARY = "warm"
 WAIT_S = 60.0
 CLOSE_DEADLINE_S = 60.0
-PLOT_NAME = "close_latency.png"
+PLOT_NAME = "close_latency.svg"  # a vector plot: its text stays searchable and diffable
 # The close's steps, in order (settled.close.decide.STEPS), and how the table names them.
 STEP_LABELS = {
     "final_pending": "final_pending (store the final response)",
@@ -72,7 +72,7 @@ STEP_LABELS = {
     "final_scan": "final_scan (barrier, full scan, publish blobs)",
     "checkpoint": "checkpoint (manifest, read back, record)",
     "fenced": "fenced (advance the generation)",
-    "outcome": "outcome (close receipt, journal stopped)",
+    "outcome": "outcome (close receipt, journal released)",
 }
 COMPONENTS = (
     ("exit_to_settled_at", "owner: exit -> receipt built (evidence, drain, barrier)"),
@@ -120,23 +120,27 @@ class Variant:
         self.unclosed: list[Any] = []
 
     def close(self) -> None:
+        """The home's one journal daemon outlives each close (it watches the home's open
+        tasks and exits after a minute idle): stopped here, once, and awaited."""
+        from settled.workspace.journal import client as journal_client
         from settled.workspace.journal import lifecycle as journal_lifecycle
 
-        if self.unclosed:  # tasks whose close did not finish: the home's journal runs on
-            with contextlib.suppress(Exception):
-                journal_lifecycle.stop(self.rt.workspace.socket())
+        socket = self.rt.workspace.socket()
+        pid = (journal_client.ping(socket) or {}).get("pid")
+        with contextlib.suppress(Exception):
+            journal_lifecycle.stop(socket)
+        if not await_exit(pid, 10.0):
+            log(f"warning: journal pid {pid} still runs 10 s after stop")
+            self.left += 1
         self.db.close()
         self.rt.close()
 
     def once(self, root: str, p: dict[str, Any], i: int) -> dict[str, Any]:
-        from settled.workspace.journal import client as journal_client
-
         workspace = os.path.join(root, f"ws-{self.launcher}-{int(self.checkpoint_first)}-{i}")
         tree = _build(workspace, p, SEED + 1000 * i + len(self.name))
         try:
             task = self.rt.new_task(workspace)
             self.unclosed.append(task)
-            journal_pid = (journal_client.ping(self.rt.workspace.socket()) or {}).get("pid")
             if self.checkpoint_first:
                 self.rt.checkpoint(task.task)
             files = tree.spread(p["changed"], i)
@@ -157,8 +161,6 @@ class Variant:
             row = self._row(task.task, view["receipt"], result.receipt, waited, closed)
             row["stamp"] = _stamp(self.rt.read(admission.session, "stdout"))
             end_process(view["receipt"]["owner"]["pid"], "session owner")
-            if not await_exit(journal_pid, 10.0):
-                log(f"warning: journal pid {journal_pid} still runs 10 s after the close")
             self.left += len(kill_marked(self.token))
         finally:
             shutil.rmtree(workspace, ignore_errors=True)
@@ -461,7 +463,7 @@ PLOT_GROUPS = (
     ("join: final scan + publish", ("step_final_scan",), "#dd8452"),
     ("join: checkpoint (manifest, read-back)", ("step_checkpoint",), "#c44e52"),
     (
-        "join: fence, receipt, journal stop",
+        "join: fence, receipt, journal release",
         ("step_fenced", "step_outcome", "close_return"),
         "#55a868",
     ),
@@ -476,7 +478,7 @@ def _load_note(data: dict[str, Any]) -> str:
 
 
 def plot(out: str, data: dict[str, Any]) -> str:
-    """close_latency.png: CDF of exit -> complete (and its two halves), and a per-part bar."""
+    """close_latency.svg: CDF of exit -> complete (and its two halves), and a per-part bar."""
     try:
         import matplotlib
 
@@ -545,9 +547,10 @@ def plot(out: str, data: dict[str, Any]) -> str:
         fontsize=10.5,
     )
     path = os.path.join(out, PLOT_NAME)
-    fig.savefig(path + ".tmp.png", dpi=110)
+    matplotlib.rcParams["svg.hashsalt"] = "settled"  # stable ids: a re-run diffs by its data
+    fig.savefig(path + ".tmp.svg", format="svg", metadata={"Date": None})
     plt.close(fig)
-    os.replace(path + ".tmp.png", path)
+    os.replace(path + ".tmp.svg", path)
     data["plot"] = PLOT_NAME
     return (
         f"![exit to complete: CDF and breakdown]({PLOT_NAME})\n\n"
