@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -102,16 +103,41 @@ def test_a_group_of_small_objects_is_one_pack_named_after_its_sync(
     assert not os.path.exists(store.path_of(digest_bytes(DEFAULT_ALGORITHM, data[0])))
 
 
-def test_a_large_scan_stages_its_blobs_and_trees(tmp_path: Path) -> None:
+def test_a_large_scan_stages_its_blobs_trees_and_their_list_into_one_pack(
+    tmp_path: Path,
+) -> None:
     workspace, store = tmp_path / "ws", LocalObjectStore(tmp_path / "objects")
     for d in range(100):
         (workspace / f"d{d:02d}").mkdir(parents=True)
         for f in range(2):
             (workspace / f"d{d:02d}" / f"f{f}").write_bytes(b"%d/%d" % (d, f))
-    result = scan(workspace, store=store)
-    assert result.stats.blobs_written == 200
-    assert result.stats.objects_grouped == 200 + 101 > 2 * GROUP_FROM  # blobs, then trees
-    assert len([n for n in os.listdir(store.packs.dir) if n.endswith(".idx")]) == 2
+    result = scan(workspace, store=store, list_published=True)
+    assert result.stats.blobs_written == 200  # the blobs alone, though trees share the pack
+    assert result.stats.objects_grouped == 200 + 101 + 1 > 2 * GROUP_FROM
+    packs = [n for n in os.listdir(store.packs.dir) if n.endswith(".idx")]
+    assert len(packs) == 1  # one pack made durable, then named: blobs and trees together
     assert all(store.verify(digest) for digest in result.blobs)
     assert all(store.has(tree) for tree in result.trees)
+    assert result.published_ref is not None
+    where = store.location_of(result.published_ref)
+    assert where is not None and where[0] == store.packs.pack_path(packs[0][:-4])
+    listed = json.loads(store.read(result.published_ref))
+    assert listed == {"trees": result.trees, "blobs": sorted(result.blobs)}
     assert os.listdir(store.temp_dir) == []
+
+
+def test_a_small_scan_commits_its_blobs_then_its_trees_and_their_list_as_files(
+    tmp_path: Path,
+) -> None:
+    """Too few objects to group: each blob is committed (its own fsync) when the blobs'
+    publisher closes, and only then are the trees and the list written."""
+    workspace, store = tmp_path / "ws", LocalObjectStore(tmp_path / "objects")
+    (workspace / "a").mkdir(parents=True)
+    (workspace / "a" / "f").write_bytes(b"one")
+    (workspace / "g").write_bytes(b"two")
+    result = scan(workspace, store=store, list_published=True)
+    assert result.stats.blobs_written == 2 and result.stats.objects_grouped == 0
+    assert result.published_ref is not None
+    for digest in [*result.blobs, *result.trees, result.published_ref]:
+        assert os.path.isfile(store.path_of(digest))  # a file each, none packed
+    assert json.loads(store.read(result.published_ref))["trees"] == result.trees

@@ -33,7 +33,6 @@ import time
 from typing import Any
 
 from settled import faults
-from settled.canonical import canonical_bytes
 from settled.errors import SettledError
 from settled.home import journal_socket, run_dir
 from settled.receipts import seal
@@ -49,7 +48,7 @@ from settled.workspace.nodecache import NodeCache
 from settled.workspace.objectstore import ObjectMissing, ObjectStore, StoredObject
 from settled.workspace.open_objects import open_object_store as open_object_store
 from settled.workspace.readback import QUARANTINABLE, Problem, ReadBack, read_back
-from settled.workspace.scan import ScanError, ScanResult, gc_paused, scan
+from settled.workspace.scan import ScanError, gc_paused, scan
 from settled.workspace.verified import VerifiedRecord
 
 CHECKPOINT_RECEIPT_VERSION = "settled.receipt.checkpoint/v1"
@@ -132,17 +131,21 @@ class WorkspaceService:
             only = watermark.dirty_dirs if watermark.trustworthy else None
         try:
             result = scan(
-                task.workspace, previous, self.objects, only=only, cache=self.cache, ignore=rules
-            )
+                task.workspace, previous, self.objects, only=only, cache=self.cache,
+                ignore=rules, list_published=True,
+            )  # fmt: skip
         except IndexMismatch as error:
             cache, only = f"unusable, scanned without it: {error}", None
-            result = scan(task.workspace, None, self.objects, cache=self.cache, ignore=rules)
+            result = scan(
+                task.workspace, None, self.objects, cache=self.cache, ignore=rules,
+                list_published=True,
+            )  # fmt: skip
         faults.point("checkpoint.after_blobs")
         index_ref = result.index.ref
         self.cache.put_many([(index_ref, result.index.to_bytes())])
         self._indexes = {index_ref: result.index}  # the checkpoint step reads it next
         return {
-            "published_ref": self.objects.put_bytes(canonical_bytes(_published(result))),
+            "published_ref": result.published_ref,
             "started_at": started_at,
             "watermark": watermark.seq if watermark else None,
             "journal": watermark.to_json() if watermark else {"running": False},
@@ -348,8 +351,3 @@ def _journal_trust(watermark: journal_client.Watermark | None) -> dict[str, Any]
         "journal_trusted": watermark.trustworthy,
         "journal_untrusted_because": [] if watermark.trustworthy else list(watermark.reasons),
     }
-
-
-def _published(result: ScanResult) -> dict[str, Any]:
-    """What this scan published, for the read-back: tree id -> directory, blob digests."""
-    return {"trees": result.trees, "blobs": sorted(result.blobs)}

@@ -39,6 +39,8 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import BinaryIO, Final
 
+import blake3
+
 from settled import faults
 from settled.errors import SettledError
 from settled.workspace.hashing import (
@@ -126,6 +128,15 @@ def _stamp_of(st: os.stat_result) -> Stamp:
     return Stamp(st.st_ctime_ns, st.st_ino, st.st_mtime_ns, st.st_size, st.st_dev)
 
 
+def _files_in(directory: str) -> set[str]:
+    """The names of the regular files in ``directory`` (by the listing's type: never followed)."""
+    try:
+        with os.scandir(directory) as listing:
+            return {item.name for item in listing if item.is_file(follow_symlinks=False)}
+    except (FileNotFoundError, NotADirectoryError):
+        return set()
+
+
 def _names_in(directory: str) -> list[str]:
     try:
         return sorted(os.listdir(directory))
@@ -161,7 +172,7 @@ class _Group:
         self.pack: PackWriter | None = None
         self.synced = False
         self.packs_present: set[str] = set()  # packs seen on disk during this group
-        self.fanouts: dict[str, set[str]] = {}  # algo -> its fan-out directories, listed once
+        self.fanouts: dict[str, set[str]] = {}  # "algo/xx" -> the files there, listed once
         self.lock = threading.Lock()
 
     def add(self, key: bytes, data: Buffer) -> bool:
@@ -305,21 +316,41 @@ class LocalObjectStore:
         groups = self._staging.groups
         return groups[-1] if groups else None
 
+    def stage_bytes(self, data: Buffer, algo: str = DEFAULT_ALGORITHM) -> StagedObject:
+        """Inside ``staging()``, an object of at most one chunk is hashed here and appended to
+        the group's pack (named by the group's sync), with no writer, temp file or copy of its
+        own: a first checkpoint stages one of these per small file (~6 us less each than a
+        writer). Anything else goes through ``writer().stage()``."""
+        group = self._group()
+        if group is None or len(data) > CHUNK:
+            with self.writer(algo, size_hint=len(data)) as writer:
+                writer.write(data)
+                return writer.stage()
+        if algo == BLAKE3:
+            hexdigest = blake3.blake3(data).hexdigest()
+        else:
+            hasher = new_hasher(algo)
+            hasher.update(data)
+            hexdigest = hasher.hexdigest()
+        key = key_from(algo, hexdigest)
+        digest = f"{algo}:{hexdigest}"
+        if self._present(algo, hexdigest, key, group):
+            return _PackedStaged(digest, len(data), created=False)
+        return _PackedStaged(digest, len(data), created=group.add(key, data))
+
     def _present(self, algo: str, hexdigest: str, key: bytes, group: _Group) -> bool:
         """Whether a staged object is already stored (dedupe): in a pack this store knows of,
-        or as a file (looked for only under the fan-out directories there were when the group
-        began: a copy another process adds meanwhile is at worst stored twice)."""
+        or as a file, looked for in a listing of its fan-out directory taken once per group
+        (one ``getdents`` a directory instead of an ``lstat`` an object: a home whose manifests
+        fill most fan-outs made that an lstat for most files). A copy another process adds
+        meanwhile is at worst stored twice."""
         if self.packs.present(key, group.packs_present):
             return True
-        fanouts = group.fanouts.get(algo)
-        if fanouts is None:
-            fanouts = group.fanouts[algo] = set(_names_in(os.path.join(self.root, algo)))
-        if hexdigest[:2] not in fanouts:
-            return False
-        try:
-            return stat.S_ISREG(os.lstat(self._file(algo, hexdigest)).st_mode)
-        except FileNotFoundError:
-            return False
+        fanout = f"{algo}/{hexdigest[:2]}"
+        names = group.fanouts.get(fanout)
+        if names is None:
+            names = group.fanouts[fanout] = _files_in(os.path.join(self.root, fanout))
+        return hexdigest[2:] in names
 
     def quarantine(self, digest: str) -> str | None:
         """Move whatever holds ``digest``'s name out of it, into ``<root>/quarantine/`` (kept as

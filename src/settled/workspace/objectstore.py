@@ -252,6 +252,13 @@ class ObjectStore(Protocol):
         not be. ``StagingUnavailable`` if the backend cannot group writes."""
         ...
 
+    def stage_bytes(self, data: Buffer, algo: str = DEFAULT_ALGORITHM) -> StagedObject:
+        """``writer(algo)``, ``write(data)`` and ``stage()`` in one call, for a small object
+        held in memory: what a scan publishes for each small file and tree, so a backend may
+        do it without a writer (the local store hashes it and appends it to the group's pack).
+        Inside ``staging()`` it is visible once ``publish()`` follows the group's ``sync``."""
+        ...
+
     def quarantine(self, digest: str) -> str | None:
         """Take the name away from what holds ``digest``, keeping those bytes aside as evidence
         (never deleted), so that the next write of the right bytes can create the object again.

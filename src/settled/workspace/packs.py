@@ -573,15 +573,23 @@ class Packs:
             if not stat.S_ISREG(before.st_mode):
                 why = "its pack is not a regular file"
                 return [ObjectUnreadable(digest, why) for _, digest, *_ in items]
+            span = _span(index, items)
+            whole = memoryview(read_at(fd, span[0], span[1] - span[0])) if span else None
             for _, digest, algo, key, found in items:
                 at = found[1:] if index is found[0] else index.find(key)
                 if at is None:
                     results.append(ObjectMissing(digest))
                     continue
                 offset, size = at
-                data = os.pread(fd, size, offset) if size <= CHUNK else read_at(fd, offset, size)
+                data: bytes | memoryview
+                if whole is not None and span is not None and span[0] <= offset <= span[1] - size:
+                    data = whole[offset - span[0] : offset - span[0] + size]
+                elif size <= CHUNK:
+                    data = os.pread(fd, size, offset)
+                else:
+                    data = read_at(fd, offset, size)
                 if len(data) < size:  # a short read at the end of a shortened pack
-                    data += read_at(fd, offset + len(data), size - len(data))
+                    data = bytes(data) + read_at(fd, offset + len(data), size - len(data))
                 if algo == BLAKE3:
                     actual = f"{BLAKE3}:{blake3.blake3(data).hexdigest()}"
                 else:
@@ -649,6 +657,26 @@ def stamp_of(index: PackIndex, pack: os.stat_result, size: int) -> Stamp:
     verified-object record's racy rule checks like a file's ctime and mtime. Not a maximum of
     the two: two files can get the very same timestamp from the kernel's coarse clock."""
     return Stamp(pack.st_ctime_ns, pack.st_ino, index.identity[4], size, pack.st_dev)
+
+
+SPAN_READ_MAX: Final = 64 << 20  # read the asked objects' span of a pack whole up to this
+
+
+def _span(
+    index: PackIndex, items: list[tuple[int, str, str, bytes, Found]]
+) -> tuple[int, int] | None:
+    """The byte range of a pack that holds every object of ``items`` (as ``where`` found them),
+    when reading it in one call reads at most twice their bytes and ``SPAN_READ_MAX``: a
+    read-back of a pack just written (every object of it) is then one read, not one an object
+    (~1.5 us each, with its bytes object). None: read them one by one."""
+    if len(items) < 2:
+        return None
+    start, end, wanted = index.pack_size, 0, 0
+    for *_, found in items:
+        offset, size = found[1], found[2]
+        start, end, wanted = min(start, offset), max(end, offset + size), wanted + size
+    length = end - start
+    return (start, end) if 0 < length <= min(SPAN_READ_MAX, 2 * wanted) else None
 
 
 def _read_all(fd: int, size: int) -> bytes:

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Final
 
+from settled.workspace.hashing import Buffer
 from settled.workspace.objectstore import (
     ObjectStore,
     ObjectWriter,
@@ -64,9 +65,11 @@ class Publisher:
         self._group_from = group_from
         self._group = contextlib.ExitStack()
         self._sync: Callable[[], None] | None = None
-        self._staged: list[StagedObject] = []
+        self._staged: list[tuple[int, StagedObject]] = []  # (phase, object)
+        self._phase = 0
         self.submitted = 0
         self.created = 0  # objects that were not in the store before
+        self.created_in = [0]  # of them, by phase (``next_phase``)
         self.grouped = 0  # objects made durable by a group sync rather than their own fsync
 
     def submit(self, writer: ObjectWriter) -> None:
@@ -82,9 +85,36 @@ class Publisher:
                 self._place(earlier)
         self._place(writer)
 
+    def submit_bytes(self, data: Buffer, algo: str) -> str:
+        """Publish a small object held in memory (a small file's bytes, a tree); its digest.
+        Once the publish is grouped, the store stages it without a writer (``stage_bytes``);
+        before, it is held (or committed) like any writer."""
+        if self._sync is None:
+            writer = self._store.writer(algo, size_hint=len(data))
+            writer.write(data)
+            digest = writer.digest()
+            self.submit(writer)
+            return digest
+        self.submitted += 1
+        staged = self._store.stage_bytes(data, algo)  # the store hashes what it stages
+        self._staged.append((self._phase, staged))
+        return staged.digest
+
+    def next_phase(self) -> None:
+        """What is submitted from now on is counted apart in ``created_in`` (a scan's trees,
+        staged after its blobs into the same group)."""
+        self._phase += 1
+        self.created_in.append(0)
+
+    @property
+    def grouping(self) -> bool:
+        """Whether this publish is staged into one group (durable and visible together)."""
+        return self._sync is not None
+
     def _place(self, writer: ObjectWriter) -> None:
         if self._sync is not None:
-            self._staged.append(writer.stage())  # stage() aborts the writer if it fails
+            staged = writer.stage()  # stage() aborts the writer if it fails
+            self._staged.append((self._phase, staged))
             return
         while len(self._pending) >= self._max_pending:
             self._collect()
@@ -102,8 +132,10 @@ class Publisher:
             if self._staged:
                 assert self._sync is not None
                 self._sync()  # every staged temp durable, before any of them gets its name
-                for staged in self._staged:
-                    self.created += staged.publish().created
+                for phase, staged in self._staged:  # in the order staged: blobs before trees
+                    created = staged.publish().created
+                    self.created += created
+                    self.created_in[phase] += created
                     self.grouped += 1
                 self._staged.clear()
         finally:
@@ -127,7 +159,9 @@ class Publisher:
 
     def _collect(self) -> None:
         future, _ = self._pending.popleft()
-        self.created += future.result().created
+        created = future.result().created
+        self.created += created
+        self.created_in[self._phase] += created
 
     def _abandon(self) -> None:
         for writer in self._held:
@@ -137,7 +171,7 @@ class Publisher:
             future, writer = self._pending.popleft()
             if future.cancel():
                 writer.abort()
-        for staged in self._staged:
+        for _, staged in self._staged:
             staged.discard()
         self._staged.clear()
         self._group.close()

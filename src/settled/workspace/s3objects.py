@@ -338,6 +338,12 @@ class S3ObjectStore:
             f"{self.location}: every PUT is durable on its own; objects are committed one by one"
         )
 
+    def stage_bytes(self, data: Buffer, algo: str = DEFAULT_ALGORITHM) -> StagedObject:
+        """The PUT itself, as ``writer().stage()`` is (durable when it returns)."""
+        with self.writer(algo, size_hint=len(data)) as writer:
+            writer.write(data)
+            return writer.stage()
+
     def store_spooled(self, digest: str, size: int, spool: _Spool) -> StoredObject:
         """Create ``digest`` from the spool, create-only; an existing copy is re-hashed, and
         quarantined and written again (once) if it does not hash to its name. A blob larger

@@ -14,8 +14,8 @@ user space (short of setting the system clock). And, as git does for its index, 
 ctime and mtime must be strictly older than the instant the re-hash began (less
 ``scan.CLOCK_SLACK_NS``, 2 s on a filesystem that stamps whole seconds): otherwise a change
 made in the same timestamp tick, right after the re-hash, could leave the identity as it was.
-Such a record is kept, but vouches for nothing; the next read-back re-hashes the object and
-records it again, by then safely old.
+Such a re-hash is not recorded (it would vouch for nothing); the next read-back re-hashes the
+object and records it, by then safely old.
 
 It is a cache. A lost, unreadable or stale row costs a re-hash, never a wrong answer: a row
 only ever says "this inode, unchanged since then, hashed right". Writes are one transaction per
@@ -176,14 +176,25 @@ class VerifiedRecord:
         return found
 
     def record(self, rows: Iterable[tuple[str, Verified]]) -> None:
-        """Record each ``(digest, identity)`` just re-hashed successfully, in one transaction."""
+        """Record each ``(digest, identity)`` just re-hashed successfully, in one transaction;
+        only those that can vouch (``settled``). A re-hash racy with its copy's last change
+        (every object a checkpoint has just published) could vouch for nothing, so it is not
+        written: an older row of the same digest stays, and vouches only for the copy it names
+        (an unchanged copy that hashed right), else costs a re-hash. Writing them cost a close
+        of 1,000 new files ~1,000 random b-tree inserts and the WAL checkpoints they caused."""
         items = list(rows)
         if not items:
             return
         with self._lock:
+            settled = []
             for digest, row in items:
-                self._memo[digest] = row.key if row.settled else None
-            if self._db is None:
+                if row.settled:
+                    self._memo[digest] = row.key
+                    settled.append((digest, row))
+                else:
+                    self._memo[digest] = None
+            items = settled
+            if self._db is None or not items:
                 return
             try:
                 self._db.execute("BEGIN IMMEDIATE")
