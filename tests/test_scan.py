@@ -17,7 +17,7 @@ from settled.workspace import ignore, walk
 from settled.workspace import scan as scan_module
 from settled.workspace.hashing import DEFAULT_ALGORITHM, digest_bytes
 from settled.workspace.index import Index
-from settled.workspace.manifest import Entry
+from settled.workspace.manifest import TYPES, Entry
 from settled.workspace.nodecache import NodeCache
 from settled.workspace.objects import LocalObjectStore
 from settled.workspace.objectstore import DurabilityError
@@ -648,3 +648,25 @@ def test_the_garbage_collector_is_paused_during_a_scan_and_restored_after(tmp_pa
         with pytest.raises(TypeError):
             scan(tmp_path)
         assert gc.isenabled()  # restored on the way out of a failed scan too
+
+
+def test_an_entry_from_stat_is_the_entry_its_fields_make(tmp_path: Path) -> None:
+    """``Entry.from_stat`` builds the tuple positionally: it must equal the keyword form."""
+    (tmp_path / "f").write_bytes(b"x")
+    (tmp_path / "d").mkdir()
+    os.symlink("f", tmp_path / "l")
+    os.mkfifo(tmp_path / "p")
+    cases: list[tuple[str, dict[str, str]]] = [
+        ("f", {"digest": "blake3:" + "0" * 64}), ("d", {}), ("l", {"target": "f"}), ("p", {}),
+    ]  # fmt: skip
+    for name, extra in cases:
+        st = os.lstat(tmp_path / name)
+        kind = TYPES[stat.S_IFMT(st.st_mode)]
+        size = st.st_size if kind in ("file", "symlink") else 0
+        expected = Entry(
+            name, kind, stat.S_IMODE(st.st_mode), size, extra.get("digest"), extra.get("target"),
+            None, st.st_ino, st.st_dev, st.st_mtime_ns, st.st_ctime_ns,
+            uid=st.st_uid, gid=st.st_gid, mtime=st.st_mtime_ns,
+        )  # fmt: skip
+        made = Entry.from_stat(name, st, **extra)
+        assert made == expected and type(made) is Entry and made._asdict() == expected._asdict()

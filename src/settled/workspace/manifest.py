@@ -197,6 +197,9 @@ def check_name(name: object) -> str:
     return name
 
 
+_new_tuple: Final = tuple.__new__
+
+
 class Entry(NamedTuple):
     """One tree entry. ``ino``..``ctime_ns`` are the stat cache, and ``node`` and ``below`` the
     index's pointer to a directory's stat-cache node and how many entries lie below it: all kept
@@ -255,15 +258,19 @@ class Entry(NamedTuple):
     ) -> Entry:
         """The entry an lstat describes (``digest`` and, if sparse, ``extents`` for files,
         ``target`` for symlinks)."""
-        kind = TYPES.get(stat.S_IFMT(st.st_mode))
+        mode = st.st_mode
+        kind = TYPES.get(stat.S_IFMT(mode))
         if kind is None:
-            raise UnsafePath(path, f"has an unknown file type {oct(st.st_mode)}")
+            raise UnsafePath(path, f"has an unknown file type {oct(mode)}")
         size = st.st_size if kind in (FILE, SYMLINK) else 0
         rdev = st.st_rdev if kind in DEVICES else None
-        return cls(path, kind, stat.S_IMODE(st.st_mode), size, digest, target, rdev,
-                   st.st_ino, st.st_dev, st.st_mtime_ns, st.st_ctime_ns,
-                   uid=st.st_uid, gid=st.st_gid, extents=extents,
-                   mtime=st.st_mtime_ns)  # fmt: skip
+        mtime_ns = st.st_mtime_ns
+        # every field, in Entry's order, without the keyword handling (~0.9 us down to ~0.3:
+        # a scan makes one an entry it reads)
+        return _new_tuple(cls, (
+            path, kind, stat.S_IMODE(mode), size, digest, target, rdev, st.st_ino, st.st_dev,
+            mtime_ns, st.st_ctime_ns, None, None, 0, st.st_uid, st.st_gid, extents, mtime_ns,
+        ))  # fmt: skip
 
     def without_stat(self) -> Entry:
         return Entry(

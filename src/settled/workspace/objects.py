@@ -320,7 +320,11 @@ class LocalObjectStore:
         """Inside ``staging()``, an object of at most one chunk is hashed here and appended to
         the group's pack (named by the group's sync), with no writer, temp file or copy of its
         own: a first checkpoint stages one of these per small file (~6 us less each than a
-        writer). Anything else goes through ``writer().stage()``."""
+        writer). Its dedupe asks the packs only: loose objects are few (manifests, a small
+        publish's objects, large files) and looking for one cost a listing of its fan-out or
+        an lstat per object, so one already stored as a file is stored again in the pack (a
+        second copy of the same bytes, which every reader accepts). Anything else goes
+        through ``writer().stage()``."""
         group = self._group()
         if group is None or len(data) > CHUNK:
             with self.writer(algo, size_hint=len(data)) as writer:
@@ -334,7 +338,7 @@ class LocalObjectStore:
             hexdigest = hasher.hexdigest()
         key = key_from(algo, hexdigest)
         digest = f"{algo}:{hexdigest}"
-        if self._present(algo, hexdigest, key, group):
+        if self.packs.present(key, group.packs_present):  # the dedupe that costs no syscall
             return _PackedStaged(digest, len(data), created=False)
         return _PackedStaged(digest, len(data), created=group.add(key, data))
 

@@ -691,8 +691,12 @@ def _read_all(fd: int, size: int) -> bytes:
 
 
 def read_at(fd: int, offset: int, size: int) -> bytes:
-    """``size`` bytes at ``offset`` (fewer only if the file is shorter)."""
-    chunks, got = [], 0
+    """``size`` bytes at ``offset`` (fewer only if the file is shorter): one read, unless the
+    kernel returns less."""
+    first = os.pread(fd, size, offset)
+    if len(first) == size or not first:
+        return first
+    chunks, got = [first], len(first)
     while got < size:
         chunk = os.pread(fd, min(CHUNK, size - got), offset + got)
         if not chunk:
