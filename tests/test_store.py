@@ -1391,3 +1391,40 @@ def test_an_unusable_server_is_one_line_naming_it_never_the_password(
     assert caught.value.exit_code == 1
     error = caught.value  # no driver exception chained to it: a CLI prints no traceback
     assert error.__cause__ is None and (error.__context__ is None or error.__suppress_context__)
+
+
+# --- close steps recorded with what they change --------------------------------------------
+
+
+def test_a_close_step_is_recorded_with_its_task_event_in_one_transaction(store: Store) -> None:
+    task = new_task(store)
+    store.task_event(task, "seal")
+    fact = {"sessions": []}
+    assert store.record_close_step(task, "receipts", fact, event="close_begin") is fact
+    assert store.get_task(task).state == "closing"
+    assert store.close_steps(task)["receipts"] == fact
+    again = store.record_close_step(task, "receipts", {"other": 1}, event="close_begin")
+    assert again == fact  # the first stands, and the event is not applied twice
+    assert store.get_task(task).state == "closing"
+
+
+def test_a_refused_event_or_fence_records_no_fact(store: Store) -> None:
+    task = new_task(store)
+    with pytest.raises(StaleWrite):  # an open task cannot begin to close
+        store.record_close_step(task, "receipts", {"sessions": []}, event="close_begin")
+    assert "receipts" not in store.close_steps(task) and store.get_task(task).state == "open"
+    generation = store.get_task(task).generation
+    with pytest.raises(StaleWrite):  # a fence from a generation the task is not at
+        store.record_close_step(task, "fenced", {"g": 1}, fence=generation + 5)
+    assert "fenced" not in store.close_steps(task)
+    assert store.get_task(task).generation == generation
+
+
+def test_a_fence_is_recorded_with_its_close_step(store: Store) -> None:
+    task = new_task(store)
+    generation = store.get_task(task).generation
+    fact = {"fenced_generation": generation, "generation": generation + 1}
+    assert store.record_close_step(task, "fenced", fact, fence=generation) is fact
+    assert store.get_task(task).generation == generation + 1
+    assert store.record_close_step(task, "fenced", {"x": 2}, fence=generation) == fact
+    assert store.get_task(task).generation == generation + 1  # not fenced twice

@@ -111,13 +111,14 @@ class CloseJoin:
             name = decision.step.name
             try:
                 fact = PERFORM[name](self, facts)
+                with_fact = _recorded_with(name, facts)
+                recorded = self.store.record_close_step(self.task, name, fact, **with_fact)
             except StaleWrite:
                 lost += 1
                 if lost > MAX_LOST_WRITES:
                     raise
                 facts, read = self.facts(), True
                 continue  # another close moved the task on: decide again from what it recorded
-            recorded = self.store.record_close_step(self.task, name, fact)
             faults.point(f"close.after_{name}")
             facts, read = self._after(facts, name, fact, recorded)
 
@@ -173,9 +174,7 @@ class CloseJoin:
         }
 
     def _step_receipts(self, facts: CloseFacts) -> dict[str, Any]:
-        if facts.task.state == TASK_SEALED:
-            self.store.task_event(self.task, "close_begin")
-        return {
+        return {  # recorded with the task's close_begin (``_recorded_with``)
             "sessions": [
                 {"session": s.session, "receipt": (s.receipt or {}).get("digest")}
                 for s in facts.sessions
@@ -191,14 +190,20 @@ class CloseJoin:
         return {"receipt": receipt}
 
     def _step_fenced(self, facts: CloseFacts) -> dict[str, Any]:
+        """Recorded with the fence itself (``_recorded_with``), unless the generation is past
+        the checkpoint's already (a close that fenced, then crashed before recording, under a
+        version that made them two writes); any other generation is another close's."""
         generation = int(facts.steps["checkpoint"]["receipt"]["generation"])
-        try:
-            new = self.store.fence(self.task, generation)
-        except StaleWrite:
-            new = self.store.get_task(self.task).generation
-            if new != generation + 1:
-                raise
-        return {"fenced_generation": generation, "generation": new, "fenced_at": time.time()}
+        if facts.task.generation not in (generation, generation + 1):
+            raise StaleWrite(
+                f"task {self.task} is at generation {facts.task.generation}, not the "
+                f"checkpoint's {generation} (or the one after it)"
+            )
+        return {
+            "fenced_generation": generation,
+            "generation": generation + 1,
+            "fenced_at": time.time(),
+        }
 
     def _step_outcome(self, facts: CloseFacts) -> dict[str, Any]:
         checkpoint = facts.steps["checkpoint"]["receipt"]
@@ -242,10 +247,23 @@ class CloseJoin:
                 },
             }
         )
-        if facts.task.state != TASK_COMPLETE:
-            self.store.task_event(self.task, "complete")
-        self.workspace.release(facts.task)
+        self.workspace.release(facts.task)  # then recorded with the task's complete
         return {"receipt": receipt}
+
+
+def _recorded_with(name: str, facts: CloseFacts) -> dict[str, Any]:
+    """What a step changes in the same transaction as its fact (``Store.record_close_step``):
+    the task's transition into closing and into complete, and the fence. One commit where
+    there were two, and no crash can leave one without the other."""
+    state = facts.task.state
+    if name == "receipts" and state == TASK_SEALED:
+        return {"event": "close_begin"}
+    if name == "fenced":
+        generation = int(facts.steps["checkpoint"]["receipt"]["generation"])
+        return {"fence": generation} if facts.task.generation == generation else {}
+    if name == "outcome" and state != TASK_COMPLETE:
+        return {"event": "complete"}
+    return {}
 
 
 # The function that performs each step, by the names of decide.STEPS (test_close checks both).

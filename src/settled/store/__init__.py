@@ -161,7 +161,21 @@ class Store(Protocol):
         """A task transition (seal, close_begin, complete) through states.TASK_TRANSITIONS."""
         ...
 
-    def record_close_step(self, task: str, step: str, fact: dict[str, Any]) -> dict[str, Any]: ...
+    def record_close_step(
+        self,
+        task: str,
+        step: str,
+        fact: dict[str, Any],
+        *,
+        event: str | None = None,
+        fence: int | None = None,
+    ) -> dict[str, Any]:
+        """Record a step's fact once; a second recording returns the first and changes nothing.
+        ``event`` (a task transition) and ``fence`` (advance the generation past this one) are
+        made in the same transaction as the fact, so a close crashed anywhere finds both or
+        neither (one commit, one fsync, where there were two); ``StaleWrite`` if either is
+        refused, and then nothing is recorded."""
+        ...
 
     def close_steps(self, task: str) -> dict[str, dict[str, Any]]: ...
 

@@ -912,8 +912,18 @@ class PostgresStore:
         self._write(lambda cur: self._task_transition(cur, task, event))
         return self.get_task(task)
 
-    def record_close_step(self, task: str, step: str, fact: dict[str, Any]) -> dict[str, Any]:
-        """Record a step's fact once; a second recording returns the first (never re-runs)."""
+    def record_close_step(
+        self,
+        task: str,
+        step: str,
+        fact: dict[str, Any],
+        *,
+        event: str | None = None,
+        fence: int | None = None,
+    ) -> dict[str, Any]:
+        """Record a step's fact once; a second recording returns the first (never re-runs).
+        Its ``event`` and ``fence``, if any, in the same transaction (see ``Store``): made
+        after the insert, so a refused one rolls the insert back."""
         text = canonical_bytes(fact).decode()
 
         def work(cur: Cursor) -> dict[str, Any]:
@@ -929,6 +939,10 @@ class PostgresStore:
                 ).fetchone()
                 assert row is not None
                 return checked_fact(task, step, row[0], row[1])
+            if event is not None:
+                self._task_transition(cur, task, event)
+            if fence is not None:
+                self._fence(cur, task, fence)
             self._notify(cur, task)
             return fact
 
@@ -983,16 +997,19 @@ class PostgresStore:
         """Advance the runtime generation past `generation`; a stale fence is refused."""
 
         def work(cur: Cursor) -> None:
-            cur.execute(
-                "UPDATE tasks SET generation=generation+1 WHERE task=%s AND generation=%s",
-                (task, generation),
-            )
-            if cur.rowcount != 1:
-                raise StaleWrite(f"task {task} is not at generation {generation}: already fenced")
+            self._fence(cur, task, generation)
             self._notify(cur, task)
 
         self._write(work)
         return generation + 1
+
+    def _fence(self, cur: Cursor, task: str, generation: int) -> None:
+        cur.execute(
+            "UPDATE tasks SET generation=generation+1 WHERE task=%s AND generation=%s",
+            (task, generation),
+        )
+        if cur.rowcount != 1:
+            raise StaleWrite(f"task {task} is not at generation {generation}: already fenced")
 
 
 def open_postgres(url: str) -> PostgresStore:

@@ -766,8 +766,17 @@ class SQLiteStore:
             self._task_transition(db, task, event)
         return self.get_task(task)
 
-    def record_close_step(self, task: str, step: str, fact: dict[str, Any]) -> dict[str, Any]:
-        """Record a step's fact once; a second recording returns the first (never re-runs)."""
+    def record_close_step(
+        self,
+        task: str,
+        step: str,
+        fact: dict[str, Any],
+        *,
+        event: str | None = None,
+        fence: int | None = None,
+    ) -> dict[str, Any]:
+        """Record a step's fact once; a second recording returns the first (never re-runs).
+        Its ``event`` and ``fence``, if any, in the same transaction (see ``Store``)."""
         text = canonical_bytes(fact).decode()
         with self._write() as db:
             row = db.execute(
@@ -775,6 +784,10 @@ class SQLiteStore:
             ).fetchone()
             if row is not None:
                 return checked_fact(task, step, row[0], row[1])
+            if event is not None:
+                self._task_transition(db, task, event)
+            if fence is not None:
+                self._fence(db, task, fence)
             db.execute(
                 "INSERT INTO close_steps (task, step, fact, recorded_at, digest) "
                 "VALUES (?, ?, ?, ?, ?)",
@@ -832,13 +845,16 @@ class SQLiteStore:
     def fence(self, task: str, generation: int) -> int:
         """Advance the runtime generation past `generation`; a stale fence is refused."""
         with self._write() as db:
-            cursor = db.execute(
-                "UPDATE tasks SET generation=generation+1 WHERE task=? AND generation=?",
-                (task, generation),
-            )
-            if cursor.rowcount != 1:
-                raise StaleWrite(f"task {task} is not at generation {generation}: already fenced")
+            self._fence(db, task, generation)
         return generation + 1
+
+    def _fence(self, db: sqlite3.Connection, task: str, generation: int) -> None:
+        cursor = db.execute(
+            "UPDATE tasks SET generation=generation+1 WHERE task=? AND generation=?",
+            (task, generation),
+        )
+        if cursor.rowcount != 1:
+            raise StaleWrite(f"task {task} is not at generation {generation}: already fenced")
 
 
 def open_sqlite(home: str, path: str | None = None) -> SQLiteStore:
