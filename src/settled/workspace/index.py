@@ -334,8 +334,14 @@ class Index:
 
 
 def with_node(entry: Entry, node: DirNode) -> Entry:
-    """A directory's entry pointing at its (new) node and tree."""
-    return entry._replace(tree=node.tree, node=node.ref, below=node.below)
+    """A directory's entry pointing at its (new) node and tree (``tree``, ``node`` and
+    ``below`` replaced, built positionally: ``_replace`` cost ~1.5 us, once a directory)."""
+    return _new_tuple(Entry, (*entry[:11], node.tree, node.ref, node.below, *entry[14:]))
+
+
+_new_tuple: Final = tuple.__new__
+_WITH_NODE_AT: Final = (Entry._fields.index("tree"), Entry._fields.index("below"))
+assert _WITH_NODE_AT == (11, 13), "with_node builds Entry positionally: update it"
 
 
 def _depth(path: str) -> int:
