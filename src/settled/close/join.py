@@ -4,7 +4,10 @@ Owns the I/O of the close: sealing admission, settling sessions through their ow
 touching processes itself), asking the workspace service for the final scan and checkpoint,
 fencing the generation and publishing the close receipt. Each step is recorded in the store
 before the next begins, so a crash at any fault point leaves a state a retried close finishes,
-and a repeated close returns the same close receipt without running anything again.
+and a repeated close returns the same close receipt without running anything again. What a
+step changes in the store itself (the task's transitions into closing and complete, the fence)
+is written in the same transaction as its fact (``_recorded_with``), and the facts are read
+again only when another close may have moved them (``_after``).
 """
 
 from __future__ import annotations
