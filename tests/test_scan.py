@@ -10,6 +10,7 @@ import stat
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -238,6 +239,84 @@ def test_a_file_that_keeps_changing_fails_the_scan_with_torn_read(
     _append_during_first_reads(monkeypatch, path, times=100, reads=reads)
     with pytest.raises(TornRead, match="'busy'"):
         scan(tmp_path)
+
+
+def _overlapped_reads(monkeypatch: pytest.MonkeyPatch, late: str) -> list[int]:
+    """Scans read a listing's small files on a thread of their own while they hash (two CPUs
+    assumed, whatever this machine has); ``late`` is appended to once, while that thread may
+    still be reading. Returns the number of names of each batch started that way."""
+    monkeypatch.setattr(scan_module, "workers", lambda: 2)
+    real, started = walk.choose(), []
+
+    def start_reads(dir_fd: int, names: list[str], limit: int) -> walk.Take:
+        started.append(len(names))
+        take = real.start_reads(dir_fd, names, limit)
+        done = [0]
+
+        def taking(upto: int) -> list[walk.Read | None]:
+            got = take(upto)
+            if late in names[done[0] : upto]:
+                i = names.index(late) - done[0]
+                with open(late, "ab", opener=lambda p, f: os.open(p, f, dir_fd=dir_fd)) as out:
+                    out.write(b"+more")
+                read = got[i]
+                if read is not None:  # as if the append landed mid-read
+                    got[i] = (read[0], read[1], os.stat(late, dir_fd=dir_fd))
+            done[0] = max(done[0], min(upto, len(names)))
+            return got
+
+        return taking
+
+    monkeypatch.setattr(scan_module, "choose", lambda: real._replace(start_reads=start_reads))
+    return started
+
+
+def _threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def test_small_files_are_read_on_a_thread_while_hashed_and_judged_like_any_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    workspace, store = tmp_path / "ws", LocalObjectStore(tmp_path / "objects")
+    workspace.mkdir()
+    for i in range(100):
+        (workspace / f"f{i:03}").write_bytes(b"file %d\n" % i)
+    threads = _threads()
+    started = _overlapped_reads(monkeypatch, late="f090")
+    result = scan(workspace, store=store)
+    assert started == [100 - walk.READ_TAKE] and _threads() == threads
+    assert result.stats.torn_retries == 1 and result.stats.files_hashed == 100
+    assert entry(result, "f090").digest == digest_bytes(DEFAULT_ALGORITHM, b"file 90\n+more")
+    monkeypatch.undo()
+    monkeypatch.setattr(scan_module, "workers", lambda: 1)  # read in one batch, in turn
+    assert observed(scan(workspace)) == observed(result)
+
+
+def test_a_scan_that_fails_mid_listing_waits_for_the_reads_of_its_thread(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The directory's fd is closed only once no read runs in it (its number could be reused
+    by another open), and the scan leaves no thread behind."""
+    workspace = tmp_path / "ws"
+    workspace.mkdir()
+    for i in range(100):
+        (workspace / f"f{i:03}").write_bytes(b"file %d\n" % i)
+    threads = _threads()
+    started = _overlapped_reads(monkeypatch, late="f050")
+    real_entry = scan_module._Scanner.entry
+
+    def entry_failing(
+        self: scan_module._Scanner, fd: int, name: str, *rest: Any, **named: Any
+    ) -> Any:
+        if name == "f020":  # while the thread reads the rest of the listing
+            raise OSError(5, "injected", name)
+        return real_entry(self, fd, name, *rest, **named)
+
+    monkeypatch.setattr(scan_module._Scanner, "entry", entry_failing)
+    with pytest.raises(OSError, match="injected"):
+        scan(workspace)
+    assert started == [100 - walk.READ_TAKE] and _threads() == threads
 
 
 def test_publishing_writes_each_new_blob_once_during_the_read(tmp_path: Path) -> None:

@@ -10,3 +10,10 @@ def scan_dirs(
 def read_files(
     dir_fd: int, names: list[str], limit: int, workers: int, /
 ) -> list[tuple[os.stat_result, bytes, os.stat_result] | None]: ...
+
+class _Pending: ...  # a capsule: the reads of read_files_start, on their own thread
+
+def read_files_start(dir_fd: int, names: list[str], limit: int, /) -> _Pending: ...
+def read_files_take(
+    pending: _Pending, upto: int, /
+) -> list[tuple[os.stat_result, bytes, os.stat_result] | None]: ...

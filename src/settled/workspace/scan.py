@@ -8,7 +8,8 @@ same read: hash and copy together, stored only if new), re-reads a file only whe
 cache cannot vouch for it, and publishes the trees it built once every blob they name is durable
 (and its stat-cache nodes into the ``NodeCache``). Speed without a weaker proof: siblings (and
 an incremental scan's dirty directories) are listed together on the walker's threads, the small
-files of a listing are read in batches by the same checks as one at a time (``ReadAhead``), and
+files of a listing are read in batches by the same checks as one at a time, on a thread while
+the scanner hashes what was read before (``ReadAhead``), and
 the cyclic GC is paused while a scan allocates its entries (``gc_paused``).
 
 Stat-cache rules. A file or symlink whose type, mode, owner, size, ino, dev, mtime_ns and ctime_ns
@@ -547,14 +548,17 @@ class _Scanner:
             if ignore.patterns and ignore.ignores(prefix + name, stat.S_ISDIR(st.st_mode)):
                 continue  # left out by the task's bound rules: not recorded, never walked
             kept.append((name, st))
-        ahead = ReadAhead(self.walker, self.workers, fd, kept)
-        for name, st in kept:
-            entry = self.entry(fd, name, prefix + name, st, current, read=ahead.get(name))
-            if entry is None:
-                continue  # vanished while read
-            rows[name] = entry
-            if entry.type == DIR:
-                subdirs.append(name)
+        ahead = ReadAhead(self.walker, self.workers, fd, kept, overlap=self.workers > 1)
+        try:
+            for name, st in kept:
+                entry = self.entry(fd, name, prefix + name, st, current, read=ahead.get(name))
+                if entry is None:
+                    continue  # vanished while read
+                rows[name] = entry
+                if entry.type == DIR:
+                    subdirs.append(name)
+        finally:
+            ahead.close()  # no read runs in fd once this returns: the caller may close it
         self.entries_listed += len(rows)
         subdirs.reverse()  # popped from the end: walk in sorted order
         return current, subdirs

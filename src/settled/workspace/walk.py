@@ -16,7 +16,10 @@ in that directory, held open: a path walk from ``/proc`` each time cost ~20% mor
 byte past its size and fstat'd again: ``(before, data, after)``, or None for anything else
 (gone, no longer a regular file, larger, unreadable), which the scanner then reads the slow
 way, with its own checks and errors. The scanner decides from the two stats whether the read
-was torn; nothing here records anything.
+was torn; nothing here records anything. ``start_reads(dir_fd, names, limit)`` does the same
+reads in order on a thread of their own and returns ``take(n)``, which hands out the results
+not taken yet up to the n-th name (waiting for them): the scanner hashes what was read while
+the rest is read (``ReadAhead``).
 
 Two implementations with one contract: ``_walk`` (C: getdents64, fstatat and the reads without
 the GIL on up to ``workers`` threads, the stat cache compared in C; built by ``pip install -e
@@ -54,12 +57,15 @@ Job = tuple[int, dict[str, Entry] | None, int]  # fd, the cached rows, their cut
 ScanDirs = Callable[[list[Job], int], list[Listed | OSError]]
 Read = tuple[os.stat_result, bytes, os.stat_result]  # before, the bytes, after
 ReadFiles = Callable[[int, list[str], int, int], list[Read | None]]
+Take = Callable[[int], list[Read | None]]  # the results not taken yet, up to the n-th name
+StartReads = Callable[[int, list[str], int], Take]
 
 
 class Walker(NamedTuple):
     name: str
     scan_dirs: ScanDirs
     read_files: ReadFiles
+    start_reads: StartReads
 
 
 # The C loop reads an Entry by position: these must be where it looks (see _walk.c).
@@ -146,6 +152,31 @@ def python_read_files(dir_fd: int, names: list[str], limit: int, workers: int) -
         os.close(proc_fd)
 
 
+def python_start_reads(dir_fd: int, names: list[str], limit: int) -> Take:
+    """The twin of ``_walk.read_files_start``: the files are read when taken, on the caller's
+    thread (no overlap, the same reads)."""
+    taken = [0]
+
+    def take(upto: int) -> list[Read | None]:
+        start, taken[0] = taken[0], max(taken[0], min(upto, len(names)))
+        return python_read_files(dir_fd, names[start : taken[0]], limit, 1)
+
+    return take
+
+
+def native_start_reads(dir_fd: int, names: list[str], limit: int) -> Take:
+    """``_walk.read_files_start``: the files read in order on a thread of the C extension's own
+    (no Python on it, so no wait for the GIL before or after a read), taken as they are done."""
+    from settled.workspace import _walk
+
+    pending = _walk.read_files_start(dir_fd, names, limit)
+
+    def take(upto: int) -> list[Read | None]:
+        return _walk.read_files_take(pending, upto)
+
+    return take
+
+
 def _read_file(dir_fd: int, name: str, limit: int, proc_fd: int) -> Read | None:
     try:
         path_fd = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
@@ -181,7 +212,7 @@ def _native() -> Walker | None:
         raise WalkerUnavailable(
             "manifest.Entry's fields moved: update _walk.c's E_* positions and walk._LAYOUT"
         )
-    return Walker(NATIVE, _walk.scan_dirs, _walk.read_files)
+    return Walker(NATIVE, _walk.scan_dirs, _walk.read_files, native_start_reads)
 
 
 def choose(wanted: str | None = None) -> Walker:
@@ -202,22 +233,35 @@ def choose(wanted: str | None = None) -> Walker:
     return PYTHON_WALKER
 
 
-PYTHON_WALKER: Final = Walker(PYTHON, python_scan_dirs, python_read_files)
+PYTHON_WALKER: Final = Walker(PYTHON, python_scan_dirs, python_read_files, python_start_reads)
 
 
 READ_SMALL: Final = 64 * 1024 - 1  # read whole by the walker (below sparse.MIN_HOLE: no hole)
 READ_AHEAD_BYTES: Final = 8 << 20  # the most of them held at once
+READ_TAKE: Final = 16  # overlapped: the reads taken at a time (the first wait is for this many)
 _DIR_FLAGS: Final = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _ROOT: Final = "."
 
 
 class ReadAhead:
-    """The small regular files of one listing, read by the walker in batches (on its threads,
-    without the GIL) just before the scanner records them, at most ``READ_AHEAD_BYTES`` at a
-    time; what a batch could not read is read the slow way."""
+    """The small regular files of one listing, read by the walker in batches (without the GIL)
+    just before the scanner records them, at most ``READ_AHEAD_BYTES`` at a time; what a batch
+    could not read is read the slow way.
+
+    ``overlap`` (two CPUs or more, and more than ``READ_TAKE`` files): a batch is read in order
+    on a thread of its own (``start_reads``) while the scanner hashes and stages what was read
+    before, taking ``READ_TAKE`` results at a time, so a first checkpoint's reading and hashing
+    run side by side instead of in turn. The same files are read by the same checks, and the
+    scanner judges each read by its two stats as before. ``close`` waits until no read runs,
+    so the directory's fd is never closed (and its number never reused) under one."""
 
     def __init__(
-        self, walker: Walker, workers: int, fd: int, kept: list[tuple[str, os.stat_result]]
+        self,
+        walker: Walker,
+        workers: int,
+        fd: int,
+        kept: list[tuple[str, os.stat_result]],
+        overlap: bool = False,
     ) -> None:
         self.walker, self.workers, self.fd = walker, workers, fd
         self.small = [
@@ -228,6 +272,10 @@ class ReadAhead:
         self.wanted = {name for name, _ in self.small}
         self.next = 0
         self.read: dict[str, Read | None] = {}
+        self.overlap = overlap and len(self.small) > READ_TAKE
+        self.batch: list[str] = []  # overlapped: the batch being read, and what was taken
+        self.taken = 0
+        self.take: Take | None = None
 
     def get(self, name: str) -> Read | None:
         if name not in self.wanted:
@@ -237,6 +285,25 @@ class ReadAhead:
         return self.read.pop(name, None)
 
     def fetch(self) -> None:
+        if not self.overlap:
+            names = self._names()
+            got = self.walker.read_files(self.fd, names, READ_SMALL, self.workers)
+        elif self.take is None:  # a batch's first files are read here while its thread starts
+            names = self._names()
+            self.batch, self.taken = names[READ_TAKE:], 0
+            if self.batch:
+                self.take = self.walker.start_reads(self.fd, self.batch, READ_SMALL)
+            names = names[:READ_TAKE]
+            got = self.walker.read_files(self.fd, names, READ_SMALL, 1)
+        else:
+            start, self.taken = self.taken, min(self.taken + READ_TAKE, len(self.batch))
+            names, got = self.batch[start : self.taken], self.take(self.taken)
+            if self.taken == len(self.batch):
+                self.take = None  # all taken: its thread has ended
+        self.read.update(zip(names, got, strict=True))
+
+    def _names(self) -> list[str]:
+        """The next names to read, up to ``READ_AHEAD_BYTES`` (one at least)."""
         names: list[str] = []
         total = 0
         while self.next < len(self.small) and (not names or total < READ_AHEAD_BYTES):
@@ -244,8 +311,13 @@ class ReadAhead:
             names.append(name)
             total += size
             self.next += 1
-        got = self.walker.read_files(self.fd, names, READ_SMALL, self.workers)
-        self.read.update(zip(names, got, strict=True))
+        return names
+
+    def close(self) -> None:
+        """Wait for the reads of a batch not taken to the end (the scan failed meanwhile)."""
+        if self.take is not None:
+            take, self.take = self.take, None
+            take(len(self.batch))
 
 
 def identity(st: os.stat_result) -> tuple[int, int]:
