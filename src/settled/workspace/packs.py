@@ -567,36 +567,12 @@ class Packs:
         except OSError as error:
             why = f"cannot open its pack: {error.strerror}"
             return [ObjectUnreadable(digest, why) for _, digest, *_ in items]
-        results: list[tuple[str, str, int] | Exception] = []
         try:
             before = os.fstat(fd)
             if not stat.S_ISREG(before.st_mode):
                 why = "its pack is not a regular file"
                 return [ObjectUnreadable(digest, why) for _, digest, *_ in items]
-            span = _span(index, items)
-            whole = memoryview(read_at(fd, span[0], span[1] - span[0])) if span else None
-            for _, digest, algo, key, found in items:
-                at = found[1:] if index is found[0] else index.find(key)
-                if at is None:
-                    results.append(ObjectMissing(digest))
-                    continue
-                offset, size = at
-                data: bytes | memoryview
-                if whole is not None and span is not None and span[0] <= offset <= span[1] - size:
-                    data = whole[offset - span[0] : offset - span[0] + size]
-                elif size <= CHUNK:
-                    data = os.pread(fd, size, offset)
-                else:
-                    data = read_at(fd, offset, size)
-                if len(data) < size:  # a short read at the end of a shortened pack
-                    data = bytes(data) + read_at(fd, offset + len(data), size - len(data))
-                if algo == BLAKE3:
-                    actual = f"{BLAKE3}:{blake3.blake3(data).hexdigest()}"
-                else:
-                    hasher = new_hasher(algo, size_hint=len(data))
-                    hasher.update(data)
-                    actual = format_digest(algo, hasher.hexdigest())
-                results.append((actual, digest, len(data)))
+            results = _hash_items(fd, index, items)
             after = os.fstat(fd)
         except OSError as error:
             why = f"cannot read its pack: {error.strerror}"
@@ -608,7 +584,7 @@ class Packs:
             got
             if isinstance(got, Exception)
             else Reread(
-                got[0], got[2], None, stamp_of(index, after, got[2]) if unchanged else None, started
+                got[0], got[1], None, stamp_of(index, after, got[1]) if unchanged else None, started
             )
             for got in results
         ]
@@ -659,6 +635,7 @@ def stamp_of(index: PackIndex, pack: os.stat_result, size: int) -> Stamp:
     return Stamp(pack.st_ctime_ns, pack.st_ino, index.identity[4], size, pack.st_dev)
 
 
+_BLAKE3_PREFIX: Final = f"{BLAKE3}:"
 SPAN_READ_MAX: Final = 64 << 20  # read the asked objects' span of a pack whole up to this
 
 
@@ -677,6 +654,45 @@ def _span(
         start, end, wanted = min(start, offset), max(end, offset + size), wanted + size
     length = end - start
     return (start, end) if 0 < length <= min(SPAN_READ_MAX, 2 * wanted) else None
+
+
+def _hash_items(
+    fd: int, index: PackIndex, items: list[tuple[int, str, str, bytes, Found]]
+) -> list[tuple[str, int] | Exception]:
+    """What each object of ``items`` in the pack open at ``fd`` hashes to, and its size read:
+    from one read of their span when ``_span`` allows it (the hot loop of a read-back of a pack
+    just written: ~1,000 objects of a first checkpoint), else read one by one."""
+    span = _span(index, items)
+    whole = memoryview(read_at(fd, span[0], span[1] - span[0])) if span else None
+    first, last = span if span else (0, -1)
+    hash_blake3 = blake3.blake3
+    results: list[tuple[str, int] | Exception] = []
+    append = results.append
+    for _, digest, algo, key, found in items:
+        if index is found[0]:
+            offset, size = found[1], found[2]
+        else:
+            at = index.find(key)
+            if at is None:
+                append(ObjectMissing(digest))
+                continue
+            offset, size = at
+        data: bytes | memoryview
+        if whole is not None and first <= offset <= last - size:
+            data = whole[offset - first : offset - first + size]
+        elif size <= CHUNK:
+            data = os.pread(fd, size, offset)
+        else:
+            data = read_at(fd, offset, size)
+        if len(data) < size:  # a short read at the end of a shortened pack
+            data = bytes(data) + read_at(fd, offset + len(data), size - len(data))
+        if algo == BLAKE3:
+            append((_BLAKE3_PREFIX + hash_blake3(data).hexdigest(), len(data)))
+        else:
+            hasher = new_hasher(algo, size_hint=len(data))
+            hasher.update(data)
+            append((format_digest(algo, hasher.hexdigest()), len(data)))
+    return results
 
 
 def _read_all(fd: int, size: int) -> bytes:
