@@ -241,6 +241,25 @@ def test_a_file_that_keeps_changing_fails_the_scan_with_torn_read(
         scan(tmp_path)
 
 
+@pytest.mark.parametrize("reads", ["ahead", "slow"])
+def test_a_scan_reads_files_without_touching_their_atime(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, reads: str
+) -> None:
+    """Read as their owner, with O_NOATIME: a file read for the first time since it was
+    written (relatime would stamp it) keeps its atime, so a first checkpoint dirties no inode."""
+    workspace = tmp_path / "ws"
+    make_tree(workspace, files=40)
+    if reads == "slow":
+        monkeypatch.setattr(walk, "READ_SMALL", -1)
+    atime_ns = 1_000_000_000_000_000_000  # older than each file's mtime: relatime would move it
+    files = sorted(p for p in workspace.rglob("*") if p.is_file())
+    for path in files:
+        os.utime(path, ns=(atime_ns, path.stat().st_mtime_ns))
+    result = scan(workspace)
+    assert result.stats.files_hashed == 40
+    assert [p.stat().st_atime_ns for p in files] == [atime_ns] * len(files)
+
+
 def _overlapped_reads(monkeypatch: pytest.MonkeyPatch, late: str) -> list[int]:
     """Scans read a listing's small files on a thread of their own while they hash (two CPUs
     assumed, whatever this machine has); ``late`` is appended to once, while that thread may

@@ -92,6 +92,7 @@ from settled.workspace.walk import (
     choose,
     identity,
     open_beneath,
+    reopen,
     reusable,
     workers,
 )
@@ -755,7 +756,7 @@ class _Scanner:
                 st = os.fstat(path_fd)
                 if not stat.S_ISREG(st.st_mode):
                     return st
-                return os.open(f"{_PROC_FD}/{path_fd}", os.O_RDONLY | os.O_CLOEXEC), st
+                return reopen(f"{_PROC_FD}/{path_fd}"), st
             finally:
                 os.close(path_fd)
         except FileNotFoundError:

@@ -177,6 +177,21 @@ def native_start_reads(dir_fd: int, names: list[str], limit: int) -> Take:
     return take
 
 
+def reopen(path: str, proc_fd: int | None = None) -> int:
+    """An ``O_PATH`` fd's file opened for reading through ``/proc/self/fd`` (``path``, relative
+    to ``proc_fd`` if given), without updating its atime when this process may (the file's
+    owner, or root): a first checkpoint reads every file, and each atime update (relatime: the
+    first read since a write) dirties an inode for the journal to commit. Nothing settled
+    records or compares reads the atime."""
+    try:
+        return os.open(path, _READ_FLAGS | os.O_NOATIME, dir_fd=proc_fd)
+    except PermissionError:
+        return os.open(path, _READ_FLAGS, dir_fd=proc_fd)
+
+
+_READ_FLAGS: Final = os.O_RDONLY | os.O_CLOEXEC
+
+
 def _read_file(dir_fd: int, name: str, limit: int, proc_fd: int) -> Read | None:
     try:
         path_fd = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
@@ -186,7 +201,7 @@ def _read_file(dir_fd: int, name: str, limit: int, proc_fd: int) -> Read | None:
         before = os.fstat(path_fd)
         if not stat.S_ISREG(before.st_mode) or before.st_size > limit:
             return None
-        fd = os.open(str(path_fd), os.O_RDONLY | os.O_CLOEXEC, dir_fd=proc_fd)
+        fd = reopen(str(path_fd), proc_fd)
     except OSError:
         return None
     finally:
