@@ -537,7 +537,12 @@ static PyObject *reads_results(read_t *reads, Py_ssize_t start, Py_ssize_t end) 
             Py_XDECREF(before);
             Py_XDECREF(data);
             Py_XDECREF(after);
-            if (result == NULL) {
+            if (result == NULL) { /* these results are lost: none is handed out twice */
+                for (Py_ssize_t j = i; j < end; j++) {
+                    free(reads[j].data);
+                    reads[j].data = NULL;
+                    reads[j].ok = 0;
+                }
                 Py_DECREF(results);
                 return NULL;
             }
@@ -683,8 +688,7 @@ static PyObject *read_files_take(PyObject *self, PyObject *args) {
     pthread_mutex_unlock(&p->lock);
     Py_END_ALLOW_THREADS
     PyObject *results = reads_results(p->reads, p->taken, upto);
-    if (results == NULL) return NULL;
-    p->taken = upto;
+    p->taken = upto; /* taken even if they could not be handed out (the error is raised) */
     if (p->taken == p->count) pending_join(p);
     return results;
 }
