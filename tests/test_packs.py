@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import random
 from pathlib import Path
@@ -131,6 +132,45 @@ def test_the_pack_is_durable_before_its_index_names_it(
     monkeypatch.setattr(packs_module, "fsync_dir", fsync_dir)
     packed(store, payloads(5))
     assert events == ["fsync pack", "fsync idx", "link idx", "fsync packs"]
+
+
+@pytest.mark.parametrize("hint", ["native", "none", "refused"])
+def test_a_large_pack_starts_its_writeback_early_and_is_still_fsynced_before_named(
+    store: LocalObjectStore, monkeypatch: pytest.MonkeyPatch, hint: str
+) -> None:
+    """Each full buffer written out is handed to the kernel's writeback at once (a hint; with
+    no C extension, or refused, there is none); the pack's fsync still comes before its index
+    names anything, and every object reads back."""
+    events: list[tuple[str, int, int]] = []
+    real_hint, real_fsync = packs_module.WRITEBACK, packs_module._fsync
+
+    def writeback(fd: int, offset: int, length: int) -> None:
+        events.append(("writeback", offset, length))
+        if hint == "refused":
+            raise OSError(22, "refused")
+        assert real_hint is not None
+        real_hint(fd, offset, length)
+
+    def fsync(fd: int, path: str) -> None:
+        if not os.path.isdir(path):
+            events.append(("fsync " + path.rsplit(".", 1)[1], 0, os.fstat(fd).st_size))
+        real_fsync(fd, path)
+
+    monkeypatch.setattr(packs_module, "WRITEBACK", None if hint == "none" else writeback)
+    monkeypatch.setattr(packs_module, "_fsync", fsync)
+    big = [os.urandom(600_000) + b"%d" % i for i in range(7)]  # ~4 MiB: three full buffers
+    digests = packed(store, big)
+    pack_size = sum(len(data) for data in big)
+    hints = [(offset, length) for event, offset, length in events if event == "writeback"]
+    if hint == "none":
+        assert hints == []
+    else:
+        assert len(hints) == 3 and hints[0][0] == 0
+        assert all(a + n == b for (a, n), (b, _) in itertools.pairwise(hints))
+        assert hints[-1][0] + hints[-1][1] < pack_size  # the rest: the fsync's alone
+    fsyncs = [event for event in events if event[0] != "writeback"]
+    assert fsyncs[0] == ("fsync pack", 0, pack_size) and fsyncs[1][0] == "fsync idx"
+    assert [store.read(digest) for digest in digests] == big
 
 
 def test_another_store_finds_a_pack_written_after_it_listed(

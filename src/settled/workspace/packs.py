@@ -41,7 +41,7 @@ import struct
 import threading
 import time
 from array import array
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Final
 
@@ -221,6 +221,19 @@ def _little(values: array[int]) -> array[int]:
     return values
 
 
+def _writeback() -> Callable[[int, int, int], None] | None:
+    """``sync_file_range(SYNC_FILE_RANGE_WRITE)`` from the C extension (Python has none), or
+    None without it: a pack is then written to disk by its fsync alone, as durable and later."""
+    try:
+        from settled.workspace._walk import start_writeback
+    except ImportError:
+        return None
+    return start_writeback
+
+
+WRITEBACK: Final = _writeback()
+
+
 class PackWriter:
     """One pack being written: ``add`` objects (each once), then ``finish`` or ``discard``."""
 
@@ -250,9 +263,17 @@ class PackWriter:
                 self._flush()
             return True
 
-    def _flush(self) -> None:
+    def _flush(self, *, last: bool = False) -> None:
+        """Write the buffer out; unless it is the last, ask the kernel to start writing it to
+        disk now (``WRITEBACK``), so the fsync at ``finish`` waits for the rest only: a first
+        checkpoint's pack is ~4 MiB, whose fsync alone took ~3 ms here. Only that fsync makes
+        anything durable; the hint, refused, changes nothing but the wait."""
         assert self._fd is not None
+        start = self._size - len(self._buffer)
         _write_all(self._fd, self._buffer, self.path)
+        if not last and WRITEBACK is not None:
+            with contextlib.suppress(OSError):
+                WRITEBACK(self._fd, start, len(self._buffer))
         self._buffer.clear()
 
     def finish(self) -> PackIndex:
@@ -260,7 +281,7 @@ class PackWriter:
         and linked, directory fsynced. Raises ``DurabilityError`` (nothing named) on failure."""
         with self._lock:
             assert self._fd is not None
-            self._flush()
+            self._flush(last=True)
             os.fchmod(self._fd, 0o400)
             _fsync(self._fd, self.path)
             os.close(self._fd)
