@@ -12,8 +12,7 @@
  *
  * And read_files() (read_files_start/_take: the same reads on a thread of their own, taken in
  * order while the caller hashes): the small regular files of a listing, each opened O_PATH
- * without following, fstat'd, and only a regular file reopened for reading. And
- * start_writeback(), for packs.py: sync_file_range's early writeback, which Python lacks.
+ * without following, fstat'd, and only a regular file reopened for reading.
  *
  * Must never: follow a symlink, open for reading anything but a file fstat showed to be
  * regular (it lists the directory fds it is given and names things relative to them), vouch
@@ -709,34 +708,11 @@ static PyObject *read_files_take(PyObject *self, PyObject *args) {
     return results;
 }
 
-/* -- early writeback of a file being written ------------------------------------------------ */
-
-PyDoc_STRVAR(start_writeback_doc,
-"start_writeback(fd, offset, length)\n\n"
-"Ask the kernel to start writing the dirty pages of fd's range to disk now, without waiting\n"
-"for them (sync_file_range with SYNC_FILE_RANGE_WRITE only): a pack's later fsync then waits\n"
-"for less. A hint, never durability: only the fsync makes anything durable. OSError if the\n"
-"kernel refuses it.");
-
-static PyObject *start_writeback(PyObject *self, PyObject *args) {
-    (void)self;
-    int fd;
-    long long offset, length;
-    if (!PyArg_ParseTuple(args, "iLL", &fd, &offset, &length)) return NULL;
-    int rc;
-    Py_BEGIN_ALLOW_THREADS
-    rc = sync_file_range(fd, (off_t)offset, (off_t)length, SYNC_FILE_RANGE_WRITE);
-    Py_END_ALLOW_THREADS
-    if (rc != 0) return PyErr_SetFromErrno(PyExc_OSError);
-    Py_RETURN_NONE;
-}
-
 static PyMethodDef methods[] = {
     {"scan_dirs", scan_dirs, METH_VARARGS, scan_dirs_doc},
     {"read_files", read_files, METH_VARARGS, read_files_doc},
     {"read_files_start", read_files_start, METH_VARARGS, read_files_start_doc},
     {"read_files_take", read_files_take, METH_VARARGS, read_files_take_doc},
-    {"start_writeback", start_writeback, METH_VARARGS, start_writeback_doc},
     {NULL, NULL, 0, NULL},
 };
 

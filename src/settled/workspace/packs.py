@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import os
 import secrets
 import stat
@@ -221,17 +222,29 @@ def _little(values: array[int]) -> array[int]:
     return values
 
 
+@functools.cache
 def _writeback() -> Callable[[int, int, int], None] | None:
-    """``sync_file_range(SYNC_FILE_RANGE_WRITE)`` from the C extension (Python has none), or
-    None without it: a pack is then written to disk by its fsync alone, as durable and later."""
+    """``sync_file_range(fd, offset, length, SYNC_FILE_RANGE_WRITE)`` (libc's, through ctypes:
+    Python has no binding), or None where there is none: a pack is then written to disk by its
+    fsync alone, as durable and later. Loaded at the first full buffer, not at import."""
+    import ctypes
+
     try:
-        from settled.workspace._walk import start_writeback
-    except ImportError:
+        call = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
         return None
-    return start_writeback
+    call.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
+    call.restype = ctypes.c_int
+
+    def start(fd: int, offset: int, length: int) -> None:
+        if call(fd, offset, length, _SYNC_FILE_RANGE_WRITE) != 0:
+            code = ctypes.get_errno()
+            raise OSError(code, os.strerror(code))
+
+    return start
 
 
-WRITEBACK: Final = _writeback()
+_SYNC_FILE_RANGE_WRITE: Final = 2  # start writing the range's dirty pages; wait for nothing
 
 
 class PackWriter:
@@ -265,15 +278,16 @@ class PackWriter:
 
     def _flush(self, *, last: bool = False) -> None:
         """Write the buffer out; unless it is the last, ask the kernel to start writing it to
-        disk now (``WRITEBACK``), so the fsync at ``finish`` waits for the rest only: a first
+        disk now (``_writeback``), so the fsync at ``finish`` waits for the rest only: a first
         checkpoint's pack is ~4 MiB, whose fsync alone took ~3 ms here. Only that fsync makes
         anything durable; the hint, refused, changes nothing but the wait."""
         assert self._fd is not None
         start = self._size - len(self._buffer)
         _write_all(self._fd, self._buffer, self.path)
-        if not last and WRITEBACK is not None:
+        hint = None if last else _writeback()
+        if hint is not None:
             with contextlib.suppress(OSError):
-                WRITEBACK(self._fd, start, len(self._buffer))
+                hint(self._fd, start, len(self._buffer))
         self._buffer.clear()
 
     def finish(self) -> PackIndex:
