@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import test_cli
 from test_cli import CLI
+from test_launcher import _alive
 
 from settled.owner import home_launcher
 from settled.owner.home_launcher import LOCK_NAME, SOCKET_NAME
@@ -28,14 +29,6 @@ task = test_cli.task
 
 def _zygote_pid(run: Path) -> int:
     return int((run / LOCK_NAME).read_text())
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as handle:
-            return handle.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def _gone_within(pid: int, seconds: float) -> bool:

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 import pytest
+from test_server import settle_all
 
 from settled.runtime import Runtime
 
@@ -112,26 +113,6 @@ class Server:
         return httpx.Client(base_url=self.url, headers=headers, timeout=60.0)
 
 
-def _settle_sessions(home: Path) -> None:
-    """Cancel every live session of the home and wait for its receipt (bounded)."""
-    if not home.exists():
-        return
-    with Runtime(str(home)) as rt:
-        live = [
-            s["session"]
-            for t in rt.list_tasks(1000)
-            for s in rt.task_status(t["task"])["sessions"]
-            if s["state"] in ("admitted", "running", "settling")
-        ]
-        for session in live:
-            with contextlib.suppress(Exception):
-                rt.cancel(session, "test teardown")
-        give_up = time.monotonic() + 30
-        for session in live:
-            with contextlib.suppress(Exception):
-                rt.wait(session, timeout=max(0.1, give_up - time.monotonic()))
-
-
 @pytest.fixture
 def home(tmp_path: Path) -> Path:
     return tmp_path / "home"
@@ -151,7 +132,7 @@ def start_server(tmp_path: Path, home: Path) -> Iterator[Callable[..., Server]]:
     finally:
         for server in started:
             _end(server.process)
-        _settle_sessions(home)
+        settle_all(home)
 
 
 def _browser_missing() -> str | None:

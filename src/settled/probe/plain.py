@@ -57,17 +57,7 @@ class PlainAdapter:
         }
 
     def experiments(self) -> dict[str, q.Experiment]:
-        return {
-            "retry": self.retry,
-            "long_line": self.long_line,
-            "binary": self.binary,
-            "silent": self.silent,
-            "holder": self.holder,
-            "owner_killed": self.owner_killed,
-            "late_write": self.late_write,
-            "fenced": self.fenced,
-            "receipt": self.receipt,
-        }
+        return q.experiments_of(self)
 
     def close(self) -> None:
         """Nothing stays open between experiments: each ended what it started."""

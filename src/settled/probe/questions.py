@@ -153,6 +153,12 @@ class Answer:
 Experiment = Callable[[str], Outcome]  # given a scratch directory of its own
 
 
+def experiments_of(adapter: object) -> dict[str, Experiment]:
+    """An adapter's experiments, one per question id: each is its method of the same name, so
+    a question added to the catalogue is an experiment every adapter must then have."""
+    return {qid: getattr(adapter, qid) for qid in QUESTION_IDS}
+
+
 def run_questions(
     experiments: dict[str, Experiment],
     only: tuple[str, ...] = QUESTION_IDS,
