@@ -33,6 +33,10 @@ if TYPE_CHECKING:
 
 READ_BUFFER = 1 << 20
 STOP_POLL_S = 0.005
+# The first look at the boundary after a stop began comes this soon, each next one twice as late
+# (up to STOP_POLL_S): a pidns init reports the main's status, then exits ~0.1-0.5 ms later, and
+# a flat 5 ms poll made every exit wait ~5 ms for its death evidence (a close's largest wait).
+STOP_POLL_FIRST_S = 0.00025
 POST_EVIDENCE_DRAIN_S = 10.0
 EVIDENCE_TIMEOUT_S = 30.0
 SIGTERM = 15  # on every Linux architecture, without the signal module's enums
@@ -171,6 +175,7 @@ class Supervisor:
         self._cancel: str | None = None
         self._kill_at: float | None = None
         self._stopping = False
+        self._stop_poll = STOP_POLL_FIRST_S
         self._selector = _Poller()
 
     # -- the loop ------------------------------------------------------------------------
@@ -253,7 +258,8 @@ class Supervisor:
         if self._kill_at is not None:
             candidates.append(self._kill_at - now)
         if self._stopping:
-            candidates.append(STOP_POLL_S)
+            candidates.append(self._stop_poll)
+            self._stop_poll = min(STOP_POLL_S, 2 * self._stop_poll)
         return max(0.0, min(candidates))
 
     def _on_exit_fd(self, fd: int) -> None:
