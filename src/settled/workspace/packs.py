@@ -348,7 +348,11 @@ class Packs:
 
     def _put(self, name: str, index: PackIndex | None) -> None:
         """Load, replace or forget one pack's index (under the lock)."""
-        old = self._loaded.pop(name, None)
+        old = self._loaded.get(name)
+        if old is not None and index is not None and same_records(old, index):
+            self._swap(old, index)  # re-read with the same records (its file's identity moved)
+            return
+        self._loaded.pop(name, None)
         slot = self._slot_of.pop(name, None)
         if old is not None and slot is not None:
             self._slots[slot] = None
@@ -370,6 +374,17 @@ class Packs:
                         if other is not None and other.find(key) is not None:
                             self._add_keys(other, [key])
                             break
+
+    def _swap(self, old: PackIndex, index: PackIndex) -> None:
+        """Put ``index`` where ``old`` was: the same keys at the same records, so the
+        dictionary's entries stay (a first read-back re-reads the index of the pack its scan
+        wrote: the link that named it moved its ctime; re-adding its keys cost ~1 ms)."""
+        self._loaded[index.name] = index
+        slot = self._slot_of.get(index.name)
+        if slot is not None:
+            self._slots[slot] = index
+        else:
+            self._large = [index if other is old else other for other in self._large]
 
     def _add_keys(self, index: PackIndex, keys: Iterable[bytes]) -> None:
         slot = self._slot_of.get(index.name)
@@ -615,14 +630,19 @@ class Packs:
         finally:
             os.close(fd)
         unchanged = identity_of(before) == identity_of(after)
-        return [
-            got
-            if isinstance(got, Exception)
-            else Reread(
-                got[0], got[1], None, stamp_of(index, after, got[1]) if unchanged else None, started
-            )
-            for got in results
-        ]
+        stamps: dict[int, Stamp | None] = {}  # by size: one stamp per size, not per object
+        out: list[Reread | Exception] = []
+        append = out.append
+        for got in results:
+            if isinstance(got, Exception):
+                append(got)
+                continue
+            size = got[1]
+            stamp = stamps.get(size, _NO_STAMP)
+            if stamp is _NO_STAMP:
+                stamp = stamps[size] = stamp_of(index, after, size) if unchanged else None
+            append(Reread(got[0], size, None, stamp, started))
+        return out
 
     def present(self, key: bytes, checked: set[str]) -> bool:
         """For the dedupe of a write: a pack this process knows of names ``key`` and its pack
@@ -662,6 +682,16 @@ PackState = tuple[PackIndex, os.stat_result]  # a pack's index as it is now, and
 Located = tuple[PackIndex, os.stat_result, int, int]  # ... and the object's offset and size
 
 
+def same_records(one: PackIndex, other: PackIndex) -> bool:
+    """Two reads of one pack's index that name the same objects at the same places."""
+    return (
+        one.name == other.name
+        and one.pack_size == other.pack_size
+        and one.keys == other.keys
+        and one.locations == other.locations
+    )
+
+
 def stamp_of(index: PackIndex, pack: os.stat_result, size: int) -> Stamp:
     """A packed object's copy: its pack's ctime and inode, and its index's ctime, each of which
     any change (a write, a chmod, a replaced index: the quarantine's) moves on, and which the
@@ -671,6 +701,7 @@ def stamp_of(index: PackIndex, pack: os.stat_result, size: int) -> Stamp:
 
 
 _BLAKE3_PREFIX: Final = f"{BLAKE3}:"
+_NO_STAMP: Final = Stamp(-1, -1, -1, -1, -1)  # a memo's miss (None is a stamp's absence)
 SPAN_READ_MAX: Final = 64 << 20  # read the asked objects' span of a pack whole up to this
 
 
@@ -703,8 +734,12 @@ def _hash_items(
     hash_blake3 = blake3.blake3
     results: list[tuple[str, int] | Exception] = []
     append = results.append
+    same: dict[int, bool] = {id(index): True}  # the indexes ``where`` found them in
     for _, digest, algo, key, found in items:
-        if index is found[0]:
+        agrees = same.get(id(found[0]))
+        if agrees is None:
+            agrees = same[id(found[0])] = same_records(index, found[0])
+        if agrees:
             offset, size = found[1], found[2]
         else:
             at = index.find(key)
@@ -721,8 +756,10 @@ def _hash_items(
             data = read_at(fd, offset, size)
         if len(data) < size:  # a short read at the end of a shortened pack
             data = bytes(data) + read_at(fd, offset + len(data), size - len(data))
-        if algo == BLAKE3:
-            append((_BLAKE3_PREFIX + hash_blake3(data).hexdigest(), len(data)))
+        if algo == BLAKE3:  # compared as bytes: the name's string is built only if it differs
+            raw = hash_blake3(data).digest()
+            actual = digest if raw == key[:32] else _BLAKE3_PREFIX + raw.hex()
+            append((actual, len(data)))
         else:
             hasher = new_hasher(algo, size_hint=len(data))
             hasher.update(data)
