@@ -397,3 +397,33 @@ def test_every_step_of_the_table_has_one_function_that_performs_it() -> None:
     from settled.close.join import PERFORM
 
     assert list(PERFORM) == [step.name for step in STEPS]
+
+
+def test_only_the_last_close_step_waits_for_the_disk_and_every_step_is_recorded(
+    rt: Runtime, task: TaskRecord, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The steps before the last are committed without an fsync of the store's log (a power
+    cut can lose only a tail of them, a state any crash there leaves); the last one is durable,
+    which makes them all durable before the receipt is returned."""
+    from settled.close.decide import STEPS
+    from settled.store import open_store
+
+    recorded: list[tuple[str, bool]] = []
+    record = rt.store.record_close_step
+
+    def spy(task_id: str, step: str, fact: dict[str, Any], **kw: Any) -> dict[str, Any]:
+        recorded.append((step, kw.get("durable", True)))
+        return record(task_id, step, fact, **kw)
+
+    monkeypatch.setattr(rt.store, "record_close_step", spy)
+    rt.exec(task.task, shell="echo once > once.txt", key="once")
+    receipt = close(rt, task)
+    names = [step.name for step in STEPS]
+    assert recorded == [(name, name == names[-1]) for name in names]
+    other = open_store(rt.home)
+    try:
+        assert sorted(other.close_steps(task.task)) == sorted(names)
+        assert other.get_task(task.task).state == "complete"
+    finally:
+        other.close()
+    assert "once.txt" in manifest_of(rt, receipt)

@@ -1428,3 +1428,29 @@ def test_a_fence_is_recorded_with_its_close_step(store: Store) -> None:
     assert store.get_task(task).generation == generation + 1
     assert store.record_close_step(task, "fenced", {"x": 2}, fence=generation) == fact
     assert store.get_task(task).generation == generation + 1  # not fenced twice
+
+
+def test_a_close_step_recorded_without_waiting_for_the_disk_is_seen_and_kept_at_once(
+    store: Store, store_factory: StoreFactory, home: str
+) -> None:
+    """``durable=False`` changes only when the disk has it: the fact, its event and its fence
+    are committed in one transaction, read by another connection at once, recorded once, and
+    the store's next durable write is durable as before (SQLite: back to synchronous=FULL)."""
+    task = new_task(store)
+    store.task_event(task, "seal")
+    fact = {"sessions": []}
+    recorded = store.record_close_step(task, "receipts", fact, event="close_begin", durable=False)
+    assert recorded is fact
+    other = store_factory(home)
+    assert other.close_steps(task)["receipts"] == fact
+    assert other.get_task(task).state == "closing"
+    again = store.record_close_step(task, "receipts", {"x": 1}, event="close_begin", durable=False)
+    assert again == fact
+    if isinstance(store, SQLiteStore):
+        assert store._db.execute("PRAGMA synchronous").fetchone()[0] == 2  # FULL again
+    generation = store.get_task(task).generation
+    fenced = {"fenced_generation": generation}
+    assert (
+        store.record_close_step(task, "fenced", fenced, fence=generation, durable=False) is fenced
+    )
+    assert other.get_task(task).generation == generation + 1

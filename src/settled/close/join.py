@@ -19,6 +19,7 @@ from typing import Any, Protocol
 
 from settled import faults
 from settled.close.decide import (
+    STEPS,
     Blocked,
     CloseFacts,
     Done,
@@ -37,6 +38,13 @@ from settled.store import Store
 CLOSE_RECEIPT_VERSION = "settled.receipt.close/v1"
 DEFAULT_DEADLINE_S = 600.0
 CANCEL_SETTLE_S = 30.0
+# Only the last step's fact is committed durably (fsynced). The others are committed without
+# waiting for the disk: a power cut can lose a tail of them (never a step without those before
+# it: the store replays its log as a prefix), which leaves the facts of a crash after the last
+# kept step, and the close resumes there, as from any crash (decide.py); the last step's fsync
+# makes every earlier one durable before the close receipt is returned. Seven fsyncs of the
+# store's log cost a close ~1.8 ms here.
+LAST_STEP = STEPS[-1].name
 # A close that loses a compare-and-set to another close of the same task re-reads the facts and
 # resumes; each retry follows a write the other close made, so a few are enough, and a bound
 # keeps a lost write that never resolves from looping.
@@ -115,7 +123,9 @@ class CloseJoin:
             try:
                 fact = PERFORM[name](self, facts)
                 with_fact = _recorded_with(name, facts)
-                recorded = self.store.record_close_step(self.task, name, fact, **with_fact)
+                recorded = self.store.record_close_step(
+                    self.task, name, fact, durable=name == LAST_STEP, **with_fact
+                )
             except StaleWrite:
                 lost += 1
                 if lost > MAX_LOST_WRITES:

@@ -169,12 +169,20 @@ class Store(Protocol):
         *,
         event: str | None = None,
         fence: int | None = None,
+        durable: bool = True,
     ) -> dict[str, Any]:
         """Record a step's fact once; a second recording returns the first and changes nothing.
         ``event`` (a task transition) and ``fence`` (advance the generation past this one) are
         made in the same transaction as the fact, so a close crashed anywhere finds both or
         neither (one commit, one fsync, where there were two); ``StaleWrite`` if either is
-        refused, and then nothing is recorded."""
+        refused, and then nothing is recorded.
+
+        ``durable=False``: committed (visible to every reader at once) without waiting for the
+        disk. A power cut can lose it and any later such commit, never an earlier one (the
+        write-ahead log is replayed as a prefix), and the next durable commit of the store makes
+        it durable too. Losing the tail of a close's steps leaves the facts a crash after the
+        last kept step leaves, which the close resumes from (decide.py); the close records its
+        last step durably before it returns its receipt."""
         ...
 
     def close_steps(self, task: str) -> dict[str, dict[str, Any]]: ...

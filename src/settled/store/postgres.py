@@ -920,13 +920,17 @@ class PostgresStore:
         *,
         event: str | None = None,
         fence: int | None = None,
+        durable: bool = True,
     ) -> dict[str, Any]:
         """Record a step's fact once; a second recording returns the first (never re-runs).
         Its ``event`` and ``fence``, if any, in the same transaction (see ``Store``): made
-        after the insert, so a refused one rolls the insert back."""
+        after the insert, so a refused one rolls the insert back. ``durable=False``:
+        ``synchronous_commit=off`` for this one transaction."""
         text = canonical_bytes(fact).decode()
 
         def work(cur: Cursor) -> dict[str, Any]:
+            if not durable:
+                cur.execute("SET LOCAL synchronous_commit = off")
             inserted = cur.execute(
                 "INSERT INTO close_steps (task, step, fact, recorded_at, digest) "
                 "VALUES (%s, %s, %s, %s, %s) ON CONFLICT (task, step) DO NOTHING RETURNING 1",

@@ -774,10 +774,29 @@ class SQLiteStore:
         *,
         event: str | None = None,
         fence: int | None = None,
+        durable: bool = True,
     ) -> dict[str, Any]:
         """Record a step's fact once; a second recording returns the first (never re-runs).
-        Its ``event`` and ``fence``, if any, in the same transaction (see ``Store``)."""
+        Its ``event`` and ``fence``, if any, in the same transaction (see ``Store``);
+        ``durable=False``: synchronous=NORMAL for this one transaction (no WAL fsync)."""
         text = canonical_bytes(fact).decode()
+        if not durable:
+            self._db.execute("PRAGMA synchronous=NORMAL")
+        try:
+            return self._record_close_step(task, step, text, fact, event, fence)
+        finally:
+            if not durable:
+                self._db.execute("PRAGMA synchronous=FULL")
+
+    def _record_close_step(
+        self,
+        task: str,
+        step: str,
+        text: str,
+        fact: dict[str, Any],
+        event: str | None,
+        fence: int | None,
+    ) -> dict[str, Any]:
         with self._write() as db:
             row = db.execute(
                 "SELECT fact, digest FROM close_steps WHERE task=? AND step=?", (task, step)
