@@ -344,3 +344,30 @@ def test_a_failing_write_into_a_pack_fails_the_publish_and_names_nothing(
     monkeypatch.undo()
     assert not any(store.has(digest_bytes(DEFAULT_ALGORITHM, d)) for d in data)
     assert os.listdir(store.packs.dir) == [] and os.listdir(store.temp_dir) == []
+
+
+def test_a_reread_of_most_of_a_pack_rehashes_all_of_it_and_says_it_was_whole(
+    store: LocalObjectStore,
+) -> None:
+    """Asked for at least half of a pack's members, the read-back re-hashes the rest with them
+    (between the same two fstats): ``whole`` only if every member it names hashed right."""
+    digests = packed(store, payloads(10))
+    every = store.rereads(digests)
+    assert all(not isinstance(g, Exception) and g.whole for g in every)
+    most = store.rereads(digests[:5])
+    assert [g.actual for g in most if not isinstance(g, Exception)] == digests[:5]
+    assert all(not isinstance(g, Exception) and g.whole for g in most)
+    few = store.rereads(digests[:4])  # fewer than half: only those, the pack not vouched for
+    assert all(
+        not isinstance(g, Exception) and g.actual == d and not g.whole
+        for g, d in zip(few, digests, strict=False)
+    )
+    assert not any(
+        not isinstance(g, Exception) and g.whole for g in store.rereads([digests[0], digests[0]])
+    )
+    location = store.location_of(digests[9])
+    assert location is not None
+    rewrite_at(pack_file(store, ".pack"), location[1], b"Z")  # a member not asked for
+    damaged = store.rereads(digests[:5])
+    assert [g.actual for g in damaged if not isinstance(g, Exception)] == digests[:5]
+    assert not any(not isinstance(g, Exception) and g.whole for g in damaged)

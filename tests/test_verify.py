@@ -308,3 +308,32 @@ def test_a_rehash_racy_with_the_objects_last_change_vouches_for_nothing(tmp_path
     assert Verified.of(st, st.st_ctime_ns + 100_000_000).vouches_for(os.lstat(path))
     os.chmod(path, 0o600)
     assert not Verified.of(st, st.st_ctime_ns + 100_000_000).vouches_for(os.lstat(path))
+
+
+def test_a_pack_verified_whole_is_one_row_and_vouches_for_its_members_until_it_changes(
+    rt: Runtime, task: TaskRecord
+) -> None:
+    """A read-back that re-hashed every member of a pack records the pack (one row), not each
+    object; the next trusts every member by the pack's stamp, and a change to the pack (its
+    ctime) makes it re-hash them all."""
+    ws = Path(task.workspace)
+    for i in range(40):  # past the publish's grouping threshold: one pack
+        (ws / f"f{i:02d}.txt").write_bytes(b"file %d\n" % i)
+    time.sleep(0.05)  # the files are not racy for the scan's stat cache
+    first = rt.checkpoint(task.task)
+    time.sleep(0.05)  # and its pack not racy for the verified-object record
+    second = rt.checkpoint(task.task, incremental=False)["read_back"]
+    assert second["rehashed"] == second["objects_reached"]  # the first re-hash was racy
+    with sqlite3.connect(Path(rt.home) / "index.db") as db:
+        assert db.execute("SELECT count(*) FROM verified_packs").fetchone()[0] == 1
+        assert db.execute("SELECT count(*) FROM verified_objects").fetchone()[0] == 0
+    third = rt.checkpoint(task.task, incremental=False)["read_back"]
+    assert (third["rehashed"], third["trusted"]) == (1, third["objects_reached"] - 1)
+    location = rt.workspace.objects.location_of(blob_of(rt, first["manifest"], "f07.txt"))
+    assert location is not None and location[0].endswith(".pack")
+    os.chmod(location[0], 0o444)  # the pack's ctime moves: its row vouches for nothing now
+    fourth = rt.checkpoint(task.task, incremental=False)["read_back"]
+    assert fourth["verified"] and (fourth["rehashed"], fourth["trusted"]) == (
+        fourth["objects_reached"],
+        0,
+    )

@@ -145,6 +145,10 @@ class Reread(NamedTuple):
     data: bytes | None
     stamp: Stamp | None
     started_ns: int  # the wall clock (time.time_ns) just before the read began
+    # The copy is held in a container of many objects (the local store's pack) and every object
+    # it names was read and hashed right between the same two looks at it: its stamp, but for
+    # the size, then vouches for all of them (``verified``'s per-pack rows).
+    whole: bool = False
 
 
 class StagedObject(Protocol):

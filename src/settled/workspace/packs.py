@@ -622,7 +622,8 @@ class Packs:
             if not stat.S_ISREG(before.st_mode):
                 why = "its pack is not a regular file"
                 return [ObjectUnreadable(digest, why) for _, digest, *_ in items]
-            results = _hash_items(fd, index, items)
+            rest = _the_rest(index, items)
+            results = _hash_items(fd, index, items + (rest or []))
             after = os.fstat(fd)
         except OSError as error:
             why = f"cannot read its pack: {error.strerror}"
@@ -630,6 +631,10 @@ class Packs:
         finally:
             os.close(fd)
         unchanged = identity_of(before) == identity_of(after)
+        whole = rest is not None and unchanged
+        for (_, digest, *_), got in zip(items + (rest or []), results, strict=True):
+            whole = whole and not isinstance(got, Exception) and got[0] == digest
+        del results[len(items) :]
         stamps: dict[int, Stamp | None] = {}  # by size: one stamp per size, not per object
         out: list[Reread | Exception] = []
         append = out.append
@@ -641,7 +646,7 @@ class Packs:
             stamp = stamps.get(size, _NO_STAMP)
             if stamp is _NO_STAMP:
                 stamp = stamps[size] = stamp_of(index, after, size) if unchanged else None
-            append(Reread(got[0], size, None, stamp, started))
+            append(Reread(got[0], size, None, stamp, started, whole))
         return out
 
     def present(self, key: bytes, checked: set[str]) -> bool:
@@ -703,6 +708,30 @@ def stamp_of(index: PackIndex, pack: os.stat_result, size: int) -> Stamp:
 _BLAKE3_PREFIX: Final = f"{BLAKE3}:"
 _NO_STAMP: Final = Stamp(-1, -1, -1, -1, -1)  # a memo's miss (None is a stamp's absence)
 SPAN_READ_MAX: Final = 64 << 20  # read the asked objects' span of a pack whole up to this
+WHOLE_FROM: Final = 2  # a pack is re-hashed whole when at least 1/2 of it was asked for
+
+
+def _the_rest(
+    index: PackIndex, items: list[tuple[int, str, str, bytes, Found]]
+) -> list[tuple[int, str, str, bytes, Found]] | None:
+    """The members of the pack not among ``items``, to be re-hashed with them when they are
+    few enough (``items`` at least ``1 / WHOLE_FROM`` of the pack): the pack is then verified
+    as a whole, one row of the verified-object record instead of one per object. None if not
+    worth it, or if ``items`` names an object twice or as placed by another index."""
+    count = index.count
+    if not items or count > WHOLE_FROM * len(items) or len(items) > count:
+        return None
+    asked: set[bytes] = set()
+    for *_, key, found in items:
+        if key in asked or (found[0] is not index and not same_records(found[0], index)):
+            return None
+        asked.add(key)
+    rest: list[tuple[int, str, str, bytes, Found]] = []
+    for record, key in enumerate(index.keys_()):
+        if key not in asked:
+            offset, size = index.location(record)
+            rest.append((-1, digest_of(key), _ALGO_OF[key[32]], key, (index, offset, size)))
+    return rest if len(asked) + len(rest) == count else None
 
 
 def _span(

@@ -10,7 +10,12 @@ tree and blob it reaches is either re-hashed now, or trusted because the verifie
 (``verified``) holds the identity its stored copy had when it last hashed right and the store's
 ``stamp`` now (an ``lstat``, for the local store) gives that identity unchanged (the racy-git
 rule applied to the object store). Objects this checkpoint published (``fresh``) are always
-re-hashed. A re-hash that matches refreshes the record; one that does not, or an object that is
+re-hashed. A packed object is also trusted when its pack was verified whole (every member it
+names re-hashed right between one pair of fstats, ``Reread.whole``) and the pack and its index
+are unchanged since: one row per pack (``VerifiedRecord.packs``), which a read-back that asked
+for at least half of a pack's members records instead of one row per object (a close re-hashed
+the earlier checkpoint's 1,000 blobs and wrote 1,000 random-key rows, slower as the table
+grew). A re-hash that matches refreshes the record; one that does not, or an object that is
 gone, is a ``Problem``, named with every path that uses it.
 
 Two scopes. ``closure`` (the close, and any full scan) walks everything the manifest reaches.
@@ -62,7 +67,13 @@ from settled.workspace.manifest import (
     join,
     read_head,
 )
-from settled.workspace.objectstore import ObjectMissing, ObjectStore, ObjectUnreadable, Reread
+from settled.workspace.objectstore import (
+    ObjectMissing,
+    ObjectStore,
+    ObjectUnreadable,
+    Reread,
+    Stamp,
+)
 from settled.workspace.verified import Verified, VerifiedRecord
 
 CLOSURE: Final = "closure"
@@ -218,6 +229,8 @@ class _Walk:
         self.problems: dict[str, Problem] = {}
         self.done: set[str] = set()  # objects re-hashed (with or without a problem)
         self.identities: list[tuple[str, Verified]] = []
+        # packs re-hashed whole: (volume, copy) -> a member's stamp and when the re-hash began
+        self.whole_packs: dict[tuple[int, int], tuple[Stamp, int]] = {}
         self.trees_rehashed = self.blobs_rehashed = self.trusted = 0
         self.subtrees = self.bytes_read = 0
         self.root: str | None = None
@@ -248,10 +261,13 @@ class _Walk:
                     continue
             self.listings[tree] = listing
             self._enter(listing, path, pending)
-        self._check([t for t in self.trees if t not in self.done], trees=True)
-        self._check([b for b in self.blobs if b not in self.done], trees=False)
+        # trees and blobs in one call: the store reads a pack's members together (and can
+        # verify the pack whole, which the blobs alone, without its trees, never were)
+        trees = [t for t in self.trees if t not in self.done]
+        self._check(trees + [b for b in self.blobs if b not in self.done and b not in self.trees])
         if self.record is not None:
             self.record.record(self.identities)
+            self.record.record_packs(self.whole_packs.values())
             self.record.forget(self.problems)
 
     def _manifest(self, manifest_id: str, root_tree: str | None, version: str | None) -> str | None:
@@ -330,7 +346,7 @@ class _Walk:
             return None
         return forms  # type: ignore[no-any-return]
 
-    def _check(self, digests: list[str], *, trees: bool) -> None:
+    def _check(self, digests: list[str]) -> None:
         """Each object: trusted if the record vouches for it now (one stamp, and its identity
         compared with the record's), else re-hashed. Fresh objects are never looked up."""
         fresh = self.fresh
@@ -338,7 +354,8 @@ class _Walk:
         rehash = [d for d in digests if d in fresh] if fresh else []
         if self.record is not None and candidates:
             known = self.record.known(candidates)
-            vouched = [d for d in candidates if known.get(d) is not None]
+            packs = self.record.packs()  # with any, every candidate is stamped: packed ones
+            vouched = candidates if packs else [d for d in candidates if known.get(d) is not None]
             if len(vouched) < len(candidates):
                 rehash += [d for d in candidates if known.get(d) is None]
             trusted = 0
@@ -351,37 +368,46 @@ class _Walk:
                 if isinstance(stamp, Exception):
                     rehash.append(digest)  # which names the problem
                     continue
-                if stamp == known.get(digest):
+                if stamp == known.get(digest) or (
+                    packs
+                    and packs.get((stamp.volume, stamp.copy))
+                    == (stamp.changed_ns, stamp.modified_ns)
+                ):  # its own row, or its pack's (changed_ns, modified_ns) verified whole
                     trusted += 1
                 else:
                     rehash.append(digest)  # changed since verified: re-hashed, maybe a problem
             self.trusted += trusted
         else:
             rehash += candidates
-        self._rehash_all(rehash, is_tree=trees)
+        self._rehash_all(rehash)
 
-    def _rehash_all(self, digests: list[str], *, is_tree: bool) -> None:
+    def _rehash_all(self, digests: list[str]) -> None:
         """Re-hash each (the store asked for all at once). An object that hashed to its name
-        is noted inline (its identity kept only if it could vouch: ``Verified.could_settle``);
-        anything else goes through ``_rehashed`` and ``_note``, which name its problem. The
-        hot loop of a first checkpoint's read-back: ~1,000 objects of the pack just written."""
-        done, identities = self.done, self.identities
+        is noted inline (its identity kept only if it could vouch: ``Verified.could_settle``;
+        its pack's alone if the pack was verified whole); anything else goes through
+        ``_rehashed`` and ``_note``, which name its problem. The hot loop of a first
+        checkpoint's read-back: ~1,000 objects of the pack just written."""
+        done, identities, trees = self.done, self.identities, self.trees
         count = size = 0
         for digest, got in zip(digests, self.store.rereads(digests), strict=True):
             if type(got) is not Reread or got.actual != digest:
-                self._note(digest, _rehashed(digest, got), is_tree=is_tree)
+                self._note(digest, _rehashed(digest, got), is_tree=digest in trees)
                 continue
             done.add(digest)
-            count += 1
+            if digest in trees:
+                self.trees_rehashed += 1
+            else:
+                count += 1
             size += got.size
             stamp = got.stamp
-            if stamp is not None and Verified.could_settle(stamp, got.started_ns):
+            if stamp is None or not Verified.could_settle(stamp, got.started_ns):
+                continue
+            if got.whole:  # its pack verified whole: one row for all of its members
+                self.whole_packs[(stamp.volume, stamp.copy)] = (stamp, got.started_ns)
+            else:
                 identities.append((digest, Verified.of_stamp(stamp, got.started_ns)))
         self.bytes_read += size
-        if is_tree:
-            self.trees_rehashed += count
-        else:
-            self.blobs_rehashed += count
+        self.blobs_rehashed += count
 
     def _rehash(self, digest: str, *, keep: bool, is_tree: bool) -> Rehash:
         return self._note(digest, rehash(self.store, digest, keep=keep), is_tree=is_tree)

@@ -17,6 +17,14 @@ made in the same timestamp tick, right after the re-hash, could leave the identi
 Such a re-hash is not recorded (it would vouch for nothing); the next read-back re-hashes the
 object and records it, by then safely old.
 
+Packs verified whole (``verified_packs``): ``(dev, ino) -> (ctime_ns, index ctime_ns,
+verified_at_ns)`` of a pack whose every member hashed to its name between two equal fstats of
+it. A packed object's ``Stamp`` is its pack's inode, ctime and device and its index's ctime (and
+its own size), so a stamp equal to such a row in those fields names a member of that very pack,
+unchanged, through that very index (a write to the pack, or an index replaced by the
+quarantine, moves a ctime); the same racy rule applies to both ctimes. One row a pack, not one
+an object.
+
 It is a cache. A lost, unreadable or stale row costs a re-hash, never a wrong answer: a row
 only ever says "this inode, unchanged since then, hashed right". Writes are one transaction per
 read-back, ``synchronous=NORMAL`` like the nodes. The rows looked up are memoized for the life
@@ -55,6 +63,12 @@ _SETTLED_ROWS: Final = (
     f"- (ctime_ns % 1000000000 = 0) * {COARSE_FS_SLACK_NS}"
 )
 
+# Packs verified whole that can vouch (the same rule, on the pack's ctime and its index's).
+_SETTLED_PACKS: Final = (
+    "SELECT dev, ino, changed_ns, modified_ns FROM verified_packs "
+    f"WHERE max(changed_ns, modified_ns) < verified_at_ns - {CLOCK_SLACK_NS} "
+    f"- (changed_ns % 1000000000 = 0) * {COARSE_FS_SLACK_NS}"
+)
 
 Key = tuple[int, int, int, int, int]  # ctime_ns, ino, mtime_ns, size, dev: compared per object
 
@@ -121,6 +135,7 @@ class VerifiedRecord:
         self.path = path
         self._lock = threading.Lock()
         self._memo: dict[str, Key | None] = {}  # None: no row, or one that vouches for nothing
+        self._packs: dict[tuple[int, int], tuple[int, int]] | None = None  # read once, kept
         self._db: sqlite3.Connection | None = None
         self.unusable: str | None = None  # why the record could not be used, if it could not
         try:
@@ -134,6 +149,11 @@ class VerifiedRecord:
                 "CREATE TABLE IF NOT EXISTS verified_objects (digest TEXT PRIMARY KEY, "
                 "dev INTEGER, ino INTEGER, size INTEGER, mtime_ns INTEGER, ctime_ns INTEGER, "
                 "verified_at_ns INTEGER) WITHOUT ROWID"
+            )
+            db.execute(
+                "CREATE TABLE IF NOT EXISTS verified_packs (dev INTEGER, ino INTEGER, "
+                "changed_ns INTEGER, modified_ns INTEGER, verified_at_ns INTEGER, "
+                "PRIMARY KEY (dev, ino)) WITHOUT ROWID"
             )
             self._db = db
         except Exception as error:  # a cache: without it every object is re-hashed
@@ -159,6 +179,49 @@ class VerifiedRecord:
             for digest in wanted:
                 memo[digest] = found.get(digest)
             return memo
+
+    def packs(self) -> Mapping[tuple[int, int], tuple[int, int]]:
+        """The containers verified whole that can vouch (``settled``): ``(volume, copy)`` of
+        a stamp -> its ``(changed_ns, modified_ns)`` then. A packed object's stamp equal to one
+        of them but for the size is a member of a pack whose every member hashed right, and
+        that pack and its index are unchanged since (``record_packs``). One row per pack, read
+        whole once: a home has few packs (one or two a checkpoint)."""
+        with self._lock:
+            if self._packs is None:
+                self._packs = {}
+                if self._db is not None:
+                    try:
+                        rows = self._db.execute(_SETTLED_PACKS).fetchall()
+                    except sqlite3.Error as error:
+                        self.unusable = f"cannot read the verified-object record: {error}"
+                        rows = []
+                    self._packs = {(dev, ino): (c, m) for dev, ino, c, m in rows}
+            return self._packs
+
+    def record_packs(self, stamps: Iterable[tuple[Stamp, int]]) -> None:
+        """Record each pack verified whole: the stamp of one of its members (size aside) and
+        when the re-hash began; only those that can vouch (``settled``), in one transaction."""
+        rows = []
+        for stamp, verified_at_ns in stamps:
+            row = Verified.of_stamp(stamp, verified_at_ns)
+            if row.settled:
+                rows.append((row.dev, row.ino, row.ctime_ns, row.mtime_ns, verified_at_ns))
+        if not rows:
+            return
+        with self._lock:
+            if self._packs is not None:
+                for dev, ino, changed, modified, _ in rows:
+                    self._packs[(dev, ino)] = (changed, modified)
+            if self._db is None:
+                return
+            try:
+                self._db.executemany(  # one statement: one implicit transaction
+                    "INSERT OR REPLACE INTO verified_packs (dev, ino, changed_ns, "
+                    "modified_ns, verified_at_ns) VALUES (?, ?, ?, ?, ?)",
+                    rows,
+                )
+            except sqlite3.Error as error:
+                self.unusable = f"cannot write the verified-object record: {error}"
 
     def _read(self, wanted: list[str]) -> dict[str, Key]:
         """The rows that vouch, of ``wanted``: looked up by key, or, when they are most of the
