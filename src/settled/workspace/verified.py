@@ -215,11 +215,17 @@ class VerifiedRecord:
             if self._db is None:
                 return
             try:
-                self._db.executemany(  # one statement: one implicit transaction
-                    "INSERT OR REPLACE INTO verified_packs (dev, ino, changed_ns, "
-                    "modified_ns, verified_at_ns) VALUES (?, ?, ?, ?, ?)",
-                    rows,
-                )
+                self._db.execute("BEGIN IMMEDIATE")
+                try:
+                    self._db.executemany(
+                        "INSERT OR REPLACE INTO verified_packs (dev, ino, changed_ns, "
+                        "modified_ns, verified_at_ns) VALUES (?, ?, ?, ?, ?)",
+                        rows,
+                    )
+                except BaseException:
+                    self._db.execute("ROLLBACK")
+                    raise
+                self._db.execute("COMMIT")
             except sqlite3.Error as error:
                 self.unusable = f"cannot write the verified-object record: {error}"
 
