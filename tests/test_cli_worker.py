@@ -20,6 +20,7 @@ from test_home_launcher import _gone_within, _zygote_pid
 from test_launcher import _alive
 
 from settled.cli import thin
+from settled.owner import home_launcher
 
 cli = test_cli.cli  # the fixtures, shared
 task = test_cli.task
@@ -198,3 +199,62 @@ def test_a_worker_killed_by_a_signal_ends_its_caller_by_the_same_signal(
     assert crashed.returncode == -signal.SIGKILL, crashed.stderr  # told by the zygote
     assert b"settled: crash at fault point close.after_sealed" in crashed.stderr
     assert cli.json("close", task["task"])["outcome"]["complete"] is True
+
+
+def test_ctrl_z_stops_the_worker_with_its_caller_and_sigcont_resumes_both(
+    cli: CLI, task: dict[str, Any]
+) -> None:
+    zygote = _warm(cli, task["task"])
+    caller = subprocess.Popen(
+        [*SETTLED, "run", "--task", task["task"], "--", "sh", "-c", "echo up; sleep 30"],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=cli.env,
+    )  # fmt: skip
+    try:
+        assert caller.stdout is not None and caller.stdout.readline() == b"up\n"
+        worker = _worker_of(zygote)
+        caller.send_signal(signal.SIGTSTP)
+        assert _state_becomes(caller.pid, "T") and _state_becomes(worker, "T")
+        caller.send_signal(signal.SIGCONT)
+        assert _state_becomes(caller.pid, "S") and _state_becomes(worker, "S")
+        caller.send_signal(signal.SIGINT)  # detach; the session runs on
+        assert caller.wait(timeout=30) == 130
+    finally:
+        caller.kill()
+        caller.wait()
+    sessions = cli.json("status", task["task"])["sessions"]
+    for session in sessions:
+        if session["state"] == "running":
+            assert cli.run("cancel", session["session"]).returncode == 0
+
+
+def _state_becomes(pid: int, state: str, timeout: float = 10.0) -> bool:
+    give_up = time.monotonic() + timeout
+    while time.monotonic() < give_up:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        if stat.rsplit(")", 1)[1].split()[0] == state:
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def test_a_stopped_zygote_frees_the_home_at_once_and_its_running_calls_end_as_they_would(
+    cli: CLI, task: dict[str, Any]
+) -> None:
+    zygote = _warm(cli, task["task"])
+    admitted = cli.json("exec", "--task", task["task"], "--", "sleep 1; echo done")
+    waiting = subprocess.Popen([*SETTLED, "wait", admitted["session"]], env=cli.env,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+    try:
+        _worker_of(zygote)
+        assert home_launcher.stop(str(cli.home / "run"))  # returns once the lock is free
+        again = cli.run("run", "--task", task["task"], "--", "echo next")  # a new zygote
+        assert again.returncode == 0 and again.stdout == b"next\n", again.stderr
+        assert _zygote_pid(cli.home / "run") != zygote
+        out, err = waiting.communicate(timeout=30)
+    finally:
+        waiting.kill()
+        waiting.wait()
+    assert waiting.returncode == 0, err  # the old zygote's worker finished its wait
+    assert out.startswith(b"process receipt " + admitted["session"].encode()), out
+    assert b"exit code 0 (exited)" in out
+    assert _gone_within(zygote, 10)  # and the old zygote left after it

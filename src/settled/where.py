@@ -4,12 +4,13 @@ install of settled is running.
 Why a module of its own: the CLI's thin client (`cli/thin.py`) needs both before it decides
 whether a warm process of the home can answer for it, and must not pay for `home.py`'s
 imports (contextlib, errors, records) on a call that a warm process then answers. Must never
-import anything but the standard library's `os`, nor touch the home.
+import anything but the standard library's `os` and `sys`, nor touch the home.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 
 ROOT_HOME = "/var/lib/settled"  # root's home, as a system service keeps its state
 
@@ -37,8 +38,9 @@ _IDENTITY: list[str] = []  # this process's, once known: the code it loaded does
 
 
 def install_identity() -> str:
-    """What a warm process must share with its caller to act for it: this settled's version,
-    where it is installed, and the newest change to any of its modules (a reinstall in place,
+    """What a warm process must share with its caller to act for it: the interpreter, this
+    settled's version, where it is installed, and the newest change to any of its modules
+    (a reinstall in place,
     or an edit of an editable install, changes it: ~0.5 ms for ~150 files). Computed once per
     process, near its start: a process's code is what it loaded, whatever the files say later,
     and a zygote's workers are its code (they skip the walk)."""
@@ -46,7 +48,8 @@ def install_identity() -> str:
         import settled
 
         package = os.path.dirname(os.path.abspath(settled.__file__))
-        _IDENTITY.append(f"{settled.__version__} {package} {newest_change(package)}")
+        found = f"{settled.__version__} {package} {newest_change(package)} {sys.executable}"
+        _IDENTITY.append(found)
     return _IDENTITY[0]
 
 

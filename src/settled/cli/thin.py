@@ -41,7 +41,7 @@ SERVED = frozenset({
 GLOBAL_VALUED = ("--home", "--store", "--objects")
 GLOBAL_FLAGS = ("--json", "-q", "--quiet", "--debug")
 FACE_MAGIC = b"settled-face/1\0"  # owner/home_launcher.py's: the same bytes
-FORWARDED = (_signal.SIGINT, _signal.SIGTERM, _signal.SIGHUP, _signal.SIGQUIT)
+FORWARDED = (_signal.SIGINT, _signal.SIGTERM, _signal.SIGHUP, _signal.SIGQUIT, _signal.SIGCONT)
 ANSWER_TIMEOUT_S = 10.0  # the zygote forks and the worker names itself within this
 EXIT_FAILURE = 1  # errors.EXIT_FAILURE, not imported: that module costs what this one saves
 MAX_REQUEST = 200_000  # under a SOCK_SEQPACKET send buffer's default (net.core.wmem_default)
@@ -172,8 +172,14 @@ def _relay(sock: _socket.socket, worker: int, home: str) -> int:
         except ProcessLookupError:
             pass
 
+    def suspend(signum: int, _frame: object) -> None:
+        """Ctrl-Z: the worker stops first, then this process (SIGCONT, forwarded, resumes both)."""
+        forward(_signal.SIGSTOP, _frame)
+        os.kill(os.getpid(), _signal.SIGSTOP)
+
     for signum in FORWARDED:
         _signal.signal(signum, forward)
+    _signal.signal(_signal.SIGTSTP, suspend)
     sock.settimeout(None)
     answer = sock.recv(64)
     word, _, number = answer.partition(b" ")

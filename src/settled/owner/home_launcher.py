@@ -28,6 +28,7 @@ import contextlib
 import fcntl
 import json
 import os
+import select
 import struct
 import threading
 import time
@@ -114,38 +115,37 @@ def serve_home(run: str, idle_s: float, ready_fd: int, face: Face | None = None)
     listener.listen(64)
     os.chdir("/")
     _report(ready_fd, {"state": "ready", "pid": os.getpid()})
+    poller = select.poll()
+    workers = FaceWorkers(poller)
     try:
-        _serve(listener, mine, idle_s, face)
+        _serve(listener, poller, workers, mine, idle_s, face)
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)  # before the lock goes: a caller then starts a new one
         listener.close()
         reap_stubs(all_of_them=True)
-        os.close(lock)
+        os.close(lock)  # the home is another zygote's to serve from here
+        workers.finish()  # the calls still running end as they would have; each caller told
     return 0
 
 
-def _serve(listener: socket.socket, mine: str, idle_s: float, face: Face | None) -> None:
-    import select
-
-    poller = select.poll()
+def _serve(
+    listener: socket.socket, poller: select.poll, workers: FaceWorkers, mine: str,
+    idle_s: float, face: Face | None,
+) -> None:  # fmt: skip
     poller.register(listener, select.POLLIN)
-    workers = FaceWorkers(poller)
-    try:
-        while True:
-            events = poller.poll(idle_s * 1000.0)
-            if not events and not workers:
-                return  # idle: nobody asked for anything for a while, and nothing runs
-            for fd, _ in events:
-                if workers.owns(fd):
-                    workers.ended(fd)
-            if any(fd == listener.fileno() for fd, _ in events):
-                conn, _ = listener.accept()
-                with conn:
-                    if not _answer(conn, listener, mine, face, workers):
-                        return  # asked to, or another settled asks: a new zygote serves it
-    finally:
-        workers.finish()
+    while True:
+        events = poller.poll(idle_s * 1000.0)
+        if not events and not workers:
+            return  # idle: nobody asked for anything for a while, and nothing runs
+        for fd, _ in events:
+            if workers.owns(fd):
+                workers.ended(fd)
+        if any(fd == listener.fileno() for fd, _ in events):
+            conn, _ = listener.accept()
+            with conn:
+                if not _answer(conn, listener, mine, face, workers):
+                    return  # asked to, or another settled asks: a new zygote serves it
 
 
 def _answer(
