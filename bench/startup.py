@@ -22,8 +22,8 @@ from common import distribution, fmt, header, log, machine, md_table, scratch, s
 FULL = {"rounds": 40}
 QUICK = {"rounds": 8}
 TARGETS = {"version": 3.0, "status": 3.0, "ls": None, "run": 5.0}  # x `python -c pass`
-# The standard library `status` cannot do without: json (which brings re, as the console script
-# itself does) and sqlite3 (which brings datetime). What no lazy import removes.
+# The standard library `status` cannot do without in this process: json (which brings re) and
+# sqlite3 (which brings datetime). What no lazy import removes.
 STDLIB_FLOOR = "import json, sqlite3"
 CASES_IN_ORDER = (
     "python -c pass", "stdlib floor", "version", "status", "ls", "run",
@@ -33,7 +33,8 @@ SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 
 
 
 def _settled_argv() -> list[str]:
-    """The console script next to this interpreter (what a user types), else `-m settled`."""
+    """The installed `settled` script next to this interpreter (what a user types), else
+    `-m settled`."""
     script = os.path.join(os.path.dirname(sys.executable), "settled")
     return [script] if os.path.exists(script) else [sys.executable, "-m", "settled"]
 
@@ -151,16 +152,16 @@ def _markdown(data: dict[str, Any]) -> str:
     return "\n\n".join([
         header("startup", data),
         f"Source `{data['source']}`; {data['params']['rounds']} interleaved rounds; "
-        "each case is a whole process (`settled` is the console script). The ratio is the "
-        "p50 over the p50 of `python -c pass` of the same interpreter. `stdlib floor` is "
-        f"`python -c '{STDLIB_FLOOR}'`: the standard library `status` needs, which no lazy "
-        "import removes. `status`, `ls` and `run` are what a user gets once the home's warm "
-        "process runs (the first `run` or `exec` of a home starts it; it leaves after 60 s "
-        "without a call): the verb runs in a worker it forks, and the process measured is the "
-        "thin client (cli/thin.py). `..., in this process` is the same call run where it is "
-        "typed (SETTLED_CLI=local; what a call gets when no warm process runs), its owner still "
-        "forked by the warm process; `run, fresh owner` also starts a new interpreter per "
-        "owner (SETTLED_LAUNCHER=fresh).",
+        "each case is a whole process (`settled` is the installed script, bin/settled). The "
+        "ratio is the p50 over the p50 of `python -c pass` of the same interpreter. "
+        f"`stdlib floor` is `python -c '{STDLIB_FLOOR}'`: the standard library `status` "
+        "needs in its own process, which no lazy import removes. `status`, `ls` and `run` are "
+        "what a user gets once the home's warm process runs (the first `run` or `exec` of a "
+        "home starts it; it leaves after 60 s without a call): the verb runs in a worker it "
+        "forks, and the process measured is the thin client (cli/thin.py). `..., in this "
+        "process` is the same call run where it is typed (SETTLED_CLI=local; what a call gets "
+        "when no warm process runs), its owner still forked by the warm process; `run, fresh "
+        "owner` also starts a new interpreter per owner (SETTLED_LAUNCHER=fresh).",
         md_table(["case", "p50 ms", "p90 ms", "min ms", "x pass", "target", ""], rows),
         imports,
         run_imports,

@@ -48,7 +48,10 @@ def install_identity() -> str:
         import settled
 
         package = os.path.dirname(os.path.abspath(settled.__file__))
-        found = f"{settled.__version__} {package} {newest_change(package)} {sys.executable}"
+        # The environment, however invoked (python or python3 of one venv; sys.prefix is not
+        # the venv's in a zygote started with -I -S):
+        interpreter = f"{os.path.dirname(os.path.abspath(sys.executable))} {sys.hexversion:x}"
+        found = f"{settled.__version__} {package} {newest_change(package)} {interpreter}"
         _IDENTITY.append(found)
     return _IDENTITY[0]
 
