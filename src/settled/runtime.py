@@ -167,6 +167,21 @@ def _check_launcher_kind(kind: str | None) -> str:
     return kind
 
 
+def load_for_calls() -> None:
+    """Import now what the Runtime imports on first use for the CLI's verbs (recovery, the
+    journal's lifecycle, log watching, the environment, task placement and ignore rules, the
+    close join and the checkpoint): the home's zygote calls this before it forks one worker per
+    call (cli/worker.py), so no worker imports them again."""
+    import settled.close.join
+    import settled.environment  # with pwd
+    import settled.log.watch
+    import settled.recovery
+    import settled.workspace.checkpoint
+    import settled.workspace.ignore
+    import settled.workspace.journal.lifecycle
+    import settled.workspace.placement  # noqa: F401 - the last of them
+
+
 def open_launcher(kind: str | None = None) -> Launcher:
     """A launcher of `kind` that many Runtimes of one process may share; its opener closes
     it. "fresh": a new interpreter per owner; "warm": this process's own zygote; "home": the

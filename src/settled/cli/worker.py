@@ -25,12 +25,14 @@ from settled import faults
 from settled.cli import run_here
 from settled.cli import verbs as _verbs
 from settled.cli.reads import parse_quick as _parse_quick  # noqa: F401 - likewise
-from settled.runtime import Runtime as _Runtime  # noqa: F401 - likewise
+from settled.relay import Relay as _Relay  # noqa: F401 - likewise
+from settled.runtime import load_for_calls
 
 KIND = b"cli"
 # The verbs argparse parses (status, ps and ls have their own quick parser), built once here.
 PREBUILT = ("run", "exec", "wait", "logs", "attach", "task", "cancel", "close", "checkpoint")
 _verbs.prebuild(PREBUILT)
+load_for_calls()
 
 
 def serve(body: bytes, fds: list[int], conn: int) -> int:
