@@ -258,3 +258,43 @@ def test_a_stopped_zygote_frees_the_home_at_once_and_its_running_calls_end_as_th
     assert out.startswith(b"process receipt " + admitted["session"].encode()), out
     assert b"exit code 0 (exited)" in out
     assert _gone_within(zygote, 10)  # and the old zygote left after it
+
+
+def test_past_its_capacity_the_zygote_leaves_a_call_to_its_caller(
+    cli: CLI, task: dict[str, Any]
+) -> None:
+    import resource
+
+    def few_descriptors() -> None:  # the zygote inherits it: room for 3 workers (24 // 8)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (24, 24))
+
+    first = subprocess.run(
+        [*SETTLED, "run", "--task", task["task"], "--", "true"], capture_output=True,
+        timeout=60, env=cli.env, preexec_fn=few_descriptors,
+    )  # fmt: skip
+    assert first.returncode == 0, first.stderr
+    zygote = _zygote_pid(cli.home / "run")
+    admitted = cli.json("exec", "--task", task["task"], "--", "sleep 30")
+    waits = [
+        subprocess.Popen([*SETTLED, "wait", admitted["session"]], env=cli.env,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        for _ in range(3)
+    ]  # fmt: skip
+    try:
+        give_up = time.monotonic() + 20
+        while len(_live_children(zygote)) < 3 and time.monotonic() < give_up:
+            time.sleep(0.02)
+        assert len(_live_children(zygote)) == 3
+        done, imported = _imports_of(cli, "status", task["task"], "--json")
+        assert done.returncode == 0, done.stderr
+        assert "settled.runtime" in imported  # no room: it ran in its own process
+    finally:
+        for waiting in waits:
+            waiting.kill()
+            waiting.wait()
+    assert cli.run("cancel", admitted["session"]).returncode == 0
+
+
+def _live_children(pid: int) -> list[int]:
+    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    return [int(c) for c in children if " Z " not in Path(f"/proc/{c}/stat").read_text()]

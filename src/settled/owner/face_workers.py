@@ -24,15 +24,29 @@ if TYPE_CHECKING:
     from collections.abc import Callable
 
 
+def _capacity() -> int:
+    """Each live worker holds two of the zygote's descriptors (its pidfd and the caller's
+    connection): at most a quarter of RLIMIT_NOFILE of them, and never more than 256 calls."""
+    import resource
+
+    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return max(1, min(256, soft // 8))
+
+
 class FaceWorkers:
     """The live workers: pidfd -> the caller's connection. Polled with the listener."""
 
     def __init__(self, poller: select.poll) -> None:
         self._poller = poller
         self._live: dict[int, socket.socket] = {}
+        self.capacity = _capacity()
 
     def __bool__(self) -> bool:
         return bool(self._live)
+
+    def full(self) -> bool:
+        """No room for another: its caller runs its call itself, as with no zygote."""
+        return len(self._live) >= self.capacity
 
     def held(self) -> tuple[socket.socket, ...]:
         """What every child the zygote forks must close: the callers' connections it keeps."""

@@ -191,7 +191,7 @@ def _serve_face(
     body, answer = parts[-1], None
     if len(parts) != 3 or parts[1].decode(errors="replace") != mine:
         answer = b"stop\n"
-    elif face is None or len(fds) != FACE_FDS:
+    elif face is None or len(fds) != FACE_FDS or workers.full():
         answer = b"noface\n"  # the caller serves itself
     if face is None or answer is not None:
         _close_all(fds)
