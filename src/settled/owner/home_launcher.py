@@ -33,6 +33,7 @@ import struct
 import threading
 import time
 
+from settled.errors import OwnerLaunchFailed
 from settled.home import run_dir
 from settled.isolated import NoReport, python_command, read_report, start_helper
 from settled.owner.face_workers import FaceWorkers
@@ -66,8 +67,10 @@ START_TIMEOUT_S = 30.0
 REPLY_TIMEOUT_S = 10.0
 
 
-class LauncherUnavailable(RuntimeError):
-    """No home zygote could be reached or started; the caller may launch a fresh owner."""
+class LauncherUnavailable(OwnerLaunchFailed):
+    """No home zygote could be reached or started: a session admitted for it has no owner,
+    and recovery decides its fate, as for any owner that did not report (a typed error, exit
+    1, not an internal one)."""
 
 
 # -- the zygote process -------------------------------------------------------------------------
