@@ -560,6 +560,25 @@ def test_a_launch_recorded_without_the_flush_is_read_like_any_other(store: Store
     store.record_launch(record.session, record.generation, "pidns", "ref", 42, 7)  # FULL again
 
 
+def test_live_owners_are_the_live_sessions_with_their_owner_state_and_generation(
+    store: Store,
+) -> None:
+    """Recovery's look reads `live_owners`: the same sessions as `live_sessions`, in its order,
+    each with the fields that look decides on, for every live and final state of two tasks."""
+    task, other = new_task(store), new_task(store)
+    for state in (ADMITTED, RUNNING, SETTLING, SETTLED, UNKNOWN):
+        drive(store, task, state)
+        drive(store, other, state)
+    for scope in (task, other, None):
+        full = store.live_sessions(scope)
+        light = store.live_owners(scope)
+        assert [
+            (r.session, r.task, r.state, r.generation, r.owner, r.created_at) for r in full
+        ] == [(r.session, r.task, r.state, r.generation, r.owner, r.created_at) for r in light]
+        assert all(r.live for r in light)
+    assert {r.state for r in store.live_owners(task)} == {ADMITTED, RUNNING, SETTLING}
+
+
 def test_claim_of_an_unknown_session_raises_unknown_session(store: Store) -> None:
     with pytest.raises(UnknownSession):
         store.claim("s_nope", 1, OWNER)

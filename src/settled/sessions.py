@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 
 from settled.errors import NotSettled
-from settled.records import OwnerFacts, OwnerInfo, SessionRecord
+from settled.records import LiveSession, OwnerFacts, OwnerInfo, SessionRecord
 from settled.states import SETTLED, UNKNOWN
 from settled.status import session_status
 from settled.store import Store
@@ -82,7 +82,9 @@ class SessionWatch:
     def owner_facts(self, record: SessionRecord) -> OwnerFacts | None:
         return None if record.owner is None else self.liveness.facts(record.owner)
 
-    def owners_facts(self, records: Sequence[SessionRecord]) -> list[OwnerFacts | None]:
+    def owners_facts(
+        self, records: Sequence[SessionRecord | LiveSession]
+    ) -> list[OwnerFacts | None]:
         """`owner_facts` of each record, from one look at all their owners."""
         owners = [record.owner for record in records if record.owner is not None]
         looked = iter(self.liveness.facts_many(owners))
