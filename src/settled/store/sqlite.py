@@ -3,11 +3,18 @@
 WAL journal, `synchronous=FULL` (a receipt that was acknowledged survives power loss), and every
 write in `BEGIN IMMEDIATE`: a writer takes the write lock before it reads, so concurrent owners
 queue on the busy timeout instead of failing with `database is locked` on a stale snapshot.
+Writers of one process (a server's or a harness's threads, an owner's loop and lease keeper)
+first take turns on an in-process lock per database (`_Turns`), so that one of them at a time
+waits in SQLite's busy handler, which sleeps 1 ms growing to 100 ms a try: with 48 threads each
+sleeping there, the write lock sat idle while its waiters slept. A thread waits for its turn at
+most as long as the busy timeout, then goes to SQLite's lock as before: the turn decides
+nothing, and no other process (a stopped one included) can hold it.
 Never touches processes, logs or the workspace.
 """
 
 from __future__ import annotations
 
+import _thread
 import contextlib
 import json
 import os
@@ -179,12 +186,36 @@ def _launch_sets(
     return sets
 
 
+class _Turns:
+    """One lock per database file for the writers of this process (the module's docstring).
+    A forked child starts with none held: the thread that held one in the parent is not in it."""
+
+    def __init__(self) -> None:
+        self.after_fork()
+
+    def of(self, path: str) -> _thread.LockType:
+        with self._lock:
+            turn = self._turns.get(path)
+            if turn is None:
+                turn = self._turns[path] = _thread.allocate_lock()
+            return turn
+
+    def after_fork(self) -> None:
+        self._lock = _thread.allocate_lock()
+        self._turns: dict[str, _thread.LockType] = {}
+
+
+_TURNS = _Turns()
+os.register_at_fork(after_in_child=_TURNS.after_fork)
+
+
 class SQLiteStore:
     """One connection per instance; one instance per process (owners open their own)."""
 
     def __init__(self, path: str, home: str | None = None) -> None:
         self.path = path
         self.home = home or os.path.dirname(path)
+        self._turn_key = os.path.realpath(path)  # one turn for every name of the file
         check_store_present(self.home)  # never a fresh store beside another one's logs
         os.makedirs(os.path.dirname(os.path.abspath(path)), mode=0o700, exist_ok=True)
         try:
@@ -217,7 +248,19 @@ class SQLiteStore:
     def _write(self) -> Iterator[sqlite3.Connection]:
         """One write transaction. A full or failing disk ("database or disk is full", an I/O
         error) is the typed SpaceExhausted / StorageFailed naming the store, never a bare
-        sqlite3 error; the transaction is rolled back if SQLite did not already."""
+        sqlite3 error; the transaction is rolled back if SQLite did not already. Begun in
+        this process's turn for the database (`_Turns`), given up after the busy timeout."""
+        turn = _TURNS.of(self._turn_key)
+        held = turn.acquire(True, BUSY_TIMEOUT_S)
+        try:
+            with self._transaction() as db:
+                yield db
+        finally:
+            if held:
+                turn.release()
+
+    @contextmanager
+    def _transaction(self) -> Iterator[sqlite3.Connection]:
         try:
             self._db.execute("BEGIN IMMEDIATE")
             try:
