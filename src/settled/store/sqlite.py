@@ -3,12 +3,14 @@
 WAL journal, `synchronous=FULL` (a receipt that was acknowledged survives power loss), and every
 write in `BEGIN IMMEDIATE`: a writer takes the write lock before it reads, so concurrent owners
 queue on the busy timeout instead of failing with `database is locked` on a stale snapshot.
-Writers of one process (a server's or a harness's threads, an owner's loop and lease keeper)
-first take turns on an in-process lock per database (`_Turns`), so that one of them at a time
-waits in SQLite's busy handler, which sleeps 1 ms growing to 100 ms a try: with 48 threads each
-sleeping there, the write lock sat idle while its waiters slept. A thread waits for its turn at
-most as long as the busy timeout, then goes to SQLite's lock as before: the turn decides
-nothing, and no other process (a stopped one included) can hold it.
+Writers queue in two places before it, both only to be woken when it is their turn, never to
+decide: the threads of one process on an in-process lock per database (`_Turns`), then the
+processes of the home on its write gate (`store/gate.py`, a flock the kernel hands over at
+release). SQLite's busy handler only sleeps and tries again (1 ms growing to 100 ms a try): with
+48 threads of a caller and 200 owners each sleeping there, the write lock sat idle while its
+waiters slept. Each wait is bounded (by the busy timeout, together), after which the writer goes
+to SQLite's lock as before; a process cannot hold another's turn, the kernel drops the gate of a
+holder that dies, and SQLite's lock still guards every transaction.
 Never touches processes, logs or the workspace.
 """
 
@@ -57,6 +59,7 @@ from settled.states import (
     next_task_state,
     states_accepting,
 )
+from settled.store import gate
 from settled.store.rows import (
     HOST_COLUMNS,
     LIVE_COLUMNS,
@@ -218,6 +221,7 @@ class SQLiteStore:
         self._turn_key = os.path.realpath(path)  # one turn for every name of the file
         check_store_present(self.home)  # never a fresh store beside another one's logs
         os.makedirs(os.path.dirname(os.path.abspath(path)), mode=0o700, exist_ok=True)
+        gate.make(path)
         try:
             self._db = sqlite3.connect(
                 private_file(path), timeout=BUSY_TIMEOUT_S, isolation_level=None
@@ -249,11 +253,14 @@ class SQLiteStore:
         """One write transaction. A full or failing disk ("database or disk is full", an I/O
         error) is the typed SpaceExhausted / StorageFailed naming the store, never a bare
         sqlite3 error; the transaction is rolled back if SQLite did not already. Begun in
-        this process's turn for the database (`_Turns`), given up after the busy timeout."""
+        this process's turn for the database (`_Turns`) and behind the home's write gate
+        (`store/gate.py`); waiting for both is given up after the busy timeout."""
+        give_up = time.monotonic() + BUSY_TIMEOUT_S
         turn = _TURNS.of(self._turn_key)
         held = turn.acquire(True, BUSY_TIMEOUT_S)
         try:
-            with self._transaction() as db:
+            left = max(0.0, give_up - time.monotonic())
+            with gate.held(self.path, left), self._transaction() as db:
                 yield db
         finally:
             if held:
