@@ -128,3 +128,38 @@ def test_a_child_forked_while_the_gate_is_held_does_not_keep_it(tmp_path: Any) -
         for fd in (*started, *go):
             os.close(fd)
         store.close()
+
+
+def test_a_holder_stopped_inside_its_transaction_fails_a_writer_within_one_bound(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Stopped while it holds the gate and SQLite's lock: another writer waits out the gate,
+    then SQLite only for what is left of the same busy timeout, and fails as it did before the
+    gate (database is locked), never waiting for the holder for good. Nothing is written."""
+    import sqlite3
+
+    from settled.store import sqlite as module
+
+    store = _store(tmp_path)
+    task, _ = store.create_task("k", "/w")
+    read, write = os.pipe()
+    child = os.fork()
+    if child == 0:  # pragma: no cover - stopped, then killed by the test
+        holder = SQLiteStore(store.path)
+        with holder._write() as db:
+            db.execute("UPDATE tasks SET frozen='held' WHERE task=?", (task.task,))
+            os.write(write, b"in")
+            os.kill(os.getpid(), signal.SIGSTOP)
+        os._exit(0)
+    try:
+        assert os.read(read, 2) == b"in"
+        monkeypatch.setattr(module, "BUSY_TIMEOUT_S", 0.5)
+        with pytest.raises(sqlite3.OperationalError, match="locked"):
+            store.create_task("k2", "/w2")
+    finally:
+        _end(child)
+        os.close(read)
+        os.close(write)
+    assert store.get_task(task.task).frozen is None  # the holder's write died with it
+    store.create_task("k2", "/w2")  # and the gate with it
+    store.close()

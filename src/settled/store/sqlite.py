@@ -254,17 +254,35 @@ class SQLiteStore:
         error) is the typed SpaceExhausted / StorageFailed naming the store, never a bare
         sqlite3 error; the transaction is rolled back if SQLite did not already. Begun in
         this process's turn for the database (`_Turns`) and behind the home's write gate
-        (`store/gate.py`); waiting for both is given up after the busy timeout."""
+        (`store/gate.py`). The busy timeout bounds the whole wait, as it did SQLite's alone:
+        a writer without the gate waits on SQLite's lock only for what is left of it."""
         give_up = time.monotonic() + BUSY_TIMEOUT_S
         turn = _TURNS.of(self._turn_key)
         held = turn.acquire(True, BUSY_TIMEOUT_S)
         try:
             left = max(0.0, give_up - time.monotonic())
-            with gate.held(self.path, left), self._transaction() as db:
+            with (
+                gate.held(self.path, left) as gated,
+                self._busy_until(None if gated else give_up),
+                self._transaction() as db,
+            ):
                 yield db
         finally:
             if held:
                 turn.release()
+
+    @contextmanager
+    def _busy_until(self, give_up: float | None) -> Iterator[None]:
+        """SQLite's busy timeout cut to what is left before `give_up` (None: left as it is)."""
+        if give_up is None:
+            yield
+            return
+        left_ms = int(max(0.0, give_up - time.monotonic()) * 1000)
+        self._db.execute(f"PRAGMA busy_timeout={left_ms}")
+        try:
+            yield
+        finally:
+            self._db.execute(f"PRAGMA busy_timeout={int(BUSY_TIMEOUT_S * 1000)}")
 
     @contextmanager
     def _transaction(self) -> Iterator[sqlite3.Connection]:
