@@ -8,6 +8,8 @@ import signal
 import subprocess
 import time
 
+import pytest
+
 from settled.boundary import procfs
 from settled.owner.liveness import HELD, HostedOwners, LocalOwners
 from settled.records import OwnerInfo
@@ -105,3 +107,26 @@ def test_a_forked_child_holds_no_owner_pidfd() -> None:
     finally:
         process.kill()
         process.wait()
+
+
+def test_past_its_share_of_descriptors_an_owner_is_looked_at_in_proc_and_not_held(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Pidfds only save reads of /proc: past the process's share of descriptors none is kept,
+    and every owner is answered all the same."""
+    from settled.owner import liveness
+
+    processes = [_sleeper() for _ in range(3)]
+    try:
+        monkeypatch.setattr(liveness, "HELD", liveness._HeldOwners())
+        monkeypatch.setattr(liveness, "_held_limit", lambda: 1)
+        owners = [_owner_of(p.pid) for p in processes]
+        assert _same(owners, LocalOwners()) == [True, True, True]
+        assert len(liveness.HELD._fds) == 1
+        processes[2].kill()
+        processes[2].wait()
+        assert _same(owners, LocalOwners()) == [True, True, False]
+    finally:
+        for process in processes:
+            process.kill()
+            process.wait()

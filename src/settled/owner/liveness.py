@@ -24,6 +24,16 @@ if TYPE_CHECKING:
     from collections.abc import Sequence
 
 HELD_LIMIT = 4096  # pidfds one process keeps for owners seen alive; past it, /proc each time
+HELD_SHARE = 4  # and never more than this share of the process's descriptors (RLIMIT_NOFILE)
+
+
+def _held_limit() -> int:
+    """A quarter of the descriptors this process may open, at most HELD_LIMIT: a server near
+    its limit must not lose its sockets to pidfds, which only save reads of /proc."""
+    import resource
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return HELD_LIMIT if soft == resource.RLIM_INFINITY else min(HELD_LIMIT, soft // HELD_SHARE)
 
 
 class _HeldOwners:
@@ -42,13 +52,16 @@ class _HeldOwners:
     def __init__(self) -> None:
         self._lock = _thread.allocate_lock()
         self._fds: dict[tuple[int, int], int] = {}
+        self._limit: int | None = None  # read at the first look, not at import
 
     def alive(self, owners: Sequence[OwnerInfo]) -> list[bool]:
         """For each owner (of this boot), whether its process is alive now: not exited and
         not a zombie. An owner that exits during the call may read either way, as with /proc."""
         with self._lock:
+            if self._limit is None:
+                self._limit = _held_limit()
             self._drop_exited()
-            return [self._alive(owner) for owner in owners]
+            return [self._alive(owner, self._limit) for owner in owners]
 
     def _drop_exited(self) -> None:
         import select
@@ -63,7 +76,7 @@ class _HeldOwners:
             del self._fds[named[fd]]
             os.close(fd)
 
-    def _alive(self, owner: OwnerInfo) -> bool:
+    def _alive(self, owner: OwnerInfo, limit: int) -> bool:
         key = (owner.pid, owner.start_time)
         if key in self._fds:
             return True  # held, and not readable at this call's poll
@@ -74,7 +87,7 @@ class _HeldOwners:
         seen = procfs.start_and_state(owner.pid)
         alive = seen is not None and seen[0] == owner.start_time and seen[1] != "Z"
         if fd is not None:
-            if alive and len(self._fds) < HELD_LIMIT:
+            if alive and len(self._fds) < limit:
                 self._fds[key] = fd
             else:
                 os.close(fd)
