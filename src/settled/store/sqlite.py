@@ -541,6 +541,9 @@ class SQLiteStore:
     def admit(
         self, task: str, key: str, digest: str, spec: dict[str, Any]
     ) -> tuple[SessionRecord, bool]:
+        """The spec's canonical text is made before the write lock and the new row read back
+        after its commit: every other writer of the home queues on that lock while it is held."""
+        text = canonical_bytes(spec).decode()
         with self._write() as db:
             trow = db.execute("SELECT state, generation, frozen FROM tasks WHERE task=?", (task,))
             found = trow.fetchone()
@@ -573,16 +576,13 @@ class SQLiteStore:
                     task,
                     key,
                     digest,
-                    canonical_bytes(spec).decode(),
+                    text,
                     ADMITTED,
                     generation,
                     time.time(),
                 ),
             )
-            row = db.execute(
-                f"SELECT {SESSION_COLUMNS} FROM sessions WHERE session=?", (session,)
-            ).fetchone()
-            return session_from_row(row), False
+        return self.get_session(session), False
 
     def get_session(self, session: str) -> SessionRecord:
         row = self._db.execute(
