@@ -76,6 +76,7 @@ VARIANTS = {
     "home": ("home", False),  # the home's zygote, shared by every process (what the CLI uses)
 }
 VARIANTS_ENV = "SETTLED_LOAD_VARIANTS"  # comma-separated names: run only these
+SESSIONS_ENV = "SETTLED_LOAD_SESSIONS"  # another number of keys, for an A/B between quick and full
 WAIT_S = 300.0  # one session, gate open to receipt
 BARRIER_S = 120.0
 CLOSE_DEADLINE_S = 60.0
@@ -911,7 +912,9 @@ def run(quick: bool) -> tuple[dict[str, Any], str]:
 
     lease_s = lease_seconds()
 
-    p = QUICK if quick else FULL
+    p = dict(QUICK if quick else FULL)
+    if sessions := os.environ.get(SESSIONS_ENV):
+        p["sessions"] = int(sessions)
     variants = [name for name, (launcher, share) in VARIANTS.items() if _offered(launcher, share)]
     if only := os.environ.get(VARIANTS_ENV):  # a subset, to profile one of them
         variants = [name for name in variants if name in only.split(",")]

@@ -22,14 +22,19 @@ from common import distribution, fmt, header, log, machine, md_table, scratch, s
 FULL = {"rounds": 40}
 QUICK = {"rounds": 8}
 TARGETS = {"version": 3.0, "status": 3.0, "ls": None, "run": 5.0}  # x `python -c pass`
-# The standard library `status` cannot do without: json (which brings re, as the console script
-# itself does) and sqlite3 (which brings datetime). What no lazy import removes.
+# The standard library `status` cannot do without in this process: json (which brings re) and
+# sqlite3 (which brings datetime). What no lazy import removes.
 STDLIB_FLOOR = "import json, sqlite3"
+CASES_IN_ORDER = (
+    "python -c pass", "stdlib floor", "version", "status", "ls", "run",
+    "status, in this process", "run, in this process", "run, fresh owner",
+)  # fmt: skip
 SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
 
 
 def _settled_argv() -> list[str]:
-    """The console script next to this interpreter (what a user types), else `-m settled`."""
+    """The installed `settled` script next to this interpreter (what a user types), else
+    `-m settled`."""
     script = os.path.join(os.path.dirname(sys.executable), "settled")
     return [script] if os.path.exists(script) else [sys.executable, "-m", "settled"]
 
@@ -93,10 +98,14 @@ def run(quick: bool) -> tuple[dict[str, Any], str]:
             "status": [*settled, "status", task, "--json"],
             "ls": [*settled, "ls", "--json"],
             "run": [*settled, "run", "--task", task, "--", "true"],
+            "status, in this process": [*settled, "status", task, "--json"],
+            "run, in this process": [*settled, "run", "--task", task, "--", "true"],
             "run, fresh owner": [*settled, "run", "--task", task, "--", "true"],
         }
-        envs = {name: env for name in cases}  # `run`: the home's warm launcher, as a user gets
-        envs["run, fresh owner"] = {**env, "SETTLED_LAUNCHER": "fresh"}
+        envs = {name: env for name in cases}  # the home's warm process, as a user gets
+        for name in ("status, in this process", "run, in this process"):
+            envs[name] = {**env, "SETTLED_CLI": "local"}  # as with no zygote running
+        envs["run, fresh owner"] = {**env, "SETTLED_CLI": "local", "SETTLED_LAUNCHER": "fresh"}
         samples: dict[str, list[float]] = {name: [] for name in cases}
         for name, argv in cases.items():  # warm the page cache once (and start the launcher)
             _timed(argv, envs[name])
@@ -105,8 +114,9 @@ def run(quick: bool) -> tuple[dict[str, Any], str]:
                 samples[name].append(_timed(argv, envs[name]))
             if n % 10 == 9:
                 log(f"startup: {n + 1}/{params['rounds']} rounds")
-        data["imports_of_status_ms"] = _import_profile(["status", task, "--json"], env)
-        data["imports_of_run_ms"] = _import_profile(["run", "--task", task, "--", "true"], env)
+        local = {**env, "SETTLED_CLI": "local"}  # what a call imports when it runs its verb
+        data["imports_of_status_ms"] = _import_profile(["status", task, "--json"], local)
+        data["imports_of_run_ms"] = _import_profile(["run", "--task", task, "--", "true"], local)
         with Runtime(home) as rt:
             data["closed"] = rt.close_task(task).complete  # every `run` session settled
         from settled.home import run_dir
@@ -122,8 +132,7 @@ def _markdown(data: dict[str, Any]) -> str:
     results = data["results"]
     base = results["python -c pass"]["p50"]
     rows = []
-    for name in ("python -c pass", "stdlib floor", "version", "status", "ls", "run",
-                 "run, fresh owner"):  # fmt: skip
+    for name in CASES_IN_ORDER:
         d = results[name]
         target = TARGETS.get(name)
         ratio = d["p50"] / base
@@ -133,21 +142,26 @@ def _markdown(data: dict[str, Any]) -> str:
             fmt(ratio, 2), "-" if target is None else f"<= {target:g}x", verdict,
         ])  # fmt: skip
     imports = md_table(
-        ["top-level import of `status`", "cumulative ms (-X importtime)"],
+        ["top-level import of `status`, in this process", "cumulative ms (-X importtime)"],
         [[f"`{name}`", fmt(ms, 1)] for name, ms in data["imports_of_status_ms"]],
     )
     run_imports = md_table(
-        ["top-level import of `run`", "cumulative ms (-X importtime)"],
+        ["top-level import of `run`, in this process", "cumulative ms (-X importtime)"],
         [[f"`{name}`", fmt(ms, 1)] for name, ms in data.get("imports_of_run_ms", [])],
     )
     return "\n\n".join([
         header("startup", data),
         f"Source `{data['source']}`; {data['params']['rounds']} interleaved rounds; "
-        "each case is a whole process (`settled` is the console script). The ratio is the "
-        "p50 over the p50 of `python -c pass` of the same interpreter. `stdlib floor` is "
-        f"`python -c '{STDLIB_FLOOR}'`: the standard library `status` needs, which no lazy "
-        "import removes. `run` forks its owner from the home's warm launcher (what the CLI "
-        "does); `run, fresh owner` starts a new interpreter per owner (SETTLED_LAUNCHER=fresh).",
+        "each case is a whole process (`settled` is the installed script, bin/settled). The "
+        "ratio is the p50 over the p50 of `python -c pass` of the same interpreter. "
+        f"`stdlib floor` is `python -c '{STDLIB_FLOOR}'`: the standard library `status` "
+        "needs in its own process, which no lazy import removes. `status`, `ls` and `run` are "
+        "what a user gets once the home's warm process runs (the first `run` or `exec` of a "
+        "home starts it; it leaves after 60 s without a call): the verb runs in a worker it "
+        "forks, and the process measured is the thin client (cli/thin.py). `..., in this "
+        "process` is the same call run where it is typed (SETTLED_CLI=local; what a call gets "
+        "when no warm process runs), its owner still forked by the warm process; `run, fresh "
+        "owner` also starts a new interpreter per owner (SETTLED_LAUNCHER=fresh).",
         md_table(["case", "p50 ms", "p90 ms", "min ms", "x pass", "target", ""], rows),
         imports,
         run_imports,

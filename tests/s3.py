@@ -141,6 +141,8 @@ def start(directory: str | None = None) -> Weed:
         f"-s3.port={s3}",
         f"-s3.port.grpc={s3 + 10000}",
         f"-s3.config={config}",
+        "-s3.port.iceberg=0",  # off: their fixed ports (8181, 9101) collide between two servers
+        "-s3.port.lance=0",
     ]
     with open(log_path, "wb") as log:
         process = subprocess.Popen(

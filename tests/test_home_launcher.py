@@ -20,6 +20,7 @@ import test_cli
 from test_cli import CLI
 from test_launcher import _alive
 
+from settled import where
 from settled.owner import home_launcher
 from settled.owner.home_launcher import LOCK_NAME, SOCKET_NAME
 
@@ -176,7 +177,7 @@ def test_an_edit_of_the_installed_settled_replaces_the_zygote(
     module = Path(home_launcher.__file__).with_name("forking.py")
     before = module.stat()
     try:
-        newest = home_launcher._newest_change(str(module.parent.parent))
+        newest = where.newest_change(str(module.parent.parent))
         os.utime(module, ns=(before.st_atime_ns, newest + 10**9))  # the newest edit now
         again = cli.run("run", "--task", task["task"], "--", "sh", "-c", "echo new")
     finally:

@@ -36,6 +36,7 @@ FOUNDATION = {
     "settled.records",
     "settled.render",
     "settled.states",
+    "settled.where",
 }
 # What a face may import besides the Runtime and other faces: types and words, no paths.
 FACE_NEUTRAL = {
@@ -50,12 +51,15 @@ FACE_NEUTRAL = {
     "settled.records",
     "settled.render",
     "settled.states",
+    "settled.where",  # the CLI's thin client finds its home's warm process without a Runtime
 }
 FACES = {
     "settled.cli",
     "settled.cli.verbs",
     "settled.cli.frame",
     "settled.cli.reads",
+    "settled.cli.thin",
+    "settled.cli.worker",
     "settled.cli.__main__",
     "settled.client",
     "settled.demo",

@@ -250,3 +250,21 @@ def test_a_sandbox_whose_session_cgroup_its_owner_removes_meanwhile_is_still_rem
     monkeypatch.setattr(boundary_inspect.os, "rmdir", owner_first)
     assert boundary_inspect._rmdir_retrying(str(sandbox))
     assert not sandbox.exists()
+
+
+def test_an_owner_seen_alive_at_one_admission_and_killed_freezes_the_next(
+    rt: Runtime, task: TaskRecord
+) -> None:
+    """Recovery keeps a pidfd of each owner it saw alive (owner/liveness.py): the owner's death
+    after that look is still found by the next admission's, and only that owner's."""
+    first = rt.exec(task.task, shell="sleep 300", key="first")
+    second = rt.exec(task.task, shell="sleep 300", key="second")  # looked at `first`'s owner
+    assert rt.recovery.detect(task.task) == []  # both seen alive, both held
+    _kill_owner(rt, first.session)
+    with pytest.raises(AdmissionFrozen, match=first.session):
+        rt.exec(task.task, shell="echo never", key="third")
+    assert rt.store.get_session(first.session).state == "unknown"
+    assert rt.store.get_session(second.session).state == "running"  # a live one never
+    rt.recover(task.task)
+    rt.cancel(second.session)
+    assert rt.wait(second.session, timeout=30)["receipt"]["death"]["proven"] is True

@@ -560,6 +560,25 @@ def test_a_launch_recorded_without_the_flush_is_read_like_any_other(store: Store
     store.record_launch(record.session, record.generation, "pidns", "ref", 42, 7)  # FULL again
 
 
+def test_live_owners_are_the_live_sessions_with_their_owner_state_and_generation(
+    store: Store,
+) -> None:
+    """Recovery's look reads `live_owners`: the same sessions as `live_sessions`, in its order,
+    each with the fields that look decides on, for every live and final state of two tasks."""
+    task, other = new_task(store), new_task(store)
+    for state in (ADMITTED, RUNNING, SETTLING, SETTLED, UNKNOWN):
+        drive(store, task, state)
+        drive(store, other, state)
+    for scope in (task, other, None):
+        full = store.live_sessions(scope)
+        light = store.live_owners(scope)
+        assert [
+            (r.session, r.task, r.state, r.generation, r.owner, r.created_at) for r in full
+        ] == [(r.session, r.task, r.state, r.generation, r.owner, r.created_at) for r in light]
+        assert all(r.live for r in light)
+    assert {r.state for r in store.live_owners(task)} == {ADMITTED, RUNNING, SETTLING}
+
+
 def test_claim_of_an_unknown_session_raises_unknown_session(store: Store) -> None:
     with pytest.raises(UnknownSession):
         store.claim("s_nope", 1, OWNER)
@@ -1454,3 +1473,56 @@ def test_a_close_step_recorded_without_waiting_for_the_disk_is_seen_and_kept_at_
         store.record_close_step(task, "fenced", fenced, fence=generation, durable=False) is fenced
     )
     assert other.get_task(task).generation == generation + 1
+
+
+# --- the in-process turn of SQLite writers ------------------------------------------------
+
+
+def test_a_write_waits_for_a_turn_held_forever_only_as_long_as_the_busy_timeout(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The turn decides nothing: a thread of this process that holds it and never lets go (as
+    if stuck) delays another writer by the busy timeout at most, and SQLite's lock then decides."""
+    from settled.store import sqlite as module
+
+    store = SQLiteStore(os.path.join(str(tmp_path), "settled.db"))
+    try:
+        monkeypatch.setattr(module, "BUSY_TIMEOUT_S", 0.2)
+        stuck = module._TURNS.of(store._turn_key)
+        assert stuck.acquire(False)
+        try:
+            task = new_task(store)  # a write in this thread, past the held turn
+        finally:
+            stuck.release()
+        assert store.get_task(task).state == "open"
+        new_task(store)  # the turn is taken and given back as usual
+        assert stuck.acquire(False)
+        stuck.release()
+    finally:
+        store.close()
+
+
+def test_a_forked_child_writes_though_a_parent_thread_held_the_turn_at_the_fork(
+    tmp_path: Any,
+) -> None:
+    from settled.store import sqlite as module
+
+    path = os.path.join(str(tmp_path), "settled.db")
+    store = SQLiteStore(path)
+    try:
+        turn = module._TURNS.of(store._turn_key)
+        assert turn.acquire(False)  # held, as by another thread at the fork
+        try:
+            child = os.fork()
+            if child == 0:  # pragma: no cover - reports through its exit status
+                code = 1
+                try:
+                    code = 0 if module._TURNS.of(store._turn_key).acquire(False) else 2
+                finally:
+                    os._exit(code)
+        finally:
+            turn.release()
+        _, status = os.waitpid(child, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+    finally:
+        store.close()

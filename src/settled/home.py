@@ -22,33 +22,16 @@ from contextlib import contextmanager
 
 from settled.errors import HomeUnusable, SettledError, SpaceExhausted, StorageFailed, StoreMissing
 from settled.records import Frozen
+from settled.where import ROOT_HOME as ROOT_HOME  # re-exported: where a home is
+from settled.where import default_home as default_home
+from settled.where import resolve_home as resolve_home
 
-ROOT_HOME = "/var/lib/settled"  # root's home, as a system service keeps its state
 STORE_FILE = "settled.db"
 HOME_ID_FILE = "home.id"  # written once; the store's meta table holds the same id
 
 
 PRIVATE_DIR = 0o700
 PRIVATE_FILE = 0o600
-
-
-def resolve_home(explicit: str | None = None) -> str:
-    """--home, else SETTLED_HOME, else the default home. Relative paths are made absolute
-    from the current directory once, here."""
-    return os.path.abspath(explicit or os.environ.get("SETTLED_HOME") or default_home())
-
-
-def default_home(environ: dict[str, str] | None = None, uid: int | None = None) -> str:
-    """One home per user wherever the shell stands, never inside a workspace: root's is
-    /var/lib/settled; anyone else's is $XDG_STATE_HOME/settled, else ~/.local/state/settled
-    (the XDG base directory rules: an unset or relative XDG_STATE_HOME is ignored)."""
-    env = os.environ if environ is None else environ
-    if (os.geteuid() if uid is None else uid) == 0:
-        return ROOT_HOME
-    state = env.get("XDG_STATE_HOME", "")
-    if not os.path.isabs(state):
-        state = os.path.join(os.path.expanduser("~"), ".local", "state")
-    return os.path.join(state, "settled")
 
 
 def _refuse_symlinks(home: str) -> None:

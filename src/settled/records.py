@@ -105,6 +105,35 @@ class OwnerFacts(Frozen):
         self._fill(locals())
 
 
+class LiveSession(Frozen):
+    """A live session as recovery's look needs it (`Store.live_owners`): who owns it, from when,
+    at which generation; not its spec, receipt or isolation, whose decoding was most of the
+    look's cost when every new admission read every live session of its task in full."""
+
+    __slots__ = ("created_at", "generation", "owner", "session", "state", "task")
+    session: str
+    task: str
+    state: str
+    generation: int
+    owner: OwnerInfo | None
+    created_at: float
+
+    def __init__(
+        self,
+        session: str,
+        task: str,
+        state: str,
+        generation: int,
+        owner: OwnerInfo | None,
+        created_at: float,
+    ) -> None:
+        self._fill(locals())
+
+    @property
+    def live(self) -> bool:
+        return is_live(self.state)
+
+
 class HostRecord(Frozen):
     """A home that runs owners: its id is the home's id, its name what the machine calls itself."""
 

@@ -19,7 +19,7 @@ from settled.errors import SettledError, StaleWrite
 from settled.home import journal_socket, last_words_path, log_path
 from settled.owner.last_words import read_last_words
 from settled.receipts import process_receipt
-from settled.records import SessionRecord
+from settled.records import LiveSession, OwnerFacts, SessionRecord
 from settled.sessions import SessionWatch
 from settled.states import ADMITTED, UNKNOWN
 from settled.store import Store
@@ -64,7 +64,7 @@ class Recovery:
         """The provider, opened when a boundary is first inspected (detecting needs none)."""
         return self._open_sandbox()
 
-    def ours(self, record: SessionRecord) -> bool:
+    def ours(self, record: SessionRecord | LiveSession) -> bool:
         """Whether the session's task runs on this host (a task from before hosts: yes)."""
         if self.host is None:
             return True
@@ -72,8 +72,11 @@ class Recovery:
             self._task_hosts[record.task] = self.store.get_task(record.task).host
         return self._task_hosts[record.task] in (None, self.host)
 
-    def owner_missing(self, record: SessionRecord, now: float) -> str | None:
-        """Why this live session has no owner, or None while it has one (or may still get one)."""
+    def owner_missing(
+        self, record: SessionRecord | LiveSession, now: float, facts: OwnerFacts | None = None
+    ) -> str | None:
+        """Why this live session has no owner, or None while it has one (or may still get one).
+        `facts`: its owner's, when already looked at (`detect` looks at all of them at once)."""
         if not record.live:
             return None
         if record.owner is None:
@@ -83,16 +86,26 @@ class Recovery:
             if record.state == ADMITTED and waited > READY_TIMEOUT_S:
                 return f"no owner claimed it in {waited:.0f} s (its launcher died)"
             return None
-        facts = self.sessions.owner_facts(record)
+        facts = facts or self.sessions.liveness.facts(record.owner)
         return None if facts is None or facts.alive else facts.why
 
     def detect(self, task: str | None = None, *, force: bool = False) -> list[str]:
         """Mark every live session whose owner is missing as unknown; returns their ids.
-        `force` (the sandbox was destroyed) takes every live session of the task."""
+        `force` (the sandbox was destroyed) takes every live session of the task.
+
+        Every new admission asks this of its task, so its owners are looked at together
+        (`SessionWatch.owners_facts`): one poll over the pidfds of owners already seen alive
+        instead of a read of /proc for each, with the same answer for each owner."""
         now = time.time()
+        records = list(filter(self.ours, self.store.live_owners(task)))
+        looked = [None] * len(records) if force else self.sessions.owners_facts(records)
         found = []
-        for record in filter(self.ours, self.store.live_sessions(task)):
-            why = "the task's sandbox was destroyed" if force else self.owner_missing(record, now)
+        for record, facts in zip(records, looked, strict=True):
+            why = (
+                "the task's sandbox was destroyed"
+                if force
+                else self.owner_missing(record, now, facts)
+            )
             if why is None:
                 continue
             words = self.last_words(record.session)

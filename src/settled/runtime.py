@@ -153,6 +153,11 @@ class _Admitting:
 
 _ADMITTING = _Admitting()
 LAUNCHERS = ("fresh", "warm", "home")
+# The home's zygote also runs the command line's verbs, each in a worker it forks with the
+# caller's stdio, directory and environment: a CLI call then costs a fork, not ~25 ms of
+# imports (cli/thin.py asks, cli/worker.py answers). A name, not an import: the Runtime
+# composes no face; the zygote imports it when it starts.
+HOME_FACE = "settled.cli.worker:serve"
 
 
 def _check_launcher_kind(kind: str | None) -> str:
@@ -160,6 +165,21 @@ def _check_launcher_kind(kind: str | None) -> str:
     if kind not in LAUNCHERS:
         raise BadInput(f"launcher {kind!r} is not one of {', '.join(LAUNCHERS)}")
     return kind
+
+
+def load_for_calls() -> None:
+    """Import now what the Runtime imports on first use for the CLI's verbs (recovery, the
+    journal's lifecycle, log watching, the environment, task placement and ignore rules, the
+    close join and the checkpoint): the home's zygote calls this before it forks one worker per
+    call (cli/worker.py), so no worker imports them again."""
+    import settled.close.join
+    import settled.environment  # with pwd
+    import settled.log.watch
+    import settled.recovery
+    import settled.workspace.checkpoint
+    import settled.workspace.ignore
+    import settled.workspace.journal.lifecycle
+    import settled.workspace.placement  # noqa: F401 - the last of them
 
 
 def open_launcher(kind: str | None = None) -> Launcher:
@@ -175,7 +195,7 @@ def open_launcher(kind: str | None = None) -> Launcher:
     if kind == "home":
         from settled.owner.home_launcher import HomeLauncher
 
-        return HomeLauncher()
+        return HomeLauncher(face=HOME_FACE)
     from settled.owner.zygote import WarmLauncher
 
     return WarmLauncher()

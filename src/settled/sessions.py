@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 from settled.errors import NotSettled
-from settled.records import OwnerFacts, OwnerInfo, SessionRecord
+from settled.records import LiveSession, OwnerFacts, OwnerInfo, SessionRecord
 from settled.states import SETTLED, UNKNOWN
 from settled.status import session_status
 from settled.store import Store
@@ -41,6 +41,10 @@ class Liveness(Protocol):
     """Whether a recorded owner is alive, a handle to wait on its exit, and a way to wake it."""
 
     def facts(self, owner: OwnerInfo, now: float | None = None) -> OwnerFacts: ...
+
+    def facts_many(self, owners: Sequence[OwnerInfo], now: float | None = None) -> list[OwnerFacts]:
+        """`facts` of each, as it would answer them one by one (recovery looks at them all)."""
+        ...
 
     def exit_handle(self, owner: OwnerInfo) -> int | None: ...
 
@@ -77,6 +81,14 @@ class SessionWatch:
 
     def owner_facts(self, record: SessionRecord) -> OwnerFacts | None:
         return None if record.owner is None else self.liveness.facts(record.owner)
+
+    def owners_facts(
+        self, records: Sequence[SessionRecord | LiveSession]
+    ) -> list[OwnerFacts | None]:
+        """`owner_facts` of each record, from one look at all their owners."""
+        owners = [record.owner for record in records if record.owner is not None]
+        looked = iter(self.liveness.facts_many(owners))
+        return [None if record.owner is None else next(looked) for record in records]
 
     def status(self, session: str) -> dict[str, Any]:
         return self.status_of(self.store.get_session(session))

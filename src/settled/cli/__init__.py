@@ -19,6 +19,16 @@ def main(argv: list[str] | None = None) -> int:
 
         print(f"settled {__version__}")
         return 0
+    from settled.cli.thin import answered_by_home
+
+    code = answered_by_home(argv)
+    if code is not None:
+        return code
+    return run_here(argv)
+
+
+def run_here(argv: list[str]) -> int:
+    """The verb, in this process: what a worker of the home's warm process runs too."""
     from settled.cli.reads import parse_quick
 
     quick = parse_quick(argv)

@@ -60,51 +60,70 @@ def fork_owner(request: dict[str, Any], fds: list[int], sockets: tuple[socket.so
     child closes `sockets` (the zygote's own), detaches and becomes the owner."""
     from settled.owner.main import run_session  # preloaded: no import after the fork
 
-    reap_stubs()
-    pid = os.fork()
-    if pid == 0:
-        for sock in sockets:
-            sock.close()
-        _become_owner(request, fds, run_session)
-    for fd in fds:
-        os.close(fd)
-    # Not waited for: the child forks the real owner and exits at once, but under load it
+    def become() -> int:
+        os.setsid()
+        if os.fork() != 0:
+            os._exit(0)  # the stub: the owner outlives the zygote, nobody's child but init's
+        return _become_owner(request, fds, run_session)
+
+    _STUBS.add(fork_child(become, fds, sockets))
+    # The stub is not waited for: it forks the real owner and exits at once, but under load it
     # waits for a CPU first, and the zygote serves one caller at a time (200 queued behind
     # each other's scheduling). It is reaped at the next fork or when the zygote ends; what
     # the caller learns of the owner comes over the ready pipe, as before (EOF if it failed).
+
+
+_STUBS: set[int] = set()  # the owners' stubs this zygote forked and has not reaped
+
+
+def fork_child(
+    become: Callable[[], int], fds: list[int], sockets: tuple[socket.socket, ...]
+) -> int:
+    """Fork a child that closes `sockets` (the zygote's own) and exits with `become()`; the
+    zygote closes `fds`, which were the child's alone, and reaps the stubs that exited."""
     reap_stubs()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            for sock in sockets:
+                sock.close()
+            code = become()
+        finally:
+            os._exit(code)
+    for fd in fds:
+        os.close(fd)
+    reap_stubs()
+    return pid
 
 
 def reap_stubs(*, all_of_them: bool = False) -> None:
-    """Reap the zygote's exited children (its only children are the stubs); `all_of_them`:
-    wait for every one still running too, as a zygote does before it ends."""
-    with contextlib.suppress(ChildProcessError):
-        while os.waitpid(-1, 0 if all_of_them else os.WNOHANG)[0] > 0:
-            pass
+    """Reap the owners' stubs that exited (by pid: a face's workers are reaped by whoever
+    forked them, face_workers.py); `all_of_them`: wait for every one, as a zygote does before
+    it ends."""
+    for pid in list(_STUBS):
+        with contextlib.suppress(ChildProcessError):
+            if os.waitpid(pid, 0 if all_of_them else os.WNOHANG)[0] == 0:
+                continue  # still running
+        _STUBS.discard(pid)
 
 
-def _become_owner(request: dict[str, Any], fds: list[int], run: Any) -> None:
-    """In the forked child: detach, take the caller's environment, fork the owner, exit."""
-    code = 1
-    try:
-        os.setsid()
-        os.environ.clear()
-        os.environ.update(request["env"])
-        faults.arm(os.environ.get("SETTLED_FAULT", ""))  # imported with the zygote's own
-        os.umask(request["umask"])
-        log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-        null = os.open(os.devnull, os.O_RDONLY)
-        os.dup2(null, 0)
-        os.dup2(log, 1)
-        os.dup2(log, 2)
-        os.close(log)
-        os.close(null)
-        if os.fork() != 0:
-            os._exit(0)
-        ready_fd, orders_fd = fds
-        code = run(request["home"], request["session"], ready_fd, orders_fd)
-    finally:
-        os._exit(code)
+def _become_owner(request: dict[str, Any], fds: list[int], run: Any) -> int:
+    """In the detached child: take the caller's environment and become the owner."""
+    os.environ.clear()
+    os.environ.update(request["env"])
+    faults.arm(os.environ.get("SETTLED_FAULT", ""))  # imported with the zygote's own
+    os.umask(request["umask"])
+    log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.close(log)
+    os.close(null)
+    ready_fd, orders_fd = fds
+    code: int = run(request["home"], request["session"], ready_fd, orders_fd)
+    return code
 
 
 def launch_through(

@@ -28,12 +28,15 @@ import contextlib
 import fcntl
 import json
 import os
+import select
 import struct
 import threading
 import time
 
+from settled.errors import OwnerLaunchFailed
 from settled.home import run_dir
 from settled.isolated import NoReport, python_command, read_report, start_helper
+from settled.owner.face_workers import FaceWorkers
 from settled.owner.forking import (
     MAX_REQUEST,
     ZYGOTE_MODULES,
@@ -43,61 +46,57 @@ from settled.owner.forking import (
     reap_stubs,
 )
 from settled.store import Store
+from settled.where import install_identity as identity
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     import socket
+    from collections.abc import Callable
     from typing import Any
+
+    Face = Callable[[bytes, list[int], int], int]
 
 SOCKET_NAME = "launcher.sock"
 LOCK_NAME = "launcher.lock"  # held by the running zygote for its whole life
 START_NAME = "launcher.start"  # serializes starts
 LOG_NAME = "launcher.log"
-IDLE_EXIT_S = float(os.environ.get("SETTLED_LAUNCHER_IDLE_S") or 60.0)
+IDLE_EXIT_S = 60.0  # SETTLED_LAUNCHER_IDLE_S overrides it, read when a zygote starts
+FACE_MAGIC = b"settled-face/1\0"  # a face's request; an owner's is a JSON object
+FACE_FDS = 4  # a face's worker gets its caller's stdin, stdout, stderr and directory
 START_TIMEOUT_S = 30.0
 REPLY_TIMEOUT_S = 10.0
 
 
-class LauncherUnavailable(RuntimeError):
-    """No home zygote could be reached or started; the caller may launch a fresh owner."""
-
-
-def identity() -> str:
-    """What a zygote must share with its caller to fork its owners: this settled's version,
-    where it is installed, and the newest change to any of its modules (a reinstall in place,
-    or an edit of an editable install, changes it: ~0.5 ms for ~150 files)."""
-    import settled
-
-    package = os.path.dirname(os.path.abspath(settled.__file__))
-    return f"{settled.__version__} {package} {_newest_change(package)}"
-
-
-def _newest_change(package: str) -> int:
-    newest, folders = 0, [package]
-    while folders:
-        with os.scandir(folders.pop()) as entries:
-            for entry in entries:
-                if entry.is_dir(follow_symlinks=False):
-                    if entry.name != "__pycache__":
-                        folders.append(entry.path)
-                elif entry.name.endswith((".py", ".so")):
-                    newest = max(newest, entry.stat(follow_symlinks=False).st_mtime_ns)
-    return newest
+class LauncherUnavailable(OwnerLaunchFailed):
+    """No home zygote could be reached or started: a session admitted for it has no owner,
+    and recovery decides its fate, as for any owner that did not report (a typed error, exit
+    1, not an internal one)."""
 
 
 # -- the zygote process -------------------------------------------------------------------------
 
 
 def main(argv: list[str]) -> int:
-    """argv: RUN_DIR IDLE_S READY_FD. Forks once, so its starter reaps this process at once
-    and the zygote is nobody's child but init's."""
+    """argv: RUN_DIR IDLE_S READY_FD [FACE]. Forks once, so its starter reaps this process at
+    once and the zygote is nobody's child but init's. FACE ("module:function") is a face whose
+    requests the zygote also serves (see `serve_face`)."""
     run, idle, ready_fd = argv[0], float(argv[1]), int(argv[2])
+    face = _load_face(argv[3]) if len(argv) > 3 else None
     if os.fork() != 0:
         os._exit(0)
-    return serve_home(run, idle, ready_fd)
+    return serve_home(run, idle, ready_fd, face)
 
 
-def serve_home(run: str, idle_s: float, ready_fd: int) -> int:
+def _load_face(target: str) -> Face:
+    """Import the face before the zygote's preload freezes the heap: its workers share it."""
+    import importlib
+
+    module, _, function = target.partition(":")
+    served: Face = getattr(importlib.import_module(module), function)
+    return served
+
+
+def serve_home(run: str, idle_s: float, ready_fd: int, face: Face | None = None) -> int:
     lock = os.open(os.path.join(run, LOCK_NAME), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -119,60 +118,115 @@ def serve_home(run: str, idle_s: float, ready_fd: int) -> int:
     listener.listen(64)
     os.chdir("/")
     _report(ready_fd, {"state": "ready", "pid": os.getpid()})
+    poller = select.poll()
+    workers = FaceWorkers(poller)
     try:
-        _serve(listener, mine, idle_s)
+        _serve(listener, poller, workers, mine, idle_s, face)
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)  # before the lock goes: a caller then starts a new one
         listener.close()
         reap_stubs(all_of_them=True)
-        os.close(lock)
+        os.close(lock)  # the home is another zygote's to serve from here
+        workers.finish()  # the calls still running end as they would have; each caller told
     return 0
 
 
-def _serve(listener: socket.socket, mine: str, idle_s: float) -> None:
-    import select
-
-    poller = select.poll()
+def _serve(
+    listener: socket.socket, poller: select.poll, workers: FaceWorkers, mine: str,
+    idle_s: float, face: Face | None,
+) -> None:  # fmt: skip
     poller.register(listener, select.POLLIN)
     while True:
-        if not poller.poll(idle_s * 1000.0):
-            return  # idle: nobody asked for an owner for a while
-        conn, _ = listener.accept()
-        with conn:
-            if not _same_user(conn):
-                continue  # another uid: not a word, not a fork
-            conn.settimeout(REPLY_TIMEOUT_S)
-            request, fds = _receive(conn)
-            if request is None:
-                continue  # a caller that only looked whether one answers, or garbage
-            if request.get("op") == "stop" or request.get("identity") != mine:
-                for fd in fds:
-                    os.close(fd)
-                with contextlib.suppress(OSError):
-                    conn.sendall(b"stop\n")
-                return  # asked to, or another settled asks: a new zygote serves it
-            fork_owner(request, fds, (listener, conn))
-            with contextlib.suppress(OSError):  # the caller went away: its owner runs nothing
-                conn.sendall(b"ok\n")
+        events = poller.poll(idle_s * 1000.0)
+        if not events and not workers:
+            return  # idle: nobody asked for anything for a while, and nothing runs
+        for fd, _ in events:
+            if workers.owns(fd):
+                workers.ended(fd)
+        if any(fd == listener.fileno() for fd, _ in events):
+            conn, _ = listener.accept()
+            with conn:
+                if not _answer(conn, listener, mine, face, workers):
+                    return  # asked to, or another settled asks: a new zygote serves it
 
 
-def _receive(conn: socket.socket) -> tuple[dict[str, Any] | None, list[int]]:
+def _answer(
+    conn: socket.socket, listener: socket.socket, mine: str, face: Face | None,
+    workers: FaceWorkers,
+) -> bool:  # fmt: skip
+    """One request; False when the zygote must leave."""
+    if not _same_user(conn):
+        return True  # another uid: not a word, not a fork
+    conn.settimeout(REPLY_TIMEOUT_S)
+    message, fds = _receive(conn)
+    if message.startswith(FACE_MAGIC):
+        return _serve_face(message, fds, (listener, conn), mine, face, workers)
+    request = _request(message)
+    if request is None:
+        _close_all(fds)
+        return True  # a caller that only looked whether one answers, or garbage
+    if request.get("op") == "stop" or request.get("identity") != mine:
+        _close_all(fds)
+        with contextlib.suppress(OSError):
+            conn.sendall(b"stop\n")
+        return False
+    fork_owner(request, fds, (listener, conn, *workers.held()))
+    with contextlib.suppress(OSError):  # the caller went away: its owner runs nothing
+        conn.sendall(b"ok\n")
+    return True
+
+
+def _serve_face(
+    message: bytes,
+    fds: list[int],
+    sockets: tuple[socket.socket, socket.socket],
+    mine: str,
+    face: Face | None,
+    workers: FaceWorkers,
+) -> bool:
+    """A face's request: FACE_MAGIC, the caller's identity, then what the face reads. Forks a
+    worker that runs `face(body, fds, connection)`, keeping the connection (the zygote keeps
+    a copy too, to tell the caller how a worker ended that could not: face_workers.py); False
+    when the caller is another settled (the zygote must leave)."""
+    parts = message.split(b"\0", 2)
+    listener, conn = sockets
+    body, answer = parts[-1], None
+    if len(parts) != 3 or parts[1].decode(errors="replace") != mine:
+        answer = b"stop\n"
+    elif face is None or len(fds) != FACE_FDS or workers.full():
+        answer = b"noface\n"  # the caller serves itself
+    if face is None or answer is not None:
+        _close_all(fds)
+        with contextlib.suppress(OSError):
+            conn.sendall(answer or b"noface\n")
+        return answer != b"stop\n"
+    served = face
+    workers.start(lambda: served(body, fds, conn.fileno()), fds, conn, (listener,))
+    return True
+
+
+def _receive(conn: socket.socket) -> tuple[bytes, list[int]]:
     import socket
 
     try:
-        message, fds, _flags, _addr = socket.recv_fds(conn, MAX_REQUEST, 2)
+        message, fds, _flags, _addr = socket.recv_fds(conn, MAX_REQUEST, FACE_FDS)
     except OSError:
-        return None, []
+        return b"", []
+    return message, fds
+
+
+def _request(message: bytes) -> dict[str, Any] | None:
     try:
         request = json.loads(message) if message else None
     except ValueError:
         request = None
-    if not isinstance(request, dict):
-        for fd in fds:
-            os.close(fd)
-        return None, []
-    return request, fds
+    return request if isinstance(request, dict) else None
+
+
+def _close_all(fds: list[int]) -> None:
+    for fd in fds:
+        os.close(fd)
 
 
 def _same_user(conn: socket.socket) -> bool:
@@ -194,8 +248,10 @@ class HomeLauncher:
     """Launches owners through the home's zygote, starting it when none answers. Thread-safe:
     each launch is a connection of its own."""
 
-    def __init__(self) -> None:
+    def __init__(self, face: str | None = None) -> None:
+        """`face`: a face ("module:function") that a zygote this launcher starts also serves."""
         self._identity = identity()
+        self._face = face
         self._start_lock = threading.Lock()
 
     def launch(self, home: str, session: str, store: Store) -> dict[str, Any]:
@@ -215,7 +271,7 @@ class HomeLauncher:
                 pass  # none answers here (yet): start one
             if attempt < 2:
                 with self._start_lock:
-                    start(run)
+                    start(run, face=self._face)
         raise LauncherUnavailable(f"the home's launcher in {run} did not fork an owner; see "
                                   f"{os.path.join(run, LOG_NAME)}")  # fmt: skip
 
@@ -239,9 +295,12 @@ def _ask(run: str, request: dict[str, Any], fds: list[int]) -> bytes:
         sock.close()
 
 
-def start(run: str, idle_s: float = IDLE_EXIT_S) -> None:
+def start(run: str, idle_s: float | None = None, face: str | None = None) -> None:
     """Start the home's zygote unless one answers; only one starts (the start lock), and one
-    that finds another holding the zygote's lock reports so and leaves."""
+    that finds another holding the zygote's lock reports so and leaves. `face`: a face it also
+    serves ("module:function", see `serve_face`)."""
+    if idle_s is None:
+        idle_s = float(os.environ.get("SETTLED_LAUNCHER_IDLE_S") or IDLE_EXIT_S)
     os.makedirs(run, mode=0o700, exist_ok=True)
     fd = os.open(os.path.join(run, START_NAME), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
@@ -249,7 +308,7 @@ def start(run: str, idle_s: float = IDLE_EXIT_S) -> None:
         if _answers(run):
             return  # another caller started it meanwhile
         process, ready_r = start_helper(
-            lambda ready_w: _zygote_command(run, idle_s, ready_w),
+            lambda ready_w: _zygote_command(run, idle_s, ready_w, face),
             os.path.join(run, LOG_NAME),
             cwd="/",
         )
@@ -266,9 +325,10 @@ def start(run: str, idle_s: float = IDLE_EXIT_S) -> None:
         os.close(fd)
 
 
-def _zygote_command(run: str, idle_s: float, ready_w: int) -> list[str]:
+def _zygote_command(run: str, idle_s: float, ready_w: int, face: str | None) -> list[str]:
     target = "settled.owner.home_launcher:main"
-    return python_command(target, ZYGOTE_MODULES, run, repr(idle_s), str(ready_w))
+    served = [face] if face else []
+    return python_command(target, ZYGOTE_MODULES, run, repr(idle_s), str(ready_w), *served)
 
 
 def _answers(run: str) -> bool:

@@ -11,6 +11,7 @@ sandbox) has no pid here; its `Liveness` is a new module that answers from the l
 
 from __future__ import annotations
 
+import _thread
 import contextlib
 import os
 import time
@@ -18,17 +19,122 @@ import time
 from settled.boundary import procfs
 from settled.records import OwnerFacts, OwnerInfo
 
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+HELD_LIMIT = 4096  # pidfds one process keeps for owners seen alive; past it, /proc each time
+HELD_SHARE = 4  # and never more than this share of the process's descriptors (RLIMIT_NOFILE)
+
+
+def _held_limit() -> int:
+    """A quarter of the descriptors this process may open, at most HELD_LIMIT: a server near
+    its limit must not lose its sockets to pidfds, which only save reads of /proc."""
+    import resource
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return HELD_LIMIT if soft == resource.RLIM_INFINITY else min(HELD_LIMIT, soft // HELD_SHARE)
+
+
+class _HeldOwners:
+    """Pidfds of owners seen alive on this boot, kept for the next look: one `poll` then says
+    which of them exited since (a pidfd is readable once its process has exited, zombies
+    included), where a look at /proc reads one file per owner. Recovery looks over every live
+    session of a task at every new admission; with 200 live sessions those reads were most of
+    the look's time.
+
+    A pidfd names one process for its whole life, never the pid's next user: it is kept only
+    if, after `pidfd_open`, /proc shows the recorded start time and a state other than zombie.
+    It is closed once readable. Shared by the process's threads (one lock: a descriptor is
+    never closed while another thread polls it); a forked child drops its copies, so that no
+    command forked without exec can hold (and signal) an owner's pidfd."""
+
+    def __init__(self) -> None:
+        self._lock = _thread.allocate_lock()
+        self._fds: dict[tuple[int, int], int] = {}
+        self._limit: int | None = None  # read at the first look, not at import
+
+    def alive(self, owners: Sequence[OwnerInfo]) -> list[bool]:
+        """For each owner (of this boot), whether its process is alive now: not exited and
+        not a zombie. An owner that exits during the call may read either way, as with /proc."""
+        with self._lock:
+            if self._limit is None:
+                self._limit = _held_limit()
+            self._drop_exited()
+            return [self._alive(owner, self._limit) for owner in owners]
+
+    def _drop_exited(self) -> None:
+        import select
+
+        if not self._fds:
+            return
+        poller = select.poll()
+        named = {fd: key for key, fd in self._fds.items()}
+        for fd in named:
+            poller.register(fd, select.POLLIN)
+        for fd, _ in poller.poll(0):
+            del self._fds[named[fd]]
+            os.close(fd)
+
+    def _alive(self, owner: OwnerInfo, limit: int) -> bool:
+        key = (owner.pid, owner.start_time)
+        if key in self._fds:
+            return True  # held, and not readable at this call's poll
+        try:
+            fd = os.pidfd_open(owner.pid)
+        except OSError:
+            fd = None  # gone (ESRCH), or no pidfds here: /proc alone decides
+        seen = procfs.start_and_state(owner.pid)
+        alive = seen is not None and seen[0] == owner.start_time and seen[1] != "Z"
+        if fd is not None:
+            if alive and len(self._fds) < limit:
+                self._fds[key] = fd
+            else:
+                os.close(fd)
+        return alive
+
+    def after_fork(self) -> None:
+        """In a forked child: its copies are closed and forgotten (the lock may have been
+        held by another thread of the parent at the fork)."""
+        self._lock = _thread.allocate_lock()
+        for fd in self._fds.values():
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self._fds = {}
+
+
+HELD = _HeldOwners()
+os.register_at_fork(after_in_child=HELD.after_fork)
+
 
 class LocalOwners:
     """Owners on this host, checked by pid + start time + boot id, and by their lease."""
 
     def facts(self, owner: OwnerInfo, now: float | None = None) -> OwnerFacts:
         now = time.time() if now is None else now
-        lease_fresh = owner.lease_until > now
         if owner.boot_id != procfs.boot_id():
-            return OwnerFacts(False, f"owner recorded on boot {owner.boot_id}", lease_fresh)
+            return self._from_look(owner, None, now)
         seen = procfs.start_and_state(owner.pid)
-        if seen is None or seen[0] != owner.start_time or seen[1] == "Z":
+        alive = seen is not None and seen[0] == owner.start_time and seen[1] != "Z"
+        return self._from_look(owner, alive, now)
+
+    def facts_many(self, owners: Sequence[OwnerInfo], now: float | None = None) -> list[OwnerFacts]:
+        """`facts` of many owners at once, each as `facts` would answer, from one poll over
+        the pidfds of owners already seen alive (`_HeldOwners`) and /proc only for the others.
+        For recovery's look over every live session; a single status read asks `facts`."""
+        now = time.time() if now is None else now
+        boot = procfs.boot_id()
+        here = [owner for owner in owners if owner.boot_id == boot]
+        alive = dict(zip(map(id, here), HELD.alive(here), strict=True))
+        return [self._from_look(owner, alive.get(id(owner)), now) for owner in owners]
+
+    @staticmethod
+    def _from_look(owner: OwnerInfo, alive: bool | None, now: float) -> OwnerFacts:
+        """`facts`'s answer from a look already made (`alive` None: another boot's owner)."""
+        lease_fresh = owner.lease_until > now
+        if alive is None:
+            return OwnerFacts(False, f"owner recorded on boot {owner.boot_id}", lease_fresh)
+        if not alive:
             return OwnerFacts(
                 False, f"owner pid {owner.pid} is gone (or is another process now)", lease_fresh
             )
@@ -106,6 +212,15 @@ class HostedOwners(LocalOwners):
             False,
             process_alive=True,  # unknowable from here: assume it may still write
         )
+
+    def facts_many(self, owners: Sequence[OwnerInfo], now: float | None = None) -> list[OwnerFacts]:
+        now = time.time() if now is None else now
+        local = [owner for owner in owners if not self._elsewhere(owner)]
+        looked = dict(zip(map(id, local), super().facts_many(local, now), strict=True))
+        return [
+            facts if (facts := looked.get(id(owner))) is not None else self.facts(owner, now)
+            for owner in owners
+        ]
 
     def exit_handle(self, owner: OwnerInfo) -> int | None:
         return None if self._elsewhere(owner) else super().exit_handle(owner)

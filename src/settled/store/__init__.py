@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 
-from settled.records import HostRecord, OwnerInfo, SessionRecord, TaskRecord
+from settled.records import HostRecord, LiveSession, OwnerInfo, SessionRecord, TaskRecord
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -156,6 +156,11 @@ class Store(Protocol):
     def unknown_sessions(self, task: str | None = None) -> list[SessionRecord]: ...
 
     def live_sessions(self, task: str | None = None) -> list[SessionRecord]: ...
+
+    def live_owners(self, task: str | None = None) -> list[LiveSession]:
+        """The sessions `live_sessions` returns, in its order, with only their owner, state,
+        generation and admission time (recovery's look at every new admission)."""
+        ...
 
     def task_event(self, task: str, event: str) -> TaskRecord:
         """A task transition (seal, close_begin, complete) through states.TASK_TRANSITIONS."""

@@ -59,7 +59,7 @@ from settled.errors import (
 )
 from settled.identity import new_id
 from settled.receipts import checked
-from settled.records import HostRecord, OwnerInfo, SessionRecord, TaskRecord
+from settled.records import HostRecord, LiveSession, OwnerInfo, SessionRecord, TaskRecord
 from settled.states import (
     ADMITTED,
     TASK_COMPLETE,
@@ -71,11 +71,13 @@ from settled.states import (
 )
 from settled.store.rows import (
     HOST_COLUMNS,
+    LIVE_COLUMNS,
     RECEIPT_EVENTS,
     SESSION_COLUMNS,
     checked_fact,
     fact_digest,
     host_from_row,
+    live_from_row,
     overlap,
     session_from_row,
     task_from_row,
@@ -857,6 +859,15 @@ class PostgresStore:
             args,
         )
         return [session_from_row(r) for r in rows]
+
+    def live_owners(self, task: str | None = None) -> list[LiveSession]:
+        where, args = ("AND task=%s", (task,)) if task else ("", ())
+        rows = self._read(
+            f"SELECT {LIVE_COLUMNS} FROM sessions "
+            f"WHERE state IN ('admitted', 'running', 'settling') {where} ORDER BY created_at",
+            args,
+        )
+        return [live_from_row(r) for r in rows]
 
     def request_cancel(self, session: str, reason: str) -> SessionRecord:
         def work(cur: Cursor) -> None:

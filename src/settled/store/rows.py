@@ -12,7 +12,7 @@ import json
 from settled.canonical import digest_of_canonical
 from settled.errors import ReceiptTampered
 from settled.receipts import checked
-from settled.records import HostRecord, OwnerInfo, SessionRecord, TaskRecord
+from settled.records import HostRecord, LiveSession, OwnerInfo, SessionRecord, TaskRecord
 from settled.store import loads
 
 TYPE_CHECKING = False
@@ -58,6 +58,17 @@ def session_from_row(row: tuple[Any, ...]) -> SessionRecord:
         receipt=receipt,
         unknown_why=row[19],
         isolation=loads(row[20]),
+    )
+
+
+# The order `live_from_row` reads: what recovery's look needs of each live session.
+LIVE_COLUMNS: Final = "session, task, state, generation, owner, created_at"
+
+
+def live_from_row(row: tuple[Any, ...]) -> LiveSession:
+    owner = loads(row[4])
+    return LiveSession(
+        row[0], row[1], row[2], row[3], OwnerInfo(**owner) if owner else None, row[5]
     )
 
 

@@ -3,11 +3,20 @@
 WAL journal, `synchronous=FULL` (a receipt that was acknowledged survives power loss), and every
 write in `BEGIN IMMEDIATE`: a writer takes the write lock before it reads, so concurrent owners
 queue on the busy timeout instead of failing with `database is locked` on a stale snapshot.
+Writers queue in two places before it, both only to be woken when it is their turn, never to
+decide: the threads of one process on an in-process lock per database (`_Turns`), then the
+processes of the home on its write gate (`store/gate.py`, a flock the kernel hands over at
+release). SQLite's busy handler only sleeps and tries again (1 ms growing to 100 ms a try): with
+48 threads of a caller and 200 owners each sleeping there, the write lock sat idle while its
+waiters slept. Each wait is bounded (by the busy timeout, together), after which the writer goes
+to SQLite's lock as before; a process cannot hold another's turn, the kernel drops the gate of a
+holder that dies, and SQLite's lock still guards every transaction.
 Never touches processes, logs or the workspace.
 """
 
 from __future__ import annotations
 
+import _thread
 import contextlib
 import json
 import os
@@ -40,7 +49,7 @@ from settled.home import (
 from settled.identity import new_id
 from settled.localdb import BUSY_TIMEOUT_S, disk_error, enable_wal
 from settled.receipts import checked
-from settled.records import HostRecord, OwnerInfo, SessionRecord, TaskRecord
+from settled.records import HostRecord, LiveSession, OwnerInfo, SessionRecord, TaskRecord
 from settled.states import (
     ADMITTED,
     TASK_COMPLETE,
@@ -50,13 +59,16 @@ from settled.states import (
     next_task_state,
     states_accepting,
 )
+from settled.store import gate
 from settled.store.rows import (
     HOST_COLUMNS,
+    LIVE_COLUMNS,
     RECEIPT_EVENTS,
     SESSION_COLUMNS,
     checked_fact,
     fact_digest,
     host_from_row,
+    live_from_row,
     overlap,
     session_from_row,
     task_from_row,
@@ -177,14 +189,39 @@ def _launch_sets(
     return sets
 
 
+class _Turns:
+    """One lock per database file for the writers of this process (the module's docstring).
+    A forked child starts with none held: the thread that held one in the parent is not in it."""
+
+    def __init__(self) -> None:
+        self.after_fork()
+
+    def of(self, path: str) -> _thread.LockType:
+        with self._lock:
+            turn = self._turns.get(path)
+            if turn is None:
+                turn = self._turns[path] = _thread.allocate_lock()
+            return turn
+
+    def after_fork(self) -> None:
+        self._lock = _thread.allocate_lock()
+        self._turns: dict[str, _thread.LockType] = {}
+
+
+_TURNS = _Turns()
+os.register_at_fork(after_in_child=_TURNS.after_fork)
+
+
 class SQLiteStore:
     """One connection per instance; one instance per process (owners open their own)."""
 
     def __init__(self, path: str, home: str | None = None) -> None:
         self.path = path
         self.home = home or os.path.dirname(path)
+        self._turn_key = os.path.realpath(path)  # one turn for every name of the file
         check_store_present(self.home)  # never a fresh store beside another one's logs
         os.makedirs(os.path.dirname(os.path.abspath(path)), mode=0o700, exist_ok=True)
+        gate.make(path)
         try:
             self._db = sqlite3.connect(
                 private_file(path), timeout=BUSY_TIMEOUT_S, isolation_level=None
@@ -215,7 +252,40 @@ class SQLiteStore:
     def _write(self) -> Iterator[sqlite3.Connection]:
         """One write transaction. A full or failing disk ("database or disk is full", an I/O
         error) is the typed SpaceExhausted / StorageFailed naming the store, never a bare
-        sqlite3 error; the transaction is rolled back if SQLite did not already."""
+        sqlite3 error; the transaction is rolled back if SQLite did not already. Begun in
+        this process's turn for the database (`_Turns`) and behind the home's write gate
+        (`store/gate.py`). The busy timeout bounds the whole wait, as it did SQLite's alone:
+        a writer without the gate waits on SQLite's lock only for what is left of it."""
+        give_up = time.monotonic() + BUSY_TIMEOUT_S
+        turn = _TURNS.of(self._turn_key)
+        held = turn.acquire(True, BUSY_TIMEOUT_S)
+        try:
+            left = max(0.0, give_up - time.monotonic())
+            with (
+                gate.held(self.path, left) as gated,
+                self._busy_until(None if gated else give_up),
+                self._transaction() as db,
+            ):
+                yield db
+        finally:
+            if held:
+                turn.release()
+
+    @contextmanager
+    def _busy_until(self, give_up: float | None) -> Iterator[None]:
+        """SQLite's busy timeout cut to what is left before `give_up` (None: left as it is)."""
+        if give_up is None:
+            yield
+            return
+        left_ms = int(max(0.0, give_up - time.monotonic()) * 1000)
+        self._db.execute(f"PRAGMA busy_timeout={left_ms}")
+        try:
+            yield
+        finally:
+            self._db.execute(f"PRAGMA busy_timeout={int(BUSY_TIMEOUT_S * 1000)}")
+
+    @contextmanager
+    def _transaction(self) -> Iterator[sqlite3.Connection]:
         try:
             self._db.execute("BEGIN IMMEDIATE")
             try:
@@ -471,6 +541,9 @@ class SQLiteStore:
     def admit(
         self, task: str, key: str, digest: str, spec: dict[str, Any]
     ) -> tuple[SessionRecord, bool]:
+        """The spec's canonical text is made before the write lock and the new row read back
+        after its commit: every other writer of the home queues on that lock while it is held."""
+        text = canonical_bytes(spec).decode()
         with self._write() as db:
             trow = db.execute("SELECT state, generation, frozen FROM tasks WHERE task=?", (task,))
             found = trow.fetchone()
@@ -503,16 +576,13 @@ class SQLiteStore:
                     task,
                     key,
                     digest,
-                    canonical_bytes(spec).decode(),
+                    text,
                     ADMITTED,
                     generation,
                     time.time(),
                 ),
             )
-            row = db.execute(
-                f"SELECT {SESSION_COLUMNS} FROM sessions WHERE session=?", (session,)
-            ).fetchone()
-            return session_from_row(row), False
+        return self.get_session(session), False
 
     def get_session(self, session: str) -> SessionRecord:
         row = self._db.execute(
@@ -738,6 +808,15 @@ class SQLiteStore:
             args,
         ).fetchall()
         return [session_from_row(r) for r in rows]
+
+    def live_owners(self, task: str | None = None) -> list[LiveSession]:
+        where, args = ("AND task=?", (task,)) if task else ("", ())
+        rows = self._db.execute(
+            f"SELECT {LIVE_COLUMNS} FROM sessions "
+            f"WHERE state IN ('admitted', 'running', 'settling') {where} ORDER BY created_at",
+            args,
+        ).fetchall()
+        return [live_from_row(r) for r in rows]
 
     def request_cancel(self, session: str, reason: str) -> SessionRecord:
         with self._write() as db:
