@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import random
+import select
 import signal
 import time
 from pathlib import Path
@@ -31,6 +32,18 @@ def _wait_until(predicate: object, timeout: float = 20.0) -> None:
 def _owner_dead(rt: Runtime, session: str) -> bool:
     facts = rt.owner_facts(rt.store.get_session(session))
     return facts is not None and not facts.alive
+
+
+def _exited(pid: int) -> bool:
+    """Whether `pid` exited as a pidfd says it (every thread of it gone), or is gone."""
+    try:
+        handle = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return True
+    try:
+        return bool(select.select([handle], [], [], 0)[0])
+    finally:
+        os.close(handle)
 
 
 def _kill_owner(rt: Runtime, session: str) -> int:
@@ -260,7 +273,11 @@ def test_an_owner_seen_alive_at_one_admission_and_killed_freezes_the_next(
     first = rt.exec(task.task, shell="sleep 300", key="first")
     second = rt.exec(task.task, shell="sleep 300", key="second")  # looked at `first`'s owner
     assert rt.recovery.detect(task.task) == []  # both seen alive, both held
-    _kill_owner(rt, first.session)
+    owner = _kill_owner(rt, first.session)
+    # /proc reads the owner a zombie as soon as its main thread exits; its pidfd is readable once
+    # every thread of it has (the kernel's "exited"). Until then a held owner reads alive: a
+    # dying owner found at the next look, never a live one read dead.
+    _wait_until(lambda: _exited(owner))
     with pytest.raises(AdmissionFrozen, match=first.session):
         rt.exec(task.task, shell="echo never", key="third")
     assert rt.store.get_session(first.session).state == "unknown"

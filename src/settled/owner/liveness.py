@@ -56,7 +56,10 @@ class _HeldOwners:
 
     def alive(self, owners: Sequence[OwnerInfo]) -> list[bool]:
         """For each owner (of this boot), whether its process is alive now: not exited and
-        not a zombie. An owner that exits during the call may read either way, as with /proc."""
+        not a zombie. An owner that exits during the call may read either way, as with /proc;
+        so may one whose main thread has exited while its other threads have not yet (/proc
+        already reads it a zombie, its pidfd is readable once they are gone): a dying owner is
+        found at the next look, and a live one is never read dead."""
         with self._lock:
             if self._limit is None:
                 self._limit = _held_limit()
