@@ -24,8 +24,8 @@ import sys
 from settled import faults
 from settled.cli import run_here
 from settled.cli import verbs as _verbs
-from settled.cli.reads import parse_quick as _parse_quick  # noqa: F401 - likewise
-from settled.relay import Relay as _Relay  # noqa: F401 - likewise
+from settled.cli.reads import parse_quick as _parse_quick  # noqa: F401 - imported once, here
+from settled.relay import Relay as _Relay  # noqa: F401 - likewise (in the zygote)
 from settled.runtime import load_for_calls
 
 KIND = b"cli"
