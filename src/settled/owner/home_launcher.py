@@ -11,14 +11,21 @@ per home), detached, with the same readiness report as the journal's. Each reque
 connection: the caller's environment and umask, and its two pipes (SCM_RIGHTS), exactly as
 `WarmLauncher` sends them; the zygote forks the owner (setsid, a second fork: it outlives the
 zygote) and answers `ok`; the caller then claims for it and hands it its orders (handoff.py).
-The zygote exits after IDLE_EXIT_S without a request, when asked to stop, or when a caller of
-another settled (its version or install) asks it for an owner, so an upgrade never runs old code.
+The zygote exits after IDLE_EXIT_S without a request and with no call running, when asked to
+stop, or when a caller of another settled (its version, install or interpreter) asks it for
+anything, so an upgrade never runs old code.
+
+A face may ask too: a request that starts with FACE_MAGIC (the CLI's, cli/thin.py) gets a worker
+forked with the caller's stdio and directory, which runs the face's function named when the
+zygote started (`runtime.HOME_FACE`, imported before the heap is frozen); the zygote reaps each
+worker and tells its caller how one ended that could not say (face_workers.py).
 
 Trust: the socket lives in the home's run directory (0700, hidden from every command by its
 mount namespace), and the zygote serves only its own uid (SO_PEERCRED). It holds no store
 connection, no lock but its own, and forks owners that act only on orders from the caller that
-claimed their session. Must never: serve another uid, answer for a request it did not fork, or
-outlive IDLE_EXIT_S without a request.
+claimed their session. Must never: serve another uid, answer for a request it did not fork, run
+a face's request for a caller of other code, or outlive IDLE_EXIT_S without a request while no
+call runs.
 """
 
 from __future__ import annotations
@@ -79,7 +86,7 @@ class LauncherUnavailable(OwnerLaunchFailed):
 def main(argv: list[str]) -> int:
     """argv: RUN_DIR IDLE_S READY_FD [FACE]. Forks once, so its starter reaps this process at
     once and the zygote is nobody's child but init's. FACE ("module:function") is a face whose
-    requests the zygote also serves (see `serve_face`)."""
+    requests the zygote also serves (see `_serve_face`)."""
     run, idle, ready_fd = argv[0], float(argv[1]), int(argv[2])
     face = _load_face(argv[3]) if len(argv) > 3 else None
     if os.fork() != 0:
