@@ -44,7 +44,7 @@ import sqlite3
 import stat
 import threading
 from collections.abc import Collection, Iterable, Mapping
-from typing import Final, NamedTuple
+from typing import Any, Final, NamedTuple
 
 from settled.home import private_file
 from settled.localdb import BUSY_TIMEOUT_S, enable_wal
@@ -212,22 +212,27 @@ class VerifiedRecord:
             if self._packs is not None:
                 for dev, ino, changed, modified, _ in rows:
                     self._packs[(dev, ino)] = (changed, modified)
-            if self._db is None:
-                return
+            self._write_rows(
+                "INSERT OR REPLACE INTO verified_packs (dev, ino, changed_ns, modified_ns, "
+                "verified_at_ns) VALUES (?, ?, ?, ?, ?)",
+                rows,
+            )
+
+    def _write_rows(self, statement: str, rows: list[tuple[Any, ...]]) -> None:
+        """`statement` for each row in one transaction (holding `_lock`); an error makes the
+        record unusable, never the checkpoint that asked."""
+        if self._db is None or not rows:
+            return
+        try:
+            self._db.execute("BEGIN IMMEDIATE")
             try:
-                self._db.execute("BEGIN IMMEDIATE")
-                try:
-                    self._db.executemany(
-                        "INSERT OR REPLACE INTO verified_packs (dev, ino, changed_ns, "
-                        "modified_ns, verified_at_ns) VALUES (?, ?, ?, ?, ?)",
-                        rows,
-                    )
-                except BaseException:
-                    self._db.execute("ROLLBACK")
-                    raise
-                self._db.execute("COMMIT")
-            except sqlite3.Error as error:
-                self.unusable = f"cannot write the verified-object record: {error}"
+                self._db.executemany(statement, rows)
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._db.execute("COMMIT")
+        except sqlite3.Error as error:
+            self.unusable = f"cannot write the verified-object record: {error}"
 
     def _read(self, wanted: list[str]) -> dict[str, Key]:
         """The rows that vouch, of ``wanted``: looked up by key, or, when they are most of the
@@ -271,23 +276,11 @@ class VerifiedRecord:
                     settled.append((digest, row))
                 else:
                     self._memo[digest] = None
-            items = settled
-            if self._db is None or not items:
-                return
-            try:
-                self._db.execute("BEGIN IMMEDIATE")
-                try:
-                    self._db.executemany(
-                        f"INSERT OR REPLACE INTO verified_objects ({_COLUMNS}) "
-                        "VALUES (?, ?, ?, ?, ?, ?, ?)",
-                        [(digest, *row) for digest, row in items],
-                    )
-                except BaseException:
-                    self._db.execute("ROLLBACK")
-                    raise
-                self._db.execute("COMMIT")
-            except sqlite3.Error as error:
-                self.unusable = f"cannot write the verified-object record: {error}"
+            self._write_rows(
+                f"INSERT OR REPLACE INTO verified_objects ({_COLUMNS}) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?)",
+                [(digest, *row) for digest, row in settled],
+            )
 
     def forget(self, digests: Iterable[str]) -> None:
         """Drop the rows of objects found missing or damaged (their files are gone or moved)."""
