@@ -10,13 +10,12 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import test_cli
 from test_cli import CLI, SETTLED
-from test_home_launcher import _gone_within, _zygote_pid
+from test_home_launcher import _gone_within, _within, _zygote_pid
 from test_launcher import _alive
 
 from settled.cli import thin
@@ -107,12 +106,8 @@ def test_ctrl_c_of_the_caller_reaches_the_worker_and_detaches_as_a_local_run_doe
     cli: CLI, task: dict[str, Any]
 ) -> None:
     _warm(cli, task["task"])
-    caller = subprocess.Popen(
-        [*SETTLED, "run", "--task", task["task"], "--", "sh", "-c", "echo up; sleep 30"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=cli.env,
-    )  # fmt: skip
+    caller = _streaming_caller(cli, task["task"], subprocess.PIPE)
     try:
-        assert caller.stdout is not None and caller.stdout.readline() == b"up\n"
         caller.send_signal(signal.SIGINT)
         _out, err = caller.communicate(timeout=30)
     finally:
@@ -144,14 +139,23 @@ def test_a_caller_killed_outright_takes_its_worker_with_it(cli: CLI, task: dict[
 
 def _worker_of(zygote: int, timeout: float = 20.0) -> int:
     """The zygote's one child that stays (stubs exit at once): the worker of the call."""
-    give_up = time.monotonic() + timeout
-    while time.monotonic() < give_up:
-        children = Path(f"/proc/{zygote}/task/{zygote}/children").read_text().split()
-        for child in children:
-            if _alive(int(child)) and "Z" not in Path(f"/proc/{child}/stat").read_text()[-300:]:
-                return int(child)
-        time.sleep(0.02)
-    raise AssertionError(f"zygote {zygote} forked no worker within {timeout} s")
+    assert _within(lambda: bool(_live_children(zygote)), timeout), f"{zygote} forked no worker"
+    return _live_children(zygote)[0]
+
+
+def _live_children(pid: int) -> list[int]:
+    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    return [int(child) for child in children if _alive(int(child))]
+
+
+def _streaming_caller(cli: CLI, task_id: str, stderr: int) -> subprocess.Popen[bytes]:
+    """`settled run` of a command that printed `up` (read here) and sleeps 30 s."""
+    caller = subprocess.Popen(
+        [*SETTLED, "run", "--task", task_id, "--", "sh", "-c", "echo up; sleep 30"],
+        stdout=subprocess.PIPE, stderr=stderr, env=cli.env,
+    )  # fmt: skip
+    assert caller.stdout is not None and caller.stdout.readline() == b"up\n"
+    return caller
 
 
 def test_a_zygote_of_another_install_leaves_and_the_call_runs_here(
@@ -205,12 +209,8 @@ def test_ctrl_z_stops_the_worker_with_its_caller_and_sigcont_resumes_both(
     cli: CLI, task: dict[str, Any]
 ) -> None:
     zygote = _warm(cli, task["task"])
-    caller = subprocess.Popen(
-        [*SETTLED, "run", "--task", task["task"], "--", "sh", "-c", "echo up; sleep 30"],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=cli.env,
-    )  # fmt: skip
+    caller = _streaming_caller(cli, task["task"], subprocess.DEVNULL)
     try:
-        assert caller.stdout is not None and caller.stdout.readline() == b"up\n"
         worker = _worker_of(zygote)
         caller.send_signal(signal.SIGTSTP)
         assert _state_becomes(caller.pid, "T") and _state_becomes(worker, "T")
@@ -228,13 +228,10 @@ def test_ctrl_z_stops_the_worker_with_its_caller_and_sigcont_resumes_both(
 
 
 def _state_becomes(pid: int, state: str, timeout: float = 10.0) -> bool:
-    give_up = time.monotonic() + timeout
-    while time.monotonic() < give_up:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-        if stat.rsplit(")", 1)[1].split()[0] == state:
-            return True
-        time.sleep(0.01)
-    return False
+    def state_now() -> str:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+    return _within(lambda: state_now() == state, timeout)
 
 
 def test_a_stopped_zygote_frees_the_home_at_once_and_its_running_calls_end_as_they_would(
@@ -281,10 +278,7 @@ def test_past_its_capacity_the_zygote_leaves_a_call_to_its_caller(
         for _ in range(3)
     ]  # fmt: skip
     try:
-        give_up = time.monotonic() + 20
-        while len(_live_children(zygote)) < 3 and time.monotonic() < give_up:
-            time.sleep(0.02)
-        assert len(_live_children(zygote)) == 3
+        assert _within(lambda: len(_live_children(zygote)) == 3, 20)
         done, imported = _imports_of(cli, "status", task["task"], "--json")
         assert done.returncode == 0, done.stderr
         assert "settled.runtime" in imported  # no room: it ran in its own process
@@ -293,8 +287,3 @@ def test_past_its_capacity_the_zygote_leaves_a_call_to_its_caller(
             waiting.kill()
             waiting.wait()
     assert cli.run("cancel", admitted["session"]).returncode == 0
-
-
-def _live_children(pid: int) -> list[int]:
-    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-    return [int(c) for c in children if " Z " not in Path(f"/proc/{c}/stat").read_text()]

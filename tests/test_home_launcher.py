@@ -12,6 +12,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -33,9 +34,14 @@ def _zygote_pid(run: Path) -> int:
 
 
 def _gone_within(pid: int, seconds: float) -> bool:
+    return _within(lambda: not _alive(pid), seconds)
+
+
+def _within(check: Callable[[], bool], seconds: float) -> bool:
+    """Whether `check()` holds within `seconds`, looked at every 20 ms."""
     give_up = time.monotonic() + seconds
     while time.monotonic() < give_up:
-        if not _alive(pid):
+        if check():
             return True
         time.sleep(0.02)
     return False
