@@ -25,6 +25,7 @@ from settled.records import Frozen
 from settled.where import ROOT_HOME as ROOT_HOME  # re-exported: where a home is
 from settled.where import default_home as default_home
 from settled.where import resolve_home as resolve_home
+from settled.where import run_dir as run_dir
 
 STORE_FILE = "settled.db"
 HOME_ID_FILE = "home.id"  # written once; the store's meta table holds the same id
@@ -170,11 +171,6 @@ def log_path(home: str, session: str, stream: str) -> str:
 
 def stdin_path(home: str, digest: str) -> str:
     return os.path.join(home, "stdin", digest.replace(":", "-"))
-
-
-def run_dir(home: str) -> str:
-    """The home's run directory: its one journal daemon's socket, lock, log and task states."""
-    return os.path.join(home, "run")
 
 
 def journal_socket(home: str) -> str:

@@ -1,5 +1,5 @@
-"""Where things are, computed with `os` alone: the home a command line names, and which
-install of settled is running.
+"""Where things are, computed with `os` alone: the home a command line names, its run
+directory and the names its zygote answers on, and which install of settled is running.
 
 Why a module of its own: the CLI's thin client (`cli/thin.py`) needs both before it decides
 whether a warm process of the home can answer for it, and must not pay for `home.py`'s
@@ -13,6 +13,14 @@ import os
 import sys
 
 ROOT_HOME = "/var/lib/settled"  # root's home, as a system service keeps its state
+LAUNCHER_SOCKET = "launcher.sock"  # in the run directory: the home's zygote (home_launcher.py)
+LAUNCHER_LOG = "launcher.log"
+FACE_MAGIC = b"settled-face/1\0"  # a face's request to that zygote; an owner's is JSON
+
+
+def run_dir(home: str) -> str:
+    """The home's run directory: its journal daemon's and its zygote's sockets, locks and logs."""
+    return os.path.join(home, "run")
 
 
 def resolve_home(explicit: str | None = None) -> str:

@@ -26,7 +26,14 @@ import _socket
 import os
 import sys
 
-from settled.where import install_identity, resolve_home
+from settled.where import (
+    FACE_MAGIC,
+    LAUNCHER_LOG,
+    LAUNCHER_SOCKET,
+    install_identity,
+    resolve_home,
+    run_dir,
+)
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -40,7 +47,6 @@ SERVED = frozenset({
 })  # fmt: skip
 GLOBAL_VALUED = ("--home", "--store", "--objects")
 GLOBAL_FLAGS = ("--json", "-q", "--quiet", "--debug")
-FACE_MAGIC = b"settled-face/1\0"  # owner/home_launcher.py's: the same bytes
 FORWARDED = (_signal.SIGINT, _signal.SIGTERM, _signal.SIGHUP, _signal.SIGQUIT, _signal.SIGCONT)
 ANSWER_TIMEOUT_S = 10.0  # the zygote forks and the worker names itself within this
 EXIT_FAILURE = 1  # errors.EXIT_FAILURE, not imported: that module costs what this one saves
@@ -57,7 +63,7 @@ def answered_by_home(argv: list[str]) -> int | None:
         home = served_home(argv)
         if home is None:
             return None
-        sock = _connect(os.path.join(home, "run", "launcher.sock"))
+        sock = _connect(os.path.join(run_dir(home), LAUNCHER_SOCKET))
         if sock is None:
             return None
         try:
@@ -192,7 +198,7 @@ def _relay(sock: _socket.socket, worker: int, home: str) -> int:
             pass  # SIGKILL and SIGSTOP have no handler to reset
         os.kill(os.getpid(), int(number))
         return 128 + int(number)  # a signal that does not end a process: the shell's code
-    log = os.path.join(home, "run", "launcher.log")
+    log = os.path.join(run_dir(home), LAUNCHER_LOG)
     ended = f"exited {int(number)}" if word == b"ended" else "ended"
     return _say(f"the worker that ran this command line {ended} without an exit code (see {log})")
 

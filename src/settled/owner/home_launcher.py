@@ -53,6 +53,7 @@ from settled.owner.forking import (
     reap_stubs,
 )
 from settled.store import Store
+from settled.where import FACE_MAGIC, LAUNCHER_LOG, LAUNCHER_SOCKET
 from settled.where import install_identity as identity
 
 TYPE_CHECKING = False
@@ -63,12 +64,11 @@ if TYPE_CHECKING:
 
     Face = Callable[[bytes, list[int], int], int]
 
-SOCKET_NAME = "launcher.sock"
+SOCKET_NAME = LAUNCHER_SOCKET
 LOCK_NAME = "launcher.lock"  # held by the running zygote for its whole life
 START_NAME = "launcher.start"  # serializes starts
-LOG_NAME = "launcher.log"
+LOG_NAME = LAUNCHER_LOG
 IDLE_EXIT_S = 60.0  # SETTLED_LAUNCHER_IDLE_S overrides it, read when a zygote starts
-FACE_MAGIC = b"settled-face/1\0"  # a face's request; an owner's is a JSON object
 FACE_FDS = 4  # a face's worker gets its caller's stdin, stdout, stderr and directory
 START_TIMEOUT_S = 30.0
 REPLY_TIMEOUT_S = 10.0
