@@ -59,24 +59,15 @@ def answered_by_home(argv: list[str]) -> int | None:
         return None
     if os.environ.get("SETTLED_LAUNCHER", "home") != "home":
         return None  # a test or a user chose how owners start: the verb runs here, as asked
-    try:
-        home = served_home(argv)
-        if home is None:
-            return None
-        sock = _connect(os.path.join(run_dir(home), LAUNCHER_SOCKET))
-        if sock is None:
-            return None
-        try:
-            worker = _hand_over(sock, argv)
-        except ValueError:  # a word no file name can hold: this process says which
-            sock.close()
-            return None
-    except ValueError:
+    home = served_home(argv)
+    if home is None:
+        return None
+    sock = _connect(os.path.join(run_dir(home), LAUNCHER_SOCKET))
+    if sock is None:
         return None
     try:
-        if worker is None:
-            return None
-        return _relay(sock, worker, home)
+        worker = _hand_over(sock, argv)
+        return None if worker is None else _relay(sock, worker, home)
     finally:
         sock.close()
 
@@ -112,7 +103,7 @@ def _connect(path: str) -> _socket.socket | None:
     try:
         sock.settimeout(ANSWER_TIMEOUT_S)
         sock.connect(path)
-    except OSError:  # none answers here: the verb runs in this process
+    except (OSError, ValueError):  # none answers here, or no such path: this process runs it
         sock.close()
         return None
     return sock
@@ -121,7 +112,10 @@ def _connect(path: str) -> _socket.socket | None:
 def _hand_over(sock: _socket.socket, argv: list[str]) -> int | None:
     """Send the command line with this process's stdio and directory; the worker's pid once it
     named itself, None if nothing will run it there (this process then runs it)."""
-    request = _request(argv)
+    try:
+        request = _request(argv)
+    except ValueError:  # a word no file name can hold: this process says which
+        return None
     if request is None:
         return None
     try:
