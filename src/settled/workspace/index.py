@@ -34,6 +34,7 @@ from settled.workspace.manifest import (
     Entry,
     IndexMismatch,
     join,
+    json_string,
     name_of,
     parent_of,
     tree_bytes,
@@ -107,21 +108,68 @@ def build_node(
     tree_data = tree_bytes(algorithm, ordered)
     tree = digest_bytes(algorithm, tree_data)
     count = len(ordered) + sum(entry.below for entry in ordered if entry.type == DIR)
-    node_data = canonical_bytes(
-        {
-            "v": NODE_VERSION,
-            "algorithm": algorithm,
-            "tree": tree,
-            "trusted_before_ns": trusted_before_ns,
-            "count": count,
-            "entries": [_row(entry) for entry in ordered],
-        }
-    )
+    node_data = _node_bytes(algorithm, tree, trusted_before_ns, count, ordered)
     entries = {name_of(entry.path): entry for entry in ordered}
     ref = digest_bytes(algorithm, node_data)
     return BuiltNode(
         DirNode(path, algorithm, tree, trusted_before_ns, entries, count, ref), tree_data, node_data
     )
+
+
+def _node_bytes(
+    algorithm: str, tree: str, trusted_before_ns: int, count: int, ordered: list[Entry]
+) -> bytes:
+    """A node's bytes: exactly ``canonical_bytes`` of its form, with the rows of files and
+    directories written directly (``_row_text``), as ``tree_bytes`` writes their tree."""
+    if type(trusted_before_ns) is not int or type(count) is not int:
+        return canonical_bytes(_node_form(algorithm, tree, trusted_before_ns, count, ordered))
+    rows = ",".join([_row_text(entry) for entry in ordered])
+    return (
+        f'{{"algorithm":{json_string(algorithm)},"count":{count},"entries":[{rows}],'
+        f'"tree":{json_string(tree)},"trusted_before_ns":{trusted_before_ns},'
+        f'"v":{json_string(NODE_VERSION)}}}'
+    ).encode()
+
+
+def _node_form(
+    algorithm: str, tree: str, trusted_before_ns: int, count: int, ordered: list[Entry]
+) -> dict[str, Any]:
+    return {
+        "v": NODE_VERSION,
+        "algorithm": algorithm,
+        "tree": tree,
+        "trusted_before_ns": trusted_before_ns,
+        "count": count,
+        "entries": [_row(entry) for entry in ordered],
+    }
+
+
+_FILE_ROW: Final = '[%s,"file",%d,%d,%s,%d,%d,%d,%d,%d,%d,null,%d]'
+_DIR_ROW: Final = '[%s,"dir",%d,%d,%s,%d,%d,%d,%d,%d,%d,%s,%d]'
+
+
+def _row_text(entry: Entry) -> str:
+    """A row's canonical text: written directly for a dense file or a directory whose every
+    field has the exact type of its form (``bool`` is an ``int`` that encodes otherwise), else
+    ``canonical_bytes`` of ``_row``."""
+    path, kind, mode, size, digest, _, _, ino, dev, mtime_ns, ctime_ns, tree, node, below, uid, gid, extents, _ = entry  # fmt: skip # noqa: E501
+    if (
+        extents is None
+        and type(uid) is type(gid) is type(mode) is type(size) is type(ino) is int
+        and type(dev) is type(mtime_ns) is type(ctime_ns) is type(below) is int
+    ):
+        name = json_string(path.rpartition("/")[2])
+        if kind == FILE and type(digest) is str and node is None:
+            return _FILE_ROW % (
+                name, mode, size, json_string(digest), uid, gid, ino, dev, mtime_ns, ctime_ns,
+                below,
+            )  # fmt: skip
+        if kind == DIR and type(tree) is str and type(node) is str:
+            return _DIR_ROW % (
+                name, mode, size, json_string(tree), uid, gid, ino, dev, mtime_ns, ctime_ns,
+                json_string(node), below,
+            )  # fmt: skip
+    return canonical_bytes(_row(entry)).decode("utf-8")
 
 
 def _row(entry: Entry) -> list[Any]:

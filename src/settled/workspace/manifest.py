@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import json.encoder
 import os
 import stat
 from collections.abc import Iterable
@@ -440,10 +441,45 @@ def _check_extents(entry: Entry, algorithm: str) -> None:
 
 def tree_bytes(algorithm: str, entries: Iterable[Entry]) -> bytes:
     """A directory's (v3) tree object: its entries (sorted by name by the caller), each with
-    its owner and (when recorded) its mtime, no stat cache."""
-    return canonical_bytes(
-        {"v": TREE_VERSION, "algorithm": algorithm, "entries": [e.tree_form() for e in entries]}
-    )
+    its owner and (when recorded) its mtime, no stat cache. The very bytes ``canonical_bytes``
+    makes of ``{"v", "algorithm", "entries": [tree_form, ...]}``, written directly (keys in
+    sorted order) for files and directories: a close builds a tree per directory it scanned,
+    and dicts sorted by the JSON encoder cost ~1.6 us an entry, this ~0.5."""
+    body = ",".join([_tree_entry_text(entry) for entry in entries])
+    return (
+        f'{{"algorithm":{json_string(algorithm)},"entries":[{body}],'
+        f'"v":{json_string(TREE_VERSION)}}}'
+    ).encode()
+
+
+_FILE_TEXT: Final = (
+    '{"digest":%s,"gid":%d,"mode":%d,"mtime":%d,"name":%s,"size":%d,"type":"file","uid":%d}'
+)
+_DIR_TEXT: Final = (
+    '{"gid":%d,"mode":%d,"mtime":%d,"name":%s,"size":%d,"tree":%s,"type":"dir","uid":%d}'
+)
+json_string: Final = json.encoder.encode_basestring
+"""A string's JSON text as ``canonical_bytes`` writes it (the encoder's own function: the one
+``json.dumps(ensure_ascii=False)`` calls), for canonical bytes written without ``json.dumps``."""
+
+
+def _tree_entry_text(entry: Entry) -> str:
+    """One entry's canonical text in a tree. Written directly only when every field is of the
+    exact type the form has (an ``int`` subclass such as ``bool`` encodes otherwise); anything
+    else (links, devices, sparse files, no owner or time) goes through ``tree_form``."""
+    path, kind, mode, size, digest, _, _, _, _, _, _, tree, _, _, uid, gid, extents, mtime = entry
+    content = digest if kind == FILE else tree
+    if (
+        extents is None
+        and kind in (FILE, DIR)
+        and type(content) is str
+        and type(gid) is type(uid) is type(mode) is type(mtime) is type(size) is int
+    ):
+        name = json_string(path.rpartition("/")[2])
+        if kind == FILE:
+            return _FILE_TEXT % (json_string(content), gid, mode, mtime, name, size, uid)
+        return _DIR_TEXT % (gid, mode, mtime, name, size, json_string(content), uid)
+    return canonical_bytes(entry.tree_form()).decode("utf-8")
 
 
 def parse_tree(data: bytes, tree_id: str, path: str) -> list[Entry]:
