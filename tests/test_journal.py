@@ -565,6 +565,27 @@ def test_sigterm_stops_a_journal_cleanly_with_its_last_seq_persisted(
 
 
 @pytest.mark.timeout(30)
+def test_a_release_persists_its_last_seq_before_the_next_request_is_served(
+    daemons: Daemons, ws: Path, run: Path
+) -> None:
+    """The clean state of a release is written after its reply (a close does not wait for
+    its fsyncs), but before the journal reads another request: the next watch of the task
+    continues above the released seq, as if the write had come first."""
+    socket_path = daemons.start(ws, run)
+    (ws / "f").write_text("x")
+    mark = barrier(socket_path)
+    assert mark is not None
+    assert release(socket_path, TASK)
+    assert ping(socket_path) is not None  # served after the release's deferred write
+    state = json.loads((run / "journal" / f"{TASK}.state").read_text())
+    assert state["clean"] is True and state["seq"] >= mark.seq
+    daemons.start(ws, run)  # watched again: continues above the released seq, and says so
+    again = barrier(socket_path)
+    assert again is not None and again.seq > state["seq"]
+    assert any(f"after seq {state['seq']}:" in reason for reason in again.reasons)
+
+
+@pytest.mark.timeout(30)
 def test_a_journal_with_no_task_exits_by_itself(daemons: Daemons, run: Path) -> None:
     socket_path = ensure_running(str(run), idle_exit_s=0.5)
     pid = daemons.adopt(socket_path, run)
