@@ -404,12 +404,17 @@ class LocalObjectStore:
 
     def _parse(self, digest: str) -> tuple[str, str, bytes]:
         """``(algo, hex, key)`` of a digest; ``BadDigest`` if it is not one. The common form
-        is checked without the regular expression (a read-back parses 100,000 of them)."""
+        is checked without the regular expression (a read-back parses 100,000 of them): its
+        hex decoded and encoded back to the same text is exactly lowercase hex, no space (a
+        plain ``try``: ``contextlib.suppress`` cost ~0.8 us a digest, most of this check)."""
         if len(digest) == _BLAKE3_LENGTH and digest.startswith(_BLAKE3_PREFIX):
             hexdigest = digest[_BLAKE3_CUT:]
-            if hexdigest.isalnum() and hexdigest == hexdigest.lower():
-                with contextlib.suppress(ValueError):
-                    return BLAKE3, hexdigest, bytes.fromhex(hexdigest) + _BLAKE3_BYTE
+            try:
+                raw = bytes.fromhex(hexdigest)
+            except ValueError:
+                raw = b""
+            if raw.hex() == hexdigest:
+                return BLAKE3, hexdigest, raw + _BLAKE3_BYTE
         algo, hexdigest = parse_digest(digest)
         return algo, hexdigest, key_from(algo, hexdigest)
 
