@@ -181,6 +181,56 @@ HEAVY = (
 )  # fmt: skip
 
 
+EMPTINESS_PROBE = """
+import os, select, sys, time
+sys.path += sys.argv[2:]
+from settled import boundary
+from settled.boundary.spawn import ChildIO, Launch
+made = boundary.make(sys.argv[1], "t_empty_" + str(os.getpid()), "s_empty")
+cgroup = getattr(made, "cgroup", None)  # cgroup2+pidns: its session's cgroup, made at claim
+if cgroup is not None:
+    cgroup.create()
+made.setup()
+null = os.open(os.devnull, os.O_RDWR)
+env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin")}
+made.start(Launch(["/bin/sh", "-c", "sleep 30 & exit 3"], "/", env, ChildIO(null, null, null)))
+fd = made.empty_fd()
+readable = lambda seconds: bool(select.select([fd], [], [], seconds)[0])
+print("watched" if fd is not None else "unwatched")
+select.select([made.exit_fd()], [], [], 10)
+print("main", os.waitstatus_to_exitcode(made.collect_main()))
+if not made.is_empty():
+    print("readable before its end" if readable(0) else "not readable before its end")
+    made.kill_all()
+print("readable after its end" if readable(10) else "never readable")
+print("empty" if made.is_empty() else "not empty", made.empty_fd())
+made.teardown()
+if cgroup is not None and os.path.isdir(cgroup.task_path):  # its teardown may remove it
+    os.rmdir(cgroup.task_path)
+"""
+
+
+@pytest.mark.parametrize("kind", ["pidns", "cgroup2+pidns"])
+def test_a_pid_namespace_boundary_hands_its_owner_a_handle_that_wakes_when_it_empties(
+    kind: str,
+) -> None:
+    """The owner sleeps on `empty_fd` once stopping instead of looking every 0.25-5 ms: the
+    init's pidfd, not readable while a member (here a background `sleep`) keeps the namespace
+    alive, readable once the kill ended it, and None once the init is reaped."""
+    reason = availability()[kind]
+    if reason is not None:
+        pytest.skip(f"{kind} unavailable here: {reason}")
+    out = subprocess.run(
+        [sys.executable, "-I", "-c", EMPTINESS_PROBE, kind, *owner_path()],
+        capture_output=True, text=True, timeout=60, check=True,
+    ).stdout.splitlines()  # fmt: skip
+    assert out[:2] == ["watched", "main 3"]
+    assert out[2:] in (
+        ["not readable before its end", "readable after its end", "empty None"],
+        ["readable after its end", "empty None"],  # the init ended the namespace first
+    )
+
+
 def test_the_owners_launch_path_imports_only_what_starting_the_command_needs() -> None:
     """Everything an owner loads before its command runs (the entry, the boundaries, the
     clone3 probe): no json, typing, dataclasses, signal (enum), re, sqlite3, the store,

@@ -114,6 +114,11 @@ class Boundary(ABC):
         assert self._pidfd is not None
         return self._pidfd
 
+    def empty_fd(self) -> int | None:
+        """A descriptor readable once the boundary may have become empty, for the owner to
+        wake on instead of its next look; None where only looking tells (the owner polls)."""
+        return None
+
     def collect_main(self) -> int | None:
         """The main process's raw wait status once it exited; reaps only that pid."""
         if self._main_status is None and self.main_pid is not None:

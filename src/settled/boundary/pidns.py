@@ -153,6 +153,11 @@ class PidnsBoundary(Boundary):
         assert self._status_r is not None
         return self._status_r
 
+    def empty_fd(self) -> int | None:
+        """The init's pidfd: readable once init exited, and the kernel lets init's exit finish
+        only after every other member of its namespace is gone."""
+        return self._pidfd if self._init_status is None else None
+
     def collect_main(self) -> int | None:
         if self._main_status is None and self._status_r is not None:
             os.set_blocking(self._status_r, False)
