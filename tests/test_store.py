@@ -105,8 +105,14 @@ def _pg_open(directory: str) -> Store:
     return open_postgres(pg.url_for_directory(directory))
 
 
+def _pg_open_one_connection(directory: str) -> Store:
+    """The store of an owner that may start no thread (it unshared its PID namespace): one
+    connection, no pool. The whole contract runs on it too."""
+    return PostgresStore(pg.url_for_directory(directory), pooled=False)
+
+
 def _pg_execute(store: Store, query: str, args: tuple[Any, ...]) -> None:
-    with cast(PostgresStore, store)._pool.connection() as conn:
+    with cast(PostgresStore, store)._connection() as conn:
         conn.execute(query, args)  # type: ignore[arg-type]
 
 
@@ -142,6 +148,16 @@ BACKENDS: dict[str, Backend] = {
     "postgresql": Backend(
         name="postgresql",
         open=_pg_open,
+        set_task_state=_pg_set_task_state,
+        set_session_state=_pg_set_session_state,
+        read_schema_version=_pg_read_schema_version,
+        write_schema_version=_pg_write_schema_version,
+        schema_version=postgres.SCHEMA_VERSION,
+        fixture="pg_cluster",
+    ),
+    "postgresql-one-connection": Backend(
+        name="postgresql-one-connection",
+        open=_pg_open_one_connection,
         set_task_state=_pg_set_task_state,
         set_session_state=_pg_set_session_state,
         read_schema_version=_pg_read_schema_version,
@@ -1526,3 +1542,40 @@ def test_a_forked_child_writes_though_a_parent_thread_held_the_turn_at_the_fork(
         assert os.waitstatus_to_exitcode(status) == 0
     finally:
         store.close()
+
+
+UNSHARED_OPEN = """
+import sys, threading
+from settled.boundary import linux
+from settled.store.postgres import open_postgres
+linux.unshare(linux.CLONE_NEWPID)  # as an owner whose command's namespace could not be cloned
+try:
+    threading.Thread(target=print).start()
+    print("a thread started")
+except RuntimeError:
+    print("no thread may start")
+store = open_postgres(sys.argv[1])
+print("pooled" if store._pool is not None else "one connection", len(store.list_tasks()))
+store.close()
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_process_that_may_start_no_thread_opens_the_store_on_one_connection(
+    pg_cluster: pg.Cluster, tmp_path: Any
+) -> None:
+    """After unshare(CLONE_NEWPID) the kernel refuses a process any thread, and a pool's
+    workers are threads: such an owner failed at its store's open and left no receipt. It now
+    opens one connection, and reads and writes through it."""
+    from settled.boundary.pidns import has_cap_sys_admin
+
+    if not has_cap_sys_admin():
+        pytest.skip("unsharing a PID namespace needs CAP_SYS_ADMIN")
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-c", UNSHARED_OPEN, pg.url_for_directory(str(tmp_path))],
+        capture_output=True, text=True, timeout=60, check=True,
+    ).stdout.splitlines()  # fmt: skip
+    assert out == ["no thread may start", "one connection 0"]

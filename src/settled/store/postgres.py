@@ -31,6 +31,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import os
 import threading
 import time
 import urllib.parse
@@ -255,9 +256,11 @@ def _lock_key(*parts: str) -> int:
 
 
 class PostgresStore:
-    """A small pool per instance; one instance per process (owners open their own)."""
+    """A small pool per instance; one instance per process (owners open their own). A process
+    the kernel refuses threads (``_can_start_threads``) uses one connection instead: a pool's
+    scheduler and workers are threads."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, *, pooled: bool = True) -> None:
         self._url = url
         params = _parse(url)
         self.where = _where(params)
@@ -271,20 +274,25 @@ class PostgresStore:
         # The pool's first connection is made in the background while this one checks the
         # schema: an open costs one connection time, not two. The direct connection is what
         # names a failure (the pool would only time out).
-        self._pool: ConnectionPool[psycopg.Connection[tuple[Any, ...]]] = ConnectionPool(
-            url,
-            min_size=POOL_MIN,
-            max_size=POOL_MAX,
-            kwargs={"autocommit": True, "connect_timeout": CONNECT_TIMEOUT_S},
-            timeout=CONNECT_TIMEOUT_S,
-            open=False,
-        )
-        self._pool.open(wait=False)
+        self._pool: ConnectionPool[psycopg.Connection[tuple[Any, ...]]] | None = None
+        self._single: psycopg.Connection[tuple[Any, ...]] | None = None  # when not pooled
+        self._single_lock = threading.Lock()
+        if pooled:
+            self._pool = ConnectionPool(
+                url,
+                min_size=POOL_MIN,
+                max_size=POOL_MAX,
+                kwargs={"autocommit": True, "connect_timeout": CONNECT_TIMEOUT_S},
+                timeout=CONNECT_TIMEOUT_S,
+                open=False,
+            )
+            self._pool.open(wait=False)
         try:
             with self._unreachable(), self._connect() as conn:
                 self._migrate(conn)
         except BaseException:
-            self._pool.close(timeout=0.5)
+            if self._pool is not None:
+                self._pool.close(timeout=0.5)
             raise
 
     def close(self) -> None:
@@ -293,12 +301,31 @@ class PostgresStore:
                 with contextlib.suppress(psycopg.Error):
                     self._listener.close()
                 self._listener = None
-        self._pool.close()
+        if self._pool is not None:
+            self._pool.close()
+        with self._single_lock:
+            if self._single is not None:
+                with contextlib.suppress(psycopg.Error):
+                    self._single.close()
+                self._single = None
 
     # -- connections -----------------------------------------------------------------------
 
     def _connect(self) -> psycopg.Connection[tuple[Any, ...]]:
         return psycopg.connect(self._url, autocommit=True, connect_timeout=CONNECT_TIMEOUT_S)
+
+    @contextlib.contextmanager
+    def _connection(self) -> Iterator[psycopg.Connection[tuple[Any, ...]]]:
+        """A connection for one read or transaction: the pool's, or the one connection (made
+        again once broken or closed), held by one thread at a time."""
+        if self._pool is not None:
+            with self._pool.connection() as conn:
+                yield conn
+            return
+        with self._single_lock:
+            if self._single is None or self._single.closed or self._single.broken:
+                self._single = self._connect()
+            yield self._single
 
     @contextlib.contextmanager
     def _unreachable(self) -> Iterator[None]:
@@ -316,7 +343,7 @@ class PostgresStore:
             try:
                 with (
                     self._unreachable(),
-                    self._pool.connection() as conn,
+                    self._connection() as conn,
                     conn.transaction(),
                     conn.cursor() as cur,
                 ):
@@ -328,7 +355,7 @@ class PostgresStore:
         raise AssertionError("unreachable")  # pragma: no cover
 
     def _read(self, query: str, args: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
-        with self._unreachable(), self._pool.connection() as conn:
+        with self._unreachable(), self._connection() as conn:
             return conn.execute(query, args).fetchall()
 
     def _read_one(self, query: str, args: tuple[Any, ...] = ()) -> tuple[Any, ...] | None:
@@ -1030,4 +1057,21 @@ class PostgresStore:
 def open_postgres(url: str) -> PostgresStore:
     """The store at a postgresql:// URL (`?options=-csearch_path%3Dname` for a schema of its
     own, created if missing)."""
-    return PostgresStore(url)
+    return PostgresStore(url, pooled=_can_start_threads())
+
+
+def _can_start_threads() -> bool:
+    """False in a process that unshared its PID namespace for its children (an owner whose
+    command's namespace could not be cloned, boundary/pidns.py): the kernel refuses it any new
+    thread from then on, and an owner there failed at its store's pool ("can't start new
+    thread") before it could write a receipt."""
+    try:
+        own = os.readlink("/proc/self/ns/pid")
+    except OSError:  # no /proc/self/ns: nothing unshared that this process can see
+        return True
+    try:
+        return own == os.readlink("/proc/self/ns/pid_for_children")
+    except FileNotFoundError:  # unshared, and no child made the namespace yet (or a kernel
+        return False  # before 4.12): one connection, which serves either way
+    except OSError:
+        return True
