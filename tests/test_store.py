@@ -1547,14 +1547,17 @@ def test_a_forked_child_writes_though_a_parent_thread_held_the_turn_at_the_fork(
 UNSHARED_OPEN = """
 import sys, threading
 from settled.boundary import linux
+from settled.boundary.pidns import threads_refused
 from settled.store.postgres import open_postgres
+print("refused" if threads_refused() else "allowed")
 linux.unshare(linux.CLONE_NEWPID)  # as an owner whose command's namespace could not be cloned
 try:
     threading.Thread(target=print).start()
     print("a thread started")
 except RuntimeError:
     print("no thread may start")
-store = open_postgres(sys.argv[1])
+print("refused" if threads_refused() else "allowed")
+store = open_postgres(sys.argv[1], pooled=not threads_refused())
 print("pooled" if store._pool is not None else "one connection", len(store.list_tasks()))
 store.close()
 """
@@ -1566,7 +1569,7 @@ def test_a_process_that_may_start_no_thread_opens_the_store_on_one_connection(
 ) -> None:
     """After unshare(CLONE_NEWPID) the kernel refuses a process any thread, and a pool's
     workers are threads: such an owner failed at its store's open and left no receipt. It now
-    opens one connection, and reads and writes through it."""
+    sees so (``threads_refused``) and opens one connection, and reads and writes through it."""
     from settled.boundary.pidns import has_cap_sys_admin
 
     if not has_cap_sys_admin():
@@ -1578,4 +1581,4 @@ def test_a_process_that_may_start_no_thread_opens_the_store_on_one_connection(
         [sys.executable, "-c", UNSHARED_OPEN, pg.url_for_directory(str(tmp_path))],
         capture_output=True, text=True, timeout=60, check=True,
     ).stdout.splitlines()  # fmt: skip
-    assert out == ["no thread may start", "one connection 0"]
+    assert out == ["allowed", "no thread may start", "refused", "one connection 0"]

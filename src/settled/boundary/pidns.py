@@ -50,6 +50,24 @@ def unshare_pid_namespace() -> None:
         raise unavailable(f"pidns: {exc.strerror}") from None
 
 
+def threads_refused() -> bool:
+    """Whether this process unshared its PID namespace for its children (``setup`` where the
+    init cannot be cloned): the kernel then refuses it any new thread, so what it opens from
+    then on (its store) must not start one. Read from /proc: the namespace its children get
+    is not its own, or is not made yet (no child since the unshare, or a kernel before 4.12,
+    where the answer errs on the side of no threads)."""
+    try:
+        own = os.readlink("/proc/self/ns/pid")
+    except OSError:  # no /proc/self/ns: nothing unshared that this process can see
+        return False
+    try:
+        return own != os.readlink("/proc/self/ns/pid_for_children")
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
+
+
 def _run_init(
     launch: Launch, errpipe: int, status: int, prepare: Callable[[], None] | None
 ) -> None:

@@ -24,6 +24,7 @@ from settled.backends import seals_logs
 from settled.boundary import linux
 from settled.boundary.base import Boundary
 from settled.boundary.isolation import IsolationPlan
+from settled.boundary.pidns import threads_refused
 from settled.errors import StaleWrite, StorageFailed
 from settled.home import SpaceGuard, journal_socket, log_path, storage_error
 from settled.identity import CommandSpec
@@ -85,7 +86,7 @@ class OwnerSession:
         self.sandbox: dict[str, Any] | None = orders["sandbox"]
         self.lease_s = lease_seconds()
         self.heartbeat_s = self.lease_s / HEARTBEATS_PER_LEASE
-        self.store: Store = open_store(home)
+        self.store: Store = open_store(home, threads=not threads_refused())
         self.record = self.store.get_session(self.session)
         self.spec = CommandSpec.from_json(self.record.spec)
         self.streams: Streams | None = None
@@ -196,7 +197,7 @@ class OwnerSession:
     def renewals(self) -> Iterator[Renew]:
         """Entered in the lease keeper's thread at its first renewal: a store connection of its
         own (a SQLite connection serves one thread), opened by the factory the owner's came from."""
-        store = open_store(self.home)
+        store = open_store(self.home, threads=not threads_refused())
         try:
             yield lambda alive_at: self._heartbeat(store, alive_at)
         finally:

@@ -209,16 +209,17 @@ class Store(Protocol):
     def close(self) -> None: ...
 
 
-def open_store(home: str) -> Store:
+def open_store(home: str, *, threads: bool = True) -> Store:
     """The store the home is bound to (`settled.backends`): its embedded SQLite database
-    unless it was bound to another."""
+    unless it was bound to another. `threads=False`: the calling process may start none (a
+    PostgreSQL store then holds one connection, not a pool of worker threads)."""
     from settled.backends import bound_backends
 
     url = bound_backends(home).store
     if url.startswith("postgresql://"):
         from settled.store.postgres import open_postgres  # psycopg loads only for it
 
-        return open_postgres(url)
+        return open_postgres(url, pooled=threads)
     from settled.store.sqlite import open_sqlite  # the implementation stays behind the seam
 
     return open_sqlite(home, url.removeprefix("sqlite://"))

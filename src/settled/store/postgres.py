@@ -31,7 +31,6 @@ import contextlib
 import hashlib
 import json
 import logging
-import os
 import threading
 import time
 import urllib.parse
@@ -257,7 +256,7 @@ def _lock_key(*parts: str) -> int:
 
 class PostgresStore:
     """A small pool per instance; one instance per process (owners open their own). A process
-    the kernel refuses threads (``_can_start_threads``) uses one connection instead: a pool's
+    the kernel refuses threads (``pooled=False``) uses one connection instead: a pool's
     scheduler and workers are threads."""
 
     def __init__(self, url: str, *, pooled: bool = True) -> None:
@@ -1054,24 +1053,8 @@ class PostgresStore:
             raise StaleWrite(f"task {task} is not at generation {generation}: already fenced")
 
 
-def open_postgres(url: str) -> PostgresStore:
+def open_postgres(url: str, *, pooled: bool = True) -> PostgresStore:
     """The store at a postgresql:// URL (`?options=-csearch_path%3Dname` for a schema of its
-    own, created if missing)."""
-    return PostgresStore(url, pooled=_can_start_threads())
-
-
-def _can_start_threads() -> bool:
-    """False in a process that unshared its PID namespace for its children (an owner whose
-    command's namespace could not be cloned, boundary/pidns.py): the kernel refuses it any new
-    thread from then on, and an owner there failed at its store's pool ("can't start new
-    thread") before it could write a receipt."""
-    try:
-        own = os.readlink("/proc/self/ns/pid")
-    except OSError:  # no /proc/self/ns: nothing unshared that this process can see
-        return True
-    try:
-        return own == os.readlink("/proc/self/ns/pid_for_children")
-    except FileNotFoundError:  # unshared, and no child made the namespace yet (or a kernel
-        return False  # before 4.12): one connection, which serves either way
-    except OSError:
-        return True
+    own, created if missing). `pooled=False`: one connection, for a process the kernel refuses
+    threads (an owner that unshared its PID namespace, `boundary.pidns.threads_refused`)."""
+    return PostgresStore(url, pooled=pooled)
