@@ -649,33 +649,6 @@ def test_a_directory_listed_ahead_that_fails_is_named_when_reached(
         scan(tmp_path)
 
 
-def test_a_scan_that_fails_while_siblings_are_listed_ahead_leaves_no_fd_and_no_listing(
-    tmp_path: Path, walker: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The siblings after the first are listed on a thread of their own (the C walker, two
-    CPUs or more) while the first is recorded; a failure there (a name that is not UTF-8)
-    waits for that listing before their fds are closed, and leaves none open."""
-    made: list[walk.ListedLater] = []
-
-    class Counted(walk.ListedLater):
-        def __init__(self, *args: Any) -> None:
-            super().__init__(*args)
-            made.append(self)
-
-    monkeypatch.setattr(scan_module, "ListedLater", Counted)
-    for index in range(12):
-        (tmp_path / f"d{index:02d}").mkdir()
-        (tmp_path / f"d{index:02d}" / "f").write_bytes(b"x")
-    os.close(os.open(os.fsencode(tmp_path / "d00") + b"/\xff", os.O_CREAT | os.O_WRONLY))
-    before = set(os.listdir("/proc/self/fd"))
-    with pytest.raises(scan_module.UnrepresentablePath):
-        scan(tmp_path)
-    assert not [t for t in threading.enumerate() if t.name == "settled-list" and t.is_alive()]
-    assert set(os.listdir("/proc/self/fd")) == before
-    later = walker == walk.NATIVE and walk.workers() > 1
-    assert len(made) == (1 if later else 0)
-
-
 def test_a_file_swapped_for_a_fifo_after_the_listing_is_never_opened(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, walker: str
 ) -> None:

@@ -53,7 +53,7 @@ import stat
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Final, NamedTuple
+from typing import Final
 
 from settled.canonical import canonical_bytes
 from settled.errors import SettledError
@@ -85,10 +85,8 @@ from settled.workspace.publish import Publisher
 from settled.workspace.sparse import Extent, data_ranges, hash_zeros, may_have_holes
 from settled.workspace.walk import COARSE_FS_SLACK_NS as COARSE_FS_SLACK_NS
 from settled.workspace.walk import (
-    NATIVE,
     Job,
     Listed,
-    ListedLater,
     Read,
     ReadAhead,
     choose,
@@ -331,8 +329,7 @@ class _Scanner:
         self.walker = choose()
         self.stats.walker = self.walker.name
         self.workers = workers()
-        self.ahead: dict[str, tuple[int, Listed | OSError | Later]] = {}  # with a sibling
-        self.list_later = self.workers > 1 and self.walker.name == NATIVE
+        self.ahead: dict[str, tuple[int, Listed | OSError]] = {}  # listed with a sibling
         self.dirty: list[str] = []  # incremental mode: the dirty directories, sorted
         self.dirty_at: dict[str, int] = {}  # where each is in that list
         self.dirty_next = 0  # the first of them not listed ahead yet
@@ -454,9 +451,6 @@ class _Scanner:
             for _, fd, _ in stack:
                 if fd != top_fd:
                     os.close(fd)
-            for _, listing in self.ahead.values():  # no listing may run in an fd closed here
-                if isinstance(listing, Later):
-                    listing.wait()
             for fd, _ in self.ahead.values():
                 os.close(fd)
             self.ahead.clear()
@@ -470,7 +464,7 @@ class _Scanner:
         child = join(current.path, name)
         ahead = self.ahead.pop(child, None)
         if ahead is not None:
-            return self.resolved(*ahead)
+            return ahead
         room = max(0, min(AHEAD_BATCH, AHEAD_FDS - len(self.ahead)) - 1)
         names = [name, *pending[::-1][:room]]  # the next siblings, in the order they come
         opened: list[tuple[str, int]] = []
@@ -480,36 +474,14 @@ class _Scanner:
                 if sub is not None:
                     opened.append((join(current.path, sibling), sub))
             jobs = [self.job(path, sub) for path, sub in opened]
-            listed = self.list_jobs(jobs)
+            listed = self.walker.scan_dirs(jobs, self.workers) if jobs else []
         except BaseException:
             for _, sub in opened:
                 os.close(sub)
             raise
         for (path, sub), result in zip(opened, listed, strict=True):
             self.ahead[path] = (sub, result)
-        ahead = self.ahead.pop(child, None)
-        return None if ahead is None else self.resolved(*ahead)
-
-    def list_jobs(self, jobs: list[Job]) -> list[Listed | OSError | Later]:
-        """The listings of ``jobs``: the first now, the rest on a thread of their own while the
-        first is recorded (with two CPUs or more and the C walker; else all now, on the
-        walker's threads)."""
-        if len(jobs) < 2 or not self.list_later:
-            return list(self.walker.scan_dirs(jobs, self.workers)) if jobs else []
-        first = self.walker.scan_dirs(jobs[:1], 1)
-        later = ListedLater(self.walker, jobs[1:], 1)
-        return [*first, *(Later(later, index) for index in range(len(jobs) - 1))]
-
-    def resolved(self, sub: int, listed: Listed | OSError | Later) -> tuple[int, Listed | OSError]:
-        """A directory listed ahead, its listing waited for if it was made on a thread (its fd
-        closed if that wait raises: the caller never had it)."""
-        if not isinstance(listed, Later):
-            return sub, listed
-        try:
-            return sub, listed.get()
-        except BaseException:
-            os.close(sub)
-            raise
+        return self.ahead.pop(child, None)
 
     def job(self, rel: str, fd: int) -> Job:
         previous = self.previous_node(rel)
@@ -975,19 +947,6 @@ class _Scanner:
             if row is not None and row.type == DIR:
                 parent.rows[name_of(rel)] = with_node(row, node)
         raise AssertionError("the root is always rebuilt with the directories below it")
-
-
-class Later(NamedTuple):
-    """One directory's place in listings made on a thread (``walk.ListedLater``)."""
-
-    listings: ListedLater
-    at: int
-
-    def get(self) -> Listed | OSError:
-        return self.listings.get(self.at)
-
-    def wait(self) -> None:
-        self.listings.wait()
 
 
 def _carried(now: Entry, known: Entry) -> Entry:

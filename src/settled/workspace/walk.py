@@ -335,39 +335,6 @@ class ReadAhead:
             take(len(self.batch))
 
 
-class ListedLater:
-    """Listings of directories made on a thread of their own (``scan_dirs`` of ``jobs`` with
-    ``workers``), while the scanner records the directory listed before them: their ``lstat``
-    calls then run beside its hashing instead of before it (a first checkpoint's sibling
-    listing was ~2.5 ms of its walk, on the scanner's thread). ``get(i)`` waits for them and
-    is job ``i``'s result; ``wait`` returns once no listing runs, so their directory fds can be
-    closed (never under a listing)."""
-
-    def __init__(self, walker: Walker, jobs: list[Job], workers: int) -> None:
-        self._results: list[Listed | OSError] | None = None
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(
-            target=self._run, args=(walker, jobs, workers), name="settled-list", daemon=True
-        )
-        self._thread.start()
-
-    def _run(self, walker: Walker, jobs: list[Job], workers: int) -> None:
-        try:
-            self._results = walker.scan_dirs(jobs, workers)
-        except BaseException as error:  # raised in the scanner's thread, at its `get`
-            self._error = error
-
-    def get(self, index: int) -> Listed | OSError:
-        self._thread.join()
-        if self._error is not None:
-            raise self._error
-        assert self._results is not None
-        return self._results[index]
-
-    def wait(self) -> None:
-        self._thread.join()
-
-
 def identity(st: os.stat_result) -> tuple[int, int]:
     return st.st_dev, st.st_ino
 
