@@ -371,3 +371,19 @@ def test_a_reread_of_most_of_a_pack_rehashes_all_of_it_and_says_it_was_whole(
     damaged = store.rereads(digests[:5])
     assert [g.actual for g in damaged if not isinstance(g, Exception)] == digests[:5]
     assert not any(not isinstance(g, Exception) and g.whole for g in damaged)
+
+
+def test_an_index_is_written_byte_for_byte_as_packs_on_disk_expect() -> None:
+    """The index format is on disk in every home: 3,000 records from a fixed seed must give the
+    very bytes the first writer of this format gave (their BLAKE3 below), whatever way
+    ``index_bytes`` builds them, and read back to the same locations."""
+    rng = random.Random(20261206)
+    records = {
+        rng.randbytes(32) + bytes([1 + i % 2]): (rng.randrange(2**40), rng.randrange(2**20))
+        for i in range(3000)
+    }
+    data = packs_module.index_bytes(records, 2**42)
+    expected = "c3a21ad0b721d9c090d2121f243fbd680e9bc3ea81a32b00acfcd01f9daf7fcf"
+    assert digest_bytes(DEFAULT_ALGORITHM, data) == f"{DEFAULT_ALGORITHM}:{expected}"
+    index = packs_module.parse_index("p", data, (0, 0, 0, 0, 0))
+    assert all(index.find(key) == location for key, location in records.items())

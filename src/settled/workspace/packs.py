@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import functools
+import itertools
 import os
 import secrets
 import stat
@@ -178,17 +179,17 @@ def index_bytes(records: dict[bytes, tuple[int, int]], pack_size: int) -> bytes:
     """An index of ``records`` (key -> offset, size) in a pack of ``pack_size`` bytes."""
     keys = sorted(records)
     bits = max(8, min(16, (len(keys) - 1).bit_length()))
-    fanout = array("I", bytes(4 * ((1 << bits) + 1)))
-    for key in keys:
-        fanout[(int.from_bytes(key[:2], "big") >> (16 - bits)) + 1] += 1
-    for bucket in range(1, len(fanout)):
-        fanout[bucket] += fanout[bucket - 1]
-    body = bytearray(_HEADER.pack(MAGIC, len(keys), bits, pack_size))
-    body += _little(fanout).tobytes()
-    body += b"".join(keys)
-    for key in keys:
-        body += _LOCATION.pack(*records[key])
-    return bytes(body + blake3.blake3(body).digest())
+    shift = 16 - bits
+    counts = [0] * ((1 << bits) + 1)
+    for key in keys:  # each key counted in the bucket after its own: the table is cumulative
+        counts[((key[0] << 8 | key[1]) >> shift) + 1] += 1
+    fanout = array("I", itertools.accumulate(counts))
+    locations = struct.pack(f"<{2 * len(keys)}Q", *itertools.chain.from_iterable(
+        records[key] for key in keys
+    ))  # fmt: skip
+    header = _HEADER.pack(MAGIC, len(keys), bits, pack_size)
+    body = b"".join((header, _little(fanout).tobytes(), *keys, locations))
+    return body + blake3.blake3(body).digest()
 
 
 def parse_index(name: str, data: bytes, identity: Identity) -> PackIndex:
