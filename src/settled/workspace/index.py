@@ -152,7 +152,10 @@ def _row_text(entry: Entry) -> str:
     """A row's canonical text: written directly for a dense file or a directory whose every
     field has the exact type of its form (``bool`` is an ``int`` that encodes otherwise), else
     ``canonical_bytes`` of ``_row``."""
-    path, kind, mode, size, digest, _, _, ino, dev, mtime_ns, ctime_ns, tree, node, below, uid, gid, extents, _ = entry  # fmt: skip # noqa: E501
+    (
+        path, kind, mode, size, digest, _, _, ino, dev, mtime_ns, ctime_ns, tree, node, below,
+        uid, gid, extents, _,
+    ) = entry  # fmt: skip
     if (
         extents is None
         and type(uid) is type(gid) is type(mode) is type(size) is type(ino) is int
