@@ -16,6 +16,8 @@ import multiprocessing
 import os
 import re
 import sqlite3
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -29,6 +31,7 @@ import psycopg
 import pytest
 
 from settled import states
+from settled.boundary.pidns import has_cap_sys_admin
 from settled.errors import (
     AdmissionSealed,
     HomeUnusable,
@@ -1570,13 +1573,8 @@ def test_a_process_that_may_start_no_thread_opens_the_store_on_one_connection(
     """After unshare(CLONE_NEWPID) the kernel refuses a process any thread, and a pool's
     workers are threads: such an owner failed at its store's open and left no receipt. It now
     sees so (``threads_refused``) and opens one connection, and reads and writes through it."""
-    from settled.boundary.pidns import has_cap_sys_admin
-
     if not has_cap_sys_admin():
         pytest.skip("unsharing a PID namespace needs CAP_SYS_ADMIN")
-    import subprocess
-    import sys
-
     out = subprocess.run(
         [sys.executable, "-c", UNSHARED_OPEN, pg.url_for_directory(str(tmp_path))],
         capture_output=True, text=True, timeout=60, check=True,
