@@ -11,6 +11,7 @@ the concurrency tests, which open the store by backend name.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import multiprocessing
 import os
@@ -138,6 +139,17 @@ def _pg_write_schema_version(directory: str, version: int) -> None:
         conn.execute("UPDATE meta SET value=%s WHERE key='schema_version'", (str(version),))
 
 
+POSTGRESQL = Backend(
+    name="postgresql",
+    open=_pg_open,
+    set_task_state=_pg_set_task_state,
+    set_session_state=_pg_set_session_state,
+    read_schema_version=_pg_read_schema_version,
+    write_schema_version=_pg_write_schema_version,
+    schema_version=postgres.SCHEMA_VERSION,
+    fixture="pg_cluster",
+)
+
 BACKENDS: dict[str, Backend] = {
     "sqlite": Backend(
         name="sqlite",
@@ -148,25 +160,9 @@ BACKENDS: dict[str, Backend] = {
         write_schema_version=_sqlite_write_schema_version,
         schema_version=SCHEMA_VERSION,
     ),
-    "postgresql": Backend(
-        name="postgresql",
-        open=_pg_open,
-        set_task_state=_pg_set_task_state,
-        set_session_state=_pg_set_session_state,
-        read_schema_version=_pg_read_schema_version,
-        write_schema_version=_pg_write_schema_version,
-        schema_version=postgres.SCHEMA_VERSION,
-        fixture="pg_cluster",
-    ),
-    "postgresql-one-connection": Backend(
-        name="postgresql-one-connection",
-        open=_pg_open_one_connection,
-        set_task_state=_pg_set_task_state,
-        set_session_state=_pg_set_session_state,
-        read_schema_version=_pg_read_schema_version,
-        write_schema_version=_pg_write_schema_version,
-        schema_version=postgres.SCHEMA_VERSION,
-        fixture="pg_cluster",
+    "postgresql": POSTGRESQL,
+    "postgresql-one-connection": dataclasses.replace(
+        POSTGRESQL, name="postgresql-one-connection", open=_pg_open_one_connection
     ),
 }
 
