@@ -801,22 +801,19 @@ class SQLiteStore:
         return [session_from_row(r) for r in rows]
 
     def live_sessions(self, task: str | None = None) -> list[SessionRecord]:
-        where, args = ("AND task=?", (task,)) if task else ("", ())
-        rows = self._db.execute(
-            f"SELECT {SESSION_COLUMNS} FROM sessions "
-            f"WHERE state IN ('admitted', 'running', 'settling') {where} ORDER BY created_at",
-            args,
-        ).fetchall()
-        return [session_from_row(r) for r in rows]
+        return [session_from_row(r) for r in self._live_rows(SESSION_COLUMNS, task)]
 
     def live_owners(self, task: str | None = None) -> list[LiveSession]:
+        return [live_from_row(r) for r in self._live_rows(LIVE_COLUMNS, task)]
+
+    def _live_rows(self, columns: str, task: str | None) -> list[Any]:
+        """``columns`` of every live session (of ``task``, if given), oldest first."""
         where, args = ("AND task=?", (task,)) if task else ("", ())
-        rows = self._db.execute(
-            f"SELECT {LIVE_COLUMNS} FROM sessions "
+        return self._db.execute(
+            f"SELECT {columns} FROM sessions "
             f"WHERE state IN ('admitted', 'running', 'settling') {where} ORDER BY created_at",
             args,
         ).fetchall()
-        return [live_from_row(r) for r in rows]
 
     def request_cancel(self, session: str, reason: str) -> SessionRecord:
         with self._write() as db:
