@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import time
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -23,6 +24,21 @@ def _owner_of(pid: int, *, lease_s: float = 60.0, boot: str | None = None) -> Ow
 
 def _sleeper() -> subprocess.Popen[bytes]:
     return subprocess.Popen(["sleep", "300"])
+
+
+@pytest.fixture
+def sleepers() -> Iterator[Callable[[], subprocess.Popen[bytes]]]:
+    """Start sleepers; every one is killed and reaped when the test ends."""
+    started: list[subprocess.Popen[bytes]] = []
+
+    def start() -> subprocess.Popen[bytes]:
+        started.append(_sleeper())
+        return started[-1]
+
+    yield start
+    for process in started:
+        process.kill()
+        process.wait()
 
 
 def _same(owners: list[OwnerInfo], liveness: LocalOwners) -> list[bool]:
@@ -56,77 +72,66 @@ def test_a_held_owner_that_exits_reads_dead_at_the_next_look_zombie_or_reaped() 
     assert (second.pid, owners[1].start_time) not in HELD._fds
 
 
-def test_an_owner_whose_start_time_differs_is_gone_and_never_held() -> None:
-    process = _sleeper()
-    try:
-        real = _owner_of(process.pid)
-        reused = OwnerInfo(real.pid, real.start_time - 1, real.boot_id, real.lease_until)
-        assert _same([reused], LocalOwners()) == [False]
-        assert (reused.pid, reused.start_time) not in HELD._fds
-        assert _same([real, reused], LocalOwners()) == [True, False]  # held or not, the same
-    finally:
-        process.kill()
-        process.wait()
+def test_an_owner_whose_start_time_differs_is_gone_and_never_held(
+    sleepers: Callable[[], subprocess.Popen[bytes]],
+) -> None:
+    process = sleepers()
+    real = _owner_of(process.pid)
+    reused = OwnerInfo(real.pid, real.start_time - 1, real.boot_id, real.lease_until)
+    assert _same([reused], LocalOwners()) == [False]
+    assert (reused.pid, reused.start_time) not in HELD._fds
+    assert _same([real, reused], LocalOwners()) == [True, False]  # held or not, the same
 
 
-def test_a_stale_lease_another_boot_and_another_host_answer_as_one_by_one() -> None:
-    process = _sleeper()
-    try:
-        stale = _owner_of(process.pid, lease_s=-5.0)
-        other_boot = _owner_of(process.pid, boot="another-boot")
-        assert _same([stale, other_boot], LocalOwners()) == [False, False]
-        elsewhere = OwnerInfo(1, 1, "b", time.time() + 60, host="other")
-        here = OwnerInfo(process.pid, stale.start_time, stale.boot_id, time.time() + 60, "me")
-        hosted = HostedOwners("me")
-        assert _same([elsewhere, here, stale], hosted) == [True, True, False]
-    finally:
-        process.kill()
-        process.wait()
+def test_a_stale_lease_another_boot_and_another_host_answer_as_one_by_one(
+    sleepers: Callable[[], subprocess.Popen[bytes]],
+) -> None:
+    process = sleepers()
+    stale = _owner_of(process.pid, lease_s=-5.0)
+    other_boot = _owner_of(process.pid, boot="another-boot")
+    assert _same([stale, other_boot], LocalOwners()) == [False, False]
+    elsewhere = OwnerInfo(1, 1, "b", time.time() + 60, host="other")
+    here = OwnerInfo(process.pid, stale.start_time, stale.boot_id, time.time() + 60, "me")
+    hosted = HostedOwners("me")
+    assert _same([elsewhere, here, stale], hosted) == [True, True, False]
 
 
-def test_a_forked_child_holds_no_owner_pidfd() -> None:
-    process = _sleeper()
-    try:
-        owner = _owner_of(process.pid)
-        assert _same([owner], LocalOwners()) == [True]
-        fd = HELD._fds[(owner.pid, owner.start_time)]
-        read, write = os.pipe()
-        child = os.fork()
-        if child == 0:  # pragma: no cover - the child reports through the pipe
-            try:
-                os.fstat(fd)
-                os.write(write, b"open" if HELD._fds else b"kept")
-            except OSError:
-                os.write(write, b"closed" if not HELD._fds else b"kept")
-            os._exit(0)
-        os.close(write)
-        assert os.read(read, 16) == b"closed"
-        os.close(read)
-        os.waitpid(child, 0)
-        os.fstat(fd)  # the parent's own is still open
-    finally:
-        process.kill()
-        process.wait()
+def test_a_forked_child_holds_no_owner_pidfd(
+    sleepers: Callable[[], subprocess.Popen[bytes]],
+) -> None:
+    process = sleepers()
+    owner = _owner_of(process.pid)
+    assert _same([owner], LocalOwners()) == [True]
+    fd = HELD._fds[(owner.pid, owner.start_time)]
+    read, write = os.pipe()
+    child = os.fork()
+    if child == 0:  # pragma: no cover - the child reports through the pipe
+        try:
+            os.fstat(fd)
+            os.write(write, b"open" if HELD._fds else b"kept")
+        except OSError:
+            os.write(write, b"closed" if not HELD._fds else b"kept")
+        os._exit(0)
+    os.close(write)
+    assert os.read(read, 16) == b"closed"
+    os.close(read)
+    os.waitpid(child, 0)
+    os.fstat(fd)  # the parent's own is still open
 
 
 def test_past_its_share_of_descriptors_an_owner_is_looked_at_in_proc_and_not_held(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, sleepers: Callable[[], subprocess.Popen[bytes]]
 ) -> None:
     """Pidfds only save reads of /proc: past the process's share of descriptors none is kept,
     and every owner is answered all the same."""
     from settled.owner import liveness
 
-    processes = [_sleeper() for _ in range(3)]
-    try:
-        monkeypatch.setattr(liveness, "HELD", liveness._HeldOwners())
-        monkeypatch.setattr(liveness, "_held_limit", lambda: 1)
-        owners = [_owner_of(p.pid) for p in processes]
-        assert _same(owners, LocalOwners()) == [True, True, True]
-        assert len(liveness.HELD._fds) == 1
-        processes[2].kill()
-        processes[2].wait()
-        assert _same(owners, LocalOwners()) == [True, True, False]
-    finally:
-        for process in processes:
-            process.kill()
-            process.wait()
+    processes = [sleepers() for _ in range(3)]
+    monkeypatch.setattr(liveness, "HELD", liveness._HeldOwners())
+    monkeypatch.setattr(liveness, "_held_limit", lambda: 1)
+    owners = [_owner_of(p.pid) for p in processes]
+    assert _same(owners, LocalOwners()) == [True, True, True]
+    assert len(liveness.HELD._fds) == 1
+    processes[2].kill()
+    processes[2].wait()
+    assert _same(owners, LocalOwners()) == [True, True, False]
