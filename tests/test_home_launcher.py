@@ -202,3 +202,25 @@ def _state(pid: int) -> str:
     ):
         return f"{stat.read()} wchan={wchan.read()}"
     return "gone"
+
+
+def test_the_home_zygote_keeps_a_spare_owner_that_leaves_with_it(
+    cli: CLI, task: dict[str, Any]
+) -> None:
+    run = cli.home / "run"
+    assert cli.run("run", "--task", task["task"], "--", "true").returncode == 0
+    zygote = _zygote_pid(run)
+    line = Path(f"/proc/{zygote}/cmdline").read_bytes()
+
+    def forks() -> list[int]:
+        return [pid for pid in _pids_with(line) if pid != zygote and _alive(pid)]
+
+    assert _within(lambda: len(forks()) == 1, 10), forks()  # the spare, once `true`'s owner left
+    (spare,) = forks()
+    again = cli.json("exec", "--task", task["task"], "--", "echo again")
+    receipt = cli.json("wait", again["session"])
+    assert receipt["exit"]["code"] == 0 and receipt["owner"]["pid"] == spare  # no fork waited
+    assert cli.run("logs", again["session"]).stdout == b"again\n"
+    assert home_launcher.stop(str(run))
+    assert _gone_within(zygote, 5)
+    assert forks() == []  # the zygote waited for its spare to leave

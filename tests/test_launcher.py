@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import resource
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -120,3 +121,99 @@ def test_a_launcher_with_more_than_1024_descriptors_open_still_launches(
         assert view["receipt"]["exit"]["code"] == 0
         assert rt.read(admission.session, "stdout") == b"many\n"
         assert rt.close_task(task.task).complete
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as handle:
+            return handle.read()
+    except OSError:
+        return b""
+
+
+def _forks_of(zygote: int) -> list[int]:
+    """Live processes that are copies of the zygote (the same command line), but not it."""
+    line = _cmdline(zygote)
+    return [
+        int(entry)
+        for entry in os.listdir("/proc")
+        if entry.isdigit() and int(entry) != zygote and _cmdline(int(entry)) == line
+        and _alive(int(entry))
+    ]  # fmt: skip
+
+
+def _spare_of(launcher: WarmLauncher, within: float = 10.0) -> int:
+    assert launcher._process is not None
+    give_up = time.monotonic() + within
+    while time.monotonic() < give_up:
+        forks = _forks_of(launcher._process.pid)
+        if len(forks) == 1:
+            return forks[0]
+        time.sleep(0.02)
+    raise AssertionError(f"no single spare owner within {within} s: {forks}")
+
+
+def test_the_zygote_forks_the_next_owner_ahead_and_it_becomes_the_next_sessions_owner(
+    warm: Runtime, tmp_path: Path
+) -> None:
+    try:
+        task = warm.new_task(str(tmp_path / "ws"))
+        first = warm.exec(task.task, shell="echo first")  # starts the zygote; no spare yet
+        assert warm.wait(first.session, timeout=30)["receipt"]["exit"]["code"] == 0
+        launcher = warm._launcher
+        assert isinstance(launcher, WarmLauncher)
+        spare = _spare_of(launcher)
+        second = warm.exec(task.task, shell="echo second")
+        owner = warm.store.get_session(second.session).owner
+        assert owner is not None and owner.pid == spare  # the spare, not a new fork
+        view = warm.wait(second.session, timeout=30)
+        assert view["receipt"]["exit"]["code"] == 0 and view["receipt"]["death"]["proven"]
+        assert view["receipt"]["owner"]["pid"] == spare
+        assert warm.read(second.session, "stdout") == b"second\n"
+        assert _spare_of(launcher) != spare  # and the next one waits already
+    finally:
+        warm.close()
+
+
+def test_a_spare_leaves_with_its_zygote_having_run_nothing(warm: Runtime, tmp_path: Path) -> None:
+    task = warm.new_task(str(tmp_path / "ws"))
+    first = warm.exec(task.task, shell="true")
+    warm.wait(first.session, timeout=30)
+    launcher = warm._launcher
+    assert isinstance(launcher, WarmLauncher) and launcher._process is not None
+    zygote, spare = launcher._process.pid, _spare_of(launcher)
+    warm.close()
+    assert not _alive(zygote) and not _alive(spare), "the zygote waits for its spare to leave"
+    with Runtime(str(tmp_path / "home")) as reader:
+        assert [s.session for s in reader.store.live_sessions()] == []
+
+
+def test_a_spare_made_for_another_home_is_let_go_and_the_owner_forked(tmp_path: Path) -> None:
+    launcher = WarmLauncher()
+    homes = [tmp_path / "a", tmp_path / "b"]
+    try:
+        runtimes = [Runtime(str(home), shared_launcher=launcher) for home in homes]
+        (tmp_path / "ws").mkdir()
+        tasks = [rt.new_task(str(tmp_path / "ws"), key=f"t{n}") for n, rt in enumerate(runtimes)]
+        first = runtimes[0].exec(tasks[0].task, shell="true")
+        runtimes[0].wait(first.session, timeout=30)
+        spare_for_a = _spare_of(launcher)
+        other = runtimes[1].exec(tasks[1].task, shell="echo b")
+        view = runtimes[1].wait(other.session, timeout=30)
+        assert view["receipt"]["exit"]["code"] == 0
+        assert view["receipt"]["owner"]["pid"] != spare_for_a
+        assert runtimes[1].read(other.session, "stdout") == b"b\n"
+        assert _gone(spare_for_a, 10)
+        for rt in runtimes:
+            rt.close()
+    finally:
+        launcher.close()
+
+
+def _gone(pid: int, seconds: float) -> bool:
+    give_up = time.monotonic() + seconds
+    while _alive(pid):
+        if time.monotonic() > give_up:
+            return False
+        time.sleep(0.02)
+    return True

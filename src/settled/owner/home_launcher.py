@@ -47,6 +47,7 @@ from settled.owner.face_workers import FaceWorkers
 from settled.owner.forking import (
     MAX_REQUEST,
     ZYGOTE_MODULES,
+    Spare,
     fork_owner,
     launch_through,
     preload,
@@ -133,6 +134,7 @@ def serve_home(run: str, idle_s: float, ready_fd: int, face: Face | None = None)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)  # before the lock goes: a caller then starts a new one
         listener.close()
+        Spare.end()
         reap_stubs(all_of_them=True)
         os.close(lock)  # the home is another zygote's to serve from here
         workers.finish()  # the calls still running end as they would have; each caller told
@@ -178,9 +180,11 @@ def _answer(
         with contextlib.suppress(OSError):
             conn.sendall(b"stop\n")
         return False
-    fork_owner(request, fds, (listener, conn, *workers.held()))
+    ours = (listener, conn, *workers.held())
+    fork_owner(request, fds, ours)
     with contextlib.suppress(OSError):  # the caller went away: its owner runs nothing
         conn.sendall(b"ok\n")
+    Spare.refill(request["home"], ours)  # the caller has its answer: off its path
     return True
 
 

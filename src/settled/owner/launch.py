@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     from settled.owner.main import Ready
     from settled.owner.session import OwnerSession
     from settled.owner.signals import OwnerSignals
+    from settled.store import Store
 
 PIPE_SIZE = 1 << 20  # each output pipe: what the command may write before the drain starts
 # log/writer.py's and log/interleave.py's own flags: the writers adopt what is created here
@@ -142,9 +143,12 @@ class Launching:
         signals: OwnerSignals,
         ready: Ready,
         ahead: Ahead,
+        store: Store | None = None,
     ) -> None:
+        """`store`: the home's, opened ahead (a zygote's spare); the session takes it over."""
         self.home, self.orders, self.signals, self.ready = home, given, signals, ready
         self.ahead = ahead
+        self.store = store
         self.timings: dict[str, float] = dict(given["timings"])
         self.plan = IsolationPlan(**given["plan"]) if given["plan"] is not None else None
         self.last_words: LastWords | None = None
@@ -275,6 +279,7 @@ class Launching:
         if self.session is None:
             from settled.owner.session import OwnerSession
 
+            store, self.store = self.store, None
             self.session = OwnerSession(
                 self.home,
                 self.orders,
@@ -285,6 +290,7 @@ class Launching:
                 self.lease,
                 self.flusher,
                 splice=self.splice,
+                store=store,
             )
         return self.session
 
@@ -322,6 +328,9 @@ class Launching:
             os.close(fd)
         self.logs = {}
         self.ahead.close()
+        if self.store is not None:
+            self.store.close()
+            self.store = None
         if self.session is not None:
             self.session.close()
         else:

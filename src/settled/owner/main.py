@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from typing import Any
 
     from settled.owner.launch import Launching
+    from settled.store import Store
 
 OWNER_HOME_ENV = "SETTLED_OWNER_HOME"
 ORDERS_VERSION = 1  # handoff.ORDERS_VERSION: the launcher's side
@@ -82,9 +83,12 @@ def main(argv: list[str] | None = None) -> int:
     return run_session(home, session, int(ready_text), int(orders_text))
 
 
-def run_session(home: str, session: str, ready_fd: int | None, orders_fd: int) -> int:
+def run_session(
+    home: str, session: str, ready_fd: int | None, orders_fd: int, store: Store | None = None
+) -> int:
     """The owner of `session`, once detached. Its first report is its pid, which the launcher
-    claims the session for before it sends the orders."""
+    claims the session for before it sends the orders. `store`: the home's, opened ahead (a
+    zygote's spare, forking.py); the owner closes it."""
     os.chdir("/")
     signals = OwnerSignals()  # a TERM from now on (or blocked until now) is a cancel
     ready = Ready(ready_fd)
@@ -103,7 +107,8 @@ def run_session(home: str, session: str, ready_fd: int | None, orders_fd: int) -
             return 0  # no claim was made for this process: nothing ran, nothing to say
         if given["session"] != session:
             raise ValueError(f"orders for session {given['session']}, not {session}")
-        launching = Launching(home, given, signals, ready, ahead)
+        launching = Launching(home, given, signals, ready, ahead, store)
+        store = None  # the launch's to close from here
         return launching.run()
     except BaseException as exc:
         ready.send(error=f"owner failed: {exc!r}")
@@ -113,6 +118,8 @@ def run_session(home: str, session: str, ready_fd: int | None, orders_fd: int) -
     finally:
         if launching is not None:
             launching.close()
+        if store is not None:
+            store.close()
 
 
 if __name__ == "__main__":

@@ -73,10 +73,12 @@ class OwnerSession:
         flusher: Flusher | None = None,
         *,
         splice: bool = False,
+        store: Store | None = None,
     ) -> None:
         """`lease` and `flusher`: started before the command where their threads had to come
         first (the keeper's connection is this session's `renewals`); otherwise made here and
-        started once the command runs. `splice`: the logs were made for it (launch.py)."""
+        started once the command runs. `splice`: the logs were made for it (launch.py).
+        `store`: the home's, opened ahead (a zygote's spare); this session closes it."""
         self.home, self.orders, self.ready, self.signals = home, orders, ready, signals
         self.timings, self.last_words = timings, last_words
         self.session, self.task = str(orders["session"]), str(orders["task"])
@@ -86,7 +88,7 @@ class OwnerSession:
         self.sandbox: dict[str, Any] | None = orders["sandbox"]
         self.lease_s = lease_seconds()
         self.heartbeat_s = self.lease_s / HEARTBEATS_PER_LEASE
-        self.store: Store = open_store(home, threads=not threads_refused())
+        self.store: Store = store or open_store(home, threads=not threads_refused())
         self.record = self.store.get_session(self.session)
         self.spec = CommandSpec.from_json(self.record.spec)
         self.streams: Streams | None = None

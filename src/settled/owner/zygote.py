@@ -24,6 +24,7 @@ from settled.isolated import python_command
 from settled.owner.forking import (
     MAX_REQUEST,
     ZYGOTE_MODULES,
+    Spare,
     fork_owner,
     launch_through,
     preload,
@@ -49,10 +50,13 @@ def serve(sock_fd: int) -> int:
         except InterruptedError:
             continue
         if not message:
+            Spare.end()
             reap_stubs(all_of_them=True)
             return 0
-        fork_owner(json.loads(message), fds, (sock,))
+        request = json.loads(message)
+        fork_owner(request, fds, (sock,))
         sock.sendall(b"ok\n")
+        Spare.refill(request["home"], (sock,))  # the caller has its answer: off its path
 
 
 # -- the Runtime's side -----------------------------------------------------------------------
