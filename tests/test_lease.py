@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import select
 import sqlite3
 import threading
 import time
@@ -101,7 +102,12 @@ def rig(tmp_path: Path) -> Iterator[Callable[..., Any]]:
     """rig(argv, settling=...) -> (supervisor, boundary, streams); all of it ends with the test."""
     made: list[tuple[ChildBoundary, Streams, QuietSignals, LeaseKeeper]] = []
 
-    def make(argv: list[str], settling: Callable[[], None] = lambda: None) -> Any:
+    def make(
+        argv: list[str],
+        settling: Callable[[], None] = lambda: None,
+        soon: Callable[[LeaseKeeper, Streams], None] | None = None,
+    ) -> Any:
+        """`soon`: the loop's `soon` work, given the keeper (not started: it must start it)."""
         renewals = Renewals()
         fds: dict[str, int] = {}
         for name in ("stdout", "stderr"):
@@ -114,7 +120,8 @@ def rig(tmp_path: Path) -> Iterator[Callable[..., Any]]:
         os.close(fds.pop("stderr_w"))
         streams, signals = Streams(fds, writers), QuietSignals()
         lease = LeaseKeeper(renewals.connect, stale_after=2 * BEAT_S)
-        lease.start()  # as the owner does, before its boundary exists
+        if soon is None:
+            lease.start()  # as an owner whose threads come first does, before its boundary
         made.append((boundary, streams, signals, lease))
         supervisor = Supervisor(
             boundary,
@@ -125,6 +132,7 @@ def rig(tmp_path: Path) -> Iterator[Callable[..., Any]]:
             heartbeat_every=BEAT_S,
             signals=signals,  # type: ignore[arg-type]
             settling=settling,
+            soon=None if soon is None else lambda: soon(lease, streams),
         )
         return supervisor, boundary, streams, renewals
 
@@ -310,3 +318,58 @@ def test_a_request_that_went_stale_behind_a_slow_renewal_is_dropped() -> None:
     finally:
         renewals.released.set()
         keeper.close()
+
+
+class SoonWork:
+    """The `soon` work of a test loop: when it ran, what was drained by then; starts the keeper
+    as the owner's does."""
+
+    def __init__(self) -> None:
+        self.runs: list[tuple[float, int]] = []  # (monotonic, stdout bytes stored by then)
+        self.keeper: LeaseKeeper | None = None
+
+    def __call__(self, lease: LeaseKeeper, streams: Streams) -> None:
+        self.runs.append((time.monotonic(), streams.writers["stdout"].cursor))
+        self.keeper = lease
+        lease.start()
+
+
+@pytest.mark.timeout(30)
+def test_a_command_gone_before_the_loop_looks_is_settled_without_the_soon_work(
+    rig: Callable[..., Any],
+) -> None:
+    soon = SoonWork()
+    supervisor, boundary, _, renewals = rig(["/bin/true"], soon=soon)
+    ready, _, _ = select.select([boundary.exit_fd()], [], [], 10)  # it exited already
+    assert ready
+    outcome = supervisor.run(time.monotonic())
+    assert outcome.wait_status == 0 and outcome.evidence is not None
+    assert soon.runs == [] and renewals.calls == []  # no thread, no store read: the receipt next
+    assert not [t for t in threading.enumerate() if t.name == "settled-lease"]
+
+
+@pytest.mark.timeout(30)
+def test_a_quiet_command_gets_the_soon_work_before_the_loop_waits_and_before_any_renewal(
+    rig: Callable[..., Any],
+) -> None:
+    soon = SoonWork()
+    supervisor, _, _, renewals = rig(["/bin/sh", "-c", "exec sleep 30"], soon=soon)
+    renewals.answer = "test over"  # the first renewal cancels it
+    started = time.monotonic()
+    outcome = supervisor.run(started)
+    assert outcome.reason == "cancelled"
+    assert len(soon.runs) == 1 and soon.runs[0][0] - started < BEAT_S  # not at the first beat
+    assert renewals.calls and renewals.calls[0][0] > soon.runs[0][0]
+
+
+@pytest.mark.timeout(60)
+def test_a_flooding_command_that_never_lets_the_loop_wait_gets_the_soon_work_early(
+    rig: Callable[..., Any],
+) -> None:
+    soon = SoonWork()
+    size = 64 * MIB
+    supervisor, _, streams, _ = rig(["/bin/sh", "-c", f"exec head -c {size} /dev/zero"], soon=soon)
+    outcome = supervisor.run(time.monotonic())
+    assert outcome.evidence is not None and streams.writers["stdout"].cursor == size
+    assert len(soon.runs) == 1
+    assert soon.runs[0][1] < 8 * MIB  # within its first turns, not after the flood

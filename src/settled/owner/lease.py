@@ -72,18 +72,19 @@ class LeaseKeeper:
         self._stopping = False
         self._cancel: str | None = None
         self._failure: BaseException | None = None
-        self._wake = -1
+        # made here, so the loop can watch it before the thread starts (the owner starts it
+        # once its command is running, not before the loop's first look at the command)
+        self._wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._thread = threading.Thread(target=self._run, name="settled-lease")
 
     # -- the supervise loop's side ------------------------------------------------------
 
     def start(self) -> None:
-        self._wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._thread.start()
 
     @property
     def started(self) -> bool:
-        return self._wake >= 0
+        return self._thread.ident is not None
 
     def fileno(self) -> int:
         """Readable once a cancel reason or a failure came back."""

@@ -121,20 +121,9 @@ class OwnerSession:
         self.timings["supervised_at"] = time.time()  # the session's imports and store: loaded
         self.spawn_via = via
         streams = self.streams = self._open_streams(pipes, logs)
-        # The first drain goes on reading while the store records the run and the loop is
-        # built, and hands over just before the loop starts: a gap between the two would let
-        # both pipes fill, and the order between a stdout and a stderr write made meanwhile
-        # could not be told.
-        try:
-            self._record_running(boundary, pid, start_time)
-        except StaleWrite as exc:
-            early.handover()
-            return self._fenced(exc)
-        if self.last_words is not None:
-            self.last_words.sync()
-        if not self.lease.started:  # where threads had to come first, they started before
-            self.lease.start()
-            self.flusher.start()
+        # The first drain goes on reading while the loop is built, and hands over just before
+        # the loop starts: a gap between the two would let both pipes fill, and the order
+        # between a stdout and a stderr write made meanwhile could not be told.
         _load_settle_path()
         supervisor = Supervisor(
             boundary,
@@ -145,6 +134,7 @@ class OwnerSession:
             heartbeat_every=self.heartbeat_s,
             signals=self.signals,
             settling=self._settle_begin,
+            soon=lambda: self._while_it_runs(boundary, pid, start_time),
         )
         early.hand_to(streams)
         try:
@@ -154,15 +144,35 @@ class OwnerSession:
         boundary.teardown()
         return self._settle(outcome, streams)
 
+    def _while_it_runs(self, boundary: Boundary, pid: int, start_time: int | None) -> None:
+        """What a running command needs, done by the loop once it first has time (it would
+        wait), and before its first renewal: never if the command ended before that, when the
+        receipt comes next and none of it is wanted. Makes sure the run is recorded, syncs
+        the last words' block, and starts the lease keeper's and the flusher's threads (where
+        threads had to come first, they started before the command). A fenced session raises
+        StaleWrite out of the loop."""
+        self._record_running(boundary, pid, start_time)
+        if self.last_words is not None:
+            self.last_words.sync()
+        if not self.lease.started:
+            self.lease.start()
+            self.flusher.start()
+
     def _record_running(self, boundary: Boundary, pid: int, start_time: int | None) -> None:
         """The launcher records the pid and the boundary's ref when the owner reports; this
-        makes sure of it (a launcher that died first), durably, before the command is
-        supervised. A fenced session raises StaleWrite."""
+        makes sure of it (a launcher that died first). Not fsynced, as the launcher's: a pid
+        names nothing after a power cut. A fenced session raises StaleWrite."""
         record = self.store.get_session(self.session)
         if record.command_pid == pid and record.boundary_ref == boundary.ref:
             return
         self.store.record_launch(
-            self.session, self.generation, boundary.kind, boundary.ref, pid, start_time
+            self.session,
+            self.generation,
+            boundary.kind,
+            boundary.ref,
+            pid,
+            start_time,
+            durable=False,
         )
 
     def _fenced(self, exc: StaleWrite) -> int:

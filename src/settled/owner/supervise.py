@@ -37,6 +37,9 @@ STOP_POLL_S = 0.005
 # (up to STOP_POLL_S): a pidns init reports the main's status, then exits ~0.1-0.5 ms later, and
 # a flat 5 ms poll made every exit wait ~5 ms for its death evidence (a close's largest wait).
 STOP_POLL_FIRST_S = 0.00025
+# The loop runs its `soon` work (the owner's: threads, a store read) on the first turn it would
+# wait; a command that never lets it wait (a flood) gets it after this many turns all the same.
+SOON_AFTER_TURNS = 4
 POST_EVIDENCE_DRAIN_S = 10.0
 EVIDENCE_TIMEOUT_S = 30.0
 SIGTERM = 15  # on every Linux architecture, without the signal module's enums
@@ -165,12 +168,19 @@ class Supervisor:
         heartbeat_every: float,
         signals: OwnerSignals,
         settling: Callable[[], None],
+        soon: Callable[[], None] | None = None,
     ) -> None:
+        """`soon`: work the running command needs but its first drain and its exit must not
+        wait for: run on the loop's first turn that would wait (a quick command's exit is
+        seen first, and it never runs), after SOON_AFTER_TURNS turns that did not, and before
+        the lease is first asked for anything (it starts the keeper's thread)."""
         self.boundary, self.streams = boundary, streams
         self.timeout, self.grace = timeout, grace
         self.lease, self.heartbeat_every = lease, heartbeat_every
         self.signals = signals
         self.settling = settling
+        self._soon = soon
+        self._turns_before_soon = 0
         self.outcome = Outcome()
         self._cancel: str | None = None
         self._kill_at: float | None = None
@@ -226,7 +236,16 @@ class Supervisor:
             if self._stopping and self._empty_fd is None:
                 self._watch_emptiness()
             wait = self._next_wait(now, deadline, next_beat)
-            for fd, name in self._selector.select(wait):
+            if self._soon is not None and out.exited is None:
+                ready = self._selector.select(0.0)
+                self._turns_before_soon += 1
+                if not ready or self._turns_before_soon >= SOON_AFTER_TURNS:
+                    self._run_soon()
+                    if not ready:
+                        continue  # it took a while: the clocks are read again
+            else:
+                ready = self._selector.select(wait)
+            for fd, name in ready:
                 if name in ("stdout", "stderr"):
                     self.streams.drain(name)
                     if name not in self.streams.open:
@@ -244,6 +263,7 @@ class Supervisor:
                     self.signals.drain()
                     self._cancel = self._cancel or self.signals.stop_reason
                     if self._cancel is None:  # USR1: look at the store now
+                        self._run_soon()
                         self.lease.request()
             if out.exited is not None and not self._stopping:
                 self._on_main_exit()
@@ -258,9 +278,15 @@ class Supervisor:
         else:
             self._selector.register(self._empty_fd, "empty")
 
+    def _run_soon(self) -> None:
+        soon, self._soon = self._soon, None
+        if soon is not None:
+            soon()
+
     def _renew(self, away: float) -> None:
         """Ask the keeper for a renewal. After a gap in the loop (stopped, starved) the lease may
         have run out and the session been fenced: wait for the store's answer before acting."""
+        self._run_soon()  # the keeper's thread first
         if away > STALE_BEATS * self.heartbeat_every:
             self._cancel = self._cancel or self.lease.confirm()
         else:
@@ -308,6 +334,7 @@ class Supervisor:
         self._kill_at = now + self.grace  # also bounds a straggler that appears after this look
         left = self.boundary.describe_members()
         if left:
+            self._run_soon()  # a grace to wait out, renewals with it
             self.outcome.stragglers = [{**m, "stopped_by": "TERM"} for m in left]
             if self.grace > 0:
                 self.boundary.signal_all(SIGTERM)
