@@ -81,6 +81,7 @@ def fork_owner(request: dict[str, Any], fds: list[int], sockets: tuple[socket.so
 
 
 _STUBS: set[int] = set()  # the owners' stubs this zygote forked and has not reaped
+PRIME_AFTER_S = 0.01  # a spare opens its store once it waited this long for a request
 
 
 def _detach() -> None:
@@ -162,17 +163,22 @@ class Spare:
 
 
 def _serve_as_spare(home: str, sock: socket.socket) -> int:
-    """The spare's life: open the home's store, wait for a request, become its owner."""
+    """The spare's life: open the home's store once no request came for PRIME_AFTER_S, wait
+    for a request, become its owner. Under a burst the next request is there at once, and
+    its owner opens the store after its command started, as a forked owner does: a store
+    opened first would stand between every queued caller and its owner's pid."""
+    import select
     import socket
 
     from settled.owner.main import run_session
     from settled.store import open_store
 
     store: Store | None = None
-    try:
-        store = open_store(home, threads=False)  # threads=False: it may yet unshare (pidns)
-    except Exception:  # the owner opens it again, and says what is wrong
-        store = None
+    if not select.select([sock], [], [], PRIME_AFTER_S)[0]:
+        try:
+            store = open_store(home, threads=False)  # threads=False: it may yet unshare
+        except Exception:  # the owner opens it again, and says what is wrong
+            store = None
     try:
         message, fds, _flags, _addr = socket.recv_fds(sock, MAX_REQUEST, 2)
     except OSError:
