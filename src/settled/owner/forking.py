@@ -24,6 +24,7 @@ from collections.abc import Callable
 from settled import faults
 from settled.home import make_session_dir
 from settled.isolated import ReportReader
+from settled.owner import receipt_wake
 from settled.owner.handoff import hand_over, prepare
 from settled.owner.launcher import READY_TIMEOUT_S
 from settled.store import Store
@@ -272,8 +273,11 @@ def launch_through(
             orders_w = -1
             raise
         owner_w, orders_w = orders_w, -1  # hand_over closes it
-        return hand_over(store, prepared, ReportReader(ready_r), owner_w, READY_TIMEOUT_S)
+        report = hand_over(store, prepared, ReportReader(ready_r), owner_w, READY_TIMEOUT_S)
+        ready_r = receipt_wake.kept_after(report, ready_r)
+        return report
     finally:
         if orders_w >= 0:
             os.close(orders_w)
-        os.close(ready_r)
+        if ready_r >= 0:
+            os.close(ready_r)

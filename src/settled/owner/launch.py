@@ -252,7 +252,8 @@ class Launching:
         for fd in (stdin_fd, out_w, err_w):
             os.close(fd)
         start_time = procfs.start_time(pid)
-        self.ready.send(
+        # the pipe stays open until the receipt is written (receipt_wake.py)
+        self.ready.say(
             state="running", owner_pid=os.getpid(), pid=pid, boundary=boundary.kind,
             ref=boundary.ref, start=start_time, spawn=via,
         )  # fmt: skip

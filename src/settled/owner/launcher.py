@@ -26,6 +26,7 @@ import time
 from settled.boundary import procfs
 from settled.home import make_session_dir
 from settled.isolated import ReportReader, import_roots, python_command, spawn_detached
+from settled.owner import receipt_wake
 from settled.owner.handoff import hand_over, prepare
 from settled.owner.signals import HANDLED
 from settled.store import Store
@@ -105,9 +106,12 @@ def launch_owner(home: str, session: str, store: Store) -> dict[str, Any]:
             raise
         reader = ReportReader(ready_r)
         spawned = (pid, start_time)
-        return hand_over(store, prepared, reader, orders_w, READY_TIMEOUT_S, spawned)
+        report = hand_over(store, prepared, reader, orders_w, READY_TIMEOUT_S, spawned)
+        ready_r = receipt_wake.kept_after(report, ready_r)
+        return report
     finally:
-        os.close(ready_r)
+        if ready_r >= 0:
+            os.close(ready_r)
 
 
 class Reaper:

@@ -17,6 +17,7 @@ import os
 import time
 
 from settled.boundary import procfs
+from settled.owner import receipt_wake
 from settled.records import OwnerFacts, OwnerInfo
 
 TYPE_CHECKING = False
@@ -152,8 +153,9 @@ class LocalOwners:
         return OwnerFacts(True, None, True, process_alive=True)
 
     def exit_handle(self, owner: OwnerInfo) -> int | None:
-        """A pidfd that becomes readable when the owner exits, or None (gone, or pid reused).
-        The caller closes it."""
+        """A handle that becomes readable when the owner has written its receipt (an owner
+        this process launched: receipt_wake.py) or exits (a pidfd), or None (gone, or pid
+        reused). The caller closes it."""
         try:
             fd = os.pidfd_open(owner.pid)
         except OSError:
@@ -161,6 +163,10 @@ class LocalOwners:
         if procfs.start_time(owner.pid) != owner.start_time:
             os.close(fd)  # the pid was reused: this is not the owner
             return None
+        early = receipt_wake.handle(owner.pid, owner.start_time)
+        if early is not None:
+            os.close(fd)
+            return early
         return fd
 
     def await_exit(self, handle: int | None, seconds: float, also: int | None = None) -> bool:

@@ -35,7 +35,8 @@ ORDERS_VERSION = 1  # handoff.ORDERS_VERSION: the launcher's side
 
 class Ready:
     """The launcher's readiness pipe: the owner's pid first, then one line once the command
-    runs (or cannot). Written without json (isolated.json_text)."""
+    runs (or cannot). Written without json (isolated.json_text). Closed once the receipt is
+    written, not before: the launcher wakes its waiters on that (receipt_wake.py)."""
 
     def __init__(self, fd: int | None) -> None:
         self.fd = fd
@@ -53,6 +54,11 @@ class Ready:
     def send(self, **fields: Any) -> None:
         """The last report: the pipe is closed after it."""
         self.say(**fields)
+        self.close()
+
+    def close(self) -> None:
+        """End the pipe. After "running" this says the receipt is written (or the owner is
+        failing): the launcher keeps its end to wake a waiter then (receipt_wake.py)."""
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None

@@ -289,6 +289,7 @@ class OwnerSession:
         except OSError as exc:
             failure = str(storage_error(exc, self.home, "writing the receipt") or exc)
         else:
+            self.ready.close()  # a waiter in the launching process wakes now (receipt_wake.py)
             return 0
         self.say_last_words(
             f"the owner could not write its receipt: {failure}",
