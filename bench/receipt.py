@@ -54,6 +54,9 @@ def _baseline(client: Any) -> float:
 
 
 def _exec_to_receipt(client: Any, task: str) -> tuple[float, dict[str, Any]]:
+    """(seconds from the POST to the answer carrying the receipt, the receipt; its `timings`
+    gain `asked_at` and `answered_at`, this process's wall clock around the call)."""
+    asked_at = time.time()
     started = time.perf_counter()
     admitted = client.post(
         f"/v1/tasks/{task}/sessions", json={"key": secrets.token_hex(8), "argv": ["true"]}
@@ -63,12 +66,16 @@ def _exec_to_receipt(client: Any, task: str) -> tuple[float, dict[str, Any]]:
     session = admitted.json()["session"]
     answer = client.get(f"/v1/sessions/{session}", params={"wait": 30})
     elapsed = time.perf_counter() - started
+    answered_at = time.time()
     view = answer.json()
     if answer.status_code != 200 or "receipt" not in view:
         raise RuntimeError(f"session {session}: {answer.status_code} {answer.text}")
     if not view["receipt"]["death"]["proven"]:
         raise RuntimeError(f"session {session} settled without death evidence")
-    return elapsed, view["receipt"]
+    receipt: dict[str, Any] = view["receipt"]
+    receipt["timings"] = {**receipt.get("timings", {}), "asked_at": asked_at,
+                          "answered_at": answered_at}  # fmt: skip
+    return elapsed, receipt
 
 
 def run(quick: bool) -> tuple[dict[str, Any], str]:
@@ -117,9 +124,25 @@ def _summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+# Each run's instants, in order: the client's (asked, answered) around the receipt's own.
+STEPS = ("asked_at", "admitted_at", "launched_at", "owner_at", "claimed_at", "orders_at",
+         "spawned_at", "supervised_at", "settled_at", "answered_at")  # fmt: skip
+STEP_WORDS = {
+    "asked_at -> admitted_at": "HTTP request, admission committed",
+    "admitted_at -> launched_at": "the launch asked of the zygote",
+    "launched_at -> owner_at": "the owner says its pid (a spare, or a fork)",
+    "owner_at -> claimed_at": "the claim committed (fsync)",
+    "claimed_at -> orders_at": "the orders read by the owner",
+    "orders_at -> spawned_at": "boundary, last words, logs created",
+    "spawned_at -> supervised_at": "clone3 into cgroup + PID ns, isolation, exec; session loaded",
+    "supervised_at -> settled_at": "exit seen, death evidence, logs closed, journal barrier",
+    "settled_at -> answered_at": "receipt committed (fsync), waiter woken, status, HTTP answer",
+}
+
+
 def _phases(runs: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
     """The receipt's own wall-clock instants, as consecutive parts of each run."""
-    steps = ("admitted_at", "claimed_at", "spawned_at", "settled_at")
+    steps = STEPS
     parts: dict[str, list[float]] = {}
     for r in runs:
         t = r["timings"]
@@ -142,16 +165,17 @@ def render(data: dict[str, Any]) -> str:
          f"{fmt(s['p99_ratio'])} ({verdict['p99']}, target <= {TARGETS['p99']:g})"],
     ]  # fmt: skip
     phase_rows = [
-        [name, fmt(d["p50"]), fmt(d["p90"]), fmt(d["p99"]), fmt(d["max"])]
+        [name, STEP_WORDS.get(name, ""), fmt(d["p50"]), fmt(d["p90"]), fmt(d["p99"]),
+         fmt(d["max"])]
         for name, d in s["phases_ms"].items()
-    ]
+    ]  # fmt: skip
     return "\n\n".join(
         [
             header("receipt", data),
             __doc__.split("\n\n", 1)[1].strip().replace("\n", " "),
             md_table(HEADERS, rows),
             "Where a run goes, from the receipt's `timings` (ms):",
-            md_table(["phase", "p50", "p90", "p99", "max"], phase_rows),
+            md_table(["phase", "what", "p50", "p90", "p99", "max"], phase_rows),
             f"Processes left carrying the benchmark's mark: **{data['left']}** (must be 0). "
             f"Source `{data['source']}`.",
         ]
