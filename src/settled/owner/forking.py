@@ -83,6 +83,17 @@ def fork_owner(request: dict[str, Any], fds: list[int], sockets: tuple[socket.so
 
 _STUBS: set[int] = set()  # the owners' stubs this zygote forked and has not reaped
 PRIME_AFTER_S = 0.01  # a spare opens its store once it waited this long for a request
+PRIME_MIN_FILES = 256  # and only under a descriptor limit this high: it holds the store's
+
+
+def _room_to_prime() -> bool:
+    """Whether the owner's descriptor limit leaves room for a store opened ahead: under a
+    tight one, the descriptors it holds while its command is started could be the ones the
+    boundary needs (the command would then never start)."""
+    import resource
+
+    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return soft == resource.RLIM_INFINITY or soft >= PRIME_MIN_FILES
 
 
 def _detach() -> None:
@@ -175,7 +186,7 @@ def _serve_as_spare(home: str, sock: socket.socket) -> int:
     from settled.store import open_store
 
     store: Store | None = None
-    if not select.select([sock], [], [], PRIME_AFTER_S)[0]:
+    if _room_to_prime() and not select.select([sock], [], [], PRIME_AFTER_S)[0]:
         try:
             store = open_store(home, threads=False)  # threads=False: it may yet unshare
         except Exception:  # the owner opens it again, and says what is wrong
