@@ -7,10 +7,11 @@ outlives the zygote), takes the caller's environment and umask, and runs the ses
 the orders of the caller that claimed it (handoff.py).
 
 A spare: after each request a zygote forks the next owner ahead of need (`Spare`): detached
-already, its store open, it waits for a request on a socket only the zygote holds, so the next
-caller's owner says its pid without waiting for a fork (~1.7 ms) or a first store open in a
-fresh copy of the heap (~1.2 ms of page faults). Must never: import after the fork, run a
-command without the caller's orders, or outlive its zygote (a spare that reads EOF exits).
+already, its store opened once no request came for a moment, it waits for a request on a
+socket only the zygote holds, so the next caller's owner says its pid without waiting for a
+fork (~1.7 ms) or a first store open in a fresh copy of the heap (~1.2 ms of page faults).
+Must never: import after the fork, run a command without the caller's orders, or outlive its
+zygote (a spare that reads EOF exits).
 """
 
 from __future__ import annotations
@@ -105,12 +106,13 @@ def _detach() -> None:
 
 
 class Spare:
-    """The next owner, forked before it is asked for: one per zygote, primed for the home of
-    the request before (its store opened), waiting on a socketpair whose other end only the
-    zygote holds. `take` hands it a request; `refill` forks the next once the caller has its
-    answer; `end` closes the zygote's end, and the spare, reading EOF, exits having run
-    nothing. A spare's store was opened before its request, as an owner's is opened before a
-    long command ends: the home it serves is the one its request names, or it opens its own."""
+    """The next owner, forked before it is asked for: one per zygote, for the home of the
+    request before (its store opened there while it waits), waiting on a socketpair whose other
+    end only the zygote holds. `take` hands it a request; `refill` forks the next once the
+    caller has its answer (a zygote that cannot simply has none: owners are forked on request);
+    `end` closes the zygote's end, and the spare, reading EOF, exits having run nothing. A
+    spare's store was opened before its request, as an owner's is opened before a long command
+    ends: the home it serves is the one its request names, or it is let go."""
 
     current: Spare | None = None
 
@@ -146,7 +148,10 @@ class Spare:
 
         if cls.current is not None:
             return
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        except OSError:  # no descriptor to spare: the next owner is forked on request
+            return
 
         def become() -> int:
             ours.close()
@@ -155,6 +160,9 @@ class Spare:
 
         try:
             _STUBS.add(fork_child(become, [], sockets))
+        except OSError:  # no process to spare (EAGAIN, ENOMEM): likewise
+            ours.close()
+            return
         finally:
             theirs.close()
         cls.current = Spare(home, ours)
@@ -171,7 +179,7 @@ class Spare:
         with spare.sock, contextlib.suppress(OSError):
             spare.sock.shutdown(socket.SHUT_WR)
             spare.sock.settimeout(timeout)
-            spare.sock.recv(1)  # b"": the spare's end closed, so has the spare
+            spare.sock.recv(1)  # b"": the spare's end closed, at its exit
 
 
 def _serve_as_spare(home: str, sock: socket.socket) -> int:
@@ -186,7 +194,9 @@ def _serve_as_spare(home: str, sock: socket.socket) -> int:
     from settled.store import open_store
 
     store: Store | None = None
-    if _room_to_prime() and not select.select([sock], [], [], PRIME_AFTER_S)[0]:
+    poller = select.poll()
+    poller.register(sock, select.POLLIN)
+    if _room_to_prime() and not poller.poll(PRIME_AFTER_S * 1000.0):
         try:
             store = open_store(home, threads=False)  # threads=False: it may yet unshare
         except Exception:  # the owner opens it again, and says what is wrong
@@ -195,11 +205,11 @@ def _serve_as_spare(home: str, sock: socket.socket) -> int:
         message, fds, _flags, _addr = socket.recv_fds(sock, MAX_REQUEST, 2)
     except OSError:
         message, fds = b"", []
-    sock.close()
     if not message:
         if store is not None:
             store.close()
-        return 0  # the zygote ended: nothing ran, nothing to say
+        return 0  # the zygote ended: nothing ran; its socket closes with this process
+    sock.close()
     request: dict[str, Any] = marshal.loads(message)
     return _become_owner(request, fds, run_session, store)
 

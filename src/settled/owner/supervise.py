@@ -334,11 +334,11 @@ class Supervisor:
         self._kill_at = now + self.grace  # also bounds a straggler that appears after this look
         left = self.boundary.describe_members()
         if left:
-            self._run_soon()  # a grace to wait out, renewals with it
             self.outcome.stragglers = [{**m, "stopped_by": "TERM"} for m in left]
             if self.grace > 0:
                 self.boundary.signal_all(SIGTERM)
             self.settling()  # after the signal, as in _begin_stop
+            self._run_soon()  # a grace to wait out, and renewals with it
 
     def _finish(self) -> Outcome:
         out = self.outcome
