@@ -217,3 +217,31 @@ def _gone(pid: int, seconds: float) -> bool:
             return False
         time.sleep(0.02)
     return True
+
+
+@pytest.mark.parametrize("failing", ["socketpair", "fork"])
+def test_a_zygote_that_cannot_fork_a_spare_goes_on_without_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, failing: str
+) -> None:
+    import socket
+
+    from settled.owner import forking
+
+    def refused(*_args: object, **_kwargs: object) -> None:
+        raise OSError(24, "Too many open files")
+
+    made: list[socket.socket] = []
+    real_pair = socket.socketpair
+
+    def pair(*args: object) -> tuple[socket.socket, socket.socket]:
+        ends = real_pair(*args)  # type: ignore[arg-type]
+        made.extend(ends)
+        return ends
+
+    monkeypatch.setattr(socket, "socketpair", refused if failing == "socketpair" else pair)
+    if failing == "fork":
+        monkeypatch.setattr(forking, "fork_child", refused)
+    monkeypatch.setattr(forking.Spare, "current", None)
+    forking.Spare.refill(str(tmp_path / "home"), ())  # no exception: the zygote serves on
+    assert forking.Spare.current is None
+    assert all(end.fileno() == -1 for end in made)  # both ends closed, none leaked
