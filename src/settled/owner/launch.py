@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     from settled.owner.main import Ready
     from settled.owner.session import OwnerSession
     from settled.owner.signals import OwnerSignals
+    from settled.records import SessionRecord
     from settled.store import Store
 
 PIPE_SIZE = 1 << 20  # each output pipe: what the command may write before the drain starts
@@ -144,11 +145,13 @@ class Launching:
         ready: Ready,
         ahead: Ahead,
         store: Store | None = None,
+        record: SessionRecord | None = None,
     ) -> None:
-        """`store`: the home's, opened ahead (a zygote's spare); the session takes it over."""
+        """`store`: the home's, opened ahead (a zygote's spare); the session takes it over,
+        with the session's `record` read from it while the launcher claimed."""
         self.home, self.orders, self.signals, self.ready = home, given, signals, ready
         self.ahead = ahead
-        self.store = store
+        self.store, self.record = store, record
         self.timings: dict[str, float] = dict(given["timings"])
         self.plan = IsolationPlan(**given["plan"]) if given["plan"] is not None else None
         self.last_words: LastWords | None = None
@@ -292,6 +295,7 @@ class Launching:
                 self.flusher,
                 splice=self.splice,
                 store=store,
+                record=self.record,
             )
         return self.session
 

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from typing import Any
 
     from settled.owner.launch import Launching
+    from settled.records import SessionRecord
     from settled.store import Store
 
 OWNER_HOME_ENV = "SETTLED_OWNER_HOME"
@@ -101,10 +102,14 @@ def run_session(
     said_at = time.time()
     ready.say(owner_pid=os.getpid(), at=said_at)
     launching: Launching | None = None
+    record: SessionRecord | None = None
     try:
         from settled.owner.launch import Ahead, Launching  # loads while the launcher claims
 
         ahead = Ahead()
+        # a spare's store is open: the session's record (its spec, key and digest, fixed at
+        # admission) is read now, while the launcher claims, not after the command started
+        record = _read_ahead(store, session)
         given = read_orders(orders_fd)
         if given is not None:
             given["timings"] |= {"owner_at": said_at, "orders_at": time.time()}
@@ -113,7 +118,7 @@ def run_session(
             return 0  # no claim was made for this process: nothing ran, nothing to say
         if given["session"] != session:
             raise ValueError(f"orders for session {given['session']}, not {session}")
-        launching = Launching(home, given, signals, ready, ahead, store)
+        launching = Launching(home, given, signals, ready, ahead, store, record)
         store = None  # the launch's to close from here
         return launching.run()
     except BaseException as exc:
@@ -126,6 +131,17 @@ def run_session(
             launching.close()
         if store is not None:
             store.close()
+
+
+def _read_ahead(store: Store | None, session: str) -> SessionRecord | None:
+    """The session's record from a store opened ahead, or None: the owner reads it again after
+    its orders, and says there what is wrong (this process is not claimed for yet)."""
+    if store is None:
+        return None
+    try:
+        return store.get_session(session)
+    except Exception:
+        return None
 
 
 if __name__ == "__main__":

@@ -49,6 +49,8 @@ TYPE_CHECKING = False  # loaded by every fresh owner while its command runs: no 
 if TYPE_CHECKING:
     from typing import Any
 
+    from settled.records import SessionRecord
+
 LOG_CAP_ENV = "SETTLED_LOG_CAP"
 
 
@@ -74,11 +76,13 @@ class OwnerSession:
         *,
         splice: bool = False,
         store: Store | None = None,
+        record: SessionRecord | None = None,
     ) -> None:
         """`lease` and `flusher`: started before the command where their threads had to come
         first (the keeper's connection is this session's `renewals`); otherwise made here and
         started once the command runs. `splice`: the logs were made for it (launch.py).
-        `store`: the home's, opened ahead (a zygote's spare); this session closes it."""
+        `store`: the home's, opened ahead (a zygote's spare); this session closes it.
+        `record`: the session's, read from it already (its admitted spec, key and digest)."""
         self.home, self.orders, self.ready, self.signals = home, orders, ready, signals
         self.timings, self.last_words = timings, last_words
         self.session, self.task = str(orders["session"]), str(orders["task"])
@@ -89,7 +93,7 @@ class OwnerSession:
         self.lease_s = lease_seconds()
         self.heartbeat_s = self.lease_s / HEARTBEATS_PER_LEASE
         self.store: Store = store or open_store(home, threads=not threads_refused())
-        self.record = self.store.get_session(self.session)
+        self.record = record or self.store.get_session(self.session)
         self.spec = CommandSpec.from_json(self.record.spec)
         self.streams: Streams | None = None
         self.spawn_via: str | None = None  # clone3 or fork, once the command started
