@@ -15,8 +15,8 @@ from typing import Any
 
 import test_cli
 from test_cli import CLI, SETTLED
-from test_home_launcher import _gone_within, _within, _zygote_pid
-from test_launcher import _alive
+from test_home_launcher import _zygote_pid
+from test_launcher import _alive, _gone_within, _within
 
 from settled.cli import thin
 from settled.owner import home_launcher

@@ -11,15 +11,13 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import test_cli
 from test_cli import CLI
-from test_launcher import _alive
+from test_launcher import _alive, _forks_of, _gone_within, _within
 
 from settled import where
 from settled.owner import home_launcher
@@ -31,20 +29,6 @@ task = test_cli.task
 
 def _zygote_pid(run: Path) -> int:
     return int((run / LOCK_NAME).read_text())
-
-
-def _gone_within(pid: int, seconds: float) -> bool:
-    return _within(lambda: not _alive(pid), seconds)
-
-
-def _within(check: Callable[[], bool], seconds: float) -> bool:
-    """Whether `check()` holds within `seconds`, looked at every 20 ms."""
-    give_up = time.monotonic() + seconds
-    while time.monotonic() < give_up:
-        if check():
-            return True
-        time.sleep(0.02)
-    return False
 
 
 def test_cli_calls_of_one_home_share_its_zygote_and_each_owner_outlives_it(
@@ -210,17 +194,14 @@ def test_the_home_zygote_keeps_a_spare_owner_that_leaves_with_it(
     run = cli.home / "run"
     assert cli.run("run", "--task", task["task"], "--", "true").returncode == 0
     zygote = _zygote_pid(run)
-    line = Path(f"/proc/{zygote}/cmdline").read_bytes()
-
-    def forks() -> list[int]:
-        return [pid for pid in _pids_with(line) if pid != zygote and _alive(pid)]
-
-    assert _within(lambda: len(forks()) == 1, 10), forks()  # the spare, once `true`'s owner left
-    (spare,) = forks()
+    line = Path(f"/proc/{zygote}/cmdline").read_bytes()  # its forks', once it is gone too
+    # the spare, once `true`'s owner left
+    assert _within(lambda: len(_forks_of(zygote)) == 1, 10), _forks_of(zygote)
+    (spare,) = _forks_of(zygote)
     again = cli.json("exec", "--task", task["task"], "--", "echo again")
     receipt = cli.json("wait", again["session"])
     assert receipt["exit"]["code"] == 0 and receipt["owner"]["pid"] == spare  # no fork waited
     assert cli.run("logs", again["session"]).stdout == b"again\n"
     assert home_launcher.stop(str(run))
     assert _gone_within(zygote, 5)
-    assert forks() == []  # the zygote waited for its spare to leave
+    assert _forks_of(zygote, line) == []  # the zygote waited for its spare to leave

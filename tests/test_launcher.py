@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import resource
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -21,6 +21,20 @@ def _alive(pid: int) -> bool:
             return handle.read().rsplit(")", 1)[1].split()[0] != "Z"
     except (FileNotFoundError, ProcessLookupError):  # gone before, or between open and read
         return False
+
+
+def _within(check: Callable[[], bool], seconds: float) -> bool:
+    """Whether `check()` holds within `seconds`, looked at every 20 ms."""
+    give_up = time.monotonic() + seconds
+    while time.monotonic() < give_up:
+        if check():
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def _gone_within(pid: int, seconds: float) -> bool:
+    return _within(lambda: not _alive(pid), seconds)
 
 
 @pytest.fixture
@@ -131,9 +145,11 @@ def _cmdline(pid: int) -> bytes:
         return b""
 
 
-def _forks_of(zygote: int) -> list[int]:
-    """Live processes that are copies of the zygote (the same command line), but not it."""
-    line = _cmdline(zygote)
+def _forks_of(zygote: int, line: bytes | None = None) -> list[int]:
+    """Live processes that are copies of the zygote (its command line, `line` once it is
+    gone), but not it."""
+    line = line or _cmdline(zygote)
+    assert line, f"no command line for zygote {zygote}: pass the one read while it ran"
     return [
         int(entry)
         for entry in os.listdir("/proc")
@@ -142,15 +158,12 @@ def _forks_of(zygote: int) -> list[int]:
     ]  # fmt: skip
 
 
-def _spare_of(launcher: WarmLauncher, within: float = 10.0) -> int:
+def _spare_of(launcher: WarmLauncher) -> int:
     assert launcher._process is not None
-    give_up = time.monotonic() + within
-    while time.monotonic() < give_up:
-        forks = _forks_of(launcher._process.pid)
-        if len(forks) == 1:
-            return forks[0]
-        time.sleep(0.02)
-    raise AssertionError(f"no single spare owner within {within} s: {forks}")
+    zygote = launcher._process.pid
+    assert _within(lambda: len(_forks_of(zygote)) == 1, 10), f"spares: {_forks_of(zygote)}"
+    (spare,) = _forks_of(zygote)
+    return spare
 
 
 def test_the_zygote_forks_the_next_owner_ahead_and_it_becomes_the_next_sessions_owner(
@@ -203,20 +216,11 @@ def test_a_spare_made_for_another_home_is_let_go_and_the_owner_forked(tmp_path: 
         assert view["receipt"]["exit"]["code"] == 0
         assert view["receipt"]["owner"]["pid"] != spare_for_a
         assert runtimes[1].read(other.session, "stdout") == b"b\n"
-        assert _gone(spare_for_a, 10)
+        assert _gone_within(spare_for_a, 10)
         for rt in runtimes:
             rt.close()
     finally:
         launcher.close()
-
-
-def _gone(pid: int, seconds: float) -> bool:
-    give_up = time.monotonic() + seconds
-    while _alive(pid):
-        if time.monotonic() > give_up:
-            return False
-        time.sleep(0.02)
-    return True
 
 
 @pytest.mark.parametrize("failing", ["socketpair", "fork"])

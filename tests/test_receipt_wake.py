@@ -27,30 +27,39 @@ def _readable(fd: int, seconds: float = 0.0) -> bool:
     return bool(select.select([fd], [], [], seconds)[0])
 
 
+def _sweep() -> None:
+    """Close the kept ends that fired now, not at the next test's launch."""
+    with receipt_wake._lock:
+        receipt_wake._close_fired()
+
+
 @pytest.fixture
-def holder() -> Iterator[tuple[subprocess.Popen[str], int]]:
-    """A live process holding a pipe's write end (as an owner does), and the read end."""
+def kept() -> Iterator[tuple[subprocess.Popen[str], int, int]]:
+    """A live process holding a pipe's write end (as an owner does), the read end kept for it
+    (`receipt_wake.keep`, as a launcher does), and the process's start time."""
     read_end, write_end = os.pipe2(os.O_CLOEXEC)
     child = subprocess.Popen(
         [sys.executable, "-c", HOLDER, str(write_end)],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, pass_fds=(write_end,),
     )  # fmt: skip
     os.close(write_end)
-    yield child, read_end
+    receipt_wake.keep(child.pid, read_end)
+    start = procfs.start_time(child.pid)
+    assert start is not None
+    yield child, read_end, start
     if child.poll() is None:
         child.kill()
     child.wait(10)
     for pipe in (child.stdin, child.stdout):
         if pipe is not None:
             pipe.close()
+    _sweep()
 
 
 def test_the_kept_end_wakes_when_the_owner_closes_its_own_while_it_still_runs(
-    holder: tuple[subprocess.Popen[str], int],
+    kept: tuple[subprocess.Popen[str], int, int],
 ) -> None:
-    child, read_end = holder
-    receipt_wake.keep(child.pid, read_end)
-    start = procfs.start_time(child.pid)
+    child, _, start = kept
     handle = receipt_wake.handle(child.pid, start)
     assert handle is not None
     try:
@@ -66,22 +75,18 @@ def test_the_kept_end_wakes_when_the_owner_closes_its_own_while_it_still_runs(
 
 
 def test_no_end_is_handed_for_another_process_or_a_reused_pid(
-    holder: tuple[subprocess.Popen[str], int],
+    kept: tuple[subprocess.Popen[str], int, int],
 ) -> None:
-    child, read_end = holder
-    receipt_wake.keep(child.pid, read_end)
-    start = procfs.start_time(child.pid)
-    assert start is not None
+    child, _, start = kept
     assert receipt_wake.handle(child.pid, start + 1) is None  # same pid, another process
     assert receipt_wake.handle(os.getpid(), procfs.start_time(os.getpid())) is None
     assert receipt_wake.handle(child.pid, None) is None
 
 
 def test_ends_that_fired_are_closed_at_the_next_launch(
-    holder: tuple[subprocess.Popen[str], int],
+    kept: tuple[subprocess.Popen[str], int, int],
 ) -> None:
-    child, read_end = holder
-    receipt_wake.keep(child.pid, read_end)
+    child, read_end, _ = kept
     child.kill()  # its death closes its end
     child.wait(10)
     other_r, other_w = os.pipe2(os.O_CLOEXEC)
@@ -89,11 +94,12 @@ def test_ends_that_fired_are_closed_at_the_next_launch(
         receipt_wake.keep(os.getpid(), other_r)  # the next launch sweeps
         with pytest.raises(OSError):
             os.fstat(read_end)  # closed by the sweep
-        assert receipt_wake.handle(os.getpid(), procfs.start_time(os.getpid())) is not None
+        handle = receipt_wake.handle(os.getpid(), procfs.start_time(os.getpid()))
+        assert handle is not None  # the live one is still kept
+        os.close(handle)
     finally:
-        os.close(other_w)  # fired now: swept here, not left to the next test's launch
-        with receipt_wake._lock:
-            receipt_wake._close_fired()
+        os.close(other_w)
+        _sweep()
 
 
 @pytest.mark.parametrize("launcher", ["warm", "fresh"])
