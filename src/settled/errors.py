@@ -232,7 +232,8 @@ class NotSettled(SettledError):
 
 
 class OwnerLaunchFailed(SettledError):
-    """The session was admitted but its owner did not report; recovery will decide its fate."""
+    """The session was admitted but its owner did not report. Claimed by no owner, it is
+    settled at once as never started (its receipt says why); claimed, recovery decides."""
 
 
 class SandboxFailed(SettledError):

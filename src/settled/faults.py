@@ -15,6 +15,7 @@ import errno
 import os
 
 OWNER_POINTS = (
+    "owner.before_ready",  # before the owner says its pid: a warm launcher has not claimed yet
     "owner.after_claim",
     "owner.after_boundary",
     "owner.after_spawn",

@@ -6,6 +6,8 @@ never relaunched. Recovery fences the old owner (the session's generation advanc
 heartbeat, receipt and claim are refused), inspects the boundary, and only on positive evidence
 writes a receipt with `death.source: recovery`, the log closed at the bytes on disk and
 `drain: incomplete`. A session whose boundary cannot give evidence stays unknown, with why.
+A session no owner was ever claimed for (its launch failed first) is settled by its launcher as
+never started without passing through unknown (`settle_unlaunched`): nothing of it can run.
 """
 
 from __future__ import annotations
@@ -166,6 +168,27 @@ class Recovery:
             return _as_settled_by_another(self.store.get_session(record.session), exc)
         return {"session": record.session, "state": "settled", "evidence": evidence.evidence}
 
+    def settle_unlaunched(self, session: str, why: str) -> bool:
+        """Settle, as never started, a session whose launch failed before any owner was claimed
+        for it; `why` is its launcher's error. Whether it did: a claimed session is its
+        owner's, and, should that owner be lost, recovery's.
+
+        The launcher is the authority here, as the owner is for a command it could not start:
+        only a launcher claims, it claims once, and an owner runs nothing without the orders
+        sent after the claim, so a session still admitted was never run, nor ever will be:
+        the receipt moves it from `admitted` at its generation (a compare-and-set), and a
+        settled session refuses a claim. Without this, the session would wait out the launch
+        timeout, turn unknown and freeze its task until `settled recover`."""
+        record = self.store.get_session(session)
+        if record.state != ADMITTED or record.owner is not None:
+            return False
+        receipt = _unlaunched_receipt(self.home, record, why)
+        try:
+            self.store.write_receipt(session, record.generation, receipt)
+        except StaleWrite:  # claimed meanwhile after all, or settled by another
+            return False
+        return True
+
     def recover_vanished(
         self, record: SessionRecord, why: str, given: Evidence | None = None
     ) -> dict[str, Any]:
@@ -259,6 +282,41 @@ def _as_settled_by_another(record: SessionRecord, lost: StaleWrite) -> dict[str,
             "evidence": record.receipt["death"].get("evidence"),
         }
     return {"session": record.session, "state": "skipped", "why": str(lost)}
+
+
+def _unlaunched_receipt(home: str, record: SessionRecord, why: str) -> dict[str, Any]:
+    """The receipt of a session no owner was ever claimed for: never started, at `launch`."""
+    from settled.boundary.base import Evidence
+    from settled.log.recovered import close_at_disk
+    from settled.receipts import not_started_fact
+
+    evidence = Evidence(
+        "none",
+        True,
+        "no owner was ever claimed for this session (its launch failed first), and this "
+        "receipt settles it from admitted, which refuses any later claim: its command never "
+        "started",
+        {"claimed": False},
+    )
+    output = {
+        stream: close_at_disk(log_path(home, record.session, stream), writer_may_live=False)
+        for stream in ("stdout", "stderr")
+    }
+    return process_receipt(
+        session=record.session,
+        task=record.task,
+        key=record.key,
+        command_digest=record.digest,
+        generation=record.generation,
+        death=evidence.to_json("launcher"),
+        exit=not_started_fact("launch", why),
+        output={**output, "drain": "complete"},
+        stragglers=[],
+        terminal_mutation={"seq": None, "source": "none", "why": "the command never ran"},
+        isolation=record.isolation,
+        owner={"pid": os.getpid(), "role": "launcher", "claimed": False},
+        timings={"settled_at": time.time(), "admitted_at": record.created_at},
+    )
 
 
 def _recovered_receipt(

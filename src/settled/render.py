@@ -71,6 +71,8 @@ def receipt_text(receipt: dict[str, Any]) -> str:
     if owner.get("role") == "recovery":
         lost = owner.get("lost_owner") or {}
         lines.append(f"  owner   lost (pid {lost.get('pid')}); settled by recovery {owner['pid']}")
+    elif owner.get("role") == "launcher":
+        lines.append(f"  owner   none was claimed; settled by its launcher {owner['pid']}")
     else:
         lines.append(
             f"  owner   pid {owner['pid']}, peak RSS {owner['maxrss_kib'] / 1024:.1f} MiB, "

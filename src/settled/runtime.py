@@ -597,9 +597,23 @@ class Runtime:
             break
         if reused:
             return self._admission(session, reused=True)
-        self._ensure_journal(record)  # one request when watched; restarts a lost daemon
-        report = self._launch(session.session)
+        try:
+            self._ensure_journal(record)  # one request when watched; restarts a lost daemon
+            report = self._launch(session.session)
+        except BaseException as exc:
+            self._unlaunched(session.session, f"{type(exc).__name__}: {exc}")
+            raise
+        if "error" in report:
+            self._unlaunched(session.session, str(report["error"]))
         return self._admission(self.store.get_session(session.session), False, report)
+
+    def _unlaunched(self, session: str, why: str) -> None:
+        """A launch that failed before any owner was claimed settles its session as never
+        started (recovery.settle_unlaunched), so that its task is not frozen for it. A store
+        that cannot take the receipt either leaves it as it was: unknown once the launch
+        timeout passes, as before; the launch's own error is what the caller is told."""
+        with contextlib.suppress(SettledError, OSError):
+            self.recovery.settle_unlaunched(session, why)
 
     def _caller_env(self, names: Sequence[str], whole: bool) -> CallerEnv:
         """This process's variables for the command, never the home's credentials or any

@@ -8,7 +8,8 @@ orders (handoff.py); an owner that gets none runs nothing. A fresh owner is clai
 its interpreter starts; meanwhile it loads its launch path (launch.py), which starts the
 command the moment the orders come.
 
-Up to its pid, this imports os, sys, time, marshal and two small settled modules, nothing else.
+Up to its pid, this imports os, sys, time, marshal and three small settled modules (the fault
+points, the report encoder, the signals), nothing else.
 Exit status is for the log only: the receipt in the store is the answer.
 """
 
@@ -19,6 +20,7 @@ import os
 import sys
 import time
 
+from settled import faults
 from settled.isolated import json_text
 from settled.owner.signals import OwnerSignals
 
@@ -96,6 +98,7 @@ def run_session(
     """The owner of `session`, once detached. Its first report is its pid, which the launcher
     claims the session for before it sends the orders. `store`: the home's, opened ahead (a
     zygote's spare, forking.py); the owner closes it."""
+    faults.point("owner.before_ready")  # a death here leaves its session claimed by no one
     os.chdir("/")
     signals = OwnerSignals()  # a TERM from now on (or blocked until now) is a cancel
     ready = Ready(ready_fd)

@@ -172,12 +172,15 @@ class Lane:
 
     def await_owner(self, session: str, point: str) -> bool:
         """Until the session settles (its owner never reached the point: False) or its owner
-        is gone without a receipt, having said it crashed at its point (True)."""
+        is gone without a receipt, having said it crashed at its point (True). An owner dead
+        before it said its pid to a warm launcher leaves a receipt all the same: its
+        launcher's, settling the session as never started (True when it said so)."""
         give_up, pause = time.monotonic() + SETTLE_S, 0.002
         while True:
             record = self.rt.session_record(session)
             if record.receipt is not None:
-                return False
+                by_launcher = record.receipt["owner"].get("role") == "launcher"
+                return by_launcher and self._owner_said_crash(session, point)
             facts = self.rt.owner_facts(record) if record.owner is not None else None
             if facts is not None and not facts.alive:
                 return self._owner_said_crash(session, point)
