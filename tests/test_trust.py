@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import shutil
 import signal
 import sqlite3
@@ -249,6 +250,32 @@ def test_other_tasks_workspaces_and_hidden_files_are_empty_to_the_command(
     assert str(tokens) in receipt["isolation"]["hidden"]["files"]
 
 
+def test_every_other_workspace_is_covered_empty_and_read_only_beside_the_homes_own_cover(
+    rt: Runtime, tmp_path: Path
+) -> None:
+    """The first cover that holds no workspace is an empty read-only tmpfs, bound over every
+    other hidden directory (mountview's _cover_again); the home's, which holds this task's
+    workspace, is a tmpfs of its own with the workspace bound back in."""
+    others = []
+    for name in ("a", "b", "c"):
+        other = tmp_path / f"other-{name}"
+        other.mkdir()
+        (other / "secret").write_text(f"{name}'s secret")
+        rt.new_task(str(other))
+        others.append(other)
+    task = rt.new_task()  # its workspace lies in the home
+    probe = "; ".join(f"ls -A {o}; touch {o}/planted && echo PLANTED {o}" for o in others)
+    receipt, out, err = attack(
+        rt, task, f"{probe}; touch {rt.home}/planted && echo HOME; touch mine && echo MINE"
+    )
+    assert out == "MINE\n", out
+    assert err.count("Read-only file system") == len(others) + 1, err
+    assert {str(o) for o in others} <= set(receipt["isolation"]["hidden"]["dirs"])
+    for other in others:
+        assert [p.name for p in other.iterdir()] == ["secret"]
+    assert Path(task.workspace, "mine").exists()
+
+
 def test_the_command_sees_only_its_own_processes(rt: Runtime, task: TaskRecord) -> None:
     _, out, _err = attack(
         rt,
@@ -385,6 +412,55 @@ def test_strict_isolation_is_refused_where_a_protection_is_missing(
     assert plan.to_json()["home_hidden"] is False
     with pytest.raises(Exception, match="strict"):
         make_plan("strict", workspace="/w", home="/h", pid_namespace=True)
+
+
+def test_the_hidden_directories_are_each_outermost_of_the_other_workspaces(
+    tmp_path: Path,
+) -> None:
+    """choose_hidden keeps, of the home and the other workspaces that exist, those inside no
+    other kept one, never the workspace or an ancestor of it but the home; and says whether
+    the workspace must be bound back. choose_writable keeps the outermost writable paths that
+    exist, none inside a hidden one but the workspace. Both checked against those definitions
+    on random trees (one look per ancestor replaced a scan of every hidden directory, which
+    made a plan quadratic in its home's tasks)."""
+    from settled.boundary.isolation import (
+        DEFAULT_WRITABLE,
+        _is_within,
+        choose_hidden,
+        choose_writable,
+    )
+
+    rng = random.Random(7)
+    names = [tmp_path / f"d{i}" for i in range(4)]
+    tree = [*names, *(n / f"e{j}" for n in names for j in range(3))]
+    tree += [d / "f" for d in tree[4:10]]
+    for path in tree:
+        path.mkdir(parents=True, exist_ok=True)
+    paths = [str(p) for p in tree]
+    for _ in range(300):
+        workspace, home = rng.sample(paths, 2)
+        others = [*rng.sample(paths, rng.randint(0, len(paths))), str(tmp_path / "gone")]
+        kept, expose = choose_hidden(workspace, home, others)
+        expected: list[str] = []
+        for path in sorted({home, *others}, key=len):
+            if path == workspace or (_is_within(workspace, path) and path != home):
+                continue
+            if any(_is_within(path, outer) for outer in expected):
+                continue
+            if path != home and not os.path.isdir(path):
+                continue
+            expected.append(path)
+        assert list(kept) == expected
+        assert expose == (workspace if any(_is_within(workspace, d) for d in expected) else None)
+        granted = rng.sample(paths, rng.randint(0, 3))
+        writable: list[str] = []
+        for path in sorted({workspace, *DEFAULT_WRITABLE, *granted}, key=len):
+            if any(_is_within(path, h) for h in kept) and path != workspace:
+                continue
+            if any(_is_within(path, o) for o in writable) or not os.path.isdir(path):
+                continue
+            writable.append(path)
+        assert list(choose_writable(workspace, granted, kept)) == writable
 
 
 # -- helpers ---------------------------------------------------------------------------------
