@@ -20,6 +20,7 @@ import admission
 import checkpoint
 import close_latency
 import drain
+import home_age
 import http_bench
 import isolation
 import kill
@@ -44,6 +45,7 @@ BENCHMARKS = {
     "load": load.run,
     "http": http_bench.run,
     "receipt": receipt.run,
+    "home_age": home_age.run,
     "isolation": isolation.run,
     "remote": remote.run,
     "objects_s3": objects_s3.run,
