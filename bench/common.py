@@ -165,8 +165,8 @@ def write_markdown(out_dir: str, name: str, markdown: str) -> None:
 
 
 ORDER = (
-    "drain", "admission", "kill", "checkpoint", "close_latency", "load", "http", "objects_s3",
-    "remote", "store_ops", "ui_feed", "soak",
+    "startup", "receipt", "drain", "admission", "kill", "checkpoint", "close_latency", "load",
+    "home_age", "http", "objects_s3", "remote", "store_ops", "ui_feed", "soak",
 )  # fmt: skip
 
 
