@@ -611,8 +611,9 @@ class Runtime:
         """A launch that failed before any owner was claimed settles its session as never
         started (recovery.settle_unlaunched), so that its task is not frozen for it. A store
         that cannot take the receipt either leaves it as it was: unknown once the launch
-        timeout passes, as before; the launch's own error is what the caller is told."""
-        with contextlib.suppress(SettledError, OSError):
+        timeout passes, as before; the launch's own error is what the caller is told, so no
+        error of this second attempt (a busy or failing store, of either backend) replaces it."""
+        with contextlib.suppress(Exception):
             self.recovery.settle_unlaunched(session, why)
 
     def _caller_env(self, names: Sequence[str], whole: bool) -> CallerEnv:
