@@ -31,6 +31,13 @@ def _zygote_pid(run: Path) -> int:
     return int((run / LOCK_NAME).read_text())
 
 
+def _zygote_after_a_call(cli: CLI, task: dict[str, Any]) -> tuple[Path, int]:
+    """The home's run directory and the pid of the zygote one `settled run` started there."""
+    run = cli.home / "run"
+    assert cli.run("run", "--task", task["task"], "--", "true").returncode == 0
+    return run, _zygote_pid(run)
+
+
 def test_cli_calls_of_one_home_share_its_zygote_and_each_owner_outlives_it(
     cli: CLI, task: dict[str, Any]
 ) -> None:
@@ -49,9 +56,7 @@ def test_cli_calls_of_one_home_share_its_zygote_and_each_owner_outlives_it(
 
 
 def test_a_killed_zygote_is_replaced_by_the_next_call(cli: CLI, task: dict[str, Any]) -> None:
-    run = cli.home / "run"
-    assert cli.run("run", "--task", task["task"], "--", "true").returncode == 0
-    old = _zygote_pid(run)
+    run, old = _zygote_after_a_call(cli, task)
     os.kill(old, signal.SIGKILL)
     assert _gone_within(old, 5)  # its socket stays behind, unanswered
     again = cli.run("run", "--task", task["task"], "--", "sh", "-c", "echo again")
@@ -161,9 +166,7 @@ def test_the_run_directory_is_private(tmp_path: Path) -> None:
 def test_an_edit_of_the_installed_settled_replaces_the_zygote(
     cli: CLI, task: dict[str, Any]
 ) -> None:
-    run = cli.home / "run"
-    assert cli.run("run", "--task", task["task"], "--", "true").returncode == 0
-    old = _zygote_pid(run)
+    run, old = _zygote_after_a_call(cli, task)
     module = Path(home_launcher.__file__).with_name("forking.py")
     before = module.stat()
     try:
@@ -191,9 +194,7 @@ def _state(pid: int) -> str:
 def test_the_home_zygote_keeps_a_spare_owner_that_leaves_with_it(
     cli: CLI, task: dict[str, Any]
 ) -> None:
-    run = cli.home / "run"
-    assert cli.run("run", "--task", task["task"], "--", "true").returncode == 0
-    zygote = _zygote_pid(run)
+    run, zygote = _zygote_after_a_call(cli, task)
     line = Path(f"/proc/{zygote}/cmdline").read_bytes()  # its forks', once it is gone too
     # the spare, once `true`'s owner left
     assert _within(lambda: len(_forks_of(zygote)) == 1, 10), _forks_of(zygote)
