@@ -31,6 +31,7 @@ from __future__ import annotations
 import os
 
 from settled.boundary import linux
+from settled.boundary.isolation import _is_within  # the planner's own test of "inside"
 
 TYPE_CHECKING = False  # the owner's launch path imports this: no typing at run time
 if TYPE_CHECKING:
@@ -113,10 +114,6 @@ def _cover_again(cover: str, path: str) -> None:
     filesystem. A tmpfs of its own for each of a home's hundreds of other workspaces cost ~26 us
     more each, and as much again when the namespace went away."""
     linux.mount(cover, path, None, linux.MS_BIND)
-
-
-def _is_within(path: str, root: str) -> bool:
-    return path == root or path.startswith(root.rstrip("/") + "/")
 
 
 def _cover_file(path: str) -> None:
