@@ -284,10 +284,19 @@ def _as_settled_by_another(record: SessionRecord, lost: StaleWrite) -> dict[str,
     return {"session": record.session, "state": "skipped", "why": str(lost)}
 
 
+def _logs_at_disk(home: str, session: str, *, writer_may_live: bool) -> dict[str, Any]:
+    """Each stream's fact, closed at the bytes its log holds (log/recovered.py)."""
+    from settled.log.recovered import close_at_disk
+
+    return {
+        stream: close_at_disk(log_path(home, session, stream), writer_may_live=writer_may_live)
+        for stream in ("stdout", "stderr")
+    }
+
+
 def _unlaunched_receipt(home: str, record: SessionRecord, why: str) -> dict[str, Any]:
     """The receipt of a session no owner was ever claimed for: never started, at `launch`."""
     from settled.boundary.base import Evidence
-    from settled.log.recovered import close_at_disk
     from settled.receipts import not_started_fact
 
     evidence = Evidence(
@@ -298,10 +307,7 @@ def _unlaunched_receipt(home: str, record: SessionRecord, why: str) -> dict[str,
         "started",
         {"claimed": False},
     )
-    output = {
-        stream: close_at_disk(log_path(home, record.session, stream), writer_may_live=False)
-        for stream in ("stdout", "stderr")
-    }
+    output = _logs_at_disk(home, record.session, writer_may_live=False)
     return process_receipt(
         session=record.session,
         task=record.task,
@@ -330,15 +336,9 @@ def _recovered_receipt(
     """The receipt of a lost owner's session. Its logs are closed in place (nothing written,
     so a full disk does not stop it) unless the lost owner may still be running, when a copy
     fences its late appends off (log/recovered.py)."""
-    from settled.log.recovered import close_at_disk
     from settled.workspace.journal import client as journal_client
 
-    output = {
-        stream: close_at_disk(
-            log_path(home, record.session, stream), writer_may_live=writer_may_live
-        )
-        for stream in ("stdout", "stderr")
-    }
+    output = _logs_at_disk(home, record.session, writer_may_live=writer_may_live)
     never_ran = (
         not evidence.observed.get("claimed", True)
         or evidence.boundary == "none"
