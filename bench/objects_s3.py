@@ -29,7 +29,7 @@ from common import MIB, distribution, fmt, header, log, machine, md_table, scrat
 TESTS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests")
 sys.path.insert(0, TESTS_DIR)
 SRC_DIR = os.path.join(os.path.dirname(TESTS_DIR), "src")
-sys.path.insert(0, SRC_DIR)
+sys.path.append(SRC_DIR)  # last: a PYTHONPATH naming another checkout's src (an A/B) wins
 
 import s3 as weed_server  # noqa: E402  (tests/s3.py: the SeaweedFS launcher)
 
