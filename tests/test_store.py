@@ -33,6 +33,7 @@ import pytest
 
 from settled import states
 from settled.boundary.pidns import has_cap_sys_admin
+from settled.canonical import canonical_bytes
 from settled.errors import (
     AdmissionSealed,
     HomeUnusable,
@@ -58,6 +59,7 @@ from settled.states import (
 )
 from settled.store import Store, postgres
 from settled.store.postgres import PostgresStore, open_postgres
+from settled.store.rows import fact_digest
 from settled.store.sqlite import MIGRATIONS, SCHEMA_VERSION, SQLiteStore
 
 # --- backends -----------------------------------------------------------------------------
@@ -73,6 +75,7 @@ class Backend:
     read_schema_version: Callable[[str], int | None]
     write_schema_version: Callable[[str, int], None]
     schema_version: int
+    fetch: Callable[[Store, str, tuple[Any, ...]], list[tuple[Any, ...]]]  # raw SQL, ? params
     fixture: str | None = None  # a fixture that must run first (a server to start)
 
 
@@ -92,6 +95,11 @@ def _sqlite_set_session_state(store: Store, session: str, state: str) -> None:
     cast(SQLiteStore, store)._db.execute(
         "UPDATE sessions SET state=? WHERE session=?", (state, session)
     )
+
+
+def _sqlite_fetch(store: Store, query: str, args: tuple[Any, ...]) -> list[tuple[Any, ...]]:
+    with cast(SQLiteStore, store)._db as db:
+        return db.execute(query, args).fetchall()
 
 
 def _sqlite_read_schema_version(directory: str) -> int | None:
@@ -118,6 +126,12 @@ def _pg_open_one_connection(directory: str) -> Store:
 def _pg_execute(store: Store, query: str, args: tuple[Any, ...]) -> None:
     with cast(PostgresStore, store)._connection() as conn:
         conn.execute(query, args)  # type: ignore[arg-type]
+
+
+def _pg_fetch(store: Store, query: str, args: tuple[Any, ...]) -> list[tuple[Any, ...]]:
+    with cast(PostgresStore, store)._connection() as conn:
+        cursor = conn.execute(query.replace("?", "%s"), args)  # type: ignore[arg-type]
+        return cursor.fetchall() if cursor.description else []
 
 
 def _pg_set_task_state(store: Store, task: str, state: str) -> None:
@@ -147,6 +161,7 @@ POSTGRESQL = Backend(
     read_schema_version=_pg_read_schema_version,
     write_schema_version=_pg_write_schema_version,
     schema_version=postgres.SCHEMA_VERSION,
+    fetch=_pg_fetch,
     fixture="pg_cluster",
 )
 
@@ -159,6 +174,7 @@ BACKENDS: dict[str, Backend] = {
         read_schema_version=_sqlite_read_schema_version,
         write_schema_version=_sqlite_write_schema_version,
         schema_version=SCHEMA_VERSION,
+        fetch=_sqlite_fetch,
     ),
     "postgresql": POSTGRESQL,
     "postgresql-one-connection": dataclasses.replace(
@@ -551,6 +567,92 @@ def test_a_claim_records_its_boundary_in_the_same_write(store: Store) -> None:
     assert claimed.isolation == isolation
     assert claimed.command_pid is None
     assert store.get_session(record.session) == claimed
+
+
+def _isolation_hiding(others: int) -> dict[str, Any]:
+    """A plan's record that hides the home and `others` other tasks' workspaces."""
+    dirs = ["/srv/home/.settled", *(f"/srv/work/task-{n:04d}-{'x' * 20}" for n in range(others))]
+    return {
+        "policy": "auto", "home_hidden": True, "pinned": 2, "cgroup": "namespace, read-only",
+        "hidden": {"dirs": dirs, "files": ["/srv/home/tokens"]},
+    }  # fmt: skip
+
+
+def _claimed_and_settled(store: Store, task: str, isolation: dict[str, Any]) -> SessionRecord:
+    record = admit(store, task)
+    store.claim(
+        record.session, record.generation, OWNER,
+        boundary="pidns", boundary_ref="ref", isolation=isolation,
+    )  # fmt: skip
+    return store.write_receipt(record.session, record.generation, receipt(isolation=isolation))
+
+
+def _stored_sizes(store: Store, backend: Backend, task: str) -> list[tuple[int, int]]:
+    return backend.fetch(
+        store, "SELECT length(receipt), length(isolation) FROM sessions WHERE task=?", (task,)
+    )
+
+
+def test_a_long_hidden_list_is_stored_once_and_every_read_gives_it_back_whole(
+    store: Store, store_factory: StoreFactory, backend: Backend, home: str
+) -> None:
+    """A home that hosted a thousand tasks hides a thousand workspaces from every command: the
+    list is written once for all the sessions that hide it, not into each claim and receipt,
+    and every reader (another process's store included) sees the receipt as its owner sealed it."""
+    isolation = _isolation_hiding(1000)
+    task = new_task(store)
+    settled = [_claimed_and_settled(store, task, isolation) for _ in range(3)]
+    reader = store_factory(home)  # nothing read before: the list comes from the database
+    for record in settled:
+        again = reader.get_session(record.session)
+        assert again == record
+        assert again.isolation == isolation and again.receipt is not None
+        assert again.receipt["isolation"] == isolation
+    assert [r.session for r in reader.list_sessions(task)] == [r.session for r in settled]
+    retried = store_factory(home)  # a retry's admission reads it inside its own transaction
+    assert retried.admit(task, settled[0].key, DIGEST_A, SPEC) == (settled[0], True)
+    inline = len(canonical_bytes(isolation))  # ~38 KB, each
+    for receipt_chars, isolation_chars in _stored_sizes(store, backend, task):
+        assert receipt_chars < 1500 and isolation_chars < 600, (receipt_chars, isolation_chars)
+    digest = fact_digest(canonical_bytes(isolation["hidden"]["dirs"]).decode())
+    stored = backend.fetch(store, "SELECT length(dirs) FROM hidden_sets WHERE digest=?", (digest,))
+    assert len(stored) == 1 and inline - 200 < stored[0][0] < inline
+
+
+def test_a_short_hidden_list_stays_in_the_row(store: Store, backend: Backend) -> None:
+    isolation = _isolation_hiding(3)
+    task = new_task(store)
+    record = _claimed_and_settled(store, task, isolation)
+    rows = backend.fetch(
+        store, "SELECT receipt, isolation FROM sessions WHERE session=?", (record.session,)
+    )
+    assert all(isolation["hidden"]["dirs"][-1] in text for text in rows[0])
+    assert store.get_session(record.session).isolation == isolation
+
+
+@pytest.mark.parametrize("damage", ["edited", "deleted", "miscounted"])
+def test_a_damaged_hidden_list_is_refused_not_read(
+    store: Store, store_factory: StoreFactory, backend: Backend, home: str, damage: str
+) -> None:
+    """The list is part of what the receipt's digest seals: edited or gone, no reader decides
+    from the session, as for an edited receipt."""
+    isolation = _isolation_hiding(40)
+    record = _claimed_and_settled(store, new_task(store), isolation)
+    digest = fact_digest(canonical_bytes(isolation["hidden"]["dirs"]).decode())
+    if damage == "edited":  # one workspace fewer: the command could have seen it
+        shorter = canonical_bytes(isolation["hidden"]["dirs"][:-1]).decode()
+        backend.fetch(store, "UPDATE hidden_sets SET dirs=? WHERE digest=?", (shorter, digest))
+    elif damage == "deleted":
+        backend.fetch(store, "DELETE FROM hidden_sets WHERE digest=?", (digest,))
+    else:  # the row's count, outside what the digest covers
+        backend.fetch(
+            store,
+            "UPDATE sessions SET receipt=replace(receipt, '\"dirs_count\":41', "
+            "'\"dirs_count\":40') WHERE session=?",
+            (record.session,),
+        )
+    with pytest.raises(ReceiptTampered, match="hidden directories of the process receipt"):
+        store_factory(home).get_session(record.session)
 
 
 def test_a_lost_claim_records_no_boundary(store: Store) -> None:
@@ -1179,6 +1281,7 @@ def test_close_facts_of_an_older_store_are_sealed_once_by_the_migration(tmp_path
         db.execute("ALTER TABLE tasks DROP COLUMN ignore_rules")
         db.execute("DROP TABLE workspace_shares")
         db.execute("DROP TABLE hosts")
+        db.execute("DROP TABLE hidden_sets")
         db.execute("ALTER TABLE tasks DROP COLUMN host")
         db.execute("ALTER TABLE tasks DROP COLUMN frozen")
     store = SQLiteStore(path)

@@ -30,6 +30,8 @@ from settled.boundary.isolation import make_plan
 from settled.errors import HomeUnusable, ReceiptTampered
 from settled.records import TaskRecord
 from settled.runtime import Runtime
+from settled.store.rows import HIDDEN_INLINE_MAX
+from settled.store.sqlite import SQLiteStore
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the attacks are those of a root command")
 
@@ -274,6 +276,39 @@ def test_every_other_workspace_is_covered_empty_and_read_only_beside_the_homes_o
     for other in others:
         assert [p.name for p in other.iterdir()] == ["secret"]
     assert Path(task.workspace, "mine").exists()
+
+
+def test_a_home_of_many_tasks_stores_their_hidden_list_once_and_each_receipt_names_them_all(
+    rt: Runtime, task: TaskRecord, tmp_path: Path
+) -> None:
+    """Past rows.HIDDEN_INLINE_MAX other workspaces, the list is stored apart, once for every
+    session that hides the same ones: each receipt still names all of them, sealed as written,
+    and the command still sees none of them."""
+    others = []
+    for n in range(HIDDEN_INLINE_MAX + 4):
+        other = tmp_path / f"other-{n:02d}"
+        other.mkdir()
+        (other / "secret").write_text(f"{n}'s secret")
+        rt.new_task(str(other))
+        others.append(str(other))
+    receipts = [
+        attack(rt, task, f"for d in {' '.join(others)}; do ls -A $d; done; echo END")
+        for _ in range(2)
+    ]
+    for receipt, out, _err in receipts:
+        assert out == "END\n", out
+        assert set(others) <= set(receipt["isolation"]["hidden"]["dirs"])
+    if not isinstance(rt.store, SQLiteStore):
+        return  # the store's own tests check the rows of every backend
+    with sqlite3.connect(os.path.join(rt.home, "settled.db")) as db:
+        rows = db.execute(
+            "SELECT receipt, isolation FROM sessions WHERE task=?", (task.task,)
+        ).fetchall()
+        (sets,) = db.execute("SELECT count(*) FROM hidden_sets").fetchone()
+    assert sets == 1
+    for receipt_text, isolation_text in rows:
+        assert '"dirs_set":' in receipt_text and '"dirs_set":' in isolation_text
+        assert not any(o in receipt_text + isolation_text for o in others)
 
 
 def test_the_command_sees_only_its_own_processes(rt: Runtime, task: TaskRecord) -> None:

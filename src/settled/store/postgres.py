@@ -74,19 +74,23 @@ from settled.store.rows import (
     LIVE_COLUMNS,
     RECEIPT_EVENTS,
     SESSION_COLUMNS,
+    HiddenSet,
+    HiddenSets,
     checked_fact,
     fact_digest,
     host_from_row,
     live_from_row,
     overlap,
     session_from_row,
+    stored_isolation,
+    stored_receipt,
     task_from_row,
 )
 
 T = TypeVar("T")
 Cursor = psycopg.Cursor[tuple[Any, ...]]
 
-SCHEMA_VERSION: Final = 8  # the SQLite store's; tests/test_store.py checks they agree
+SCHEMA_VERSION: Final = 9  # the SQLite store's; tests/test_store.py checks they agree
 CONNECT_TIMEOUT_S: Final = 10
 POOL_MIN, POOL_MAX = 1, 4
 RETRIES: Final = 8  # a deadlock or serialization failure: the whole transaction again
@@ -183,6 +187,12 @@ MIGRATIONS: Final[dict[int, str]] = {
     8: """
     ALTER TABLE tasks ADD COLUMN ignore_rules TEXT
     """,
+    9: """
+    CREATE TABLE hidden_sets (
+        digest  TEXT PRIMARY KEY,
+        dirs    TEXT NOT NULL
+    )
+    """,
 }
 SEALS_CLOSE_FACTS: Final = 4
 
@@ -270,6 +280,7 @@ class PostgresStore:
         self._create_lock = _lock_key(namespace, "create_task")
         self._listener: psycopg.Connection[tuple[Any, ...]] | None = None
         self._listen_lock = threading.Lock()
+        self._hidden_sets = HiddenSets(self._hidden_set)
         # The pool's first connection is made in the background while this one checks the
         # schema: an open costs one connection time, not two. The direct connection is what
         # names a failure (the pool would only time out).
@@ -360,6 +371,22 @@ class PostgresStore:
     def _read_one(self, query: str, args: tuple[Any, ...] = ()) -> tuple[Any, ...] | None:
         rows = self._read(query, args)
         return rows[0] if rows else None
+
+    def _hidden_set(self, digest: str, cur: Cursor | None = None) -> str | None:
+        """By `cur` inside a transaction: an unpooled store has one connection."""
+        query, args = "SELECT dirs FROM hidden_sets WHERE digest=%s", (digest,)
+        row = (
+            cur.execute(query, args).fetchone() if cur is not None else self._read_one(query, args)
+        )
+        return None if row is None else str(row[0])
+
+    def _store_hidden(self, cur: Cursor, hidden_set: HiddenSet | None) -> None:
+        """Once per distinct list: every later session that hides the same directories names it."""
+        if hidden_set is not None:
+            cur.execute(
+                "INSERT INTO hidden_sets(digest, dirs) VALUES (%s, %s) ON CONFLICT DO NOTHING",
+                hidden_set,
+            )
 
     def _notify(self, cur: Cursor, task: str, session: str = "") -> None:
         """Delivered at commit, to every LISTENer of this schema's channel."""
@@ -623,8 +650,10 @@ class PostgresStore:
     def admit(
         self, task: str, key: str, digest: str, spec: dict[str, Any]
     ) -> tuple[SessionRecord, bool]:
-        def reuse(row: tuple[Any, ...]) -> tuple[SessionRecord, bool]:
-            record = session_from_row(row)
+        def reuse(row: tuple[Any, ...], cur: Cursor) -> tuple[SessionRecord, bool]:
+            record = session_from_row(
+                row, self._hidden_sets.via(lambda digest: self._hidden_set(digest, cur))
+            )
             if record.digest != digest:
                 raise KeyConflict(task, key, record.digest, digest, record.session)
             return record, True
@@ -639,7 +668,7 @@ class PostgresStore:
                 f"{SELECT_SESSION} WHERE task=%s AND key=%s", (task, key)
             ).fetchone()
             if existing is not None:
-                return reuse(existing)
+                return reuse(existing, cur)
             state, generation, frozen = found
             if state != TASK_OPEN:
                 raise AdmissionSealed(task, state)
@@ -670,9 +699,9 @@ class PostgresStore:
                     f"{SELECT_SESSION} WHERE task=%s AND key=%s", (task, key)
                 ).fetchone()
                 assert won is not None
-                return reuse(won)
+                return reuse(won, cur)
             self._notify(cur, task, row[0])
-            return session_from_row(row), False
+            return session_from_row(row, self._hidden_sets), False
 
         return self._write(work)
 
@@ -680,15 +709,15 @@ class PostgresStore:
         row = self._read_one(f"{SELECT_SESSION} WHERE session=%s", (session,))
         if row is None:
             raise UnknownSession(session)
-        return session_from_row(row)
+        return session_from_row(row, self._hidden_sets)
 
     def find_session(self, task: str, key: str) -> SessionRecord | None:
         row = self._read_one(f"{SELECT_SESSION} WHERE task=%s AND key=%s", (task, key))
-        return session_from_row(row) if row else None
+        return session_from_row(row, self._hidden_sets) if row else None
 
     def list_sessions(self, task: str) -> list[SessionRecord]:
         rows = self._read(f"{SELECT_SESSION} WHERE task=%s ORDER BY created_at, session", (task,))
-        return [session_from_row(r) for r in rows]
+        return [session_from_row(r, self._hidden_sets) for r in rows]
 
     def _transition(
         self, cur: Cursor, session: str, generation: int, event: str, sets: dict[str, Any]
@@ -748,11 +777,17 @@ class PostgresStore:
         isolation: dict[str, Any] | None = None,
     ) -> SessionRecord:
         sets: dict[str, Any] = {"owner": json.dumps(owner.to_json()), "started_at": time.time()}
+        hidden_set = None
         if boundary is not None:
             sets |= {"boundary": boundary, "boundary_ref": boundary_ref}
             if isolation is not None:
-                sets["isolation"] = canonical_bytes(isolation).decode()
-        self._write(lambda cur: self._transition(cur, session, generation, "claim", sets))
+                sets["isolation"], hidden_set = stored_isolation(isolation)
+
+        def work(cur: Cursor) -> None:
+            self._store_hidden(cur, hidden_set)
+            self._transition(cur, session, generation, "claim", sets)
+
+        self._write(work)
         return self.get_session(session)
 
     def record_launch(
@@ -775,12 +810,14 @@ class PostgresStore:
             "command_pid": command_pid,
             "command_start_time": command_start_time,
         }
+        hidden_set = None
         if isolation is not None:
-            sets["isolation"] = canonical_bytes(isolation).decode()
+            sets["isolation"], hidden_set = stored_isolation(isolation)
 
         def work(cur: Cursor) -> None:
             if not durable:
                 cur.execute("SET LOCAL synchronous_commit = off")
+            self._store_hidden(cur, hidden_set)
             self._notify(cur, self._update_live(cur, session, generation, sets), session)
 
         self._write(work)
@@ -823,8 +860,9 @@ class PostgresStore:
             raise StaleWrite(f"a receipt settles a session only by {RECEIPT_EVENTS}, not {event!r}")
         checked(receipt, f"the receipt offered for session {session}")  # refused unsealed
         output = receipt.get("output", {})
+        text, hidden_set = stored_receipt(receipt)
         sets = {
-            "receipt": canonical_bytes(receipt).decode(),
+            "receipt": text,
             "settled_at": time.time(),
             **{
                 f"{stream}_durable": output[stream]["cursor"]
@@ -832,7 +870,12 @@ class PostgresStore:
                 if stream in output
             },
         }
-        self._write(lambda cur: self._transition(cur, session, generation, event, sets))
+
+        def work(cur: Cursor) -> None:
+            self._store_hidden(cur, hidden_set)
+            self._transition(cur, session, generation, event, sets)
+
+        self._write(work)
         return self.get_session(session)
 
     def mark_unknown(self, session: str, generation: int, why: str) -> SessionRecord:
@@ -875,7 +918,7 @@ class PostgresStore:
         rows = self._read(
             f"{SELECT_SESSION} WHERE state='unknown' {where} ORDER BY created_at", args
         )
-        return [session_from_row(r) for r in rows]
+        return [session_from_row(r, self._hidden_sets) for r in rows]
 
     def live_sessions(self, task: str | None = None) -> list[SessionRecord]:
         where, args = ("AND task=%s", (task,)) if task else ("", ())
@@ -884,7 +927,7 @@ class PostgresStore:
             "ORDER BY created_at",
             args,
         )
-        return [session_from_row(r) for r in rows]
+        return [session_from_row(r, self._hidden_sets) for r in rows]
 
     def live_owners(self, task: str | None = None) -> list[LiveSession]:
         where, args = ("AND task=%s", (task,)) if task else ("", ())

@@ -65,12 +65,15 @@ from settled.store.rows import (
     LIVE_COLUMNS,
     RECEIPT_EVENTS,
     SESSION_COLUMNS,
+    HiddenSets,
     checked_fact,
     fact_digest,
     host_from_row,
     live_from_row,
     overlap,
     session_from_row,
+    stored_isolation,
+    stored_receipt,
     task_from_row,
 )
 
@@ -78,7 +81,9 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Any
 
-SCHEMA_VERSION = 8
+    from settled.store.rows import HiddenSet
+
+SCHEMA_VERSION = 9
 
 MIGRATIONS: dict[int, str] = {
     1: """
@@ -168,6 +173,12 @@ MIGRATIONS: dict[int, str] = {
     8: """
     ALTER TABLE tasks ADD COLUMN ignore_rules TEXT
     """,
+    9: """
+    CREATE TABLE hidden_sets (
+        digest  TEXT PRIMARY KEY,
+        dirs    TEXT NOT NULL
+    )
+    """,
 }
 SEALS_CLOSE_FACTS = 4  # the migration that seals the close facts an older settled wrote
 
@@ -179,14 +190,22 @@ TASK_COLUMNS = (
 
 def _launch_sets(
     boundary: str | None, boundary_ref: str | None, isolation: dict[str, Any] | None
-) -> dict[str, Any]:
-    """The boundary's columns a claim records with the owner (none when it names no boundary)."""
+) -> tuple[dict[str, Any], HiddenSet | None]:
+    """The boundary's columns a claim records with the owner (none when it names no boundary),
+    and the hidden set its isolation names, to store in the same transaction."""
     if boundary is None:
-        return {}
+        return {}, None
     sets: dict[str, Any] = {"boundary": boundary, "boundary_ref": boundary_ref}
-    if isolation is not None:
-        sets["isolation"] = canonical_bytes(isolation).decode()
-    return sets
+    if isolation is None:
+        return sets, None
+    sets["isolation"], hidden_set = stored_isolation(isolation)
+    return sets, hidden_set
+
+
+def _store_hidden(db: sqlite3.Connection, hidden_set: HiddenSet | None) -> None:
+    """Once per distinct list: every later session that hides the same directories names it."""
+    if hidden_set is not None:
+        db.execute("INSERT OR IGNORE INTO hidden_sets(digest, dirs) VALUES(?, ?)", hidden_set)
 
 
 class _Turns:
@@ -219,6 +238,7 @@ class SQLiteStore:
         self.path = path
         self.home = home or os.path.dirname(path)
         self._turn_key = os.path.realpath(path)  # one turn for every name of the file
+        self._hidden_sets = HiddenSets(self._hidden_set)
         check_store_present(self.home)  # never a fresh store beside another one's logs
         os.makedirs(os.path.dirname(os.path.abspath(path)), mode=0o700, exist_ok=True)
         gate.make(path)
@@ -244,6 +264,10 @@ class SQLiteStore:
 
     def close(self) -> None:
         self._db.close()
+
+    def _hidden_set(self, digest: str) -> str | None:
+        row = self._db.execute("SELECT dirs FROM hidden_sets WHERE digest=?", (digest,)).fetchone()
+        return None if row is None else str(row[0])
 
     def _enable_wal(self) -> None:
         enable_wal(self._db, self.path)
@@ -553,7 +577,7 @@ class SQLiteStore:
                 f"SELECT {SESSION_COLUMNS} FROM sessions WHERE task=? AND key=?", (task, key)
             ).fetchone()
             if existing is not None:
-                record = session_from_row(existing)
+                record = session_from_row(existing, self._hidden_sets)
                 if record.digest != digest:
                     raise KeyConflict(task, key, record.digest, digest, record.session)
                 return record, True
@@ -590,20 +614,20 @@ class SQLiteStore:
         ).fetchone()
         if row is None:
             raise UnknownSession(session)
-        return session_from_row(row)
+        return session_from_row(row, self._hidden_sets)
 
     def find_session(self, task: str, key: str) -> SessionRecord | None:
         row = self._db.execute(
             f"SELECT {SESSION_COLUMNS} FROM sessions WHERE task=? AND key=?", (task, key)
         ).fetchone()
-        return session_from_row(row) if row else None
+        return session_from_row(row, self._hidden_sets) if row else None
 
     def list_sessions(self, task: str) -> list[SessionRecord]:
         rows = self._db.execute(
             f"SELECT {SESSION_COLUMNS} FROM sessions WHERE task=? ORDER BY created_at, session",
             (task,),
         ).fetchall()
-        return [session_from_row(r) for r in rows]
+        return [session_from_row(r, self._hidden_sets) for r in rows]
 
     def _transition(
         self,
@@ -658,8 +682,10 @@ class SQLiteStore:
         isolation: dict[str, Any] | None = None,
     ) -> SessionRecord:
         sets: dict[str, Any] = {"owner": json.dumps(owner.to_json()), "started_at": time.time()}
-        sets |= _launch_sets(boundary, boundary_ref, isolation)
+        launch, hidden_set = _launch_sets(boundary, boundary_ref, isolation)
+        sets |= launch
         with self._write() as db:
+            _store_hidden(db, hidden_set)
             self._transition(db, session, generation, "claim", sets)
         return self.get_session(session)
 
@@ -684,12 +710,14 @@ class SQLiteStore:
             "command_pid": command_pid,
             "command_start_time": command_start_time,
         }
+        hidden_set = None
         if isolation is not None:
-            sets["isolation"] = canonical_bytes(isolation).decode()
+            sets["isolation"], hidden_set = stored_isolation(isolation)
         if not durable:
             self._db.execute("PRAGMA synchronous=NORMAL")
         try:
             with self._write() as db:
+                _store_hidden(db, hidden_set)
                 self._update_live(db, session, generation, sets)
         finally:
             if not durable:
@@ -742,8 +770,9 @@ class SQLiteStore:
             raise StaleWrite(f"a receipt settles a session only by {RECEIPT_EVENTS}, not {event!r}")
         checked(receipt, f"the receipt offered for session {session}")  # refused unsealed
         output = receipt.get("output", {})
-        text = canonical_bytes(receipt).decode()  # before the write lock: others queue on it
+        text, hidden_set = stored_receipt(receipt)  # before the write lock: others queue on it
         with self._write() as db:
+            _store_hidden(db, hidden_set)
             self._transition(
                 db,
                 session,
@@ -798,10 +827,12 @@ class SQLiteStore:
             "ORDER BY created_at",
             args,
         ).fetchall()
-        return [session_from_row(r) for r in rows]
+        return [session_from_row(r, self._hidden_sets) for r in rows]
 
     def live_sessions(self, task: str | None = None) -> list[SessionRecord]:
-        return [session_from_row(r) for r in self._live_rows(SESSION_COLUMNS, task)]
+        return [
+            session_from_row(r, self._hidden_sets) for r in self._live_rows(SESSION_COLUMNS, task)
+        ]
 
     def live_owners(self, task: str | None = None) -> list[LiveSession]:
         return [live_from_row(r) for r in self._live_rows(LIVE_COLUMNS, task)]
