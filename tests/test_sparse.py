@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import filecmp
 import os
+import re
 import subprocess
 import sys
 import time
@@ -22,6 +23,7 @@ import blake3
 import pytest
 
 from settled.canonical import canonical_bytes
+from settled.errors import BadInput
 from settled.records import TaskRecord
 from settled.runtime import Runtime
 from settled.workspace.hashing import DEFAULT_ALGORITHM, digest_bytes
@@ -38,8 +40,8 @@ from settled.workspace.manifest import (
 from settled.workspace.objects import LocalObjectStore
 from settled.workspace.readback import read_back
 from settled.workspace.restore import BlobCorrupt, restore
-from settled.workspace.scan import TornRead, scan
-from settled.workspace.sparse import MAX_EXTENTS, MIN_HOLE
+from settled.workspace.scan import HolesOverBudget, TornRead, scan
+from settled.workspace.sparse import HOLES_BUDGET_ENV, MAX_EXTENTS, MIN_HOLE, unallocated
 from settled.workspace.verify import verify_manifest
 
 KIB: Final = 1 << 10
@@ -311,6 +313,87 @@ def writer(tmp_path: Path) -> Iterator[subprocess.Popen[bytes]]:
     finally:
         proc.kill()
         proc.wait(timeout=10)
+
+
+# -- the holes' budget ----------------------------------------------------------------------
+
+
+def test_a_scan_hashes_holes_up_to_its_budget_and_refuses_the_file_that_would_pass_it(
+    store: LocalObjectStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The budget is the scan's, over every file it hashes: two files of 600 MiB of holes pass
+    a budget of 2 GiB, and the second of them is refused under 1 GiB, named, with no digest."""
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    for name in ("a.img", "b.img"):
+        sparse_file(ws / name, 600 * MIB, {0: b"data" * 1024})
+    monkeypatch.setenv(HOLES_BUDGET_ENV, str(2 * GIB))
+    stats = scan(ws, None, store=store).stats
+    holes = sum(unallocated(os.stat(ws / name)) for name in ("a.img", "b.img"))
+    assert stats.hole_bytes == holes and holes > 1100 * MIB
+    monkeypatch.setenv(HOLES_BUDGET_ENV, str(GIB))
+    with pytest.raises(HolesOverBudget, match=r"'b.img' is 600.0 MiB .* budget of 1.0 GiB") as got:
+        scan(ws, None, store=store)
+    assert HOLES_BUDGET_ENV in str(got.value)
+
+
+def test_an_unchanged_sparse_file_vouched_for_by_the_stat_cache_costs_no_budget(
+    store: LocalObjectStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    sparse_file(ws / "a.img", 600 * MIB, {0: b"data"})
+    aged()
+    first = scan(ws, None, store=store)
+    monkeypatch.setenv(HOLES_BUDGET_ENV, "0")  # no hole may be hashed now
+    again = scan(ws, first.index, store=store)
+    assert again.stats.hole_bytes == 0 and again.index.root.tree == first.index.root.tree
+    (ws / "a.img").unlink()
+    sparse_file(ws / "a.img", 600 * MIB, {0: b"changed"})
+    with pytest.raises(HolesOverBudget, match=r"'a\.img'"):
+        scan(ws, again.index, store=store)
+
+
+def test_the_budget_refuses_a_file_of_terabytes_of_holes_at_once(
+    store: LocalObjectStore, tmp_path: Path
+) -> None:
+    """The attack it answers: `truncate -s 8T` costs its maker nothing and its hash ~8 min of
+    both CPUs here. With the default budget the scan refuses it without hashing a byte."""
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    sparse_file(ws / "huge.img", 8 << 40, {})
+    started = time.monotonic()
+    with pytest.raises(HolesOverBudget, match=r"'huge.img' is 8.0 TiB with 0 bytes on disk"):
+        scan(ws, None, store=store)
+    assert time.monotonic() - started < 30  # refused, not hashed (that would be minutes)
+
+
+@pytest.mark.parametrize("value", ["1e9", "-1", "lots"])
+def test_a_budget_that_is_not_a_number_of_bytes_is_refused_naming_the_variable(
+    store: LocalObjectStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, value: str
+) -> None:
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    monkeypatch.setenv(HOLES_BUDGET_ENV, value)
+    with pytest.raises(BadInput, match=f"{HOLES_BUDGET_ENV}='{re.escape(value)}'"):
+        scan(ws, None, store=store)
+
+
+def test_a_close_refuses_a_commands_terabytes_of_holes_and_completes_once_they_are_gone(
+    rt: Runtime, task: TaskRecord
+) -> None:
+    """A command leaves an 8 TiB file of holes: the close stops at its scan, naming the file
+    and the budget (not ~8 min of hashing), and nothing is published; with the file gone, the
+    close resumes and completes."""
+    admission = rt.exec(task.task, shell="truncate -s 8T huge.img && echo made")
+    view = rt.wait(admission.session, timeout=60)
+    assert view["receipt"]["exit"]["code"] == 0
+    with pytest.raises(HolesOverBudget, match=r"huge\.img"):
+        rt.close_task(task.task)
+    assert rt.store.get_task(task.task).state != "complete"
+    (Path(task.workspace) / "huge.img").unlink()
+    result = rt.close_task(task.task)
+    assert result.receipt is not None and result.receipt["outcome"]["all_commands_succeeded"]
 
 
 def test_a_sparse_file_written_during_the_scan_is_a_torn_read_never_a_digest(

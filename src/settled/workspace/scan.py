@@ -82,7 +82,15 @@ from settled.workspace.manifest import (
 from settled.workspace.nodecache import NodeCache
 from settled.workspace.objectstore import CHUNK, ObjectStore
 from settled.workspace.publish import Publisher
-from settled.workspace.sparse import Extent, data_ranges, hash_zeros, may_have_holes
+from settled.workspace.sparse import (
+    HOLES_BUDGET_ENV,
+    Extent,
+    data_ranges,
+    hash_zeros,
+    holes_budget,
+    may_have_holes,
+    unallocated,
+)
 from settled.workspace.walk import COARSE_FS_SLACK_NS as COARSE_FS_SLACK_NS
 from settled.workspace.walk import (
     Job,
@@ -128,6 +136,28 @@ class WorkspaceUnreadable(ScanError):
         self.path = path
 
 
+class HolesOverBudget(ScanError):
+    """A file whose holes would pass the scan's budget (``sparse.holes_budget``): hashing them
+    costs ~1 s of two cores per 17 GiB, and making them costs nothing."""
+
+    def __init__(self, path: str, size: int, holes: int, left: int, budget: int) -> None:
+        super().__init__(
+            f"{path!r} is {_amount(size)} with {_amount(size - holes)} on disk: hashing its "
+            f"{_amount(holes)} of holes would pass this scan's budget of {_amount(budget)} of "
+            f"holes ({_amount(left)} left; {HOLES_BUDGET_ENV} sets it). No digest recorded; "
+            "remove or shrink the file, or raise the budget"
+        )
+        self.path, self.size, self.holes, self.budget = path, size, holes, budget
+
+
+def _amount(count: int) -> str:
+    """Bytes in the largest binary unit that leaves at least 1 (1.5 TiB, 4.0 KiB, 12 bytes)."""
+    for shift, unit in ((40, "TiB"), (30, "GiB"), (20, "MiB"), (10, "KiB")):
+        if count >= 1 << shift:
+            return f"{count / (1 << shift):.1f} {unit}"
+    return f"{count} bytes"
+
+
 class UnrepresentablePath(ScanError):
     def __init__(self, path: str) -> None:
         super().__init__(f"path {path!r} is not valid UTF-8; rename it to checkpoint it")
@@ -147,6 +177,7 @@ class ScanStats:
     nodes_built: int = 0  # directories whose stat-cache node changed
     objects_grouped: int = 0  # objects made durable by one group sync, not an fsync each
     sparse_files: int = 0  # files read as data extents and holes (the holes never read)
+    hole_bytes: int = 0  # what the hashed files' holes added to the hash (sparse.holes_budget)
     walker: str = ""  # which scan_dir listed the directories: "native" (C) or "python"
 
 
@@ -328,6 +359,7 @@ class _Scanner:
         self.ignore = NO_RULES
         self.walker = choose()
         self.stats.walker = self.walker.name
+        self.holes_budget = holes_budget()
         self.workers = workers()
         self.ahead: dict[str, tuple[int, Listed | OSError]] = {}  # listed with a sibling
         self.dirty: list[str] = []  # incremental mode: the dirty directories, sorted
@@ -728,6 +760,11 @@ class _Scanner:
             if isinstance(opened, os.stat_result):  # no longer a regular file
                 return self.entry(fd, name, child, opened, at, budget - 1)
             file_fd, before = opened
+            holes = unallocated(before)
+            left = self.holes_budget - self.stats.hole_bytes
+            if holes > left:
+                os.close(file_fd)
+                raise HolesOverBudget(child, before.st_size, holes, left, self.holes_budget)
             try:
                 ranges = data_ranges(file_fd, before.st_size) if may_have_holes(before) else None
                 if ranges is None:
@@ -740,6 +777,7 @@ class _Scanner:
                 entry = Entry.from_stat(child, before, digest=digest, extents=extents)
                 self.stats.files_hashed += 1
                 self.stats.sparse_files += extents is not None
+                self.stats.hole_bytes += holes
                 self.hashed.update(entry.blobs())
                 return entry
             self.stats.torn_retries += 1

@@ -20,6 +20,13 @@ into data until it fits, so a hostile file of a million 4 KiB holes costs one tr
 kept extent, not a million). A file whose ``st_blocks`` cover its size, less ``MIN_HOLE``,
 is not even probed: it is read dense, as it always was.
 
+The holes' budget (``holes_budget``): a hole costs its maker nothing (``truncate -s 16T``) and
+its hash ~1 s of two cores per 17 GiB here, so one command could make a close hash for 16 min
+per file, and for hours with a few. A scan therefore hashes at most ``DEFAULT_HOLES_BUDGET``
+bytes a file does not have on disk (its size past its allocated blocks: holes, whether found by
+``SEEK_DATA`` or read as zeros on a filesystem that cannot say), and refuses the file that would
+pass it, naming it; ``SETTLED_MAX_HOLE_BYTES`` sets another budget.
+
 Must never: report as a hole a range that holds data (only what the kernel calls a hole is
 one); read a hole; do anything but ``lseek`` on the file it is given.
 """
@@ -32,12 +39,15 @@ from collections.abc import Iterable
 from functools import cache
 from typing import Final
 
+from settled.errors import BadInput
 from settled.workspace.hashing import Hasher, format_digest, new_hasher
 from settled.workspace.objectstore import CHUNK, ObjectMissing, ObjectStore
 
 MIN_HOLE: Final = 64 << 10
 MAX_EXTENTS: Final = 1024
 ZERO_CHUNK: Final = 4 << 20
+HOLES_BUDGET_ENV: Final = "SETTLED_MAX_HOLE_BYTES"
+DEFAULT_HOLES_BUDGET: Final = 1 << 40  # 1 TiB of holes a scan: ~1 min of two cores here
 
 Range = tuple[int, int]  # (offset, length) of data
 Extent = tuple[int, int, str]  # (offset, length, digest of those bytes)
@@ -56,6 +66,25 @@ def hash_zeros(hasher: Hasher, count: int) -> None:
         step = min(count, ZERO_CHUNK)
         hasher.update(zeros[:step])
         count -= step
+
+
+def holes_budget() -> int:
+    """Bytes of holes one scan may hash: ``SETTLED_MAX_HOLE_BYTES`` if set, else the default."""
+    raw = os.environ.get(HOLES_BUDGET_ENV)
+    if raw is None or raw == "":
+        return DEFAULT_HOLES_BUDGET
+    try:
+        budget = int(raw)
+    except ValueError:
+        budget = -1
+    if budget < 0:
+        raise BadInput(f"{HOLES_BUDGET_ENV}={raw!r}: expected a whole number of bytes, 0 or more")
+    return budget
+
+
+def unallocated(st: os.stat_result) -> int:
+    """What a file's hash would read that it does not have on disk: its size past its blocks."""
+    return max(0, st.st_size - st.st_blocks * 512)
 
 
 def may_have_holes(st: os.stat_result) -> bool:
