@@ -768,3 +768,60 @@ def test_an_entry_from_stat_is_the_entry_its_fields_make(tmp_path: Path) -> None
         )  # fmt: skip
         made = Entry.from_stat(name, st, **extra)
         assert made == expected and type(made) is Entry and made._asdict() == expected._asdict()
+
+
+# -- hard links: read once a scan ------------------------------------------------------------
+
+
+def test_a_file_with_many_links_is_read_once_and_every_link_has_its_digest(
+    tmp_path: Path,
+) -> None:
+    """65,000 links of a 1 GiB file cost ~1 s of `ln` and made a scan read 63 TiB: a link of a
+    file this scan already read, unchanged and not racy, takes that read's digest."""
+    data = os.urandom(2 * 1024 * 1024)
+    (tmp_path / "big").write_bytes(data)
+    for n in range(40):
+        os.link(tmp_path / "big", tmp_path / f"link{n:02d}")
+    (tmp_path / "other").write_bytes(data)  # the same bytes, another inode: read on its own
+    settle()
+    result = scan(tmp_path)
+    assert result.stats.bytes_read == 2 * len(data)
+    assert result.stats.links_reused == 40
+    digest = digest_bytes(DEFAULT_ALGORITHM, data)
+    assert {e.path: e.digest for e in result.index.entries if e.path != "."} == {
+        "big": digest, "other": digest, **{f"link{n:02d}": digest for n in range(40)},
+    }  # fmt: skip
+    assert len({entry(result, f"link{n:02d}").ino for n in range(40)}) == 1
+
+
+def test_a_link_changed_after_its_file_was_read_is_read_again(tmp_path: Path) -> None:
+    """Only an unchanged file is vouched for: a link whose inode's ctime moved (any write, a
+    new link) is read, and so is one whose file changed within the clock's slack of the read."""
+    data = os.urandom(256 * 1024)
+    (tmp_path / "a").write_bytes(data)
+    os.link(tmp_path / "a", tmp_path / "b")
+    os.link(tmp_path / "a", tmp_path / "c")
+    result = scan(tmp_path)  # just written: racy, each link read
+    assert result.stats.bytes_read == 3 * len(data) and result.stats.links_reused == 0
+    settle()
+    real_read_file = scan_module._Scanner.read_file
+    changed: list[str] = []
+
+    def read_then_change(self: Any, fd: int, name: str, *args: Any) -> Entry | None:
+        got = real_read_file(self, fd, name, *args)
+        if not changed:  # the first link read: write through it before the others are seen
+            changed.append(name)
+            settle()
+            with open(tmp_path / name, "r+b") as f:
+                f.write(b"X")
+        return got
+
+    scan_module._Scanner.read_file = read_then_change  # type: ignore[method-assign]
+    try:
+        again = scan(tmp_path)
+    finally:
+        scan_module._Scanner.read_file = real_read_file  # type: ignore[method-assign]
+    now = digest_bytes(DEFAULT_ALGORITHM, b"X" + data[1:])
+    others = {"a", "b", "c"} - set(changed)
+    assert all(entry(again, path).digest == now for path in others)
+    assert again.stats.links_reused == 0  # the change is within the slack of every later read

@@ -354,6 +354,22 @@ def test_an_unchanged_sparse_file_vouched_for_by_the_stat_cache_costs_no_budget(
         scan(ws, again.index, store=store)
 
 
+def test_the_links_of_a_sparse_file_cost_its_holes_once(
+    store: LocalObjectStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    sparse_file(ws / "a.img", 600 * MIB, {0: b"data"})
+    for n in range(4):
+        os.link(ws / "a.img", ws / f"link{n}.img")
+    aged()
+    monkeypatch.setenv(HOLES_BUDGET_ENV, str(GIB))
+    result = scan(ws, None, store=store)
+    assert result.stats.links_reused == 4 and result.stats.hole_bytes < 600 * MIB
+    first = result.index.by_path["a.img"]
+    assert all(result.index.by_path[f"link{n}.img"].extents == first.extents for n in range(4))
+
+
 def test_the_budget_refuses_a_file_of_terabytes_of_holes_at_once(
     store: LocalObjectStore, tmp_path: Path
 ) -> None:
