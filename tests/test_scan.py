@@ -825,3 +825,17 @@ def test_a_link_changed_after_its_file_was_read_is_read_again(tmp_path: Path) ->
     others = {"a", "b", "c"} - set(changed)
     assert all(entry(again, path).digest == now for path in others)
     assert again.stats.links_reused == 0  # the change is within the slack of every later read
+
+
+def test_an_mtime_set_in_the_future_does_not_make_every_link_read_again(tmp_path: Path) -> None:
+    """A command may set any mtime (utimes), never the ctime: racy is decided by the ctime,
+    or a future mtime would have every one of 65,000 links read."""
+    data = os.urandom(256 * 1024)
+    (tmp_path / "a").write_bytes(data)
+    for n in range(10):
+        os.link(tmp_path / "a", tmp_path / f"l{n}")
+    future = time.time() + 10 * 365 * 86400
+    os.utime(tmp_path / "a", (future, future))
+    settle()
+    result = scan(tmp_path)
+    assert result.stats.bytes_read == len(data) and result.stats.links_reused == 10

@@ -806,7 +806,9 @@ class _Scanner:
     def linked_entry(self, child: str, st: os.stat_result) -> Entry | None:
         """The entry of a hard link whose file this scan read through another link, unchanged
         since (the same size, mtime and ctime) and not changed in the clock's slack before that
-        read began (a write then could leave the ctime as it was); None: read it."""
+        read began (a write then could leave the ctime as it was); None: read it. The ctime
+        alone decides racy, not the mtime as the stat cache's `walk.trusted` does: a command
+        may set an mtime in the future (utimes) to have every link read, never a ctime."""
         if st.st_nlink < 2:
             return None
         known = self.links.get((st.st_dev, st.st_ino))
@@ -815,7 +817,8 @@ class _Scanner:
         size, mtime_ns, ctime_ns, read_at, digest, extents = known
         if (st.st_size, st.st_mtime_ns, st.st_ctime_ns) != (size, mtime_ns, ctime_ns):
             return None
-        if ctime_ns >= read_at - CLOCK_SLACK_NS:
+        coarse = ctime_ns % 1_000_000_000 == 0  # a filesystem of whole-second stamps
+        if ctime_ns >= read_at - CLOCK_SLACK_NS - (COARSE_FS_SLACK_NS if coarse else 0):
             return None  # racy: read again (that read, later, is the one the next link uses)
         self.stats.links_reused += 1
         return Entry.from_stat(child, st, digest=digest, extents=extents)
