@@ -76,7 +76,7 @@ def session_from_row(row: tuple[Any, ...], hidden_sets: HiddenSets) -> SessionRe
 
 # A list of hidden directories longer than this is stored once, in `hidden_sets` by its
 # digest, and the session's row names it. Every command hides every other task's workspace, so
-# written inline a home that had hosted 1,000 tasks put ~35 KB of nearly the same list into each
+# written inline a home that had hosted 1,000 tasks put ~50 KB of nearly the same list into each
 # session's claim and again into its receipt: a store quadratic in the home's age. A short list
 # (the home alone, a few neighbours) stays inline: no second read for the common session.
 HIDDEN_INLINE_MAX: Final = 16
