@@ -28,6 +28,7 @@ FOUNDATION = {
     "settled.exitcodes",
     "settled.faults",
     "settled.grammar",
+    "settled.grants",
     "settled.home",
     "settled.identity",
     "settled.isolated",

@@ -804,6 +804,8 @@ def test_a_scoped_token_cannot_loosen_the_sandbox_of_its_task(
         for key, loosened in (
             ("k-none", {"isolation": "none"}),
             ("k-host", {"writable": ["/"]}),
+            ("k-read", {"readable": [str(tmp_path)]}),
+            ("k-memory", {"memory": 1 << 30}),  # its task has no default to stay under
             ("k-root", {"user": "0"}),
         ):
             answer = admit(scoped, task, key, argv=["true"], **loosened)

@@ -284,7 +284,11 @@ def _seg(value: str) -> str:
 
 
 def _task_call(
-    workspace: str | None, key: str, shared_workspace: bool = False, ignore: Sequence[str] = ()
+    workspace: str | None,
+    key: str,
+    shared_workspace: bool = False,
+    ignore: Sequence[str] = (),
+    walls: dict[str, Any] | None = None,
 ) -> _Call:
     body: dict[str, Any] = (
         {"key": key} if workspace is None else {"workspace": workspace, "key": key}
@@ -293,7 +297,25 @@ def _task_call(
         body["shared_workspace"] = True
     if ignore:
         body["ignore"] = list(ignore)
+    body.update({k: v for k, v in (walls or {}).items() if v is not None})
     return _Call("POST", "/v1/tasks", body)
+
+
+def _walls(
+    writable: Sequence[str] | None,
+    readable: Sequence[str] | None,
+    memory: int | None,
+    pids: int | None,
+    cpus: float | None,
+) -> dict[str, Any]:
+    """A command's grants and limits as the body carries them (None: not sent)."""
+    return {
+        "writable": list(writable) if writable else None,
+        "readable": list(readable) if readable else None,
+        "memory": memory,
+        "pids": pids,
+        "cpus": cpus,
+    }
 
 
 def _admission_call(
@@ -710,11 +732,18 @@ class Client(_Base):
         *,
         shared_workspace: bool = False,
         ignore: Sequence[str] = (),
+        writable: Sequence[str] | None = None,
+        readable: Sequence[str] | None = None,
+        memory: int | None = None,
+        pids: int | None = None,
+        cpus: float | None = None,
     ) -> dict[str, Any]:
         """Create a task over `workspace` (None: a new directory the server makes; a key
         already used returns its task); one that overlaps another open task's workspace is
-        refused unless `shared_workspace`."""
-        return self._call(_task_call(workspace, key or new_key(), shared_workspace, ignore))
+        refused unless `shared_workspace`. The grants and limits are defaults of every
+        command of the task."""
+        walls = _walls(writable, readable, memory, pids, cpus)
+        return self._call(_task_call(workspace, key or new_key(), shared_workspace, ignore, walls))
 
     def task_status(self, task: str) -> dict[str, Any]:
         """The task's computed status and a row per session."""
@@ -742,17 +771,22 @@ class Client(_Base):
         writable: Sequence[str] | None = None,
         inherit: Sequence[str] = (),
         inherit_env: bool = False,
+        readable: Sequence[str] | None = None,
+        memory: int | None = None,
+        pids: int | None = None,
+        cpus: float | None = None,
     ) -> Admission:
         """Admit a command; retried with the same key and body until the server answers.
         `inherit` names variables of this process's environment to pass (`inherit_env`: all
         but settled's own); they travel in `env`, named in `inherited`, so the server records
-        them and never adds its own."""
+        them and never adds its own. `writable`/`readable` grant host directories, `memory`
+        (bytes), `pids` and `cpus` limit the command (else its task's defaults)."""
         key = key or new_key()
         env, inherited = _with_inherited(env, inherit, inherit_env)
         options: dict[str, Any] = {"timeout": timeout, "grace": grace, "cwd": cwd, "env": env}
         options.update(inherited=inherited or None)
         options.update(service=service, boundary=boundary, isolation=isolation, user=user)
-        options.update(writable=list(writable) if writable else None)
+        options.update(_walls(writable, readable, memory, pids, cpus))
         call = _admission_call(task, argv, shell, key, options)
         response, tries = self._send(call)
         return _admission(_json(call, response), key, tries)
@@ -962,11 +996,20 @@ class AsyncClient(_Base):
         *,
         shared_workspace: bool = False,
         ignore: Sequence[str] = (),
+        writable: Sequence[str] | None = None,
+        readable: Sequence[str] | None = None,
+        memory: int | None = None,
+        pids: int | None = None,
+        cpus: float | None = None,
     ) -> dict[str, Any]:
         """Create a task over `workspace` (None: a new directory the server makes; a key
         already used returns its task); one that overlaps another open task's workspace is
-        refused unless `shared_workspace`."""
-        return await self._call(_task_call(workspace, key or new_key(), shared_workspace, ignore))
+        refused unless `shared_workspace`. The grants and limits are defaults of every
+        command of the task."""
+        walls = _walls(writable, readable, memory, pids, cpus)
+        return await self._call(
+            _task_call(workspace, key or new_key(), shared_workspace, ignore, walls)
+        )
 
     async def task_status(self, task: str) -> dict[str, Any]:
         """The task's computed status and a row per session."""
@@ -994,17 +1037,22 @@ class AsyncClient(_Base):
         writable: Sequence[str] | None = None,
         inherit: Sequence[str] = (),
         inherit_env: bool = False,
+        readable: Sequence[str] | None = None,
+        memory: int | None = None,
+        pids: int | None = None,
+        cpus: float | None = None,
     ) -> Admission:
         """Admit a command; retried with the same key and body until the server answers.
         `inherit` names variables of this process's environment to pass (`inherit_env`: all
         but settled's own); they travel in `env`, named in `inherited`, so the server records
-        them and never adds its own."""
+        them and never adds its own. `writable`/`readable` grant host directories, `memory`
+        (bytes), `pids` and `cpus` limit the command (else its task's defaults)."""
         key = key or new_key()
         env, inherited = _with_inherited(env, inherit, inherit_env)
         options: dict[str, Any] = {"timeout": timeout, "grace": grace, "cwd": cwd, "env": env}
         options.update(inherited=inherited or None)
         options.update(service=service, boundary=boundary, isolation=isolation, user=user)
-        options.update(writable=list(writable) if writable else None)
+        options.update(_walls(writable, readable, memory, pids, cpus))
         call = _admission_call(task, argv, shell, key, options)
         response, tries = await self._send(call)
         return _admission(_json(call, response), key, tries)

@@ -28,7 +28,16 @@ max (HTTP query)   1 <= m <= 2**63 - 1        bytes of one read
 budget / view      0 <= b <= 1048576 (1 MiB)  bytes of a model view, read twice over
 port               0 <= p <= 65535            0 picks a free one
 uid, gid           0 <= i <= 2**32 - 2        (uid_t)-1 means "unchanged" to the kernel
+memory             4 MiB <= m <= 2**50 bytes  a session's memory limit (a command needs a
+                                              few MiB to start; 2**50 is a petabyte)
+pids               1 <= n <= 4194304          a session's process and thread limit (the
+                                              kernel's largest pid_max)
+cpus               0.01 <= c <= 1024          CPUs' worth of time a period (cfs quota)
 =================  =========================  =============================================
+
+A memory size as text is ``[0-9]+`` bytes, or with one binary suffix ``K``, ``M``, ``G`` or
+``T`` (any case, an optional ``iB`` or ``B`` after it): ``512M`` is 536870912 bytes. In JSON it
+is an integer count of bytes.
 
 Strings are text settled can store and run: encodable as strict UTF-8 (a lone surrogate is
 not; so are the non-UTF-8 bytes of a CLI argument, which Python hands over as surrogates:
@@ -45,7 +54,7 @@ argv + env         1048576 bytes       half of ARG_MAX (2 MiB): the rest is inhe
 argv items         65536               each costs a pointer too
 env entries        4096
 path (cwd, ...)    4095 bytes          PATH_MAX less its NUL
-writable paths     64
+writable paths     64                  and as many readable paths
 key                1..256 bytes        no control characters: keys are printed
 user               1..256 bytes        ``UID[:GID]`` or names
 id (task, session) 1..128 ASCII        ``[A-Za-z0-9_-]``: what ``new_id`` makes
@@ -87,6 +96,11 @@ MAX_CURSOR: Final = (1 << 63) - 1
 MAX_BUDGET: Final = 1 << 20
 MAX_PORT: Final = 65535
 MAX_ID_NUMBER: Final = (1 << 32) - 2
+MIN_MEMORY: Final = 4 << 20
+MAX_MEMORY: Final = 1 << 50
+MAX_PIDS: Final = 4194304
+MIN_CPUS: Final = 0.01
+MAX_CPUS: Final = 1024.0
 
 MAX_ARG_BYTES: Final = 131071
 MAX_ENV_NAME_BYTES: Final = 1024
@@ -105,6 +119,8 @@ POINTER_BYTES: Final = 8  # each argv and env entry also costs its pointer in AR
 INTEGER: Final = re.compile(r"[0-9]+")
 DECIMAL: Final = re.compile(r"[0-9]+(\.[0-9]+)?")
 ID: Final = re.compile(r"[A-Za-z0-9_-]+")
+SIZE: Final = re.compile(r"([0-9]+)(?:([KMGT])(?:I?B)?|B)?", re.IGNORECASE)
+SIZE_SHIFT: Final = {"": 0, "K": 10, "M": 20, "G": 30, "T": 40}
 MAX_DIGITS: Final = 40  # past this no bound above is reachable; int() is never asked
 MAX_NUMBER_CHARS: Final = 64
 SHOWN_CHARS: Final = 80
@@ -175,6 +191,24 @@ def parse_seconds(field: str, text: str, hi: float, lo: float = 0.0) -> float:
     return value
 
 
+def parse_memory(field: str, text: str) -> int:
+    """A memory size: ``[0-9]+`` bytes or with a binary suffix (``512M``, ``2GiB``), within
+    ``[MIN_MEMORY, MAX_MEMORY]``."""
+    if not isinstance(text, str) or len(text) > MAX_NUMBER_CHARS or not text.isascii():
+        raise BadNumber(field, text, "must be a size like 512M, 2G or 1073741824 (bytes)")
+    match = SIZE.fullmatch(text)
+    if match is None or len(match.group(1).lstrip("0")) > MAX_DIGITS:
+        raise BadNumber(field, text, "must be a size like 512M, 2G or 1073741824 (bytes)")
+    value = int(match.group(1)) << SIZE_SHIFT[(match.group(2) or "").upper()]
+    return check_memory(field, value, shown_as=text)
+
+
+def parse_cpus(field: str, text: str) -> float:
+    """CPUs as ``[0-9]+(.[0-9]+)?`` within ``[MIN_CPUS, MAX_CPUS]``."""
+    value = float(_digits(field, text, DECIMAL, "a number of CPUs like 2 or 0.5"))
+    return check_cpus(field, value)
+
+
 # -- numbers however they arrived ---------------------------------------------------------------
 
 
@@ -200,6 +234,34 @@ def check_seconds(field: str, value: object, hi: float, lo: float = 0.0) -> floa
 
 def optional_seconds(field: str, value: object, hi: float) -> float | None:
     return None if value is None else check_seconds(field, value, hi)
+
+
+def check_memory(field: str, value: object, shown_as: object = None) -> int:
+    """A memory limit in bytes (an int, never a bool or float), 4 MiB .. 2**50."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise BadNumber(field, value, "must be an integer number of bytes")
+    if not MIN_MEMORY <= value <= MAX_MEMORY:
+        raise BadNumber(
+            field,
+            value if shown_as is None else shown_as,
+            f"must be between {MIN_MEMORY} (4M) and {MAX_MEMORY} bytes",
+        )
+    return value
+
+
+def check_pids(field: str, value: object) -> int:
+    return check_int(field, value, 1, MAX_PIDS)
+
+
+def check_cpus(field: str, value: object) -> float:
+    """A finite number of CPUs (int or float, never a bool), 0.01 .. 1024."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise BadNumber(field, value, "must be a number of CPUs")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise BadNumber(field, value, f"must be a finite number of CPUs, {MIN_CPUS}..{MAX_CPUS:g}")
+    if not MIN_CPUS <= value <= MAX_CPUS:
+        raise BadNumber(field, value, f"must be between {MIN_CPUS} and {MAX_CPUS:g} CPUs")
+    return float(value)
 
 
 def check_cursor(field: str, value: object) -> int:

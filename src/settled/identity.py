@@ -43,12 +43,16 @@ class CommandSpec(Frozen):
     __slots__ = (
         "argv",
         "boundary",
+        "cpus",
         "cwd",
         "env",
         "env_removed",
         "grace",
         "inherited",
         "isolation",
+        "memory",
+        "pids",
+        "readable",
         "service",
         "shell",
         "stdin_digest",
@@ -68,6 +72,10 @@ class CommandSpec(Frozen):
     isolation: str
     user: tuple[int, int] | None  # (uid, gid) the command runs as; None: the owner's
     writable: tuple[str, ...]  # host paths granted writable beside the workspace and /tmp
+    readable: tuple[str, ...]  # host paths granted read-only in the command's view
+    memory: int | None  # bytes; None: the host's default (boundary/limits.py)
+    pids: int | None  # processes and threads at once; None: the host's default
+    cpus: float | None  # CPUs' worth of time; None: the host's default
     inherited: tuple[str, ...]  # names in env whose values came from the caller's environ
     env_removed: tuple[str, ...]  # the caller's names withheld from --inherit-env
 
@@ -86,6 +94,10 @@ class CommandSpec(Frozen):
         isolation: str = "auto",
         user: tuple[int, int] | None = None,
         writable: tuple[str, ...] = (),
+        readable: tuple[str, ...] = (),
+        memory: int | None = None,
+        pids: int | None = None,
+        cpus: float | None = None,
         inherited: tuple[str, ...] = (),
         env_removed: tuple[str, ...] = (),
     ) -> None:
@@ -107,6 +119,13 @@ class CommandSpec(Frozen):
         if user is not None:
             user = check_user(user)
         writable = tuple(sorted(set(grammar.check_paths("writable", writable))))
+        readable = tuple(sorted(set(grammar.check_paths("readable", readable))))
+        if memory is not None:
+            memory = grammar.check_memory("memory", memory)
+        if pids is not None:
+            pids = grammar.check_pids("pids", pids)
+        if cpus is not None:  # 2 and 2.0 are one command
+            cpus = grammar.check_cpus("cpus", cpus)
         inherited, env_removed = _names("inherited", inherited), _names("env_removed", env_removed)
         if stray := set(inherited) - {name for name, _ in env}:
             raise BadInput(f"inherited names {sorted(stray)} are not in the command's env")
@@ -133,6 +152,10 @@ class CommandSpec(Frozen):
             **({"isolation": self.isolation} if self.isolation != "auto" else {}),
             **({"user": list(self.user)} if self.user is not None else {}),
             **({"writable": list(self.writable)} if self.writable else {}),
+            **({"readable": list(self.readable)} if self.readable else {}),
+            **({"memory": self.memory} if self.memory is not None else {}),
+            **({"pids": self.pids} if self.pids is not None else {}),
+            **({"cpus": self.cpus} if self.cpus is not None else {}),
             **({"inherited": list(self.inherited)} if self.inherited else {}),
             **({"env_removed": list(self.env_removed)} if self.env_removed else {}),
         }
@@ -155,6 +178,10 @@ class CommandSpec(Frozen):
             isolation=data.get("isolation", "auto"),
             user=check_user(data["user"]) if data.get("user") is not None else None,
             writable=tuple(data.get("writable", ())),
+            readable=tuple(data.get("readable", ())),
+            memory=data.get("memory"),
+            pids=data.get("pids"),
+            cpus=data.get("cpus"),
             inherited=tuple(data.get("inherited", ())),
             env_removed=tuple(data.get("env_removed", ())),
         )

@@ -163,6 +163,7 @@ class HostRecord(Frozen):
 class TaskRecord(Frozen):
     __slots__ = (
         "created_at",
+        "defaults",
         "frozen",
         "generation",
         "host",
@@ -193,6 +194,10 @@ class TaskRecord(Frozen):
     # The ignore rules bound at `task new` (workspace.ignore: patterns and their digest), read
     # once so a command cannot widen them; None for a task made before ignore rules.
     ignore_rules: dict[str, Any] | None
+    # What each command of the task gets unless its exec says otherwise (`task new`): grants
+    # (`writable`, `readable`: added to an exec's own) and limits (`memory`, `pids`, `cpus`:
+    # an exec's own replaces them). None for a task made before task defaults.
+    defaults: dict[str, Any] | None
 
     def __init__(
         self,
@@ -208,6 +213,7 @@ class TaskRecord(Frozen):
         frozen: str | None = None,
         sandbox: dict[str, Any] | None = None,
         ignore_rules: dict[str, Any] | None = None,
+        defaults: dict[str, Any] | None = None,
     ) -> None:
         self._fill(locals())
 
@@ -225,6 +231,7 @@ class TaskRecord(Frozen):
             "shared_workspace": self.shared_workspace,
             "sandbox": self.sandbox,
             "ignore_rules": self.ignore_rules,
+            "defaults": self.defaults,
         }
 
 

@@ -13,7 +13,7 @@ import functools
 import os
 
 from settled import boundary as boundaries
-from settled import grammar
+from settled import grammar, grants
 from settled.backends import bind, credential_names
 from settled.errors import BadInput, LogElsewhere, OwnerLaunchFailed, SettledError, WrongHost
 from settled.faults import ALL_POINTS as ALL_POINTS  # named for `settled close --list-fault-points`
@@ -211,14 +211,18 @@ def _resolve_user(user: str | tuple[int, int] | list[int] | None) -> tuple[int, 
     return check_user(tuple(user))
 
 
-def _real_writable(paths: list[str] | tuple[str, ...]) -> list[str]:
-    """Each granted path, resolved (a mount follows links; the digest names what was granted)."""
-    real = []
-    for path in grammar.check_paths("writable", paths):
-        if not os.path.isdir(path):
-            raise BadInput(f"--writable {path!r} is not a directory on this host")
-        real.append(os.path.realpath(path))
-    return real
+def _limits(
+    memory: int | None, pids: int | None, cpus: float | None, defaults: dict[str, Any]
+) -> dict[str, Any]:
+    """An exec's limits: each its own when given, else its task's default (none: the host's,
+    decided where the session's cgroups are made, boundary/limits.py)."""
+    return {
+        "memory": grammar.check_memory("memory", memory)
+        if memory is not None
+        else defaults.get("memory"),
+        "pids": grammar.check_pids("pids", pids) if pids is not None else defaults.get("pids"),
+        "cpus": grammar.check_cpus("cpus", cpus) if cpus is not None else defaults.get("cpus"),
+    }
 
 
 STREAMS = ("stdout", "stderr")
@@ -274,6 +278,7 @@ def _check_sandbox(spec: CommandSpec, task: TaskRecord, provider: str) -> bool:
         (spec.isolation == "strict", "--isolation strict"),
         (spec.user is not None, "--user"),
         (bool(spec.writable), "--writable"),
+        (bool(spec.readable), "--readable"),
     ]
     for asked, what in refused:
         if asked:
@@ -418,13 +423,21 @@ class Runtime:
         user: str | tuple[int, int] | None = None,
         shared_workspace: bool = False,
         ignore: Sequence[str] = (),
+        writable: Sequence[str] = (),
+        readable: Sequence[str] = (),
+        memory: int | None = None,
+        pids: int | None = None,
+        cpus: float | None = None,
     ) -> TaskRecord:
         """`user` (UID[:GID], a name, or a (uid, gid) pair) is the default uid/gid of the
-        task's commands; an exec may name another. A workspace that cannot be right is
-        refused (placement.check_workspace), and so is one overlapping another open task's
-        unless `shared_workspace` (then both tasks' close receipts name each other). Refused
-        below the home's reserve. `ignore`: gitignore patterns added after the workspace's
-        `.settledignore`; both are bound here, once (workspace.ignore)."""
+        task's commands; an exec may name another. `writable` and `readable` are grants every
+        command of the task gets besides its own, `memory`, `pids` and `cpus` its default
+        limits (an exec's own replace them); each is checked here (settled.grants). A
+        workspace that cannot be right is refused (placement.check_workspace), and so is one
+        overlapping another open task's unless `shared_workspace` (then both tasks' close
+        receipts name each other). Refused below the home's reserve. `ignore`: gitignore
+        patterns added after the workspace's `.settledignore`; both are bound here, once
+        (workspace.ignore)."""
         import shutil
         import tempfile
 
@@ -439,6 +452,9 @@ class Runtime:
         if workspace is not None:
             grammar.check_path("workspace", workspace)
         uid_gid = _resolve_user(user)  # bad input is refused, a retry's too
+        limits = _limits(memory, pids, cpus, {})
+        granted = {kind: grants.resolve(kind, paths) for kind, paths in
+                   (("writable", writable), ("readable", readable))}  # fmt: skip
         if key is None or (retried := self.store.find_task(key)) is None:
             check_reserve(self.home, "task new")  # a retry needs no space: it gets its task
         elif _same_workspace(workspace, retried.workspace, default_workspaces(self.home)):
@@ -455,11 +471,15 @@ class Runtime:
             if not os.path.isdir(root):
                 raise BadInput(f"--workspace {workspace!r} is not a directory")
             check_workspace(workspace, root, self.home)
+            for kind, paths in granted.items():
+                self._refuse_held(kind, paths, root)
             rules = bind_ignore(root, extra).record()  # read once: a command cannot widen it
             made_sandbox: dict[str, Any] | None = None
+            defaults = {k: list(v) for k, v in granted.items() if v}
+            defaults.update({k: v for k, v in limits.items() if v is not None})
             record, created = self.store.create_task(
                 key or new_key(), root, uid_gid, shared_workspace=shared_workspace,
-                host=self.host, ignore_rules=rules,
+                host=self.host, ignore_rules=rules, defaults=defaults or None,
             )  # fmt: skip
             try:
                 if not created and record.workspace != root:
@@ -483,6 +503,15 @@ class Runtime:
                 shutil.rmtree(made, ignore_errors=True)
             raise
         return record
+
+    def _refuse_held(self, kind: str, paths: Sequence[str], workspace: str) -> None:
+        """BadGrant for a grant that opens the home, another task's workspace or a store or
+        object directory of this home (settled.grants)."""
+        grants.refuse_held(
+            kind, paths, home=self.home, workspace=workspace,
+            workspaces=self.store.workspaces(),
+            evidence_dirs=grants.evidence_dirs(self.backends.store, self.backends.objects),
+        )  # fmt: skip
 
     def _undo_task(self, record: TaskRecord) -> bool:
         """Delete a task whose creation failed, and its journal state; False if it was used
@@ -525,6 +554,10 @@ class Runtime:
         isolation: str = "auto",
         user: str | tuple[int, int] | None = None,
         writable: list[str] | tuple[str, ...] = (),
+        readable: list[str] | tuple[str, ...] = (),
+        memory: int | None = None,
+        pids: int | None = None,
+        cpus: float | None = None,
         inherit: Sequence[str] = (),
         inherit_env: bool = False,
         inherited: Sequence[str] = (),
@@ -533,10 +566,13 @@ class Runtime:
 
         `isolation` is "auto" (every protection this machine gives; the receipt names any
         missing), "strict" (refused unless every one is available) or "none"; `user` runs the
-        command as another uid/gid (default: the task's, else the caller's). The host is
-        read-only to the command but for its workspace, /tmp, /var/tmp and the `writable`
-        paths (`["/"]`: all of it, which the receipt states). Refused (SpaceExhausted) while
-        the home's filesystem is below its reserve.
+        command as another uid/gid (default: the task's, else the caller's). The command
+        sees the system's directories read-only, its workspace, its task's own /tmp,
+        /var/tmp, /dev/shm and HOME, and nothing else of the host but the `writable` and
+        `readable` grants (its own and its task's; settled.grants refuses a grant of `/`, of
+        the home, of another task's workspace or of a store directory). `memory` (bytes),
+        `pids` and `cpus` limit it (else its task's defaults, else the host's). Refused
+        (SpaceExhausted) while the home's filesystem is below its reserve.
 
         The command's environment is the base (PATH, HOME, LANG) overlaid by `inherit` (names
         taken from this process's environment) or all of it with `inherit_env` (less
@@ -558,6 +594,12 @@ class Runtime:
         record = self.store.get_task(grammar.check_id("task", task))
         self._on_this_host(record, "exec")
         run_as = _resolve_user(user) or record.user
+        defaults = record.defaults or {}
+        limits = _limits(memory, pids, cpus, defaults)
+        granted = {}
+        for kind, asked in (("writable", writable), ("readable", readable)):
+            granted[kind] = grants.resolve(kind, [*asked, *defaults.get(kind, ())])
+            self._refuse_held(kind, granted[kind], record.workspace)
         explicit = dict(normalize_env(env or {}))
         caller = self._caller_env(inherit, inherit_env)
         if stray := sorted(set(inherited) - set(explicit)):
@@ -574,7 +616,11 @@ class Runtime:
             service=service,
             isolation=isolation,
             user=run_as,
-            writable=tuple(_real_writable(writable)),
+            writable=granted["writable"],
+            readable=granted["readable"],
+            memory=limits["memory"],
+            pids=limits["pids"],
+            cpus=limits["cpus"],
             inherited=(*(n for n in caller.inherited if n not in explicit), *inherited),
             env_removed=caller.removed,
         )

@@ -45,6 +45,11 @@ def cmd_task_new(rt: Runtime, args: argparse.Namespace) -> int:
         user=args.user,
         shared_workspace=args.shared_workspace,
         ignore=args.ignore,
+        writable=args.writable,
+        readable=args.readable,
+        memory=args.memory,
+        pids=args.pids,
+        cpus=args.cpus,
     )
     text = f"task {record.task} (key {record.key}) at {record.workspace}"
     emit(args, record.to_json(), text, brief=record.task)
@@ -104,6 +109,10 @@ def _admit(rt: Runtime, args: argparse.Namespace, verb: str) -> Admission:
         isolation=args.isolation,
         user=args.user,
         writable=args.writable,
+        readable=args.readable,
+        memory=args.memory,
+        pids=args.pids,
+        cpus=args.cpus,
         inherit=args.inherit,
         inherit_env=args.inherit_env,
     )
@@ -474,6 +483,14 @@ def _integer(field: str, lo: int, hi: int) -> Callable[[str], int]:
     return lambda text: grammar.parse_int(field, text, lo, hi)
 
 
+def _memory(field: str) -> Callable[[str], int]:
+    return lambda text: grammar.parse_memory(field, text)
+
+
+def _cpus(field: str) -> Callable[[str], float]:
+    return lambda text: grammar.parse_cpus(field, text)
+
+
 def _text(field: str, max_bytes: int, min_bytes: int = 0) -> Callable[[str], str]:
     return lambda text: grammar.check_text(field, text, max_bytes, min_bytes)
 
@@ -601,12 +618,35 @@ def _exec_options(ex: argparse.ArgumentParser) -> None:
         "--user", type=_text("--user", grammar.MAX_USER_BYTES, 1), metavar="UID[:GID]",
         help="run as this user (default: the task's)",
     )  # fmt: skip
-    ex.add_argument(
-        "--writable", type=_path("--writable"), action="append", default=[], metavar="DIR",
-        help="a host directory the command may write besides its workspace, /tmp and /var/tmp "
-        "(the host is read-only to it otherwise; --writable / grants all, and says so)",
-    )  # fmt: skip
+    _wall_options(ex, "the command")
     ex.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD [ARG...]")
+
+
+def _wall_options(parser: argparse.ArgumentParser, whose: str) -> None:
+    """The grants and limits of a command's walls: an exec's own, or a task's defaults."""
+    parser.add_argument(
+        "--writable", type=_path("--writable"), action="append", default=[], metavar="DIR",
+        help=f"a host directory {whose} may write (repeatable). Nothing of the host exists "
+        "for a command but the system's directories (read-only), its workspace, its task's "
+        "own /tmp, /var/tmp, /dev/shm and HOME, and what is granted",
+    )  # fmt: skip
+    parser.add_argument(
+        "--readable", type=_path("--readable"), action="append", default=[], metavar="DIR",
+        help=f"a host directory {whose} may read (repeatable), e.g. a toolchain outside /usr",
+    )  # fmt: skip
+    parser.add_argument(
+        "--memory", type=_memory("--memory"), metavar="BYTES",
+        help=f"memory limit of {whose} (512M, 2G, bytes): past it the kernel kills inside "
+        "the session only, and the receipt says oom",
+    )  # fmt: skip
+    parser.add_argument(
+        "--pids", type=_integer("--pids", 1, grammar.MAX_PIDS), metavar="N",
+        help=f"processes and threads {whose} may have at once",
+    )  # fmt: skip
+    parser.add_argument(
+        "--cpus", type=_cpus("--cpus"), metavar="F",
+        help=f"CPUs' worth of time {whose} may use (0.5, 2)",
+    )  # fmt: skip
 
 
 def _interrupt_option(parser: argparse.ArgumentParser) -> None:
@@ -778,6 +818,8 @@ def _build(only: str | None) -> tuple[argparse.ArgumentParser, bool]:
         ".settledignore (repeatable). Both are bound now, recorded in every manifest, and a "
         "command editing .settledignore later changes nothing",
     )  # fmt: skip
+    _wall_options(new, "every command of the task (an exec adds its own grants and may "
+                  "replace a limit)")  # fmt: skip
     new.set_defaults(handler=cmd_task_new)
     destroy = _verb(
         task, "destroy", common, "destroy the task's sandbox", "settled task destroy t_0123"

@@ -27,13 +27,14 @@ from settled.server.errors import BodyTooLarge
 MAX_BODY_BYTES = 1 << 20
 STREAMS = ("stdout", "stderr")
 SIGNALS = ("TERM", "KILL", "INT")
-TASK_FIELDS = frozenset({"workspace", "key", "user", "shared_workspace", "ignore"})
+WALL_FIELDS = frozenset({"writable", "readable", "memory", "pids", "cpus"})
+TASK_FIELDS = frozenset({"workspace", "key", "user", "shared_workspace", "ignore"}) | WALL_FIELDS
 SESSION_FIELDS = frozenset(
     {
         "argv", "shell", "key", "timeout", "grace", "cwd", "env", "inherited", "service",
-        "boundary", "isolation", "user", "writable",
+        "boundary", "isolation", "user",
     }
-)  # fmt: skip
+) | WALL_FIELDS  # fmt: skip
 CLOSE_FIELDS = frozenset({"final", "deadline"})
 SIGNAL_FIELDS = frozenset({"signal", "reason"})
 RECOVER_FIELDS = frozenset({"task"})
@@ -92,6 +93,7 @@ def task_request(body: dict[str, Any]) -> dict[str, Any]:
         "shared_workspace": body.get("shared_workspace") is not None
         and grammar.check_bool("shared_workspace", body["shared_workspace"]),
         "ignore": _ignore(body),
+        **walls(body),
     }
 
 
@@ -138,7 +140,7 @@ def session_request(body: dict[str, Any]) -> dict[str, Any]:
         "boundary": _choice(body, "boundary", BOUNDARY_POLICIES),
         "isolation": _choice(body, "isolation", ISOLATION_POLICIES),
         "user": _user(body),
-        "writable": _writable(body),
+        **walls(body),
     }
 
 
@@ -153,9 +155,17 @@ def _inherited(body: dict[str, Any]) -> list[str]:
     return [name for name, _ in grammar.check_env("inherited", ((n, "") for n in names))]
 
 
-def _writable(body: dict[str, Any]) -> list[str]:
-    paths = body.get("writable")
-    return [] if paths is None else list(grammar.check_paths("writable", paths))
+def walls(body: dict[str, Any]) -> dict[str, Any]:
+    """The grants (`writable`, `readable`: absolute paths) and limits (`memory` in bytes,
+    `pids`, `cpus`) of a session or a task's defaults; absent ones are empty or None."""
+    paths = {k: body.get(k) for k in ("writable", "readable")}
+    memory, pids, cpus = body.get("memory"), body.get("pids"), body.get("cpus")
+    return {
+        **{k: [] if v is None else list(grammar.check_paths(k, v)) for k, v in paths.items()},
+        "memory": None if memory is None else grammar.check_memory("memory", memory),
+        "pids": None if pids is None else grammar.check_pids("pids", pids),
+        "cpus": None if cpus is None else grammar.check_cpus("cpus", cpus),
+    }
 
 
 def _service(body: dict[str, Any]) -> bool:

@@ -147,7 +147,7 @@ def _tasks() -> dict[str, Any]:
                     **AUTH_ERRORS,
                     "403": _error(
                         "a task-scoped token asked to loosen the sandbox (isolation none, a "
-                        "writable host path, another user)"
+                        "granted host path, another user, a limit above its task's)"
                     ),
                     "409": _error(
                         "KeyConflict (names existing_digest and requested_digest) or "
@@ -433,6 +433,18 @@ def _schemas() -> dict[str, Any]:
     path = _text(g.MAX_PATH_BYTES, 1)
     arg = _text(g.MAX_ARG_BYTES)
     env_name = {"type": "string", "pattern": "^[^\\x00=]+$", "maxLength": g.MAX_ENV_NAME_BYTES}
+    grant = {
+        "type": "array",
+        "items": {**path, "pattern": "^/[^\\x00]*$"},
+        "maxItems": g.MAX_WRITABLE,
+    }
+    walls = {  # grants and limits: a session's own, or a task's defaults
+        "writable": grant,
+        "readable": grant,
+        "memory": {"type": "integer", "minimum": g.MIN_MEMORY, "maximum": g.MAX_MEMORY},
+        "pids": {"type": "integer", "minimum": 1, "maximum": g.MAX_PIDS},
+        "cpus": {"type": "number", "minimum": g.MIN_CPUS, "maximum": g.MAX_CPUS},
+    }
     return {
         "Object": {"type": "object"},
         "Error": {
@@ -441,7 +453,9 @@ def _schemas() -> dict[str, Any]:
             "properties": {"error": s, "message": s, "field": s},
         },
         "Task": {"type": "object", "required": ["task", "key", "workspace", "state"]},
-        "TaskRequest": _obj({"workspace": path, "key": key, "user": user, "shared_workspace": b}),
+        "TaskRequest": _obj(
+            {"workspace": path, "key": key, "user": user, "shared_workspace": b, **walls}
+        ),
         "SessionRequest": _obj(
             {
                 "argv": {
@@ -470,11 +484,7 @@ def _schemas() -> dict[str, Any]:
                 "boundary": {"type": "string", "enum": list(BOUNDARY_POLICIES)},
                 "isolation": {"type": "string", "enum": list(ISOLATION_POLICIES)},
                 "user": user,
-                "writable": {
-                    "type": "array",
-                    "items": {**path, "pattern": "^/[^\\x00]*$"},
-                    "maxItems": g.MAX_WRITABLE,
-                },
+                **walls,
             },
             ["key"],
         )

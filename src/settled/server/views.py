@@ -85,12 +85,19 @@ def admit(rt: Runtime, grant: Grant, task: str, request: dict[str, Any]) -> dict
 
 def _refuse_weakening(grant: Grant, task: TaskRecord, request: dict[str, Any]) -> None:
     """A task-scoped token is what an agent holds: it may run commands in its task, never
-    loosen the sandbox they run in (no isolation, a writable host path, another user)."""
+    loosen the sandbox they run in (no isolation, a granted host path, another user, a
+    limit above its task's)."""
     weakened = []
     if request.get("isolation") == "none":
         weakened.append("isolation none")
-    if request.get("writable"):
-        weakened.append(f"writable {request['writable']}")
+    for grant_kind in ("writable", "readable"):
+        if request.get(grant_kind):
+            weakened.append(f"{grant_kind} {request[grant_kind]}")
+    defaults = task.defaults or {}
+    for limit in ("memory", "pids", "cpus"):
+        asked, standing = request.get(limit), defaults.get(limit)
+        if asked is not None and (standing is None or asked > standing):
+            weakened.append(f"{limit} {asked} (its task's is {standing or 'the host default'})")
     if request.get("user") is not None and parse_user(request["user"]) != task.user:
         weakened.append(f"user {request['user']}")
     if weakened:

@@ -34,6 +34,7 @@ class Store(Protocol):
         shared_workspace: bool = False,
         host: str | None = None,
         ignore_rules: dict[str, Any] | None = None,
+        defaults: dict[str, Any] | None = None,
     ) -> tuple[TaskRecord, bool]:
         """Returns (task, created); the task of an existing key as it is. Raises
         WorkspaceOverlap when `workspace` is, holds or lies in the workspace of a task not yet

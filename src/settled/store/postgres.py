@@ -90,7 +90,7 @@ from settled.store.rows import (
 T = TypeVar("T")
 Cursor = psycopg.Cursor[tuple[Any, ...]]
 
-SCHEMA_VERSION: Final = 9  # the SQLite store's; tests/test_store.py checks they agree
+SCHEMA_VERSION: Final = 10  # the SQLite store's; tests/test_store.py checks they agree
 CONNECT_TIMEOUT_S: Final = 10
 POOL_MIN, POOL_MAX = 1, 4
 RETRIES: Final = 8  # a deadlock or serialization failure: the whole transaction again
@@ -193,12 +193,15 @@ MIGRATIONS: Final[dict[int, str]] = {
         dirs    TEXT NOT NULL
     )
     """,
+    10: """
+    ALTER TABLE tasks ADD COLUMN defaults TEXT
+    """,
 }
 SEALS_CLOSE_FACTS: Final = 4
 
 TASK_COLUMNS: Final = (
     'task, key, workspace, state, generation, created_at, "user", shared_workspace, host, frozen, '
-    "sandbox, ignore_rules"
+    "sandbox, ignore_rules, defaults"
 )
 SELECT_SESSION: Final = f"SELECT {SESSION_COLUMNS} FROM sessions"
 
@@ -455,6 +458,7 @@ class PostgresStore:
         shared_workspace: bool = False,
         host: str | None = None,
         ignore_rules: dict[str, Any] | None = None,
+        defaults: dict[str, Any] | None = None,
     ) -> tuple[TaskRecord, bool]:
         def work(cur: Cursor) -> tuple[TaskRecord, bool]:
             cur.execute("SELECT pg_advisory_xact_lock(%s)", (self._create_lock,))
@@ -474,11 +478,11 @@ class PostgresStore:
                 raise WorkspaceOverlap(workspace, others)
             record = TaskRecord(
                 new_id("t"), key, workspace, TASK_OPEN, 1, time.time(), user, shared_workspace,
-                host=host, ignore_rules=ignore_rules,
+                host=host, ignore_rules=ignore_rules, defaults=defaults,
             )  # fmt: skip
             cur.execute(
                 f"INSERT INTO tasks ({TASK_COLUMNS}) "
-                "VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, NULL, NULL, %s)",
+                "VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, NULL, NULL, %s, %s)",
                 (
                     record.task,
                     key,
@@ -490,6 +494,7 @@ class PostgresStore:
                     int(shared_workspace),
                     host,
                     json.dumps(ignore_rules) if ignore_rules is not None else None,
+                    json.dumps(defaults) if defaults is not None else None,
                 ),
             )
             for other, _path in others:  # each names the other in its close receipt

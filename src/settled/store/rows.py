@@ -176,14 +176,14 @@ def live_from_row(row: tuple[Any, ...]) -> LiveSession:
 
 def task_from_row(row: tuple[Any, ...]) -> TaskRecord:
     """(task, key, workspace, state, generation, created_at, user, shared_workspace, host,
-    frozen, sandbox, ignore_rules)."""
+    frozen, sandbox, ignore_rules, defaults)."""
     user = loads(row[6])
     task, key, workspace, state, generation, created_at = row[:6]
     return TaskRecord(
         task, key, workspace, state, generation, created_at,
         (int(user[0]), int(user[1])) if user is not None else None, bool(row[7]),
         host=row[8], frozen=row[9], sandbox=loads(row[10]),
-        ignore_rules=loads(row[11]),
+        ignore_rules=loads(row[11]), defaults=loads(row[12]),
     )  # fmt: skip
 
 

@@ -83,7 +83,7 @@ if TYPE_CHECKING:
 
     from settled.store.rows import HiddenSet
 
-SCHEMA_VERSION = 9
+SCHEMA_VERSION = 10
 
 MIGRATIONS: dict[int, str] = {
     1: """
@@ -179,12 +179,15 @@ MIGRATIONS: dict[int, str] = {
         dirs    TEXT NOT NULL
     )
     """,
+    10: """
+    ALTER TABLE tasks ADD COLUMN defaults TEXT
+    """,
 }
 SEALS_CLOSE_FACTS = 4  # the migration that seals the close facts an older settled wrote
 
 TASK_COLUMNS = (
     "task, key, workspace, state, generation, created_at, user, shared_workspace, host, frozen, "
-    "sandbox, ignore_rules"
+    "sandbox, ignore_rules, defaults"
 )
 
 
@@ -402,6 +405,7 @@ class SQLiteStore:
         shared_workspace: bool = False,
         host: str | None = None,
         ignore_rules: dict[str, Any] | None = None,
+        defaults: dict[str, Any] | None = None,
     ) -> tuple[TaskRecord, bool]:
         with self._write() as db:  # the overlap is decided in the transaction that records
             row = db.execute(f"SELECT {TASK_COLUMNS} FROM tasks WHERE key=?", (key,)).fetchone()
@@ -420,11 +424,11 @@ class SQLiteStore:
                 raise WorkspaceOverlap(workspace, others)
             record = TaskRecord(
                 new_id("t"), key, workspace, TASK_OPEN, 1, time.time(), user, shared_workspace,
-                host=host, ignore_rules=ignore_rules,
+                host=host, ignore_rules=ignore_rules, defaults=defaults,
             )  # fmt: skip
             db.execute(
                 f"INSERT INTO tasks ({TASK_COLUMNS}) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, NULL, NULL, ?)",
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, NULL, NULL, ?, ?)",
                 (
                     record.task,
                     key,
@@ -436,6 +440,7 @@ class SQLiteStore:
                     int(shared_workspace),
                     host,
                     json.dumps(ignore_rules) if ignore_rules is not None else None,
+                    json.dumps(defaults) if defaults is not None else None,
                 ),
             )
             for other, _path in others:  # each names the other in its close receipt
