@@ -21,11 +21,13 @@ zygote started (`runtime.HOME_FACE`, imported before the heap is frozen); the zy
 worker and tells its caller how one ended that could not say (face_workers.py).
 
 Trust: the socket lives in the home's run directory (0700, hidden from every command by its
-mount namespace), and the zygote serves only its own uid (SO_PEERCRED). It holds no store
-connection, no lock but its own, and forks owners that act only on orders from the caller that
-claimed their session. Must never: serve another uid, answer for a request it did not fork, run
-a face's request for a caller of other code, or outlive IDLE_EXIT_S without a request while no
-call runs.
+mount namespace), and the zygote serves only its own uid (SO_PEERCRED) and, whatever the uid
+(root included), only a process of its own mount and PID namespaces outside every session's
+cgroup (peers.py): any other connection is closed unread, and the log says why. It holds no
+store connection, no lock but its own, and forks owners that act only on orders from the caller
+that claimed their session. Must never: serve another uid or a session's process, answer for a
+request it did not fork, run a face's request for a caller of other code, or outlive
+IDLE_EXIT_S without a request while no call runs.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ from settled.owner.forking import (
     preload,
     reap_stubs,
 )
+from settled.peers import unix_refusal
 from settled.store import Store
 from settled.where import FACE_MAGIC, LAUNCHER_LOG, LAUNCHER_SOCKET
 from settled.where import install_identity as identity
@@ -165,6 +168,10 @@ def _answer(
     workers: FaceWorkers,
 ) -> bool:  # fmt: skip
     """One request; False when the zygote must leave."""
+    refused = unix_refusal(conn)
+    if refused is not None:
+        _log(f"refused {refused}")
+        return True  # a session's process, or one that cannot be told from one: not a byte read
     if not _same_user(conn):
         return True  # another uid: not a word, not a fork
     conn.settimeout(REPLY_TIMEOUT_S)
@@ -244,6 +251,13 @@ def _same_user(conn: socket.socket) -> bool:
     credentials = conn.getsockopt(_socket.SOL_SOCKET, _socket.SO_PEERCRED, struct.calcsize("3i"))
     _pid, uid, _gid = struct.unpack("3i", credentials)
     return bool(uid == os.getuid())
+
+
+def _log(message: str) -> None:
+    """A line of the zygote's log (its stderr is the home's launcher.log)."""
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%S")
+    with contextlib.suppress(OSError):
+        os.write(2, f"{stamp} launcher[{os.getpid()}] {message}\n".encode(errors="replace"))
 
 
 def _report(fd: int, fields: dict[str, Any]) -> None:

@@ -12,9 +12,13 @@ the daemon: every journal is then untrusted, naming why, and the instance is tri
 each watch and reset. Requests are served one at a time: a first `watch` walks the workspace,
 and a barrier that waits behind a long walk times out (the caller then does a full scan).
 
+Every connection is first judged by `peers.unix_refusal`: a process of another mount or PID
+namespace (a session's command, root or not) or of a session's cgroup is closed unread, and
+the log says why.
+
 Must never: answer with a seq before its reservation is on disk, serve a socket whose lock it
-does not hold, let one request's failure take the other tasks' journals down, or outlive `stop`
-by more than the reply it owes.
+does not hold, read a request of a peer that peers.py refuses, let one request's failure take
+the other tasks' journals down, or outlive `stop` by more than the reply it owes.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from settled.atomic import write_atomic
+from settled.peers import unix_refusal
 from settled.workspace.journal.client import SOCKET_NAME, STATE_DIR, unix_address
 from settled.workspace.journal.errors import JournalUnavailable
 from settled.workspace.journal.inotify import Journal, Watcher
@@ -228,6 +233,11 @@ class _Server:
             except OSError as exc:  # EMFILE and friends: the client sees no answer
                 _log(f"accept failed: {exc}")
                 return
+            refused = unix_refusal(sock)
+            if refused is not None:
+                _log(f"refused {refused}")
+                sock.close()
+                continue
             sock.setblocking(False)
             self.conns[sock] = _Conn(sock)
             self.sel.register(sock, selectors.EVENT_READ, self._on_conn)
