@@ -13,7 +13,8 @@ each watch and reset. Requests are served one at a time: a first `watch` walks t
 and a barrier that waits behind a long walk times out (the caller then does a full scan).
 
 Every connection is first judged by `peers.unix_refusal`: a process of another mount or PID
-namespace (a session's command, root or not) or of a session's cgroup is closed unread, and
+namespace (a session's command, root or not) or of a session's cgroup gets one error line
+(`refused`, so a caller fails at once instead of starting a journal) and is closed unread, and
 the log says why.
 
 Must never: answer with a seq before its reservation is on disk, serve a socket whose lock it
@@ -47,6 +48,10 @@ from settled.workspace.journal.inotify import Journal, Watcher
 RESERVE = 1 << 16  # sequence numbers reserved on disk ahead of the last one reported
 _MAX_LINE = 1 << 16
 _MAX_TASK = 128
+REFUSED = (  # the one line a peer peers.py refuses gets: why is in the log alone
+    b'{"error":"refused: this journal serves only processes of its own mount and PID '
+    b'namespaces outside every session; see its log"}\n'
+)
 
 
 def serve(
@@ -236,7 +241,7 @@ class _Server:
             refused = unix_refusal(sock)
             if refused is not None:
                 _log(f"refused {refused}")
-                sock.close()
+                _refuse(sock)
                 continue
             sock.setblocking(False)
             self.conns[sock] = _Conn(sock)
@@ -428,6 +433,19 @@ class _Server:
         if self.conns.pop(conn.sock, None) is not None:
             self.sel.unregister(conn.sock)
             conn.sock.close()
+
+
+def _refuse(sock: socket.socket) -> None:
+    """The refusal's one line, then the close. What the peer sent is drained first, never
+    read as a request: a unix stream socket closed on unread bytes makes its peer's next read
+    fail (ECONNRESET) even with the line waiting, and the caller must get the line."""
+    with contextlib.suppress(OSError):
+        sock.setblocking(False)
+        sock.send(REFUSED)
+        for _ in range(16):  # a peer that keeps writing is not waited for
+            if not sock.recv(1 << 16):
+                break
+    sock.close()
 
 
 def _valid_task(task: Any) -> bool:
