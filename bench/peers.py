@@ -22,7 +22,7 @@ from typing import Any
 
 from common import distribution, fmt, header, log, machine, md_table, scratch, source_revision
 
-from settled import peers
+from settled import peers, sockdiag
 
 FULL = {"runs": 2000, "walk_runs": 100, "tree": 500}
 QUICK = {"runs": 200, "walk_runs": 10, "tree": 100}
@@ -64,13 +64,13 @@ def _remote(local: tuple[str, int]) -> float:
 
 def _handle(cgroup_id: int) -> float:
     started = time.perf_counter()
-    assert peers.cgroup_path(cgroup_id) is not None
+    assert sockdiag.cgroup_path(cgroup_id) is not None
     return _us(started)
 
 
 def _walk(point: str) -> float:
     started = time.perf_counter()
-    assert peers._walk_for(point, 1 << 62) is None
+    assert sockdiag.walk_for(point, 1 << 62) is None
     return _us(started)
 
 
@@ -104,7 +104,7 @@ def run(quick: bool) -> tuple[dict[str, Any], str]:
     series: dict[str, list[float]] = {name: [] for name in (
         "unix_bare", "unix_judged", "tcp_bare", "tcp_judged", "tcp_remote", "cgroup_handle",
     )}  # fmt: skip
-    point = peers._cgroup2_mount()[0]
+    point = sockdiag.cgroup2_mount()[0]
     own_id = os.stat(point).st_ino
     with scratch("peers") as root:
         path = os.path.join(root, "s.sock")

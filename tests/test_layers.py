@@ -36,6 +36,7 @@ FOUNDATION = {
     "settled.receipts",
     "settled.records",
     "settled.render",
+    "settled.sockdiag",
     "settled.states",
     "settled.where",
 }

@@ -44,7 +44,7 @@ import httpx
 import pytest
 from test_server import TOKEN, Server
 
-from settled import peers
+from settled import peers, sockdiag
 from settled.boundary import availability
 from settled.owner import home_launcher
 from settled.runtime import Runtime
@@ -385,9 +385,43 @@ def test_a_host_process_in_a_sessions_cgroup_is_refused_by_every_socket(home: Ho
     _services_say_session(home)
 
 
+@pytest.mark.parametrize(
+    ("bind", "connect"),
+    [(("::1", 0), "::1"), (("::", 0), "127.0.0.1"), (("127.0.0.1", 0), "127.0.0.1")],
+    ids=["ipv6", "ipv4-mapped", "ipv4"],
+)
+def test_a_tcp_peer_is_found_over_ipv6_and_ipv4_and_judged_by_its_cgroup(
+    bind: tuple[str, int], connect: str
+) -> None:
+    family = socket.AF_INET6 if ":" in bind[0] else socket.AF_INET
+    with socket.socket(family) as listener, _session_cgroup() as cgroup:
+        listener.bind(bind)
+        listener.listen()
+        port = listener.getsockname()[1]
+        with socket.create_connection((connect, port)):
+            accepted, peer = listener.accept()
+            with accepted:
+                assert peers.tcp_refusal(peer, accepted.getsockname()) is None
+            dial = f"import socket; socket.create_connection(({connect!r}, {port})).recv(1)"
+            joined = f'echo $$ > {cgroup}/cgroup.procs && exec "$@"'
+            child = subprocess.Popen(["sh", "-c", joined, "sh", SYSTEM_PYTHON, "-I", "-S",
+                                      "-c", dial])  # fmt: skip
+            try:
+                accepted, peer = listener.accept()
+                with accepted:
+                    why = peers.tcp_refusal(peer, accepted.getsockname())
+            finally:
+                child.kill()
+                child.wait(timeout=30)
+    assert why is not None and why.endswith(
+        f"its socket was made in cgroup {_as_proc_path(cgroup)}, inside settled's session "
+        f"{_as_proc_path(cgroup)}"
+    ), why
+
+
 def _as_proc_path(cgroup: Path) -> str:
     """The cgroup's path as /proc/<pid>/cgroup writes it (from the hierarchy's root)."""
-    point, root = peers._cgroup2_mount()
+    point, root = sockdiag.cgroup2_mount()
     inside = cgroup.relative_to(point).as_posix()
     return "/" + "/".join(part for part in (root.strip("/"), inside) if part)
 
@@ -507,8 +541,8 @@ def test_a_connection_from_another_network_namespace_is_not_found_on_this_host()
             with accepted:
                 local = accepted.getsockname()
                 family, src, dst = peers._packed(peer[0], local[0])
-                assert peers._diag(family, src, peer[1], dst, local[1]) is None  # not here
-                assert not peers._is_local(family, src)  # and not from an address of ours
+                assert sockdiag.peer_socket(family, src, peer[1], dst, local[1]) is None  # not here
+                assert not sockdiag.is_local(family, src)  # and not from an address of ours
                 assert peers.tcp_refusal(peer, local) is None
         finally:
             client.kill()
