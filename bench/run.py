@@ -26,6 +26,7 @@ import isolation
 import kill
 import load
 import objects_s3
+import peers
 import plots
 import receipt
 import remote
@@ -49,6 +50,7 @@ BENCHMARKS = {
     "isolation": isolation.run,
     "remote": remote.run,
     "objects_s3": objects_s3.run,
+    "peers": peers.run,
     "store_ops": store_ops.run,
     "soak": soak.run,
     "ui_feed": ui_feed.run,

@@ -244,5 +244,7 @@ def test_serve_swerex_answers_swe_rex_s_own_client_with_a_key_from_the_environme
     finally:
         server.terminate()
         server.wait(timeout=30)
-    refused = cli.run("serve", "--swerex", "--host", "0.0.0.0", "--port", str(port))
-    assert refused.returncode == 2 and b"needs an API key" in refused.stderr
+    empty = tmp_path / "empty.key"
+    empty.write_text("\n")
+    refused = cli.run("serve", "--swerex", "--api-key-file", str(empty), "--port", str(port))
+    assert refused.returncode == 2 and b"is empty" in refused.stderr

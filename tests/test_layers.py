@@ -33,9 +33,11 @@ FOUNDATION = {
     "settled.identity",
     "settled.isolated",
     "settled.localdb",
+    "settled.peers",
     "settled.receipts",
     "settled.records",
     "settled.render",
+    "settled.sockdiag",
     "settled.states",
     "settled.where",
 }
@@ -49,6 +51,7 @@ FACE_NEUTRAL = {
     "settled.faults",  # a face's own named fault points (the server's): a name and a crash
     "settled.grammar",
     "settled.identity",
+    "settled.peers",  # a server judges its TCP peers as the launcher and the journal do theirs
     "settled.records",
     "settled.render",
     "settled.states",

@@ -134,8 +134,10 @@ def _hand_over(sock: _socket.socket, argv: list[str]) -> int | None:
     except TimeoutError:
         late = f"the home's warm process did not answer in {ANSWER_TIMEOUT_S:g} s"
         raise SystemExit(_say(f"{late} (SETTLED_CLI=local runs verbs in this process)")) from None
+    except OSError:
+        return None  # closed on us (a zygote that left, or one that refuses this process): here
     if not answer.startswith(b"pid "):
-        return None  # b"stop" (another install), b"noface", or a zygote that left: here
+        return None  # b"stop" (another install), b"noface", b"refused", a zygote that left: here
     return int(answer[4:])
 
 

@@ -1034,11 +1034,14 @@ def _build(only: str | None) -> tuple[argparse.ArgumentParser, bool]:
     srv.add_argument(
         "--swerex", action="store_true",
         help="answer SWE-ReX's remote runtime protocol instead (SWE-agent's RemoteRuntime), "
-        "keyed by X-API-Key: from --api-key-file or SETTLED_SWEREX_API_KEY, never argv",
+        "always keyed by X-API-Key: from --api-key-file or SETTLED_SWEREX_API_KEY (never argv); "
+        "with neither, a new key is written to a 0600 file in the home's run directory and its "
+        "path printed",
     )  # fmt: skip
     srv.add_argument(
         "--api-key-file", type=_path("--api-key-file"), metavar="FILE",
-        help="with --swerex: a file holding the key (default: SETTLED_SWEREX_API_KEY)",
+        help="with --swerex: the file holding the key; a FILE that does not exist yet gets a new "
+        "key (0600), kept for the next start (default: SETTLED_SWEREX_API_KEY, else a new key)",
     )  # fmt: skip
     srv.add_argument(
         "--swerex-workspace", type=_path("--swerex-workspace"), metavar="DIR",
@@ -1166,23 +1169,35 @@ def _soak(args: argparse.Namespace) -> int:
 
 
 def _serve_swerex(args: argparse.Namespace) -> int:
-    """The key leaves this process's environment before anything is served, so no command
-    inherits it; without one the service is open, so it must stay on loopback."""
-    from settled.runtime import ready_home
-    from settled.server.swerex import serve_swerex
+    """Never without a key (server/swerex_key.py: the one given, else one made and written
+    0600, its path printed); the key leaves this process's environment before anything is
+    served, so no command inherits it."""
+    import contextlib
 
-    key = os.environ.pop("SETTLED_SWEREX_API_KEY", None)
-    if args.api_key_file is not None:
+    from settled.runtime import ready_home
+    from settled.server import bind
+    from settled.server.swerex import say, serve_swerex
+    from settled.server.swerex_key import choose_key
+    from settled.where import run_dir
+
+    home = ready_home(getattr(args, "home", None))
+    key, made, ours = choose_key(run_dir(home), args.api_key_file, os.environ)
+    try:
         try:
-            with open(args.api_key_file, encoding="utf-8") as handle:
-                key = handle.read().strip()
+            sock = bind(args.host, args.port)
         except OSError as exc:
-            raise BadInput(f"--api-key-file {args.api_key_file!r}: {exc.strerror}") from exc
-    if not key and args.host not in ("127.0.0.1", "::1", "localhost"):
-        raise BadInput(
-            f"serve --swerex on {args.host} needs an API key (--api-key-file or "
-            "SETTLED_SWEREX_API_KEY): without one anyone who reaches the port runs commands"
-        )
-    serve_swerex(ready_home(getattr(args, "home", None)), args.host, args.port, key or None,
-                 args.swerex_workspace)  # fmt: skip
+            raise BadInput(f"cannot listen on {args.host}:{args.port}: {exc.strerror}") from exc
+        host, port = sock.getsockname()[:2]
+        say(f"listening on http://{f'[{host}]' if ':' in host else host}:{port} (home {home})")
+        if made is not None:
+            say(f"no key was given: made one in {made} (mode 0600); send its content as "
+                "X-API-Key (SWE-ReX's auth_token)")  # fmt: skip
+        try:
+            serve_swerex(home, sock, key, args.swerex_workspace)
+        finally:
+            sock.close()
+    finally:
+        if ours and made is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(made)
     return EXIT_OK

@@ -21,11 +21,14 @@ zygote started (`runtime.HOME_FACE`, imported before the heap is frozen); the zy
 worker and tells its caller how one ended that could not say (face_workers.py).
 
 Trust: the socket lives in the home's run directory (0700, hidden from every command by its
-mount namespace), and the zygote serves only its own uid (SO_PEERCRED). It holds no store
-connection, no lock but its own, and forks owners that act only on orders from the caller that
-claimed their session. Must never: serve another uid, answer for a request it did not fork, run
-a face's request for a caller of other code, or outlive IDLE_EXIT_S without a request while no
-call runs.
+mount namespace), and the zygote serves only its own uid (SO_PEERCRED) and, whatever the uid
+(root included), only a process of its own mount and PID namespaces outside every session's
+cgroup (peers.py): any other connection gets one word (REFUSED) and is closed unread, and the
+log says why; its caller fails at once naming the log. It holds no store connection, no lock
+but its own, and forks owners that act only on orders from the caller that claimed their
+session. Must never: serve another uid or a session's process, answer for a request it did not
+fork, run a face's request for a caller of other code, or outlive IDLE_EXIT_S without a request
+while no call runs.
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ from settled.owner.forking import (
     preload,
     reap_stubs,
 )
+from settled.peers import unix_refusal
 from settled.store import Store
 from settled.where import FACE_MAGIC, LAUNCHER_LOG, LAUNCHER_SOCKET
 from settled.where import install_identity as identity
@@ -73,6 +77,7 @@ IDLE_EXIT_S = 60.0  # SETTLED_LAUNCHER_IDLE_S overrides it, read when a zygote s
 FACE_FDS = 4  # a face's worker gets its caller's stdin, stdout, stderr and directory
 START_TIMEOUT_S = 30.0
 REPLY_TIMEOUT_S = 10.0
+REFUSED = b"refused\n"  # the answer to a peer peers.py refuses: why is in the log alone
 
 
 class LauncherUnavailable(OwnerLaunchFailed):
@@ -165,6 +170,11 @@ def _answer(
     workers: FaceWorkers,
 ) -> bool:  # fmt: skip
     """One request; False when the zygote must leave."""
+    refused = unix_refusal(conn)
+    if refused is not None:
+        _log(f"refused {refused}")
+        _refuse(conn)  # a session's process, or one not told from one: never a request read
+        return True
     if not _same_user(conn):
         return True  # another uid: not a word, not a fork
     conn.settimeout(REPLY_TIMEOUT_S)
@@ -217,6 +227,18 @@ def _serve_face(
     return True
 
 
+def _refuse(conn: socket.socket) -> None:
+    """REFUSED, then what the peer sent is dropped unread (a plain recv takes no descriptor:
+    the kernel releases those it carried): a socket closed on unread messages makes its peer's
+    next read fail (ECONNRESET) ahead of the word waiting for it."""
+    with contextlib.suppress(OSError):
+        conn.setblocking(False)
+        conn.sendall(REFUSED)
+        for _ in range(16):  # a peer that keeps writing is not waited for
+            if not conn.recv(MAX_REQUEST):
+                break
+
+
 def _receive(conn: socket.socket) -> tuple[bytes, list[int]]:
     import socket
 
@@ -244,6 +266,13 @@ def _same_user(conn: socket.socket) -> bool:
     credentials = conn.getsockopt(_socket.SOL_SOCKET, _socket.SO_PEERCRED, struct.calcsize("3i"))
     _pid, uid, _gid = struct.unpack("3i", credentials)
     return bool(uid == os.getuid())
+
+
+def _log(message: str) -> None:
+    """A line of the zygote's log (its stderr is the home's launcher.log)."""
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%S")
+    with contextlib.suppress(OSError):
+        os.write(2, f"{stamp} launcher[{os.getpid()}] {message}\n".encode(errors="replace"))
 
 
 def _report(fd: int, fields: dict[str, Any]) -> None:
@@ -276,10 +305,17 @@ class HomeLauncher:
         request = {**request, "identity": self._identity}
         for attempt in range(3):
             try:
-                if _ask(run, request, fds) == b"ok\n":
-                    return
+                answer = _ask(run, request, fds)
             except (FileNotFoundError, ConnectionRefusedError, ConnectionResetError):
-                pass  # none answers here (yet): start one
+                answer = b""  # none answers here (yet): start one
+            if answer == b"ok\n":
+                return
+            if answer == REFUSED:
+                raise LauncherUnavailable(
+                    f"the home's launcher in {run} refused this process: it serves only processes "
+                    "of its own mount and PID namespaces outside every session; see "
+                    f"{os.path.join(run, LOG_NAME)}"
+                )
             if attempt < 2:
                 with self._start_lock:
                     start(run, face=self._face)
@@ -299,8 +335,12 @@ def _ask(run: str, request: dict[str, Any], fds: list[int]) -> bytes:
         sock.connect(os.path.join(run, SOCKET_NAME))
         sock.settimeout(REPLY_TIMEOUT_S)
         rights = [(_socket.SOL_SOCKET, _socket.SCM_RIGHTS, struct.pack(f"{len(fds)}i", *fds))]
-        sock.sendmsg([json.dumps(request).encode()], rights if fds else [])
-        answer: bytes = sock.recv(16)
+        with contextlib.suppress(BrokenPipeError):  # closed on us: a word may still wait
+            sock.sendmsg([json.dumps(request).encode()], rights if fds else [])
+        try:
+            answer: bytes = sock.recv(16)
+        except ConnectionResetError:  # the kernel says so before the word that may wait behind
+            answer = sock.recv(16)
         return answer
     finally:
         sock.close()

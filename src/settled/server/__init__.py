@@ -4,7 +4,9 @@ Owns: starting and stopping the service: checking its tokens (it refuses to run 
 removing ``SETTLED_TOKEN`` from the environment that commands inherit, binding the listening
 socket (127.0.0.1 by default; port 0 picks a free one, and the address actually bound is printed
 on stderr as ``settled serve: listening on http://HOST:PORT``), and running uvicorn until SIGINT
-or SIGTERM.
+or SIGTERM. Every connection passes the peer gate first (server/peering.py): a TCP peer of this
+host made inside one of settled's sessions gets a 403 naming why, before any route or token
+check runs, and the refusal is logged here on stderr.
 
 Must never: run open (no token configured is exit 2), pass its token to a command (it is
 removed from the environment commands inherit and wiped from the process's original
@@ -33,6 +35,7 @@ from settled.errors import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, SettledError
 from settled.runtime import ready_home
 from settled.server.app import create_app
 from settled.server.auth import TOKEN_ENV, Grant, TokenConfigError, TokenTable
+from settled.server.peering import gated
 from settled.server.scrub import scrub_environ
 
 __all__ = ["Grant", "TokenTable", "create_app", "serve"]
@@ -45,7 +48,8 @@ def _say(message: str) -> None:
     print(f"settled serve: {message}", file=sys.stderr, flush=True)
 
 
-def _bind(host: str, port: int) -> socket.socket:
+def bind(host: str, port: int) -> socket.socket:
+    """The listening socket of a service (`settled serve`, `settled serve --swerex`)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     # proto=IPPROTO_TCP, or asyncio does not set TCP_NODELAY on the accepted connections and a
     # response's headers and body (two writes) wait out the peer's delayed ACK: +40 ms each.
@@ -100,7 +104,7 @@ def serve(
         home = ready_home(home)
         if tokens_file is not None:
             _hide_from_sessions(home, tokens_file)
-        sock = _bind(host, port)
+        sock = bind(host, port)
     except SettledError as exc:
         _say(str(exc))
         return EXIT_USAGE
@@ -122,10 +126,11 @@ def serve(
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
         server_header=False,
         log_level="info",
+        http=gated(_say),
     )
     server = uvicorn.Server(config)
     try:
-        with _signals_end_serving():
+        with signals_end_serving():
             server.run(sockets=[sock])
     except SystemExit:  # uvicorn exits this way when the lifespan fails to start
         return EXIT_FAILURE
@@ -135,7 +140,7 @@ def serve(
 
 
 @contextlib.contextmanager
-def _signals_end_serving() -> Iterator[None]:
+def signals_end_serving() -> Iterator[None]:
     """uvicorn shuts down gracefully on SIGINT/SIGTERM, then re-raises the signal under the
     handler that was there before it; with this one there, ``serve`` returns 0 instead of the
     process dying of the signal it already handled."""

@@ -3,6 +3,9 @@
 Routes, bodies and auth are those of the installed ``swerex`` package (``swerex.server`` and
 ``swerex.runtime.remote.RemoteRuntime``): POST JSON endpoints, an ``X-API-Key`` header, errors as
 HTTP 511 ``{"swerexception": _ExceptionTransfer}`` which the client re-raises as the named class.
+Unlike SWE-ReX's own server, there is always a key (server/swerex_key.py makes one when none is
+given), and every connection passes the peer gate first (server/peering.py): a process inside
+one of settled's sessions is refused (403) before any route runs, key or not.
 
 Mapping onto settled: each bash session (create_session) is one settled task; each
 run_in_session action is one settled session whose invocation key is
@@ -37,6 +40,8 @@ import json
 import os
 import re
 import shlex
+import socket
+import sys
 import threading
 import zipfile
 from dataclasses import dataclass, field
@@ -81,7 +86,9 @@ class BashSession:
 class SwerexService:
     """Holds the home, the bash sessions and one Runtime per worker thread."""
 
-    def __init__(self, home: str, api_key: str | None, workspace: str | None = None) -> None:
+    def __init__(self, home: str, api_key: str, workspace: str | None = None) -> None:
+        if not api_key:
+            raise ValueError("the SWE-ReX service never runs without a key")
         self.home = home
         self.api_key = api_key
         self.workspace = workspace
@@ -321,13 +328,12 @@ def _transfer(error: BaseException) -> JSONResponse:
     return JSONResponse(content, status_code=511)
 
 
-def create_swerex_app(home: str, api_key: str | None, workspace: str | None = None) -> Starlette:
-    """The app; ``api_key`` None or empty means no X-API-Key is asked (SWE-ReX's own rule)."""
+def create_swerex_app(home: str, api_key: str, workspace: str | None = None) -> Starlette:
+    """The app; every route but ``/`` asks for ``api_key`` as X-API-Key (never empty: unlike
+    SWE-ReX's own server, no key is not an open service)."""
     service = SwerexService(home, api_key, workspace)
 
     def authorized(request: Request) -> bool:
-        if not service.api_key:
-            return True
         given = request.headers.get("x-api-key", "")
         return hmac.compare_digest(given.encode(), service.api_key.encode())
 
@@ -428,10 +434,20 @@ def _unzip(data: bytes, target: Path) -> None:
 
 
 def serve_swerex(
-    home: str, host: str, port: int, api_key: str | None, workspace: str | None = None
+    home: str, sock: socket.socket, api_key: str, workspace: str | None = None
 ) -> None:
-    """Serve SWE-ReX's protocol on uvicorn until interrupted (`settled serve --swerex`)."""
+    """Serve SWE-ReX's protocol on uvicorn over the bound `sock` until interrupted (`settled
+    serve --swerex`); refusals of peers are said on stderr."""
     import uvicorn
 
+    from settled.server import signals_end_serving
+    from settled.server.peering import gated
+
     app = create_swerex_app(home, api_key, workspace or os.environ.get("SETTLED_SWEREX_WORKSPACE"))
-    uvicorn.run(app, host=host, port=port, log_level="warning")
+    config = uvicorn.Config(app, log_level="warning", http=gated(say))
+    with signals_end_serving():  # SIGINT/SIGTERM end the serving and return, so cleanup runs
+        uvicorn.Server(config).run(sockets=[sock])
+
+
+def say(message: str) -> None:
+    print(f"settled serve --swerex: {message}", file=sys.stderr, flush=True)

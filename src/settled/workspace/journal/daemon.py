@@ -12,9 +12,14 @@ the daemon: every journal is then untrusted, naming why, and the instance is tri
 each watch and reset. Requests are served one at a time: a first `watch` walks the workspace,
 and a barrier that waits behind a long walk times out (the caller then does a full scan).
 
+Every connection is first judged by `peers.unix_refusal`: a process of another mount or PID
+namespace (a session's command, root or not) or of a session's cgroup gets one error line
+(`refused`, so a caller fails at once instead of starting a journal) and is closed unread, and
+the log says why.
+
 Must never: answer with a seq before its reservation is on disk, serve a socket whose lock it
-does not hold, let one request's failure take the other tasks' journals down, or outlive `stop`
-by more than the reply it owes.
+does not hold, read a request of a peer that peers.py refuses, let one request's failure take
+the other tasks' journals down, or outlive `stop` by more than the reply it owes.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from settled.atomic import write_atomic
+from settled.peers import unix_refusal
 from settled.workspace.journal.client import SOCKET_NAME, STATE_DIR, unix_address
 from settled.workspace.journal.errors import JournalUnavailable
 from settled.workspace.journal.inotify import Journal, Watcher
@@ -42,6 +48,10 @@ from settled.workspace.journal.inotify import Journal, Watcher
 RESERVE = 1 << 16  # sequence numbers reserved on disk ahead of the last one reported
 _MAX_LINE = 1 << 16
 _MAX_TASK = 128
+REFUSED = (  # the one line a peer peers.py refuses gets: why is in the log alone
+    b'{"error":"refused: this journal serves only processes of its own mount and PID '
+    b'namespaces outside every session; see its log"}\n'
+)
 
 
 def serve(
@@ -228,6 +238,11 @@ class _Server:
             except OSError as exc:  # EMFILE and friends: the client sees no answer
                 _log(f"accept failed: {exc}")
                 return
+            refused = unix_refusal(sock)
+            if refused is not None:
+                _log(f"refused {refused}")
+                _refuse(sock)
+                continue
             sock.setblocking(False)
             self.conns[sock] = _Conn(sock)
             self.sel.register(sock, selectors.EVENT_READ, self._on_conn)
@@ -418,6 +433,19 @@ class _Server:
         if self.conns.pop(conn.sock, None) is not None:
             self.sel.unregister(conn.sock)
             conn.sock.close()
+
+
+def _refuse(sock: socket.socket) -> None:
+    """The refusal's one line, then the close. What the peer sent is drained first, never
+    read as a request: a unix stream socket closed on unread bytes makes its peer's next read
+    fail (ECONNRESET) even with the line waiting, and the caller must get the line."""
+    with contextlib.suppress(OSError):
+        sock.setblocking(False)
+        sock.send(REFUSED)
+        for _ in range(16):  # a peer that keeps writing is not waited for
+            if not sock.recv(1 << 16):
+                break
+    sock.close()
 
 
 def _valid_task(task: Any) -> bool:

@@ -114,7 +114,7 @@ def ensure_running(run_dir: str, *, idle_exit_s: float = IDLE_EXIT_S, timeout: f
     Concurrent callers are serialized by a start lock, so only one daemon is ever started."""
     run_dir = os.path.abspath(run_dir)
     socket_path = os.path.join(run_dir, SOCKET_NAME)
-    if client.ping(socket_path, timeout=0.5) is not None:
+    if _answers(socket_path, 0.5):
         return socket_path
     log_path = os.path.join(run_dir, LOG_NAME)
     try:
@@ -127,7 +127,7 @@ def ensure_running(run_dir: str, *, idle_exit_s: float = IDLE_EXIT_S, timeout: f
     with _start_lock(os.path.join(run_dir, "journal.start"), deadline):
         while True:
             remaining = deadline - time.monotonic()
-            if client.ping(socket_path, timeout=min(0.5, max(remaining, 0.05))) is not None:
+            if _answers(socket_path, min(0.5, max(remaining, 0.05))):
                 return socket_path
             if remaining <= 0:
                 raise JournalUnavailable(
@@ -141,6 +141,18 @@ def ensure_running(run_dir: str, *, idle_exit_s: float = IDLE_EXIT_S, timeout: f
                 raise JournalUnavailable(
                     f"the journal in {run_dir} did not start: {report.get('error')}; see {log_path}"
                 )
+
+
+def _answers(socket_path: str, timeout: float) -> bool:
+    """Whether a journal answers on `socket_path`. One that answers it refuses this process
+    (peers.py: another mount or PID namespace than its own, or a session's) is no reason to
+    start another, which would only find the lock held: JournalUnavailable, naming why."""
+    reply = client.request(socket_path, {"op": "ping"}, timeout)
+    if reply is None:
+        return False
+    if reply.get("ok") is True:
+        return True
+    raise JournalUnavailable(f"the journal on {socket_path} answers: {reply.get('error')}")
 
 
 @contextlib.contextmanager
