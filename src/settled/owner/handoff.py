@@ -32,7 +32,7 @@ import os
 import time
 
 from settled import boundary as boundaries
-from settled.boundary import procfs
+from settled.boundary import podhost, procfs
 from settled.boundary.isolation import IsolationPlan, IsolationUnavailable, make_plan
 from settled.errors import BoundaryUnavailable, StaleWrite
 from settled.home import last_words_path, log_path, read_home_id, session_dir, stdin_path
@@ -120,7 +120,7 @@ class Prepared:
                          "its isolation is the sandbox's, which settled neither builds nor checks"},
             )  # fmt: skip
         uid, gid = self.spec.user if self.spec.user is not None else (None, None)
-        return make_plan(
+        plan = make_plan(
             self.spec.isolation,
             workspace=self.task.workspace,
             home=self.home,
@@ -131,6 +131,8 @@ class Prepared:
             gid=gid,
             writable=self.spec.writable,
         )
+        podhost.attach(plan, self.home, self.record.task)
+        return plan
 
     def discard(self) -> None:
         """The claim was lost (or never made): remove what `make` created."""
