@@ -27,6 +27,7 @@ import kill
 import load
 import objects_s3
 import plots
+import pods
 import receipt
 import remote
 import soak
@@ -47,6 +48,7 @@ BENCHMARKS = {
     "receipt": receipt.run,
     "home_age": home_age.run,
     "isolation": isolation.run,
+    "pods": pods.run,
     "remote": remote.run,
     "objects_s3": objects_s3.run,
     "store_ops": store_ops.run,

@@ -104,13 +104,13 @@ def _ends_what_it_starts(
 
 
 def release_pods(root: Path) -> None:
-    """Every home under `root` that made pods lets go of them (an nsfs mount at
-    run/pods.mnt would keep `root` from being removed); after its sessions ended, so that
-    nothing of the pods outlives the test."""
+    """Every home under `root` that made pods lets go of them (their mounts under run/pods
+    would keep `root` from being removed); after its sessions ended, so that nothing of the
+    pods outlives the test."""
     from settled.boundary import podns
 
-    for pin in root.glob("**/run/pods.mnt"):
-        podns.release_home(str(pin.parent.parent))
+    for pods in root.glob("**/run/pods"):
+        podns.release_home(str(pods.parent.parent))
 
 
 def recover_homes(root: Path) -> None:

@@ -406,6 +406,34 @@ def test_the_owner_kills_and_recovery_proves_death_across_the_pods_user_namespac
     assert result["state"] == "settled" and "PID namespace" in result["evidence"]
 
 
+def test_a_home_on_a_shared_mount_gets_its_pods(tmp_path: Path) -> None:
+    """systemd makes every mount shared, and the kernel refuses to bind a mount namespace's
+    file on a mount with peers: the pin goes on a private mount of its own, and the peer gets
+    nothing of the pods."""
+    shared, peer = tmp_path / "shared", tmp_path / "peer"
+    shared.mkdir()
+    peer.mkdir()
+    linux.mount("tmpfs", str(shared), "tmpfs", 0, "size=16m")
+    try:
+        linux.mount(None, str(shared), None, linux.MS_SHARED)
+        linux.mount(str(shared), str(peer), None, linux.MS_BIND)
+        try:
+            home = str(shared / "home")
+            (shared / "ws").mkdir()
+            with Runtime(home) as rt:
+                task = rt.new_task(str(shared / "ws"))
+                receipt, out, _ = run(rt, task, "hostname")
+            assert out.strip() == task.task and receipt["isolation"]["pod"]["state"] == "created"
+            with open("/proc/self/mountinfo") as handle:
+                assert f"{peer}/home/run/pods/pods.mnt" not in handle.read()
+            podns.release_home(home)
+            stop_journals(shared)
+        finally:
+            linux.umount(str(peer), linux.MNT_DETACH)
+    finally:
+        linux.umount(str(shared), linux.MNT_DETACH)
+
+
 def test_nothing_stays_mounted_once_the_home_lets_go(
     rt: Runtime, two: tuple[TaskRecord, TaskRecord], tmp_path: Path
 ) -> None:

@@ -57,6 +57,7 @@ MS_REMOUNT: Final = 32
 MS_BIND: Final = 4096
 MS_REC: Final = 16384
 MS_PRIVATE: Final = 1 << 18
+MS_SHARED: Final = 1 << 20
 
 MNT_DETACH: Final = 2
 

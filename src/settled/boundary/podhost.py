@@ -5,8 +5,10 @@ those mounts live inside one private mount namespace per home, the "pods" namesp
 host's mount table (which every session's mount namespace copies) never grows with the tasks.
 The pods namespace holds nothing of the host: its root is a small tmpfs (pivot_root, the copied
 host mounts detached) with a procfs, and it is itself pinned by one nsfs bind mount at
-`<home>/run/pods.mnt` (a newer mount namespace may be bound into an older one). Inside it, task T's
-namespaces are `/T/user`, `/T/ipc` and `/T/uts`.
+`<home>/run/pods/pods.mnt` (a newer mount namespace may be bound into an older one). The kernel
+refuses that bind on a shared mount (systemd makes every mount shared), so `<home>/run/pods` is
+first bound onto itself and made private: the home's two host mounts. Inside the pods namespace,
+task T's namespaces are `/T/user`, `/T/ipc` and `/T/uts`.
 
 What is known of them. `<home>/run/pods/namespace` names the pods namespace (its inode and a
 token made with it); `<home>/run/pods/T.pod` is task T's pod as `ensure` returns it, with that
@@ -44,8 +46,8 @@ from settled.boundary.podmake import PodUnavailable, in_helper, inside, pinned
 from settled.where import run_dir
 
 PODS_ENV = "SETTLED_PODS"  # "off": no pod (what bench/pods.py compares a pod against)
+RECORDS = "pods"  # <home>/run/pods: the pin, the records, the locks, the pods namespace's root
 PIN_NAME = "pods.mnt"
-RECORDS = "pods"  # <home>/run/pods: the records, the locks, the pods namespace's mount point
 RECORD_VERSION = 1
 TASK_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")  # a hostname's length at most
 
@@ -53,7 +55,7 @@ __all__ = ["PodUnavailable", "attach", "ensure", "find", "mounts", "release", "r
 
 
 def pin_path(home: str) -> str:
-    return os.path.join(run_dir(home), PIN_NAME)
+    return os.path.join(run_dir(home), RECORDS, PIN_NAME)
 
 
 def _records(home: str) -> str:
@@ -70,9 +72,10 @@ def _check_task(task: str) -> None:
 
 
 def attach(plan: IsolationPlan, home: str, task: str) -> None:
-    """Give a plan with a mount namespace its task's pod (`plan.pod`), or say in its `missing`
-    why it has none (and refuse `--isolation strict`). Where no key filter exists for this
-    machine, `missing` says so."""
+    """Give a plan with a mount namespace its task's pod (`plan.pod`, with the key filter its
+    init installs: made here, once, not in every init), or say in its `missing` why it has none
+    (and refuse `--isolation strict`). Where no key filter exists for this machine, `missing`
+    says so."""
     if not plan.mount_namespace:
         return
     why: str | None = None
@@ -83,7 +86,7 @@ def attach(plan: IsolationPlan, home: str, task: str) -> None:
         why = "needs CAP_SETPCAP: a pod's user namespace gives every capability inside it"
     else:
         try:
-            plan.pod = ensure(home, task)
+            plan.pod = {**ensure(home, task), "filter": podns.key_filter()}
         except (OSError, ValueError) as exc:
             why = str(exc)
     if why is not None:
@@ -205,6 +208,7 @@ def _pods_namespace(home: str) -> dict[str, Any]:
         pin = pin_path(home)
         why = _pin_lost_why(home, pin)
         podmake.unpin(pin)  # a pin of another namespace than the record's
+        podmake.private_mount(_records(home))
         inode = podmake.new_pods_namespace(os.path.join(_records(home), "root"), pin)
         namespace = {"pods": inode, "token": os.urandom(16).hex(), "why": why}
         write_atomic(os.path.join(_records(home), "namespace"), marshal.dumps(namespace))
@@ -248,9 +252,9 @@ def _release_inside(home: str, task: str) -> dict[str, Any]:
 
 
 def release_home(home: str) -> None:
-    """Unmount the pods namespace's pin (the namespace ends with the last session that copied
-    it; every pod in it then ends too) and forget the namespace: the next `ensure` makes a new
-    one and says every earlier pod was lost. Idempotent."""
+    """Unmount the pods namespace's pin and the private mount it sits on (the namespace ends
+    with the last session that copied it; every pod in it then ends too) and forget it: the
+    next `ensure` makes a new one and says every earlier pod was lost. Idempotent."""
     records = _records(home)
     if not os.path.isdir(records):
         return
@@ -259,6 +263,7 @@ def release_home(home: str) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(os.path.join(records, "namespace"))
         podmake.unpin(pin)
+        podmake.unmount_private(records)
 
 
 def mounts(home: str) -> list[str]:

@@ -117,6 +117,40 @@ def pinned(pin: str) -> int | None:
     return found.st_ino if found.st_dev == nsfs_dev() else None
 
 
+def private_mount(directory: str) -> None:
+    """`directory` a mount of its own, private: a mount namespace's file may be bound only on a
+    mount that propagates to no peer. Bound onto itself unless it already is a mount point."""
+    os.makedirs(directory, mode=0o700, exist_ok=True)
+    if not mount_point(directory):
+        linux.mount(directory, directory, None, linux.MS_BIND)
+    linux.mount(None, directory, None, linux.MS_PRIVATE)
+
+
+def unmount_private(directory: str) -> None:
+    while mount_point(directory):
+        linux.umount(directory, linux.MNT_DETACH)
+
+
+def mount_point(path: str) -> bool:
+    """Whether `path` is a mount point in this mount namespace (a bind of a directory onto
+    itself included, which os.path.ismount cannot tell)."""
+    wanted = os.path.realpath(path)
+    with open("/proc/self/mountinfo", "rb") as handle:
+        for line in handle:
+            point = line.split(b" ", 5)[4]
+            if _unescape(point) == wanted:
+                return True
+    return False
+
+
+def _unescape(field: bytes) -> str:
+    """A mountinfo path: space, tab, newline and backslash are written as octal escapes."""
+    if b"\\" in field:
+        for code in (b"\\040", b"\\011", b"\\012", b"\\134"):
+            field = field.replace(code, bytes((int(code[1:], 8),)))
+    return os.fsdecode(field)
+
+
 def unpin(pin: str) -> None:
     while pinned(pin) is not None:  # mounts may be stacked there
         linux.umount(pin, linux.MNT_DETACH)

@@ -78,13 +78,16 @@ def keyring_name(task: str) -> str:
 
 
 class Joining:
-    """What `open_namespaces` opened for the init: one descriptor per namespace of the pod, and
-    the keyring to join (its name, and the serial it had when the pod was made)."""
+    """What `open_namespaces` opened for the init: one descriptor per namespace of the pod, the
+    keyring to join (its name, and the serial it had when the pod was made) and the key filter
+    (made by the launcher: `pod["filter"]`)."""
 
-    __slots__ = ("fds", "keyring", "serial")
+    __slots__ = ("fds", "filter", "keyring", "serial")
 
-    def __init__(self, fds: dict[str, int], keyring: str, serial: int) -> None:
-        self.fds, self.keyring, self.serial = fds, keyring, serial
+    def __init__(
+        self, fds: dict[str, int], keyring: str, serial: int, program: bytes | None
+    ) -> None:
+        self.fds, self.keyring, self.serial, self.filter = fds, keyring, serial, program
 
     def close(self) -> None:
         for fd in self.fds.values():
@@ -137,7 +140,8 @@ def open_namespaces(pod: dict[str, Any]) -> Joining:
         raise
     finally:
         os.close(own)
-    return Joining(fds, pod["keyring"], pod["serial"])
+    program = pod["filter"] if "filter" in pod else key_filter()
+    return Joining(fds, pod["keyring"], pod["serial"], program)
 
 
 def _expect(fd: int, inode: int, what: str) -> None:
@@ -160,9 +164,8 @@ def join_after_view(joining: Joining) -> None:
     try:
         linux.setns(joining.fds["user"], linux.CLONE_NEWUSER)
         _join_keyring(joining.keyring, joining.serial)
-        program = key_filter()
-        if program is not None:
-            linux.seccomp_filter(program)
+        if joining.filter is not None:
+            linux.seccomp_filter(joining.filter)
     finally:
         joining.close()
 
