@@ -1,15 +1,18 @@
 """A task is a pod: its IPC, hostname and keys are its sessions' and no other task's.
 
-Real sessions through the Runtime, as root, on the strongest boundary: what a command of task A
-leaves in its SysV and POSIX message queues, its user keyring and its session keyring, and its
-hostname, are there for A's next session and for a concurrent one, and absent for task B's
-command, which cannot read A's key by serial either; no command can open a key to another task;
-a released pod is gone from the pods namespace, a lost pin is made again and the receipt says
-what was lost; `--user`, the cgroup namespace, /proc and the read-only host hold inside the pod;
-and nothing stays mounted once the home lets go. The command side runs the system Python
-(`pod_probe.py`, written into each workspace) so that keys and POSIX queues need no tool the
-distribution may lack.
-"""
+Real sessions through the Runtime, as root, on the strongest boundary (and every other one for
+the join itself): what a command of task A leaves in its SysV and POSIX message queues, its user
+keyring and its session keyring, and its hostname, are there for A's next session and for a
+concurrent one, and absent for task B's command, which cannot read A's key by serial either; no
+command can open a key to another task (through the i386 ABI neither), and one that revoked its
+task's keyring leaves its task a new one of its own; a released pod is gone from the pods
+namespace, a lost pin or a half-made pod is made again and the receipt says what was lost; two
+first sessions get one pod; a home on a shared mount gets its pods too; `--user`, the cgroup
+namespace, /proc and the read-only host hold inside the pod, whose capabilities reach none of
+the command's mount, PID, cgroup or network namespaces (so no port below 1024, no raw socket);
+the owner kills and recovery proves death across the pod's user namespace; and nothing stays
+mounted once the home lets go. The command side runs the system Python (`pod_probe.py`, written
+into each workspace) so that keys and POSIX queues need no tool the distribution may lack."""
 
 from __future__ import annotations
 
@@ -229,6 +232,37 @@ def test_no_command_can_open_a_key_to_another_task(
     assert seen_by_b["read"] == ["EEACCES"]
 
 
+I386_SETPERM = r"""
+#include <stdio.h>
+#include <unistd.h>
+int main(void) {
+    long key = syscall(248, "user", "i386-probe", "x", 1, -3), ret;
+    __asm__ volatile("int $0x80" : "=a"(ret) : "a"(288L), "b"(5L), "c"(key), "d"(0x3f3f3f3fL)
+                     : "memory");
+    printf("%ld %ld\n", key, ret);
+    return 0;
+}
+"""
+
+
+@pytest.mark.skipif(os.uname().machine != "x86_64", reason="the i386 ABI of an x86_64 kernel")
+def test_the_key_filter_holds_for_the_i386_abi_too(
+    rt: Runtime, two: tuple[TaskRecord, TaskRecord]
+) -> None:
+    """keyctl through `int 0x80` is another system call number under another audit arch: the
+    filter checks each ABI the kernel offers a process of this machine."""
+    compiler = shutil.which("gcc") or shutil.which("cc")
+    if compiler is None:
+        pytest.skip("no C compiler to build the i386 system call probe")
+    a, _ = two
+    source = Path(a.workspace) / "i386.c"
+    source.write_text(I386_SETPERM)
+    subprocess.run([compiler, "-O1", "-o", str(source.with_suffix("")), str(source)], check=True)
+    _, out, _ = run(rt, a, "./i386")
+    key, answer = (int(word) for word in out.split())
+    assert key > 0 and answer == -1, "EPERM: the filter refused SETPERM through int 0x80"
+
+
 def test_a_task_whose_command_revoked_its_keyring_gets_a_new_one_of_its_own(
     rt: Runtime, two: tuple[TaskRecord, TaskRecord]
 ) -> None:
@@ -322,6 +356,20 @@ def test_two_first_sessions_of_a_task_get_the_same_pod(
     assert receipt["isolation"]["pod"]["namespaces"]["user"] == pods[0]["user"]
 
 
+# For each of the command's namespaces, the user namespace that owns it (ioctl NS_GET_USERNS):
+# its inode, or EPERM when that is outside the command's own user namespace (an ancestor: the
+# host's), where none of its capabilities hold.
+OWNERS = (
+    "import fcntl, os\n"
+    'for kind in ("mnt", "pid", "cgroup", "net", "ipc", "uts"):\n'
+    "    try:\n"
+    '        owner = fcntl.ioctl(os.open("/proc/self/ns/" + kind, os.O_RDONLY), 0xB701)\n'
+    "        print(os.fstat(owner).st_ino)\n"
+    "    except PermissionError:\n"
+    '        print("EPERM")\n'
+)
+
+
 def test_inside_the_pod_the_user_the_cgroup_proc_and_the_read_only_host_hold() -> None:
     top = Path(tempfile.mkdtemp(prefix="settled-pod-", dir="/tmp"))  # another uid reaches it
     os.chmod(top, 0o755)
@@ -341,6 +389,7 @@ def test_inside_the_pod_the_user_the_cgroup_proc_and_the_read_only_host_hold() -
             root_receipt, root_out, _ = run(
                 rt, a, "grep CapEff /proc/self/status; umount /proc 2>/dev/null || echo NOUMOUNT"
             )
+            _, owners, _ = run(rt, a, f"{SYSTEM_PYTHON} -I -S -c '{OWNERS}'")
     finally:
         with contextlib.suppress(Exception), Runtime(str(top / "home")) as runtime:
             runtime.recover()
@@ -359,6 +408,8 @@ def test_inside_the_pod_the_user_the_cgroup_proc_and_the_read_only_host_hold() -
     assert receipt["isolation"]["uid"] == 65534
     assert int(root_out.split()[1], 16) & (1 << 21) == 0, "no CAP_SYS_ADMIN, even in the pod"
     assert "NOUMOUNT" in root_out and root_receipt["isolation"]["pod"]["state"] == "found"
+    own = str(root_receipt["isolation"]["pod"]["namespaces"]["user"])
+    assert owners.split() == ["EPERM"] * 4 + [own] * 2, "mnt, pid, cgroup, net: not the pod's"
 
 
 def test_a_pods_root_holds_no_capability_over_the_hosts_network(
