@@ -277,6 +277,31 @@ def test_a_task_whose_command_revoked_its_keyring_gets_a_new_one_of_its_own(
     assert seen_by_b["session_search"] == "EENOKEY" and seen_by_b["read"] == ["EEACCES"]
 
 
+def test_what_a_pod_holds_is_described_for_its_close(
+    rt: Runtime, two: tuple[TaskRecord, TaskRecord]
+) -> None:
+    a, b = two
+    assert podns.describe(rt.home, a.task) is None, "no session yet: no pod"
+    probe(rt, a, "make")
+    run(rt, a, "ipcmk -Q >/dev/null; ipcmk -M 8192 >/dev/null; ipcmk -S 2 >/dev/null")
+    run(rt, b, "true")
+    held = podns.describe(rt.home, a.task)
+    assert held == {
+        "hostname": a.task,
+        "sysv": {
+            "message_queues": 1, "message_bytes": 0, "shm_segments": 1, "shm_bytes": 8192,
+            "semaphore_sets": 1,
+        },
+        "posix": {"message_queues": 1, "names": ["settled-podq"]},
+        "keys": {"keyring": ["user:podkey-s"], "user_keyring": ["user:podkey-u"]},
+    }  # fmt: skip
+    empty = podns.describe(rt.home, b.task)
+    assert empty is not None and empty["sysv"]["message_queues"] == 0
+    assert empty["posix"]["names"] == [] and empty["keys"]["keyring"] == []
+    podns.release(rt.home, a.task)
+    assert podns.describe(rt.home, a.task) is None
+
+
 def test_a_released_pod_is_gone_and_made_again_and_the_receipt_says_what_was_lost(
     rt: Runtime, two: tuple[TaskRecord, TaskRecord]
 ) -> None:

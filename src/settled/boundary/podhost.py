@@ -51,7 +51,9 @@ PIN_NAME = "pods.mnt"
 RECORD_VERSION = 1
 TASK_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")  # a hostname's length at most
 
-__all__ = ["PodUnavailable", "attach", "ensure", "find", "mounts", "release", "release_home"]
+__all__ = [
+    "PodUnavailable", "attach", "describe", "ensure", "find", "mounts", "release", "release_home",
+]  # fmt: skip
 
 
 def pin_path(home: str) -> str:
@@ -264,6 +266,27 @@ def release_home(home: str) -> None:
             os.unlink(os.path.join(records, "namespace"))
         podmake.unpin(pin)
         podmake.unmount_private(records)
+
+
+def describe(home: str, task: str) -> dict[str, Any] | None:
+    """What the task's pod holds now, or None when it has none (never made, released, or lost
+    with its pods namespace): its hostname; its SysV message queues (count, bytes), shared
+    memory segments (count, bytes) and semaphore sets; its POSIX message queues (count, the
+    first names); and the keys of its keyring and of its uid 0 user keyring ("type:name"; the
+    keyring None where a command of the task revoked it). For a close to say what the pod held
+    before it is released; costs a helper process."""
+    _check_task(task)
+    if find(home, task) is None:
+        return None
+    record = _read(_record_path(home, task))
+    assert record is not None
+    scratch = os.path.join(_records(home), "root")
+    result = in_helper(
+        lambda: podmake.contents(pin_path(home), record, scratch), f"describing pod {task}"
+    )
+    if "error" in result:
+        raise PodUnavailable(errno.EIO, f"pod of task {task}: {result['error']}")
+    return result
 
 
 def mounts(home: str) -> list[str]:

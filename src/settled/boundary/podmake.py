@@ -1,6 +1,7 @@
 """The mechanics of pods (podhost.py keeps the records and decides when): the helper child that
 does the work, entering a pods namespace and coming back, making a pods namespace, making a
-task's namespaces and keyring, and clearing what a task left in the pods namespace.
+task's namespaces and keyring, reading what a pod holds (`contents`), and clearing what a task
+left in the pods namespace.
 
 Every function here but `in_helper` runs in a single-threaded process (the helper), because
 setns into a mount namespace and unshare of a user namespace need one, and the caller may run
@@ -17,6 +18,7 @@ import errno
 import marshal
 import os
 import select
+import sys
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -287,3 +289,79 @@ def clear(directory: str) -> None:
             linux.umount(path, linux.MNT_DETACH)
         os.unlink(path)
     os.rmdir(directory)
+
+
+def contents(pin: str, pod: dict[str, Any], scratch: str) -> dict[str, Any]:
+    """In the helper: what `pod` (as podhost records it) holds: its SysV IPC objects and POSIX
+    message queues (its IPC namespace joined; the queues listed on an mqueue filesystem mounted
+    on the empty directory `scratch` in a mount namespace of the helper's own), its hostname, and
+    its keys (in its user namespace, its keyring joined as the helper's session keyring). Leaves
+    the helper inside the pod: it exits after."""
+    directory, keyring, serial = pod["dir"], pod["keyring"], pod["serial"]
+    with inside(pin):
+        fds = {n: os.open(f"{directory}/{n}", os.O_RDONLY | os.O_CLOEXEC) for n in podns.NAMESPACES}
+    linux.setns(fds["ipc"], linux.CLONE_NEWIPC)
+    linux.setns(fds["uts"], linux.CLONE_NEWUTS)
+    held: dict[str, Any] = {
+        "hostname": os.uname().nodename,
+        "sysv": _sysv(),
+        "posix": _mqueues(scratch),
+    }
+    linux.setns(fds["user"], linux.CLONE_NEWUSER)
+    joined = linux.keyctl_name(podns.KEYCTL_JOIN_SESSION_KEYRING, keyring)
+    kept = joined == serial or podns.permissions(joined) == podns.KEYRING_PERM
+    user = linux.keyctl(podns.KEYCTL_GET_KEYRING_ID, podns.KEY_SPEC_USER_KEYRING, 0)
+    held["keys"] = {
+        "keyring": _key_names(joined, user) if kept else None,  # None: revoked by its task
+        "user_keyring": _key_names(user, user),
+    }
+    return held
+
+
+def _sysv() -> dict[str, int]:
+    """Counts and bytes of the SysV message queues, shared memory segments and semaphore sets
+    of this process's IPC namespace (/proc/sysvipc reads the reader's)."""
+
+    def rows(name: str) -> list[list[str]]:
+        with open(f"/proc/sysvipc/{name}") as handle:
+            return [line.split() for line in handle.read().splitlines()[1:] if line.strip()]
+
+    queues, segments, semaphores = rows("msg"), rows("shm"), rows("sem")
+    return {
+        "message_queues": len(queues),
+        "message_bytes": sum(int(row[3]) for row in queues),  # cbytes
+        "shm_segments": len(segments),
+        "shm_bytes": sum(int(row[3]) for row in segments),  # size
+        "semaphore_sets": len(semaphores),
+    }
+
+
+def _mqueues(scratch: str) -> dict[str, Any]:
+    """The POSIX message queues of this process's IPC namespace (an mqueue filesystem shows the
+    mounter's), mounted on `scratch` in a private mount namespace of this helper's own."""
+    linux.unshare(linux.CLONE_NEWNS)
+    linux.mount(None, "/", None, linux.MS_REC | linux.MS_PRIVATE)
+    linux.mount("mqueue", scratch, "mqueue", linux.MS_NOSUID | linux.MS_NODEV | linux.MS_NOEXEC)
+    names = sorted(os.listdir(scratch))
+    return {"message_queues": len(names), "names": names[:20]}
+
+
+def _key_names(keyring: int, user: int) -> list[str]:
+    """ "type:description" of each key a keyring holds (its possessor reads it), but the user
+    keyring `user` (linked in the task's keyring)."""
+    import ctypes  # this helper only: never on the owner's launch path
+
+    size = 4096
+    buffer = ctypes.create_string_buffer(size)
+    count = min(linux.keyctl(podns.KEYCTL_READ, keyring, ctypes.addressof(buffer), size), size)
+    raw = buffer.raw[:count]
+    serials = [
+        int.from_bytes(raw[i : i + 4], sys.byteorder, signed=True) for i in range(0, count, 4)
+    ]
+    names = []
+    for serial in serials:
+        if serial != user:
+            with contextlib.suppress(OSError):
+                kind, _uid, _gid, _perm, description = podns.key_description(serial).split(";", 4)
+                names.append(f"{kind}:{description}")
+    return names

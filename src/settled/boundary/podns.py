@@ -27,8 +27,9 @@ plan), `join_before_view` (IPC, UTS), the view, then `join_after_view` (the user
 gives a full capability set inside it, so the privileges are dropped after; the task's keyring
 as the session keyring; the key filter). Every step succeeds or the command never starts.
 
-The host's half (making, finding and releasing pods, podhost.py) is loaded only when called:
-`ensure`, `release`, `release_home`. Never decides whether a session gets a pod (handoff does).
+The host's half (finding, making, describing and releasing pods: podhost.py, podmake.py) is
+loaded only when called: `ensure`, `describe`, `release`, `release_home`. Never decides
+whether a session gets a pod (handoff does).
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ KEYCTL_CHOWN: Final = 4
 KEYCTL_SETPERM: Final = 5
 KEYCTL_DESCRIBE: Final = 6
 KEYCTL_LINK: Final = 8
+KEYCTL_READ: Final = 11
 KEY_SPEC_USER_KEYRING: Final = -4
 KEY_SPEC_USER_SESSION_KEYRING: Final = -5
 KEY_POSSESSOR_BITS: Final = 0x3F000000  # the other three bytes: user, group, other
@@ -175,7 +177,7 @@ def _join_keyring(name: str, serial: int) -> None:
     command of the task may have revoked it, or unlinked it from where it is kept; joining
     then makes a new one, which is made the task's (so the task keeps one)."""
     joined = linux.keyctl_name(KEYCTL_JOIN_SESSION_KEYRING, name)
-    if joined != serial and _permissions(joined) != KEYRING_PERM:
+    if joined != serial and permissions(joined) != KEYRING_PERM:
         _adopt(joined)
 
 
@@ -197,7 +199,7 @@ def _adopt(serial: int) -> None:
     linux.keyctl(KEYCTL_LINK, serial, KEY_SPEC_USER_SESSION_KEYRING)
 
 
-def _permissions(serial: int) -> int:
+def permissions(serial: int) -> int:
     """A key's permission mask, from its description ("type;uid;gid;perm;description")."""
     described = key_description(serial)
     return int(described.split(";")[3], 16)
@@ -306,6 +308,13 @@ def release(home: str, task: str) -> None:
     from settled.boundary import podhost
 
     podhost.release(home, task)
+
+
+def describe(home: str, task: str) -> dict[str, Any] | None:
+    """What the task's pod holds now (its IPC objects, keys, hostname), or None without one."""
+    from settled.boundary import podhost
+
+    return podhost.describe(home, task)
 
 
 def release_home(home: str) -> None:
