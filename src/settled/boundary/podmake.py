@@ -309,7 +309,7 @@ def contents(pin: str, pod: dict[str, Any], scratch: str) -> dict[str, Any]:
     }
     linux.setns(fds["user"], linux.CLONE_NEWUSER)
     joined = linux.keyctl_name(podns.KEYCTL_JOIN_SESSION_KEYRING, keyring)
-    kept = joined == serial or podns.permissions(joined) == podns.KEYRING_PERM
+    kept = joined == serial or _permissions(joined) == podns.KEYRING_PERM
     user = linux.keyctl(podns.KEYCTL_GET_KEYRING_ID, podns.KEY_SPEC_USER_KEYRING, 0)
     held["keys"] = {
         "keyring": _key_names(joined, user) if kept else None,  # None: revoked by its task
@@ -362,6 +362,19 @@ def _key_names(keyring: int, user: int) -> list[str]:
     for serial in serials:
         if serial != user:
             with contextlib.suppress(OSError):
-                kind, _uid, _gid, _perm, description = podns.key_description(serial).split(";", 4)
+                kind, _uid, _gid, _perm, description = _key_description(serial).split(";", 4)
                 names.append(f"{kind}:{description}")
     return names
+
+
+def _permissions(serial: int) -> int:
+    """A key's permission mask, from its description ("type;uid;gid;perm;description")."""
+    return int(_key_description(serial).split(";")[3], 16)
+
+
+def _key_description(serial: int) -> str:
+    import ctypes
+
+    buffer = ctypes.create_string_buffer(4096)
+    size = linux.keyctl(podns.KEYCTL_DESCRIBE, serial, ctypes.addressof(buffer), 4096)
+    return buffer.raw[: max(0, min(size, 4096) - 1)].decode("utf-8", "replace")

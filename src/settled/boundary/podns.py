@@ -48,11 +48,6 @@ if TYPE_CHECKING:
     from settled.boundary.isolation import IsolationPlan
 
 NAMESPACES: Final = ("user", "ipc", "uts")
-NSTYPES: Final = {
-    "user": linux.CLONE_NEWUSER,
-    "ipc": linux.CLONE_NEWIPC,
-    "uts": linux.CLONE_NEWUTS,
-}
 
 KEYCTL_GET_KEYRING_ID: Final = 0
 KEYCTL_JOIN_SESSION_KEYRING: Final = 1
@@ -173,12 +168,18 @@ def join_after_view(joining: Joining) -> None:
 
 
 def _join_keyring(name: str, serial: int) -> None:
-    """Join the task's keyring by name (names are looked up in this user namespace only). A
-    command of the task may have revoked it, or unlinked it from where it is kept; joining
-    then makes a new one, which is made the task's (so the task keeps one)."""
+    """Join the task's keyring by name (names are looked up in this user namespace, and only
+    keyrings with the "user" search bit, which no command can set, are found). A command of the
+    task may have revoked it, or unlinked it from where it is kept; joining then makes a new
+    one, which is made the task's, so the task keeps one: its permissions set (which a keyring
+    made the task's before refuses: no one may change them) and its links made (again)."""
     joined = linux.keyctl_name(KEYCTL_JOIN_SESSION_KEYRING, name)
-    if joined != serial and permissions(joined) != KEYRING_PERM:
-        _adopt(joined)
+    if joined != serial:
+        try:  # noqa: SIM105 - contextlib stays off the owner's launch path
+            linux.keyctl(KEYCTL_SETPERM, joined, KEYRING_PERM)
+        except PermissionError:
+            pass  # one an earlier session made the task's
+        _link(joined)
 
 
 def make_task_keyring(name: str) -> int:
@@ -195,22 +196,12 @@ def _adopt(serial: int) -> None:
     does), and itself linked into the user session keyring, which lives as long as the user
     namespace: the keyring outlives every session."""
     linux.keyctl(KEYCTL_SETPERM, serial, KEYRING_PERM)
+    _link(serial)
+
+
+def _link(serial: int) -> None:
     linux.keyctl(KEYCTL_LINK, KEY_SPEC_USER_KEYRING, serial)
     linux.keyctl(KEYCTL_LINK, serial, KEY_SPEC_USER_SESSION_KEYRING)
-
-
-def permissions(serial: int) -> int:
-    """A key's permission mask, from its description ("type;uid;gid;perm;description")."""
-    described = key_description(serial)
-    return int(described.split(";")[3], 16)
-
-
-def key_description(serial: int) -> str:
-    import ctypes  # only where a keyring had to be remade, or for a test: never per admission
-
-    buffer = ctypes.create_string_buffer(4096)
-    size = linux.keyctl(KEYCTL_DESCRIBE, serial, ctypes.addressof(buffer), 4096)
-    return buffer.raw[: max(0, min(size, 4096) - 1)].decode("utf-8", "replace")
 
 
 # -- the key filter ---------------------------------------------------------------------------
