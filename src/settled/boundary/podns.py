@@ -172,14 +172,14 @@ def _join_keyring(name: str, serial: int) -> None:
     keyrings with the "user" search bit, which no command can set, are found). A command of the
     task may have revoked it, or unlinked it from where it is kept; joining then makes a new
     one, which is made the task's, so the task keeps one: its permissions set (which a keyring
-    made the task's before refuses: no one may change them) and its links made (again)."""
+    made the task's before refuses: no one may change them). Its links are made every time."""
     joined = linux.keyctl_name(KEYCTL_JOIN_SESSION_KEYRING, name)
     if joined != serial:
         try:  # noqa: SIM105 - contextlib stays off the owner's launch path
             linux.keyctl(KEYCTL_SETPERM, joined, KEYRING_PERM)
         except PermissionError:
             pass  # one an earlier session made the task's
-        _link(joined)
+    _link(joined)  # again: a command may have unlinked either (a link made twice is one)
 
 
 def make_task_keyring(name: str) -> int:

@@ -6,8 +6,9 @@ process, where all of that is loaded) does the owner's first steps instead, whil
 interpreter starts:
 
 1. `prepare`: read the session, its task and its spec; choose the boundary, plan the isolation
-   and create what lives outside the owner's process (the session's cgroup, made ahead of need:
-   named for its session, so recovery finds it, and never shared);
+   (with the task's pod, found or made: boundary/podhost.py) and create what lives outside the
+   owner's process (the session's cgroup, made ahead of need: named for its session, so
+   recovery finds it, and never shared);
 2. the owner says its pid (its first line on the readiness pipe), and `claim_for` makes the
    claim for that process: the compare-and-set with its pid, start time, boot id and lease, and
    the boundary and isolation recorded in the same write (one fsync before anything runs);
