@@ -166,7 +166,7 @@ def write_markdown(out_dir: str, name: str, markdown: str) -> None:
 
 ORDER = (
     "startup", "receipt", "drain", "admission", "kill", "checkpoint", "close_latency", "load",
-    "home_age", "http", "objects_s3", "remote", "store_ops", "ui_feed", "soak",
+    "home_age", "http", "objects_s3", "remote", "store_ops", "ui_feed", "soak", "pods",
 )  # fmt: skip
 
 
@@ -293,6 +293,17 @@ def settled_rig(name: str, launcher: str | None = None) -> Iterator[Rig]:
             _stop_journals(home)
             runtime.close()
             _check_cgroups(rig.task)
+            _release_pods(home)
+
+
+def _release_pods(home: str) -> None:
+    """A home whose sessions ran in pods pins its pods namespace (run/pods.mnt): let go, so
+    the scratch directory can be removed."""
+    try:
+        from settled.boundary import podns
+    except ImportError:  # a settled from before pods
+        return
+    podns.release_home(home)
 
 
 def _stop_journals(home: str) -> None:

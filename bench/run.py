@@ -28,6 +28,7 @@ import load
 import objects_s3
 import peers
 import plots
+import pods
 import receipt
 import remote
 import soak
@@ -48,6 +49,7 @@ BENCHMARKS = {
     "receipt": receipt.run,
     "home_age": home_age.run,
     "isolation": isolation.run,
+    "pods": pods.run,
     "remote": remote.run,
     "objects_s3": objects_s3.run,
     "peers": peers.run,

@@ -100,6 +100,17 @@ def _ends_what_it_starts(
     recover_homes(tmp_path)
     stop_journals(tmp_path)
     kill_marked(marker)
+    release_pods(tmp_path)
+
+
+def release_pods(root: Path) -> None:
+    """Every home under `root` that made pods lets go of them (their mounts under run/pods
+    would keep `root` from being removed); after its sessions ended, so that nothing of the
+    pods outlives the test."""
+    from settled.boundary import podns
+
+    for pods in root.glob("**/run/pods"):
+        podns.release_home(str(pods.parent.parent))
 
 
 def recover_homes(root: Path) -> None:

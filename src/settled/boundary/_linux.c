@@ -1,8 +1,10 @@
 /* settled.boundary._linux: the C binding of boundary/linux.py.
  *
  * The Linux calls a session owner makes on its launch path, before its command runs: clone3
- * (CLONE_INTO_CGROUP, CLONE_NEWPID), unshare, mount, mount_setattr, prctl, capget, capset, and
- * fcntl with an integer argument (pipe sizes, seals: the fcntl module is one more library).
+ * (CLONE_INTO_CGROUP, CLONE_NEWPID), unshare, mount, mount_setattr, prctl, capget, capset,
+ * fcntl with an integer argument (pipe sizes, seals: the fcntl module is one more library),
+ * and joining the task's pod: setns, keyctl, a seccomp filter; with what making a pod takes
+ * (umount2, pivot_root, sethostname).
  * Python 3.11 has none of them; ctypes reaches them too (boundary/linux_ctypes.py, the
  * fallback the tests also run), but importing ctypes costs a fresh owner ~2 ms here and each
  * call through it ~10 us, where a command's isolation makes dozens.
@@ -22,6 +24,8 @@
 #include <signal.h>
 #include <stdint.h>
 #include <string.h>
+#include <linux/filter.h>
+#include <linux/seccomp.h>
 #include <sys/mount.h>
 #include <sys/prctl.h>
 #include <sys/syscall.h>
@@ -155,8 +159,92 @@ static PyObject *m_fcntl(PyObject *self, PyObject *args) {
     return PyLong_FromLong(result(fcntl(fd, cmd, arg)));
 }
 
+static PyObject *m_setns(PyObject *self, PyObject *args) {
+    int fd, nstype;
+    if (!PyArg_ParseTuple(args, "ii", &fd, &nstype))
+        return NULL;
+    return PyLong_FromLong(result(setns(fd, nstype)));
+}
+
+static PyObject *m_umount2(PyObject *self, PyObject *args) {
+    Py_buffer target;
+    int flags;
+    if (!PyArg_ParseTuple(args, "y*i", &target, &flags))
+        return NULL;
+    long value = result(umount2(target.buf, flags));
+    PyBuffer_Release(&target);
+    return PyLong_FromLong(value);
+}
+
+static PyObject *m_pivot_root(PyObject *self, PyObject *args) {
+    Py_buffer new_root, put_old;
+    if (!PyArg_ParseTuple(args, "y*y*", &new_root, &put_old))
+        return NULL;
+    long value = result(syscall(SYS_pivot_root, new_root.buf, put_old.buf));
+    PyBuffer_Release(&new_root);
+    PyBuffer_Release(&put_old);
+    return PyLong_FromLong(value);
+}
+
+static PyObject *m_sethostname(PyObject *self, PyObject *args) {
+    Py_buffer name;
+    if (!PyArg_ParseTuple(args, "y*", &name))
+        return NULL;
+    long value = result(sethostname(name.buf, (size_t)name.len));
+    PyBuffer_Release(&name);
+    return PyLong_FromLong(value);
+}
+
+static PyObject *m_keyctl(PyObject *self, PyObject *args) {
+    int operation;
+    unsigned long arg2 = 0, arg3 = 0, arg4 = 0, arg5 = 0;
+    if (!PyArg_ParseTuple(args, "i|kkkk", &operation, &arg2, &arg3, &arg4, &arg5))
+        return NULL;
+    return PyLong_FromLong(result(syscall(SYS_keyctl, operation, arg2, arg3, arg4, arg5)));
+}
+
+static PyObject *m_keyctl_name(PyObject *self, PyObject *args) {
+    int operation;
+    Py_buffer name;
+    if (!PyArg_ParseTuple(args, "iy*", &operation, &name))
+        return NULL;
+    long value = result(syscall(SYS_keyctl, operation, (const char *)name.buf, 0, 0, 0));
+    PyBuffer_Release(&name);
+    return PyLong_FromLong(value);
+}
+
+static PyObject *m_seccomp_filter(PyObject *self, PyObject *args) {
+    Py_buffer program;
+    if (!PyArg_ParseTuple(args, "y*", &program))
+        return NULL;
+    if (program.len % sizeof(struct sock_filter) != 0 ||
+        program.len / sizeof(struct sock_filter) > BPF_MAXINSNS) {
+        PyBuffer_Release(&program);
+        return PyLong_FromLong(-EINVAL);
+    }
+    struct sock_fprog fprog = {
+        (unsigned short)(program.len / sizeof(struct sock_filter)),
+        (struct sock_filter *)program.buf,
+    };
+    long value = result(prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, &fprog, 0, 0));
+    PyBuffer_Release(&program);
+    return PyLong_FromLong(value);
+}
+
 static PyMethodDef methods[] = {
     {"fcntl", m_fcntl, METH_VARARGS, "fcntl(fd, cmd, int_arg) -> result or -errno."},
+    {"setns", m_setns, METH_VARARGS, "setns(fd, nstype) -> 0 or -errno."},
+    {"umount2", m_umount2, METH_VARARGS, "umount2(target, flags) -> 0 or -errno."},
+    {"pivot_root", m_pivot_root, METH_VARARGS, "pivot_root(new_root, put_old) -> 0 or -errno."},
+    {"sethostname", m_sethostname, METH_VARARGS, "sethostname(name) -> 0 or -errno."},
+    {"keyctl", m_keyctl, METH_VARARGS,
+     "keyctl(operation, arg2=0, arg3=0, arg4=0, arg5=0) -> result or -errno."},
+    {"keyctl_name", m_keyctl_name, METH_VARARGS,
+     "keyctl_name(operation, name) -> result or -errno: an operation whose one argument is a "
+     "name (KEYCTL_JOIN_SESSION_KEYRING)."},
+    {"seccomp_filter", m_seccomp_filter, METH_VARARGS,
+     "seccomp_filter(program) -> 0 or -errno: install a classic BPF program (struct "
+     "sock_filter array) as this thread's seccomp filter."},
     {"clone3", m_clone3, METH_VARARGS,
      "clone3(flags, cgroup_fd) -> (pid or -errno, pidfd); (0, -1) in the child."},
     {"unshare", m_unshare, METH_VARARGS, "unshare(flags) -> 0 or -errno."},

@@ -72,7 +72,7 @@ def cap_name(cap: int) -> str:
 _PLAN_FIELDS: Final = (
     "policy", "mount_namespace", "cgroup_namespace", "private_proc", "pins", "readonly_host",
     "writable", "protect", "hide_dirs", "hide_files", "expose", "readonly_sys", "minimal_dev",
-    "drop_caps", "no_new_privs", "uid", "gid", "home", "missing",
+    "drop_caps", "no_new_privs", "uid", "gid", "home", "missing", "pod",
 )  # fmt: skip
 
 
@@ -105,6 +105,7 @@ class IsolationPlan:
         gid: int | None = None,
         home: str | None = None,
         missing: dict[str, str] | None = None,
+        pod: dict[str, Any] | None = None,  # the task's pod (podns.ensure): plain values
     ) -> None:
         self.policy, self.mount_namespace = policy, mount_namespace
         self.cgroup_namespace, self.private_proc = cgroup_namespace, private_proc
@@ -115,6 +116,7 @@ class IsolationPlan:
         self.drop_caps, self.no_new_privs = drop_caps, no_new_privs
         self.uid, self.gid, self.home = uid, gid, home
         self.missing = dict(missing or {})
+        self.pod = pod
 
     def fields(self) -> dict[str, Any]:
         """The plan as plain values (what the launcher hands its owner): IsolationPlan(**it)."""
@@ -160,7 +162,23 @@ class IsolationPlan:
             "gid": self.gid if self.gid is not None else os.getegid(),
             "descriptors": "0, 1, 2 only",
             "missing": dict(self.missing),
+            "pod": pod_facts(self.pod),
         }
+
+
+def pod_facts(pod: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The receipt's `isolation.pod`: which pod the command ran in (its namespaces by inode,
+    its keyring by name) and whether it was made for this session, found, or made again (with
+    what was lost)."""
+    if pod is None:
+        return None
+    return {
+        "hostname": pod["hostname"],
+        "namespaces": {name: pod[name] for name in ("user", "ipc", "uts")},
+        "keyring": pod["keyring"],
+        "state": pod["state"],
+        "lost": pod["lost"],
+    }
 
 
 CONTAINED_CGROUP: Final = "namespace, read-only"

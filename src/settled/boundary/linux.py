@@ -1,6 +1,7 @@
 """The Linux calls Python 3.11 lacks: unshare, mount, mount_setattr, prctl, capget/capset and
 clone3 (and fcntl with an integer argument, so the owner's launch path needs no fcntl module),
-as one interface over two bindings.
+setns, keyctl and a seccomp filter (joining a task's pod), umount2, pivot_root and sethostname
+(making one), as one interface over two bindings.
 
 Owns only the calling convention and the errno: each function raises OSError naming the call
 and its argument on failure, never returns a status to be forgotten. Never decides what to
@@ -42,6 +43,9 @@ BINDING, _call = _binding()  # _call: Any, the binding module (C or ctypes)
 
 CLONE_NEWNS: Final = 0x00020000
 CLONE_NEWCGROUP: Final = 0x02000000
+CLONE_NEWUTS: Final = 0x04000000
+CLONE_NEWIPC: Final = 0x08000000
+CLONE_NEWUSER: Final = 0x10000000
 CLONE_NEWPID: Final = 0x20000000
 CLONE_INTO_CGROUP: Final = 0x200000000  # Linux 5.7
 
@@ -53,6 +57,9 @@ MS_REMOUNT: Final = 32
 MS_BIND: Final = 4096
 MS_REC: Final = 16384
 MS_PRIVATE: Final = 1 << 18
+MS_SHARED: Final = 1 << 20
+
+MNT_DETACH: Final = 2
 
 MOUNT_ATTR_RDONLY: Final = 0x1
 AT_RECURSIVE: Final = 0x8000
@@ -64,6 +71,7 @@ F_SEAL_SHRINK: Final = 0x2
 F_SEAL_GROW: Final = 0x4
 F_SEAL_WRITE: Final = 0x8
 
+PR_SET_PDEATHSIG: Final = 1
 PR_CAPBSET_DROP: Final = 24
 PR_SET_DUMPABLE: Final = 4
 PR_SET_NO_NEW_PRIVS: Final = 38
@@ -90,6 +98,38 @@ def mount(
 ) -> None:
     result = _call.mount(_b(source), os.fsencode(target), _b(fstype), flags, _b(data))
     _check(result, f"mount {fstype or 'bind'} on {target}")
+
+
+def umount(target: str, flags: int = 0) -> None:
+    _check(_call.umount2(os.fsencode(target), flags), f"umount {target}")
+
+
+def pivot_root(new_root: str, put_old: str) -> None:
+    _check(_call.pivot_root(os.fsencode(new_root), os.fsencode(put_old)), f"pivot_root {new_root}")
+
+
+def setns(fd: int, nstype: int) -> None:
+    _check(_call.setns(fd, nstype), f"setns({nstype:#x})")
+
+
+def sethostname(name: str) -> None:
+    _check(_call.sethostname(name.encode()), f"sethostname {name}")
+
+
+def keyctl(operation: int, arg2: int = 0, arg3: int = 0, arg4: int = 0, arg5: int = 0) -> int:
+    """keyctl(2) with integer arguments (key serials, a permission mask): podns names them."""
+    return _check(_call.keyctl(operation, arg2, arg3, arg4, arg5), f"keyctl({operation})")
+
+
+def keyctl_name(operation: int, name: str) -> int:
+    """keyctl(2) whose one argument is a name: KEYCTL_JOIN_SESSION_KEYRING."""
+    return _check(_call.keyctl_name(operation, name.encode()), f"keyctl({operation}, {name!r})")
+
+
+def seccomp_filter(program: bytes) -> None:
+    """Install a classic BPF program (an array of struct sock_filter) as a seccomp filter on
+    this thread: inherited by every child and kept across exec; it can never be removed."""
+    _check(_call.seccomp_filter(program), "seccomp filter")
 
 
 def make_readonly(path: str, *, recursive: bool) -> None:

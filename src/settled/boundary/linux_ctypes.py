@@ -10,6 +10,8 @@ through PyDLL, which keeps the GIL held across the call, as the C binding does.
 from __future__ import annotations
 
 import ctypes
+import errno
+import os
 
 _SYS_MOUNT_SETATTR = 442  # the same on every architecture (added in 5.12)
 _SYS_CLONE3 = 435  # likewise (added in 5.3)
@@ -18,6 +20,15 @@ _CLONE_INTO_CGROUP = 0x200000000
 _SIGCHLD = 17
 _AT_FDCWD = -100
 _LINUX_CAPABILITY_VERSION_3 = 0x20080522
+_PR_SET_SECCOMP = 22
+_SECCOMP_MODE_FILTER = 2
+_BPF_MAXINSNS = 4096
+# The calls glibc has no wrapper for, whose numbers differ between architectures; elsewhere
+# they answer ENOSYS (linux.py names the call).
+_SYSCALLS = {
+    "x86_64": {"keyctl": 250, "pivot_root": 155},
+    "aarch64": {"keyctl": 219, "pivot_root": 41},
+}.get(os.uname().machine, {})
 
 
 class _MountAttr(ctypes.Structure):
@@ -27,6 +38,10 @@ class _MountAttr(ctypes.Structure):
         ("propagation", ctypes.c_uint64),
         ("userns_fd", ctypes.c_uint64),
     ]
+
+
+class _SockFprog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
 
 
 class _CapHeader(ctypes.Structure):
@@ -70,6 +85,9 @@ def _libc() -> ctypes.CDLL:
         libc.unshare.argtypes = [ctypes.c_int]
         libc.prctl.argtypes = [ctypes.c_int] + [ctypes.c_ulong] * 4
         libc.syscall.restype = ctypes.c_long
+        libc.setns.argtypes = [ctypes.c_int, ctypes.c_int]
+        libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
+        libc.sethostname.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
         _LIBC.append(libc)
     return _LIBC[0]
 
@@ -159,3 +177,46 @@ def capset(effective: int, permitted: int, inheritable: int) -> int:
         data[index].permitted = permitted >> shift & 0xFFFFFFFF
         data[index].inheritable = inheritable >> shift & 0xFFFFFFFF
     return _result(_libc().capset(ctypes.byref(header), data))
+
+
+def setns(fd: int, nstype: int) -> int:
+    return _result(_libc().setns(fd, nstype))
+
+
+def umount2(target: bytes, flags: int) -> int:
+    return _result(_libc().umount2(target, flags))
+
+
+def sethostname(name: bytes) -> int:
+    return _result(_libc().sethostname(name, len(name)))
+
+
+def _syscall(name: str, *args: object) -> int:
+    number = _SYSCALLS.get(name)
+    if number is None:
+        return -errno.ENOSYS
+    return _result(int(_libc().syscall(ctypes.c_long(number), *args)))
+
+
+def pivot_root(new_root: bytes, put_old: bytes) -> int:
+    return _syscall("pivot_root", ctypes.c_char_p(new_root), ctypes.c_char_p(put_old))
+
+
+def keyctl(operation: int, arg2: int = 0, arg3: int = 0, arg4: int = 0, arg5: int = 0) -> int:
+    args = (ctypes.c_ulong(a & 0xFFFFFFFFFFFFFFFF) for a in (arg2, arg3, arg4, arg5))
+    return _syscall("keyctl", ctypes.c_int(operation), *args)
+
+
+def keyctl_name(operation: int, name: bytes) -> int:
+    zero = ctypes.c_ulong(0)
+    return _syscall("keyctl", ctypes.c_int(operation), ctypes.c_char_p(name), zero, zero, zero)
+
+
+def seccomp_filter(program: bytes) -> int:
+    count, rest = divmod(len(program), 8)  # struct sock_filter: u16 code, u8 jt, jf, u32 k
+    if rest or count > _BPF_MAXINSNS:
+        return -errno.EINVAL
+    buffer = ctypes.create_string_buffer(program, len(program))
+    fprog = _SockFprog(count, ctypes.addressof(buffer))
+    value = _libc().prctl(_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER, ctypes.addressof(fprog), 0, 0)
+    return _result(value)

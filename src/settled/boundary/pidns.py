@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 
-from settled.boundary import linux, mountview, procfs, unavailable
+from settled.boundary import linux, mountview, podns, procfs, unavailable
 from settled.boundary.base import Boundary, Evidence
 from settled.boundary.spawn import (
     fail_to_parent,
@@ -87,7 +87,7 @@ def _run_init(
             prepare()
         at[0] = "isolation"
         if launch.isolation.mount_namespace:
-            mountview.enter(launch.isolation)
+            podns.around_view(launch.isolation, mountview.enter)
         linux.prctl(linux.PR_SET_DUMPABLE, 0)
         take_on_command(launch, errpipe, status, at)
         env = dict(launch.env)

@@ -26,7 +26,7 @@ import errno as errno_mod
 import os
 import sys
 
-from settled.boundary import mountview, privileges
+from settled.boundary import mountview, podns, privileges
 from settled.boundary.isolation import IsolationPlan
 
 TYPE_CHECKING = False
@@ -168,7 +168,7 @@ def exec_in_child(
             prepare()
         at[0] = "isolation"
         if launch.isolation.mount_namespace:
-            mountview.enter(launch.isolation)
+            podns.around_view(launch.isolation, mountview.enter)
         take_on_command(launch, errpipe, -1, at)
         execvpe(launch.argv[0], launch.argv, dict(launch.env))
     except BaseException as exc:  # the child must never return into the owner

@@ -6,8 +6,9 @@ process, where all of that is loaded) does the owner's first steps instead, whil
 interpreter starts:
 
 1. `prepare`: read the session, its task and its spec; choose the boundary, plan the isolation
-   and create what lives outside the owner's process (the session's cgroup, made ahead of need:
-   named for its session, so recovery finds it, and never shared);
+   (with the task's pod, found or made: boundary/podhost.py) and create what lives outside the
+   owner's process (the session's cgroup, made ahead of need: named for its session, so
+   recovery finds it, and never shared);
 2. the owner says its pid (its first line on the readiness pipe), and `claim_for` makes the
    claim for that process: the compare-and-set with its pid, start time, boot id and lease, and
    the boundary and isolation recorded in the same write (one fsync before anything runs);
@@ -32,7 +33,7 @@ import os
 import time
 
 from settled import boundary as boundaries
-from settled.boundary import procfs
+from settled.boundary import podhost, procfs
 from settled.boundary.isolation import IsolationPlan, IsolationUnavailable, make_plan
 from settled.errors import BoundaryUnavailable, StaleWrite
 from settled.home import last_words_path, log_path, read_home_id, session_dir, stdin_path
@@ -120,7 +121,7 @@ class Prepared:
                          "its isolation is the sandbox's, which settled neither builds nor checks"},
             )  # fmt: skip
         uid, gid = self.spec.user if self.spec.user is not None else (None, None)
-        return make_plan(
+        plan = make_plan(
             self.spec.isolation,
             workspace=self.task.workspace,
             home=self.home,
@@ -131,6 +132,8 @@ class Prepared:
             gid=gid,
             writable=self.spec.writable,
         )
+        podhost.attach(plan, self.home, self.record.task)
+        return plan
 
     def discard(self) -> None:
         """The claim was lost (or never made): remove what `make` created."""
