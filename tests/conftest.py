@@ -103,6 +103,18 @@ def _ends_what_it_starts(
     release_pods(tmp_path)
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _no_mount_outlives_the_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Homes made by module- and session-scoped fixtures let go of their pods too, once every
+    test has run; then nothing may stay mounted under the run's temporary directory."""
+    yield
+    base = tmp_path_factory.getbasetemp()
+    release_pods(base)
+    with open("/proc/self/mountinfo") as handle:
+        left = [line.split()[4] for line in handle if line.split()[4].startswith(str(base))]
+    assert left == [], f"mounts left under {base}: {left}"
+
+
 def release_pods(root: Path) -> None:
     """Every home under `root` that made pods lets go of them (their mounts under run/pods
     would keep `root` from being removed); after its sessions ended, so that nothing of the

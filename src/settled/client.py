@@ -307,14 +307,16 @@ def _walls(
     memory: int | None,
     pids: int | None,
     cpus: float | None,
+    network: str | None = None,
 ) -> dict[str, Any]:
-    """A command's grants and limits as the body carries them (None: not sent)."""
+    """A command's grants, limits and network as the body carries them (None: not sent)."""
     return {
         "writable": list(writable) if writable else None,
         "readable": list(readable) if readable else None,
         "memory": memory,
         "pids": pids,
         "cpus": cpus,
+        "network": network,
     }
 
 
@@ -737,12 +739,13 @@ class Client(_Base):
         memory: int | None = None,
         pids: int | None = None,
         cpus: float | None = None,
+        network: str | None = None,
     ) -> dict[str, Any]:
         """Create a task over `workspace` (None: a new directory the server makes; a key
         already used returns its task); one that overlaps another open task's workspace is
         refused unless `shared_workspace`. The grants and limits are defaults of every
         command of the task."""
-        walls = _walls(writable, readable, memory, pids, cpus)
+        walls = _walls(writable, readable, memory, pids, cpus, network)
         return self._call(_task_call(workspace, key or new_key(), shared_workspace, ignore, walls))
 
     def task_status(self, task: str) -> dict[str, Any]:
@@ -775,6 +778,7 @@ class Client(_Base):
         memory: int | None = None,
         pids: int | None = None,
         cpus: float | None = None,
+        network: str | None = None,
     ) -> Admission:
         """Admit a command; retried with the same key and body until the server answers.
         `inherit` names variables of this process's environment to pass (`inherit_env`: all
@@ -786,7 +790,7 @@ class Client(_Base):
         options: dict[str, Any] = {"timeout": timeout, "grace": grace, "cwd": cwd, "env": env}
         options.update(inherited=inherited or None)
         options.update(service=service, boundary=boundary, isolation=isolation, user=user)
-        options.update(_walls(writable, readable, memory, pids, cpus))
+        options.update(_walls(writable, readable, memory, pids, cpus, network))
         call = _admission_call(task, argv, shell, key, options)
         response, tries = self._send(call)
         return _admission(_json(call, response), key, tries)
@@ -1001,12 +1005,13 @@ class AsyncClient(_Base):
         memory: int | None = None,
         pids: int | None = None,
         cpus: float | None = None,
+        network: str | None = None,
     ) -> dict[str, Any]:
         """Create a task over `workspace` (None: a new directory the server makes; a key
         already used returns its task); one that overlaps another open task's workspace is
         refused unless `shared_workspace`. The grants and limits are defaults of every
         command of the task."""
-        walls = _walls(writable, readable, memory, pids, cpus)
+        walls = _walls(writable, readable, memory, pids, cpus, network)
         return await self._call(
             _task_call(workspace, key or new_key(), shared_workspace, ignore, walls)
         )
@@ -1041,6 +1046,7 @@ class AsyncClient(_Base):
         memory: int | None = None,
         pids: int | None = None,
         cpus: float | None = None,
+        network: str | None = None,
     ) -> Admission:
         """Admit a command; retried with the same key and body until the server answers.
         `inherit` names variables of this process's environment to pass (`inherit_env`: all
@@ -1052,7 +1058,7 @@ class AsyncClient(_Base):
         options: dict[str, Any] = {"timeout": timeout, "grace": grace, "cwd": cwd, "env": env}
         options.update(inherited=inherited or None)
         options.update(service=service, boundary=boundary, isolation=isolation, user=user)
-        options.update(_walls(writable, readable, memory, pids, cpus))
+        options.update(_walls(writable, readable, memory, pids, cpus, network))
         call = _admission_call(task, argv, shell, key, options)
         response, tries = await self._send(call)
         return _admission(_json(call, response), key, tries)

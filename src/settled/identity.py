@@ -22,6 +22,9 @@ if TYPE_CHECKING:
 SPEC_VERSION = "settled.command/v1"
 BOUNDARY_POLICIES = ("auto", "cgroup2+pidns", "cgroup2", "pidns", "subreaper", "pgroup")
 ISOLATION_POLICIES = ("auto", "strict", "none")
+# A command's network: the host's (today's default, a grant its receipt names), or "none": its
+# task's own network namespace, with a loopback shared by the task's sessions and nothing else.
+NETWORK_POLICIES = ("host", "none")
 MAX_ID = (1 << 32) - 2  # uid_t/gid_t, (uid_t)-1 excluded
 DEFAULT_GRACE_S = 5.0
 SHELL = "/bin/sh"
@@ -51,6 +54,7 @@ class CommandSpec(Frozen):
         "inherited",
         "isolation",
         "memory",
+        "network",
         "pids",
         "readable",
         "service",
@@ -74,6 +78,7 @@ class CommandSpec(Frozen):
     writable: tuple[str, ...]  # host paths granted writable beside the workspace and /tmp
     readable: tuple[str, ...]  # host paths granted read-only in the command's view
     memory: int | None  # bytes; None: the host's default (boundary/limits.py)
+    network: str  # one of NETWORK_POLICIES
     pids: int | None  # processes and threads at once; None: the host's default
     cpus: float | None  # CPUs' worth of time; None: the host's default
     inherited: tuple[str, ...]  # names in env whose values came from the caller's environ
@@ -98,6 +103,7 @@ class CommandSpec(Frozen):
         memory: int | None = None,
         pids: int | None = None,
         cpus: float | None = None,
+        network: str = "host",
         inherited: tuple[str, ...] = (),
         env_removed: tuple[str, ...] = (),
     ) -> None:
@@ -115,6 +121,7 @@ class CommandSpec(Frozen):
         grace = grammar.check_seconds("grace", grace, grammar.MAX_GRACE_S)
         grammar.check_choice("boundary", boundary, BOUNDARY_POLICIES)
         grammar.check_choice("isolation", isolation, ISOLATION_POLICIES)
+        grammar.check_choice("network", network, NETWORK_POLICIES)
         grammar.check_bool("service", service)
         if user is not None:
             user = check_user(user)
@@ -156,6 +163,7 @@ class CommandSpec(Frozen):
             **({"memory": self.memory} if self.memory is not None else {}),
             **({"pids": self.pids} if self.pids is not None else {}),
             **({"cpus": self.cpus} if self.cpus is not None else {}),
+            **({"network": self.network} if self.network != "host" else {}),
             **({"inherited": list(self.inherited)} if self.inherited else {}),
             **({"env_removed": list(self.env_removed)} if self.env_removed else {}),
         }
@@ -182,6 +190,7 @@ class CommandSpec(Frozen):
             memory=data.get("memory"),
             pids=data.get("pids"),
             cpus=data.get("cpus"),
+            network=data.get("network", "host"),
             inherited=tuple(data.get("inherited", ())),
             env_removed=tuple(data.get("env_removed", ())),
         )

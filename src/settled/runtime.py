@@ -428,11 +428,13 @@ class Runtime:
         memory: int | None = None,
         pids: int | None = None,
         cpus: float | None = None,
+        network: str | None = None,
     ) -> TaskRecord:
         """`user` (UID[:GID], a name, or a (uid, gid) pair) is the default uid/gid of the
         task's commands; an exec may name another. `writable` and `readable` are grants every
         command of the task gets besides its own, `memory`, `pids` and `cpus` its default
-        limits (an exec's own replace them); each is checked here (settled.grants). A
+        limits (an exec's own replace them), `network` its default network ("host" or
+        "none"); each is checked here (settled.grants). A
         workspace that cannot be right is refused (placement.check_workspace), and so is one
         overlapping another open task's unless `shared_workspace` (then both tasks' close
         receipts name each other). Refused below the home's reserve. `ignore`: gitignore
@@ -453,6 +455,10 @@ class Runtime:
             grammar.check_path("workspace", workspace)
         uid_gid = _resolve_user(user)  # bad input is refused, a retry's too
         limits = _limits(memory, pids, cpus, {})
+        if network is not None:
+            from settled.identity import NETWORK_POLICIES
+
+            grammar.check_choice("network", network, NETWORK_POLICIES)
         granted = {kind: grants.resolve(kind, paths) for kind, paths in
                    (("writable", writable), ("readable", readable))}  # fmt: skip
         if key is None or (retried := self.store.find_task(key)) is None:
@@ -475,8 +481,10 @@ class Runtime:
                 self._refuse_held(kind, paths, root)
             rules = bind_ignore(root, extra).record()  # read once: a command cannot widen it
             made_sandbox: dict[str, Any] | None = None
-            defaults = {k: list(v) for k, v in granted.items() if v}
+            defaults: dict[str, Any] = {k: list(v) for k, v in granted.items() if v}
             defaults.update({k: v for k, v in limits.items() if v is not None})
+            if network is not None:
+                defaults["network"] = network
             record, created = self.store.create_task(
                 key or new_key(), root, uid_gid, shared_workspace=shared_workspace,
                 host=self.host, ignore_rules=rules, defaults=defaults or None,
@@ -558,6 +566,7 @@ class Runtime:
         memory: int | None = None,
         pids: int | None = None,
         cpus: float | None = None,
+        network: str | None = None,
         inherit: Sequence[str] = (),
         inherit_env: bool = False,
         inherited: Sequence[str] = (),
@@ -571,7 +580,9 @@ class Runtime:
         /var/tmp, /dev/shm and HOME, and nothing else of the host but the `writable` and
         `readable` grants (its own and its task's; settled.grants refuses a grant of `/`, of
         the home, of another task's workspace or of a store directory). `memory` (bytes),
-        `pids` and `cpus` limit it (else its task's defaults, else the host's). Refused
+        `pids` and `cpus` limit it (else its task's defaults, else the host's); `network`
+        is "host" (the default: the host's network, which its receipt names) or "none" (its
+        task's own loopback only), else its task's default. Refused
         (SpaceExhausted) while the home's filesystem is below its reserve.
 
         The command's environment is the base (PATH, HOME, LANG) overlaid by `inherit` (names
@@ -621,6 +632,7 @@ class Runtime:
             memory=limits["memory"],
             pids=limits["pids"],
             cpus=limits["cpus"],
+            network=network or defaults.get("network", "host"),
             inherited=(*(n for n in caller.inherited if n not in explicit), *inherited),
             env_removed=caller.removed,
         )

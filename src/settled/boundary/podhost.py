@@ -37,13 +37,16 @@ import os
 import re
 import time
 from collections.abc import Iterator
-from typing import Any
 
 from settled.atomic import write_atomic
 from settled.boundary import podmake, podns
 from settled.boundary.isolation import IsolationPlan, IsolationUnavailable
 from settled.boundary.podmake import PodUnavailable, in_helper, inside, pinned
 from settled.where import run_dir
+
+TYPE_CHECKING = False  # the launcher imports this on every admission: no typing
+if TYPE_CHECKING:
+    from typing import Any
 
 PODS_ENV = "SETTLED_PODS"  # "off": no pod (what bench/pods.py compares a pod against)
 RECORDS = "pods"  # <home>/run/pods: the pin, the records, the locks, the pods namespace's root

@@ -21,9 +21,12 @@ import select
 import sys
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
 
 from settled.boundary import linux, podns
+
+TYPE_CHECKING = False  # the launcher imports this on every admission: no typing
+if TYPE_CHECKING:
+    from typing import Any
 
 HELPER_TIMEOUT_S = 30.0
 IDENTITY_MAP = "0 0 4294967295\n"  # every id to itself

@@ -27,7 +27,7 @@ from settled.errors import (
     exit_code_lines,
 )
 from settled.exitcodes import RUN_EXIT_CODES, RUN_UNKNOWN, command_exit_code
-from settled.identity import BOUNDARY_POLICIES, ISOLATION_POLICIES
+from settled.identity import BOUNDARY_POLICIES, ISOLATION_POLICIES, NETWORK_POLICIES
 from settled.render import blocked_text, close_text, receipt_text, status_text
 
 TYPE_CHECKING = False
@@ -50,6 +50,7 @@ def cmd_task_new(rt: Runtime, args: argparse.Namespace) -> int:
         memory=args.memory,
         pids=args.pids,
         cpus=args.cpus,
+        network=args.network,
     )
     text = f"task {record.task} (key {record.key}) at {record.workspace}"
     emit(args, record.to_json(), text, brief=record.task)
@@ -113,6 +114,7 @@ def _admit(rt: Runtime, args: argparse.Namespace, verb: str) -> Admission:
         memory=args.memory,
         pids=args.pids,
         cpus=args.cpus,
+        network=args.network,
         inherit=args.inherit,
         inherit_env=args.inherit_env,
     )
@@ -646,6 +648,11 @@ def _wall_options(parser: argparse.ArgumentParser, whose: str) -> None:
     parser.add_argument(
         "--cpus", type=_cpus("--cpus"), metavar="F",
         help=f"CPUs' worth of time {whose} may use (0.5, 2)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--network", choices=list(NETWORK_POLICIES),
+        help=f"host: {whose} uses the host's network (the default, named in the receipt); "
+        "none: only its task's own loopback, shared by the task's sessions and no other task",
     )  # fmt: skip
 
 

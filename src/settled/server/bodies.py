@@ -21,13 +21,13 @@ from starlette.requests import Request
 
 from settled import grammar
 from settled.errors import BadInput
-from settled.identity import BOUNDARY_POLICIES, ISOLATION_POLICIES
+from settled.identity import BOUNDARY_POLICIES, ISOLATION_POLICIES, NETWORK_POLICIES
 from settled.server.errors import BodyTooLarge
 
 MAX_BODY_BYTES = 1 << 20
 STREAMS = ("stdout", "stderr")
 SIGNALS = ("TERM", "KILL", "INT")
-WALL_FIELDS = frozenset({"writable", "readable", "memory", "pids", "cpus"})
+WALL_FIELDS = frozenset({"writable", "readable", "memory", "pids", "cpus", "network"})
 TASK_FIELDS = frozenset({"workspace", "key", "user", "shared_workspace", "ignore"}) | WALL_FIELDS
 SESSION_FIELDS = frozenset(
     {
@@ -165,6 +165,9 @@ def walls(body: dict[str, Any]) -> dict[str, Any]:
         "memory": None if memory is None else grammar.check_memory("memory", memory),
         "pids": None if pids is None else grammar.check_pids("pids", pids),
         "cpus": None if cpus is None else grammar.check_cpus("cpus", cpus),
+        "network": None
+        if body.get("network") is None
+        else grammar.check_choice("network", body["network"], NETWORK_POLICIES),
     }
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from settled import __version__, grammar
-from settled.identity import BOUNDARY_POLICIES, ISOLATION_POLICIES
+from settled.identity import BOUNDARY_POLICIES, ISOLATION_POLICIES, NETWORK_POLICIES
 
 VERSION = "1"
 JSON = "application/json"
@@ -444,6 +444,7 @@ def _schemas() -> dict[str, Any]:
         "memory": {"type": "integer", "minimum": g.MIN_MEMORY, "maximum": g.MAX_MEMORY},
         "pids": {"type": "integer", "minimum": 1, "maximum": g.MAX_PIDS},
         "cpus": {"type": "number", "minimum": g.MIN_CPUS, "maximum": g.MAX_CPUS},
+        "network": {"type": "string", "enum": list(NETWORK_POLICIES)},
     }
     return {
         "Object": {"type": "object"},

@@ -94,6 +94,8 @@ def _refuse_weakening(grant: Grant, task: TaskRecord, request: dict[str, Any]) -
         if request.get(grant_kind):
             weakened.append(f"{grant_kind} {request[grant_kind]}")
     defaults = task.defaults or {}
+    if request.get("network") == "host" and defaults.get("network") == "none":
+        weakened.append("network host (its task's is none)")
     for limit in ("memory", "pids", "cpus"):
         asked, standing = request.get(limit), defaults.get(limit)
         if asked is not None and (standing is None or asked > standing):
