@@ -10,13 +10,19 @@ through PyDLL, which keeps the GIL held across the call, as the C binding does.
 from __future__ import annotations
 
 import ctypes
+import os
 
 _SYS_MOUNT_SETATTR = 442  # the same on every architecture (added in 5.12)
 _SYS_CLONE3 = 435  # likewise (added in 5.3)
 _CLONE_PIDFD = 0x00001000
 _CLONE_INTO_CGROUP = 0x200000000
+# pivot_root has no libc wrapper and its number is the architecture's own (the generic table's
+# 41 on arm64, riscv64 and loongarch64); elsewhere the call answers ENOSYS.
+_SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41, "riscv64": 41, "loongarch64": 41}.get(
+    os.uname().machine
+)
+_ENOSYS = 38
 _SIGCHLD = 17
-_AT_FDCWD = -100
 _LINUX_CAPABILITY_VERSION_3 = 0x20080522
 
 
@@ -68,6 +74,7 @@ def _libc() -> ctypes.CDLL:
             ctypes.c_char_p,
         ]
         libc.unshare.argtypes = [ctypes.c_int]
+        libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
         libc.prctl.argtypes = [ctypes.c_int] + [ctypes.c_ulong] * 4
         libc.syscall.restype = ctypes.c_long
         _LIBC.append(libc)
@@ -117,17 +124,28 @@ def mount(
     return _result(_libc().mount(source, target, fstype, flags, data))
 
 
-def mount_setattr(path: bytes, at_flags: int, attr_set: int, attr_clr: int) -> int:
+def mount_setattr(dirfd: int, path: bytes, at_flags: int, attr_set: int, attr_clr: int) -> int:
     attr = _MountAttr(attr_set, attr_clr, 0, 0)
     value = _libc().syscall(
         _SYS_MOUNT_SETATTR,
-        ctypes.c_int(_AT_FDCWD),
+        ctypes.c_int(dirfd),
         ctypes.c_char_p(path),
         ctypes.c_uint(at_flags),
         ctypes.byref(attr),
         ctypes.c_size_t(ctypes.sizeof(attr)),
     )
     return _result(int(value))
+
+
+def pivot_root(new_root: bytes, put_old: bytes) -> int:
+    if _SYS_PIVOT_ROOT is None:
+        return -_ENOSYS
+    value = _libc().syscall(_SYS_PIVOT_ROOT, ctypes.c_char_p(new_root), ctypes.c_char_p(put_old))
+    return _result(int(value))
+
+
+def umount2(target: bytes, flags: int) -> int:
+    return _result(_libc().umount2(target, flags))
 
 
 def prctl(option: int, arg2: int = 0, arg3: int = 0, arg4: int = 0, arg5: int = 0) -> int:
