@@ -9,8 +9,9 @@ raising OSError if the kernel refuses it (the command then never starts, and the
 2. new mount and cgroup namespaces (the cgroup namespace is rooted at the session's cgroup, so
    no process inside can name a cgroup above it), every mount made private;
 3. an O_PATH descriptor of every host path the view binds, opened in the new namespace (so it
-   names that namespace's mounts); every bind is made from `/proc/self/fd/N`;
-4. an empty tmpfs, the new root, mounted at /tmp (in this namespace only), and the plan's view
+   names that namespace's mounts): those under /dev before the new root hides them there, the
+   others one at a time as they are bound; every bind is made from `/proc/self/fd/N`;
+4. an empty tmpfs, the new root, mounted at /dev (in this namespace only), and the plan's view
    built in it entry by entry, outermost first (viewplan.py says what and why): system roots
    and grants bound at their own paths (read-only ones made so, submounts included, by one
    mount_setattr each), symlinked roots made as the same symlinks, the pod's directories, a new
@@ -27,12 +28,15 @@ raising OSError if the kernel refuses it (the command then never starts, and the
 6. the task's user namespace and keyring joined (podns.py), after the view: setns of a user
    namespace resets the bounding set inside it, so privileges are dropped after this.
 
-Every target is looked up from the new root one component at a time, never following a
-symlink, and missing directories are made as it goes: the pod's directories and the workspace
-are the command's to fill, and a symlink it left there must not steer a mount (or a mkdir)
-anywhere else. A mount point made inside a pod directory (the workspace under /tmp or under
-$HOME, whose pod directories are bound first) stays there as an empty directory. Never runs in
-the owner itself, and never decides what the view holds (viewplan.py does).
+Below the first mount of the view above it, every target is looked up one component at a
+time from a descriptor, never following a symlink, and missing directories are made as it goes
+(above it, in the new root's own tmpfs, there are only directories this build made): the pod's
+directories and the workspace are the command's to fill, and a symlink it left there must not
+steer a mount (or a mkdir) anywhere else. A mount point made inside a pod directory (the
+workspace under /tmp or under $HOME, whose pod directories are bound first) stays there as an
+empty directory. At most a few descriptors are open at a time: the init holds its owner's, and
+may run under a low RLIMIT_NOFILE. Never runs in the owner itself, and never decides what the
+view holds (viewplan.py does).
 """
 
 from __future__ import annotations
@@ -48,7 +52,10 @@ if TYPE_CHECKING:
 
     from settled.boundary.isolation import IsolationPlan
 
-STAGING: Final = "/tmp"  # where the new root is made (in the new mount namespace only)
+# Where the new root is made, in the new mount namespace only: the host's /dev there, which no
+# bind source lies under (the view makes its own /dev; /dev/null, the one source there, and any
+# other, are opened before it is hidden), so the build holds almost no descriptor at a time.
+STAGING: Final = "/dev"
 _ROOT_OPTIONS: Final = "mode=0755,size=64k,nr_inodes=4096"
 _COVER_FLAGS: Final = linux.MS_NOSUID | linux.MS_NODEV | linux.MS_NOEXEC
 _DIR: Final = os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -90,42 +97,54 @@ def _fail(exc: OSError, path: str, what: str) -> OSError:
 class _Builder:
     """One view being built: the descriptors of its sources, and what it made so far."""
 
-    __slots__ = (
-        "deferred", "empty", "held", "holders", "made", "paths", "plan", "root", "sources",
-    )  # fmt: skip
+    __slots__ = ("deferred", "empty", "holders", "made", "paths", "plan", "sources")
 
     def __init__(self, plan: IsolationPlan) -> None:
         self.plan = plan
         self.sources: dict[str, int] = {}
-        self.root = -1
         self.empty = -1  # the first cover that holds nothing: bound again over the others
         self.deferred: list[str] = []  # covers that hold a bind: read-only once it is made
         self.paths: set[str] = set()  # where the view mounts or links something
         self.made = {"", "/"}  # the root's own directories made so far (both name the root)
         self.holders: set[str] | None = None  # every directory above an entry
-        self.held: dict[str, int] = {}  # a descriptor of each entry walked from, by its path
 
     def open_sources(self) -> None:
+        """The sources the new root will hide (those under STAGING, where it is mounted), opened
+        before it is. Every other one is opened when it is bound and closed once it is: an
+        owner's init may run under a low RLIMIT_NOFILE, and it holds the owner's descriptors."""
         for made in self.plan.view:
             source = made.get("source")
             if source is None or made["mode"] == "symlink" or source in self.sources:
                 continue
-            try:
-                self.sources[source] = os.open(source, os.O_PATH | os.O_CLOEXEC)
-            except OSError as exc:
-                raise _fail(exc, source, "open") from None
+            if viewplan.is_within(source, STAGING):
+                self.sources[source] = self._open(source)
+
+    def source(self, path: str) -> tuple[int, bool]:
+        """A descriptor of the bind source `path`, and whether the caller closes it."""
+        fd = self.sources.get(path, -1)
+        if fd >= 0:
+            return fd, False
+        if path == os.devnull:  # every file cover binds it: kept
+            self.sources[path] = self._open(path)
+            return self.sources[path], False
+        return self._open(path), True
+
+    @staticmethod
+    def _open(path: str) -> int:
+        try:
+            return os.open(path, os.O_PATH | os.O_CLOEXEC)
+        except OSError as exc:
+            raise _fail(exc, path, "open") from None
 
     def close(self) -> None:
-        for fd in (*self.sources.values(), *self.held.values(), self.root, self.empty):
+        for fd in (*self.sources.values(), self.empty):
             if fd >= 0:
                 os.close(fd)
         self.sources.clear()
-        self.held.clear()
-        self.root = self.empty = -1
+        self.empty = -1
 
     def build(self) -> None:
         linux.mount("tmpfs", STAGING, "tmpfs", linux.MS_NOSUID | linux.MS_NODEV, _ROOT_OPTIONS)
-        self.root = os.open(STAGING, _DIR)
         steps: Any = self.plan.view
         if self.plan.pins:
             pins = (viewplan.entry(p, "pin", "rw") for p in self.plan.pins)
@@ -153,16 +172,21 @@ class _Builder:
                     _close(opened)
             elif kind == "proc" and path == "/proc":
                 flags = linux.MS_NOSUID | linux.MS_NODEV | linux.MS_NOEXEC
-                os.close(self.mount_new(path, "proc", flags))
+                self.mount_new(path, "proc", flags)
             elif kind == "dev" and path == "/dev":
                 self.minimal_dev()
             elif kind == "dev":  # /dev/shm without a pod: a tmpfs of this session's
                 flags = linux.MS_NOSUID | linux.MS_NODEV
-                os.close(self.mount_new(path, "tmpfs", flags, "mode=1777"))
+                self.mount_new(path, "tmpfs", flags, "mode=1777")
             elif kind in ("proc", "pin"):  # bound onto itself: read-only, or a mount point
                 self.bind(path, -1, readonly=kind == "proc")
             elif "source" in made:
-                self.bind(path, self.sources[made["source"]], readonly=mode == "ro")
+                source, owned = self.source(made["source"])
+                try:
+                    self.bind(path, source, readonly=mode == "ro")
+                finally:
+                    if owned:
+                        os.close(source)
             else:  # a directory of the root (an empty /run)
                 _close(self.locate(path, leaf=True, create=True)[3])
         except OSError as exc:
@@ -189,29 +213,20 @@ class _Builder:
             if create:
                 self._make_fresh(path, leaf if last else None)
             return linux.AT_FDCWD, where, where, ()
-        stale = self.held.pop(path, -1)  # something is mounted on it next: look it up again
-        if stale >= 0:
-            os.close(stale)
-        top = self.held.get(holder, -1)
-        if top < 0:
-            top = self.held[holder] = os.open(STAGING + holder if holder != "/" else STAGING, _DIR)
+        parent = os.open(STAGING + holder if holder != "/" else STAGING, _DIR)
         names = path[len(holder) + 1 :].split("/") if holder != "/" else path[1:].split("/")
-        parent = top
         try:
             for name in names[:-1]:
                 step = self._step(parent, name, True, create)
-                if parent != top:
-                    os.close(parent)
+                os.close(parent)
                 parent = step
             target = self._step(parent, names[-1], leaf, create) if last else -1
         except BaseException:
-            if parent != top:
-                os.close(parent)
+            os.close(parent)
             raise
-        opened = (parent,) if parent != top else ()
         if target < 0:
-            return parent, names[-1], "", opened
-        return parent, names[-1], f"/proc/self/fd/{target}", (*opened, target)
+            return parent, names[-1], "", (parent,)
+        return parent, names[-1], f"/proc/self/fd/{target}", (parent, target)
 
     def _holder(self, path: str) -> str | None:
         """The outermost entry of the view strictly above `path`, or None."""
@@ -271,19 +286,23 @@ class _Builder:
         try:
             origin = f"/proc/self/fd/{source}" if source >= 0 else where
             linux.mount(origin, where, None, linux.MS_BIND | linux.MS_REC)
-            if path == "/":  # a grant of the whole host: the root is its bind from now on
-                os.close(self.root)
-                self.root = os.open(STAGING, _DIR)
             if readonly:
                 linux.make_readonly(name, recursive=True, dir_fd=dirfd)
         finally:
             _close(opened)
 
-    def mount_new(self, path: str, fstype: str, flags: int, data: str | None = None) -> int:
-        """A new filesystem at `path`; returns a descriptor of its root (the caller closes)."""
-        dirfd, name, where, opened = self.locate(path, leaf=True, create=True)
+    def mount_new(self, path: str, fstype: str, flags: int, data: str | None = None) -> None:
+        """A new filesystem at `path`."""
+        _dirfd, _name, where, opened = self.locate(path, leaf=True, create=True)
         try:
             linux.mount(fstype, where, fstype, flags, data)
+        finally:
+            _close(opened)
+
+    def open_new(self, path: str) -> int:
+        """A descriptor of what is now mounted at `path` (the caller closes it)."""
+        dirfd, name, _where, opened = self.locate(path, leaf=None, create=False, last=False)
+        try:
             return os.open(name, _DIR, dir_fd=dirfd)
         finally:
             _close(opened)
@@ -293,18 +312,18 @@ class _Builder:
         if "source" in made:  # a file: /dev/null over it, read-only
             dirfd, name, where, opened = self.locate(path, leaf=False, create=False)
             try:
-                origin = f"/proc/self/fd/{self.sources[made['source']]}"
+                origin = f"/proc/self/fd/{self.source(made['source'])[0]}"
                 linux.mount(origin, where, None, linux.MS_BIND)
                 linux.make_readonly(name, recursive=False, dir_fd=dirfd)
             finally:
                 _close(opened)
         elif path in self._holders():  # a bind lands inside it: read-only once that is made
             self.deferred.append(path)
-            data = "size=16k,nr_inodes=64,mode=0755"
-            os.close(self.mount_new(path, "tmpfs", _COVER_FLAGS, data))
+            self.mount_new(path, "tmpfs", _COVER_FLAGS, "size=16k,nr_inodes=64,mode=0755")
         elif self.empty < 0:
             flags = _COVER_FLAGS | linux.MS_RDONLY
-            self.empty = self.mount_new(path, "tmpfs", flags, "size=4k,nr_inodes=16,mode=0555")
+            self.mount_new(path, "tmpfs", flags, "size=4k,nr_inodes=16,mode=0555")
+            self.empty = self.open_new(path)
         else:  # a bind of the first empty cover: no filesystem of its own (~26 us less each)
             _dirfd, _name, where, opened = self.locate(path, leaf=True, create=False)
             try:
@@ -321,19 +340,16 @@ class _Builder:
 
     def minimal_dev(self) -> None:
         flags = linux.MS_NOSUID | linux.MS_NOEXEC
-        dev = self.mount_new("/dev", "tmpfs", flags, "size=64k,mode=755")
+        self.mount_new("/dev", "tmpfs", flags, "size=64k,mode=755")
+        dev = self.open_new("/dev")
         try:
             for name, major, minor in _DEVICES:
                 os.mknod(name, stat.S_IFCHR | 0o666, os.makedev(major, minor), dir_fd=dev)
-            os.mkdir("pts", 0o755, dir_fd=dev)
-            pts = os.open("pts", _DIR, dir_fd=dev)
-            try:
-                linux.mount(
-                    "devpts", f"/proc/self/fd/{pts}", "devpts", linux.MS_NOSUID | linux.MS_NOEXEC,
-                    "newinstance,ptmxmode=0666,mode=620",
-                )  # fmt: skip
-            finally:
-                os.close(pts)
+            os.mkdir("pts", 0o755, dir_fd=dev)  # made here: a directory, no link
+            linux.mount(
+                "devpts", f"/proc/self/fd/{dev}/pts", "devpts", linux.MS_NOSUID | linux.MS_NOEXEC,
+                "newinstance,ptmxmode=0666,mode=620",
+            )  # fmt: skip
             os.symlink("pts/ptmx", "ptmx", dir_fd=dev)
             for index, name in enumerate(("stdin", "stdout", "stderr")):
                 os.symlink(f"/proc/self/fd/{index}", name, dir_fd=dev)
@@ -344,7 +360,7 @@ class _Builder:
     def pivot(self) -> None:
         """Into the new root; the old one detached; the new root read-only (unless a grant of
         the whole host is the root, whose mode is its own)."""
-        os.fchdir(self.root)
+        os.chdir(STAGING)  # the new root (or the grant of the whole host bound on it)
         linux.pivot_root(".", ".")
         linux.umount2(".", linux.MNT_DETACH)
         os.chdir("/")
