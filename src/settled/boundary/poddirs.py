@@ -47,16 +47,10 @@ def ensure(home: str, task: str, uid: int, gid: int) -> dict[str, str]:
     when one exists as something other than a directory (never the case but by hand)."""
     root = pod_path(home, task)
     paths = {name: os.path.join(root, name) for name, _mode in POD_DIRS}
-    try:
-        info = os.lstat(paths["home"])
-    except FileNotFoundError:
-        info = None
-    if (
-        info is not None
-        and stat.S_ISDIR(info.st_mode)
-        and all(os.path.isdir(paths[name]) and not os.path.islink(paths[name]) for name in paths)
-    ):  # the common case: a later session of the task, four looks
-        if (info.st_uid, info.st_gid) != (uid, gid):
+    found = {name: _lstat(path) for name, path in paths.items()}
+    if all(info is not None and stat.S_ISDIR(info.st_mode) for info in found.values()):
+        info = found["home"]  # the common case: a later session of the task, four looks
+        if info is not None and (info.st_uid, info.st_gid) != (uid, gid):
             os.chown(paths["home"], uid, gid)
         return paths
     for directory in (os.path.join(home, PODS_DIR), root):
@@ -66,6 +60,13 @@ def ensure(home: str, task: str, uid: int, gid: int) -> dict[str, str]:
         if name == "home" and (made or _owner(paths[name]) != (uid, gid)):
             os.chown(paths[name], uid, gid)
     return paths
+
+
+def _lstat(path: str) -> os.stat_result | None:
+    try:
+        return os.lstat(path)
+    except FileNotFoundError:
+        return None
 
 
 def _make(path: str, mode: int) -> bool:
