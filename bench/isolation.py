@@ -1,9 +1,10 @@
 """isolation: what a session's isolation costs at admission, against the same session without it.
 
 Interleaved in one loop, one Runtime per launcher, the same `true` admitted with
-`--isolation auto` (the default: private mount, cgroup and PID namespaces, the home and other
-workspaces covered, /proc, /sys, /dev replaced or read-only, a shrunk bounding set,
-no_new_privs) and with `--isolation none`, on the default boundary. Three figures per run:
+`--isolation auto` (the default: private mount, cgroup and PID namespaces, the allow-list view
+built from an empty root and pivot_root with the task's pod directories, /proc, /sys, /dev
+replaced or read-only, a shrunk bounding set, no_new_privs) and with `--isolation none`, on the
+default boundary. Three figures per run:
 exec to return (the admission a caller waits for), exec to the process receipt, and the owner's
 own `spawn_s` (fork, boundary, view, privileges, exec until it is known to have succeeded),
 which is where isolation is paid. Ratios and differences are taken between the two variants

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import time
 from collections.abc import Callable, Iterator
@@ -33,6 +34,9 @@ ESCAPEE = (
     "while [ ! -e escaped ]; do sleep 0.01; done; echo escaped"
 )
 MARKER_ENV = "TEST_SESSION_MARKER"
+# A Python for commands: the distribution's, which every session's view holds (a venv's or a
+# pyenv's interpreter lies outside the view, so it does not exist for a command).
+COMMAND_PYTHON = shutil.which("python3", path="/usr/local/bin:/usr/bin:/bin") or "python3"
 
 
 def _skip_unavailable(kind: str) -> None:

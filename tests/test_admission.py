@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import _skip_unavailable
+from conftest import COMMAND_PYTHON, _skip_unavailable
 
 from settled.boundary import availability, linux
 from settled.boundary.cgroup2 import ROOT_DIR_NAME, find_hierarchy
@@ -424,7 +424,7 @@ def test_the_order_of_the_two_streams_is_kept_while_the_owner_loads(
     """A fresh owner loads its drain while its command already writes (about 40 ms here):
     its first drain reads both pipes in order meanwhile, so a command alternating between them
     every 10 ms from its start comes back alternating, not as one batch per stream."""
-    admission = rt.exec(task.task, argv=[sys.executable, "-c", ALTERNATING], key="alt")
+    admission = rt.exec(task.task, argv=[COMMAND_PYTHON, "-c", ALTERNATING], key="alt")
     rt.wait(admission.session, timeout=30)
     chunks = rt.read_merged(admission.session)
     assert b"".join(c.data for c in chunks) == b"".join(b"%d|" % i for i in range(30))

@@ -20,6 +20,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from conftest import COMMAND_PYTHON
 
 from settled import relay as relay_module
 from settled import runtime as runtime_module
@@ -44,7 +45,7 @@ GATED = (
 
 
 def _gated(rt: Runtime, task: TaskRecord, key: str) -> str:
-    return rt.exec(task.task, argv=[sys.executable, "-c", GATED], key=key).session
+    return rt.exec(task.task, argv=[COMMAND_PYTHON, "-c", GATED], key=key).session
 
 
 def _open_gate(task: TaskRecord) -> None:

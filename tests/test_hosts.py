@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import MARKER_ENV, tamper_object
+from conftest import COMMAND_PYTHON, MARKER_ENV, tamper_object
 
 from settled.backends import BackendMismatch, bind, credential_names, read_binding
 from settled.errors import LogElsewhere, TaskFrozen, UnknownHost, WrongHost
@@ -101,7 +101,7 @@ def test_a_task_closed_on_a_is_read_explained_and_restored_on_b_after_a_is_delet
         "import os, sys; sys.stdout.buffer.write(bytes(range(256)) * 40000 + b'tail-no-newline');"
         "sys.stderr.buffer.write(os.urandom(65536)); open('made.bin', 'wb').write(b'm' * 9000)"
     )
-    admitted = a.exec(task.task, [sys.executable, "-c", script])
+    admitted = a.exec(task.task, [COMMAND_PYTHON, "-c", script])
     a.wait(admitted.session, timeout=60)
     stdout = b"".join(a.follow(admitted.session, "stdout", 0, timeout=30))
     stderr = b"".join(a.follow(admitted.session, "stderr", 0, timeout=30))

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import os
 import signal
-import sys
 import time
 from pathlib import Path
 
+from conftest import COMMAND_PYTHON
 from test_server import (  # noqa: F401
     TOKEN,
     Server,
@@ -48,7 +48,7 @@ def _run(rt: Runtime, task: TaskRecord, argv: list[str], key: str) -> str:
 def test_alternating_writes_come_back_merged_in_order_binary_safe(
     rt: Runtime, task: TaskRecord
 ) -> None:
-    session = _run(rt, task, [sys.executable, "-c", ALTERNATE], "alt")
+    session = _run(rt, task, [COMMAND_PYTHON, "-c", ALTERNATE], "alt")
     chunks = rt.read_merged(session)
     assert _merged(chunks) == EXPECTED
     assert [c.stream for c in chunks] == ["stdout", "stderr"] * 3
@@ -60,7 +60,7 @@ def test_alternating_writes_come_back_merged_in_order_binary_safe(
 
 
 def test_a_merged_cursor_resumes_anywhere(rt: Runtime, task: TaskRecord) -> None:
-    session = _run(rt, task, [sys.executable, "-c", ALTERNATE], "resume")
+    session = _run(rt, task, [COMMAND_PYTHON, "-c", ALTERNATE], "resume")
     for start in range(len(EXPECTED) + 1):
         assert _merged(rt.read_merged(session, start)) == EXPECTED[start:]
         assert _merged(rt.read_merged(session, start, size=3)) == EXPECTED[start : start + 3]
@@ -69,7 +69,7 @@ def test_a_merged_cursor_resumes_anywhere(rt: Runtime, task: TaskRecord) -> None
 def test_follow_merged_while_running_ends_at_both_final_cursors(
     rt: Runtime, task: TaskRecord
 ) -> None:
-    admission = rt.exec(task.task, argv=[sys.executable, "-c", ALTERNATE], key="follow")
+    admission = rt.exec(task.task, argv=[COMMAND_PYTHON, "-c", ALTERNATE], key="follow")
     got = b"".join(c.data for c in rt.follow_merged(admission.session, timeout=30))
     assert got == EXPECTED
 
@@ -78,7 +78,7 @@ def test_a_session_whose_owner_died_reads_merged_up_to_the_recovered_cursors(
     rt: Runtime, task: TaskRecord
 ) -> None:
     script = ALTERNATE.replace("range(6)", "range(100000)").replace("0.1", "0.01")
-    admission = rt.exec(task.task, argv=[sys.executable, "-c", script], key="dead")
+    admission = rt.exec(task.task, argv=[COMMAND_PYTHON, "-c", script], key="dead")
     session = admission.session
     deadline = time.monotonic() + 20
     while rt.store.get_session(session).stderr_durable < 40:
@@ -111,7 +111,7 @@ def test_a_session_whose_owner_died_reads_merged_up_to_the_recovered_cursors(
 def test_an_old_session_without_an_index_falls_back_stdout_then_stderr_flagged(
     rt: Runtime, task: TaskRecord
 ) -> None:
-    session = _run(rt, task, [sys.executable, "-c", ALTERNATE], "old")
+    session = _run(rt, task, [COMMAND_PYTHON, "-c", ALTERNATE], "old")
     os.unlink(interleave.index_path(session_dir(rt.home, session)))
     chunks = rt.read_merged(session)
     assert [(c.stream, c.ordered) for c in chunks] == [("stdout", False), ("stderr", False)]
@@ -142,7 +142,7 @@ def test_the_merged_route_serves_chunks_and_a_resumable_cursor(
 
     with server.client() as client:
         task = new_task(client, workspace)
-        session = run(client, task, "merged", argv=[sys.executable, "-c", ALTERNATE])
+        session = run(client, task, "merged", argv=[COMMAND_PYTHON, "-c", ALTERNATE])
         receipt_of(client, session)
         answer = client.get(f"/v1/sessions/{session}/merged")
         assert answer.status_code == 200, answer.text

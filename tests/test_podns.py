@@ -331,13 +331,13 @@ def test_a_lost_pin_makes_the_pods_again_and_the_receipt_says_so(
     a, _ = two
     run(rt, a, "ipcmk -Q >/dev/null")
     pin = podhost.pin_path(rt.home)
-    linux.umount(pin, linux.MNT_DETACH)  # as after a reboot: the file stays, the mount is gone
+    linux.umount2(pin, linux.MNT_DETACH)  # as after a reboot: the file stays, the mount is gone
     receipt, out, _ = run(rt, a, "ipcs -q; hostname")
     pod = receipt["isolation"]["pod"]
     assert pod["state"] == "recreated" and "no longer mounted" in pod["lost"], pod
     assert queues(out) == [] and out.split()[-1] == a.task
 
-    linux.umount(pin, linux.MNT_DETACH)
+    linux.umount2(pin, linux.MNT_DETACH)
     os.unlink(pin)
     receipt, _, _ = run(rt, a, "true")
     pod = receipt["isolation"]["pod"]
@@ -505,9 +505,9 @@ def test_a_home_on_a_shared_mount_gets_its_pods(tmp_path: Path) -> None:
             podns.release_home(home)
             stop_journals(shared)
         finally:
-            linux.umount(str(peer), linux.MNT_DETACH)
+            linux.umount2(str(peer), linux.MNT_DETACH)
     finally:
-        linux.umount(str(shared), linux.MNT_DETACH)
+        linux.umount2(str(shared), linux.MNT_DETACH)
 
 
 def test_nothing_stays_mounted_once_the_home_lets_go(

@@ -789,7 +789,8 @@ def test_the_tokens_file_is_hidden_from_every_session(
         session = run(client, task, "k-cat", shell=f"cat {tokens}; echo END")
         receipt = receipt_of(client, session)
         assert client.get(f"/v1/sessions/{session}/output").text == "END\n"
-    assert str(tokens) in receipt["isolation"]["hidden"]["files"]
+    assert receipt["isolation"]["host"] == "allow-list"  # outside the view: no file there
+    assert not any(e["path"] == str(tokens) for e in receipt["isolation"]["view"])
 
 
 def test_a_scoped_token_cannot_loosen_the_sandbox_of_its_task(

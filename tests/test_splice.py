@@ -191,7 +191,7 @@ def test_the_reserve_is_asked_per_block_and_its_refusal_stops_storing_at_a_prefi
 def _out_of_reach(**facts: Any) -> bool:
     """owner/launch.py's choice (made before the logs are created, with their flags) for a
     plan, sandbox and boundary kind as given."""
-    plan = SimpleNamespace(mount_namespace=True, home="/h", hide_dirs=("/h",), private_proc=True)
+    plan = SimpleNamespace(mount_namespace=True, home="/h", home_hidden=True, private_proc=True)
     chosen: dict[str, Any] = {"plan": plan, "sandbox": None, "kind": "cgroup2+pidns"}
     for name, value in facts.items():
         if hasattr(plan, name):
@@ -204,7 +204,7 @@ def _out_of_reach(**facts: Any) -> bool:
 def test_an_owner_splices_only_where_nothing_but_itself_can_write_the_log() -> None:
     assert _out_of_reach()
     assert not _out_of_reach(mount_namespace=False)
-    assert not _out_of_reach(hide_dirs=())  # the home is visible
+    assert not _out_of_reach(home_hidden=False)  # the home is visible
     assert not _out_of_reach(private_proc=False)  # the owner's fds are
     assert not _out_of_reach(kind="cgroup2")  # no PID namespace
     assert not _out_of_reach(sandbox={"sandbox": "x"})

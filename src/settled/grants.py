@@ -70,10 +70,12 @@ def refuse_held(
     workspace: str,
     workspaces: Iterable[str],
     evidence_dirs: Iterable[str] = (),
+    other_homes: Iterable[str] = (),
 ) -> None:
     """BadGrant for the first grant that is, holds or lies inside the settled home, another
     task's workspace (any of `workspaces` other than this task's `workspace`) or one of
-    `evidence_dirs` (the directories of the home's store and object store). The task's own
+    `evidence_dirs` (the directories of the home's store and object store), or another home
+    that shares its store (`other_homes`). The task's own
     workspace, a directory inside it or one holding it, may be granted."""
     paths = tuple(granted)
     if not paths:
@@ -83,6 +85,8 @@ def refuse_held(
     held = [(home, "the settled home (its store, logs, objects and sockets)")]
     held += [(os.path.realpath(d), "a store or object directory of this home")
              for d in evidence_dirs]  # fmt: skip
+    held += [(os.path.realpath(h), "another settled home sharing this home's store")
+             for h in other_homes]  # fmt: skip
     for path in paths:
         for root, what in held:
             if _overlap(path, root):

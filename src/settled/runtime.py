@@ -519,6 +519,7 @@ class Runtime:
             kind, paths, home=self.home, workspace=workspace,
             workspaces=self.store.workspaces(),
             evidence_dirs=grants.evidence_dirs(self.backends.store, self.backends.objects),
+            other_homes=[h.home for h in self.store.hosts() if h.home != self.home],
         )  # fmt: skip
 
     def _undo_task(self, record: TaskRecord) -> bool:

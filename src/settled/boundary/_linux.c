@@ -1,10 +1,10 @@
 /* settled.boundary._linux: the C binding of boundary/linux.py.
  *
  * The Linux calls a session owner makes on its launch path, before its command runs: clone3
- * (CLONE_INTO_CGROUP, CLONE_NEWPID), unshare, mount, mount_setattr, prctl, capget, capset,
- * fcntl with an integer argument (pipe sizes, seals: the fcntl module is one more library),
- * and joining the task's pod: setns, keyctl, a seccomp filter; with what making a pod takes
- * (umount2, pivot_root, sethostname).
+ * (CLONE_INTO_CGROUP, CLONE_NEWPID), unshare, mount, mount_setattr, pivot_root, umount2, prctl,
+ * capget, capset, fcntl with an integer argument (pipe sizes, seals: the fcntl module is one
+ * more library), and joining the task's pod: setns, keyctl, a seccomp filter; with what making
+ * a pod takes (sethostname).
  * Python 3.11 has none of them; ctypes reaches them too (boundary/linux_ctypes.py, the
  * fallback the tests also run), but importing ctypes costs a fresh owner ~2 ms here and each
  * call through it ~10 us, where a command's isolation makes dozens.
@@ -106,15 +106,36 @@ static PyObject *m_mount(PyObject *self, PyObject *args) {
 }
 
 static PyObject *m_mount_setattr(PyObject *self, PyObject *args) {
+    int dirfd;
     Py_buffer path;
     unsigned int at_flags;
     unsigned long long attr_set, attr_clr;
-    if (!PyArg_ParseTuple(args, "y*IKK", &path, &at_flags, &attr_set, &attr_clr))
+    if (!PyArg_ParseTuple(args, "iy*IKK", &dirfd, &path, &at_flags, &attr_set, &attr_clr))
         return NULL;
     struct settled_mount_attr attr = {attr_set, attr_clr, 0, 0};
     long value = result(
-        syscall(SYS_mount_setattr, AT_FDCWD, path.buf, at_flags, &attr, sizeof attr));
+        syscall(SYS_mount_setattr, dirfd, path.buf, at_flags, &attr, sizeof attr));
     PyBuffer_Release(&path);
+    return PyLong_FromLong(value);
+}
+
+static PyObject *m_pivot_root(PyObject *self, PyObject *args) {
+    Py_buffer new_root, put_old;
+    if (!PyArg_ParseTuple(args, "y*y*", &new_root, &put_old))
+        return NULL;
+    long value = result(syscall(SYS_pivot_root, new_root.buf, put_old.buf));
+    PyBuffer_Release(&new_root);
+    PyBuffer_Release(&put_old);
+    return PyLong_FromLong(value);
+}
+
+static PyObject *m_umount2(PyObject *self, PyObject *args) {
+    Py_buffer target;
+    int flags;
+    if (!PyArg_ParseTuple(args, "y*i", &target, &flags))
+        return NULL;
+    long value = result(umount2(target.buf, flags));
+    PyBuffer_Release(&target);
     return PyLong_FromLong(value);
 }
 
@@ -166,26 +187,6 @@ static PyObject *m_setns(PyObject *self, PyObject *args) {
     return PyLong_FromLong(result(setns(fd, nstype)));
 }
 
-static PyObject *m_umount2(PyObject *self, PyObject *args) {
-    Py_buffer target;
-    int flags;
-    if (!PyArg_ParseTuple(args, "y*i", &target, &flags))
-        return NULL;
-    long value = result(umount2(target.buf, flags));
-    PyBuffer_Release(&target);
-    return PyLong_FromLong(value);
-}
-
-static PyObject *m_pivot_root(PyObject *self, PyObject *args) {
-    Py_buffer new_root, put_old;
-    if (!PyArg_ParseTuple(args, "y*y*", &new_root, &put_old))
-        return NULL;
-    long value = result(syscall(SYS_pivot_root, new_root.buf, put_old.buf));
-    PyBuffer_Release(&new_root);
-    PyBuffer_Release(&put_old);
-    return PyLong_FromLong(value);
-}
-
 static PyObject *m_sethostname(PyObject *self, PyObject *args) {
     Py_buffer name;
     if (!PyArg_ParseTuple(args, "y*", &name))
@@ -234,8 +235,6 @@ static PyObject *m_seccomp_filter(PyObject *self, PyObject *args) {
 static PyMethodDef methods[] = {
     {"fcntl", m_fcntl, METH_VARARGS, "fcntl(fd, cmd, int_arg) -> result or -errno."},
     {"setns", m_setns, METH_VARARGS, "setns(fd, nstype) -> 0 or -errno."},
-    {"umount2", m_umount2, METH_VARARGS, "umount2(target, flags) -> 0 or -errno."},
-    {"pivot_root", m_pivot_root, METH_VARARGS, "pivot_root(new_root, put_old) -> 0 or -errno."},
     {"sethostname", m_sethostname, METH_VARARGS, "sethostname(name) -> 0 or -errno."},
     {"keyctl", m_keyctl, METH_VARARGS,
      "keyctl(operation, arg2=0, arg3=0, arg4=0, arg5=0) -> result or -errno."},
@@ -251,7 +250,9 @@ static PyMethodDef methods[] = {
     {"mount", m_mount, METH_VARARGS,
      "mount(source, target, fstype, flags, data) -> 0 or -errno; None passes NULL."},
     {"mount_setattr", m_mount_setattr, METH_VARARGS,
-     "mount_setattr(path, at_flags, attr_set, attr_clr) -> 0 or -errno."},
+     "mount_setattr(dirfd, path, at_flags, attr_set, attr_clr) -> 0 or -errno."},
+    {"pivot_root", m_pivot_root, METH_VARARGS, "pivot_root(new_root, put_old) -> 0 or -errno."},
+    {"umount2", m_umount2, METH_VARARGS, "umount2(target, flags) -> 0 or -errno."},
     {"prctl", m_prctl, METH_VARARGS, "prctl(option, arg2=0, arg3=0, arg4=0, arg5=0) -> result."},
     {"capget", m_capget, METH_NOARGS,
      "capget() -> (0 or -errno, effective, permitted, inheritable) of this thread."},

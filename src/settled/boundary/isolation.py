@@ -1,37 +1,36 @@
 """Isolation: what a session's command can see and do, decided before it exists.
 
-Owns the *plan*: which paths are hidden from the command (the settled home, other tasks'
-workspaces, token files), which ancestors are pinned so they cannot be renamed away, which
-paths stay writable on an otherwise read-only host (the workspace, /tmp, /var/tmp and what the
-caller grants with --writable), whether /proc, /sys, /dev and the cgroup tree are replaced or
-made read-only, which capabilities stay in the bounding set, `no_new_privs`, and the uid/gid the
-command runs as.
+Owns the *plan*: the command's view of the filesystem (an allow-list chosen by viewplan.py:
+the distribution's system roots read-only, the workspace and the grants at their own paths, the
+task's pod directories, a new /proc, a minimal /dev, /sys read-only, and nothing else of the
+host), whether its mount and cgroup namespaces are new, which capabilities stay in the
+bounding set, `no_new_privs`, the uid/gid the command runs as, and the task's pod namespaces
+(`pod`: podns.py's, opaque here) the init joins around the view.
 
-Why a read-only host by default: a root command that can write the host's files can change
-what host processes run later (settled's own interpreter and code, the shared libraries and the
-loader's configuration, cron, a shell's rc files), and through them forge every later receipt.
-A command that must install into the system is granted that path (`--writable /usr/local`), or
-the whole host (`--writable /`), and its receipt says so. The owner makes the plan
-in the host's namespaces from facts it can check (its own capabilities, the store's list of
+Why an allow-list: a deny-list hides what settled knows of (its home, its workspaces, its
+tokens) and leaves every other door open: another home on the same machine and its launcher's
+socket, a store or object directory shared by two homes, the host's /tmp, any user's files.
+What the command is not granted does not exist for it. The owner makes the plan in the
+host's namespaces from facts it can check (its own capabilities, the store's list of
 workspaces); `mountview` and `privileges` carry it out in the child, where every step either
-succeeds or the command never starts. The plan is what the receipt reports, protection by
-protection, with why for each one that is missing: a receipt never claims a protection that was
-not applied.
+succeeds or the command never starts. The plan is what the receipt reports (`to_json`): the
+view, entry by entry, with its digest, and each protection that is missing with why: a
+receipt never claims a protection that was not applied.
 
 The threat it answers (docs/TRUST.md): the command is hostile, usually root. Without this, it
 can rewrite its own receipt in the store, move itself out of its cgroup, read the server's
-token, or open the disk's block device and read everything.
+token, reach another home's launcher, or open the disk's block device and read everything.
 """
 
 from __future__ import annotations
 
 import os
 
-from settled.boundary import procfs
+from settled.boundary import procfs, viewplan
 
 TYPE_CHECKING = False  # typing and dataclasses cost ~6 ms to import; the owner's launch path
 if TYPE_CHECKING:  # rebuilds a plan from its orders, so this module does without both
-    from collections.abc import Iterable
+    from collections.abc import Iterable, Mapping
     from typing import Any, Final
 
 ISOLATION_POLICIES: Final = ("auto", "strict", "none")
@@ -70,9 +69,9 @@ def cap_name(cap: int) -> str:
 
 
 _PLAN_FIELDS: Final = (
-    "policy", "mount_namespace", "cgroup_namespace", "private_proc", "pins", "readonly_host",
-    "writable", "protect", "hide_dirs", "hide_files", "expose", "readonly_sys", "minimal_dev",
-    "drop_caps", "no_new_privs", "uid", "gid", "home", "missing", "pod",
+    "policy", "mount_namespace", "cgroup_namespace", "private_proc", "view", "pins",
+    "writable", "readable", "protect", "hide_dirs", "hide_files", "readonly_sys", "minimal_dev",
+    "drop_caps", "no_new_privs", "uid", "gid", "home", "pod", "missing",
 )  # fmt: skip
 
 
@@ -80,7 +79,8 @@ class IsolationPlan:
     """Everything the child will do to the command's view and privileges, decided up front.
 
     A plain class, not a dataclass: the owner rebuilds it from its orders (`fields`) on its
-    launch path, which must not pay for dataclasses (and inspect, which it imports)."""
+    launch path, which must not pay for dataclasses (and inspect, which it imports). Every
+    field is a plain value (marshal carries the orders)."""
 
     __slots__ = _PLAN_FIELDS
 
@@ -90,13 +90,13 @@ class IsolationPlan:
         mount_namespace: bool = False,
         cgroup_namespace: bool = False,
         private_proc: bool = False,
-        pins: tuple[str, ...] = (),  # ancestors bound onto themselves: cannot be renamed
-        readonly_host: bool = False,
-        writable: tuple[str, ...] = (),  # on a read-only host, bound back writable
+        view: tuple[dict[str, str], ...] = (),  # viewplan's entries, in build order
+        pins: tuple[str, ...] = (),  # directories bound onto themselves: cannot be renamed
+        writable: tuple[str, ...] = (),  # the grants kept, read-write
+        readable: tuple[str, ...] = (),  # the grants kept, read-only
         protect: tuple[str, ...] = (),  # settled's own code under a writable path: read-only
-        hide_dirs: tuple[str, ...] = (),
+        hide_dirs: tuple[str, ...] = (),  # covered: inside a root of the view, yet hidden
         hide_files: tuple[str, ...] = (),
-        expose: str | None = None,  # the workspace, re-bound inside a hidden directory
         readonly_sys: bool = False,
         minimal_dev: bool = False,
         drop_caps: bool = False,
@@ -104,19 +104,19 @@ class IsolationPlan:
         uid: int | None = None,
         gid: int | None = None,
         home: str | None = None,
+        pod: dict[str, Any] | None = None,  # podns.ensure()'s, joined by the init
         missing: dict[str, str] | None = None,
-        pod: dict[str, Any] | None = None,  # the task's pod (podns.ensure): plain values
     ) -> None:
         self.policy, self.mount_namespace = policy, mount_namespace
         self.cgroup_namespace, self.private_proc = cgroup_namespace, private_proc
-        self.pins, self.readonly_host = tuple(pins), readonly_host
-        self.writable, self.protect = tuple(writable), tuple(protect)
-        self.hide_dirs, self.hide_files, self.expose = tuple(hide_dirs), tuple(hide_files), expose
+        self.view, self.pins = tuple(view), tuple(pins)
+        self.writable, self.readable = tuple(writable), tuple(readable)
+        self.protect = tuple(protect)
+        self.hide_dirs, self.hide_files = tuple(hide_dirs), tuple(hide_files)
         self.readonly_sys, self.minimal_dev = readonly_sys, minimal_dev
         self.drop_caps, self.no_new_privs = drop_caps, no_new_privs
-        self.uid, self.gid, self.home = uid, gid, home
+        self.uid, self.gid, self.home, self.pod = uid, gid, home, pod
         self.missing = dict(missing or {})
-        self.pod = pod
 
     def fields(self) -> dict[str, Any]:
         """The plan as plain values (what the launcher hands its owner): IsolationPlan(**it)."""
@@ -139,16 +139,54 @@ class IsolationPlan:
         CAP_SYS_ADMIN to mount another."""
         return self.cgroup_namespace and self.readonly_sys and self.drop_caps
 
+    @property
+    def home_hidden(self) -> bool:
+        """True when nothing of the home reaches the command: its view holds no bind of the
+        home or of a directory above it, or the home is covered there."""
+        if not self.mount_namespace or self.home is None:
+            return False
+        if self.home in self.hide_dirs:
+            return True
+        return not any(
+            e["kind"] in viewplan.IDENTITY_KINDS
+            and e["mode"] != "symlink"
+            and "source" in e
+            and viewplan.is_within(self.home, e["source"])
+            for e in self.view
+        )
+
+    def host(self) -> str:
+        """What of the host the command sees: "allow-list" (only its view), "read-only" or
+        "writable" (the whole host, granted with --readable / or --writable /)."""
+        if not self.mount_namespace:
+            return "writable"
+        root = next((e for e in self.view if e["path"] == "/"), None)
+        if root is None:
+            return "allow-list"
+        return "writable" if root["mode"] == "rw" else "read-only"
+
     def to_json(self) -> dict[str, Any]:
         """The receipt's `isolation`: each protection as it was applied, and why any is not."""
+        from settled.canonical import digest_of  # json: off the owner's launch path
+
+        view = [dict(e) for e in self.view]
         return {
             "policy": self.policy,
             "mount_namespace": self.mount_namespace,
-            "home_hidden": self.home is not None and self.home in self.hide_dirs,
+            "home_hidden": self.home_hidden,
             "hidden": {"dirs": list(self.hide_dirs), "files": list(self.hide_files)},
             "pinned": len(self.pins),
-            "host": "read-only" if self.readonly_host else "writable",
-            "writable": list(self.writable) if self.readonly_host else ["/"],
+            "host": self.host(),
+            "view": view,
+            "view_digest": digest_of(view),
+            "writable": [
+                e["path"]
+                for e in self.view
+                if e["kind"] in viewplan.READ_WRITE_KINDS and e["mode"] == "rw"
+            ]
+            if self.mount_namespace
+            else ["/"],
+            "readable": list(self.readable),
             "protected": list(self.protect),
             "proc": "private" if self.private_proc else "host",
             "sys": "read-only" if self.readonly_sys else "host",
@@ -194,75 +232,14 @@ def _has(caps: int, cap: int) -> bool:
     return bool(caps >> cap & 1)
 
 
-def _is_within(path: str, root: str) -> bool:
-    return path == root or path.startswith(root.rstrip("/") + "/")
-
-
-def ancestors(path: str) -> list[str]:
-    """Every directory above `path`, outermost first, "/" excluded."""
-    found: list[str] = []
-    parent = os.path.dirname(path)
-    while parent not in ("/", ""):
-        found.append(parent)
-        parent = os.path.dirname(parent)
-    return found[::-1]
-
-
-def _ancestors_of_all(paths: Iterable[str]) -> set[str]:
-    """Every directory above any of `paths` ("/" excluded), as `ancestors` gives each: one
-    walk per distinct parent, where a home's workspaces mostly share one."""
-    parents = {os.path.dirname(p) for p in paths}
-    return {a for parent in parents for a in (*ancestors(parent), parent) if a not in ("/", "")}
-
-
-def choose_hidden(
-    workspace: str, home: str, others: Iterable[str]
-) -> tuple[tuple[str, ...], str | None]:
-    """The directories to hide (the home, other workspaces that exist) and the workspace to
-    re-expose if one of them holds it. A directory that holds the workspace itself is never
-    hidden (the command would lose its own files): overlapping workspaces are visible to each
-    other, and the receipt lists exactly what was hidden."""
-    candidates = [home, *others]
-    kept: list[str] = []
-    covered: set[str] = set()  # the kept, by their normalized names: one look per ancestor
-    for path in sorted(set(candidates), key=len):
-        if path == workspace or (_is_within(workspace, path) and path != home):
-            continue  # an ancestor of the workspace (other than the home) stays visible
-        if _inside_any(path, covered):
-            continue  # already inside a hidden directory
-        if path != home and not os.path.isdir(path):
-            continue  # a task whose workspace is gone has nothing left to hide
-        kept.append(path)
-        covered.add(path.rstrip("/") or "/")
-    expose = workspace if _inside_any(workspace, covered) else None
-    return tuple(kept), expose
-
-
-def _inside_any(path: str, roots: set[str]) -> bool:
-    """`_is_within(path, root)` for some root of `roots` (normalized as `choose_hidden` keeps
-    them), by looking up `path` and each directory above it: a home that hosted thousands of
-    tasks has as many workspaces to hide, and a scan of every kept one per candidate made the
-    plan quadratic (500 workspaces: 17 ms on the admission path)."""
-    current = path.rstrip("/") or "/"
-    while current not in roots:
-        cut = current.rfind("/")  # os.path.dirname, without its cost on thousands of paths
-        if cut < 0 or current == "/":
-            return False
-        current = current[:cut] or "/"
-    return True
-
-
-DEFAULT_WRITABLE: Final = ("/tmp", "/var/tmp")
-
-
 _RUNTIME_PATHS: list[tuple[str, ...]] = []
 
 
 def settled_runtime_paths() -> tuple[str, ...]:
     """What settled's own processes execute: its code, blake3, the interpreter's prefixes. A
     command must never change them (the next owner would run its code), even where they lie
-    under a path it may write, such as a clone in /tmp. Found once per process (every plan
-    asks, on the admission path)."""
+    under a path it may write, such as a clone in its workspace. Found once per process (every
+    plan asks, on the admission path)."""
     if not _RUNTIME_PATHS:
         import sys
 
@@ -274,37 +251,13 @@ def settled_runtime_paths() -> tuple[str, ...]:
     return _RUNTIME_PATHS[0]
 
 
-def choose_protected(writable: Iterable[str], runtime: Iterable[str]) -> tuple[str, ...]:
-    """The outermost of settled's runtime paths that a writable path would otherwise expose."""
-    writable = tuple(writable)
-    kept: list[str] = []
-    for path in sorted(set(runtime), key=len):
-        if any(_is_within(path, outer) for outer in kept):
-            continue
-        if any(_is_within(path, w) for w in writable) and os.path.isdir(path):
-            kept.append(path)
-    return tuple(kept)
-
-
-def choose_writable(
-    workspace: str, granted: Iterable[str], hidden: Iterable[str]
-) -> tuple[str, ...]:
-    """The outermost of the workspace, /tmp, /var/tmp and the granted paths that exist; never
-    one inside a hidden directory (no grant reaches into the home)."""
-    covered = {h.rstrip("/") or "/" for h in hidden}
-    wanted = sorted({workspace, *DEFAULT_WRITABLE, *granted}, key=len)
-    kept: list[str] = []
-    for path in wanted:
-        if path != workspace and _inside_any(path, covered):
-            continue
-        if any(_is_within(path, outer) for outer in kept) or not os.path.isdir(path):
-            continue
-        kept.append(path)
-    return tuple(kept)
-
-
 def check_available(
-    policy: str, *, pid_namespace: bool, uid: int | None = None, writable: Iterable[str] = ()
+    policy: str,
+    *,
+    pid_namespace: bool,
+    uid: int | None = None,
+    writable: Iterable[str] = (),
+    readable: Iterable[str] = (),
 ) -> tuple[int, dict[str, str]]:
     """This process's effective capabilities and each protection it cannot give, with why.
     Raises IsolationUnavailable for `strict` when one is missing, or for a `--user` it cannot
@@ -320,6 +273,11 @@ def check_available(
             "writable, as asked (--writable /): the command may change programs that host "
             "processes run later, settled's own included, so receipts written after it are "
             "only as trustworthy as the host"
+        )
+    elif "/" in readable:
+        missing["host"] = (
+            "visible, as asked (--readable /): the command may read every file of the host its "
+            "uid can, but for what settled covers"
         )
     if not pid_namespace:
         missing["proc"] = "no PID namespace: /proc shows the host's processes"
@@ -345,48 +303,57 @@ def make_plan(
     uid: int | None = None,
     gid: int | None = None,
     writable: Iterable[str] = (),
+    readable: Iterable[str] = (),
+    pod_dirs: Mapping[str, str] | None = None,
+    command_home: str | None = None,
+    pod: dict[str, Any] | None = None,
 ) -> IsolationPlan:
     """The strongest plan this process can carry out for `policy` ("none": nothing but the
-    environment and descriptor hygiene every session gets). Raises IsolationUnavailable for
-    `strict` when a protection is missing."""
+    environment and descriptor hygiene every session gets). `pod_dirs`: the task's pod
+    directories (poddirs.ensure), bound at /tmp, /var/tmp, /dev/shm and `command_home` (the
+    command's $HOME). Raises IsolationUnavailable for `strict` when a protection is missing."""
     if policy == "none":
         return IsolationPlan(
             policy, no_new_privs=False, uid=uid, gid=gid,
             missing={"all": "isolation none was asked for: the command sees and may change "
-                     "everything its uid can, the settled home included"},
+                     "everything its uid can, the settled home included; no view was built"},
         )  # fmt: skip
-    granted = tuple(writable)
-    caps, missing = check_available(policy, pid_namespace=pid_namespace, uid=uid, writable=granted)
+    granted, shown = tuple(writable), tuple(readable)
+    caps, missing = check_available(
+        policy, pid_namespace=pid_namespace, uid=uid, writable=granted, readable=shown
+    )
     drop_caps = _has(caps, CAP_SETPCAP)
     if not _has(caps, CAP_SYS_ADMIN):
         return IsolationPlan(policy, drop_caps=drop_caps, uid=uid, gid=gid, missing=missing)
-    dirs, expose = choose_hidden(workspace, home, other_workspaces)
-    covered = {d.rstrip("/") or "/" for d in dirs}
-    files = tuple(
-        sorted({f for f in hidden_files if os.path.isfile(f) and not _inside_any(f, covered)})
-    )  # a file inside a hidden directory is hidden with it
-    pins = sorted(_ancestors_of_all((*dirs, *files)), key=lambda p: p.count("/"))
-    readonly_host = "/" not in granted
-    open_paths = choose_writable(workspace, granted, dirs) if readonly_host else ()
+    chosen = viewplan.plan_view(
+        workspace=workspace,
+        home=home,
+        others=other_workspaces,
+        hidden_files=hidden_files,
+        writable=granted,
+        readable=shown,
+        pod_dirs=pod_dirs,
+        command_home=command_home,
+        runtime=settled_runtime_paths(),
+    )
     return IsolationPlan(
         policy,
         mount_namespace=True,
         cgroup_namespace=True,
         private_proc=pid_namespace,
-        pins=tuple(p for p in pins if not _inside_any(p, covered)),
-        readonly_host=readonly_host,
-        writable=open_paths,
-        protect=choose_protected((*open_paths, workspace), settled_runtime_paths())
-        if readonly_host
-        else (),
-        hide_dirs=dirs,
-        hide_files=files,
-        expose=expose,
+        view=chosen.view,
+        pins=chosen.pins,
+        writable=chosen.writable,
+        readable=chosen.readable,
+        protect=chosen.protect,
+        hide_dirs=chosen.hide_dirs,
+        hide_files=chosen.hide_files,
         readonly_sys=True,
         minimal_dev=True,
         drop_caps=drop_caps,
         uid=uid,
         gid=gid,
         home=home,
+        pod=pod,
         missing=missing,
     )

@@ -1,6 +1,6 @@
-"""The Linux calls Python 3.11 lacks: unshare, mount, mount_setattr, prctl, capget/capset and
-clone3 (and fcntl with an integer argument, so the owner's launch path needs no fcntl module),
-setns, keyctl and a seccomp filter (joining a task's pod), umount2, pivot_root and sethostname
+"""The Linux calls Python 3.11 lacks: unshare, mount, mount_setattr, pivot_root, umount2, prctl,
+capget/capset and clone3 (and fcntl with an integer argument, so the owner's launch path needs
+no fcntl module), setns, keyctl and a seccomp filter (joining a task's pod) and sethostname
 (making one), as one interface over two bindings.
 
 Owns only the calling convention and the errno: each function raises OSError naming the call
@@ -62,6 +62,8 @@ MS_SHARED: Final = 1 << 20
 MNT_DETACH: Final = 2
 
 MOUNT_ATTR_RDONLY: Final = 0x1
+AT_FDCWD: Final = -100
+AT_SYMLINK_NOFOLLOW: Final = 0x100
 AT_RECURSIVE: Final = 0x8000
 
 F_ADD_SEALS: Final = 1033
@@ -100,7 +102,7 @@ def mount(
     _check(result, f"mount {fstype or 'bind'} on {target}")
 
 
-def umount(target: str, flags: int = 0) -> None:
+def umount2(target: str, flags: int = 0) -> None:
     _check(_call.umount2(os.fsencode(target), flags), f"umount {target}")
 
 
@@ -132,22 +134,23 @@ def seccomp_filter(program: bytes) -> None:
     _check(_call.seccomp_filter(program), "seccomp filter")
 
 
-def make_readonly(path: str, *, recursive: bool) -> None:
+def make_readonly(path: str, *, recursive: bool, dir_fd: int = AT_FDCWD) -> None:
     """mount_setattr(2): one call makes a mount (and, recursive, every mount below it) read-only,
-    where a remount per submount would be dozens of calls."""
-    _set_readonly(path, recursive=recursive, readonly=True)
+    where a remount per submount would be dozens of calls. With `dir_fd`, `path` is looked up
+    from that directory and a symlink as its last component is not followed."""
+    _set_readonly(path, recursive=recursive, readonly=True, dir_fd=dir_fd)
 
 
-def make_writable(path: str, *, recursive: bool) -> None:
+def make_writable(path: str, *, recursive: bool, dir_fd: int = AT_FDCWD) -> None:
     """The opposite: clear the read-only flag of a mount made read-only by make_readonly (a new
     bind mount inherits the flags of the mount it copies)."""
-    _set_readonly(path, recursive=recursive, readonly=False)
+    _set_readonly(path, recursive=recursive, readonly=False, dir_fd=dir_fd)
 
 
-def _set_readonly(path: str, *, recursive: bool, readonly: bool) -> None:
+def _set_readonly(path: str, *, recursive: bool, readonly: bool, dir_fd: int) -> None:
     attr_set, attr_clr = (MOUNT_ATTR_RDONLY, 0) if readonly else (0, MOUNT_ATTR_RDONLY)
-    flags = AT_RECURSIVE if recursive else 0
-    result = _call.mount_setattr(os.fsencode(path), flags, attr_set, attr_clr)
+    flags = (AT_RECURSIVE if recursive else 0) | (AT_SYMLINK_NOFOLLOW if dir_fd >= 0 else 0)
+    result = _call.mount_setattr(dir_fd, os.fsencode(path), flags, attr_set, attr_clr)
     _check(result, f"mount_setattr({'read-only' if readonly else 'writable'}) on {path}")
 
 

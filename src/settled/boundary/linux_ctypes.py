@@ -18,7 +18,6 @@ _SYS_CLONE3 = 435  # likewise (added in 5.3)
 _CLONE_PIDFD = 0x00001000
 _CLONE_INTO_CGROUP = 0x200000000
 _SIGCHLD = 17
-_AT_FDCWD = -100
 _LINUX_CAPABILITY_VERSION_3 = 0x20080522
 _PR_SET_SECCOMP = 22
 _SECCOMP_MODE_FILTER = 2
@@ -135,11 +134,11 @@ def mount(
     return _result(_libc().mount(source, target, fstype, flags, data))
 
 
-def mount_setattr(path: bytes, at_flags: int, attr_set: int, attr_clr: int) -> int:
+def mount_setattr(dirfd: int, path: bytes, at_flags: int, attr_set: int, attr_clr: int) -> int:
     attr = _MountAttr(attr_set, attr_clr, 0, 0)
     value = _libc().syscall(
         _SYS_MOUNT_SETATTR,
-        ctypes.c_int(_AT_FDCWD),
+        ctypes.c_int(dirfd),
         ctypes.c_char_p(path),
         ctypes.c_uint(at_flags),
         ctypes.byref(attr),

@@ -133,7 +133,7 @@ def private_mount(directory: str) -> None:
 
 def unmount_private(directory: str) -> None:
     while mount_point(directory):
-        linux.umount(directory, linux.MNT_DETACH)
+        linux.umount2(directory, linux.MNT_DETACH)
 
 
 def mount_point(path: str) -> bool:
@@ -158,7 +158,7 @@ def _unescape(field: bytes) -> str:
 
 def unpin(pin: str) -> None:
     while pinned(pin) is not None:  # mounts may be stacked there
-        linux.umount(pin, linux.MNT_DETACH)
+        linux.umount2(pin, linux.MNT_DETACH)
 
 
 def new_pods_namespace(root: str, pin: str) -> int:
@@ -179,7 +179,7 @@ def new_pods_namespace(root: str, pin: str) -> int:
         linux.pivot_root(root, os.path.join(root, "old"))
         os.chdir("/")
         linux.mount("proc", "/proc", "proc", flags)
-        linux.umount("/old", linux.MNT_DETACH)
+        linux.umount2("/old", linux.MNT_DETACH)
         os.rmdir("/old")
         pods = os.open("/proc/self/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
         try:
@@ -289,7 +289,7 @@ def clear(directory: str) -> None:
     for name in os.listdir(directory):
         path = f"{directory}/{name}"
         while os.stat(path).st_dev == nsfs_dev():
-            linux.umount(path, linux.MNT_DETACH)
+            linux.umount2(path, linux.MNT_DETACH)
         os.unlink(path)
     os.rmdir(directory)
 

@@ -266,11 +266,14 @@ def protections(isolation: dict[str, Any] | None) -> tuple[list[str], dict[str, 
     if isolation.get("home_hidden"):
         held.append("settled home hidden")
     hidden = isolation.get("hidden", {})
-    others = len(hidden.get("dirs", [])) - (1 if isolation.get("home_hidden") else 0)
-    if others or hidden.get("files"):
-        held.append(
-            f"{others} other workspace(s) and {len(hidden.get('files', []))} token file(s) hidden"
-        )
+    dirs, files = len(hidden.get("dirs", [])), len(hidden.get("files", []))
+    if isolation.get("host") == "allow-list":  # nothing but its view exists for the command
+        held.append(f"an allow-list view of {len(isolation.get('view', []))} entries")
+        if dirs or files:
+            held.append(f"{dirs} directory(ies) and {files} file(s) covered inside it")
+    elif dirs or files:
+        others = dirs - (1 if isolation.get("home_hidden") else 0)
+        held.append(f"{others} other workspace(s) and {files} token file(s) hidden")
     for key, value, words in (
         ("proc", "private", "its own /proc"),
         ("sys", "read-only", "/sys read-only"),

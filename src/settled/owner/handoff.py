@@ -33,8 +33,10 @@ import os
 import time
 
 from settled import boundary as boundaries
-from settled.boundary import podhost, procfs
+from settled.backends import bound_backends
+from settled.boundary import poddirs, podhost, procfs
 from settled.boundary.isolation import IsolationPlan, IsolationUnavailable, make_plan
+from settled.boundary.viewplan import is_within
 from settled.errors import BoundaryUnavailable, StaleWrite
 from settled.home import last_words_path, log_path, read_home_id, session_dir, stdin_path
 from settled.identity import CommandSpec
@@ -81,6 +83,26 @@ def isolation_facts(plan: IsolationPlan, sandbox: dict[str, Any] | None) -> dict
     return {**plan.to_json(), "sandbox": sandbox}
 
 
+_BACKEND_DIRS: dict[str, tuple[str, ...]] = {}
+
+
+def backend_dirs(home: str) -> tuple[str, ...]:
+    """The directories of the home's store and objects when they lie outside the home (two
+    homes on one `--store sqlite:///...`): covered like another task's workspace wherever a
+    root of the command's view holds them. Read once per home and process (a home's binding
+    never changes)."""
+    if home not in _BACKEND_DIRS:
+        bound = bound_backends(home)
+        found = []
+        if bound.store_scheme == "sqlite":
+            found.append(os.path.dirname(os.path.realpath(bound.store[len("sqlite://") :])))
+        if bound.objects_scheme == "file":
+            found.append(os.path.realpath(bound.objects[len("file://") :]))
+        real = os.path.realpath(home)
+        _BACKEND_DIRS[home] = tuple(d for d in found if not is_within(d, real))
+    return _BACKEND_DIRS[home]
+
+
 class Prepared:
     """One session, ready to be claimed: its boundary made, or why it cannot be."""
 
@@ -121,16 +143,30 @@ class Prepared:
                          "its isolation is the sandbox's, which settled neither builds nor checks"},
             )  # fmt: skip
         uid, gid = self.spec.user if self.spec.user is not None else (None, None)
+        pod_dirs = None
+        if self.spec.isolation != "none":  # the task's /tmp, /var/tmp, /dev/shm and $HOME
+            owner = (os.geteuid() if uid is None else uid, os.getegid() if gid is None else gid)
+            try:
+                pod_dirs = poddirs.ensure(self.home, self.record.task, *owner)
+            except OSError as exc:
+                raise IsolationUnavailable(f"the task's pod directories: {exc}") from None
         plan = make_plan(
             self.spec.isolation,
             workspace=self.task.workspace,
             home=self.home,
-            other_workspaces=[w for w in store.workspaces() if w != self.task.workspace],
+            other_workspaces=[  # and what else of settled's must stay out of reach
+                *(w for w in store.workspaces() if w != self.task.workspace),
+                *backend_dirs(self.home),
+                *(h.home for h in store.hosts() if h.home != self.home),  # a shared store's
+            ],
             hidden_files=store.hidden_paths(),
             pid_namespace=kind in boundaries.PID_NAMESPACE_KINDS,
             uid=uid,
             gid=gid,
             writable=self.spec.writable,
+            readable=self.spec.readable,
+            pod_dirs=pod_dirs,
+            command_home=dict(self.spec.env).get("HOME"),
         )
         podhost.attach(plan, self.home, self.record.task)
         return plan

@@ -97,7 +97,7 @@ def log_out_of_reach(plan: IsolationPlan | None, sandbox: object, kind: str | No
         plan is not None
         and sandbox is None
         and plan.mount_namespace
-        and plan.home in plan.hide_dirs
+        and plan.home_hidden
         and plan.private_proc
         and kind in boundaries.PID_NAMESPACE_KINDS
     )
