@@ -11,8 +11,10 @@ socket; nothing beyond A's loopback answers A's command (the host's address, a s
 namespace; the receipts name the mode and the namespace by inode, which is the pod's and the
 command's own; `--network host` reaches the host's listener and a settled server, and its
 receipt says the network is the host's. The namespace is joined on every boundary; a pod made
-before pods had a network namespace gets one on its next session, its IPC kept; `--isolation
-none` gives the host's network and says so; `--network none` without a pod is refused, nothing
+before pods had a network namespace gets one on its next session, its IPC kept (or, where it
+cannot, is made again and says what was lost); a command that sees the host's /proc joins
+neither A's network namespace nor the host's; `--isolation none` gives the host's network and
+says so; `--network none` without a pod is refused, nothing
 launched; a task's default applies. The command side runs the system Python (`net_probe.py`).
 """
 
@@ -353,13 +355,16 @@ def test_a_pod_made_before_pods_had_a_network_namespace_gets_one(
     assert podns.describe(rt.home, a.task)["network"] == {"interfaces": {"lo": "up"}}
 
 
-def _strip_network(home: str, task: str) -> None:
+def _strip_network(home: str, task: str, user: int | None = None) -> None:
     """Make the task's pod what a settled before this change made: no `net` in its record,
-    nothing at /T/net in the pods namespace."""
+    nothing at /T/net in the pods namespace (and, given `user`, a record naming that inode as
+    its user namespace)."""
     path = os.path.join(home, "run", "pods", f"{task}.pod")
     with open(path, "rb") as handle:
         record = marshal.loads(handle.read())
     del record["net"]
+    if user is not None:
+        record["user"] = user
     with open(path, "wb") as handle:
         handle.write(marshal.dumps(record))
 
@@ -370,6 +375,71 @@ def _strip_network(home: str, task: str) -> None:
         return {}
 
     assert podmake.in_helper(unbind, "unbinding") == {}
+
+
+def test_a_pod_whose_network_namespace_cannot_be_added_is_made_again_and_says_so(
+    rt: Runtime, two: tuple[TaskRecord, TaskRecord]
+) -> None:
+    """An older record whose user namespace is not the one bound (the child joins it by inode,
+    so it refuses): the pod is made again, and what was lost is said."""
+    a, _ = two
+    run(rt, a, "ipcmk -Q >/dev/null")
+    _strip_network(rt.home, a.task, user=1)
+    receipt, seen = look(rt, a, {}, network="none")
+    pod = receipt["isolation"]["pod"]
+    assert pod["state"] == "recreated", pod
+    assert "network namespace could not be added" in pod["lost"], pod["lost"]
+    assert seen["net"] == f"net:[{pod['namespaces']['net']}]"
+    _, out, _ = run(rt, a, "ipcs -q | grep -c '^0x' || true")
+    assert out.strip() == "0", "a new pod: the queue went with the old one"
+
+
+SETNS = r"""
+import ctypes, errno, json, os, sys
+libc = ctypes.CDLL(None, use_errno=True)
+out = {}
+for pid in sys.argv[1:]:
+    try:
+        fd = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY)
+    except OSError as e:
+        out[pid] = "open " + errno.errorcode[e.errno]
+        continue
+    joined = libc.setns(fd, 0x40000000)
+    out[pid] = "joined" if joined == 0 else "setns " + errno.errorcode[ctypes.get_errno()]
+print(json.dumps(out))
+"""
+
+
+def test_no_command_joins_another_network_namespace(
+    rt: Runtime, two: tuple[TaskRecord, TaskRecord], host: HostListener
+) -> None:
+    """On a boundary without a PID namespace the command's /proc is the host's, so it finds
+    task A's service and the host's first process: it can join neither's network namespace
+    (no CAP_SYS_ADMIN over the host's user namespace, nor over A's pod's)."""
+    a, b = two
+    service = serve(rt, a, host.port, network="none")
+    inside = f"net:[{podns.ensure(rt.home, a.task)['net']}]"
+    [pid, *_] = [p for p in _pids() if _readlink(f"/proc/{p}/ns/net") == inside]
+    (Path(b.workspace) / "setns.py").write_text(SETNS)
+    for network in ("none", "host"):
+        receipt, out, err = run(
+            rt, b, f"{SYSTEM_PYTHON} -I -S setns.py {pid} 1", network=network, boundary="cgroup2"
+        )
+        assert receipt["isolation"]["proc"] == "host"
+        tried = json.loads(out)
+        assert len(tried) == 2 and set(tried.values()) <= {"open EACCES", "setns EPERM"}, err
+    stop(rt, service)
+
+
+def _pids() -> list[int]:
+    return [int(entry) for entry in os.listdir("/proc") if entry.isdigit()]
+
+
+def _readlink(path: str) -> str | None:
+    try:
+        return os.readlink(path)
+    except OSError:
+        return None
 
 
 def test_isolation_none_gives_the_hosts_network_and_says_so(
