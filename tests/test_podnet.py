@@ -318,6 +318,10 @@ def test_the_hosts_network_is_named_a_grant_in_the_receipt(
     assert "the host's network" in network["shared"] and "granted" in network["shared"]
     assert "network" not in receipt["isolation"]["missing"], "a grant, not a missing protection"
     assert receipt["isolation"]["pod"]["namespaces"]["net"], "the pod has one, not joined"
+    look(rt, a, {}, network="none")
+    said = [session["protections"] for session in rt.explain(a.task)["sessions"]]
+    assert "the host's network, granted (--network host)" in said[0]
+    assert "its task's own network namespace: loopback only" in said[1]
 
 
 def test_every_boundary_joins_the_tasks_network_namespace(
