@@ -166,7 +166,7 @@ def write_markdown(out_dir: str, name: str, markdown: str) -> None:
 
 ORDER = (
     "startup", "receipt", "drain", "admission", "kill", "checkpoint", "close_latency", "load",
-    "home_age", "http", "objects_s3", "remote", "store_ops", "ui_feed", "soak", "pods",
+    "home_age", "http", "objects_s3", "remote", "store_ops", "ui_feed", "soak", "pods", "podnet",
 )  # fmt: skip
 
 

@@ -28,6 +28,7 @@ import load
 import objects_s3
 import peers
 import plots
+import podnet
 import pods
 import receipt
 import remote
@@ -50,6 +51,7 @@ BENCHMARKS = {
     "home_age": home_age.run,
     "isolation": isolation.run,
     "pods": pods.run,
+    "podnet": podnet.run,
     "remote": remote.run,
     "objects_s3": objects_s3.run,
     "peers": peers.run,

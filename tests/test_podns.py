@@ -293,6 +293,7 @@ def test_what_a_pod_holds_is_described_for_its_close(
             "semaphore_sets": 1,
         },
         "posix": {"message_queues": 1, "names": ["settled-podq"]},
+        "network": {"interfaces": {"lo": "up"}},
         "keys": {"keyring": ["user:podkey-s"], "user_keyring": ["user:podkey-u"]},
     }  # fmt: skip
     empty = podns.describe(rt.home, b.task)
@@ -310,13 +311,13 @@ def test_a_released_pod_is_gone_and_made_again_and_the_receipt_says_what_was_los
     run(rt, b, "true")
     pod = first["isolation"]["pod"]
     held = _nsfs_mounts(rt.home)
-    assert {f"{name}:[{pod['namespaces'][name]}]" for name in ("user", "ipc", "uts")} <= held
+    assert {f"{name}:[{pod['namespaces'][name]}]" for name in ("user", "ipc", "uts", "net")} <= held
 
     podns.release(rt.home, a.task)
     podns.release(rt.home, a.task)  # idempotent
     left = _nsfs_mounts(rt.home)
     assert not any(str(inode) in entry for entry in left for inode in pod["namespaces"].values())
-    assert len(left) == 3, "task B's pod is untouched"
+    assert len(left) == 4, "task B's pod is untouched"
     assert not _held_by_a_process(pod["namespaces"]["ipc"], "ipc")
 
     again, out, _ = run(rt, a, "ipcs -q")
@@ -355,7 +356,7 @@ def test_a_half_made_pod_is_never_used(rt: Runtime, two: tuple[TaskRecord, TaskR
     assert pod["state"] == "created"
     assert pod["namespaces"]["user"] != first["user"]
     mounted = _nsfs_mounts(rt.home)
-    assert len(mounted) == 3 and f"user:[{first['user']}]" not in mounted
+    assert len(mounted) == 4 and f"user:[{first['user']}]" not in mounted
 
 
 def test_two_first_sessions_of_a_task_get_the_same_pod(
@@ -376,7 +377,7 @@ def test_two_first_sessions_of_a_task_get_the_same_pod(
     ]
     pods = [json.loads(racer.communicate(timeout=60)[0]) for racer in racers]
     assert sorted(p["state"] for p in pods) == ["created", "found", "found", "found"]
-    assert len({(p["user"], p["ipc"], p["uts"], p["serial"]) for p in pods}) == 1
+    assert len({(p["user"], p["ipc"], p["uts"], p["net"], p["serial"]) for p in pods}) == 1
     receipt, _, _ = run(rt, a, "true")
     assert receipt["isolation"]["pod"]["namespaces"]["user"] == pods[0]["user"]
 
@@ -516,7 +517,7 @@ def test_nothing_stays_mounted_once_the_home_lets_go(
     a, b = two
     run(rt, a, "true")
     run(rt, b, "true")
-    assert len(_nsfs_mounts(rt.home)) == 6
+    assert len(_nsfs_mounts(rt.home)) == 8  # user, ipc, uts, net of each
     podns.release_home(rt.home)
     podns.release_home(rt.home)  # idempotent
     assert podhost.mounts(rt.home) == []

@@ -211,6 +211,7 @@ def test_a_session_runs_inside_the_sandbox(sandboxed: Runtime, tmp_path: Path) -
     assert receipt["command_digest"] == admission.digest  # the command's own, not the enter's
     assert receipt["isolation"]["sandbox"]["sandbox"] == str(init)
     assert "sandbox's" in receipt["isolation"]["missing"]["all"]
+    assert receipt["isolation"]["network"]["namespace"] == "the sandbox's"
     assert receipt["death"]["proven"] is True
 
 
@@ -393,6 +394,7 @@ def test_what_settled_cannot_honour_inside_a_sandbox_is_refused(
         ({"isolation": "strict"}, "--isolation strict"),
         ({"user": "1000:1000"}, "--user"),
         ({"writable": [str(tmp_path)]}, "--writable"),
+        ({"network": "none"}, "--network none"),
     ]:
         with pytest.raises(BadInput, match=words):
             sandboxed.exec(task.task, shell="true", **kwargs)  # type: ignore[arg-type]

@@ -264,8 +264,9 @@ def _check_isolation(spec: CommandSpec, kind: str) -> None:
 
 def _check_sandbox(spec: CommandSpec, task: TaskRecord, provider: str) -> bool:
     """Whether the command will run through the task's sandbox's enter prefix; refuses what
-    settled could not then honour (its own isolation, a uid, a granted path) and a task whose
-    sandbox another provider made (or none yet), since this one could neither enter nor end it."""
+    settled could not then honour (its own isolation, a uid, a granted path, a network of
+    the task's own) and a task whose sandbox another provider made (or none yet), since this
+    one could neither enter nor end it."""
     made_by = (task.sandbox or {}).get("provider", "local")
     if made_by != provider:
         raise BadInput(
@@ -279,6 +280,7 @@ def _check_sandbox(spec: CommandSpec, task: TaskRecord, provider: str) -> bool:
         (spec.user is not None, "--user"),
         (bool(spec.writable), "--writable"),
         (bool(spec.readable), "--readable"),
+        (spec.network != "host", f"--network {spec.network}"),
     ]
     for asked, what in refused:
         if asked:

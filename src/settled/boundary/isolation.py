@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import os
 
-from settled.boundary import procfs, viewplan
+from settled.boundary import podnet, procfs, viewplan
 
 TYPE_CHECKING = False  # typing and dataclasses cost ~6 ms to import; the owner's launch path
 if TYPE_CHECKING:  # rebuilds a plan from its orders, so this module does without both
@@ -71,7 +71,7 @@ def cap_name(cap: int) -> str:
 _PLAN_FIELDS: Final = (
     "policy", "mount_namespace", "cgroup_namespace", "private_proc", "view", "pins",
     "writable", "readable", "protect", "hide_dirs", "hide_files", "readonly_sys", "minimal_dev",
-    "drop_caps", "no_new_privs", "uid", "gid", "home", "pod", "missing",
+    "drop_caps", "no_new_privs", "uid", "gid", "home", "pod", "missing", "network",
 )  # fmt: skip
 
 
@@ -106,6 +106,7 @@ class IsolationPlan:
         home: str | None = None,
         pod: dict[str, Any] | None = None,  # podns.ensure()'s, joined by the init
         missing: dict[str, str] | None = None,
+        network: str = "host",  # "none": the init joins the pod's network namespace (podnet)
     ) -> None:
         self.policy, self.mount_namespace = policy, mount_namespace
         self.cgroup_namespace, self.private_proc = cgroup_namespace, private_proc
@@ -117,6 +118,7 @@ class IsolationPlan:
         self.drop_caps, self.no_new_privs = drop_caps, no_new_privs
         self.uid, self.gid, self.home, self.pod = uid, gid, home, pod
         self.missing = dict(missing or {})
+        self.network = network
 
     def fields(self) -> dict[str, Any]:
         """The plan as plain values (what the launcher hands its owner): IsolationPlan(**it)."""
@@ -201,6 +203,7 @@ class IsolationPlan:
             "descriptors": "0, 1, 2 only",
             "missing": dict(self.missing),
             "pod": pod_facts(self.pod),
+            "network": podnet.facts(self.network, self.pod),
         }
 
 
@@ -212,10 +215,11 @@ def pod_facts(pod: dict[str, Any] | None) -> dict[str, Any] | None:
         return None
     return {
         "hostname": pod["hostname"],
-        "namespaces": {name: pod[name] for name in ("user", "ipc", "uts")},
+        "namespaces": {name: pod[name] for name in ("user", "ipc", "uts", "net") if name in pod},
         "keyring": pod["keyring"],
         "state": pod["state"],
         "lost": pod["lost"],
+        **({"added": pod["added"]} if pod.get("added") else {}),
     }
 
 

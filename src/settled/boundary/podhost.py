@@ -8,7 +8,10 @@ host mounts detached) with a procfs, and it is itself pinned by one nsfs bind mo
 `<home>/run/pods/pods.mnt` (a newer mount namespace may be bound into an older one). The kernel
 refuses that bind on a shared mount (systemd makes every mount shared), so `<home>/run/pods` is
 first bound onto itself and made private: the home's two host mounts. Inside the pods namespace,
-task T's namespaces are `/T/user`, `/T/ipc` and `/T/uts`.
+task T's namespaces are `/T/user`, `/T/ipc`, `/T/uts` and `/T/net`. A pod recorded before pods
+had a network namespace is found, then given one under its lock (podnet.add_namespace), its
+other namespaces kept, and the returned dict says what was `added`; if that fails, the pod is
+made again and `lost` says why.
 
 What is known of them. `<home>/run/pods/namespace` names the pods namespace (its inode and a
 token made with it); `<home>/run/pods/T.pod` is task T's pod as `ensure` returns it, with that
@@ -39,7 +42,7 @@ import time
 from collections.abc import Iterator
 
 from settled.atomic import write_atomic
-from settled.boundary import podmake, podns
+from settled.boundary import podmake, podnet, podns
 from settled.boundary.isolation import IsolationPlan, IsolationUnavailable
 from settled.boundary.podmake import PodUnavailable, in_helper, inside, pinned
 from settled.where import run_dir
@@ -52,6 +55,10 @@ PODS_ENV = "SETTLED_PODS"  # "off": no pod (what bench/pods.py compares a pod ag
 RECORDS = "pods"  # <home>/run/pods: the pin, the records, the locks, the pods namespace's root
 PIN_NAME = "pods.mnt"
 RECORD_VERSION = 1
+ADDED_NETWORK = (
+    "a network namespace, made now: the pod was made before pods had one; its user, IPC and "
+    "UTS namespaces and its keyring are the ones it had"
+)
 TASK_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")  # a hostname's length at most
 
 __all__ = [
@@ -78,10 +85,18 @@ def _check_task(task: str) -> None:
 
 def attach(plan: IsolationPlan, home: str, task: str) -> None:
     """Give a plan with a mount namespace its task's pod (`plan.pod`, with the key filter its
-    init installs: made here, once, not in every init), or say in its `missing` why it has none
+    init installs: made here, once, not in every init, and the plan's network, which says
+    whether the init joins the pod's network namespace), or say in its `missing` why it has none
     (and refuse `--isolation strict`). Where no key filter exists for this machine, `missing`
-    says so."""
+    says so. `--network none` without a pod is refused whatever the policy (nothing but a pod
+    gives it), but under `--isolation none`, which builds nothing: the network is the host's,
+    and `missing` says so."""
     if not plan.mount_namespace:
+        if plan.network == "none" and plan.policy == "none":
+            plan.network = "host"
+            plan.missing["network"] = NO_NETWORK_NAMESPACE
+        elif plan.network == "none":
+            raise IsolationUnavailable(f"--network none: {_no_pod_why(plan)}")
         return
     why: str | None = None
     if os.environ.get(PODS_ENV) == "off":
@@ -91,10 +106,13 @@ def attach(plan: IsolationPlan, home: str, task: str) -> None:
         why = "needs CAP_SETPCAP: a pod's user namespace gives every capability inside it"
     else:
         try:
-            plan.pod = {**ensure(home, task), "filter": podns.key_filter()}
+            pod = ensure(home, task)
+            plan.pod = {**pod, "filter": podns.key_filter(), "network": plan.network}
         except (OSError, ValueError) as exc:
             why = str(exc)
     if why is not None:
+        if plan.network == "none":
+            raise IsolationUnavailable(f"--network none: no pod, which alone gives it: {why}")
         if plan.policy == "strict":
             raise IsolationUnavailable(f"--isolation strict: pod: {why}")
         plan.missing["pod"] = why
@@ -102,6 +120,19 @@ def attach(plan: IsolationPlan, home: str, task: str) -> None:
     missing = podns.key_filter_missing()
     if missing is not None:
         plan.missing["keys"] = missing
+
+
+NO_NETWORK_NAMESPACE = (
+    "--network none was asked for, but --isolation none builds no namespace: the command's "
+    "network is the host's"
+)
+
+
+def _no_pod_why(plan: IsolationPlan) -> str:
+    """Why a plan without a mount namespace has no pod (its `missing` says)."""
+    return plan.missing.get(
+        "mount_namespace", "no mount namespace, so no pod, which alone gives it"
+    )
 
 
 # -- finding ----------------------------------------------------------------------------------
@@ -144,7 +175,7 @@ def ensure(home: str, task: str) -> dict[str, Any]:
     """The task's pod: found, else made (or made again) by a helper child."""
     _check_task(task)
     found = find(home, task)
-    if found is not None:
+    if found is not None and "net" in found:
         return found
     os.makedirs(_records(home), mode=0o700, exist_ok=True)
     result = in_helper(lambda: _make(home, task), f"making the pod of task {task}")
@@ -177,11 +208,21 @@ def _locked(path: str) -> Iterator[None]:
 
 def _make(home: str, task: str) -> dict[str, Any]:
     namespace = _pods_namespace(home)
+    unextended: str | None = None
     with _locked(os.path.join(_records(home), f"{task}.lock")):
         found = find(home, task)  # made meanwhile by another first session
-        if found is not None:
+        if found is not None and "net" in found:
             return found
         earlier = _read(_record_path(home, task))
+        if found is not None and earlier is not None:  # made before pods had a network
+            try:
+                net = podnet.add_namespace(pin_path(home), earlier)
+            except OSError as exc:
+                unextended = f"its network namespace could not be added to it: {exc}"
+            else:
+                extended = {**earlier, "net": net}
+                write_atomic(_record_path(home, task), marshal.dumps(extended))
+                return {**_public(extended, "found", None), "added": ADDED_NETWORK}
         made = {
             "v": RECORD_VERSION,
             "token": namespace["token"],
@@ -196,7 +237,9 @@ def _make(home: str, task: str) -> dict[str, Any]:
         write_atomic(_record_path(home, task), marshal.dumps(made))
     if earlier is None:
         return _public(made, "created", None)
-    if earlier.get("released"):
+    if unextended is not None:
+        lost = f"the pod was made before pods had a network namespace, and {unextended}"
+    elif earlier.get("released"):
         lost = "the task's pod was released (its task was closed)"
     else:
         lost = f"the pods namespace was made again: {namespace['why']}"
@@ -275,7 +318,8 @@ def describe(home: str, task: str) -> dict[str, Any] | None:
     """What the task's pod holds now, or None when it has none (never made, released, or lost
     with its pods namespace): its hostname; its SysV message queues (count, bytes), shared
     memory segments (count, bytes) and semaphore sets; its POSIX message queues (count, the
-    first names); and the keys of its keyring and of its uid 0 user keyring ("type:name"; the
+    first names); its network namespace's interfaces (`network`; None for a pod made before
+    pods had one); and the keys of its keyring and of its uid 0 user keyring ("type:name"; the
     keyring None where a command of the task revoked it). For a close to say what the pod held
     before it is released; costs a helper process."""
     _check_task(task)

@@ -8,7 +8,8 @@ setns into a mount namespace and unshare of a user namespace need one, and the c
 threads. A user namespace's full identity maps can only be written from the parent namespace,
 by another process: the pod's first process unshares and waits while the helper writes them.
 Must never leave the helper in another mount namespace than its own on return, nor a first
-process alive (it dies with the helper: PR_SET_PDEATHSIG).
+process alive (it dies with the helper: PR_SET_PDEATHSIG). About 400 lines: everything here
+runs in the helper's single-threaded process, and reads as one piece.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 
-from settled.boundary import linux, podns
+from settled.boundary import linux, podnet, podns
 
 TYPE_CHECKING = False  # the launcher imports this on every admission: no typing
 if TYPE_CHECKING:
@@ -194,7 +195,7 @@ def new_pods_namespace(root: str, pin: str) -> int:
 
 def make_pod(pin: str, task: str) -> dict[str, Any]:
     """The pod's first process makes its namespaces and keyring; this one writes its identity
-    maps, then binds its namespace files at /<task>/{user,ipc,uts} inside the pods namespace
+    maps, then binds its namespace files at /<task>/{user,ipc,uts,net} inside the pods namespace
     pinned at `pin` (what a crash left there first unmounted). Returns the directory, each
     namespace's inode and the keyring's serial."""
     to_child_r, to_child_w = os.pipe2(os.O_CLOEXEC)
@@ -208,26 +209,17 @@ def make_pod(pin: str, task: str) -> dict[str, Any]:
     os.close(to_parent_w)
     directory = f"/{task}"
     try:
-        _expect_line(to_parent_r, "unshared")
+        expect_line(to_parent_r, "unshared")
         for name in ("uid_map", "gid_map"):
             with open(f"/proc/{pid}/{name}", "w") as handle:
                 handle.write(IDENTITY_MAP)
         os.write(to_child_w, b"mapped\n")
-        serial = int(_expect_line(to_parent_r, "made").split()[1])
+        serial = int(expect_line(to_parent_r, "made").split()[1])
         fds = {
             n: os.open(f"/proc/{pid}/ns/{n}", os.O_RDONLY | os.O_CLOEXEC) for n in podns.NAMESPACES
         }
         try:
-            inodes = {n: os.fstat(fd).st_ino for n, fd in fds.items()}
-            with inside(pin):
-                clear(directory)
-                os.mkdir(directory, 0o700)
-                for name, fd in fds.items():
-                    target = f"{directory}/{name}"
-                    os.close(os.open(target, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o400))
-                    linux.mount(f"/proc/self/fd/{fd}", target, None, linux.MS_BIND)
-                    if os.stat(target).st_ino != inodes[name]:
-                        raise PodUnavailable(errno.EIO, f"{target}: the bind did not take")
+            inodes = bind_namespaces(pin, directory, fds, fresh=True)
         finally:
             for fd in fds.values():
                 os.close(fd)
@@ -238,15 +230,33 @@ def make_pod(pin: str, task: str) -> dict[str, Any]:
     return {"dir": directory, **inodes, "serial": serial}
 
 
-def _expect_line(fd: int, word: str) -> str:
-    line = _read_line(fd)
+def bind_namespaces(pin: str, directory: str, fds: dict[str, int], fresh: bool) -> dict[str, int]:
+    """Inside the pods namespace pinned at `pin`, bind each namespace (a descriptor of it, by
+    its name) at `<directory>/<name>`, the directory made anew when `fresh` (what a crash left
+    there first unmounted). Their inodes."""
+    inodes = {name: os.fstat(fd).st_ino for name, fd in fds.items()}
+    with inside(pin):
+        if fresh:
+            clear(directory)
+            os.mkdir(directory, 0o700)
+        for name, fd in fds.items():
+            target = f"{directory}/{name}"
+            os.close(os.open(target, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o400))
+            linux.mount(f"/proc/self/fd/{fd}", target, None, linux.MS_BIND)
+            if os.stat(target).st_ino != inodes[name]:
+                raise PodUnavailable(errno.EIO, f"{target}: the bind did not take")
+    return inodes
+
+
+def expect_line(fd: int, word: str) -> str:
+    line = read_line(fd)
     if not line.startswith(word):
         said = line[6:] if line.startswith("error ") else f"it said {line!r}"
         raise PodUnavailable(errno.EIO, f"the pod's first process failed: {said}")
     return line
 
 
-def _read_line(fd: int) -> str:
+def read_line(fd: int) -> str:
     data = b""
     while not data.endswith(b"\n"):
         chunk = os.read(fd, 4096)
@@ -258,22 +268,24 @@ def _read_line(fd: int) -> str:
 
 def _first_process(task: str, from_parent: int, to_parent: int) -> None:
     """The pod's first process (never returns): a user namespace, then (once the helper wrote
-    its maps) IPC and UTS namespaces owned by it, the hostname, and the task's keyring, made as
+    its maps) IPC, UTS and network namespaces owned by it, the hostname, the loopback up
+    (podnet.py), and the task's keyring, made as
     its session keyring (podns.make_task_keyring); the namespace's user keyrings then lose
     their "user" bits."""
     try:
         linux.prctl(linux.PR_SET_PDEATHSIG, SIGKILL)
         linux.unshare(linux.CLONE_NEWUSER)
         os.write(to_parent, b"unshared\n")
-        if _read_line(from_parent) != "mapped":
+        if read_line(from_parent) != "mapped":
             os._exit(1)
-        linux.unshare(linux.CLONE_NEWIPC | linux.CLONE_NEWUTS)
+        linux.unshare(linux.CLONE_NEWIPC | linux.CLONE_NEWUTS | linux.CLONE_NEWNET)
         linux.sethostname(task)
+        podnet.loopback_up()
         serial = podns.make_task_keyring(podns.keyring_name(task))
         for keyring in (podns.KEY_SPEC_USER_KEYRING, podns.KEY_SPEC_USER_SESSION_KEYRING):
             linux.keyctl(podns.KEYCTL_SETPERM, keyring, podns.USER_KEYRING_PERM)
         os.write(to_parent, b"made %d\n" % serial)
-        _read_line(from_parent)  # EOF: the helper has bound the namespaces
+        read_line(from_parent)  # EOF: the helper has bound the namespaces
     except BaseException as exc:
         with contextlib.suppress(OSError):
             os.write(to_parent, f"error {exc}\n".encode("utf-8", "replace"))
@@ -297,19 +309,25 @@ def clear(directory: str) -> None:
 def contents(pin: str, pod: dict[str, Any], scratch: str) -> dict[str, Any]:
     """In the helper: what `pod` (as podhost records it) holds: its SysV IPC objects and POSIX
     message queues (its IPC namespace joined; the queues listed on an mqueue filesystem mounted
-    on the empty directory `scratch` in a mount namespace of the helper's own), its hostname, and
+    on the empty directory `scratch` in a mount namespace of the helper's own), its hostname,
+    its network namespace's interfaces (None for a pod made before pods had one), and
     its keys (in its user namespace, its keyring joined as the helper's session keyring). Leaves
     the helper inside the pod: it exits after."""
     directory, keyring, serial = pod["dir"], pod["keyring"], pod["serial"]
+    names = [n for n in podns.NAMESPACES if n in pod]  # a pod made before pods had "net"
     with inside(pin):
-        fds = {n: os.open(f"{directory}/{n}", os.O_RDONLY | os.O_CLOEXEC) for n in podns.NAMESPACES}
+        fds = {n: os.open(f"{directory}/{n}", os.O_RDONLY | os.O_CLOEXEC) for n in names}
     linux.setns(fds["ipc"], linux.CLONE_NEWIPC)
     linux.setns(fds["uts"], linux.CLONE_NEWUTS)
     held: dict[str, Any] = {
         "hostname": os.uname().nodename,
         "sysv": _sysv(),
         "posix": _mqueues(scratch),
+        "network": None,
     }
+    if "net" in fds:
+        linux.setns(fds["net"], linux.CLONE_NEWNET)
+        held["network"] = {"interfaces": podnet.interfaces()}
     linux.setns(fds["user"], linux.CLONE_NEWUSER)
     joined = linux.keyctl_name(podns.KEYCTL_JOIN_SESSION_KEYRING, keyring)
     kept = joined == serial or _permissions(joined) == podns.KEYRING_PERM

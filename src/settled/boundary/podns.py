@@ -1,31 +1,37 @@
-"""A task is a pod: its own user, IPC and UTS namespaces and session keyring, which every session
-of the task joins and no other task's does.
+"""A task is a pod: its own user, IPC, UTS and network namespaces and session keyring, which
+every session of the task joins (the network namespace: with `--network none`) and no other
+task's does.
 
 What the pod gives (docs/TRUST.md): a command's SysV IPC objects and POSIX message queues live in
 its task's IPC namespace, its hostname is its task's id (its UTS namespace), and its keys live in
 its task's keyrings: the session keyring every session of the task joins, and the user keyrings
-of its task's user namespace. Another task's command sees none of it; the task's next session,
-and a concurrent one, see all of it.
+of its task's user namespace. With `--network none` its network is its task's loopback and
+nothing else (podnet.py). Another task's command sees none of it; the task's next session, and a
+concurrent one, see all of it.
 
 The user namespace maps every uid and gid to itself, so uid 0 inside is uid 0 outside, files keep
 their owners, and `--user UID` means the same uid. What changes is where capabilities hold: a
-command's capabilities are over its pod's namespaces only, never over its mount, PID, cgroup or
-network namespaces, which the host's user namespace owns (so no capability over its own view at
-all; and, measured here, no raw or ICMP socket and no port below 1024 in the host's network
-namespace either). Since uids are shared, the kernel's "user" permission bits of a key grant
-across pods: a seccomp filter refuses every KEYCTL_SETPERM that grants a bit to anyone but the
-key's possessor, KEYCTL_CHOWN, and KEYCTL_JOIN_SESSION_KEYRING (which makes keyrings readable
-and linkable by their uid), so no command opens a key to another task; the pod's own keyrings are
-made with no "user" bits but the search its sessions' join needs.
+command's capabilities are over its pod's namespaces only, never over its mount, PID or cgroup
+namespaces, which the host's user namespace owns (so no capability over its own view at all),
+nor over the host's network namespace with `--network host` (measured here: no raw or ICMP
+socket and no port below 1024 there); with `--network none` they hold over its task's network
+namespace, so ports below 1024 and raw sockets work on its loopback.
+
+Since uids are shared, the kernel's "user" permission bits of a key grant across pods: a seccomp
+filter refuses every KEYCTL_SETPERM that grants a bit to anyone but the key's possessor,
+KEYCTL_CHOWN, and KEYCTL_JOIN_SESSION_KEYRING (which makes keyrings readable and linkable by
+their uid), so no command opens a key to another task; the pod's own keyrings are made with no
+"user" bits but the search its sessions' join needs.
 
 This module owns the init's half, which runs in a PID namespace's init (or the forked child of
 a boundary without one): a single-threaded process with every capability in the host's user
 namespace, on the owner's launch path (os, sys and linux only). In order, around the view
 (`around_view`): `open_namespaces` before the mount namespace is unshared (the pod's namespace
 files are reached inside the home's "pods" mount namespace, and checked by inode against the
-plan), `join_before_view` (IPC, UTS), the view, then `join_after_view` (the user namespace, which
-gives a full capability set inside it, so the privileges are dropped after; the task's keyring
-as the session keyring; the key filter). Every step succeeds or the command never starts.
+plan), `join_before_view` (IPC, UTS, and the network for `--network none`), the view, then
+`join_after_view` (the user namespace, which gives a full capability set inside it, so the
+privileges are dropped after; the task's keyring as the session keyring; the key filter).
+Every step succeeds or the command never starts.
 
 The host's half (finding, making, describing and releasing pods: podhost.py, podmake.py) is
 loaded only when called: `ensure`, `describe`, `release`, `release_home`. Never decides
@@ -47,7 +53,7 @@ if TYPE_CHECKING:
 
     from settled.boundary.isolation import IsolationPlan
 
-NAMESPACES: Final = ("user", "ipc", "uts")
+NAMESPACES: Final = ("user", "ipc", "uts", "net")  # net: joined for --network none only
 
 KEYCTL_GET_KEYRING_ID: Final = 0
 KEYCTL_JOIN_SESSION_KEYRING: Final = 1
@@ -114,7 +120,12 @@ def open_namespaces(pod: dict[str, Any]) -> Joining:
     """Open the pod's namespace files, which exist only inside the home's pods mount namespace:
     enter it (pinned at `pod["pin"]`), open each and check it is the namespace the plan names
     (by inode), and come back through a descriptor of this process's own namespace opened
-    first. Raises OSError naming what is not as the plan says (the command never starts)."""
+    first. The network namespace only when the plan's network is "none" (`pod["network"]`, set
+    with the plan's by podhost.attach). Raises OSError naming what is not as the plan says (the
+    command never starts)."""
+    names = NAMESPACES if pod.get("network") == "none" else NAMESPACES[:3]
+    if "net" in names and "net" not in pod:
+        raise OSError(errno.ESTALE, f"pod {pod['hostname']} has no network namespace")
     own = os.open("/proc/self/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
     fds: dict[str, int] = {}
     try:
@@ -125,7 +136,7 @@ def open_namespaces(pod: dict[str, Any]) -> Joining:
         finally:
             os.close(pods)
         try:
-            for name in NAMESPACES:
+            for name in names:
                 path = f"{pod['dir']}/{name}"
                 fds[name] = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
                 _expect(fds[name], pod[name], f"{name} namespace of pod {pod['hostname']}")
@@ -148,10 +159,12 @@ def _expect(fd: int, inode: int, what: str) -> None:
 
 
 def join_before_view(joining: Joining) -> None:
-    """The pod's IPC and UTS namespaces (their owner, the pod's user namespace, is a child of
-    this process's: its capabilities hold there)."""
+    """The pod's IPC and UTS namespaces, and its network namespace when opened (their owner,
+    the pod's user namespace, is a child of this process's: its capabilities hold there)."""
     linux.setns(joining.fds["ipc"], linux.CLONE_NEWIPC)
     linux.setns(joining.fds["uts"], linux.CLONE_NEWUTS)
+    if "net" in joining.fds:
+        linux.setns(joining.fds["net"], linux.CLONE_NEWNET)
 
 
 def join_after_view(joining: Joining) -> None:

@@ -286,6 +286,11 @@ def protections(isolation: dict[str, Any] | None) -> tuple[list[str], dict[str, 
         held.append("bounding set of " + ", ".join(isolation["capabilities"]))
     if isolation.get("no_new_privs"):
         held.append("no_new_privs")
+    network = (isolation.get("network") or {}).get("mode")
+    if network == "none":
+        held.append("its task's own network namespace: loopback only")
+    elif network == "host":
+        held.append("the host's network, granted (--network host)")
     held.append(f"uid {isolation.get('uid')} gid {isolation.get('gid')}")
     return held, dict(isolation.get("missing", {}))
 

@@ -51,6 +51,7 @@ if TYPE_CHECKING:
     from typing import Any
 
 ORDERS_VERSION = 1
+SANDBOX_NETWORK = "the sandbox's network, which settled neither builds nor checks"
 CD_AND_EXEC = 'cd -- "$0" && exec "$@"'  # an enter may start in the sandbox's root
 
 
@@ -80,7 +81,8 @@ def isolation_facts(plan: IsolationPlan, sandbox: dict[str, Any] | None) -> dict
     """The plan as recorded and receipted, naming the sandbox the command ran inside."""
     if sandbox is None:
         return plan.to_json()
-    return {**plan.to_json(), "sandbox": sandbox}
+    network = {"mode": "host", "namespace": "the sandbox's", "shared": SANDBOX_NETWORK}
+    return {**plan.to_json(), "sandbox": sandbox, "network": network}
 
 
 _BACKEND_DIRS: dict[str, tuple[str, ...]] = {}
@@ -135,7 +137,13 @@ class Prepared:
         """What the command may see and do, from facts checked here: this process's
         capabilities (the owner's are the same: it is this process's child, or its
         zygote's), every task's workspace, the paths a server asked to hide."""
+        network = getattr(self.spec, "network", "host")
         if self.sandbox is not None:
+            if network != "host":
+                raise IsolationUnavailable(
+                    f"--network {network}: the command runs inside sandbox "
+                    f"{self.sandbox['sandbox']}, whose network settled does not build"
+                )
             return IsolationPlan(
                 self.spec.isolation, no_new_privs=False,
                 missing={"all": f"the command runs inside sandbox {self.sandbox['sandbox']} "
@@ -168,6 +176,7 @@ class Prepared:
             pod_dirs=pod_dirs,
             command_home=dict(self.spec.env).get("HOME"),
         )
+        plan.network = network  # joined by the init, with the pod (podhost.attach, podnet)
         podhost.attach(plan, self.home, self.record.task)
         return plan
 
