@@ -823,9 +823,11 @@ class Runtime:
     def _close_join(
         self, task: str, final: str | None = None, deadline: float | None = None
     ) -> CloseJoin:
+        from settled.boundary.pod import LocalPods
         from settled.close.join import CloseJoin
 
-        return CloseJoin(self.store, self.workspace, self.sessions, task, final, deadline)
+        pods = LocalPods(self.home)
+        return CloseJoin(self.store, self.workspace, self.sessions, task, final, deadline, pods)
 
     @_on_disk("recover")
     def recover(self, task: str | None = None) -> list[dict[str, Any]]:
@@ -858,7 +860,8 @@ class Runtime:
     @_on_disk("task destroy")
     def destroy_task(self, task: str) -> dict[str, Any]:
         """Destroy the task's sandbox: evidence for every session inside it. Sessions outside
-        any sandbox (subreaper, pgroup) stay unknown."""
+        any sandbox (subreaper, pgroup) stay unknown. The task's pod namespaces end with it
+        (its IPC objects, keys and loopback); its pod directories stay until it closes."""
         record = self.store.get_task(grammar.check_id("task", task))
         if record.host not in (None, self.host) and self.sandbox.name != "local":
             return self._destroy_elsewhere(record)
@@ -870,6 +873,10 @@ class Runtime:
         results = self.recovery.recover(
             task, source="sandbox-destroyed", evidence=destroyed.evidence
         )
+        if self.sandbox.name == "local":  # its processes are dead: so are its namespaces now
+            from settled.boundary.pod import LocalPods
+
+            LocalPods(self.home).release_namespaces(task)
         reported = {result["session"] for result in results}
         for was_live in (s for s in sessions if s.live and s.session not in reported):
             # settled meanwhile by its own owner or a racing destroy: say what it is now

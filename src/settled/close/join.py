@@ -12,6 +12,7 @@ again only when another close may have moved them (``_after``).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from collections.abc import Callable
@@ -85,6 +86,15 @@ class Workspace(Protocol):
     def release(self, task: TaskRecord) -> None: ...
 
 
+class Pod(Protocol):
+    """The task's pod (boundary/pod.py): its own /tmp, /var/tmp, /dev/shm and HOME and its
+    namespaces, which no checkpoint covers. The close says what they held, then ends them."""
+
+    def held(self, task: str) -> dict[str, Any] | None: ...
+
+    def release(self, task: str) -> None: ...
+
+
 StepFunction = Callable[["CloseJoin", CloseFacts], dict[str, Any]]
 
 
@@ -97,8 +107,9 @@ class CloseJoin:
         task: str,
         final: str | None = None,
         deadline: float | None = None,
+        pod: Pod | None = None,
     ) -> None:
-        self.store, self.workspace, self.sessions = store, workspace, sessions
+        self.store, self.workspace, self.sessions, self.pod = store, workspace, sessions, pod
         self.task, self.final = task, final
         self.deadline = DEFAULT_DEADLINE_S if deadline is None else deadline
 
@@ -120,6 +131,7 @@ class CloseJoin:
                     # close recorded, parsed, which is what reading the store back returns
                     # (~0.9 ms for every session and step); never this close's own dict
                     outcome = json.loads(canonical_bytes(outcome))
+                self._end_pod()  # also a close that crashed after recording its outcome
                 return CloseResult(True, outcome["receipt"], None)
             if isinstance(decision, Blocked):
                 return CloseResult(False, None, decision.to_json())
@@ -254,6 +266,9 @@ class CloseJoin:
                     k: v for k, v in facts.steps["final_scan"].items() if k != "index_ref"
                 },
                 "checkpoint": checkpoint,
+                # what the task's own /tmp, HOME and namespaces held, outside the checkpoint,
+                # now that nothing of the task can run (discarded once this is recorded)
+                "pod": self.pod.held(self.task) if self.pod is not None else None,
                 "fence": facts.steps["fenced"],
                 "outcome": {
                     "complete": True,
@@ -267,6 +282,13 @@ class CloseJoin:
         )
         self.workspace.release(facts.task)  # then recorded with the task's complete
         return {"receipt": receipt}
+
+    def _end_pod(self) -> None:
+        """Release the task's pod once its outcome is recorded; a pod that cannot be released
+        now is not the close's failure (the receipt stands), and a later close releases it."""
+        if self.pod is not None:
+            with contextlib.suppress(Exception):
+                self.pod.release(self.task)
 
 
 def _recorded_with(name: str, facts: CloseFacts) -> dict[str, Any]:
