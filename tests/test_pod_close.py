@@ -92,3 +92,18 @@ def test_task_destroy_ends_the_pods_namespaces_and_keeps_its_files_until_close(
     assert rt.read(admission.session, "stdout") == b"kept\n0\n"
     receipt = rt.store.get_session(admission.session).receipt
     assert receipt is not None and receipt["isolation"]["pod"]["state"] == "recreated"
+
+
+def test_a_home_whose_tasks_are_all_closed_keeps_no_mount(rt: Runtime, tmp_path: Path) -> None:
+    (tmp_path / "one").mkdir()
+    (tmp_path / "two").mkdir()
+    one, two = rt.new_task(str(tmp_path / "one")), rt.new_task(str(tmp_path / "two"))
+    run(rt, one, "true")
+    run(rt, two, "true")
+    pin = podhost.pin_path(rt.home)
+    assert rt.close_task(one.task).complete
+    assert podhost.mounts(rt.home), "task two still holds its pod: the namespace stays"
+    assert rt.close_task(two.task).complete
+    assert podhost.mounts(rt.home) == []
+    with open("/proc/self/mountinfo") as handle:
+        assert not [line for line in handle if rt.home in line.split()[4]], pin

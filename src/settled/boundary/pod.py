@@ -68,12 +68,14 @@ class LocalPods:
         for a pod that is released and whose directories are gone)."""
         if podhost.find(self.home, task) is not None:
             podhost.release(self.home, task)
+            podhost.release_home_if_idle(self.home)  # no mount outlives the home's last pod
         poddirs.remove(self.home, task)
 
     def release_namespaces(self, task: str) -> None:
         """End the pod's namespaces only (`task destroy`: its processes are dead, but the task
         and its files stay until it is closed)."""
         podhost.release(self.home, task)
+        podhost.release_home_if_idle(self.home)
 
 
 def _directories(home: str, task: str) -> dict[str, Any] | None:

@@ -54,6 +54,7 @@ if TYPE_CHECKING:
 PODS_ENV = "SETTLED_PODS"  # "off": no pod (what bench/pods.py compares a pod against)
 RECORDS = "pods"  # <home>/run/pods: the pin, the records, the locks, the pods namespace's root
 PIN_NAME = "pods.mnt"
+USE_LOCK = "use.lock"  # shared while a pod is made; exclusive to let the namespace go
 RECORD_VERSION = 1
 ADDED_NETWORK = (
     "a network namespace, made now: the pod was made before pods had one; its user, IPC and "
@@ -63,6 +64,7 @@ TASK_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")  # a hostname's lengt
 
 __all__ = [
     "PodUnavailable", "attach", "describe", "ensure", "find", "mounts", "release", "release_home",
+    "release_home_if_idle",
 ]  # fmt: skip
 
 
@@ -207,6 +209,11 @@ def _locked(path: str) -> Iterator[None]:
 
 
 def _make(home: str, task: str) -> dict[str, Any]:
+    with _using(home):  # the pods namespace is not let go while a pod is made in it
+        return _make_in(home, task)
+
+
+def _make_in(home: str, task: str) -> dict[str, Any]:
     namespace = _pods_namespace(home)
     unextended: str | None = None
     with _locked(os.path.join(_records(home), f"{task}.lock")):
@@ -297,6 +304,50 @@ def _release_inside(home: str, task: str) -> dict[str, Any]:
     with inside(pin_path(home)):
         podmake.clear(f"/{task}")
     return {}
+
+
+@contextlib.contextmanager
+def _using(home: str) -> Iterator[None]:
+    """A shared flock on the home's `use.lock`: held while a pod is made, so that
+    `release_home_if_idle` (which takes it exclusively) never unpins a namespace in use."""
+    fd = os.open(
+        os.path.join(_records(home), USE_LOCK), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600
+    )
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        yield
+    finally:
+        os.close(fd)
+
+
+def release_home_if_idle(home: str) -> bool:
+    """Unpin the home's pods namespace once no task holds a pod in it (every record of the
+    current namespace released: its tasks closed or destroyed), so that a home whose tasks are
+    all closed keeps no mount and can be removed like any directory; the next pod makes a new
+    namespace. False, and nothing done, while a pod is being made or one is still held."""
+    records = _records(home)
+    if not os.path.isdir(records) or pinned(pin_path(home)) is None:
+        return False
+    fd = os.open(os.path.join(records, USE_LOCK), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False  # a pod is being made: the namespace is in use
+        current = _current(home)
+        for name in os.listdir(records):
+            record = _read(os.path.join(records, name)) if name.endswith(".pod") else None
+            if (
+                record is not None
+                and not record.get("released")
+                and current is not None
+                and record.get("token") == current.get("token")
+            ):
+                return False
+        release_home(home)
+        return True
+    finally:
+        os.close(fd)
 
 
 def release_home(home: str) -> None:
