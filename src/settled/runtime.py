@@ -385,6 +385,15 @@ class Runtime:
 
         stop(journal_socket(self.home))
 
+    def release_pods(self) -> None:
+        """Let go of every pod of this home (its pods namespace unpinned: each pod ends with
+        its last session): for a caller that made a home for a moment and removes it whole
+        (`settled probe`, `settled soak`). A task still open gets a new pod at its next
+        session, and its receipt says the earlier one was lost."""
+        from settled.boundary import podhost
+
+        podhost.release_home(self.home)
+
     def _last_words(self, session: str) -> dict[str, Any] | None:
         from settled.owner.last_words import read_last_words
 

@@ -152,6 +152,7 @@ class LocalBackend:
             return
         try:
             self.rt.stop_journal()
+            self.rt.release_pods()
         finally:
             self.rt.close()
             shutil.rmtree(self.rt.home, ignore_errors=True)

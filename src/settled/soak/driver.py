@@ -233,6 +233,7 @@ class Run:
         ended: dict[str, Any] = {"destroyed_tasks": 0, "cgroups_left": []}
         with contextlib.suppress(Exception), Runtime(self.home) as rt:
             ended.update(_destroy_open_tasks(rt))
+            rt.release_pods()  # its home is removed whole: no mount may stay
         if self.standing is not None:
             self.standing.stop()
         swept = procs.sweep(self.mark)
