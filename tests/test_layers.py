@@ -33,6 +33,8 @@ FOUNDATION = {
     "settled.identity",
     "settled.isolated",
     "settled.localdb",
+    "settled.nothreads",
+    "settled.oomguard",
     "settled.receipts",
     "settled.records",
     "settled.render",
@@ -49,6 +51,7 @@ FACE_NEUTRAL = {
     "settled.faults",  # a face's own named fault points (the server's): a name and a crash
     "settled.grammar",
     "settled.identity",
+    "settled.oomguard",  # a server's own oom_score_adj: one write to /proc/self
     "settled.records",
     "settled.render",
     "settled.states",

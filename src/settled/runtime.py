@@ -262,6 +262,20 @@ def _check_isolation(spec: CommandSpec, kind: str) -> None:
         raise BadInput(str(exc)) from None
 
 
+def _check_limits(spec: CommandSpec) -> None:
+    """Refuse, before recording, a limit asked for explicitly that this host cannot enforce
+    (its controller is missing) or that is out of range (boundary/limits.py). Read with
+    getattr until the spec's fields exist."""
+    from settled.boundary import limits
+
+    explicit = {name: getattr(spec, name, None) for name in limits.LIMITS}
+    if all(value is None for value in explicit.values()):
+        return
+    why = limits.refusal(explicit)
+    if why is not None:
+        raise BadInput(why)
+
+
 def _check_sandbox(spec: CommandSpec, task: TaskRecord, provider: str) -> bool:
     """Whether the command will run through the task's sandbox's enter prefix; refuses what
     settled could not then honour (its own isolation, a uid, a granted path) and a task whose
@@ -629,6 +643,7 @@ class Runtime:
         kind = boundaries.choose(spec.boundary, pid_namespace=not entered)
         if not entered:
             _check_isolation(spec, kind)
+        _check_limits(spec)
         key = key or new_key()
         while True:
             existing = self.store.find_session(task, key)

@@ -17,7 +17,7 @@ import time
 from abc import ABC, abstractmethod
 
 from settled.boundary import procfs
-from settled.boundary.spawn import fork_exec
+from settled.boundary.spawn import await_exec, child_prepare, exec_in_child, fork_exec
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -106,8 +106,25 @@ class Boundary(ABC):
         `birth_cgroup()` (clone3); otherwise it joins that cgroup here, first."""
 
     def start(self, launch: Launch) -> int:
-        self.main_pid, self._pidfd = fork_exec(launch, self.prepare_child, self.birth_cgroup())
+        if launch.placer is None:
+            self.main_pid, self._pidfd = fork_exec(launch, self.prepare_child, self.birth_cgroup())
+            return self.main_pid
+        errpipe_r, errpipe_w = os.pipe2(os.O_CLOEXEC)
+        try:
+            pid, pidfd = launch.placer.place(self, launch, errpipe_w, -1)
+        except BaseException:
+            os.close(errpipe_r)
+            raise
+        finally:
+            os.close(errpipe_w)
+        self.main_pid, self._pidfd = await_exec(pid, pidfd, errpipe_r)
         return self.main_pid
+
+    def run_child(self, launch: Launch, errpipe: int, status: int, placed: bool) -> None:
+        """The child's life, in the process a placer cloned (never returns): its first steps
+        (prepare_child), its view, privileges and exec. `status`: unused here (a PID
+        namespace's init reports its command's status on it)."""
+        exec_in_child(launch, errpipe, child_prepare(self.prepare_child, launch, placed))
 
     def exit_fd(self) -> int:
         """Readable once the main process has exited."""

@@ -18,6 +18,7 @@ import os
 from settled.boundary import linux, mountview, procfs, unavailable
 from settled.boundary.base import Boundary, Evidence
 from settled.boundary.spawn import (
+    child_prepare,
     fail_to_parent,
     fork_into,
     placement_failed,
@@ -126,6 +127,16 @@ class PidnsBoundary(Boundary):
         self._status_r: int | None = None
         self._init_status: int | None = None
 
+    def run_child(self, launch: Launch, errpipe: int, status: int, placed: bool) -> None:
+        """Pid 1's life, in the process cloned into the namespace (never returns); named
+        settled-init (a placer's clone would show as settled-placer)."""
+        try:
+            with open("/proc/self/comm", "wb") as handle:
+                handle.write(b"settled-init")
+        except OSError:
+            pass
+        _run_init(launch, errpipe, status, child_prepare(self.prepare_child, launch, placed))
+
     @property
     def ref(self) -> str | None:
         if self.init_pid is None:
@@ -144,16 +155,24 @@ class PidnsBoundary(Boundary):
         errpipe_r, errpipe_w = os.pipe2(os.O_CLOEXEC)
         status_r, status_w = os.pipe2(os.O_CLOEXEC)
         cgroup = self.birth_cgroup()
-        try:
-            pid, pidfd, placed = fork_into(cgroup, new_pid_namespace=True)
-        except OSError as exc:
-            for fd in (errpipe_r, errpipe_w, status_r, status_w):
-                os.close(fd)
-            raise placement_failed(exc, cgroup) from None
-        if pid == 0:
-            os.close(errpipe_r)
-            os.close(status_r)
-            _run_init(launch, errpipe_w, status_w, lambda: self.prepare_child(placed))
+        if launch.placer is not None:  # the placer clones init (placer.py), as our child
+            try:
+                pid, pidfd = launch.placer.place(self, launch, errpipe_w, status_w)
+            except BaseException:
+                for fd in (errpipe_r, errpipe_w, status_r, status_w):
+                    os.close(fd)
+                raise
+        else:
+            try:
+                pid, pidfd, placed = fork_into(cgroup, new_pid_namespace=True)
+            except OSError as exc:
+                for fd in (errpipe_r, errpipe_w, status_r, status_w):
+                    os.close(fd)
+                raise placement_failed(exc, cgroup) from None
+            if pid == 0:
+                os.close(errpipe_r)
+                os.close(status_r)
+                self.run_child(launch, errpipe_w, status_w, placed)
         os.close(errpipe_w)
         os.close(status_w)
         self.init_pid = pid

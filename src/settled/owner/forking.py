@@ -49,11 +49,15 @@ def preload() -> None:
     import settled.owner.main  # imported once, before any fork
     import settled.owner.session  # what the owner loads once its command runs
     import settled.workspace.journal.client  # noqa: F401 - the owner's barrier client, likewise
-    from settled import boundary, store
-    from settled.boundary import linux, spawn
+    from settled import boundary, oomguard, store
+    from settled.boundary import limits, linux, spawn
+    from settled.boundary import placer as _placer  # noqa: F401 - every owner forks one
 
     store.load_implementation()  # the store the owner opens, likewise
     boundary.preload()  # the boundary it makes, likewise
+    limits.controllers()  # where each limit is enforced: probed once here, for every fork
+    limits.defaults()  # the host's defaults, likewise
+    oomguard.protect_self()  # the zygote, and so every owner it forks, where it can
 
     linux.capget()  # libc loaded once here, not in every owner that isolates its command
     spawn.clone3_missing()  # probed once here (ctypes' PyDLL handle with it)
@@ -190,9 +194,14 @@ def _serve_as_spare(home: str, sock: socket.socket) -> int:
     import select
     import socket
 
+    from settled.boundary import spawn
+    from settled.boundary.placer import Placer
     from settled.owner.main import run_session
     from settled.store import open_store
 
+    if spawn.clone3_missing() is None:  # its owner's placer, forked now: it joins meanwhile
+        with contextlib.suppress(OSError):  # none: the owner forks one once asked
+            Placer.current = Placer.fork()
     store: Store | None = None
     poller = select.poll()
     poller.register(sock, select.POLLIN)
@@ -208,6 +217,8 @@ def _serve_as_spare(home: str, sock: socket.socket) -> int:
     if not message:
         if store is not None:
             store.close()
+        if Placer.current is not None:
+            Placer.current.remove()  # it placed nothing: it exits, its cgroups go
         return 0  # the zygote ended: nothing ran; its socket closes with this process
     sock.close()
     request: dict[str, Any] = marshal.loads(message)

@@ -21,9 +21,10 @@ import sys
 import time
 
 from settled import boundary as boundaries
-from settled import faults
+from settled import faults, nothreads, oomguard
 from settled.boundary import linux, procfs, spawn
 from settled.boundary.isolation import IsolationPlan
+from settled.boundary.placer import Placer
 from settled.boundary.spawn import ChildIO, Launch, SpawnFailed, spawn_via
 from settled.owner.last_words import LastWords
 
@@ -33,6 +34,7 @@ if TYPE_CHECKING:
     from typing import Any
 
     from settled.boundary.base import Boundary
+    from settled.boundary.walls import Walls
     from settled.log.flush import Flusher
     from settled.owner.early import EarlyDrain
     from settled.owner.lease import LeaseKeeper, Renew
@@ -54,12 +56,23 @@ LOG_SPLICE_ENV = "SETTLED_LOG_SPLICE"
 
 class Ahead:
     """What the launch needs that its orders do not decide, made while the launcher claims:
-    the output pipes, /dev/null for a command without stdin, libc and the clone3 probe."""
+    the placer (forked first, while this process is single-threaded, so that it joins the
+    session's v1 cgroups meanwhile: boundary/placer.py), the output pipes, /dev/null for a
+    command without stdin, libc, the clone3 probe and this owner's OOM protection."""
 
     def __init__(self) -> None:
+        self.placer: Placer | None = None
+        self.placer_failed: str | None = None  # why there is none where clone3 would need one
+        if spawn.clone3_missing() is None:
+            self.placer, Placer.current = Placer.current, None  # a spare's, forked ahead
+            if self.placer is None:
+                try:
+                    self.placer = Placer.fork()
+                except OSError as exc:  # EAGAIN, ENOMEM: the session is refused, at launch
+                    self.placer_failed = f"could not fork the placer: {exc}"
+        self.oom = oomguard.protect_self()
         self.pipes = output_pipes()
         self.devnull = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
-        spawn.clone3_missing()
         linux.capget()  # loads libc before the clone: the child only calls
 
     def close(self) -> None:
@@ -67,6 +80,9 @@ class Ahead:
             if fd >= 0:
                 os.close(fd)
         self.pipes, self.devnull = {}, -1
+        if self.placer is not None:  # never placed anything: it exits; its cgroups go
+            placer, self.placer = self.placer, None
+            placer.remove()
 
 
 def sealed_stdin(data_path: str) -> int:
@@ -158,8 +174,10 @@ class Launching:
         self.logs: dict[str, int] = {}  # created before the command, adopted by the session
         self.early: EarlyDrain | None = None
         self.session: OwnerSession | None = None
-        self.lease: LeaseKeeper | None = None  # started here only where threads come first
+        self.lease: LeaseKeeper | None = None  # started here, before the command
         self.flusher: Flusher | None = None  # likewise
+        self.walls: Walls | None = None  # the command's limits and their cgroups
+        self._placer: Placer | None = None  # the placer handed the launch, until it ran
         self.splice = os.environ.get(LOG_SPLICE_ENV) == "1" and log_out_of_reach(
             self.plan, given["sandbox"], given["boundary"]
         )
@@ -183,9 +201,10 @@ class Launching:
             boundary.discard()
             why = _storage_text(exc, self.home)
             return self._never_ran("not_started", "space", why, planned=False)
-        if self._threads_first(boundary):
-            self._start_lease()
-            self._start_early_drain()
+        # Every thread this owner will have, before its command exists (settled.nothreads):
+        # a fork storm may leave the host no task to give a thread started later.
+        self._start_lease()
+        self._start_early_drain()
         try:
             boundary.setup()
         except Exception as exc:  # the error module loads only if it is one of its errors
@@ -198,17 +217,12 @@ class Launching:
         faults.point("owner.after_boundary")
         return self._start(boundary)
 
-    def _threads_first(self, boundary: Boundary) -> bool:
-        """Where the command's PID namespace cannot be cloned, this process unshares one for its
-        children in `setup`, after which the kernel refuses it any thread: the lease keeper's
-        and the first drain's threads must come first, as the lease's always did."""
-        pid_namespace = boundary.kind in boundaries.PID_NAMESPACE_KINDS
-        return pid_namespace and spawn_via(boundary.birth_cgroup(), True) == "fork"
-
     def _start_lease(self) -> None:
-        """The lease keeper's and the log flusher's threads, started before the boundary: the
-        keeper connects (through the session, loaded once the command runs) only at the loop's
-        first request, and the flusher idles until the session attaches the logs."""
+        """The lease keeper's and the log flusher's threads, started before the boundary (a
+        process that unshared a PID namespace for its children, the fork path's, may start
+        none after) and the command: the keeper connects (through the session, loaded once the
+        command runs) only at the loop's first request, and the flusher idles until the
+        session attaches the logs."""
         from settled.log.flush import FLUSH_ENV, Flusher, flush_every
         from settled.owner.lease import (
             HEARTBEATS_PER_LEASE,
@@ -243,12 +257,15 @@ class Launching:
         started = time.monotonic()
         self.timings["spawned_at"] = time.time()  # the wall-clock twin of `started`
         try:
+            via = self._place(boundary, launch, via)
+            nothreads.refuse("the owner's command runs")  # every thread has started
             pid = boundary.start(launch)
         except SpawnFailed as exc:
             for fd in (stdin_fd, out_w, err_w):
                 os.close(fd)
             boundary.await_empty(5.0)
             boundary.teardown()
+            self._remove_walls()
             return self._never_ran("not_started", exc.stage, str(exc), pipes)
         # clone or fork, boundary, isolated view, privileges and exec, until exec succeeded
         self.timings["spawn_s"] = round(time.monotonic() - started, 6)
@@ -260,20 +277,64 @@ class Launching:
             state="running", owner_pid=os.getpid(), pid=pid, boundary=boundary.kind,
             ref=boundary.ref, start=start_time, spawn=via,
         )  # fmt: skip
-        if self.early is None:
-            self._start_early_drain(pipes)
         faults.point("owner.after_spawn")
         session = self._open_session()
         assert self.early is not None
         logs, self.logs = self.logs, {}
-        return session.supervise(boundary, pipes, logs, self.early, started, pid, start_time, via)
+        walls = self._walls(boundary)
+        return session.supervise(
+            boundary, pipes, logs, self.early, started, pid, start_time, via, walls
+        )
 
-    def _start_early_drain(self, pipes: dict[str, int] | None = None) -> None:
-        """Read both pipes in order from now until the session's drain takes over."""
+    def _place(self, boundary: Boundary, launch: Launch, via: str) -> str:
+        """How the command's first process will start inside its limits' cgroups: through the
+        placer, which joined the v1 ones ahead (`clone3`), or, on the fork path, by a child
+        that joins the cgroups made here itself (paying their migration on the launch path).
+        SpawnFailed (stage `limits`) when neither can be."""
+        placer, self.ahead.placer = self.ahead.placer, None
+        if placer is not None:
+            placer.limits = dict(self.orders.get("limits") or {})
+            launch.placer = placer
+            self._placer = placer
+            return "clone3"
+        if self.ahead.placer_failed is not None:
+            raise SpawnFailed("limits", 11, self.ahead.placer_failed)  # EAGAIN
+        walls = self._walls(boundary)
+        try:
+            launch.join = walls.make_for_fork()
+        except OSError as exc:
+            raise SpawnFailed("limits", exc.errno or 5, str(exc)) from None
+        return via
+
+    def _walls(self, boundary: Boundary) -> Walls:
+        if self.walls is None:
+            from settled.boundary.limits import owner_dir, v1_paths
+            from settled.boundary.walls import Walls
+
+            placer = self._placer
+            v1 = (
+                placer.made  # as the placer made them, with the owner's cgroup at its fork
+                if placer is not None
+                else v1_paths(owner_dir(os.getpid(), procfs.start_time(os.getpid())))
+            )
+            v2 = boundary.birth_cgroup() if boundary.hierarchy is not None else None
+            self.walls = Walls.from_orders(self.orders, v1, v2)
+        return self.walls
+
+    def _remove_walls(self) -> None:
+        """A command that never started: its placer is reaped, its v1 cgroups removed."""
+        placer, self._placer = self._placer, None
+        if placer is not None:
+            placer.remove()
+        elif self.walls is not None:
+            self.walls.remove()
+
+    def _start_early_drain(self) -> None:
+        """Read both pipes in order from the command's start until the session's drain takes
+        over: started before the command, with every other thread of this owner."""
         from settled.owner.early import EarlyDrain
 
-        if pipes is None:
-            pipes = {name: self.ahead.pipes[name] for name in ("stdout", "stderr")}
+        pipes = {name: self.ahead.pipes[name] for name in ("stdout", "stderr")}
         cap = os.environ.get("SETTLED_LOG_CAP")  # session.LOG_CAP_ENV, read without loading it
         logs = {name: self.logs[name] for name in pipes}
         self.early = EarlyDrain(pipes, logs, int(cap) if cap else None)
@@ -296,6 +357,7 @@ class Launching:
                 splice=self.splice,
                 store=store,
                 record=self.record,
+                oom=self.ahead.oom,
             )
         return self.session
 

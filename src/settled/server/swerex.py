@@ -433,5 +433,8 @@ def serve_swerex(
     """Serve SWE-ReX's protocol on uvicorn until interrupted (`settled serve --swerex`)."""
     import uvicorn
 
+    from settled import oomguard
+
     app = create_swerex_app(home, api_key, workspace or os.environ.get("SETTLED_SWEREX_WORKSPACE"))
+    oomguard.protect_self()  # never the kernel's choice under memory pressure, where it can
     uvicorn.run(app, host=host, port=port, log_level="warning")
