@@ -4,9 +4,8 @@ that start no thread or process once their command runs.
 
 Real processes and cgroups, as root. On this kind of hybrid host the controllers are v1 (the
 unified tree offers only hugetlb): the v2 path is tested where the unified hierarchy offers a
-controller, and skipped here with the reason. Explicit limits reach the owner through the
-launcher's orders (`handoff.asked_limits`, patched here until the faces take `--memory`,
-`--pids` and `--cpus`). Everything a test makes, it removes: `_no_limit_cgroup_left` checks.
+controller, and skipped here with the reason. Everything a test makes, it removes
+(`_no_limit_cgroup_left` checks the limits' cgroups).
 """
 
 from __future__ import annotations
@@ -16,7 +15,6 @@ import signal
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 from conftest import proc_files
@@ -57,21 +55,6 @@ def _no_limit_cgroup_left() -> Iterator[None]:
     while (_owner_dirs() - before) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not (_owner_dirs() - before), f"cgroups left: {_owner_dirs() - before}"
-
-
-@pytest.fixture
-def asked(monkeypatch: pytest.MonkeyPatch) -> Callable[[str, dict[str, Any]], None]:
-    """`asked(task, {"memory": ...})`: the explicit limits of that task's execs, through the
-    launcher's orders (the faces' flags are the lead's)."""
-    by_task: dict[str, dict[str, Any]] = {}
-    original = handoff.asked_limits
-
-    def patched(spec: CommandSpec, task: TaskRecord) -> tuple[dict[str, Any], dict[str, Any]]:
-        explicit, defaults = original(spec, task)
-        return {**explicit, **by_task.get(task.task, {})}, defaults
-
-    monkeypatch.setattr(handoff, "asked_limits", patched)
-    return lambda task, values: by_task.__setitem__(task, values)
 
 
 def _wait_until(predicate: Callable[[], object], timeout: float = 30.0) -> None:
@@ -130,9 +113,8 @@ def test_an_explicit_limit_the_host_cannot_enforce_is_refused_in_one_line(
     missing = {**limits.controllers(), "memory": {"version": None, "root": None,
                                                   "why": "no memory controller here"}}  # fmt: skip
     monkeypatch.setattr(limits, "controllers", lambda: missing)
-    monkeypatch.setattr(CommandSpec, "memory", 64 * MIB, raising=False)  # the lead's field
     with pytest.raises(BadInput) as refused:
-        rt.exec(task.task, shell="true", key="k")
+        rt.exec(task.task, shell="true", key="k", memory=64 * MIB)
     assert (
         str(refused.value) == "--memory cannot be enforced on this host: no memory controller here"
     )
@@ -186,16 +168,42 @@ def test_the_host_defaults_are_applied_to_the_sessions_cgroups_and_named(
     assert not any(Path(p).exists() for p in by_controller.values()), "removed with the session"
 
 
+def test_a_tasks_default_limit_applies_to_its_commands_and_an_execs_own_replaces_it(
+    rt: Runtime, tmp_path: Path
+) -> None:
+    _v1_or_skip()
+    (tmp_path / "ws").mkdir()
+    task = rt.new_task(str(tmp_path / "ws"), pids=100, cpus=1.5)
+    plain = rt.wait(rt.exec(task.task, shell="true", key="a").session, timeout=30)["receipt"]
+    own = rt.exec(task.task, shell="true", key="b", pids=50)
+    mine = rt.wait(own.session, timeout=30)["receipt"]
+    assert (plain["resources"]["pids"]["limit"], plain["resources"]["pids"]["source"]) == (
+        100,
+        "task",
+    )
+    assert (plain["resources"]["cpus"]["limit"], plain["resources"]["cpus"]["source"]) == (
+        1.5,
+        "task",
+    )
+    assert plain["resources"]["memory"]["source"] == "host"
+    assert (mine["resources"]["pids"]["limit"], mine["resources"]["pids"]["source"]) == (
+        50,
+        "explicit",
+    )
+    assert mine["resources"]["cpus"]["source"] == "task"
+    spec = CommandSpec.from_json(rt.store.get_session(own.session).spec)
+    assert handoff.asked_limits(spec, rt.store.get_task(task.task))[0] == {"pids": 50}
+
+
 def test_a_hog_under_a_memory_limit_is_killed_and_named_while_another_task_lives_on(
-    rt: Runtime, task: TaskRecord, tmp_path: Path, asked: Callable[[str, dict[str, Any]], None]
+    rt: Runtime, task: TaskRecord, tmp_path: Path
 ) -> None:
     _v1_or_skip()
     other_ws = tmp_path / "other"
     other_ws.mkdir()
     other = rt.new_task(str(other_ws))
-    asked(task.task, {"memory": 64 * MIB})
     bystander = rt.exec(other.task, shell="sleep 2; echo alive", key="b")
-    hog = rt.exec(task.task, argv=["tail", "/dev/zero"], key="h")  # one line, never ending
+    hog = rt.exec(task.task, argv=["tail", "/dev/zero"], key="h", memory=64 * MIB)  # one line
     receipt = rt.wait(hog.session, timeout=60)["receipt"]
     assert receipt["death"]["proven"] is True and receipt["death"]["source"] == "owner"
     assert receipt["exit"]["reason"] == "oom" and receipt["exit"]["signal"] == "KILL"
@@ -267,13 +275,12 @@ STORM = "f() { f | f & }; f; sleep 600"  # every process forks two, until the ke
 
 
 def test_a_fork_storm_under_a_pids_limit_ends_at_its_deadline_with_a_true_receipt(
-    rt: Runtime, task: TaskRecord, asked: Callable[[str, dict[str, Any]], None]
+    rt: Runtime, task: TaskRecord
 ) -> None:
     """The storm exhausts its session's pids.max; its owner, confined to no spare task at all,
     still stops it at the deadline, proves it dead and writes its receipt."""
     _v1_or_skip()
-    asked(task.task, {"pids": 64})
-    admission = rt.exec(task.task, shell=STORM, key="s", timeout=2.0, grace=0.5)
+    admission = rt.exec(task.task, shell=STORM, key="s", timeout=2.0, grace=0.5, pids=64)
     _wait_until(lambda: rt.store.get_session(admission.session).command_pid is not None)
     owner = rt.store.get_session(admission.session).owner
     assert owner is not None
@@ -292,12 +299,11 @@ def test_a_fork_storm_under_a_pids_limit_ends_at_its_deadline_with_a_true_receip
     assert 2.0 <= receipt["exit"]["elapsed_s"] < 10.0
 
 
-def test_a_cpu_limit_throttles_the_command(
-    rt: Runtime, task: TaskRecord, asked: Callable[[str, dict[str, Any]], None]
-) -> None:
+def test_a_cpu_limit_throttles_the_command(rt: Runtime, task: TaskRecord) -> None:
     _v1_or_skip()
-    asked(task.task, {"cpus": 0.1})
-    admission = rt.exec(task.task, shell="while :; do :; done", key="c", timeout=1.0, grace=0)
+    admission = rt.exec(
+        task.task, shell="while :; do :; done", key="c", timeout=1.0, grace=0, cpus=0.1
+    )
     receipt = rt.wait(admission.session, timeout=30)["receipt"]
     assert receipt["exit"]["reason"] == "timeout"
     cpus = receipt["resources"]["cpus"]
@@ -305,17 +311,26 @@ def test_a_cpu_limit_throttles_the_command(
     assert cpus["nr_throttled"] > 0 and cpus["throttled_s"] > 0
 
 
+@pytest.mark.parametrize(
+    ("fault", "why"),
+    [("placer.after_join:crash", "the placer"), ("placer.limits_write:eio", "writing")],
+)
 def test_a_placement_that_fails_never_starts_its_command_and_leaves_nothing(
-    rt: Runtime, task: TaskRecord, asked: Callable[[str, dict[str, Any]], None], marker: str
+    rt: Runtime,
+    task: TaskRecord,
+    marker: str,
+    monkeypatch: pytest.MonkeyPatch,
+    fault: str,
+    why: str,
 ) -> None:
-    """The kernel refuses the limit (a quota past cpu.cfs_quota_us's bound): the placer
-    says so, the session never starts, and no cgroup or process of it is left."""
+    """The placer dies after joining the session's cgroups, or the kernel refuses its limits:
+    the session never starts, and no cgroup or process of it is left."""
     _v1_or_skip()
-    asked(task.task, {"cpus": 1e9})
+    monkeypatch.setenv("SETTLED_FAULT", fault)  # the fresh owner's, and so its placer's
     admission = rt.exec(task.task, shell="echo never", key="p")
     receipt = rt.wait(admission.session, timeout=30)["receipt"]
     assert receipt["exit"]["reason"] == "not_started" and receipt["exit"]["stage"] == "limits"
-    assert "writing the limits" in receipt["exit"]["error"]
+    assert why in receipt["exit"]["error"]
     assert rt.read(admission.session, "stdout") == b""
     owner = rt.store.get_session(admission.session).owner
     assert owner is not None

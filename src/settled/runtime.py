@@ -263,12 +263,12 @@ def _check_isolation(spec: CommandSpec, kind: str) -> None:
 
 
 def _check_limits(spec: CommandSpec) -> None:
-    """Refuse, before recording, a limit asked for explicitly that this host cannot enforce
-    (its controller is missing) or that is out of range (boundary/limits.py). Read with
-    getattr until the spec's fields exist."""
+    """Refuse, before recording, a limit asked for (by the exec or its task) that this host
+    cannot enforce, its controller missing (boundary/limits.py), or below what a session's
+    first processes take (pids: the namespace's init and the command)."""
     from settled.boundary import limits
 
-    explicit = {name: getattr(spec, name, None) for name in limits.LIMITS}
+    explicit = {"memory": spec.memory, "pids": spec.pids, "cpus": spec.cpus}
     if all(value is None for value in explicit.values()):
         return
     why = limits.refusal(explicit)

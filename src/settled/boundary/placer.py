@@ -32,6 +32,7 @@ import marshal
 import os
 import sys
 
+from settled import faults
 from settled.boundary import limits, linux, procfs
 
 TYPE_CHECKING = False
@@ -238,6 +239,7 @@ def _serve(sock: Any, owner: int) -> None:
         limits.join(list(paths.values()))
     except OSError as exc:
         failure = f"limits:{exc.errno or 5}:placing the command in {exc.filename or paths}: {exc}"
+    faults.point("placer.after_join")
     from settled import boundary as boundaries
 
     boundaries.preload()  # what the child runs, loaded while the launch is awaited
@@ -260,6 +262,7 @@ def _place(sock: Any, given: dict[str, Any], fds: list[int], paths: dict[str, st
     from settled.boundary.spawn import ChildIO, Launch, fork_into
 
     try:
+        faults.point("placer.limits_write")
         limits.write_all(paths, "v1", given["limits"])
     except OSError as exc:
         return f"limits:{exc.errno or 5}:writing the limits: {exc}"

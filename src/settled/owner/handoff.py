@@ -165,11 +165,16 @@ class Prepared:
 
 
 def asked_limits(spec: CommandSpec, task: TaskRecord) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(the exec's own limits, the task's defaults), by limit name: read with getattr until
-    the spec's and the task's fields exist."""
-    explicit = {name: getattr(spec, name, None) for name in limits.LIMITS}
-    defaults = getattr(task, "limits", None) or {}
-    return explicit, {name: defaults.get(name) for name in limits.LIMITS}
+    """(the exec's own limits, the task's defaults), by limit name. The spec holds the limit
+    each exec runs under (its own, else its task's default: runtime.exec), so a value equal to
+    the task's default is counted as the task's."""
+    defaults = {name: (task.defaults or {}).get(name) for name in limits.LIMITS}
+    explicit = {
+        name: value
+        for name in limits.LIMITS
+        if (value := getattr(spec, name)) is not None and value != defaults[name]
+    }
+    return explicit, defaults
 
 
 def prepare(store: Store, home: str, session: str, launched_at: float) -> Prepared:
