@@ -24,6 +24,7 @@ import home_age
 import http_bench
 import isolation
 import kill
+import limits
 import load
 import objects_s3
 import plots
@@ -47,6 +48,7 @@ BENCHMARKS = {
     "receipt": receipt.run,
     "home_age": home_age.run,
     "isolation": isolation.run,
+    "limits": limits.run,
     "remote": remote.run,
     "objects_s3": objects_s3.run,
     "store_ops": store_ops.run,

@@ -271,7 +271,7 @@ def test_an_owner_starts_no_thread_or_process_after_its_command_started(
     assert receipt["output"]["drain"] == "complete"
 
 
-STORM = "f() { f | f & }; f; sleep 600"  # every process forks two, until the kernel refuses
+STORM = "f() { f | f & }; f; exec sleep 600"  # each forks two until refused; the main execs
 
 
 def test_a_fork_storm_under_a_pids_limit_ends_at_its_deadline_with_a_true_receipt(

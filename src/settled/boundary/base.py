@@ -109,22 +109,23 @@ class Boundary(ABC):
         if launch.placer is None:
             self.main_pid, self._pidfd = fork_exec(launch, self.prepare_child, self.birth_cgroup())
             return self.main_pid
-        errpipe_r, errpipe_w = os.pipe2(os.O_CLOEXEC)
-        try:
-            pid, pidfd = launch.placer.place(self, launch, errpipe_w, -1)
-        except BaseException:
-            os.close(errpipe_r)
-            raise
-        finally:
-            os.close(errpipe_w)
+        pid, pidfd, errpipe_r, status_r = launch.placer.place(launch)  # prepared for this
+        os.close(status_r)  # a PID namespace's init reports on it; this child execs
         self.main_pid, self._pidfd = await_exec(pid, pidfd, errpipe_r)
         return self.main_pid
 
     def run_child(self, launch: Launch, errpipe: int, status: int, placed: bool) -> None:
-        """The child's life, in the process a placer cloned (never returns): its first steps
+        """The child's life, in the process cloned for it (never returns): its first steps
         (prepare_child), its view, privileges and exec. `status`: unused here (a PID
         namespace's init reports its command's status on it)."""
         exec_in_child(launch, errpipe, child_prepare(self.prepare_child, launch, placed))
+
+    def placed_child(self) -> dict[str, bool]:
+        """What a placer's clone of this boundary's child does (placer.py, which imports no
+        boundary kind): `init`, the PID namespace's (pidns.run_init) or the command itself
+        (spawn.exec_in_child); `setpgid`, its prepare_child once placed (only a process
+        group's does anything then)."""
+        return {"init": False, "setpgid": False}
 
     def exit_fd(self) -> int:
         """Readable once the main process has exited."""

@@ -57,20 +57,61 @@ MIN_PIDS = 2  # the namespace's init and the command (the placer, reaped first, 
 V2_FILES = {"memory": "memory.max", "pids": "pids.max", "cpu": "cpu.max"}
 
 _FOUND: list[dict[str, dict[str, str | None]]] = []  # once per process (a zygote's: its forks')
+WALLS_ENV = "SETTLED_OWNER_WALLS"  # a fresh owner's: its launcher's answers, so it probes none
 
 
 def controllers() -> dict[str, dict[str, str | None]]:
     """{controller: {"version": "v2" | "v1" | None, "root": the `settled` directory or None,
     "why": why missing or None, "v2_why": why not v2, for one in v1}}, probed once per
-    process."""
+    process (a fresh owner takes its launcher's, from WALLS_ENV: same host, same cgroups)."""
     if not _FOUND:
-        _FOUND.append(_probe())
+        given = os.environ.get(WALLS_ENV)
+        _FOUND.append(_adopted(given) if given else _probe())
     return _FOUND[0]
+
+
+def exported() -> str:
+    """This process's answers (controllers and defaults) for a fresh owner's WALLS_ENV."""
+    lines = [
+        "\t".join((name, w["version"] or "", w["root"] or "", (w["why"] or "").replace("\t", " ")))
+        for name, w in controllers().items()
+    ]
+    found = defaults()
+    lines += [
+        "\t".join((kind, *("" if found[kind][n] is None else repr(found[kind][n]) for n in LIMITS)))
+        for kind in ("ceiling", "session")
+    ]
+    return "\n".join(lines)
+
+
+def _adopted(text: str) -> dict[str, dict[str, str | None]]:
+    found: dict[str, dict[str, str | None]] = {}
+    for line in text.split("\n"):
+        name, *fields = line.split("\t")
+        if name in CONTROLLERS:
+            version, root, why = fields
+            found[name] = {"version": version or None, "root": root or None, "why": why or None}
+        elif name in ("ceiling", "session") and not _DEFAULTS:
+            _GIVEN[name] = {n: _number_of(v) for n, v in zip(LIMITS, fields, strict=True)}
+    if len(_GIVEN) == 2:
+        _DEFAULTS.append(dict(_GIVEN))
+    return found
+
+
+_GIVEN: dict[str, dict[str, Any]] = {}
+
+
+def _number_of(text: str) -> int | float | None:
+    if not text:
+        return None
+    return float(text) if "." in text else int(text)
 
 
 def forget() -> None:
     """Probe again at the next ask (tests, after they changed the hierarchy)."""
     _FOUND.clear()
+    _DEFAULTS.clear()
+    _GIVEN.clear()
 
 
 def _probe() -> dict[str, dict[str, str | None]]:
@@ -232,6 +273,7 @@ _DEFAULTS: list[dict[str, dict[str, Any]]] = []
 
 def defaults() -> dict[str, dict[str, Any]]:
     """host_defaults() of this host, once per process."""
+    controllers()  # a fresh owner takes its launcher's defaults with its controllers
     if not _DEFAULTS:
         _DEFAULTS.append(host_defaults())
     return _DEFAULTS[0]
@@ -283,10 +325,10 @@ def v1_paths(name: str) -> dict[str, str]:
     }
 
 
-def make(paths: dict[str, str], ceiling: dict[str, Any] | None = None) -> list[str]:
-    """Create each session cgroup (and its `settled` parent, with the ceiling, when this makes
-    it); returns what it created. A session cgroup that exists already is refused (EEXIST):
-    it is never shared. On failure removes what it made and raises OSError."""
+def make(paths: dict[str, str], *, ceiling: bool = True) -> list[str]:
+    """Create each session cgroup (and its `settled` parent, with the host's ceiling when
+    `ceiling`, if this makes it); returns what it created. A session cgroup that exists already
+    is refused (EEXIST): it is never shared. On failure removes what it made, raises OSError."""
     made: list[str] = []
     try:
         for controller, path in paths.items():
@@ -306,16 +348,14 @@ def make(paths: dict[str, str], ceiling: dict[str, Any] | None = None) -> list[s
     return made
 
 
-def _ensure_root(root: str, controller: str, ceiling: dict[str, Any] | None) -> None:
+def _ensure_root(root: str, controller: str, ceiling: bool) -> None:
     try:
         os.mkdir(root)
     except FileExistsError:
         return
-    if ceiling is not None:
+    if ceiling:
         version = "v2" if os.path.exists(os.path.join(root, "cgroup.controllers")) else "v1"
-        limit = ceiling.get({"memory": "memory", "pids": "pids", "cpu": "cpus"}[controller])
-        if limit is not None:
-            write(root, controller, version, limit)
+        write(root, controller, version, defaults()["ceiling"].get(_LIMIT_OF[controller]))
 
 
 def join(paths: list[str]) -> None:

@@ -118,6 +118,17 @@ def _run_init(
         os._exit(0)
 
 
+def run_init(launch: Launch, errpipe: int, status: int, prepare: Callable[[], None] | None) -> None:
+    """Become pid 1 (never returns): named settled-init (a placer's clone would show as
+    settled-placer), then `_run_init`."""
+    try:
+        with open("/proc/self/comm", "wb") as handle:
+            handle.write(b"settled-init")
+    except OSError:
+        pass
+    _run_init(launch, errpipe, status, prepare)
+
+
 class PidnsBoundary(Boundary):
     kind = "pidns"
 
@@ -128,14 +139,11 @@ class PidnsBoundary(Boundary):
         self._init_status: int | None = None
 
     def run_child(self, launch: Launch, errpipe: int, status: int, placed: bool) -> None:
-        """Pid 1's life, in the process cloned into the namespace (never returns); named
-        settled-init (a placer's clone would show as settled-placer)."""
-        try:
-            with open("/proc/self/comm", "wb") as handle:
-                handle.write(b"settled-init")
-        except OSError:
-            pass
-        _run_init(launch, errpipe, status, child_prepare(self.prepare_child, launch, placed))
+        """Pid 1's life, in the process cloned into the namespace (never returns)."""
+        run_init(launch, errpipe, status, child_prepare(self.prepare_child, launch, placed))
+
+    def placed_child(self) -> dict[str, bool]:
+        return {"init": True, "setpgid": False}
 
     @property
     def ref(self) -> str | None:
@@ -152,17 +160,12 @@ class PidnsBoundary(Boundary):
             unshare_pid_namespace()
 
     def start(self, launch: Launch) -> int:
-        errpipe_r, errpipe_w = os.pipe2(os.O_CLOEXEC)
-        status_r, status_w = os.pipe2(os.O_CLOEXEC)
-        cgroup = self.birth_cgroup()
         if launch.placer is not None:  # the placer clones init (placer.py), as our child
-            try:
-                pid, pidfd = launch.placer.place(self, launch, errpipe_w, status_w)
-            except BaseException:
-                for fd in (errpipe_r, errpipe_w, status_r, status_w):
-                    os.close(fd)
-                raise
+            pid, pidfd, errpipe_r, status_r = launch.placer.place(launch)
         else:
+            errpipe_r, errpipe_w = os.pipe2(os.O_CLOEXEC)
+            status_r, status_w = os.pipe2(os.O_CLOEXEC)
+            cgroup = self.birth_cgroup()
             try:
                 pid, pidfd, placed = fork_into(cgroup, new_pid_namespace=True)
             except OSError as exc:
@@ -173,8 +176,8 @@ class PidnsBoundary(Boundary):
                 os.close(errpipe_r)
                 os.close(status_r)
                 self.run_child(launch, errpipe_w, status_w, placed)
-        os.close(errpipe_w)
-        os.close(status_w)
+            os.close(errpipe_w)
+            os.close(status_w)
         self.init_pid = pid
         self._pidfd = pidfd if pidfd >= 0 else os.pidfd_open(pid)
         self._status_r = status_r

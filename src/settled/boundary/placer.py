@@ -1,29 +1,30 @@
 """The placer: the child an owner forks ahead of its orders, so that its command starts inside
-the session's v1 cgroups without a migration on the launch path.
+the session's v1 cgroups without a migration on the launch path, and so that the owner itself
+never calls clone3 (it may then start its threads first: owner/launch.py).
 
-Why: moving a process into a cgroup waits for an RCU grace period (~8 ms here when no
-migration happened lately; back to back ~0.2 ms), and clone3's CLONE_INTO_CGROUP places only in
-cgroup v2, while a v1 cgroup is inherited from the process that clones. So the owner forks this
-small child while it is still single-threaded, before its orders arrive (while its launcher
-claims, or while a zygote's spare waits for a request): the placer makes the owner's v1 cgroups
-(`settled/owner-<pid>-<start>`, limits.py) and joins them, paying the grace period there. At
-launch the owner hands it what the command's first process needs (argv, env, cwd, the plan, its
-boundary, the limits) with the descriptors (stdio, the error and status pipes, the gate) over a
-socketpair (marshal + SCM_RIGHTS). The placer writes the limits, clones the init (or the
-command) with clone3(CLONE_PARENT | CLONE_NEWPID | CLONE_INTO_CGROUP=<session v2 cgroup>), so
-the child is the owner's (its waitpid and pidfd work there) and sits in the session's v2 cgroup
-and the placer's v1 ones, sends back its pidfd and exits. The owner reaps it and only then opens
-the gate the child waits on before the command starts (a zombie placer still counts in the
-session's pids.max). So the owner is never the clone3 caller: it starts its threads before its
-command, and no thread or process after (owner/launch.py).
+Why: moving a process into a cgroup can wait for an RCU grace period (~8 ms when no migration
+happened lately), and clone3's CLONE_INTO_CGROUP places only in cgroup v2, while a v1 cgroup is
+inherited from the process that clones. So the owner forks this child while it is still
+single-threaded, before its orders (while its launcher claims, or while a zygote's spare waits
+for a request). The placer makes the owner's v1 cgroups (`settled/owner-<pid>-<start>`,
+limits.py) and joins them, through `tasks`, paying any wait there. It inherits at its fork the
+descriptors the command's first process needs (the output pipes' write ends, /dev/null, and its
+own error, status and gate pipes), so nothing crosses a socket. Then two messages over a pipe
+(marshal): `prepare`, sent as soon as the owner has its orders (the boundary, the plan, argv,
+env, cwd, the stored stdin, the limits, the umask), on which it writes the limits and readies
+the launch while the owner reserves its logs and starts its threads; and `launch`, on which it
+clones the init (or the command) with clone3(CLONE_PARENT | CLONE_NEWPID | CLONE_INTO_CGROUP=
+<session v2 cgroup>), so the child is the owner's (its waitpid and pidfd work there) and sits in
+the session's v2 cgroup and the placer's v1 ones, replies with its pid, and exits. The owner
+reaps it and only then opens the gate the child waits on before the command starts (a zombie
+placer still counts in the session's pids.max).
 
 The fork path (SETTLED_SPAWN=fork, a kernel without clone3) has no placer: the owner makes the
 v1 cgroups and the forked child joins them itself, paying the migration on the launch path.
 
-Must never: hold a descriptor of the owner's but its socket before its launch, outlive its
-owner (PR_SET_PDEATHSIG), or start the command when its placement or limits failed (it replies
-`limits:errno:why`, and the session is never started). Imported on the owner's launch path:
-os, sys, marshal and the builtin `_socket` only.
+Must never: keep a descriptor of the owner's but its own, outlive its owner (PR_SET_PDEATHSIG),
+or start the command when its placement or limits failed (it replies why, stage `limits`, and
+the session is never started). Imported on the owner's launch path: os, sys and marshal only.
 """
 
 from __future__ import annotations
@@ -42,152 +43,131 @@ if TYPE_CHECKING:
     from settled.boundary.base import Boundary
     from settled.boundary.spawn import Launch
 
-_socket = sys.modules.get("_socket") or __import__("_socket")
-
+_signal = sys.modules.get("_signal") or __import__("_signal")  # the builtin; see spawn.py
 SIGKILL = 9
-_MAX_FDS = 8
-_INT = 4  # bytes of one descriptor in SCM_RIGHTS
 GATE_OPEN = b"g"
 _MAX_FD = (1 << 31) - 1
+_ENDED = "limits:5:the placer ended before it placed the command"
 
 
-def _fd_bytes(fds: list[int]) -> bytes:
-    return b"".join(fd.to_bytes(_INT, sys.byteorder, signed=True) for fd in fds)
+def _send(fd: int, value: Any) -> None:
+    data = marshal.dumps(value)
+    view = memoryview(len(data).to_bytes(8, "little") + data)
+    while view:
+        view = view[os.write(fd, view) :]
 
 
-def _send(sock: Any, payload: bytes, fds: list[int]) -> None:
-    data = len(payload).to_bytes(8, "little") + payload
-    ancillary = [(_socket.SOL_SOCKET, _socket.SCM_RIGHTS, _fd_bytes(fds))] if fds else []
-    sent = sock.sendmsg([data], ancillary)
-    if sent < len(data):
-        sock.sendall(data[sent:])
-
-
-def _receive(sock: Any) -> tuple[bytes, list[int]]:
-    """One message and its descriptors (close-on-exec); (b"", []) at EOF."""
-    data, ancillary, _flags, _addr = sock.recvmsg(
-        1 << 16, _socket.CMSG_SPACE(_INT * _MAX_FDS), _socket.MSG_CMSG_CLOEXEC
-    )
-    fds: list[int] = []
-    for level, kind, raw in ancillary:
-        if level == _socket.SOL_SOCKET and kind == _socket.SCM_RIGHTS:
-            usable = len(raw) - len(raw) % _INT
-            fds += [
-                int.from_bytes(raw[i : i + _INT], sys.byteorder, signed=True)
-                for i in range(0, usable, _INT)
-            ]
-    if len(data) < 8:
-        for fd in fds:
-            os.close(fd)
-        return b"", []
-    size = int.from_bytes(data[:8], "little")
-    chunks = [data[8:]]
-    have = len(chunks[0])
+def _read_exactly(fd: int, size: int) -> bytes | None:
+    chunks, have = [], 0
     while have < size:
-        more = sock.recv(min(1 << 20, size - have))
-        if not more:
-            break
-        chunks.append(more)
-        have += len(more)
-    return b"".join(chunks), fds
+        chunk = os.read(fd, min(size - have, 1 << 20))
+        if not chunk:
+            return None
+        chunks.append(chunk)
+        have += len(chunk)
+    return b"".join(chunks)
+
+
+def _receive(fd: int) -> Any:
+    """One message, or None at EOF (the other side closed or died)."""
+    head = _read_exactly(fd, 8)
+    body = _read_exactly(fd, int.from_bytes(head, "little")) if head is not None else None
+    return None if body is None else marshal.loads(body)
 
 
 class Placer:
-    """The owner's side: the placer process, its socket, the limits it is to write."""
+    """The owner's side: the placer process and the pipes between them."""
 
-    current: Placer | None = None  # forked by a zygote's spare: the spare's owner adopts it
-
-    def __init__(self, pid: int, sock: Any) -> None:
-        self.pid, self.sock = pid, sock
+    def __init__(self, pid: int, fds: dict[str, int]) -> None:
+        self.pid, self.fds = pid, fds  # to_placer, from_placer, errpipe_r, status_r, gate_w
         self.status: int | None = None
-        self.limits: dict[str, Any] = {}  # by limit name, from the orders, before `place`
-        self.made: dict[str, str] = {}  # {controller: v1 cgroup}, as the placer said it
+        self.made: dict[str, str] = {}  # {controller: v1 cgroup}, as the placer said
 
     @classmethod
-    def fork(cls) -> Placer:
+    def fork(cls, stdio: dict[str, int]) -> Placer:
         """Fork the placer of this process, which must be single-threaded (an owner before its
-        orders, a spare before its request). OSError when no process can be forked."""
-        ours, theirs = _socket.socketpair(_socket.AF_UNIX, _socket.SOCK_STREAM)
-        owner = os.getpid()
+        orders, a spare before its request). `stdio`: {"stdin", "stdout", "stderr"}, the
+        command's ends, which it inherits. OSError when no process can be forked."""
+        made: list[int] = []
         try:
+            for _ in range(5):  # to the placer, from it, the error, status and gate pipes
+                made += os.pipe2(os.O_CLOEXEC)
+            to_r, to_w, from_r, from_w, err_r, err_w, status_r, status_w, gate_r, gate_w = made
+            owner = os.getpid()
             pid = os.fork()
         except BaseException:
-            ours.close()
-            theirs.close()
+            for fd in made:
+                os.close(fd)
             raise
         if pid == 0:  # pragma: no cover - the placer's life, in the child
             code = 1
             try:
-                ours.close()
-                _serve(theirs, owner)
+                child = {"messages": to_r, "replies": from_w, "errpipe": err_w,
+                         "status": status_w, "gate": gate_r, **stdio}  # fmt: skip
+                _serve(owner, child)
                 code = 0
             finally:
                 os._exit(code)
-        theirs.close()
+        for fd in (to_r, from_w, err_w, status_w, gate_r):
+            os.close(fd)
+        ours = {"to_placer": to_w, "from_placer": from_r, "errpipe_r": err_r,
+                "status_r": status_r, "gate_w": gate_w}  # fmt: skip
         return cls(pid, ours)
 
-    @staticmethod
-    def paths() -> dict[str, str]:
-        """{controller: path} of the v1 cgroups the placer of this process makes."""
-        return limits.v1_paths(limits.owner_dir(os.getpid(), procfs.start_time(os.getpid())))
-
-    def place(
-        self, boundary: Boundary, launch: Launch, errpipe_w: int, status_w: int
-    ) -> tuple[int, int]:
-        """Have the placer start `boundary`'s child for `launch`: (pid, pidfd) of that child,
-        which is this process's. The placer is reaped, then the gate opened. Raises SpawnFailed
-        (stage `limits` for the placement, `boundary` for the clone)."""
-        from settled.boundary.spawn import SpawnFailed
-
-        given = {
-            "kind": boundary.kind,
-            "task": boundary.task,
-            "session": boundary.session,
-            "hierarchy": boundary.hierarchy,
+    def prepare(self, boundary: Boundary, given: dict[str, Any], plan: dict[str, Any]) -> None:
+        """Send what the launch will be, as soon as the orders are in: the placer writes the
+        limits and readies the clone meanwhile. `given`: the orders; `plan`: the plan's fields.
+        A placer that is gone is found out at `place`."""
+        prepared = {
+            "child": boundary.placed_child(),
             "cgroup": boundary.birth_cgroup(),
-            "argv": list(launch.argv),
-            "cwd": launch.cwd,
-            "env": dict(launch.env),
-            "plan": launch.isolation.fields(),
-            "limits": self.limits,
+            "argv": list(given["argv"]),
+            "cwd": given["cwd"],
+            "env": dict(given["env"]),
+            "stdin": given["stdin"],
+            "plan": plan,
+            "limits": dict(given.get("limits") or {}),
             "umask": _umask(),  # the owner's now (a spare's placer was forked before its own)
         }
-        gate_r, gate_w = os.pipe2(os.O_CLOEXEC)
-        io = launch.io
-        fds = [io.stdin, io.stdout, io.stderr, errpipe_w, gate_r]
-        if status_w >= 0:
-            fds.append(status_w)
+        try:  # noqa: SIM105 - contextlib stays off the owner's launch path
+            _send(self.fds["to_placer"], prepared)
+        except OSError:
+            pass
+
+    def place(self, launch: Launch) -> tuple[int, int, int, int]:
+        """Have the placer start the child it was prepared for: (pid, pidfd, errpipe_r,
+        status_r) of that child, which is this process's. The placer is reaped, then the gate
+        opened. Raises SpawnFailed (stage `limits` for the placement, `boundary` for the
+        clone); the pipes are closed then."""
+        from settled.boundary.spawn import SpawnFailed
+
         try:
-            try:
-                _send(self.sock, marshal.dumps(given), fds)
-                reply, got = _receive(self.sock)
-            except OSError as exc:
-                why = f"limits:{exc.errno or 5}:the placer is gone ({exc})"
-                reply, got = marshal.dumps({"error": why}), []
-            finally:
-                os.close(gate_r)
-            self.close()  # reaped: its zombie no longer counts in pids.max
-            answer: dict[str, Any] = marshal.loads(reply) if reply else {}
-            self.made = answer.get("paths") or {}
-            if answer.get("pid") is None or not got:
-                for fd in got:
-                    os.close(fd)
-                text = answer.get("error") or (
-                    f"limits:5:the placer ended before it placed the command ({self.status})"
-                )
-                stage, err, detail = text.split(":", 2)
-                raise SpawnFailed(stage, int(err), detail)
-            os.write(gate_w, GATE_OPEN)
-            return int(answer["pid"]), got[0]
-        finally:
-            os.close(gate_w)
+            _send(self.fds["to_placer"], "launch")
+            answer = _receive(self.fds["from_placer"]) or {"error": _ENDED}
+        except OSError as exc:
+            answer = {"error": f"limits:{exc.errno or 5}:the placer is gone ({exc})"}
+        self.close()  # reaped: its zombie no longer counts in pids.max
+        self.made = answer.get("paths") or self.made
+        pid = answer.get("pid")
+        if pid is None:
+            for name in ("errpipe_r", "status_r", "gate_w"):
+                self._close(name)
+            stage, err, detail = str(answer["error"]).split(":", 2)
+            raise SpawnFailed(stage, int(err), detail)
+        os.write(self.fds["gate_w"], GATE_OPEN)
+        self._close("gate_w")
+        return int(pid), os.pidfd_open(pid), self.fds.pop("errpipe_r"), self.fds.pop("status_r")
+
+    def _close(self, name: str) -> None:
+        fd = self.fds.pop(name, -1)
+        if fd >= 0:
+            os.close(fd)
 
     def close(self) -> None:
-        """End the placer (EOF on its socket: it exits) and reap it. Its cgroups stay for the
-        owner to read and remove (`remove`)."""
-        if self.sock is not None:
-            self.sock.close()
-            self.sock = None
+        """End the placer (EOF on its messages: it exits, having placed nothing if it was not
+        asked to) and reap it. Its cgroups stay for the owner to read and remove."""
+        self._close("to_placer")
+        self._close("from_placer")
         if self.status is None:
             while True:
                 try:
@@ -200,10 +180,23 @@ class Placer:
                     break
 
     def remove(self) -> list[str]:
-        """After close: remove the cgroups it made (empty once the session's processes are
+        """Close, then remove the cgroups it made (empty once the session's processes are
         dead); those that would not go are returned."""
         self.close()
+        for name in list(self.fds):
+            self._close(name)
         return limits.remove(list((self.made or self.paths()).values()), kill=True)
+
+    @staticmethod
+    def paths() -> dict[str, str]:
+        """{controller: path} of the v1 cgroups the placer of this process makes."""
+        return limits.v1_paths(limits.owner_dir(os.getpid(), procfs.start_time(os.getpid())))
+
+
+def _umask() -> int:
+    mask = os.umask(0o077)
+    os.umask(mask)
+    return mask
 
 
 def _name_self(name: bytes) -> None:
@@ -214,76 +207,91 @@ def _name_self(name: bytes) -> None:
         pass
 
 
-def _umask() -> int:
-    mask = os.umask(0o077)
-    os.umask(mask)
-    return mask
-
-
-def _serve(sock: Any, owner: int) -> None:
-    """The placer's life: join, wait for the launch, place, reply. Returns only to exit."""
-    from settled.boundary.spawn import reset_child_signals
-
-    reset_child_signals()  # no handler, mask or wake-up descriptor of the owner's
-    _name_self(b"settled-placer")  # what ps shows (a copy of its owner's command line)
+def _serve(owner: int, fds: dict[str, int]) -> None:
+    """The placer's life: join, take the prepared launch, place it, reply. Returns to exit.
+    The joins come first, before any import (spawn, the boundary kinds: loaded after)."""
+    _signal.set_wakeup_fd(-1)  # a signal never writes into a descriptor of the owner's
     linux.prctl(linux.PR_SET_PDEATHSIG, SIGKILL)
     if os.getppid() != owner:  # it died before the line above: nothing to place for
         return
-    keep = sock.fileno()
-    os.closerange(3, keep)  # nothing of the owner's but its socket (and stdio: the owner log)
-    os.closerange(keep + 1, _MAX_FD)
-    failure: str | None = None
+    low = 3
+    for keep in sorted(fds.values()):  # nothing of the owner's but what was made for it
+        os.closerange(low, keep)
+        low = keep + 1
+    os.closerange(low, _MAX_FD)
     paths = limits.v1_paths(limits.owner_dir(owner, procfs.start_time(owner)))
+    failure: str | None = None
     try:
-        limits.make(paths, limits.defaults()["ceiling"])
+        limits.make(paths)
         limits.join(list(paths.values()))
     except OSError as exc:
         failure = f"limits:{exc.errno or 5}:placing the command in {exc.filename or paths}: {exc}"
+    from settled.boundary.spawn import reset_child_signals
+
+    reset_child_signals()  # no handler or mask of the owner's
+    _name_self(b"settled-placer")  # what ps shows (a copy of its owner's command line)
     faults.point("placer.after_join")
-    from settled import boundary as boundaries
-
-    boundaries.preload()  # what the child runs, loaded while the launch is awaited
-    message, fds = _receive(sock)
-    if not message:
+    prepared = _receive(fds["messages"])
+    if prepared is None:
         return  # no launch: the owner ran nothing
+    made: Launch | None = None
     if failure is None:
-        given: dict[str, Any] = marshal.loads(message)
-        failure = _place(sock, given, fds, paths)
-    for fd in fds:
-        os.close(fd)
-    if failure is not None:
-        _send(sock, marshal.dumps({"error": failure, "paths": paths}), [])
+        try:
+            made = _ready(prepared, paths, fds)
+        except OSError as exc:
+            failure = f"limits:{exc.errno or 5}:readying the launch: {exc}"
+    if _receive(fds["messages"]) is None:
+        return  # cancelled: nothing is placed
+    pid = None
+    if made is not None:
+        pid, failure = _clone(prepared["child"], made, prepared["cgroup"], fds)
+    reply = {"error": failure} if failure is not None else {"pid": pid}
+    _send(fds["replies"], {**reply, "paths": paths})
 
 
-def _place(sock: Any, given: dict[str, Any], fds: list[int], paths: dict[str, str]) -> str | None:
-    """Write the limits, clone the child, send back its pid and pidfd; or why it failed."""
-    from settled import boundary as boundaries
+def _ready(prepared: dict[str, Any], paths: dict[str, str], fds: dict[str, int]) -> Launch:
+    """Write the limits and build the launch the child will need (every module it takes was
+    loaded by the owner before the fork: nothing is imported twice)."""
     from settled.boundary.isolation import IsolationPlan
-    from settled.boundary.spawn import ChildIO, Launch, fork_into
+    from settled.boundary.spawn import ChildIO, Launch
 
     try:
         faults.point("placer.limits_write")
-        limits.write_all(paths, "v1", given["limits"])
+        limits.write_all(paths, "v1", prepared["limits"])
     except OSError as exc:
-        return f"limits:{exc.errno or 5}:writing the limits: {exc}"
-    os.umask(given["umask"])
-    plan = IsolationPlan(**given["plan"])
-    made = boundaries.make(given["kind"], given["task"], given["session"], plan, given["hierarchy"])
-    stdin, stdout, stderr, errpipe, gate = fds[:5]
-    status = fds[5] if len(fds) > 5 else -1
-    launch = Launch(given["argv"], given["cwd"], given["env"], ChildIO(stdin, stdout, stderr), plan)
-    launch.gate = gate
-    cgroup = given["cgroup"]
+        raise OSError(exc.errno, f"writing the limits: {exc.strerror}", exc.filename) from None
+    os.umask(prepared["umask"])
+    plan = IsolationPlan(**prepared["plan"])
+    stdin = fds["stdin"]
+    if prepared["stdin"]:
+        from settled.boundary.spawn import sealed_stdin
+
+        stdin = sealed_stdin(prepared["stdin"])
+    io = ChildIO(stdin, fds["stdout"], fds["stderr"])
+    launch = Launch(prepared["argv"], prepared["cwd"], prepared["env"], io, plan)
+    launch.gate = fds["gate"]
+    return launch
+
+
+def _clone(
+    child: dict[str, bool], launch: Launch, cgroup: str | None, fds: dict[str, int]
+) -> tuple[int | None, str | None]:
+    """Clone the child as the owner's: (its pid, None), or (None, why it could not). `child`:
+    the boundary's placed_child(), what the clone does."""
+    from settled.boundary.spawn import child_prepare, exec_in_child, fork_into
+
     try:
-        pid, pidfd, placed = fork_into(cgroup, made.kind in boundaries.PID_NAMESPACE_KINDS,
-                                       parent=True)  # fmt: skip
+        pid, pidfd, _placed = fork_into(cgroup, child["init"], parent=True)
     except OSError as exc:
         where = f"clone3 into {cgroup}" if cgroup is not None else "clone3"
-        return f"boundary:{exc.errno or 5}:{where}: {exc.strerror}"
+        return None, f"boundary:{exc.errno or 5}:{where}: {exc.strerror}"
     if pid == 0:  # pragma: no cover - the owner's child now: init, or the command
-        made.run_child(launch, errpipe, status, placed)
-    try:
-        _send(sock, marshal.dumps({"pid": pid, "paths": paths}), [pidfd])
-    finally:
-        os.close(pidfd)
-    return None
+        setpgid = child["setpgid"]
+        first = child_prepare(lambda _placed: os.setpgid(0, 0) if setpgid else None, launch, True)
+        if child["init"]:
+            from settled.boundary.pidns import run_init
+
+            run_init(launch, fds["errpipe"], fds["status"], first)
+        exec_in_child(launch, fds["errpipe"], first)
+    os.close(pidfd)
+    return pid, None

@@ -148,6 +148,27 @@ def fork_into(
     return pid, pidfd, True
 
 
+def sealed_stdin(data_path: str) -> int:
+    """The stored stdin as a sealed memfd: the command reads the bytes but cannot reopen the
+    stored copy through /proc/self/fd/0 and change it for the next session that uses it."""
+    from settled.boundary import linux
+
+    fd = os.memfd_create("settled-stdin", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        with open(data_path, "rb") as source:
+            while chunk := source.read(1 << 20):
+                view = memoryview(chunk)
+                while view:
+                    view = view[os.write(fd, view) :]
+        seals = linux.F_SEAL_SEAL | linux.F_SEAL_SHRINK | linux.F_SEAL_GROW | linux.F_SEAL_WRITE
+        linux.fcntl(fd, linux.F_ADD_SEALS, seals)
+        os.lseek(fd, 0, os.SEEK_SET)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 def join_cgroup(cgroup: str) -> None:
     """In a forked child: move itself into `cgroup` ("0" names the writing process)."""
     with open(os.path.join(cgroup, "cgroup.procs"), "w") as handle:

@@ -69,7 +69,7 @@ class Walls:
     def make_for_fork(self) -> list[str]:
         """The fork path (no placer): make the v1 cgroups and write their limits here; the
         forked child joins the returned cgroups itself. OSError names what failed."""
-        made = limits.make(self.v1, limits.defaults()["ceiling"])
+        made = limits.make(self.v1)
         try:
             limits.write_all(self.v1, "v1", self.values())
         except BaseException:

@@ -51,7 +51,6 @@ def preload() -> None:
     import settled.workspace.journal.client  # noqa: F401 - the owner's barrier client, likewise
     from settled import boundary, oomguard, store
     from settled.boundary import limits, linux, spawn
-    from settled.boundary import placer as _placer  # noqa: F401 - every owner forks one
 
     store.load_implementation()  # the store the owner opens, likewise
     boundary.preload()  # the boundary it makes, likewise
@@ -194,14 +193,12 @@ def _serve_as_spare(home: str, sock: socket.socket) -> int:
     import select
     import socket
 
-    from settled.boundary import spawn
-    from settled.boundary.placer import Placer
+    from settled.owner.ahead import Ahead
     from settled.owner.main import run_session
     from settled.store import open_store
 
-    if spawn.clone3_missing() is None:  # its owner's placer, forked now: it joins meanwhile
-        with contextlib.suppress(OSError):  # none: the owner forks one once asked
-            Placer.current = Placer.fork()
+    with contextlib.suppress(OSError):  # none: the owner makes its own once asked
+        Ahead.current = Ahead()  # its pipes and its placer, which joins its cgroups meanwhile
     store: Store | None = None
     poller = select.poll()
     poller.register(sock, select.POLLIN)
@@ -217,8 +214,8 @@ def _serve_as_spare(home: str, sock: socket.socket) -> int:
     if not message:
         if store is not None:
             store.close()
-        if Placer.current is not None:
-            Placer.current.remove()  # it placed nothing: it exits, its cgroups go
+        if Ahead.current is not None:
+            Ahead.current.close()  # its placer placed nothing: it exits, its cgroups go
         return 0  # the zygote ended: nothing ran; its socket closes with this process
     sock.close()
     request: dict[str, Any] = marshal.loads(message)

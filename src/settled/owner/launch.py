@@ -21,11 +21,11 @@ import sys
 import time
 
 from settled import boundary as boundaries
-from settled import faults, nothreads, oomguard
-from settled.boundary import linux, procfs, spawn
+from settled import faults, nothreads
+from settled.boundary import procfs
 from settled.boundary.isolation import IsolationPlan
-from settled.boundary.placer import Placer
-from settled.boundary.spawn import ChildIO, Launch, SpawnFailed, spawn_via
+from settled.boundary.spawn import ChildIO, Launch, SpawnFailed, sealed_stdin, spawn_via
+from settled.owner.ahead import Ahead as Ahead  # the launch path's, re-exported
 from settled.owner.last_words import LastWords
 
 TYPE_CHECKING = False
@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from typing import Any
 
     from settled.boundary.base import Boundary
+    from settled.boundary.placer import Placer
     from settled.boundary.walls import Walls
     from settled.log.flush import Flusher
     from settled.owner.early import EarlyDrain
@@ -44,7 +45,6 @@ if TYPE_CHECKING:
     from settled.records import SessionRecord
     from settled.store import Store
 
-PIPE_SIZE = 1 << 20  # each output pipe: what the command may write before the drain starts
 # log/writer.py's and log/interleave.py's own flags: the writers adopt what is created here
 LOG_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_CLOEXEC
 SPLICE_LOG_FLAGS = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC  # read back to hash
@@ -52,56 +52,6 @@ INDEX_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
 # "1": splice where the log is out of the command's reach. Off by default: measured slower than
 # read + write here (bench/drain.py: the digest must read the bytes back, so no copy is saved).
 LOG_SPLICE_ENV = "SETTLED_LOG_SPLICE"
-
-
-class Ahead:
-    """What the launch needs that its orders do not decide, made while the launcher claims:
-    the placer (forked first, while this process is single-threaded, so that it joins the
-    session's v1 cgroups meanwhile: boundary/placer.py), the output pipes, /dev/null for a
-    command without stdin, libc, the clone3 probe and this owner's OOM protection."""
-
-    def __init__(self) -> None:
-        self.placer: Placer | None = None
-        self.placer_failed: str | None = None  # why there is none where clone3 would need one
-        if spawn.clone3_missing() is None:
-            self.placer, Placer.current = Placer.current, None  # a spare's, forked ahead
-            if self.placer is None:
-                try:
-                    self.placer = Placer.fork()
-                except OSError as exc:  # EAGAIN, ENOMEM: the session is refused, at launch
-                    self.placer_failed = f"could not fork the placer: {exc}"
-        self.oom = oomguard.protect_self()
-        self.pipes = output_pipes()
-        self.devnull = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
-        linux.capget()  # loads libc before the clone: the child only calls
-
-    def close(self) -> None:
-        for fd in (*self.pipes.values(), self.devnull):
-            if fd >= 0:
-                os.close(fd)
-        self.pipes, self.devnull = {}, -1
-        if self.placer is not None:  # never placed anything: it exits; its cgroups go
-            placer, self.placer = self.placer, None
-            placer.remove()
-
-
-def sealed_stdin(data_path: str) -> int:
-    """The stored stdin as a sealed memfd: the command reads the bytes but cannot reopen the
-    stored copy through /proc/self/fd/0 and change it for the next session that uses it."""
-    fd = os.memfd_create("settled-stdin", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-    try:
-        with open(data_path, "rb") as source:
-            while chunk := source.read(1 << 20):
-                view = memoryview(chunk)
-                while view:
-                    view = view[os.write(fd, view) :]
-        seals = linux.F_SEAL_SEAL | linux.F_SEAL_SHRINK | linux.F_SEAL_GROW | linux.F_SEAL_WRITE
-        linux.fcntl(fd, linux.F_ADD_SEALS, seals)
-        os.lseek(fd, 0, os.SEEK_SET)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
 
 
 def log_out_of_reach(plan: IsolationPlan | None, sandbox: object, kind: str | None) -> bool:
@@ -133,20 +83,6 @@ def reserve_logs(paths: dict[str, str], splice: bool) -> dict[str, int]:
         for fd in fds.values():
             os.close(fd)
         raise
-    return fds
-
-
-def output_pipes() -> dict[str, int]:
-    """stdout and stderr pipes, each enlarged so the command can write while the owner is
-    still loading its drain: {name: read end, name_w: write end}."""
-    fds: dict[str, int] = {}
-    for name in ("stdout", "stderr"):
-        read_end, write_end = os.pipe2(os.O_CLOEXEC)
-        try:  # noqa: SIM105 - contextlib stays off the owner's launch path
-            linux.fcntl(read_end, linux.F_SETPIPE_SZ, PIPE_SIZE)
-        except OSError:  # above /proc/sys/fs/pipe-max-size for this user: keep the default
-            pass
-        fds[name], fds[f"{name}_w"] = read_end, write_end
     return fds
 
 
@@ -194,6 +130,9 @@ class Launching:
         if cancel:
             boundary.discard()
             return self._never_ran("cancelled", "admission", cancel, planned=False)
+        if self.ahead.placer is not None:  # it readies the launch while this owner goes on
+            plan = self.plan or IsolationPlan("none", no_new_privs=False)
+            self.ahead.placer.prepare(boundary, given, plan.fields())
         try:  # before anything runs: a place to say why, should the receipt not fit later
             self.last_words = LastWords(given["last_words"])
             self.logs = reserve_logs(given["logs"], self.splice)
@@ -245,7 +184,8 @@ class Launching:
     def _start(self, boundary: Boundary) -> int:
         given = self.orders
         pipes, self.ahead.pipes = self.ahead.pipes, {}
-        if given["stdin"]:
+        placer, self.ahead.placer = self.ahead.placer, None
+        if given["stdin"] and placer is None:  # a placer seals its own copy, prepared
             stdin_fd = sealed_stdin(given["stdin"])
         else:
             stdin_fd, self.ahead.devnull = self.ahead.devnull, -1
@@ -257,7 +197,7 @@ class Launching:
         started = time.monotonic()
         self.timings["spawned_at"] = time.time()  # the wall-clock twin of `started`
         try:
-            via = self._place(boundary, launch, via)
+            via = self._place(boundary, launch, via, placer)
             nothreads.refuse("the owner's command runs")  # every thread has started
             pid = boundary.start(launch)
         except SpawnFailed as exc:
@@ -286,14 +226,12 @@ class Launching:
             boundary, pipes, logs, self.early, started, pid, start_time, via, walls
         )
 
-    def _place(self, boundary: Boundary, launch: Launch, via: str) -> str:
+    def _place(self, boundary: Boundary, launch: Launch, via: str, placer: Placer | None) -> str:
         """How the command's first process will start inside its limits' cgroups: through the
-        placer, which joined the v1 ones ahead (`clone3`), or, on the fork path, by a child
-        that joins the cgroups made here itself (paying their migration on the launch path).
-        SpawnFailed (stage `limits`) when neither can be."""
-        placer, self.ahead.placer = self.ahead.placer, None
+        placer, which joined the v1 ones ahead and was prepared (`clone3`), or, on the fork
+        path, by a child that joins the cgroups made here itself (paying their migration on
+        the launch path). SpawnFailed (stage `limits`) when neither can be."""
         if placer is not None:
-            placer.limits = dict(self.orders.get("limits") or {})
             launch.placer = placer
             self._placer = placer
             return "clone3"
