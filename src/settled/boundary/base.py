@@ -17,7 +17,7 @@ import time
 from abc import ABC, abstractmethod
 
 from settled.boundary import procfs
-from settled.boundary.spawn import await_exec, child_prepare, exec_in_child, fork_exec
+from settled.boundary.spawn import child_prepare, exec_in_child, fork_exec, read_spawn_error
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -109,9 +109,14 @@ class Boundary(ABC):
         if launch.placer is None:
             self.main_pid, self._pidfd = fork_exec(launch, self.prepare_child, self.birth_cgroup())
             return self.main_pid
-        pid, pidfd, errpipe_r, status_r = launch.placer.place(launch)  # prepared for this
+        errpipe_r, status_r = launch.placer.launch()  # it was prepared for this boundary
         os.close(status_r)  # a PID namespace's init reports on it; this child execs
-        self.main_pid, self._pidfd = await_exec(pid, pidfd, errpipe_r)
+        failure = read_spawn_error(errpipe_r)  # its end: the exec, or the placer's failure
+        pid = launch.placer.placed()
+        if failure is not None:
+            os.waitpid(pid, 0)
+            raise failure
+        self.main_pid, self._pidfd = pid, os.pidfd_open(pid)
         return self.main_pid
 
     def run_child(self, launch: Launch, errpipe: int, status: int, placed: bool) -> None:

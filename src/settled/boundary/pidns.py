@@ -161,33 +161,44 @@ class PidnsBoundary(Boundary):
 
     def start(self, launch: Launch) -> int:
         if launch.placer is not None:  # the placer clones init (placer.py), as our child
-            pid, pidfd, errpipe_r, status_r = launch.placer.place(launch)
-        else:
-            errpipe_r, errpipe_w = os.pipe2(os.O_CLOEXEC)
-            status_r, status_w = os.pipe2(os.O_CLOEXEC)
-            cgroup = self.birth_cgroup()
+            errpipe_r, status_r = launch.placer.launch()
+            failure = read_spawn_error(errpipe_r)  # its end: the command runs, or no init
             try:
-                pid, pidfd, placed = fork_into(cgroup, new_pid_namespace=True)
-            except OSError as exc:
-                for fd in (errpipe_r, errpipe_w, status_r, status_w):
-                    os.close(fd)
-                raise placement_failed(exc, cgroup) from None
-            if pid == 0:
-                os.close(errpipe_r)
+                pid = launch.placer.placed()
+            except BaseException:
                 os.close(status_r)
-                self.run_child(launch, errpipe_w, status_w, placed)
-            os.close(errpipe_w)
-            os.close(status_w)
+                raise
+            self.init_pid, self._pidfd, self._status_r = pid, os.pidfd_open(pid), status_r
+            return self._started(failure)
+        errpipe_r, errpipe_w = os.pipe2(os.O_CLOEXEC)
+        status_r, status_w = os.pipe2(os.O_CLOEXEC)
+        cgroup = self.birth_cgroup()
+        try:
+            pid, pidfd, placed = fork_into(cgroup, new_pid_namespace=True)
+        except OSError as exc:
+            for fd in (errpipe_r, errpipe_w, status_r, status_w):
+                os.close(fd)
+            raise placement_failed(exc, cgroup) from None
+        if pid == 0:
+            os.close(errpipe_r)
+            os.close(status_r)
+            self.run_child(launch, errpipe_w, status_w, placed)
+        os.close(errpipe_w)
+        os.close(status_w)
         self.init_pid = pid
         self._pidfd = pidfd if pidfd >= 0 else os.pidfd_open(pid)
         self._status_r = status_r
-        failure = read_spawn_error(errpipe_r)
+        return self._started(read_spawn_error(errpipe_r))
+
+    def _started(self, failure: Exception | None) -> int:
+        """Init's pid once its command runs; `failure` (its report) raised once init is reaped."""
+        assert self.init_pid is not None
         if failure is not None:
-            self._init_status = os.waitpid(pid, 0)[1]  # init exits once its command could not
+            self._init_status = os.waitpid(self.init_pid, 0)[1]  # init exits: no command
             raise failure
-        kids = procfs.children(pid)
+        kids = procfs.children(self.init_pid)
         self.main_pid = kids[0] if kids else None
-        return pid
+        return self.init_pid
 
     def exit_fd(self) -> int:
         assert self._status_r is not None

@@ -15,9 +15,11 @@ env, cwd, the stored stdin, the limits, the umask), on which it writes the limit
 the launch while the owner reserves its logs and starts its threads; and `launch`, on which it
 clones the init (or the command) with clone3(CLONE_PARENT | CLONE_NEWPID | CLONE_INTO_CGROUP=
 <session v2 cgroup>), so the child is the owner's (its waitpid and pidfd work there) and sits in
-the session's v2 cgroup and the placer's v1 ones, replies with its pid, and exits. The owner
-reaps it and only then opens the gate the child waits on before the command starts (a zombie
-placer still counts in the session's pids.max).
+the session's v2 cgroup and the placer's v1 ones. The placer then lets go of the child's
+descriptors (the owner's read of the error pipe ends with the child's exec alone), leaves the
+session's pids cgroup (it would count in pids.max until reaped) and only then opens the gate
+the child waits on before its command starts, replies with the pid and exits; the owner reaps
+it once its command runs, off the launch path.
 
 The fork path (SETTLED_SPAWN=fork, a kernel without clone3) has no placer: the owner makes the
 v1 cgroups and the forked child joins them itself, paying the migration on the launch path.
@@ -79,7 +81,7 @@ class Placer:
     """The owner's side: the placer process and the pipes between them."""
 
     def __init__(self, pid: int, fds: dict[str, int]) -> None:
-        self.pid, self.fds = pid, fds  # to_placer, from_placer, errpipe_r, status_r, gate_w
+        self.pid, self.fds = pid, fds  # to_placer, from_placer, errpipe_r, status_r
         self.status: int | None = None
         self.made: dict[str, str] = {}  # {controller: v1 cgroup}, as the placer said
 
@@ -103,15 +105,16 @@ class Placer:
             code = 1
             try:
                 child = {"messages": to_r, "replies": from_w, "errpipe": err_w,
-                         "status": status_w, "gate": gate_r, **stdio}  # fmt: skip
+                         "status": status_w, "gate": gate_r, "gate_w": gate_w,
+                         **stdio}  # fmt: skip
                 _serve(owner, child)
                 code = 0
             finally:
                 os._exit(code)
-        for fd in (to_r, from_w, err_w, status_w, gate_r):
+        for fd in (to_r, from_w, err_w, status_w, gate_r, gate_w):
             os.close(fd)
         ours = {"to_placer": to_w, "from_placer": from_r, "errpipe_r": err_r,
-                "status_r": status_r, "gate_w": gate_w}  # fmt: skip
+                "status_r": status_r}  # fmt: skip
         return cls(pid, ours)
 
     def prepare(self, boundary: Boundary, given: dict[str, Any], plan: dict[str, Any]) -> None:
@@ -134,29 +137,34 @@ class Placer:
         except OSError:
             pass
 
-    def place(self, launch: Launch) -> tuple[int, int, int, int]:
-        """Have the placer start the child it was prepared for: (pid, pidfd, errpipe_r,
-        status_r) of that child, which is this process's. The placer is reaped, then the gate
-        opened. Raises SpawnFailed (stage `limits` for the placement, `boundary` for the
-        clone); the pipes are closed then."""
+    def launch(self) -> tuple[int, int]:
+        """Have the placer clone the child it was prepared for: (errpipe_r, status_r) of that
+        child, which will be this process's. Read the error pipe to its end first (the
+        placer closes its own copy once it cloned, or ended), then ask `placed`."""
+        try:  # noqa: SIM105 - contextlib stays off the owner's launch path
+            _send(self.fds["to_placer"], "launch")
+        except OSError:  # gone: `placed` says so
+            pass
+        return self.fds.pop("errpipe_r"), self.fds.pop("status_r")
+
+    def placed(self) -> int:
+        """The pid of the child the placer cloned (this process's child); SpawnFailed when it
+        could not (stage `limits` for the placement, `boundary` for the clone). The placer
+        opened the child's gate itself, once out of the session's pids cgroup; it exits now,
+        and `close` reaps it."""
         from settled.boundary.spawn import SpawnFailed
 
         try:
-            _send(self.fds["to_placer"], "launch")
             answer = _receive(self.fds["from_placer"]) or {"error": _ENDED}
         except OSError as exc:
             answer = {"error": f"limits:{exc.errno or 5}:the placer is gone ({exc})"}
-        self.close()  # reaped: its zombie no longer counts in pids.max
         self.made = answer.get("paths") or self.made
         pid = answer.get("pid")
         if pid is None:
-            for name in ("errpipe_r", "status_r", "gate_w"):
-                self._close(name)
+            self.close()
             stage, err, detail = str(answer["error"]).split(":", 2)
             raise SpawnFailed(stage, int(err), detail)
-        os.write(self.fds["gate_w"], GATE_OPEN)
-        self._close("gate_w")
-        return int(pid), os.pidfd_open(pid), self.fds.pop("errpipe_r"), self.fds.pop("status_r")
+        return int(pid)
 
     def _close(self, name: str) -> None:
         fd = self.fds.pop(name, -1)
@@ -245,8 +253,22 @@ def _serve(owner: int, fds: dict[str, int]) -> None:
     pid = None
     if made is not None:
         pid, failure = _clone(prepared["child"], made, prepared["cgroup"], fds)
+    for name in ("errpipe", "status", "gate", "stdin", "stdout", "stderr"):
+        os.close(fds[name])  # the owner's read of the error pipe ends with the child's exec
+    if pid is not None:
+        _leave(paths.get("pids"))
+        os.write(fds["gate_w"], GATE_OPEN)  # the child's command may start: we no longer count
     reply = {"error": failure} if failure is not None else {"pid": pid}
     _send(fds["replies"], {**reply, "paths": paths})
+
+
+def _leave(pids: str | None) -> None:
+    """Out of the session's pids cgroup, into the ceiling above it: the child's command then
+    has the whole pids.max (this process still exists until its owner reaps it). Through
+    `tasks`, as the join: this thread alone, without the global lock."""
+    if pids is not None:
+        with open(os.path.join(os.path.dirname(pids), "tasks"), "w") as handle:
+            handle.write("0")
 
 
 def _ready(prepared: dict[str, Any], paths: dict[str, str], fds: dict[str, int]) -> Launch:
@@ -262,11 +284,12 @@ def _ready(prepared: dict[str, Any], paths: dict[str, str], fds: dict[str, int])
         raise OSError(exc.errno, f"writing the limits: {exc.strerror}", exc.filename) from None
     os.umask(prepared["umask"])
     plan = IsolationPlan(**prepared["plan"])
-    stdin = fds["stdin"]
     if prepared["stdin"]:
         from settled.boundary.spawn import sealed_stdin
 
-        stdin = sealed_stdin(prepared["stdin"])
+        os.close(fds["stdin"])
+        fds["stdin"] = sealed_stdin(prepared["stdin"])
+    stdin = fds["stdin"]
     io = ChildIO(stdin, fds["stdout"], fds["stderr"])
     launch = Launch(prepared["argv"], prepared["cwd"], prepared["env"], io, plan)
     launch.gate = fds["gate"]
@@ -286,6 +309,7 @@ def _clone(
         where = f"clone3 into {cgroup}" if cgroup is not None else "clone3"
         return None, f"boundary:{exc.errno or 5}:{where}: {exc.strerror}"
     if pid == 0:  # pragma: no cover - the owner's child now: init, or the command
+        os.close(fds["gate_w"])  # EOF, not a hang, should the placer die before it opens it
         setpgid = child["setpgid"]
         first = child_prepare(lambda _placed: os.setpgid(0, 0) if setpgid else None, launch, True)
         if child["init"]:

@@ -217,6 +217,9 @@ class Launching:
             state="running", owner_pid=os.getpid(), pid=pid, boundary=boundary.kind,
             ref=boundary.ref, start=start_time, spawn=via,
         )  # fmt: skip
+        self.early_quicken()
+        if self._placer is not None:
+            self._placer.close()  # it exited once it replied: reaped, off the launch path
         faults.point("owner.after_spawn")
         session = self._open_session()
         assert self.early is not None
@@ -266,6 +269,11 @@ class Launching:
             placer.remove()
         elif self.walls is not None:
             self.walls.remove()
+
+    def early_quicken(self) -> None:
+        """The command runs: the first drain's thread now takes the GIL sooner (early.py)."""
+        if self.early is not None:
+            self.early.quicken()
 
     def _start_early_drain(self) -> None:
         """Read both pipes in order from the command's start until the session's drain takes
