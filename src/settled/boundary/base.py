@@ -109,10 +109,9 @@ class Boundary(ABC):
         if launch.placer is None:
             self.main_pid, self._pidfd = fork_exec(launch, self.prepare_child, self.birth_cgroup())
             return self.main_pid
-        errpipe_r, status_r = launch.placer.launch()  # it was prepared for this boundary
+        pid, errpipe_r, status_r = launch.placer.start()  # cloned for this boundary, waiting
         os.close(status_r)  # a PID namespace's init reports on it; this child execs
-        failure = read_spawn_error(errpipe_r)  # its end: the exec, or the placer's failure
-        pid = launch.placer.placed()
+        failure = read_spawn_error(errpipe_r)
         if failure is not None:
             os.waitpid(pid, 0)
             raise failure

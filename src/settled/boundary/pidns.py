@@ -161,15 +161,9 @@ class PidnsBoundary(Boundary):
 
     def start(self, launch: Launch) -> int:
         if launch.placer is not None:  # the placer clones init (placer.py), as our child
-            errpipe_r, status_r = launch.placer.launch()
-            failure = read_spawn_error(errpipe_r)  # its end: the command runs, or no init
-            try:
-                pid = launch.placer.placed()
-            except BaseException:
-                os.close(status_r)
-                raise
+            pid, errpipe_r, status_r = launch.placer.start()  # cloned ahead, at its gate
             self.init_pid, self._pidfd, self._status_r = pid, os.pidfd_open(pid), status_r
-            return self._started(failure)
+            return self._started(read_spawn_error(errpipe_r))
         errpipe_r, errpipe_w = os.pipe2(os.O_CLOEXEC)
         status_r, status_w = os.pipe2(os.O_CLOEXEC)
         cgroup = self.birth_cgroup()

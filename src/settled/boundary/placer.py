@@ -9,17 +9,18 @@ single-threaded, before its orders (while its launcher claims, or while a zygote
 for a request). The placer makes the owner's v1 cgroups (`settled/owner-<pid>-<start>`,
 limits.py) and joins them, through `tasks`, paying any wait there. It inherits at its fork the
 descriptors the command's first process needs (the output pipes' write ends, /dev/null, and its
-own error, status and gate pipes), so nothing crosses a socket. Then two messages over a pipe
-(marshal): `prepare`, sent as soon as the owner has its orders (the boundary, the plan, argv,
-env, cwd, the stored stdin, the limits, the umask), on which it writes the limits and readies
-the launch while the owner reserves its logs and starts its threads; and `launch`, on which it
+own error, status and gate pipes), so nothing crosses a socket. The owner sends it the launch
+(marshal, over a pipe) as soon as it has its orders and its boundary: the child's kind, the
+plan, argv, env, cwd, the stored stdin, the limits, the umask. The placer writes the limits and
 clones the init (or the command) with clone3(CLONE_PARENT | CLONE_NEWPID | CLONE_INTO_CGROUP=
 <session v2 cgroup>), so the child is the owner's (its waitpid and pidfd work there) and sits in
-the session's v2 cgroup and the placer's v1 ones. The placer then lets go of the child's
-descriptors (the owner's read of the error pipe ends with the child's exec alone), leaves the
-session's pids cgroup (it would count in pids.max until reaped) and only then opens the gate
-the child waits on before its command starts, replies with the pid and exits; the owner reaps
-it once its command runs, off the launch path.
+the session's v2 cgroup and the placer's v1 ones; the child builds its view and waits at its
+gate, while the owner reserves its logs and starts its threads. The placer lets go of the
+child's descriptors (the owner's read of the error pipe ends with the child's exec alone),
+leaves the session's pids cgroup (it would count in pids.max until reaped), replies with the
+pid and exits. The owner opens the gate once its threads run (`start`: nothing between its
+orders and its command but a write) and reaps the placer once its command runs; an owner that
+starts nothing closes the gate, and the child exits without its command (`remove`).
 
 The fork path (SETTLED_SPAWN=fork, a kernel without clone3) has no placer: the owner makes the
 v1 cgroups and the forked child joins them itself, paying the migration on the launch path.
@@ -81,9 +82,12 @@ class Placer:
     """The owner's side: the placer process and the pipes between them."""
 
     def __init__(self, pid: int, fds: dict[str, int]) -> None:
-        self.pid, self.fds = pid, fds  # to_placer, from_placer, errpipe_r, status_r
+        # to_placer, from_placer; the child's errpipe_r and status_r; gate_w, its gate
+        self.pid, self.fds = pid, fds
         self.status: int | None = None
         self.made: dict[str, str] = {}  # {controller: v1 cgroup}, as the placer said
+        self.child: int | None = None  # the child it cloned, this process's, until started
+        self.answer: dict[str, Any] | None = None
 
     @classmethod
     def fork(cls, stdio: dict[str, int]) -> Placer:
@@ -104,23 +108,24 @@ class Placer:
         if pid == 0:  # pragma: no cover - the placer's life, in the child
             code = 1
             try:
+                os.close(gate_w)  # the owner's alone: its close is the child's EOF
                 child = {"messages": to_r, "replies": from_w, "errpipe": err_w,
-                         "status": status_w, "gate": gate_r, "gate_w": gate_w,
-                         **stdio}  # fmt: skip
+                         "status": status_w, "gate": gate_r, **stdio}  # fmt: skip
                 _serve(owner, child)
                 code = 0
             finally:
                 os._exit(code)
-        for fd in (to_r, from_w, err_w, status_w, gate_r, gate_w):
+        for fd in (to_r, from_w, err_w, status_w, gate_r):
             os.close(fd)
         ours = {"to_placer": to_w, "from_placer": from_r, "errpipe_r": err_r,
-                "status_r": status_r}  # fmt: skip
+                "status_r": status_r, "gate_w": gate_w}  # fmt: skip
         return cls(pid, ours)
 
     def prepare(self, boundary: Boundary, given: dict[str, Any], plan: dict[str, Any]) -> None:
-        """Send what the launch will be, as soon as the orders are in: the placer writes the
-        limits and readies the clone meanwhile. `given`: the orders; `plan`: the plan's fields.
-        A placer that is gone is found out at `place`."""
+        """Send the launch as soon as the orders are in: the placer writes the limits and
+        clones the child, which builds its view and waits at its gate while this owner
+        reserves its logs and starts its threads. `given`: the orders; `plan`: the plan's
+        fields. A placer that is gone is found out at `start`."""
         prepared = {
             "child": boundary.placed_child(),
             "cgroup": boundary.birth_cgroup(),
@@ -137,34 +142,35 @@ class Placer:
         except OSError:
             pass
 
-    def launch(self) -> tuple[int, int]:
-        """Have the placer clone the child it was prepared for: (errpipe_r, status_r) of that
-        child, which will be this process's. Read the error pipe to its end first (the
-        placer closes its own copy once it cloned, or ended), then ask `placed`."""
-        try:  # noqa: SIM105 - contextlib stays off the owner's launch path
-            _send(self.fds["to_placer"], "launch")
-        except OSError:  # gone: `placed` says so
-            pass
-        return self.fds.pop("errpipe_r"), self.fds.pop("status_r")
+    def _answer(self) -> dict[str, Any]:
+        """The placer's one reply (read once): the child's pid, or why there is none."""
+        if self.answer is None:
+            self._close("to_placer")  # it reads nothing more: EOF ends one never prepared
+            try:
+                got = _receive(self.fds["from_placer"])
+            except OSError as exc:
+                got = {"error": f"limits:{exc.errno or 5}:the placer is gone ({exc})"}
+            self.answer = got or {"error": _ENDED}
+            self.made = self.answer.get("paths") or self.made
+            self.child = self.answer.get("pid")
+        return self.answer
 
-    def placed(self) -> int:
-        """The pid of the child the placer cloned (this process's child); SpawnFailed when it
-        could not (stage `limits` for the placement, `boundary` for the clone). The placer
-        opened the child's gate itself, once out of the session's pids cgroup; it exits now,
-        and `close` reaps it."""
+    def start(self) -> tuple[int, int, int]:
+        """Let the prepared child start its command: (its pid, errpipe_r, status_r); read the
+        error pipe to its end next (the exec, or the child's failure). The placer left the
+        session's pids cgroup before it replied, so the gate opens on a count of the session's
+        own. SpawnFailed when there is no child (stage `limits` for the placement, `boundary`
+        for the clone)."""
         from settled.boundary.spawn import SpawnFailed
 
-        try:
-            answer = _receive(self.fds["from_placer"]) or {"error": _ENDED}
-        except OSError as exc:
-            answer = {"error": f"limits:{exc.errno or 5}:the placer is gone ({exc})"}
-        self.made = answer.get("paths") or self.made
-        pid = answer.get("pid")
-        if pid is None:
-            self.close()
+        answer = self._answer()
+        if self.child is None:
             stage, err, detail = str(answer["error"]).split(":", 2)
             raise SpawnFailed(stage, int(err), detail)
-        return int(pid)
+        pid, self.child = self.child, None
+        os.write(self.fds["gate_w"], GATE_OPEN)
+        self._close("gate_w")
+        return pid, self.fds.pop("errpipe_r"), self.fds.pop("status_r")
 
     def _close(self, name: str) -> None:
         fd = self.fds.pop(name, -1)
@@ -172,8 +178,8 @@ class Placer:
             os.close(fd)
 
     def close(self) -> None:
-        """End the placer (EOF on its messages: it exits, having placed nothing if it was not
-        asked to) and reap it. Its cgroups stay for the owner to read and remove."""
+        """Reap the placer (it exits once it replied, or at EOF if never prepared). Its
+        cgroups stay for the owner to read and remove."""
         self._close("to_placer")
         self._close("from_placer")
         if self.status is None:
@@ -187,9 +193,16 @@ class Placer:
                     self.status = -1
                     break
 
-    def remove(self) -> list[str]:
-        """Close, then remove the cgroups it made (empty once the session's processes are
-        dead); those that would not go are returned."""
+    def remove(self, timeout: float = 10.0) -> list[str]:
+        """Nothing is started: a child cloned meanwhile finds its gate closed (EOF), exits
+        without its command and is reaped (killed if it has not ended within `timeout`); the
+        placer is reaped and the cgroups it made removed. Those that would not go are
+        returned."""
+        self._close("gate_w")
+        self._answer()
+        if self.child is not None:
+            _end(self.child, timeout)
+            self.child = None
         self.close()
         for name in list(self.fds):
             self._close(name)
@@ -199,6 +212,24 @@ class Placer:
     def paths() -> dict[str, str]:
         """{controller: path} of the v1 cgroups the placer of this process makes."""
         return limits.v1_paths(limits.owner_dir(os.getpid(), procfs.start_time(os.getpid())))
+
+
+def _end(pid: int, timeout: float) -> None:
+    """Reap this process's child `pid`, which is on its way out; SIGKILL it past `timeout`."""
+    import select
+
+    try:
+        handle = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return
+    try:
+        if not select.select([handle], [], [], timeout)[0]:
+            os.kill(pid, SIGKILL)
+        os.waitpid(pid, 0)
+    except ChildProcessError:
+        pass
+    finally:
+        os.close(handle)
 
 
 def _umask() -> int:
@@ -242,30 +273,27 @@ def _serve(owner: int, fds: dict[str, int]) -> None:
     prepared = _receive(fds["messages"])
     if prepared is None:
         return  # no launch: the owner ran nothing
-    made: Launch | None = None
+    pid = None
     if failure is None:
         try:
-            made = _ready(prepared, paths, fds)
+            launch = _ready(prepared, paths, fds)
         except OSError as exc:
             failure = f"limits:{exc.errno or 5}:readying the launch: {exc}"
-    if _receive(fds["messages"]) is None:
-        return  # cancelled: nothing is placed
-    pid = None
-    if made is not None:
-        pid, failure = _clone(prepared["child"], made, prepared["cgroup"], fds)
+        else:
+            pid, failure = _clone(prepared["child"], launch, prepared["cgroup"], fds)
     for name in ("errpipe", "status", "gate", "stdin", "stdout", "stderr"):
         os.close(fds[name])  # the owner's read of the error pipe ends with the child's exec
     if pid is not None:
-        _leave(paths.get("pids"))
-        os.write(fds["gate_w"], GATE_OPEN)  # the child's command may start: we no longer count
+        _leave(paths.get("pids"))  # before the reply: the owner opens the gate on it
     reply = {"error": failure} if failure is not None else {"pid": pid}
     _send(fds["replies"], {**reply, "paths": paths})
 
 
 def _leave(pids: str | None) -> None:
-    """Out of the session's pids cgroup, into the ceiling above it: the child's command then
-    has the whole pids.max (this process still exists until its owner reaps it). Through
-    `tasks`, as the join: this thread alone, without the global lock."""
+    """Out of the session's pids cgroup, into the ceiling above it, before the gate opens:
+    the child's command then has the whole pids.max (this process still exists until its
+    owner reaps it). Through `tasks`, as the join: this thread alone, without the global
+    lock."""
     if pids is not None:
         with open(os.path.join(os.path.dirname(pids), "tasks"), "w") as handle:
             handle.write("0")
@@ -309,7 +337,6 @@ def _clone(
         where = f"clone3 into {cgroup}" if cgroup is not None else "clone3"
         return None, f"boundary:{exc.errno or 5}:{where}: {exc.strerror}"
     if pid == 0:  # pragma: no cover - the owner's child now: init, or the command
-        os.close(fds["gate_w"])  # EOF, not a hang, should the placer die before it opens it
         setpgid = child["setpgid"]
         first = child_prepare(lambda _placed: os.setpgid(0, 0) if setpgid else None, launch, True)
         if child["init"]:

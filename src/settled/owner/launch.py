@@ -132,6 +132,7 @@ class Launching:
             return self._never_ran("cancelled", "admission", cancel, planned=False)
         if self.ahead.placer is not None:  # it readies the launch while this owner goes on
             plan = self.plan or IsolationPlan("none", no_new_privs=False)
+            self.timings["placed_at"] = time.time()  # its clone builds the view from here
             self.ahead.placer.prepare(boundary, given, plan.fields())
         try:  # before anything runs: a place to say why, should the receipt not fit later
             self.last_words = LastWords(given["last_words"])
