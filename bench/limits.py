@@ -200,7 +200,7 @@ def _cli(srcs: dict[str, str], root: str, rounds: int) -> dict[str, Any]:
             for name, argv in cases.items():
                 samples[name].append(_timed(argv, env_of[name]))
     finally:
-        for tree, env in envs.items():
+        for env in envs.values():
             subprocess.run(
                 [sys.executable, "-c", "import sys; from settled.owner import home_launcher; "
                  "home_launcher.stop(sys.argv[1])", os.path.join(env["SETTLED_HOME"], "run")],

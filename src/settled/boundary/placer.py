@@ -177,21 +177,22 @@ class Placer:
         if fd >= 0:
             os.close(fd)
 
-    def close(self) -> None:
-        """Reap the placer (it exits once it replied, or at EOF if never prepared). Its
-        cgroups stay for the owner to read and remove."""
+    def close(self, *, wait: bool = True) -> None:
+        """Reap the placer (it exits once it replied, or at EOF if never prepared); without
+        `wait`, only if it has exited already (its exit unmaps a copy of this process: not
+        on the launch path). Its cgroups stay for the owner to read and remove."""
         self._close("to_placer")
         self._close("from_placer")
-        if self.status is None:
-            while True:
-                try:
-                    self.status = os.waitpid(self.pid, 0)[1]
-                    break
-                except InterruptedError:
-                    continue
-                except ChildProcessError:
-                    self.status = -1
-                    break
+        while self.status is None:
+            try:
+                pid, status = os.waitpid(self.pid, 0 if wait else os.WNOHANG)
+            except InterruptedError:
+                continue
+            except ChildProcessError:
+                pid, status = self.pid, -1
+            if pid == 0:
+                return  # still exiting: reaped by a later close
+            self.status = status
 
     def remove(self, timeout: float = 10.0) -> list[str]:
         """Nothing is started: a child cloned meanwhile finds its gate closed (EOF), exits

@@ -220,7 +220,7 @@ class Launching:
         )  # fmt: skip
         self.early_quicken()
         if self._placer is not None:
-            self._placer.close()  # it exited once it replied: reaped, off the launch path
+            self._placer.close(wait=False)  # it exits once it replied: reaped here or later
         faults.point("owner.after_spawn")
         session = self._open_session()
         assert self.early is not None
@@ -342,6 +342,8 @@ class Launching:
             os.close(fd)
         self.logs = {}
         self.ahead.close()
+        if self._placer is not None:
+            self._placer.close()  # reaped at last, if it was still exiting after the launch
         if self.store is not None:
             self.store.close()
             self.store = None
