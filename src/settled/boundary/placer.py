@@ -37,7 +37,7 @@ import os
 import sys
 
 from settled import faults
-from settled.boundary import limits, linux, procfs
+from settled.boundary import linux, procfs
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -207,11 +207,15 @@ class Placer:
         self.close()
         for name in list(self.fds):
             self._close(name)
+        from settled.boundary import limits
+
         return limits.remove(list((self.made or self.paths()).values()), kill=True)
 
     @staticmethod
     def paths() -> dict[str, str]:
         """{controller: path} of the v1 cgroups the placer of this process makes."""
+        from settled.boundary import limits
+
         return limits.v1_paths(limits.owner_dir(os.getpid(), procfs.start_time(os.getpid())))
 
 
@@ -259,6 +263,8 @@ def _serve(owner: int, fds: dict[str, int]) -> None:
         os.closerange(low, keep)
         low = keep + 1
     os.closerange(low, _MAX_FD)
+    from settled.boundary import limits  # here, not in the owner: its command needs it later
+
     paths = limits.v1_paths(limits.owner_dir(owner, procfs.start_time(owner)))
     failure: str | None = None
     try:
@@ -295,14 +301,15 @@ def _leave(pids: str | None) -> None:
     the child's command then has the whole pids.max (this process still exists until its
     owner reaps it). Through `tasks`, as the join: this thread alone, without the global
     lock."""
-    if pids is not None:
+    if pids is not None:  # the ceiling's: settled/ above the session's
         with open(os.path.join(os.path.dirname(pids), "tasks"), "w") as handle:
             handle.write("0")
 
 
 def _ready(prepared: dict[str, Any], paths: dict[str, str], fds: dict[str, int]) -> Launch:
     """Write the limits and build the launch the child will need (every module it takes was
-    loaded by the owner before the fork: nothing is imported twice)."""
+    loaded by the owner before the fork, but limits: nothing is imported twice)."""
+    from settled.boundary import limits
     from settled.boundary.isolation import IsolationPlan
     from settled.boundary.spawn import ChildIO, Launch
 

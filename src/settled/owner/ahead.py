@@ -15,19 +15,19 @@ from __future__ import annotations
 import os
 
 from settled import oomguard
-from settled.boundary import linux
+from settled.boundary import linux, spawn
 from settled.boundary import pidns as _init  # noqa: F401 - the init's code, before the fork
 from settled.boundary.placer import Placer
 
 PIPE_SIZE = 1 << 20  # each output pipe: what the command may write before the drain starts
-SPAWN_ENV = "SETTLED_SPAWN"  # spawn.SPAWN_ENV, read here without importing spawn
 
 
 def placeable() -> bool:
     """Whether the command will be started through a placer: where clone3 (with
-    CLONE_INTO_CGROUP) is there and not refused by SETTLED_SPAWN=fork (spawn.clone3_missing's
-    answer, without importing spawn)."""
-    return os.environ.get(SPAWN_ENV) != "fork" and linux.clone3_missing() is None
+    CLONE_INTO_CGROUP) is there and not refused by SETTLED_SPAWN=fork. Probed once per
+    process, with spawn's own answer: the probe is a clone3 that the kernel refuses only
+    after copying most of this process (~0.5 ms here)."""
+    return spawn.clone3_missing() is None
 
 
 class Ahead:

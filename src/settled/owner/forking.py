@@ -186,10 +186,12 @@ class Spare:
 
 
 def _serve_as_spare(home: str, sock: socket.socket) -> int:
-    """The spare's life: open the home's store once no request came for PRIME_AFTER_S, wait
-    for a request, become its owner. Under a burst the next request is there at once, and
-    its owner opens the store after its command started, as a forked owner does: a store
-    opened first would stand between every queued caller and its owner's pid."""
+    """The spare's life: once no request came for PRIME_AFTER_S, make what its owner will
+    need ahead (launch.Ahead: the pipes and the placer, which joins its cgroups meanwhile) and
+    open the home's store; wait for a request, become its owner. Under a burst the next
+    request is there at once, and its owner makes both after its pid, as a forked owner does:
+    made first, they would stand between every queued caller and its owner's pid, and the
+    placer's fork would take the CPU from the launch the zygote just served."""
     import select
     import socket
 
@@ -197,16 +199,17 @@ def _serve_as_spare(home: str, sock: socket.socket) -> int:
     from settled.owner.main import run_session
     from settled.store import open_store
 
-    with contextlib.suppress(OSError):  # none: the owner makes its own once asked
-        Ahead.current = Ahead()  # its pipes and its placer, which joins its cgroups meanwhile
     store: Store | None = None
     poller = select.poll()
     poller.register(sock, select.POLLIN)
-    if _room_to_prime() and not poller.poll(PRIME_AFTER_S * 1000.0):
-        try:
-            store = open_store(home, threads=False)  # threads=False: it may yet unshare
-        except Exception:  # the owner opens it again, and says what is wrong
-            store = None
+    if not poller.poll(PRIME_AFTER_S * 1000.0):
+        with contextlib.suppress(OSError):  # none: the owner makes its own once asked
+            Ahead.current = Ahead()
+        if _room_to_prime():
+            try:
+                store = open_store(home, threads=False)  # threads=False: it may yet unshare
+            except Exception:  # the owner opens it again, and says what is wrong
+                store = None
     try:
         message, fds, _flags, _addr = socket.recv_fds(sock, MAX_REQUEST, 2)
     except OSError:
