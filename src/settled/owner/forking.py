@@ -51,6 +51,7 @@ def preload() -> None:
     import settled.workspace.journal.client  # noqa: F401 - the owner's barrier client, likewise
     from settled import boundary, oomguard, store
     from settled.boundary import limits, linux, spawn
+    from settled.boundary import walls as _walls  # noqa: F401 - the receipt's resources
 
     store.load_implementation()  # the store the owner opens, likewise
     boundary.preload()  # the boundary it makes, likewise
