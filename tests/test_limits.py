@@ -37,6 +37,31 @@ def _v1_or_skip() -> None:
         pytest.skip(f"no v1 controller for {missing}: {limits.controllers()}")
 
 
+def _placer_or_skip() -> None:
+    """The placer starts every command where clone3 is there; the fork path has none. Asked
+    of the environment the owners will get and of the kernel (spawn caches its answer for
+    this process's life)."""
+    from settled.boundary import linux
+
+    missing = "SETTLED_SPAWN=fork" if os.environ.get("SETTLED_SPAWN") == "fork" else None
+    missing = missing or linux.clone3_missing()
+    if missing is not None:
+        pytest.skip(f"no placer on the fork path: {missing}")
+
+
+@pytest.fixture(params=("clone3", "fork"))
+def spawn(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """How owners start their commands: through the placer (clone3), or on the fork path,
+    where the forked child joins the v1 cgroups itself (SETTLED_SPAWN=fork, as a kernel
+    without clone3 would take)."""
+    if request.param == "fork":
+        monkeypatch.setenv("SETTLED_SPAWN", "fork")
+    else:
+        monkeypatch.delenv("SETTLED_SPAWN", raising=False)
+        _placer_or_skip()
+    return str(request.param)
+
+
 def _settled_roots() -> list[Path]:
     return [Path(str(w["root"])) for w in limits.controllers().values() if w["root"]]
 
@@ -137,7 +162,7 @@ def test_a_default_that_cannot_apply_is_named_missing(monkeypatch: pytest.Monkey
 
 
 def test_the_host_defaults_are_applied_to_the_sessions_cgroups_and_named(
-    rt: Runtime, task: TaskRecord
+    rt: Runtime, task: TaskRecord, spawn: str
 ) -> None:
     _v1_or_skip()
     admission = rt.exec(task.task, shell="cat /proc/self/oom_score_adj; exec sleep 30", key="d")
@@ -165,6 +190,7 @@ def test_the_host_defaults_are_applied_to_the_sessions_cgroups_and_named(
     assert resources["pids"]["peak"] >= 2 and resources["pids"]["refused"] == 0
     assert resources["ceiling"] == limits.defaults()["ceiling"]
     assert resources["oom"]["command"] == 1000
+    assert receipt["owner"]["spawn"] == spawn
     assert not any(Path(p).exists() for p in by_controller.values()), "removed with the session"
 
 
@@ -196,7 +222,7 @@ def test_a_tasks_default_limit_applies_to_its_commands_and_an_execs_own_replaces
 
 
 def test_a_hog_under_a_memory_limit_is_killed_and_named_while_another_task_lives_on(
-    rt: Runtime, task: TaskRecord, tmp_path: Path
+    rt: Runtime, task: TaskRecord, tmp_path: Path, spawn: str
 ) -> None:
     _v1_or_skip()
     other_ws = tmp_path / "other"
@@ -275,7 +301,7 @@ STORM = "f() { f | f & }; f; exec sleep 600"  # each forks two until refused; th
 
 
 def test_a_fork_storm_under_a_pids_limit_ends_at_its_deadline_with_a_true_receipt(
-    rt: Runtime, task: TaskRecord
+    rt: Runtime, task: TaskRecord, spawn: str
 ) -> None:
     """The storm exhausts its session's pids.max; its owner, confined to no spare task at all,
     still stops it at the deadline, proves it dead and writes its receipt."""
@@ -326,6 +352,7 @@ def test_a_placement_that_fails_never_starts_its_command_and_leaves_nothing(
     """The placer dies after joining the session's cgroups, or the kernel refuses its limits:
     the session never starts, and no cgroup or process of it is left."""
     _v1_or_skip()
+    _placer_or_skip()
     monkeypatch.setenv("SETTLED_FAULT", fault)  # the fresh owner's, and so its placer's
     admission = rt.exec(task.task, shell="echo never", key="p")
     receipt = rt.wait(admission.session, timeout=30)["receipt"]
@@ -365,6 +392,7 @@ def test_the_cgroups_of_a_spare_that_was_killed_are_swept(tmp_path: Path) -> Non
     """A warm launcher's spare forks its placer (which joins its cgroups) before any request:
     killed, it leaves empty cgroups named for a dead owner, which recovery's sweep removes."""
     _v1_or_skip()
+    _placer_or_skip()
     (tmp_path / "ws").mkdir()
     before = _owner_dirs()
     with Runtime(str(tmp_path / "home"), launcher="warm") as warm:
