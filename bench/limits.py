@@ -62,6 +62,9 @@ rt.close_task(task)
 rt.close()
 from settled.workspace.journal import lifecycle
 lifecycle.stop(os.path.join(home, "run", "journal.sock"))
+if launcher == "home":  # the home's zygote (and its spare, with its placer) ends with us
+    from settled.owner import home_launcher
+    home_launcher.stop(os.path.join(home, "run"))
 """
 
 
