@@ -24,6 +24,7 @@ import home_age
 import http_bench
 import isolation
 import kill
+import limits
 import load
 import objects_s3
 import peers
@@ -52,6 +53,7 @@ BENCHMARKS = {
     "isolation": isolation.run,
     "pods": pods.run,
     "podnet": podnet.run,
+    "limits": limits.run,
     "remote": remote.run,
     "objects_s3": objects_s3.run,
     "peers": peers.run,

@@ -145,16 +145,24 @@ def _cmdline(pid: int) -> bytes:
         return b""
 
 
+def _comm(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/comm", "rb") as handle:
+            return handle.read().strip()
+    except OSError:
+        return b""
+
+
 def _forks_of(zygote: int, line: bytes | None = None) -> list[int]:
     """Live processes that are copies of the zygote (its command line, `line` once it is
-    gone), but not it."""
+    gone), but not it, nor a spare's placer (boundary/placer.py, named settled-placer)."""
     line = line or _cmdline(zygote)
     assert line, f"no command line for zygote {zygote}: pass the one read while it ran"
     return [
         int(entry)
         for entry in os.listdir("/proc")
         if entry.isdigit() and int(entry) != zygote and _cmdline(int(entry)) == line
-        and _alive(int(entry))
+        and _alive(int(entry)) and _comm(int(entry)) != b"settled-placer"
     ]  # fmt: skip
 
 

@@ -34,6 +34,8 @@ FOUNDATION = {
     "settled.isolated",
     "settled.localdb",
     "settled.peers",
+    "settled.nothreads",
+    "settled.oomguard",
     "settled.receipts",
     "settled.records",
     "settled.render",
@@ -52,6 +54,7 @@ FACE_NEUTRAL = {
     "settled.grammar",
     "settled.identity",
     "settled.peers",  # a server judges its TCP peers as the launcher and the journal do theirs
+    "settled.oomguard",  # a server's own oom_score_adj: one write to /proc/self
     "settled.records",
     "settled.render",
     "settled.states",

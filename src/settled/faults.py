@@ -53,6 +53,12 @@ SERVER_POINTS = (
     "server.mid_stream",  # an output stream has sent a chunk and is about to send more
     "server.before_close_response",  # the close join has finished, its receipt not yet answered
 )
+# The placer's (boundary/placer.py), a child of the owner: a crash there is not the owner's, and
+# its session is never started rather than lost (tests/test_limits.py; not the soak's).
+PLACER_POINTS = (
+    "placer.after_join",  # the placer joined the session's v1 cgroups, nothing placed
+    "placer.limits_write",  # as the placer writes the session's limits
+)
 ALL_POINTS: tuple[str, ...] = (
     OWNER_POINTS + CHECKPOINT_POINTS + CLOSE_POINTS + RECOVERY_POINTS + SERVER_POINTS
 )

@@ -483,7 +483,10 @@ def package_version() -> str:
 
 def run_stdio(home: str | None) -> int:
     """Serve the tools over stdin/stdout until stdin closes; 0 on a clean end."""
+    from settled import oomguard
+
     runtimes = Runtimes(home)
+    oomguard.protect_self()  # never the kernel's choice under memory pressure, where it can
     try:
         build_server(runtimes).run("stdio")
     finally:

@@ -87,7 +87,11 @@ def process_receipt(
     owner: dict[str, Any],
     timings: dict[str, float],
     isolation: dict[str, Any] | None = None,
+    resources: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
+    """`resources`: the command's limits and what the kernel counted (boundary/walls.py);
+    absent for a command that never started."""
+    extra = {"resources": resources} if resources is not None else {}
     return seal(
         {
             "kind": "process",
@@ -106,5 +110,6 @@ def process_receipt(
             "isolation": isolation,
             "owner": owner,
             "timings": timings,
+            **extra,
         }
     )

@@ -134,10 +134,14 @@ class Recovery:
         provider's own for the whole task (its sandbox confirmed destroyed), which then stands
         for every session in it instead of each one's inspection."""
         self.detect(task)
-        return [
+        recovered = [
             self.recover_session(r, source, evidence)
             for r in filter(self.ours, self.store.unknown_sessions(task))
         ]
+        sweep = getattr(self.sandbox, "sweep", None)  # what dead owners left (limits' cgroups)
+        if sweep is not None:
+            sweep()
+        return recovered
 
     def recover_session(
         self, record: SessionRecord, source: str, given: Evidence | None = None

@@ -262,6 +262,20 @@ def _check_isolation(spec: CommandSpec, kind: str) -> None:
         raise BadInput(str(exc)) from None
 
 
+def _check_limits(spec: CommandSpec) -> None:
+    """Refuse, before recording, a limit asked for (by the exec or its task) that this host
+    cannot enforce, its controller missing (boundary/limits.py), or below what a session's
+    first processes take (pids: the namespace's init and the command)."""
+    from settled.boundary import limits
+
+    explicit = {"memory": spec.memory, "pids": spec.pids, "cpus": spec.cpus}
+    if all(value is None for value in explicit.values()):
+        return
+    why = limits.refusal(explicit)
+    if why is not None:
+        raise BadInput(why)
+
+
 def _check_sandbox(spec: CommandSpec, task: TaskRecord, provider: str) -> bool:
     """Whether the command will run through the task's sandbox's enter prefix; refuses what
     settled could not then honour (its own isolation, a uid, a granted path, a network of
@@ -653,6 +667,7 @@ class Runtime:
         kind = boundaries.choose(spec.boundary, pid_namespace=not entered)
         if not entered:
             _check_isolation(spec, kind)
+        _check_limits(spec)
         key = key or new_key()
         while True:
             existing = self.store.find_session(task, key)

@@ -12,6 +12,8 @@
  * Owns only the calls: each returns the system call's result, or -errno on failure, and
  * linux.py turns that into OSError. Never decides what to call.
  *
+ * clone3 may ask for CLONE_PARENT (the placer's: its child is its owner's), with exit_signal 0.
+ *
  * clone3 keeps the GIL held across the call (no Py_BEGIN_ALLOW_THREADS): the child returns
  * into Python as a copy of the calling thread alone, which must hold the GIL in both.
  */
@@ -42,6 +44,9 @@
 #endif
 #ifndef CLONE_INTO_CGROUP
 #define CLONE_INTO_CGROUP 0x200000000ULL
+#endif
+#ifndef CLONE_PARENT
+#define CLONE_PARENT 0x00008000
 #endif
 
 struct settled_clone_args { /* struct clone_args up to cgroup: CLONE_ARGS_SIZE_VER2 */
@@ -76,7 +81,9 @@ static PyObject *m_clone3(PyObject *self, PyObject *args) {
     memset(&clone_args, 0, sizeof clone_args);
     clone_args.flags = flags | CLONE_PIDFD;
     clone_args.pidfd = (uint64_t)(uintptr_t)&pidfd;
-    clone_args.exit_signal = SIGCHLD;
+    /* CLONE_PARENT refuses an exit signal (EINVAL): the child then takes the caller's own,
+     * and its parent is the caller's parent (the placer's owner, boundary/placer.py). */
+    clone_args.exit_signal = (flags & CLONE_PARENT) ? 0 : SIGCHLD;
     if (flags & CLONE_INTO_CGROUP)
         clone_args.cgroup = (uint64_t)(int64_t)cgroup;
     long pid = syscall(SYS_clone3, &clone_args, sizeof clone_args);

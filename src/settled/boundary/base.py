@@ -17,7 +17,7 @@ import time
 from abc import ABC, abstractmethod
 
 from settled.boundary import procfs
-from settled.boundary.spawn import fork_exec
+from settled.boundary.spawn import child_prepare, exec_in_child, fork_exec, read_spawn_error
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -106,8 +106,30 @@ class Boundary(ABC):
         `birth_cgroup()` (clone3); otherwise it joins that cgroup here, first."""
 
     def start(self, launch: Launch) -> int:
-        self.main_pid, self._pidfd = fork_exec(launch, self.prepare_child, self.birth_cgroup())
+        if launch.placer is None:
+            self.main_pid, self._pidfd = fork_exec(launch, self.prepare_child, self.birth_cgroup())
+            return self.main_pid
+        pid, errpipe_r, status_r = launch.placer.start()  # cloned for this boundary, waiting
+        os.close(status_r)  # a PID namespace's init reports on it; this child execs
+        failure = read_spawn_error(errpipe_r)
+        if failure is not None:
+            os.waitpid(pid, 0)
+            raise failure
+        self.main_pid, self._pidfd = pid, os.pidfd_open(pid)
         return self.main_pid
+
+    def run_child(self, launch: Launch, errpipe: int, status: int, placed: bool) -> None:
+        """The child's life, in the process cloned for it (never returns): its first steps
+        (prepare_child), its view, privileges and exec. `status`: unused here (a PID
+        namespace's init reports its command's status on it)."""
+        exec_in_child(launch, errpipe, child_prepare(self.prepare_child, launch, placed))
+
+    def placed_child(self) -> dict[str, bool]:
+        """What a placer's clone of this boundary's child does (placer.py, which imports no
+        boundary kind): `init`, the PID namespace's (pidns.run_init) or the command itself
+        (spawn.exec_in_child); `setpgid`, its prepare_child once placed (only a process
+        group's does anything then)."""
+        return {"init": False, "setpgid": False}
 
     def exit_fd(self) -> int:
         """Readable once the main process has exited."""

@@ -41,6 +41,7 @@ def _binding() -> tuple[str, Any]:
 
 BINDING, _call = _binding()  # _call: Any, the binding module (C or ctypes)
 
+CLONE_PARENT: Final = 0x00008000  # the child's parent is the caller's (exit_signal 0)
 CLONE_NEWNS: Final = 0x00020000
 CLONE_NEWCGROUP: Final = 0x02000000
 CLONE_NEWUTS: Final = 0x04000000
@@ -76,6 +77,7 @@ F_SEAL_WRITE: Final = 0x8
 
 PR_SET_PDEATHSIG: Final = 1
 PR_CAPBSET_DROP: Final = 24
+PR_SET_PDEATHSIG: Final = 1
 PR_SET_DUMPABLE: Final = 4
 PR_SET_NO_NEW_PRIVS: Final = 38
 PR_CAP_AMBIENT: Final = 47
@@ -187,7 +189,9 @@ def capset(effective: int, permitted: int, inheritable: int) -> None:
 def clone3(flags: int, cgroup_fd: int = -1) -> tuple[int, int]:
     """clone3(2) with CLONE_PIDFD added: (pid, pidfd) in the parent, (0, -1) in the child,
     which continues from here as a copy of the calling thread alone (no fork handler runs:
-    the caller has no other thread). `cgroup_fd` is the directory for CLONE_INTO_CGROUP."""
+    the caller has no other thread). `cgroup_fd` is the directory for CLONE_INTO_CGROUP. With
+    CLONE_PARENT the child is the caller's parent's (its exit signal is the caller's own, as
+    clone3 refuses one with that flag)."""
     pid, pidfd = _call.clone3(flags, cgroup_fd)
     _check(pid, f"clone3({flags:#x})")
     return pid, pidfd

@@ -17,6 +17,7 @@ _SYS_MOUNT_SETATTR = 442  # the same on every architecture (added in 5.12)
 _SYS_CLONE3 = 435  # likewise (added in 5.3)
 _CLONE_PIDFD = 0x00001000
 _CLONE_INTO_CGROUP = 0x200000000
+_CLONE_PARENT = 0x00008000
 _SIGCHLD = 17
 _LINUX_CAPABILITY_VERSION_3 = 0x20080522
 _PR_SET_SECCOMP = 22
@@ -111,7 +112,7 @@ def clone3(flags: int, cgroup_fd: int) -> tuple[int, int]:
     args = _CloneArgs(
         flags=flags | _CLONE_PIDFD,
         pidfd=ctypes.addressof(pidfd),
-        exit_signal=_SIGCHLD,
+        exit_signal=0 if flags & _CLONE_PARENT else _SIGCHLD,  # CLONE_PARENT refuses one
         cgroup=cgroup_fd if flags & _CLONE_INTO_CGROUP else 0,
     )
     pid = int(

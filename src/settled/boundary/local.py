@@ -1,5 +1,10 @@
 """The local sandbox: a task's cgroup v2 subtree and its sessions' PID namespaces on this host.
 
+A session's resource walls live in v1 cgroups named for its owner where the host has no v2
+controller (boundary/limits.py): once its boundary proved the session dead, recovery kills
+what they may still hold and removes them; `sweep` removes the empty ones of any owner that no
+longer runs (a spare killed before it served, an owner dead before its claim).
+
 The task's cgroup (`<hierarchy>/settled/<task>`) is made by the first session's boundary, not
 here, so `create` only names it; destroying it kills every session cgroup below it. A session's
 own evidence comes from the boundary its owner recorded: a cgroup watched to `populated 0` and
@@ -13,6 +18,7 @@ import os
 from typing import Any
 
 from settled.boundary import inspect as boundary_inspect
+from settled.boundary import limits
 from settled.boundary.base import Evidence
 from settled.boundary.isolation import recorded_cgroup_contained
 from settled.boundary.sandbox import Destroyed, never_started
@@ -38,6 +44,15 @@ class LocalSandbox:
         return Destroyed(killed.to_json("sandbox-destroyed") if killed else None)
 
     def inspect(self, session: SessionRecord, task: TaskRecord) -> Evidence:
+        evidence = self._inspect(session)
+        _remove_walls(session, evidence.proven)
+        return evidence
+
+    def sweep(self) -> list[str]:
+        """Remove the v1 limit cgroups of every owner that no longer runs; what was removed."""
+        return limits.sweep()
+
+    def _inspect(self, session: SessionRecord) -> Evidence:
         before = never_started(session)
         kind, ref = session.boundary, session.boundary_ref
         if before is not None or kind is None:
@@ -60,6 +75,17 @@ class LocalSandbox:
             f"boundary {kind} gives no evidence once its owner is gone: its orphans were "
             "re-parented to init and cannot be enumerated; destroy the task's sandbox",
         )
+
+
+def _remove_walls(session: SessionRecord, proven: bool) -> None:
+    """The session's v1 limit cgroups (named for its owner), after its boundary's inspection.
+    With its evidence, what they still hold (nothing of the command's; v1 has no cgroup.kill)
+    is killed and they are removed; without, they are removed only if empty: what runs there
+    is left to the task's destroy, as the boundary's own orphans are (`sweep` takes them
+    once empty)."""
+    if session.owner is not None:
+        paths = limits.owner_paths(session.owner.pid, session.owner.start_time)
+        limits.remove(paths, kill=proven)
 
 
 def _remove_made_ahead(session: SessionRecord) -> None:

@@ -23,6 +23,9 @@ class PgroupBoundary(Boundary):
     def prepare_child(self, placed: bool) -> None:
         os.setpgid(0, 0)
 
+    def placed_child(self) -> dict[str, bool]:
+        return {"init": False, "setpgid": True}
+
     def members(self) -> list[int]:
         return procfs.pids_in_group(self.main_pid) if self.main_pid else []
 

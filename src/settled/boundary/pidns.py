@@ -18,6 +18,7 @@ import os
 from settled.boundary import linux, mountview, podns, procfs, unavailable
 from settled.boundary.base import Boundary, Evidence
 from settled.boundary.spawn import (
+    child_prepare,
     fail_to_parent,
     fork_into,
     placement_failed,
@@ -117,6 +118,17 @@ def _run_init(
         os._exit(0)
 
 
+def run_init(launch: Launch, errpipe: int, status: int, prepare: Callable[[], None] | None) -> None:
+    """Become pid 1 (never returns): named settled-init (a placer's clone would show as
+    settled-placer), then `_run_init`."""
+    try:
+        with open("/proc/self/comm", "wb") as handle:
+            handle.write(b"settled-init")
+    except OSError:
+        pass
+    _run_init(launch, errpipe, status, prepare)
+
+
 class PidnsBoundary(Boundary):
     kind = "pidns"
 
@@ -125,6 +137,13 @@ class PidnsBoundary(Boundary):
         self.init_pid: int | None = None
         self._status_r: int | None = None
         self._init_status: int | None = None
+
+    def run_child(self, launch: Launch, errpipe: int, status: int, placed: bool) -> None:
+        """Pid 1's life, in the process cloned into the namespace (never returns)."""
+        run_init(launch, errpipe, status, child_prepare(self.prepare_child, launch, placed))
+
+    def placed_child(self) -> dict[str, bool]:
+        return {"init": True, "setpgid": False}
 
     @property
     def ref(self) -> str | None:
@@ -141,6 +160,10 @@ class PidnsBoundary(Boundary):
             unshare_pid_namespace()
 
     def start(self, launch: Launch) -> int:
+        if launch.placer is not None:  # the placer clones init (placer.py), as our child
+            pid, errpipe_r, status_r = launch.placer.start()  # cloned ahead, at its gate
+            self.init_pid, self._pidfd, self._status_r = pid, os.pidfd_open(pid), status_r
+            return self._started(read_spawn_error(errpipe_r))
         errpipe_r, errpipe_w = os.pipe2(os.O_CLOEXEC)
         status_r, status_w = os.pipe2(os.O_CLOEXEC)
         cgroup = self.birth_cgroup()
@@ -153,19 +176,23 @@ class PidnsBoundary(Boundary):
         if pid == 0:
             os.close(errpipe_r)
             os.close(status_r)
-            _run_init(launch, errpipe_w, status_w, lambda: self.prepare_child(placed))
+            self.run_child(launch, errpipe_w, status_w, placed)
         os.close(errpipe_w)
         os.close(status_w)
         self.init_pid = pid
         self._pidfd = pidfd if pidfd >= 0 else os.pidfd_open(pid)
         self._status_r = status_r
-        failure = read_spawn_error(errpipe_r)
+        return self._started(read_spawn_error(errpipe_r))
+
+    def _started(self, failure: Exception | None) -> int:
+        """Init's pid once its command runs; `failure` (its report) raised once init is reaped."""
+        assert self.init_pid is not None
         if failure is not None:
-            self._init_status = os.waitpid(pid, 0)[1]  # init exits once its command could not
+            self._init_status = os.waitpid(self.init_pid, 0)[1]  # init exits: no command
             raise failure
-        kids = procfs.children(pid)
+        kids = procfs.children(self.init_pid)
         self.main_pid = kids[0] if kids else None
-        return pid
+        return self.init_pid
 
     def exit_fd(self) -> int:
         assert self._status_r is not None

@@ -33,6 +33,8 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping
 
+    from settled.boundary.placer import Placer
+
 # The builtin behind `signal`, loaded with every interpreter (it has no stub, hence ModuleType).
 _signal = sys.modules.get("_signal") or __import__("_signal")
 
@@ -63,9 +65,14 @@ class ChildIO:
 
 
 class Launch:
-    """What the child needs to become the command: no more is passed, nothing else inherited."""
+    """What the child needs to become the command: no more is passed, nothing else inherited.
 
-    __slots__ = ("argv", "cwd", "env", "io", "isolation")
+    `placer`: the owner's placer (placer.py), which clones the child instead of the owner;
+    `join`: v1 cgroups a forked child joins itself first (the fork path; none with a placer);
+    `gate`: in the child, a pipe it waits on before the command starts (the placer's: the
+    owner opens it once it reaped the placer, whose zombie still counts in pids.max)."""
+
+    __slots__ = ("argv", "cwd", "env", "gate", "io", "isolation", "join", "placer")
 
     def __init__(
         self,
@@ -77,6 +84,9 @@ class Launch:
     ) -> None:
         self.argv, self.cwd, self.env, self.io = argv, cwd, env, io
         self.isolation = isolation or IsolationPlan("none", no_new_privs=False)
+        self.placer: Placer | None = None
+        self.join: list[str] = []
+        self.gate = -1
 
 
 _MAX_FD = (1 << 31) - 1
@@ -106,12 +116,16 @@ def spawn_via(cgroup: str | None, new_pid_namespace: bool) -> str:
     return "fork"
 
 
-def fork_into(cgroup: str | None, new_pid_namespace: bool) -> tuple[int, int, bool]:
+def fork_into(
+    cgroup: str | None, new_pid_namespace: bool, *, parent: bool = False
+) -> tuple[int, int, bool]:
     """(pid, pidfd or -1, placed); pid is 0 in the child. `placed`: the kernel started the
     child inside `cgroup` (and, asked, as init of a new PID namespace); otherwise it is a plain
     fork, which must join `cgroup` itself before anything else (and whose owner unshared the
-    PID namespace beforehand). Raises OSError (ENODEV: the cgroup was removed meanwhile)."""
-    if spawn_via(cgroup, new_pid_namespace) == "fork":
+    PID namespace beforehand). `parent` (the placer's, which exists only where clone3 does):
+    clone3 with CLONE_PARENT, so the child is the caller's parent's. Raises OSError (ENODEV:
+    the cgroup was removed meanwhile)."""
+    if not parent and spawn_via(cgroup, new_pid_namespace) == "fork":
         return os.fork(), -1, False
     if len(os.listdir("/proc/self/task")) > 1:
         # The child of a raw clone3 is a copy of this thread alone, with every lock another
@@ -120,8 +134,10 @@ def fork_into(cgroup: str | None, new_pid_namespace: bool) -> tuple[int, int, bo
         raise RuntimeError("clone3 with more than one thread running: the owner's order broke")
     from settled.boundary import linux
 
-    flags = (linux.CLONE_INTO_CGROUP if cgroup is not None else 0) | (
-        linux.CLONE_NEWPID if new_pid_namespace else 0
+    flags = (
+        (linux.CLONE_INTO_CGROUP if cgroup is not None else 0)
+        | (linux.CLONE_NEWPID if new_pid_namespace else 0)
+        | (linux.CLONE_PARENT if parent else 0)
     )
     directory = -1 if cgroup is None else os.open(cgroup, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
@@ -132,10 +148,76 @@ def fork_into(cgroup: str | None, new_pid_namespace: bool) -> tuple[int, int, bo
     return pid, pidfd, True
 
 
+def sealed_stdin(data_path: str) -> int:
+    """The stored stdin as a sealed memfd: the command reads the bytes but cannot reopen the
+    stored copy through /proc/self/fd/0 and change it for the next session that uses it."""
+    from settled.boundary import linux
+
+    fd = os.memfd_create("settled-stdin", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        with open(data_path, "rb") as source:
+            while chunk := source.read(1 << 20):
+                view = memoryview(chunk)
+                while view:
+                    view = view[os.write(fd, view) :]
+        seals = linux.F_SEAL_SEAL | linux.F_SEAL_SHRINK | linux.F_SEAL_GROW | linux.F_SEAL_WRITE
+        linux.fcntl(fd, linux.F_ADD_SEALS, seals)
+        os.lseek(fd, 0, os.SEEK_SET)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 def join_cgroup(cgroup: str) -> None:
     """In a forked child: move itself into `cgroup` ("0" names the writing process)."""
     with open(os.path.join(cgroup, "cgroup.procs"), "w") as handle:
         handle.write("0")
+
+
+def child_prepare(
+    prepare: Callable[[bool], None], launch: Launch, placed: bool
+) -> Callable[[], None]:
+    """What the child does first: its boundary's `prepare(placed)`, then joining the v1
+    cgroups of its limits where no placer started it inside them (the fork path, which
+    pays their migration here, on the launch path), then making itself (and so the command)
+    the OOM killer's first choice, before its view makes /proc read-only."""
+
+    def first() -> None:
+        prepare(placed)
+        for path in launch.join:  # a single thread moves without cgroup.procs' global lock
+            with open(os.path.join(path, "tasks"), "w") as handle:
+                handle.write("0")
+        _become_oom_victim()
+
+    return first
+
+
+COMMAND_OOM_SCORE_ADJ = b"1000"  # the kernel's first choice under memory pressure
+
+
+def _pass_gate(launch: Launch) -> None:
+    """Wait until the owner opens the gate (it reaped the placer); EOF without it: the owner
+    gave up or died, and the command must not start."""
+    gate, launch.gate = launch.gate, -1
+    try:
+        opened = os.read(gate, 1)
+    finally:
+        os.close(gate)
+    if opened != b"g":
+        raise OSError(errno_mod.ECANCELED, "the owner did not open the placer's gate")
+
+
+def _become_oom_victim() -> None:
+    """The command (and, inherited, all it starts) is what the kernel kills first: 1000 is
+    always allowed to raise to; holding CAP_SYS_RESOURCE here also makes it its floor. In a
+    PID namespace's init, which the command inherits it from (init itself is expendable: the
+    kernel ends the namespace with it, and the receipt says so)."""
+    fd = os.open("/proc/self/oom_score_adj", os.O_WRONLY | os.O_CLOEXEC)
+    try:
+        os.write(fd, COMMAND_OOM_SCORE_ADJ)
+    finally:
+        os.close(fd)
 
 
 def reset_child_signals() -> None:
@@ -182,6 +264,9 @@ def take_on_command(launch: Launch, errpipe: int, keep: int, at: list[str]) -> N
     (but `errpipe` and `keep`, both close-on-exec), its privileges, its cwd. Run by the child
     about to exec, or by a PID namespace's init about to posix_spawn it (which then inherits
     all of it). `at[0]` names the stage reached, for a failure's report; "exec" at the end."""
+    at[0] = "limits"
+    if launch.gate >= 0:
+        _pass_gate(launch)
     at[0] = "stdio"
     os.dup2(launch.io.stdin, 0)
     os.dup2(launch.io.stdout, 1)
@@ -268,8 +353,14 @@ def fork_exec(
         raise placement_failed(exc, cgroup) from None
     if pid == 0:
         os.close(errpipe_r)
-        exec_in_child(launch, errpipe_w, None if prepare is None else lambda: prepare(placed))
+        first = child_prepare(prepare or (lambda _placed: None), launch, placed)
+        exec_in_child(launch, errpipe_w, first)
     os.close(errpipe_w)
+    return await_exec(pid, pidfd, errpipe_r)
+
+
+def await_exec(pid: int, pidfd: int, errpipe_r: int) -> tuple[int, int]:
+    """(pid, pidfd) once the child's exec succeeded; else it is reaped and SpawnFailed raised."""
     failure = read_spawn_error(errpipe_r)
     if failure is not None:
         os.waitpid(pid, 0)

@@ -9,15 +9,13 @@ log in memory.
 
 from __future__ import annotations
 
-import importlib
 import os
-
-from settled.errors import CursorOutOfRange
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Any, Final
 
+    from settled.errors import CursorOutOfRange
     from settled.log.reader import follow, read_range, stored_length
     from settled.log.view import Window, model_view, read_window, render_view, window_view
     from settled.log.writer import (
@@ -29,8 +27,10 @@ if TYPE_CHECKING:
     )
 
 # Loaded on first use: a reader imports ``settled.log.reader``, which runs this package first,
-# and must not pay for the writer (the owner's hot path) it never calls.
+# and must not pay for the writer (the owner's hot path) it never calls; an owner imports
+# ``settled.log.flush`` before its command starts, and must not pay for the error vocabulary.
 _LAZY = {
+    "CursorOutOfRange": "settled.errors",
     **dict.fromkeys(("follow", "read_range", "stored_length"), "settled.log.reader"),
     **dict.fromkeys(
         ("Window", "model_view", "read_window", "render_view", "window_view"), "settled.log.view"
@@ -44,6 +44,8 @@ _LAZY = {
 
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
+        import importlib
+
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 

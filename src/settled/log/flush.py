@@ -15,15 +15,17 @@ more and its durable cursor stays put.
 ``SETTLED_LOG_FLUSH`` (bytes; ``0`` for none, as before this existed) sets the interval for an
 owner, so a benchmark can measure the drain with and without it in one run.
 
-The thread must be started before the owner creates its boundary (a process that has unshared a
-PID namespace for its children cannot start a thread); it idles until the streams are attached.
+The thread is started before the owner's command (an owner starts no thread after it:
+settled.nothreads); it idles until the streams are attached. Built on `_thread` and an eventfd,
+not threading, whose imports would cost a fresh owner several ms on its launch path.
 
 Must never: write or read a log's bytes, raise into the drain, or outlive ``close``.
 """
 
 from __future__ import annotations
 
-import threading
+import _thread
+import os
 
 TYPE_CHECKING = False  # loaded by every owner: no typing or collections.abc at run time
 if TYPE_CHECKING:
@@ -58,13 +60,20 @@ class Flusher:
         self.every = every
         self.syncs = 0  # completed rounds, for tests and the receipt's curious reader
         self._targets: tuple[Syncable, ...] = ()
-        self._poked = threading.Event()
+        self._poked = os.eventfd(0, os.EFD_CLOEXEC)  # the thread blocks reading it
         self._stopping = False
-        self._thread = threading.Thread(target=self._run, name="settled-flush", daemon=True)
+        self._started = False
+        self._done = _thread.allocate_lock()  # held while the thread runs
 
     def start(self) -> None:
-        if self.every is not None:
-            self._thread.start()
+        if self.every is not None and not self._started:
+            self._done.acquire()
+            try:
+                _thread.start_new_thread(self._main, ())
+            except BaseException:
+                self._done.release()
+                raise
+            self._started = True
 
     def attach(self, targets: Sequence[Syncable]) -> None:
         """What each poke syncs, in order (the stream logs, then the interleave index)."""
@@ -72,19 +81,30 @@ class Flusher:
 
     def poke(self) -> None:
         """Sync soon; never waits. Pokes while a round runs fold into one more round."""
-        self._poked.set()
+        if self._poked >= 0:
+            os.eventfd_write(self._poked, 1)
 
     def close(self) -> None:
         """Stop the thread after the round it may be in; idempotent."""
         self._stopping = True
-        self._poked.set()
-        if self._thread.is_alive():
-            self._thread.join()
+        if self._poked < 0:
+            return
+        os.eventfd_write(self._poked, 1)
+        if self._started:
+            self._done.acquire()  # the thread ended
+            self._done.release()
+        os.close(self._poked)
+        self._poked = -1
+
+    def _main(self) -> None:
+        try:
+            self._run()
+        finally:
+            self._done.release()
 
     def _run(self) -> None:
         while True:
-            self._poked.wait()
-            self._poked.clear()
+            os.eventfd_read(self._poked)  # blocks (without the GIL) until poked; clears it
             if self._stopping:
                 return
             for target in self._targets:

@@ -17,11 +17,11 @@ digests the bytes from this thread's own copy, never from the file) and appends 
 index records every read in order. Bounded so that what is written before the writer can ask
 the home's reserve stays small: the reserve is asked for everything after it.
 
-Started right after the owner reported that its command runs (clone3 asks for a single thread
-before), or, where the owner must start its threads before it unshares a PID namespace, before
-the command. A `_thread`, not a `threading.Thread`: the builtin is loaded with the interpreter,
-and threading.py would cost the owner 2-3 ms before its drain starts. Must never: write, drop
-or reorder a byte, or outlive `handover`.
+Started before the command, with the owner's other threads (it starts none after:
+settled.nothreads), at the interpreter's switch interval; once the command runs, `quicken`
+shortens it. A `_thread`, not a `threading.Thread`: the builtin is loaded with the
+interpreter, and threading.py would cost the owner 2-3 ms before its drain starts. Must never:
+write, drop or reorder a byte, or outlive `handover`.
 """
 
 from __future__ import annotations
@@ -63,9 +63,15 @@ class EarlyDrain:
         self._stop_r, self._stop_w = os.pipe2(os.O_CLOEXEC)
         self._done = _thread.allocate_lock()  # held while the thread runs
         self._done.acquire()
-        self._interval = sys.getswitchinterval()
-        sys.setswitchinterval(SWITCH_INTERVAL_S)
+        self._interval: float | None = None  # the switch interval before `quicken`
         _thread.start_new_thread(self._run, ())
+
+    def quicken(self) -> None:
+        """Once the command runs (this thread starts before it, with the owner's others, and
+        must not slow the launch by taking the GIL every 0.5 ms meanwhile)."""
+        if self._interval is None:
+            self._interval = sys.getswitchinterval()
+            sys.setswitchinterval(SWITCH_INTERVAL_S)
 
     def _run(self) -> None:
         try:
@@ -119,7 +125,8 @@ class EarlyDrain:
         if self._stop_w >= 0:
             os.write(self._stop_w, b"x")
             self._done.acquire()  # the thread ended
-            sys.setswitchinterval(self._interval)
+            if self._interval is not None:
+                sys.setswitchinterval(self._interval)
             for fd in (self._stop_r, self._stop_w):
                 os.close(fd)
             self._stop_r = self._stop_w = -1

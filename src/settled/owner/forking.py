@@ -49,11 +49,15 @@ def preload() -> None:
     import settled.owner.main  # imported once, before any fork
     import settled.owner.session  # what the owner loads once its command runs
     import settled.workspace.journal.client  # noqa: F401 - the owner's barrier client, likewise
-    from settled import boundary, store
-    from settled.boundary import linux, spawn
+    from settled import boundary, oomguard, store
+    from settled.boundary import limits, linux, spawn
+    from settled.boundary import walls as _walls  # noqa: F401 - the receipt's resources
 
     store.load_implementation()  # the store the owner opens, likewise
     boundary.preload()  # the boundary it makes, likewise
+    limits.controllers()  # where each limit is enforced: probed once here, for every fork
+    limits.defaults()  # the host's defaults, likewise
+    oomguard.protect_self()  # the zygote, and so every owner it forks, where it can
 
     linux.capget()  # libc loaded once here, not in every owner that isolates its command
     spawn.clone3_missing()  # probed once here (ctypes' PyDLL handle with it)
@@ -183,24 +187,30 @@ class Spare:
 
 
 def _serve_as_spare(home: str, sock: socket.socket) -> int:
-    """The spare's life: open the home's store once no request came for PRIME_AFTER_S, wait
-    for a request, become its owner. Under a burst the next request is there at once, and
-    its owner opens the store after its command started, as a forked owner does: a store
-    opened first would stand between every queued caller and its owner's pid."""
+    """The spare's life: once no request came for PRIME_AFTER_S, make what its owner will
+    need ahead (launch.Ahead: the pipes and the placer, which joins its cgroups meanwhile) and
+    open the home's store; wait for a request, become its owner. Under a burst the next
+    request is there at once, and its owner makes both after its pid, as a forked owner does:
+    made first, they would stand between every queued caller and its owner's pid, and the
+    placer's fork would take the CPU from the launch the zygote just served."""
     import select
     import socket
 
+    from settled.owner.ahead import Ahead
     from settled.owner.main import run_session
     from settled.store import open_store
 
     store: Store | None = None
     poller = select.poll()
     poller.register(sock, select.POLLIN)
-    if _room_to_prime() and not poller.poll(PRIME_AFTER_S * 1000.0):
-        try:
-            store = open_store(home, threads=False)  # threads=False: it may yet unshare
-        except Exception:  # the owner opens it again, and says what is wrong
-            store = None
+    if not poller.poll(PRIME_AFTER_S * 1000.0):
+        with contextlib.suppress(OSError):  # none: the owner makes its own once asked
+            Ahead.current = Ahead()
+        if _room_to_prime():
+            try:
+                store = open_store(home, threads=False)  # threads=False: it may yet unshare
+            except Exception:  # the owner opens it again, and says what is wrong
+                store = None
     try:
         message, fds, _flags, _addr = socket.recv_fds(sock, MAX_REQUEST, 2)
     except OSError:
@@ -208,6 +218,8 @@ def _serve_as_spare(home: str, sock: socket.socket) -> int:
     if not message:
         if store is not None:
             store.close()
+        if Ahead.current is not None:
+            Ahead.current.close()  # its placer placed nothing: it exits, its cgroups go
         return 0  # the zygote ended: nothing ran; its socket closes with this process
     sock.close()
     request: dict[str, Any] = marshal.loads(message)

@@ -34,7 +34,7 @@ import time
 
 from settled import boundary as boundaries
 from settled.backends import bound_backends
-from settled.boundary import poddirs, podhost, procfs
+from settled.boundary import limits, poddirs, podhost, procfs
 from settled.boundary.isolation import IsolationPlan, IsolationUnavailable, make_plan
 from settled.boundary.viewplan import is_within
 from settled.errors import BoundaryUnavailable, StaleWrite
@@ -119,6 +119,8 @@ class Prepared:
         self.failure: tuple[str, str, str] | None = None  # (reason, stage, error)
         self.claimed_at = 0.0
         self.claimed: SessionRecord | None = None
+        explicit, task_defaults = asked_limits(self.spec, self.task)
+        self.limits = limits.effective(explicit, limits.defaults()["session"], task_defaults)
 
     def make(self, store: Store) -> None:
         """Choose the boundary, plan the isolation, create the boundary (not yet recorded)."""
@@ -132,6 +134,29 @@ class Prepared:
             self.failure = ("not_started", "boundary", str(exc))
         except IsolationUnavailable as exc:
             self.failure = ("not_started", "isolation", str(exc))
+        if self.failure is None:
+            self.failure = self._limit_v2()
+
+    def _limit_v2(self) -> tuple[str, str, str] | None:
+        """Write the limits of the controllers the v2 hierarchy gives into the session's v2
+        cgroup (made here, before the claim); the v1 ones are the owner's placer's. A limit
+        asked for explicitly that this host cannot enforce refuses the session."""
+        values = {name: fact["value"] for name, fact in self.limits.items()}
+        explicit = {n: v for n, v in values.items() if self.limits[n]["source"] == "explicit"}
+        why = limits.refusal(explicit)
+        if why is None:
+            v2 = [c for c, w in limits.controllers().items() if w["version"] == "v2"]
+            path = self.boundary.birth_cgroup() if self.boundary is not None else None
+            if not v2 or path is None:
+                return None
+            try:
+                limits.enable_v2(os.path.dirname(path), limits.defaults()["ceiling"])
+                limits.write_all({c: path for c in v2}, "v2", values)
+                return None
+            except OSError as exc:
+                why = f"writing the limits into {path}: {exc}"
+        self.discard()
+        return ("not_started", "limits", why)
 
     def _plan(self, store: Store, kind: str) -> IsolationPlan:
         """What the command may see and do, from facts checked here: this process's
@@ -185,6 +210,19 @@ class Prepared:
         if self.boundary is not None:
             self.boundary.discard()
             self.boundary = None
+
+
+def asked_limits(spec: CommandSpec, task: TaskRecord) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(the exec's own limits, the task's defaults), by limit name. The spec holds the limit
+    each exec runs under (its own, else its task's default: runtime.exec), so a value equal to
+    the task's default is counted as the task's."""
+    defaults = {name: (task.defaults or {}).get(name) for name in limits.LIMITS}
+    explicit = {
+        name: value
+        for name in limits.LIMITS
+        if (value := getattr(spec, name)) is not None and value != defaults[name]
+    }
+    return explicit, defaults
 
 
 def prepare(store: Store, home: str, session: str, launched_at: float) -> Prepared:
@@ -246,6 +284,9 @@ def orders(prepared: Prepared, claimed: SessionRecord) -> bytes:
         "hierarchy": boundary.hierarchy if boundary is not None else None,
         "plan": prepared.plan.fields() if prepared.plan is not None else None,
         "sandbox": prepared.sandbox,
+        "limits": {name: fact["value"] for name, fact in prepared.limits.items()},
+        "limit_sources": {name: fact["source"] for name, fact in prepared.limits.items()},
+        "ceiling": limits.defaults()["ceiling"],
         "argv": entered(prepared.sandbox, cwd, spec.exec_argv),
         "cwd": cwd,
         "env": dict(spec.env),

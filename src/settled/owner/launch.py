@@ -21,10 +21,11 @@ import sys
 import time
 
 from settled import boundary as boundaries
-from settled import faults
-from settled.boundary import linux, procfs, spawn
+from settled import faults, nothreads
+from settled.boundary import procfs
 from settled.boundary.isolation import IsolationPlan
-from settled.boundary.spawn import ChildIO, Launch, SpawnFailed, spawn_via
+from settled.boundary.spawn import ChildIO, Launch, SpawnFailed, sealed_stdin, spawn_via
+from settled.owner.ahead import Ahead as Ahead  # the launch path's, re-exported
 from settled.owner.last_words import LastWords
 
 TYPE_CHECKING = False
@@ -33,6 +34,8 @@ if TYPE_CHECKING:
     from typing import Any
 
     from settled.boundary.base import Boundary
+    from settled.boundary.placer import Placer
+    from settled.boundary.walls import Walls
     from settled.log.flush import Flusher
     from settled.owner.early import EarlyDrain
     from settled.owner.lease import LeaseKeeper, Renew
@@ -42,7 +45,6 @@ if TYPE_CHECKING:
     from settled.records import SessionRecord
     from settled.store import Store
 
-PIPE_SIZE = 1 << 20  # each output pipe: what the command may write before the drain starts
 # log/writer.py's and log/interleave.py's own flags: the writers adopt what is created here
 LOG_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_CLOEXEC
 SPLICE_LOG_FLAGS = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC  # read back to hash
@@ -50,42 +52,6 @@ INDEX_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
 # "1": splice where the log is out of the command's reach. Off by default: measured slower than
 # read + write here (bench/drain.py: the digest must read the bytes back, so no copy is saved).
 LOG_SPLICE_ENV = "SETTLED_LOG_SPLICE"
-
-
-class Ahead:
-    """What the launch needs that its orders do not decide, made while the launcher claims:
-    the output pipes, /dev/null for a command without stdin, libc and the clone3 probe."""
-
-    def __init__(self) -> None:
-        self.pipes = output_pipes()
-        self.devnull = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
-        spawn.clone3_missing()
-        linux.capget()  # loads libc before the clone: the child only calls
-
-    def close(self) -> None:
-        for fd in (*self.pipes.values(), self.devnull):
-            if fd >= 0:
-                os.close(fd)
-        self.pipes, self.devnull = {}, -1
-
-
-def sealed_stdin(data_path: str) -> int:
-    """The stored stdin as a sealed memfd: the command reads the bytes but cannot reopen the
-    stored copy through /proc/self/fd/0 and change it for the next session that uses it."""
-    fd = os.memfd_create("settled-stdin", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-    try:
-        with open(data_path, "rb") as source:
-            while chunk := source.read(1 << 20):
-                view = memoryview(chunk)
-                while view:
-                    view = view[os.write(fd, view) :]
-        seals = linux.F_SEAL_SEAL | linux.F_SEAL_SHRINK | linux.F_SEAL_GROW | linux.F_SEAL_WRITE
-        linux.fcntl(fd, linux.F_ADD_SEALS, seals)
-        os.lseek(fd, 0, os.SEEK_SET)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
 
 
 def log_out_of_reach(plan: IsolationPlan | None, sandbox: object, kind: str | None) -> bool:
@@ -120,20 +86,6 @@ def reserve_logs(paths: dict[str, str], splice: bool) -> dict[str, int]:
     return fds
 
 
-def output_pipes() -> dict[str, int]:
-    """stdout and stderr pipes, each enlarged so the command can write while the owner is
-    still loading its drain: {name: read end, name_w: write end}."""
-    fds: dict[str, int] = {}
-    for name in ("stdout", "stderr"):
-        read_end, write_end = os.pipe2(os.O_CLOEXEC)
-        try:  # noqa: SIM105 - contextlib stays off the owner's launch path
-            linux.fcntl(read_end, linux.F_SETPIPE_SZ, PIPE_SIZE)
-        except OSError:  # above /proc/sys/fs/pipe-max-size for this user: keep the default
-            pass
-        fds[name], fds[f"{name}_w"] = read_end, write_end
-    return fds
-
-
 class Launching:
     """One owner from its orders to its running command; then it hands over to session.py."""
 
@@ -158,8 +110,10 @@ class Launching:
         self.logs: dict[str, int] = {}  # created before the command, adopted by the session
         self.early: EarlyDrain | None = None
         self.session: OwnerSession | None = None
-        self.lease: LeaseKeeper | None = None  # started here only where threads come first
+        self.lease: LeaseKeeper | None = None  # started here, before the command
         self.flusher: Flusher | None = None  # likewise
+        self.walls: Walls | None = None  # the command's limits and their cgroups
+        self._placer: Placer | None = None  # the placer handed the launch, until it ran
         self.splice = os.environ.get(LOG_SPLICE_ENV) == "1" and log_out_of_reach(
             self.plan, given["sandbox"], given["boundary"]
         )
@@ -176,6 +130,10 @@ class Launching:
         if cancel:
             boundary.discard()
             return self._never_ran("cancelled", "admission", cancel, planned=False)
+        if self.ahead.placer is not None:  # it readies the launch while this owner goes on
+            plan = self.plan or IsolationPlan("none", no_new_privs=False)
+            self.timings["placed_at"] = time.time()  # its clone builds the view from here
+            self.ahead.placer.prepare(boundary, given, plan.fields())
         try:  # before anything runs: a place to say why, should the receipt not fit later
             self.last_words = LastWords(given["last_words"])
             self.logs = reserve_logs(given["logs"], self.splice)
@@ -183,9 +141,10 @@ class Launching:
             boundary.discard()
             why = _storage_text(exc, self.home)
             return self._never_ran("not_started", "space", why, planned=False)
-        if self._threads_first(boundary):
-            self._start_lease()
-            self._start_early_drain()
+        # Every thread this owner will have, before its command exists (settled.nothreads):
+        # a fork storm may leave the host no task to give a thread started later.
+        self._start_lease()
+        self._start_early_drain()
         try:
             boundary.setup()
         except Exception as exc:  # the error module loads only if it is one of its errors
@@ -198,17 +157,12 @@ class Launching:
         faults.point("owner.after_boundary")
         return self._start(boundary)
 
-    def _threads_first(self, boundary: Boundary) -> bool:
-        """Where the command's PID namespace cannot be cloned, this process unshares one for its
-        children in `setup`, after which the kernel refuses it any thread: the lease keeper's
-        and the first drain's threads must come first, as the lease's always did."""
-        pid_namespace = boundary.kind in boundaries.PID_NAMESPACE_KINDS
-        return pid_namespace and spawn_via(boundary.birth_cgroup(), True) == "fork"
-
     def _start_lease(self) -> None:
-        """The lease keeper's and the log flusher's threads, started before the boundary: the
-        keeper connects (through the session, loaded once the command runs) only at the loop's
-        first request, and the flusher idles until the session attaches the logs."""
+        """The lease keeper's and the log flusher's threads, started before the boundary (a
+        process that unshared a PID namespace for its children, the fork path's, may start
+        none after) and the command: the keeper connects (through the session, loaded once the
+        command runs) only at the loop's first request, and the flusher idles until the
+        session attaches the logs."""
         from settled.log.flush import FLUSH_ENV, Flusher, flush_every
         from settled.owner.lease import (
             HEARTBEATS_PER_LEASE,
@@ -231,7 +185,8 @@ class Launching:
     def _start(self, boundary: Boundary) -> int:
         given = self.orders
         pipes, self.ahead.pipes = self.ahead.pipes, {}
-        if given["stdin"]:
+        placer, self.ahead.placer = self.ahead.placer, None
+        if given["stdin"] and placer is None:  # a placer seals its own copy, prepared
             stdin_fd = sealed_stdin(given["stdin"])
         else:
             stdin_fd, self.ahead.devnull = self.ahead.devnull, -1
@@ -243,12 +198,15 @@ class Launching:
         started = time.monotonic()
         self.timings["spawned_at"] = time.time()  # the wall-clock twin of `started`
         try:
+            via = self._place(boundary, launch, via, placer)
+            nothreads.refuse("the owner's command runs")  # every thread has started
             pid = boundary.start(launch)
         except SpawnFailed as exc:
             for fd in (stdin_fd, out_w, err_w):
                 os.close(fd)
             boundary.await_empty(5.0)
             boundary.teardown()
+            self._remove_walls()
             return self._never_ran("not_started", exc.stage, str(exc), pipes)
         # clone or fork, boundary, isolated view, privileges and exec, until exec succeeded
         self.timings["spawn_s"] = round(time.monotonic() - started, 6)
@@ -260,20 +218,70 @@ class Launching:
             state="running", owner_pid=os.getpid(), pid=pid, boundary=boundary.kind,
             ref=boundary.ref, start=start_time, spawn=via,
         )  # fmt: skip
-        if self.early is None:
-            self._start_early_drain(pipes)
+        self.early_quicken()
+        if self._placer is not None:
+            self._placer.close(wait=False)  # it exits once it replied: reaped here or later
         faults.point("owner.after_spawn")
         session = self._open_session()
         assert self.early is not None
         logs, self.logs = self.logs, {}
-        return session.supervise(boundary, pipes, logs, self.early, started, pid, start_time, via)
+        walls = self._walls(boundary)
+        return session.supervise(
+            boundary, pipes, logs, self.early, started, pid, start_time, via, walls
+        )
 
-    def _start_early_drain(self, pipes: dict[str, int] | None = None) -> None:
-        """Read both pipes in order from now until the session's drain takes over."""
+    def _place(self, boundary: Boundary, launch: Launch, via: str, placer: Placer | None) -> str:
+        """How the command's first process will start inside its limits' cgroups: through the
+        placer, which joined the v1 ones ahead and was prepared (`clone3`), or, on the fork
+        path, by a child that joins the cgroups made here itself (paying their migration on
+        the launch path). SpawnFailed (stage `limits`) when neither can be."""
+        if placer is not None:
+            launch.placer = placer
+            self._placer = placer
+            return "clone3"
+        if self.ahead.placer_failed is not None:
+            raise SpawnFailed("limits", 11, self.ahead.placer_failed)  # EAGAIN
+        walls = self._walls(boundary)
+        try:
+            launch.join = walls.make_for_fork()
+        except OSError as exc:
+            raise SpawnFailed("limits", exc.errno or 5, str(exc)) from None
+        return via
+
+    def _walls(self, boundary: Boundary) -> Walls:
+        if self.walls is None:
+            from settled.boundary.limits import owner_dir, v1_paths
+            from settled.boundary.walls import Walls
+
+            placer = self._placer
+            v1 = (
+                placer.made  # as the placer made them, with the owner's cgroup at its fork
+                if placer is not None
+                else v1_paths(owner_dir(os.getpid(), procfs.start_time(os.getpid())))
+            )
+            v2 = boundary.birth_cgroup() if boundary.hierarchy is not None else None
+            self.walls = Walls.from_orders(self.orders, v1, v2)
+        return self.walls
+
+    def _remove_walls(self) -> None:
+        """A command that never started: its placer is reaped, its v1 cgroups removed."""
+        placer, self._placer = self._placer, None
+        if placer is not None:
+            placer.remove()
+        elif self.walls is not None:
+            self.walls.remove()
+
+    def early_quicken(self) -> None:
+        """The command runs: the first drain's thread now takes the GIL sooner (early.py)."""
+        if self.early is not None:
+            self.early.quicken()
+
+    def _start_early_drain(self) -> None:
+        """Read both pipes in order from the command's start until the session's drain takes
+        over: started before the command, with every other thread of this owner."""
         from settled.owner.early import EarlyDrain
 
-        if pipes is None:
-            pipes = {name: self.ahead.pipes[name] for name in ("stdout", "stderr")}
+        pipes = {name: self.ahead.pipes[name] for name in ("stdout", "stderr")}
         cap = os.environ.get("SETTLED_LOG_CAP")  # session.LOG_CAP_ENV, read without loading it
         logs = {name: self.logs[name] for name in pipes}
         self.early = EarlyDrain(pipes, logs, int(cap) if cap else None)
@@ -296,6 +304,7 @@ class Launching:
                 splice=self.splice,
                 store=store,
                 record=self.record,
+                oom=self.ahead.oom,
             )
         return self.session
 
@@ -333,6 +342,8 @@ class Launching:
             os.close(fd)
         self.logs = {}
         self.ahead.close()
+        if self._placer is not None:
+            self._placer.close()  # reaped at last, if it was still exiting after the launch
         if self.store is not None:
             self.store.close()
             self.store = None

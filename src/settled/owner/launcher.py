@@ -24,6 +24,7 @@ import threading
 import time
 
 from settled.boundary import procfs
+from settled.boundary.limits import WALLS_ENV, exported
 from settled.home import make_session_dir
 from settled.isolated import ReportReader, import_roots, python_command, spawn_detached
 from settled.owner import receipt_wake
@@ -85,7 +86,7 @@ def launch_owner(home: str, session: str, store: Store) -> dict[str, Any]:
         pid = spawn_detached(
             owner_command(session, ready_w, orders_r),
             log,
-            {**os.environ, "SETTLED_OWNER_HOME": home},
+            {**os.environ, "SETTLED_OWNER_HOME": home, WALLS_ENV: exported()},
             (ready_w, orders_r),
             blocked=HANDLED,  # claimed for before its handlers exist: a signal waits for them
         )

@@ -19,23 +19,30 @@ loop selects on) readable, and `collect()` returns the reason or raises the fail
 thread, so it leaves the loop exactly as an inline renewal's exception did. `close()` stops the
 thread and waits for it: it never outlives the supervisor.
 
-The owner starts the keeper before it creates the boundary (a process that has unshared a PID
-namespace for its children cannot start a thread), and the thread connects only at its first
-request, so while the owner forks its command the thread holds nothing but a condition wait.
+The owner starts the keeper before its command (it starts no thread after: settled.nothreads),
+and the thread connects only at its first request, so while the owner starts its command the
+thread holds nothing but a blocked read of its eventfd. Built on `_thread` and eventfds, not
+threading: a fresh owner starts it on its launch path, where threading's imports (functools,
+collections) would cost it several ms.
 
 Must never: renew without a request from the loop, swallow a failure, or outlive `close()`.
 """
 
 from __future__ import annotations
 
+import _thread
 import os
-import threading
 import time
-from collections.abc import Callable
-from contextlib import AbstractContextManager, suppress
 
-Renew = Callable[[float], str | None]  # renew a lease that runs from this wall time; cancel back
-Connect = Callable[[], AbstractContextManager[Renew]]  # entered in the thread, so is its store
+TYPE_CHECKING = False  # started on the owner's launch path: no typing or contextlib there
+if TYPE_CHECKING:
+    from collections.abc import Callable
+    from contextlib import AbstractContextManager
+
+    Renew = Callable[[float], str | None]  # renew a lease from this wall time; cancel back
+    Connect = Callable[[], AbstractContextManager[Renew]]  # entered in the thread, as its store
+else:  # importable names at run time (annotations are never evaluated)
+    Renew = Connect = object
 
 STALE_BEATS = 2  # a loop that has not asked for this many heartbeat periods may be stuck
 HEARTBEATS_PER_LEASE = 5  # a starved owner has four renewals to spare
@@ -47,8 +54,7 @@ def lease_seconds() -> float:
 
 
 class _Request:
-    """A plain class, not a dataclass: an owner whose thread must come before its command (no
-    clone3 for a PID namespace) imports this on its launch path."""
+    """A plain class, not a dataclass: every owner imports this on its launch path."""
 
     __slots__ = ("alive_at", "asked_at", "number")
 
@@ -64,7 +70,7 @@ class LeaseKeeper:
     def __init__(self, connect: Connect, *, stale_after: float) -> None:
         self._connect = connect
         self._stale_after = stale_after
-        self._changed = threading.Condition()
+        self._mutex = _thread.allocate_lock()  # guards every field below
         self._asked = 0
         self._answered = 0
         self._pending: _Request | None = None
@@ -72,19 +78,28 @@ class LeaseKeeper:
         self._stopping = False
         self._cancel: str | None = None
         self._failure: BaseException | None = None
-        # made here, so the loop can watch it before the thread starts (the owner starts it
-        # once its command is running, not before the loop's first look at the command)
+        self._started = False
+        self._done = _thread.allocate_lock()  # held while the thread runs
+        # the thread blocks reading `_work` until asked; `confirm` reads `_answers`
+        self._work = os.eventfd(0, os.EFD_CLOEXEC)
+        self._answers = os.eventfd(0, os.EFD_CLOEXEC)
+        # made here, so the loop can watch it before the thread starts
         self._wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
-        self._thread = threading.Thread(target=self._run, name="settled-lease")
 
     # -- the supervise loop's side ------------------------------------------------------
 
     def start(self) -> None:
-        self._thread.start()
+        self._done.acquire()
+        try:
+            _thread.start_new_thread(self._main, ())
+        except BaseException:
+            self._done.release()
+            raise
+        self._started = True
 
     @property
     def started(self) -> bool:
-        return self._thread.ident is not None
+        return self._started
 
     def fileno(self) -> int:
         """Readable once a cancel reason or a failure came back."""
@@ -98,54 +113,70 @@ class LeaseKeeper:
         """Ask for a renewal and wait for its answer: for a loop that was away long enough to
         have lost its lease, so that it hears from the store before it acts again."""
         number = self._ask(waiting=True)
-        with self._changed:
-            self._changed.wait_for(
-                lambda: self._answered >= number or self._failure is not None or self._stopping
-            )
+        while True:
+            with self._mutex:
+                if self._answered >= number or self._failure is not None or self._stopping:
+                    break
+            os.eventfd_read(self._answers)  # the thread answered something: look again
         return self.collect()
 
     def _ask(self, *, waiting: bool) -> int:
-        with self._changed:
+        with self._mutex:
             self._asked += 1
             self._pending = _Request(self._asked, time.monotonic(), time.time())
             if waiting:
                 self._waited_for = self._asked
-            self._changed.notify_all()
-            return self._asked
+            number = self._asked
+        os.eventfd_write(self._work, 1)
+        return number
 
     def on_wake(self) -> str | None:
         """The eventfd was readable: clear it, then `collect()`."""
-        with suppress(BlockingIOError):
+        try:  # noqa: SIM105 - contextlib stays off the owner's launch path
             os.eventfd_read(self._wake)
+        except BlockingIOError:
+            pass
         return self.collect()
 
     def collect(self) -> str | None:
         """The first cancel reason a renewal brought back; a renewal's failure is raised here."""
-        with self._changed:
+        with self._mutex:
             if self._failure is not None:
                 raise self._failure
             return self._cancel
 
     def stop(self) -> None:
         """No renewal is started after this (one in flight finishes); does not wait."""
-        with self._changed:
+        with self._mutex:
             self._stopping = True
-            self._changed.notify_all()
+            if self._work < 0:  # closed already
+                return
+        os.eventfd_write(self._work, 1)
+        os.eventfd_write(self._answers, 1)
 
     def close(self) -> None:
-        """Stop, wait for the thread, release the eventfd. Never raises: `collect()` does."""
+        """Stop, wait for the thread, release the eventfds. Never raises: `collect()` does."""
         self.stop()
-        if self._thread.ident is not None:
-            self._thread.join()
-        if self._wake >= 0:
-            os.close(self._wake)
-            self._wake = -1
+        if self._started:
+            self._done.acquire()  # the thread ended
+            self._done.release()
+        for name in ("_work", "_answers", "_wake"):
+            fd = getattr(self, name)
+            if fd >= 0:
+                os.close(fd)
+                setattr(self, name, -1)
 
     # -- the thread ---------------------------------------------------------------------
 
+    def _main(self) -> None:
+        try:
+            self._run()
+        finally:
+            self._done.release()
+
     def _run(self) -> None:
-        """Connects at the first request, so that until then (the owner forks its command
-        meanwhile) the thread holds nothing but a wait on its condition."""
+        """Connects at the first request, so that until then (the owner starts its command
+        meanwhile) the thread holds nothing but a blocked read."""
         try:
             request = self._take()
             if request is None:
@@ -156,31 +187,33 @@ class LeaseKeeper:
                     self._answer(request, reason)
                     request = self._take()
         except BaseException as exc:  # handed to the loop, which raises it: never swallowed
-            with self._changed:
+            with self._mutex:
                 self._failure = exc
-                self._changed.notify_all()
+            os.eventfd_write(self._answers, 1)
             self._signal()
 
     def _take(self) -> _Request | None:
-        with self._changed:
-            self._changed.wait_for(lambda: self._pending is not None or self._stopping)
-            if self._stopping:
-                return None
-            request, self._pending = self._pending, None
-            return request
+        while True:
+            with self._mutex:
+                if self._stopping:
+                    return None
+                if self._pending is not None:
+                    request, self._pending = self._pending, None
+                    return request
+            os.eventfd_read(self._work)  # blocks (without the GIL) until asked or stopped
 
     def _fresh(self, request: _Request) -> bool:
-        with self._changed:
+        with self._mutex:
             waited_for = self._waited_for == request.number
         return waited_for or time.monotonic() - request.asked_at <= self._stale_after
 
     def _answer(self, request: _Request, reason: str | None) -> None:
-        with self._changed:
+        with self._mutex:
             self._answered = request.number
             first_cancel = reason is not None and self._cancel is None
             if first_cancel:
                 self._cancel = reason
-            self._changed.notify_all()
+        os.eventfd_write(self._answers, 1)
         if first_cancel:
             self._signal()
 

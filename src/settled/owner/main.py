@@ -109,7 +109,7 @@ def run_session(
     try:
         from settled.owner.launch import Ahead, Launching  # loads while the launcher claims
 
-        ahead = Ahead()
+        ahead = Ahead.take()  # the placer, forked with what it will run loaded already
         # a spare's store is open: the session's record (its spec, key and digest, fixed at
         # admission) is read now, while the launcher claims, not after the command started
         record = _read_ahead(store, session)

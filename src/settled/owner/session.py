@@ -19,7 +19,7 @@ import sys
 import time
 from collections.abc import Iterator
 
-from settled import faults
+from settled import faults, nothreads
 from settled.backends import seals_logs
 from settled.boundary import linux
 from settled.boundary.base import Boundary
@@ -49,6 +49,7 @@ TYPE_CHECKING = False  # loaded by every fresh owner while its command runs: no 
 if TYPE_CHECKING:
     from typing import Any
 
+    from settled.boundary.walls import Walls
     from settled.records import SessionRecord
 
 LOG_CAP_ENV = "SETTLED_LOG_CAP"
@@ -77,12 +78,13 @@ class OwnerSession:
         splice: bool = False,
         store: Store | None = None,
         record: SessionRecord | None = None,
+        oom: int | None = None,
     ) -> None:
-        """`lease` and `flusher`: started before the command where their threads had to come
-        first (the keeper's connection is this session's `renewals`); otherwise made here and
-        started once the command runs. `splice`: the logs were made for it (launch.py).
-        `store`: the home's, opened ahead (a zygote's spare); this session closes it.
-        `record`: the session's, read from it already (its admitted spec, key and digest)."""
+        """`lease` and `flusher`: started before the command (the keeper's connection is this
+        session's `renewals`); a session whose command never started gets idle ones made
+        here. `splice`: the logs were made for it (launch.py). `store`: the home's, opened
+        ahead (a zygote's spare); this session closes it. `record`: the session's, read from
+        it already (its admitted spec, key and digest). `oom`: the owner's oom_score_adj."""
         self.home, self.orders, self.ready, self.signals = home, orders, ready, signals
         self.timings, self.last_words = timings, last_words
         self.session, self.task = str(orders["session"]), str(orders["task"])
@@ -92,7 +94,9 @@ class OwnerSession:
         self.sandbox: dict[str, Any] | None = orders["sandbox"]
         self.lease_s = lease_seconds()
         self.heartbeat_s = self.lease_s / HEARTBEATS_PER_LEASE
-        self.store: Store = store or open_store(home, threads=not threads_refused())
+        self.oom = oom
+        self.walls: Walls | None = None
+        self.store: Store = store or open_store(home, threads=_threads_allowed())
         self.record = record or self.store.get_session(self.session)
         self.spec = CommandSpec.from_json(self.record.spec)
         self.streams: Streams | None = None
@@ -119,11 +123,14 @@ class OwnerSession:
         pid: int,
         start_time: int | None,
         via: str,
+        walls: Walls | None = None,
     ) -> int:
         """`logs`: the logs and index created before the command ran; `early`: the drain
-        that read both pipes, in order, while this module loaded."""
+        that read both pipes, in order, while this module loaded; `walls`: the command's
+        limits and their cgroups (their counters read after death evidence)."""
         self.timings["supervised_at"] = time.time()  # the session's imports and store: loaded
         self.spawn_via = via
+        self.walls = walls
         streams = self.streams = self._open_streams(pipes, logs)
         # The first drain goes on reading while the loop is built, and hands over just before
         # the loop starts: a gap between the two would let both pipes fill, and the order
@@ -139,6 +146,7 @@ class OwnerSession:
             signals=self.signals,
             settling=self._settle_begin,
             soon=lambda: self._while_it_runs(boundary, pid, start_time),
+            observe=walls.observe if walls is not None else None,
         )
         early.hand_to(streams)
         try:
@@ -151,16 +159,13 @@ class OwnerSession:
     def _while_it_runs(self, boundary: Boundary, pid: int, start_time: int | None) -> None:
         """What a running command needs, done by the loop once it first has time (it would
         wait), and before its first renewal: never if the command ended before that, when the
-        receipt comes next and none of it is wanted. Makes sure the run is recorded, syncs
-        the last words' block, and starts the lease keeper's and the flusher's threads (where
-        threads had to come first, they started before the command). A fenced session raises
-        StaleWrite out of the loop."""
+        receipt comes next and none of it is wanted. Makes sure the run is recorded and syncs
+        the last words' block (the lease keeper's and the flusher's threads started before the
+        command: no thread starts after it). A fenced session raises StaleWrite out of the
+        loop."""
         self._record_running(boundary, pid, start_time)
         if self.last_words is not None:
             self.last_words.sync()
-        if not self.lease.started:
-            self.lease.start()
-            self.flusher.start()
 
     def _record_running(self, boundary: Boundary, pid: int, start_time: int | None) -> None:
         """The launcher records the pid and the boundary's ref when the owner reports; this
@@ -213,7 +218,7 @@ class OwnerSession:
     def renewals(self) -> Iterator[Renew]:
         """Entered in the lease keeper's thread at its first renewal: a store connection of its
         own (a SQLite connection serves one thread), opened by the factory the owner's came from."""
-        store = open_store(self.home, threads=not threads_refused())
+        store = open_store(self.home, threads=_threads_allowed())
         try:
             yield lambda alive_at: self._heartbeat(store, alive_at)
         finally:
@@ -262,14 +267,23 @@ class OwnerSession:
                 (outcome.evidence_at or now) - outcome.stop_decided, 6
             )
         elapsed = (outcome.exited - outcome.started) if outcome.exited else None
+        ended = exit_fact(
+            outcome.wait_status,
+            outcome.reason,
+            shell=self.spec.shell is not None,
+            elapsed_s=elapsed,
+        )
+        resources = None
+        if self.walls is not None:
+            self.walls.remove()  # its counters were read after death evidence (observe)
+            resources = self.walls.facts(self.oom)
+            if oom_killed(outcome.wait_status, outcome.reason, self.walls.oom_kills()):
+                ended["reason"] = "oom"
+                ended["oom_kill"] = self.walls.oom_kills()
         receipt = self._receipt(
             death=outcome.evidence.to_json("owner"),
-            exit=exit_fact(
-                outcome.wait_status,
-                outcome.reason,
-                shell=self.spec.shell is not None,
-                elapsed_s=elapsed,
-            ),
+            exit=ended,
+            resources=resources,
             output={
                 **self._sealed({name: s.to_json() for name, s in summaries.items()}),
                 "drain": "complete" if outcome.drain_complete else "incomplete",
@@ -423,6 +437,25 @@ class OwnerSession:
             timings=self.timings,
             **facts,
         )
+
+
+def oom_killed(wait_status: int | None, reason: str, kills: int) -> bool:
+    """Whether the command's end is the memory controller's doing: it killed inside the
+    session, and the main process died of SIGKILL (itself, or with its namespace's init),
+    which settled sent only for a deadline or a cancel (their own reasons)."""
+    return (
+        kills > 0
+        and reason == "exited"
+        and wait_status is not None
+        and os.WIFSIGNALED(wait_status)
+        and os.WTERMSIG(wait_status) == 9
+    )
+
+
+def _threads_allowed() -> bool:
+    """Whether this owner may still start threads (its store's pool): never once its command
+    runs (settled.nothreads), nor where it unshared a PID namespace for its children."""
+    return nothreads.refused() is None and not threads_refused()
 
 
 def _peak_rss_kib() -> int | None:

@@ -169,17 +169,21 @@ class Supervisor:
         signals: OwnerSignals,
         settling: Callable[[], None],
         soon: Callable[[], None] | None = None,
+        observe: Callable[[], None] | None = None,
     ) -> None:
         """`soon`: work the running command needs but its first drain and its exit must not
         wait for: run on the loop's first turn that would wait (a quick command's exit is
         seen first, and it never runs), after SOON_AFTER_TURNS turns that did not, and before
-        the lease is first asked for anything (it starts the keeper's thread)."""
+        the lease is first asked for anything. `observe`: read what the kernel counted in
+        the boundary's cgroups (limits.py), once the boundary is empty and before its evidence
+        removes any of them."""
         self.boundary, self.streams = boundary, streams
         self.timeout, self.grace = timeout, grace
         self.lease, self.heartbeat_every = lease, heartbeat_every
         self.signals = signals
         self.settling = settling
         self._soon = soon
+        self._observe = observe
         self._turns_before_soon = 0
         self.outcome = Outcome()
         self._cancel: str | None = None
@@ -347,6 +351,8 @@ class Supervisor:
             if straggler["pid"] in survivors:
                 straggler["stopped_by"] = "KILL"
         self.boundary.await_empty(EVIDENCE_TIMEOUT_S)
+        if self._observe is not None:  # the counters go with the cgroups evidence removes
+            self._observe()
         out.evidence = self.boundary.evidence()
         out.evidence_at = time.monotonic()
         faults.point("owner.after_death_evidence")

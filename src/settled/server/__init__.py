@@ -31,6 +31,7 @@ from collections.abc import Iterator
 
 import uvicorn
 
+from settled import oomguard
 from settled.errors import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, SettledError
 from settled.runtime import ready_home
 from settled.server.app import create_app
@@ -111,6 +112,7 @@ def serve(
     except OSError as exc:
         _say(f"cannot listen on {host}:{port}: {exc.strerror}")
         return EXIT_USAGE
+    oomguard.protect_self()  # never the kernel's choice under memory pressure, where it can
     bound_host, bound_port = sock.getsockname()[:2]
     shown = f"[{bound_host}]" if ":" in bound_host else bound_host
     _say(f"listening on http://{shown}:{bound_port} (home {home})")

@@ -440,10 +440,12 @@ def serve_swerex(
     serve --swerex`); refusals of peers are said on stderr."""
     import uvicorn
 
+    from settled import oomguard
     from settled.server import signals_end_serving
     from settled.server.peering import gated
 
     app = create_swerex_app(home, api_key, workspace or os.environ.get("SETTLED_SWEREX_WORKSPACE"))
+    oomguard.protect_self()  # never the kernel's choice under memory pressure, where it can
     config = uvicorn.Config(app, log_level="warning", http=gated(say))
     with signals_end_serving():  # SIGINT/SIGTERM end the serving and return, so cleanup runs
         uvicorn.Server(config).run(sockets=[sock])

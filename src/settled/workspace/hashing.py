@@ -34,6 +34,7 @@ from typing import Final, Protocol
 
 import blake3
 
+from settled import nothreads
 from settled.errors import SettledError
 
 BLAKE3: Final = "blake3"
@@ -88,7 +89,10 @@ def new_hasher(algo: str = DEFAULT_ALGORITHM, *, size_hint: int | None = None) -
 def threads_can_start() -> bool:
     """False in a process that made a PID namespace for its children (an owner, once its
     boundary exists): the kernel refuses CLONE_THREAD there (EINVAL), and BLAKE3's thread pool
-    would panic instead of hashing. Two readlinks, asked only for large inputs."""
+    would panic instead of hashing; and in an owner whose command runs (settled.nothreads: it
+    starts no thread after its command). Two readlinks, asked only for large inputs."""
+    if nothreads.refused() is not None:
+        return False
     try:
         return os.readlink("/proc/self/ns/pid") == os.readlink("/proc/self/ns/pid_for_children")
     except OSError:

@@ -39,6 +39,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Final
 
+from settled import oomguard
 from settled.atomic import write_atomic
 from settled.peers import unix_refusal
 from settled.workspace.journal.client import SOCKET_NAME, STATE_DIR, unix_address
@@ -488,6 +489,7 @@ def main(argv: list[str]) -> int:
     run_dir, idle_text, ready_text = argv[:3]
     if os.fork() != 0:
         os._exit(0)
+    oomguard.protect_self()  # never the kernel's choice under memory pressure, where it can
     ready_fd = int(ready_text)
 
     def report(fields: dict[str, Any]) -> None:
