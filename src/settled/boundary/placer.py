@@ -228,7 +228,9 @@ def _end(pid: int, timeout: float) -> None:
     except ProcessLookupError:
         return
     try:
-        if not select.select([handle], [], [], timeout)[0]:
+        poller = select.poll()  # not select: a descriptor past FD_SETSIZE is legal here
+        poller.register(handle, select.POLLIN)
+        if not poller.poll(timeout * 1000):
             os.kill(pid, SIGKILL)
         os.waitpid(pid, 0)
     except ChildProcessError:

@@ -73,10 +73,13 @@ def in_helper(work: Callable[[], dict[str, Any]], what: str) -> dict[str, Any]:
 
 
 def _read_until_eof(fd: int, deadline: float) -> bytes:
+    """poll, not select: the caller may hold more than 1024 descriptors (FD_SETSIZE)."""
     chunks: list[bytes] = []
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
     while True:
         left = deadline - time.monotonic()
-        if left <= 0 or not select.select([fd], [], [], left)[0]:
+        if left <= 0 or not poller.poll(left * 1000):
             raise TimeoutError
         chunk = os.read(fd, 65536)
         if not chunk:
