@@ -254,7 +254,9 @@ def test_a_pgroup_session_is_never_proven_dead(cli: CLI, task: dict, marker: str
         view = cli.json("status", admitted["session"])
         assert view["state"] == "unknown" and "setsid" in view["why"]
     finally:
-        assert kill_marked(marker, b"sleep"), "the escapee must still be alive, and is ended here"
+        # the process group could not end the setsid escapee, and the receipt claims nothing;
+        # the session's own pids cgroup (a resource wall) may have ended it at the owner's end
+        kill_marked(marker, b"sleep")
 
 
 def test_demo_runs_on_the_embedded_default(tmp_path: Path, marker: str) -> None:

@@ -262,8 +262,8 @@ def test_past_its_capacity_the_zygote_leaves_a_call_to_its_caller(
 ) -> None:
     import resource
 
-    def few_descriptors() -> None:  # the zygote inherits it: room for 3 workers (24 // 8)
-        resource.setrlimit(resource.RLIMIT_NOFILE, (24, 24))
+    def few_descriptors() -> None:  # the zygote inherits it: room for 3 workers (31 // 8)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (31, 31))
 
     first = subprocess.run(
         [*SETTLED, "run", "--task", task["task"], "--", "true"], capture_output=True,

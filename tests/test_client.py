@@ -284,7 +284,9 @@ def test_a_blocked_close_raises_blocked_naming_authority_and_obligation(
         assert blocked.value.blocked_on["session"] == admitted.session
         assert "recovery" in str(blocked.value)
     finally:
-        assert kill_marked(marker, b"sleep"), "the escapee must still be alive, and ends here"
+        # the process group could not end the setsid escapee, and the receipt claims nothing;
+        # the session's own pids cgroup (a resource wall) may have ended it at the owner's end
+        kill_marked(marker, b"sleep")
 
 
 @pytest.mark.timeout(60)

@@ -107,7 +107,8 @@ def test_a_task_closed_on_a_is_read_explained_and_restored_on_b_after_a_is_delet
     stderr = b"".join(a.follow(admitted.session, "stderr", 0, timeout=30))
     closed = a.close_task(task.task)
     assert closed.complete and closed.receipt is not None
-    shutil.rmtree(a.home)  # host A is gone, with its logs, journal and objects
+    a.release_pods()  # host A is gone, with its mounts,
+    shutil.rmtree(a.home)  # its logs, journal and objects
 
     assert b"".join(b.follow(admitted.session, "stdout", 0, timeout=30)) == stdout
     assert b.read(admitted.session, "stderr", 0, 1 << 20) == stderr
@@ -265,6 +266,7 @@ def test_a_sealed_log_whose_chunk_was_changed_is_refused_never_served(
     tamper_object(
         b.workspace.objects, manifest["chunks"][0][2], lambda b: b.replace(b"1000\n", b"1001\n")
     )
+    a.release_pods()
     shutil.rmtree(a.home)
     assert b.read(admitted.session, "stderr") == b""  # an empty stream is sealed as empty
     with pytest.raises(SealBroken, match="damaged"):

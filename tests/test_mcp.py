@@ -174,7 +174,9 @@ def test_a_blocked_finish_names_the_authority_and_obligation(tmp_path: Path, mar
     try:
         run_with_server(tmp_path, body)
     finally:
-        assert kill_marked(marker, b"sleep"), "the setsid escapee must still be alive here"
+        # the process group could not end the setsid escapee, and the receipt claims nothing;
+        # the session's own pids cgroup (a resource wall) may have ended it at the owner's end
+        kill_marked(marker, b"sleep")
 
 
 @pytest.mark.timeout(60)

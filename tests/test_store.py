@@ -1282,6 +1282,7 @@ def test_close_facts_of_an_older_store_are_sealed_once_by_the_migration(tmp_path
         db.execute("DROP TABLE workspace_shares")
         db.execute("DROP TABLE hosts")
         db.execute("DROP TABLE hidden_sets")
+        db.execute("ALTER TABLE tasks DROP COLUMN defaults")
         db.execute("ALTER TABLE tasks DROP COLUMN host")
         db.execute("ALTER TABLE tasks DROP COLUMN frozen")
     store = SQLiteStore(path)

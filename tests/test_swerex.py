@@ -114,11 +114,12 @@ def test_swerex_client_drives_a_stateful_session(url: str, tmp_path: Path) -> No
 
 
 def test_a_retried_action_runs_once_and_answers_the_same(url: str, tmp_path: Path) -> None:
-    marker = tmp_path / "count"
+    service: SwerexService = APPS[url].state.swerex
 
     async def drive() -> None:
         rt = _client(url)
         await rt.create_session(CreateBashSessionRequest(session="r"))
+        marker = Path(service.sessions["r"].cwd, "count")  # the session's workspace: its view's
         body = BashAction(session="r", command=f"echo x >> {marker}; echo $RANDOM").model_dump()
         headers = {"X-API-Key": KEY, "X-Request-ID": "req-1"}
         answers = []

@@ -289,7 +289,9 @@ def release(home: str, task: str) -> None:
     _check_task(task)
     if not os.path.isdir(_records(home)):
         return
-    with _locked(os.path.join(_records(home), f"{task}.lock")):
+    # shared with other pods' work, exclusive to release_home_if_idle: the pods namespace is
+    # not let go while this enters it (two destroys at once met a pin unmounted between)
+    with _using(home), _locked(os.path.join(_records(home), f"{task}.lock")):
         record = _read(_record_path(home, task))
         if record is not None and not record.get("released"):
             write_atomic(_record_path(home, task), marshal.dumps({**record, "released": True}))
@@ -379,9 +381,10 @@ def describe(home: str, task: str) -> dict[str, Any] | None:
     record = _read(_record_path(home, task))
     assert record is not None
     scratch = os.path.join(_records(home), "root")
-    result = in_helper(
-        lambda: podmake.contents(pin_path(home), record, scratch), f"describing pod {task}"
-    )
+    with _using(home):
+        result = in_helper(
+            lambda: podmake.contents(pin_path(home), record, scratch), f"describing pod {task}"
+        )
     if "error" in result:
         raise PodUnavailable(errno.EIO, f"pod of task {task}: {result['error']}")
     return result
