@@ -68,6 +68,7 @@ class Weed:
     access_key: str
     secret_key: str
     log_path: str
+    sockets: tuple[str, ...] = ()  # what weed makes in /tmp whatever TMPDIR says, by port
 
     def env(self) -> dict[str, str]:
         return {
@@ -101,6 +102,9 @@ class Weed:
                 self.process.kill()
                 self.process.wait(timeout=10)
         shutil.rmtree(self.directory, ignore_errors=True)
+        for path in self.sockets:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
 
 
 def start(directory: str | None = None) -> Weed:
@@ -125,6 +129,7 @@ def start(directory: str | None = None) -> Weed:
     log_path = os.path.join(directory, "weed.log")
     args = [
         binary,
+        f"-logdir={directory}",  # its logs in its own directory, not the host's /tmp
         "server",
         f"-dir={data}",
         "-ip=127.0.0.1",
@@ -146,9 +151,17 @@ def start(directory: str | None = None) -> Weed:
     ]
     with open(log_path, "wb") as log:
         process = subprocess.Popen(
-            args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=_server_env()
-        )
-    weed = Weed(process, directory, f"http://127.0.0.1:{s3}", access_key, secret_key, log_path)
+            args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            env={**_server_env(), "TMPDIR": directory},  # its logs and sockets: its own dir
+        )  # fmt: skip
+    sockets = tuple(
+        f"/tmp/seaweedfs-{name}-{port}.sock"
+        for name, port in (("master-grpc", master + 10000), ("s3", s3),
+                           ("s3-grpc", s3 + 10000), ("volume-grpc", volume + 10000))
+    )  # fmt: skip
+    weed = Weed(
+        process, directory, f"http://127.0.0.1:{s3}", access_key, secret_key, log_path, sockets
+    )
     try:
         _wait_ready(weed)
     except BaseException:

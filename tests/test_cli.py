@@ -265,8 +265,8 @@ def test_demo_runs_on_the_embedded_default(tmp_path: Path, marker: str) -> None:
         cwd=tmp_path,
         capture_output=True,
         timeout=120,
-        env={**os.environ, "TEST_SESSION_MARKER": marker},
-    )
+        env={**os.environ, "TEST_SESSION_MARKER": marker, "TMPDIR": str(tmp_path)},
+    )  # its home (kept, as the demo says) under the test's own directory, not the host's /tmp
     assert done.returncode == 0, done.stderr
     out = done.stdout.decode()
     assert "4194304 bytes" in out and "(timeout)" in out and "stopped by TERM" in out
