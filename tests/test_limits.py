@@ -436,3 +436,18 @@ def test_the_v2_controllers_hold_the_limits_where_the_unified_hierarchy_offers_t
             assert receipt["resources"][name]["controller"] == "v2"
             assert receipt["resources"][name]["cgroup"] == str(path)
     assert record.boundary in ("cgroup2+pidns", "cgroup2")
+
+
+@pytest.mark.parametrize("kind", ["cgroup2+pidns", "cgroup2", "pidns", "subreaper", "pgroup"])
+def test_the_placement_sent_from_the_orders_is_the_boundarys_own(kind: str) -> None:
+    """An owner sends its placer the launch from its orders alone, before it makes the
+    boundary (boundary.placement): what the placer clones and where must be what the
+    boundary's own object says."""
+    from settled import boundary as boundaries
+
+    hierarchy = boundaries.find_hierarchy() if "cgroup2" in kind else None
+    made = boundaries.make(kind, "t_0123456789abcdef", "s_0123456789abcdef", None, hierarchy)
+    child, cgroup = boundaries.placement(
+        kind, "t_0123456789abcdef", "s_0123456789abcdef", hierarchy
+    )
+    assert (child, cgroup) == (made.placed_child(), made.birth_cgroup())

@@ -7,6 +7,8 @@ explicit policy it cannot honour with `BoundaryUnavailable` rather than silently
 
 from __future__ import annotations
 
+import os
+
 TYPE_CHECKING = False  # the owner's launch path imports this package: no typing at run time
 if TYPE_CHECKING:
     from typing import Any
@@ -116,6 +118,20 @@ def preload() -> None:
 
     for module in KIND_MODULES:
         importlib.import_module(module)
+
+
+def placement(
+    kind: str, task: str, session: str, hierarchy: str | None
+) -> tuple[dict[str, bool], str | None]:
+    """What a placer clones for a boundary of `kind` (its `placed_child()`) and the cgroup the
+    clone is born in (its `birth_cgroup()`), from the orders alone, before the boundary's own
+    object exists: an owner sends its placer the launch the moment its orders are in, and
+    makes the boundary (whose module it may still have to import) while the clone builds the
+    command's view. tests/test_limits.py holds the two answers equal."""
+    cgroup = None
+    if kind in ("cgroup2", "cgroup2+pidns") and hierarchy is not None:
+        cgroup = os.path.join(hierarchy, "settled", task, session)  # cgroup2.ROOT_DIR_NAME
+    return {"init": kind in PID_NAMESPACE_KINDS, "setpgid": kind == "pgroup"}, cgroup
 
 
 def make(

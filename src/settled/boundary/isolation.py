@@ -223,6 +223,20 @@ def pod_facts(pod: dict[str, Any] | None) -> dict[str, Any] | None:
     }
 
 
+SANDBOX_NETWORK: Final = "the sandbox's network, which settled neither builds nor checks"
+
+
+def isolation_facts(plan: IsolationPlan, sandbox: dict[str, Any] | None) -> dict[str, Any]:
+    """The plan as recorded and receipted, naming the sandbox the command ran inside. Here, not
+    in the launcher's handoff: an owner writes it into its receipt, and importing the
+    launcher's half there (the pods' host side, shutil) cost a fresh owner ~6 ms between its
+    command's death evidence and its receipt."""
+    if sandbox is None:
+        return plan.to_json()
+    network = {"mode": "host", "namespace": "the sandbox's", "shared": SANDBOX_NETWORK}
+    return {**plan.to_json(), "sandbox": sandbox, "network": network}
+
+
 CONTAINED_CGROUP: Final = "namespace, read-only"
 
 

@@ -43,7 +43,6 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Any
 
-    from settled.boundary.base import Boundary
     from settled.boundary.spawn import Launch
 
 _signal = sys.modules.get("_signal") or __import__("_signal")  # the builtin; see spawn.py
@@ -121,14 +120,21 @@ class Placer:
                 "status_r": status_r, "gate_w": gate_w}  # fmt: skip
         return cls(pid, ours)
 
-    def prepare(self, boundary: Boundary, given: dict[str, Any], plan: dict[str, Any]) -> None:
+    def prepare(
+        self,
+        child: dict[str, bool],
+        cgroup: str | None,
+        given: dict[str, Any],
+        plan: dict[str, Any],
+    ) -> None:
         """Send the launch as soon as the orders are in: the placer writes the limits and
         clones the child, which builds its view and waits at its gate while this owner
-        reserves its logs and starts its threads. `given`: the orders; `plan`: the plan's
+        makes its boundary, reserves its logs and starts its threads. `child` and `cgroup`:
+        boundary.placement's answer for the orders; `given`: the orders; `plan`: the plan's
         fields. A placer that is gone is found out at `start`."""
         prepared = {
-            "child": boundary.placed_child(),
-            "cgroup": boundary.birth_cgroup(),
+            "child": child,
+            "cgroup": cgroup,
             "argv": list(given["argv"]),
             "cwd": given["cwd"],
             "env": dict(given["env"]),

@@ -35,7 +35,12 @@ import time
 from settled import boundary as boundaries
 from settled.backends import bound_backends
 from settled.boundary import limits, poddirs, podhost, procfs
-from settled.boundary.isolation import IsolationPlan, IsolationUnavailable, make_plan
+from settled.boundary.isolation import (
+    IsolationPlan,
+    IsolationUnavailable,
+    isolation_facts,
+    make_plan,
+)
 from settled.boundary.viewplan import is_within
 from settled.errors import BoundaryUnavailable, StaleWrite
 from settled.home import last_words_path, log_path, read_home_id, session_dir, stdin_path
@@ -51,7 +56,6 @@ if TYPE_CHECKING:
     from typing import Any
 
 ORDERS_VERSION = 1
-SANDBOX_NETWORK = "the sandbox's network, which settled neither builds nor checks"
 CD_AND_EXEC = 'cd -- "$0" && exec "$@"'  # an enter may start in the sandbox's root
 
 
@@ -75,14 +79,6 @@ def entered(sandbox: dict[str, Any] | None, cwd: str, argv: list[str]) -> list[s
     if sandbox is None:
         return argv
     return [*sandbox["enter"], "/bin/sh", "-c", CD_AND_EXEC, cwd, *argv]
-
-
-def isolation_facts(plan: IsolationPlan, sandbox: dict[str, Any] | None) -> dict[str, Any]:
-    """The plan as recorded and receipted, naming the sandbox the command ran inside."""
-    if sandbox is None:
-        return plan.to_json()
-    network = {"mode": "host", "namespace": "the sandbox's", "shared": SANDBOX_NETWORK}
-    return {**plan.to_json(), "sandbox": sandbox, "network": network}
 
 
 _BACKEND_DIRS: dict[str, tuple[str, ...]] = {}

@@ -50,6 +50,7 @@ from settled.owner.face_workers import FaceWorkers
 from settled.owner.forking import (
     MAX_REQUEST,
     ZYGOTE_MODULES,
+    Refill,
     Spare,
     fork_owner,
     launch_through,
@@ -151,8 +152,11 @@ def _serve(
     idle_s: float, face: Face | None,
 ) -> None:  # fmt: skip
     poller.register(listener, select.POLLIN)
+    refill = Refill()
     while True:
-        events = poller.poll(idle_s * 1000.0)
+        events = poller.poll(refill.timeout_ms(idle_s * 1000.0))
+        if not events and refill.run_if_due((listener, *workers.held())):
+            continue  # the spare forked a moment after the request it follows (forking.Refill)
         if not events and not workers:
             return  # idle: nobody asked for anything for a while, and nothing runs
         for fd, _ in events:
@@ -161,41 +165,45 @@ def _serve(
         if any(fd == listener.fileno() for fd, _ in events):
             conn, _ = listener.accept()
             with conn:
-                if not _answer(conn, listener, mine, face, workers):
+                served = _answer(conn, listener, mine, face, workers)
+                if served is None:
                     return  # asked to, or another settled asks: a new zygote serves it
+                if isinstance(served, str):
+                    refill.after(served)
 
 
 def _answer(
     conn: socket.socket, listener: socket.socket, mine: str, face: Face | None,
     workers: FaceWorkers,
-) -> bool:  # fmt: skip
-    """One request; False when the zygote must leave."""
+) -> str | bool | None:  # fmt: skip
+    """One request; None when the zygote must leave, the home of an owner it forked (its spare
+    is due: forking.Refill), else False."""
     refused = unix_refusal(conn)
     if refused is not None:
         _log(f"refused {refused}")
         _refuse(conn)  # a session's process, or one not told from one: never a request read
-        return True
+        return False
     if not _same_user(conn):
-        return True  # another uid: not a word, not a fork
+        return False  # another uid: not a word, not a fork
     conn.settimeout(REPLY_TIMEOUT_S)
     message, fds = _receive(conn)
     if message.startswith(FACE_MAGIC):
-        return _serve_face(message, fds, (listener, conn), mine, face, workers)
+        stays = _serve_face(message, fds, (listener, conn), mine, face, workers)
+        return False if stays else None
     request = _request(message)
     if request is None:
         _close_all(fds)
-        return True  # a caller that only looked whether one answers, or garbage
+        return False  # a caller that only looked whether one answers, or garbage
     if request.get("op") == "stop" or request.get("identity") != mine:
         _close_all(fds)
         with contextlib.suppress(OSError):
             conn.sendall(b"stop\n")
-        return False
+        return None
     ours = (listener, conn, *workers.held())
     fork_owner(request, fds, ours)
     with contextlib.suppress(OSError):  # the caller went away: its owner runs nothing
         conn.sendall(b"ok\n")
-    Spare.refill(request["home"], ours)  # the caller has its answer: off its path
-    return True
+    return str(request["home"])  # the caller has its answer; its spare a moment later
 
 
 def _serve_face(

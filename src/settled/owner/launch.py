@@ -123,6 +123,15 @@ class Launching:
         faults.point("owner.after_claim")
         if given["never_ran"] is not None:
             return self._never_ran(*given["never_ran"])
+        if self.ahead.placer is not None and not given["cancel"]:
+            # first: its clone builds the command's view (and waits at its gate) while this
+            # owner makes the boundary and starts its threads; a launch that ends before the
+            # gate opens closes it, and the clone exits having run nothing
+            plan = self.plan or IsolationPlan("none", no_new_privs=False)
+            kind, task, session = given["boundary"], given["task"], given["session"]
+            child, cgroup = boundaries.placement(kind, task, session, given["hierarchy"])
+            self.timings["placed_at"] = time.time()
+            self.ahead.placer.prepare(child, cgroup, given, plan.fields())
         boundary = boundaries.make(
             given["boundary"], given["task"], given["session"], self.plan, given["hierarchy"]
         )
@@ -130,10 +139,6 @@ class Launching:
         if cancel:
             boundary.discard()
             return self._never_ran("cancelled", "admission", cancel, planned=False)
-        if self.ahead.placer is not None:  # it readies the launch while this owner goes on
-            plan = self.plan or IsolationPlan("none", no_new_privs=False)
-            self.timings["placed_at"] = time.time()  # its clone builds the view from here
-            self.ahead.placer.prepare(boundary, given, plan.fields())
         try:  # before anything runs: a place to say why, should the receipt not fit later
             self.last_words = LastWords(given["last_words"])
             self.logs = reserve_logs(given["logs"], self.splice)

@@ -405,7 +405,7 @@ class OwnerSession:
     def _isolation(self) -> dict[str, Any] | None:
         if self.plan is None:
             return None
-        from settled.owner.handoff import isolation_facts
+        from settled.boundary.isolation import isolation_facts
 
         return isolation_facts(self.plan, self.sandbox)
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import socket
 import subprocess
 import threading
@@ -24,6 +25,7 @@ from settled.isolated import python_command
 from settled.owner.forking import (
     MAX_REQUEST,
     ZYGOTE_MODULES,
+    Refill,
     Spare,
     fork_owner,
     launch_through,
@@ -44,7 +46,13 @@ def serve(sock_fd: int) -> int:
     preload()
     sock = socket.socket(fileno=sock_fd)
     os.chdir("/")
+    refill = Refill()
+    poller = select.poll()
+    poller.register(sock, select.POLLIN)
     while True:
+        if not poller.poll(None if refill.home is None else refill.timeout_ms(1e9)):
+            refill.run_if_due((sock,))
+            continue
         try:
             message, fds, _flags, _addr = socket.recv_fds(sock, MAX_REQUEST, 2)
         except InterruptedError:
@@ -56,7 +64,7 @@ def serve(sock_fd: int) -> int:
         request = json.loads(message)
         fork_owner(request, fds, (sock,))
         sock.sendall(b"ok\n")
-        Spare.refill(request["home"], (sock,))  # the caller has its answer: off its path
+        refill.after(request["home"])  # the caller has its answer; its spare a moment later
 
 
 # -- the Runtime's side -----------------------------------------------------------------------
