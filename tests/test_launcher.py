@@ -155,14 +155,15 @@ def _comm(pid: int) -> bytes:
 
 def _forks_of(zygote: int, line: bytes | None = None) -> list[int]:
     """Live processes that are copies of the zygote (its command line, `line` once it is
-    gone), but not it, nor a spare's placer (boundary/placer.py, named settled-placer)."""
+    gone), but not it, nor a spare's placer (boundary/placer.py, named settled-placer), nor a
+    command's namespace init, a clone of one (settled-init)."""
     line = line or _cmdline(zygote)
     assert line, f"no command line for zygote {zygote}: pass the one read while it ran"
     return [
         int(entry)
         for entry in os.listdir("/proc")
         if entry.isdigit() and int(entry) != zygote and _cmdline(int(entry)) == line
-        and _alive(int(entry)) and _comm(int(entry)) != b"settled-placer"
+        and _alive(int(entry)) and _comm(int(entry)) not in (b"settled-placer", b"settled-init")
     ]  # fmt: skip
 
 

@@ -164,6 +164,17 @@ def fcntl(fd: int, cmd: int, arg: int) -> int:
     return _check(_call.fcntl(fd, cmd, arg), f"fcntl({fd}, {cmd})")
 
 
+def poll_in(fds: list[int], timeout_ms: int = -1) -> list[int]:
+    """The descriptors of `fds` (at most 8) readable (or at EOF, or in error) within
+    `timeout_ms` (-1: without end); an interrupted wait returns [] (EINTR)."""
+    found = _call.poll_in(fds, timeout_ms)
+    if isinstance(found, int):
+        if found == -errno.EINTR:
+            return []
+        _check(found, "poll")
+    return list(found)
+
+
 _LAST_CAP: list[int] = []
 
 

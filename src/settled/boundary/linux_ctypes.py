@@ -156,6 +156,19 @@ def fcntl(fd: int, cmd: int, arg: int) -> int:
     return _result(_libc().fcntl(fd, cmd, ctypes.c_long(arg)))
 
 
+class _PollFd(ctypes.Structure):
+    _fields_ = [("fd", ctypes.c_int), ("events", ctypes.c_short), ("revents", ctypes.c_short)]
+
+
+def poll_in(fds: list[int], timeout: int) -> list[int] | int:
+    """poll(2) for POLLIN: the ready descriptors, or -errno (CDLL releases the GIL)."""
+    array = (_PollFd * len(fds))(*[_PollFd(fd, 1, 0) for fd in fds])
+    ready = _libc().poll(array, len(fds), timeout)
+    if ready < 0:
+        return -ctypes.get_errno()
+    return [entry.fd for entry in array if entry.revents]
+
+
 def capget() -> tuple[int, int, int, int]:
     header = _CapHeader(_LINUX_CAPABILITY_VERSION_3, 0)
     data = (_CapData * 2)()

@@ -47,6 +47,9 @@ _RESET_SIGNALS = tuple(
 )  # fmt: skip
 
 SPAWN_ENV = "SETTLED_SPAWN"  # "fork": never clone3 (tests run both ways)
+# A fresh owner's copy of its launcher's probe ("" : clone3 works, else why not): the probe is a
+# clone3 the kernel refuses only after copying most of the process, ~0.5 ms of the launch path.
+PROBED_ENV = "SETTLED_OWNER_CLONE3"
 
 
 class SpawnFailed(OSError):
@@ -97,8 +100,11 @@ def clone3_missing() -> str | None:
     """Why the command will not be started with clone3 (the fork-and-join path then), or None.
     Probed once per process: an owner's boundary setup and its spawn must agree."""
     if not _CLONE3:
+        told = os.environ.get(PROBED_ENV)
         if os.environ.get(SPAWN_ENV) == "fork":
             _CLONE3.append(f"{SPAWN_ENV}=fork asked for fork and join")
+        elif told is not None:  # a fresh owner: its launcher's answer, on this same kernel
+            _CLONE3.append(told or None)
         else:
             try:
                 from settled.boundary import linux

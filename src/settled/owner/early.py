@@ -28,10 +28,10 @@ from __future__ import annotations
 
 import _thread
 import os
-import select
 import sys
 
 from settled import faults
+from settled.boundary import linux
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -80,23 +80,20 @@ class EarlyDrain:
             self._done.release()
 
     def _drain(self) -> None:
-        poller = select.poll()
-        poller.register(self._stop_r, select.POLLIN)
-        for fd in self._by_fd:
-            poller.register(fd, select.POLLIN)
+        """poll through the boundary's C binding (linux.poll_in), not the select module: this
+        thread starts before the command, on a fresh owner's launch path."""
         while self._by_fd and self._held < LIMIT:
-            ready = [fd for fd, _events in poller.poll()]
+            ready = linux.poll_in([self._stop_r, *self._by_fd])
             if self._stop_r in ready:
                 return
             for fd in ready:
-                self._read(fd, poller)
+                self._read(fd)
 
-    def _read(self, fd: int, poller: select.poll) -> None:
+    def _read(self, fd: int) -> None:
         name = self._by_fd[fd]
         data = os.read(fd, READ)  # readable: returns at once, with what the pipe holds
         if not data:
             self.ended.add(name)
-            poller.unregister(fd)
             del self._by_fd[fd]
             return
         self.reads.append((name, data))

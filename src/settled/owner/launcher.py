@@ -25,6 +25,7 @@ import time
 
 from settled.boundary import procfs
 from settled.boundary.limits import WALLS_ENV, exported
+from settled.boundary.spawn import PROBED_ENV, clone3_missing
 from settled.home import make_session_dir
 from settled.isolated import ReportReader, import_roots, python_command, spawn_detached
 from settled.owner import receipt_wake
@@ -86,7 +87,12 @@ def launch_owner(home: str, session: str, store: Store) -> dict[str, Any]:
         pid = spawn_detached(
             owner_command(session, ready_w, orders_r),
             log,
-            {**os.environ, "SETTLED_OWNER_HOME": home, WALLS_ENV: exported()},
+            {
+                **os.environ,
+                "SETTLED_OWNER_HOME": home,
+                WALLS_ENV: exported(),
+                PROBED_ENV: clone3_missing() or "",
+            },
             (ready_w, orders_r),
             blocked=HANDLED,  # claimed for before its handlers exist: a signal waits for them
         )
