@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import os
 
-from settled.boundary import podnet, procfs, viewplan
+from settled.boundary import procfs
 
 TYPE_CHECKING = False  # typing and dataclasses cost ~6 ms to import; the owner's launch path
 if TYPE_CHECKING:  # rebuilds a plan from its orders, so this module does without both
@@ -149,6 +149,8 @@ class IsolationPlan:
             return False
         if self.home in self.hide_dirs:
             return True
+        from settled.boundary import viewplan  # the view's rules: an owner's init needs them
+
         return not any(
             e["kind"] in viewplan.IDENTITY_KINDS
             and e["mode"] != "symlink"
@@ -169,6 +171,7 @@ class IsolationPlan:
 
     def to_json(self) -> dict[str, Any]:
         """The receipt's `isolation`: each protection as it was applied, and why any is not."""
+        from settled.boundary import podnet, viewplan  # not on an owner's launch path
         from settled.canonical import digest_of  # json: off the owner's launch path
 
         view = [dict(e) for e in self.view]
@@ -343,6 +346,8 @@ def make_plan(
     drop_caps = _has(caps, CAP_SETPCAP)
     if not _has(caps, CAP_SYS_ADMIN):
         return IsolationPlan(policy, drop_caps=drop_caps, uid=uid, gid=gid, missing=missing)
+    from settled.boundary import viewplan  # the launcher's: never on an owner's launch path
+
     chosen = viewplan.plan_view(
         workspace=workspace,
         home=home,

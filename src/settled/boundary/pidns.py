@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 
-from settled.boundary import linux, mountview, podns, procfs, unavailable
+from settled.boundary import linux, procfs, unavailable
 from settled.boundary.base import Boundary, Evidence
 from settled.boundary.spawn import (
     child_prepare,
@@ -88,6 +88,10 @@ def _run_init(
             prepare()
         at[0] = "isolation"
         if launch.isolation.mount_namespace:
+            # init's alone, loaded by a placer ahead, else here: before the view, after which
+            # nothing of the host (settled's code included) can be read
+            from settled.boundary import mountview, podns, privileges  # noqa: F401
+
             podns.around_view(launch.isolation, mountview.enter)
         linux.prctl(linux.PR_SET_DUMPABLE, 0)
         take_on_command(launch, errpipe, status, at)

@@ -284,6 +284,7 @@ def _serve(owner: int, fds: dict[str, int]) -> None:
 
     reset_child_signals()  # no handler or mask of the owner's
     _name_self(b"settled-placer")  # what ps shows (a copy of its owner's command line)
+    _load_the_childs_code()
     faults.point("placer.after_join")
     prepared = _receive(fds["messages"])
     if prepared is None:
@@ -338,6 +339,19 @@ def _ready(prepared: dict[str, Any], paths: dict[str, str], fds: dict[str, int])
     launch = Launch(prepared["argv"], prepared["cwd"], prepared["env"], io, plan)
     launch.gate = fds["gate"]
     return launch
+
+
+def _load_the_childs_code() -> None:
+    """What its clone runs (the PID namespace's init, the view, the pod's joins, the
+    privileges): loaded here while the owner loads its own launch path, on the other CPU, so
+    that neither the owner nor the clone imports them on the launch's path. A fresh owner forks
+    its placer before its own imports (owner/main.py), so this is most of what the placer
+    does; a spare's was forked from a zygote that has them all."""
+    import settled.boundary.mountview
+    import settled.boundary.pidns
+    import settled.boundary.podns
+    import settled.boundary.privileges
+    import settled.boundary.viewplan  # noqa: F401 - the view's rules, read by mountview
 
 
 def _clone(

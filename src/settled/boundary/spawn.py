@@ -26,7 +26,6 @@ import errno as errno_mod
 import os
 import sys
 
-from settled.boundary import mountview, podns, privileges
 from settled.boundary.isolation import IsolationPlan
 
 TYPE_CHECKING = False
@@ -256,6 +255,10 @@ def exec_in_child(
             prepare()
         at[0] = "isolation"
         if launch.isolation.mount_namespace:
+            # the child's own modules, loaded by a placer ahead, else here: before the view,
+            # after which nothing of the host (settled's code included) can be read
+            from settled.boundary import mountview, podns, privileges  # noqa: F401
+
             podns.around_view(launch.isolation, mountview.enter)
         take_on_command(launch, errpipe, -1, at)
         execvpe(launch.argv[0], launch.argv, dict(launch.env))
@@ -282,6 +285,8 @@ def take_on_command(launch: Launch, errpipe: int, keep: int, at: list[str]) -> N
     os.closerange(low + 1, high)
     os.closerange(high + 1, _MAX_FD)
     at[0] = "privileges"
+    from settled.boundary import privileges  # loaded before the view was built (above)
+
     privileges.drop(launch.isolation)
     at[0] = "chdir"
     os.chdir(launch.cwd)

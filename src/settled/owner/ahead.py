@@ -1,11 +1,12 @@
 """What an owner makes before its orders: the output pipes, /dev/null, its OOM protection, and
-its placer, forked once the owner's launch path is loaded (or by a zygote's spare before its
-request), while this process is single-threaded.
+its placer, forked first thing (or by a zygote's spare before its request), while this process
+is single-threaded.
 
-The placer (boundary/placer.py) then joins the session's v1 cgroups, and readies its launch, on
-the other CPU while the owner reads its orders and starts its threads. It is forked after the
-launch path's imports (and the init's, pidns) so that it imports nothing itself: its clone
-runs what the owner loaded, and no module is imported twice.
+The placer (boundary/placer.py) then joins the session's v1 cgroups and loads what its clone
+runs (the init, the view, the pod's joins), on the other CPU, while the owner loads its own
+launch path and reads its orders. Forked before those imports, it is a copy of a small process
+(a fork of the loaded owner cost ~1.2 ms on the launch path); the owner never loads the
+clone's modules at all.
 
 Must never: fork the placer from a process that runs another thread.
 """
@@ -16,7 +17,6 @@ import os
 
 from settled import oomguard
 from settled.boundary import linux, spawn
-from settled.boundary import pidns as _init  # noqa: F401 - the init's code, before the fork
 from settled.boundary.placer import Placer
 
 PIPE_SIZE = 1 << 20  # each output pipe: what the command may write before the drain starts

@@ -107,9 +107,11 @@ def run_session(
     launching: Launching | None = None
     record: SessionRecord | None = None
     try:
-        from settled.owner.launch import Ahead, Launching  # loads while the launcher claims
+        from settled.owner.ahead import Ahead
 
-        ahead = Ahead.take()  # the placer, forked with what it will run loaded already
+        ahead = Ahead.take()  # the placer first: a copy of this small process (ahead.py)
+        from settled.owner.launch import Launching  # loads while the launcher claims
+
         # a spare's store is open: the session's record (its spec, key and digest, fixed at
         # admission) is read now, while the launcher claims, not after the command started
         record = _read_ahead(store, session)
