@@ -495,7 +495,41 @@ NOT_ARGV = st.one_of(
     st.integers(),
     st.lists(st.one_of(UNREPRESENTABLE, st.integers(), st.none()), min_size=1, max_size=3),
 )
+NOT_MEMORY = st.one_of(
+    st.booleans(), st.floats(), st.text(max_size=8), st.integers(max_value=(4 << 20) - 1),
+    st.integers(min_value=(1 << 50) + 1, max_value=1 << 60),
+)  # fmt: skip
+NOT_PIDS = st.one_of(
+    st.booleans(), st.floats(), st.text(max_size=8), st.integers(max_value=0),
+    st.integers(min_value=4194305, max_value=1 << 40),
+)  # fmt: skip
+NOT_CPUS = st.one_of(
+    st.booleans(), st.text(max_size=8), st.integers(max_value=0),
+    st.integers(min_value=1025, max_value=1 << 40),
+    st.floats(allow_nan=True, allow_infinity=True).filter(lambda f: not 0.01 <= f <= 1024),
+)  # fmt: skip
+SESSION = ("/v1/tasks/t_x/sessions", {"key": "k", "shell": "true"})
 BODY_SLOTS = [
+    *[
+        (*SESSION, field, bad)
+        for field, bad in (
+            ("memory", NOT_MEMORY),
+            ("pids", NOT_PIDS),
+            ("cpus", NOT_CPUS),
+            ("readable", NOT_PATHS),
+            ("network", JSON_TEXT_BAD),
+        )
+    ],
+    *[
+        ("/v1/tasks", {}, field, bad)
+        for field, bad in (
+            ("memory", NOT_MEMORY),
+            ("pids", NOT_PIDS),
+            ("cpus", NOT_CPUS),
+            ("writable", NOT_PATHS),
+            ("readable", NOT_PATHS),
+        )
+    ],
     ("/v1/tasks", {}, "workspace", JSON_TEXT_BAD),
     ("/v1/tasks", {}, "key", JSON_TEXT_BAD),
     ("/v1/tasks", {}, "user", JSON_TEXT_BAD),
