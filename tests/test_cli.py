@@ -200,7 +200,9 @@ def test_logs_resume_from_a_cursor_follow_and_give_the_model_view(cli: CLI, task
     followed = cli.run("logs", admitted["session"], "--follow", "--timeout", "30").stdout
     assert followed == b"a" * 300000 + b"END"
     assert cli.run("logs", admitted["session"], "--from", "299998").stdout == b"aaEND"
-    view = cli.run("logs", admitted["session"], "--view", "400").stdout
+    viewed = cli.run("logs", admitted["session"], "--view", "400")
+    assert viewed.returncode == 0, viewed.stderr
+    view = viewed.stdout
     assert len(view) <= 400 and view.endswith(b"END")
     assert b"omitted stdout bytes" in view
     too_far = cli.run("logs", admitted["session"], "--from", "999999")
