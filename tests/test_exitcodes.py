@@ -69,6 +69,12 @@ def test_a_signalled_command_is_128_plus_the_signal(sig: int) -> None:
     assert command_exit_code(receipt(fact)) == 128 + sig
 
 
+def test_a_command_the_memory_limit_killed_is_137_as_a_shell_says() -> None:
+    fact = exit_fact(status_for_signal(signal.SIGKILL), "exited", shell=False, elapsed_s=0.1)
+    fact |= {"reason": "oom", "oom_kill": 1}  # as the owner names it (owner/session.py)
+    assert command_exit_code(receipt(fact)) == 128 + signal.SIGKILL
+
+
 @pytest.mark.parametrize(
     "status", [status_for_code(0), status_for_code(3), status_for_signal(signal.SIGKILL)]
 )

@@ -120,6 +120,7 @@ def _owner_lost(exit_fact: dict[str, Any]) -> int:
 
 _BY_REASON: Final = {
     "exited": _exited,
+    "oom": _exited,  # the memory controller's kill: the KILL it died of, 137, as a shell says
     "timeout": _timeout,
     "cancelled": _cancelled,
     "not_started": _not_started,
