@@ -268,6 +268,37 @@ def test_run_waits_and_returns_the_exit_code_and_both_streams(tmp_path: Path) ->
     run_with_server(tmp_path, body)
 
 
+@pytest.mark.timeout(90)
+def test_a_tasks_walls_are_tool_arguments_and_a_hog_is_named_oom(tmp_path: Path) -> None:
+    async def body(session: ClientSession) -> None:
+        workspace = tmp_path / "workspace"
+        workspace.mkdir()
+        made = data_of(
+            await call(
+                session, "new_task", workspace=str(workspace), memory="64M", pids=64,
+                network="none",
+            )
+        )  # fmt: skip
+        assert made["defaults"]["memory"] == 64 << 20 and made["defaults"]["pids"] == 64
+        assert made["defaults"]["network"] == "none"
+        task = made["task"]
+        hog = data_of(await call(session, "run", task=task, command=["tail", "/dev/zero"]))
+        assert hog["exit"]["reason"] == "oom" and hog["exit_code"] == 137 and hog["death_proven"]
+        assert hog["resources"]["memory"]["limit"] == 64 << 20
+        assert hog["resources"]["memory"]["source"] == "task"
+        own = data_of(
+            await call(session, "run", task=task, command="true", memory="128M", cpus=0.5)
+        )
+        assert own["exit_code"] == 0 and own["resources"]["memory"]["limit"] == 128 << 20
+        assert own["resources"]["memory"]["source"] == "explicit"
+        assert own["resources"]["pids"]["limit"] == 64
+        too_small = await call(session, "start", task=task, command="true", memory="4k")
+        assert too_small.is_error and "memory" in text_of(too_small)
+        assert "4k" in text_of(too_small)
+
+    run_with_server(tmp_path, body)
+
+
 @pytest.mark.timeout(60)
 def test_the_server_reports_the_package_version(tmp_path: Path) -> None:
     from importlib.metadata import version

@@ -11,6 +11,9 @@ computed); block a tool call past the timeout the model gave; show the model mor
 budget of output, or a cut inside a UTF-8 character, or an omitted range other than the bytes
 not shown; relabel an unknown session as failed; keep a process alive after stdin closes (the
 warm launcher it owns ends with it; sessions belong to their owners and outlive it by design).
+
+Longer than most modules: each tool's signature, with every argument's description inline, is
+the model's documentation, and they read best together.
 """
 
 from __future__ import annotations
@@ -129,7 +132,7 @@ def _exit_words(exit_fact: dict[str, Any]) -> str:
 
 def receipt_summary(view: dict[str, Any]) -> dict[str, Any]:
     """What a model needs of a process receipt: how it ended, whether death is proven, where
-    each stream ends."""
+    each stream ends, the limits it ran under."""
     receipt = view.get("receipt") or {}
     death, output = receipt.get("death", {}), receipt.get("output", {})
     return {
@@ -144,6 +147,7 @@ def receipt_summary(view: dict[str, Any]) -> dict[str, Any]:
         "stragglers": [s.get("cmdline") for s in receipt.get("stragglers", [])],
         "why": view.get("why"),
         "receipt_digest": receipt.get("digest"),
+        "resources": receipt.get("resources"),  # the limits applied, and any one hit
     }
 
 
@@ -190,6 +194,38 @@ CommandTimeout = Annotated[
     ),
 ]
 Cwd = Annotated[str, Field(description="Directory relative to the workspace.")]
+MemoryLimit = Annotated[
+    str | None,
+    Field(
+        description="Most memory the command's processes may use together, like 512M or 2G; "
+        "past it the kernel kills them and the exit says oom. Omit for the task's default."
+    ),
+]
+PidsLimit = Annotated[
+    int | None,
+    Field(
+        description="Most processes and threads the command may have at once (a fork past "
+        "it fails). Omit for the task's default.",
+        ge=1,
+        le=grammar.MAX_PIDS,
+        strict=True,
+    ),
+]
+CpusLimit = Annotated[
+    float | None,
+    Field(
+        description="CPU time the command may use, as a number of CPUs like 0.5 or 2. Omit "
+        "for the task's default (no quota).",
+        ge=grammar.MIN_CPUS,
+        le=grammar.MAX_CPUS,
+        allow_inf_nan=False,
+    ),
+]
+
+
+def _memory(text: str | None) -> int | None:
+    """A memory limit as a model writes it (512M, 2G, bytes), in bytes."""
+    return None if text is None else grammar.parse_memory("memory", text)
 
 
 class Tools:
@@ -208,10 +244,29 @@ class Tools:
                 "tasks' close receipts then name each other."
             ),
         ] = False,
+        memory: MemoryLimit = None,
+        pids: PidsLimit = None,
+        cpus: CpusLimit = None,
+        network: Annotated[
+            Literal["host", "none"] | None,
+            Field(
+                description="The commands' network: 'none' gives them only a loopback of "
+                "the task's own; omit for the host's."
+            ),
+        ] = None,
     ) -> CallToolResult:
         """Create a task over a workspace directory. Every command you run belongs to a task,
-        and finish(task) later proves the task complete. Returns the task id."""
-        record = self.runtimes.get().new_task(workspace, shared_workspace=shared_workspace)
+        and finish(task) later proves the task complete. memory, pids, cpus and network are
+        the defaults of its commands (a command's own limits replace them). Returns the task
+        id. (Paths beyond the workspace are granted by whoever runs settled, never here.)"""
+        record = self.runtimes.get().new_task(
+            workspace,
+            shared_workspace=shared_workspace,
+            memory=_memory(memory),
+            pids=pids,
+            cpus=cpus,
+            network=network,
+        )
         data = record.to_json()
         return _answer(f"task {record.task} over {record.workspace} ({record.state})", data)
 
@@ -235,6 +290,9 @@ class Tools:
             Literal["auto", "cgroup2+pidns", "cgroup2", "pidns", "subreaper", "pgroup"],
             Field(description="How the process tree is contained; keep 'auto'."),
         ] = "auto",
+        memory: MemoryLimit = None,
+        pids: PidsLimit = None,
+        cpus: CpusLimit = None,
     ) -> CallToolResult:
         """Start a command and return at once with its session id (use run to start and wait in
         one call). It runs on its own, with a deadline kept by settled even if it prints nothing.
@@ -250,6 +308,9 @@ class Tools:
             service=service,
             cwd=cwd,
             boundary=boundary,
+            memory=_memory(memory),
+            pids=pids,
+            cpus=cpus,
         )
         data = admission.to_json()
         text = (
@@ -292,6 +353,9 @@ class Tools:
                 strict=True,
             ),
         ] = DEFAULT_BUDGET,
+        memory: MemoryLimit = None,
+        pids: PidsLimit = None,
+        cpus: CpusLimit = None,
     ) -> CallToolResult:
         """Run a command and wait for it: returns its exit code (as a shell reports it: 124 on
         timeout, 127 if it never started, 128+N for signal N, 117 if the outcome is unknown),
@@ -299,7 +363,17 @@ class Tools:
         whether its whole process tree is proven stopped."""
         rt = self.runtimes.get()
         shell, argv = (command, None) if isinstance(command, str) else (None, command)
-        admission = rt.exec(task, argv, shell, key=key, timeout=timeout, cwd=cwd)
+        admission = rt.exec(
+            task,
+            argv,
+            shell,
+            key=key,
+            timeout=timeout,
+            cwd=cwd,
+            memory=_memory(memory),
+            pids=pids,
+            cpus=cpus,
+        )
         try:
             view = rt.wait(admission.session, wait)
         except NotSettled:
