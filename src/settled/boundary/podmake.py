@@ -196,28 +196,42 @@ def new_pods_namespace(root: str, pin: str) -> int:
         os.close(own)
 
 
+@contextlib.contextmanager
+def helper(body: Callable[[int, int], None]) -> Iterator[tuple[int, int, int]]:
+    """A forked helper that runs `body(what it reads, where it writes)` and never returns
+    (it ends at EOF on what it reads): yields (its pid, the end this process writes to it,
+    the end this process reads from it); both ends close at the end, and it is reaped."""
+    to_child_r, to_child_w = os.pipe2(os.O_CLOEXEC)
+    to_parent_r, to_parent_w = os.pipe2(os.O_CLOEXEC)
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - covered through the pods it makes and extends
+        os.close(to_child_w)
+        os.close(to_parent_r)
+        body(to_child_r, to_parent_w)
+        os._exit(1)  # a body returns only by mistake
+    os.close(to_child_r)
+    os.close(to_parent_w)
+    try:
+        yield pid, to_child_w, to_parent_r
+    finally:
+        os.close(to_child_w)  # EOF: the helper exits
+        os.close(to_parent_r)
+        os.waitpid(pid, 0)
+
+
 def make_pod(pin: str, task: str) -> dict[str, Any]:
     """The pod's first process makes its namespaces and keyring; this one writes its identity
     maps, then binds its namespace files at /<task>/{user,ipc,uts,net} inside the pods namespace
     pinned at `pin` (what a crash left there first unmounted). Returns the directory, each
     namespace's inode and the keyring's serial."""
-    to_child_r, to_child_w = os.pipe2(os.O_CLOEXEC)
-    to_parent_r, to_parent_w = os.pipe2(os.O_CLOEXEC)
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - covered through the pods it makes
-        os.close(to_child_w)
-        os.close(to_parent_r)
-        _first_process(task, to_child_r, to_parent_w)
-    os.close(to_child_r)
-    os.close(to_parent_w)
     directory = f"/{task}"
-    try:
-        expect_line(to_parent_r, "unshared")
+    with helper(lambda given, told: _first_process(task, given, told)) as (pid, tell, hear):
+        expect_line(hear, "unshared")
         for name in ("uid_map", "gid_map"):
             with open(f"/proc/{pid}/{name}", "w") as handle:
                 handle.write(IDENTITY_MAP)
-        os.write(to_child_w, b"mapped\n")
-        serial = int(expect_line(to_parent_r, "made").split()[1])
+        os.write(tell, b"mapped\n")
+        serial = int(expect_line(hear, "made").split()[1])
         fds = {
             n: os.open(f"/proc/{pid}/ns/{n}", os.O_RDONLY | os.O_CLOEXEC) for n in podns.NAMESPACES
         }
@@ -226,10 +240,7 @@ def make_pod(pin: str, task: str) -> dict[str, Any]:
         finally:
             for fd in fds.values():
                 os.close(fd)
-    finally:
-        os.close(to_child_w)  # the first process exits: the mounts hold its namespaces
-        os.close(to_parent_r)
-        os.waitpid(pid, 0)
+    # the first process exited at EOF: the mounts hold its namespaces
     return {"dir": directory, **inodes, "serial": serial}
 
 

@@ -100,26 +100,13 @@ def add_namespace(pin: str, pod: dict[str, Any]) -> int:
     try:
         if os.fstat(user).st_ino != pod["user"]:
             raise podmake.PodUnavailable(errno.ESTALE, "the pod's user namespace is not its own")
-        to_child_r, to_child_w = os.pipe2(os.O_CLOEXEC)
-        to_parent_r, to_parent_w = os.pipe2(os.O_CLOEXEC)
-        pid = os.fork()
-        if pid == 0:  # pragma: no cover - covered through the pods it extends
-            os.close(to_child_w)
-            os.close(to_parent_r)
-            _make_in(user, to_child_r, to_parent_w)
-        os.close(to_child_r)
-        os.close(to_parent_w)
-        try:
-            podmake.expect_line(to_parent_r, "made")
+        with podmake.helper(lambda given, told: _make_in(user, given, told)) as (pid, _, hear):
+            podmake.expect_line(hear, "made")
             net = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
-            try:
+            try:  # the child exits at EOF: the mount holds its namespace
                 return podmake.bind_namespaces(pin, pod["dir"], {"net": net}, fresh=False)["net"]
             finally:
                 os.close(net)
-        finally:
-            os.close(to_child_w)  # the child exits: the mount holds its namespace
-            os.close(to_parent_r)
-            os.waitpid(pid, 0)
     finally:
         os.close(user)
 
