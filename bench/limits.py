@@ -68,6 +68,18 @@ if launcher == "home":  # the home's zygote (and its spare, with its placer) end
 """
 
 
+# A home whose task stays open keeps its pods namespace mounted (run/pods.mnt), which would keep
+# the scratch directory; a tree from before pods has nothing to let go.
+RELEASE_PODS = """
+import sys
+try:
+    from settled.boundary import podns
+except ImportError:
+    sys.exit(0)
+podns.release_home(sys.argv[1])
+"""
+
+
 def _baseline(root: str) -> str:
     """The baseline checkout's root: SETTLED_BENCH_BASE, else main, exported here and built."""
     given = os.environ.get("SETTLED_BENCH_BASE")
@@ -207,6 +219,10 @@ def _cli(srcs: dict[str, str], root: str, rounds: int) -> dict[str, Any]:
             subprocess.run(
                 [sys.executable, "-c", "import sys; from settled.owner import home_launcher; "
                  "home_launcher.stop(sys.argv[1])", os.path.join(env["SETTLED_HOME"], "run")],
+                env=env, check=False, timeout=60,
+            )  # fmt: skip
+            subprocess.run(  # its task is never closed: its pods namespace is let go here
+                [sys.executable, "-c", RELEASE_PODS, env["SETTLED_HOME"]],
                 env=env, check=False, timeout=60,
             )  # fmt: skip
             sock = os.path.join(env["SETTLED_HOME"], "run", "journal.sock")
