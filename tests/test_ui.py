@@ -21,9 +21,11 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -164,12 +166,16 @@ def browser_page(tmp_path: Path) -> Iterator[Page]:
     profile.mkdir()
     argv = [CHROMIUM, *CHROMIUM_FLAGS, f"--user-data-dir={profile}"]
     argv += ["--remote-debugging-address=127.0.0.1", "--remote-debugging-port=0", "about:blank"]
+    # Chromium makes its singleton socket's directory in TMPDIR: one of the test's own, short
+    # enough for a socket path, removed once the browser has ended
+    scratch = tempfile.mkdtemp(prefix="settled-ui-")
     with open(tmp_path / "chromium.log", "wb") as sink:  # the child keeps its own copy
         chromium = subprocess.Popen(
             argv,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=sink,
+            env={**os.environ, "TMPDIR": scratch},
             start_new_session=True,  # its renderers share its process group: ended with it
         )
     try:
@@ -187,6 +193,7 @@ def browser_page(tmp_path: Path) -> Iterator[Page]:
                 browser.close()
     finally:
         _end(chromium, group=True)
+        shutil.rmtree(scratch, ignore_errors=True)
         assert chromium.poll() is not None
 
 
