@@ -169,15 +169,19 @@ def browser_page(tmp_path: Path) -> Iterator[Page]:
     # Chromium makes its singleton socket's directory in TMPDIR: one of the test's own, short
     # enough for a socket path, removed once the browser has ended
     scratch = tempfile.mkdtemp(prefix="settled-ui-")
-    with open(tmp_path / "chromium.log", "wb") as sink:  # the child keeps its own copy
-        chromium = subprocess.Popen(
-            argv,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=sink,
-            env={**os.environ, "TMPDIR": scratch},
-            start_new_session=True,  # its renderers share its process group: ended with it
-        )
+    try:
+        with open(tmp_path / "chromium.log", "wb") as sink:  # the child keeps its own copy
+            chromium = subprocess.Popen(
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=sink,
+                env={**os.environ, "TMPDIR": scratch},
+                start_new_session=True,  # its renderers share its process group: ended with it
+            )
+    except BaseException:
+        shutil.rmtree(scratch, ignore_errors=True)
+        raise
     try:
         port = _devtools_port(profile / "DevToolsActivePort", chromium)
         with sync_playwright() as driver:
