@@ -36,6 +36,7 @@ FOUNDATION = {
     "settled.peers",
     "settled.nothreads",
     "settled.oomguard",
+    "settled.rawthread",
     "settled.receipts",
     "settled.records",
     "settled.render",

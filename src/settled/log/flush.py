@@ -24,8 +24,9 @@ Must never: write or read a log's bytes, raise into the drain, or outlive ``clos
 
 from __future__ import annotations
 
-import _thread
 import os
+
+from settled.rawthread import RawThread
 
 TYPE_CHECKING = False  # loaded by every owner: no typing or collections.abc at run time
 if TYPE_CHECKING:
@@ -62,18 +63,11 @@ class Flusher:
         self._targets: tuple[Syncable, ...] = ()
         self._poked = os.eventfd(0, os.EFD_CLOEXEC)  # the thread blocks reading it
         self._stopping = False
-        self._started = False
-        self._done = _thread.allocate_lock()  # held while the thread runs
+        self._thread = RawThread(self._run)
 
     def start(self) -> None:
-        if self.every is not None and not self._started:
-            self._done.acquire()
-            try:
-                _thread.start_new_thread(self._main, ())
-            except BaseException:
-                self._done.release()
-                raise
-            self._started = True
+        if self.every is not None:
+            self._thread.start()
 
     def attach(self, targets: Sequence[Syncable]) -> None:
         """What each poke syncs, in order (the stream logs, then the interleave index)."""
@@ -90,17 +84,9 @@ class Flusher:
         if self._poked < 0:
             return
         os.eventfd_write(self._poked, 1)
-        if self._started:
-            self._done.acquire()  # the thread ended
-            self._done.release()
+        self._thread.join()
         os.close(self._poked)
         self._poked = -1
-
-    def _main(self) -> None:
-        try:
-            self._run()
-        finally:
-            self._done.release()
 
     def _run(self) -> None:
         while True:

@@ -26,12 +26,12 @@ write, drop or reorder a byte, or outlive `handover`.
 
 from __future__ import annotations
 
-import _thread
 import os
 import sys
 
 from settled import faults
 from settled.boundary import linux
+from settled.rawthread import RawThread
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -61,10 +61,9 @@ class EarlyDrain:
         self._held = 0
         self._by_fd = {fd: name for name, fd in fds.items()}
         self._stop_r, self._stop_w = os.pipe2(os.O_CLOEXEC)
-        self._done = _thread.allocate_lock()  # held while the thread runs
-        self._done.acquire()
         self._interval: float | None = None  # the switch interval before `quicken`
-        _thread.start_new_thread(self._run, ())
+        self._thread = RawThread(self._drain)
+        self._thread.start()
 
     def quicken(self) -> None:
         """Once the command runs (this thread starts before it, with the owner's others, and
@@ -72,12 +71,6 @@ class EarlyDrain:
         if self._interval is None:
             self._interval = sys.getswitchinterval()
             sys.setswitchinterval(SWITCH_INTERVAL_S)
-
-    def _run(self) -> None:
-        try:
-            self._drain()
-        finally:
-            self._done.release()
 
     def _drain(self) -> None:
         """poll through the boundary's C binding (linux.poll_in), not the select module: this
@@ -121,7 +114,7 @@ class EarlyDrain:
         """Stop reading; every read so far, in order, and the streams that reached EOF."""
         if self._stop_w >= 0:
             os.write(self._stop_w, b"x")
-            self._done.acquire()  # the thread ended
+            self._thread.join()
             if self._interval is not None:
                 sys.setswitchinterval(self._interval)
             for fd in (self._stop_r, self._stop_w):

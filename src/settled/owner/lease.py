@@ -34,6 +34,8 @@ import _thread
 import os
 import time
 
+from settled.rawthread import RawThread
+
 TYPE_CHECKING = False  # started on the owner's launch path: no typing or contextlib there
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -78,8 +80,7 @@ class LeaseKeeper:
         self._stopping = False
         self._cancel: str | None = None
         self._failure: BaseException | None = None
-        self._started = False
-        self._done = _thread.allocate_lock()  # held while the thread runs
+        self._thread = RawThread(self._run)
         # the thread blocks reading `_work` until asked; `confirm` reads `_answers`
         self._work = os.eventfd(0, os.EFD_CLOEXEC)
         self._answers = os.eventfd(0, os.EFD_CLOEXEC)
@@ -89,17 +90,11 @@ class LeaseKeeper:
     # -- the supervise loop's side ------------------------------------------------------
 
     def start(self) -> None:
-        self._done.acquire()
-        try:
-            _thread.start_new_thread(self._main, ())
-        except BaseException:
-            self._done.release()
-            raise
-        self._started = True
+        self._thread.start()
 
     @property
     def started(self) -> bool:
-        return self._started
+        return self._thread.started
 
     def fileno(self) -> int:
         """Readable once a cancel reason or a failure came back."""
@@ -157,9 +152,7 @@ class LeaseKeeper:
     def close(self) -> None:
         """Stop, wait for the thread, release the eventfds. Never raises: `collect()` does."""
         self.stop()
-        if self._started:
-            self._done.acquire()  # the thread ended
-            self._done.release()
+        self._thread.join()
         for name in ("_work", "_answers", "_wake"):
             fd = getattr(self, name)
             if fd >= 0:
@@ -167,12 +160,6 @@ class LeaseKeeper:
                 setattr(self, name, -1)
 
     # -- the thread ---------------------------------------------------------------------
-
-    def _main(self) -> None:
-        try:
-            self._run()
-        finally:
-            self._done.release()
 
     def _run(self) -> None:
         """Connects at the first request, so that until then (the owner starts its command
