@@ -21,7 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -217,6 +217,27 @@ def scratch(name: str) -> Iterator[str]:
             log(f"warning: could not remove scratch dir {path}")
 
 
+def timed_process(argv: list[str], env: dict[str, str], timeout_s: float = 120.0) -> float:
+    """Milliseconds from spawn to exit. The exit is awaited on a pidfd: `subprocess.run` with a
+    timeout polls in sleeps of up to 50 ms, which quantized the first measurements by 50 ms."""
+    started = time.perf_counter()
+    child = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL)
+    handle = os.pidfd_open(child.pid)
+    try:
+        poller = select.poll()
+        poller.register(handle, select.POLLIN)
+        if not poller.poll(timeout_s * 1e3):
+            child.kill()
+            child.wait()
+            raise RuntimeError(f"{argv} ran past {timeout_s} s")
+        took = (time.perf_counter() - started) * 1e3
+    finally:
+        os.close(handle)
+    if child.wait() != 0:
+        raise RuntimeError(f"{argv} exited {child.returncode}")
+    return took
+
+
 def await_exit(pid: int | None, timeout: float) -> bool:
     """Wait (bounded) until `pid` has exited; True if it is gone. Uses a pidfd, so no reuse race."""
     if pid is None:
@@ -393,3 +414,84 @@ def kill_marked(token: str) -> list[int]:
     while found and marked(token) and time.monotonic() < give_up:
         time.sleep(0.01)
     return found
+
+
+ADMISSION_FIGURES = ("return_ms", "receipt_ms", "spawn_ms")
+ADMISSION_LABELS = (
+    ("spawn_ms", "owner spawn (fork to exec)"),
+    ("return_ms", "exec to running (return)"),
+    ("receipt_ms", "exec to receipt"),
+)
+
+
+def timed_admission(rig: Rig, **exec_kwargs: Any) -> tuple[dict[str, float], dict[str, Any]]:
+    """One admission of the rig's task timed as a caller meets it: exec to its return (the
+    command runs), exec to its receipt, and the owner's `spawn_s`; with the receipt (its death
+    proven), whose logs are forgotten."""
+    started = time.perf_counter()
+    admission = rig.exec(**exec_kwargs)
+    returned = time.perf_counter()
+    view = rig.runtime.wait(admission.session, timeout=60.0)
+    settled = time.perf_counter()
+    receipt: dict[str, Any] = view["receipt"]
+    assert receipt["death"]["proven"], receipt["death"]
+    rig.forget_logs(admission.session)
+    figures = {
+        "return_ms": (returned - started) * 1000,
+        "receipt_ms": (settled - started) * 1000,
+        "spawn_ms": float(receipt["timings"]["spawn_s"]) * 1000,
+    }
+    return figures, receipt
+
+
+def interleaved(
+    variants: Sequence[str], runs: int, once: Callable[[str], dict[str, float]]
+) -> tuple[dict[str, list[dict[str, float]]], dict[str, dict[str, dict[str, float]]]]:
+    """`once(variant)` for each variant in turn (ABAB, so both see the same load), after one
+    warm-up each: (every run's figures, their distribution) per variant."""
+    records: dict[str, list[dict[str, float]]] = {v: [] for v in variants}
+    for variant in variants:  # warm-up: the zygote, the journal, the page cache
+        once(variant)
+    for index in range(runs):
+        for variant in variants if index % 2 == 0 else variants[::-1]:
+            records[variant].append(once(variant))
+    summary = {
+        variant: {key: distribution([r[key] for r in rows]) for key in ADMISSION_FIGURES}
+        for variant, rows in records.items()
+    }
+    return records, summary
+
+
+def comparison_rows(
+    mine: dict[str, dict[str, float]],
+    base: dict[str, dict[str, float]],
+    labels: Sequence[tuple[str, str]] = ADMISSION_LABELS,
+) -> list[list[str]]:
+    """p50 and p99 of each figure: mine, the baseline's, the difference and the ratio."""
+    rows = []
+    for key, label in labels:
+        for q in ("p50", "p99"):
+            ours, theirs = mine[key][q], base[key][q]
+            rows.append(
+                [f"{label} {q}", fmt(ours), fmt(theirs), fmt(ours - theirs), fmt(ours / theirs)]
+            )
+    return rows
+
+
+def timed_in_child(work: Callable[[], None]) -> float:
+    """Milliseconds of `work()` in a forked child (single-threaded, as a session's init is),
+    the fork excluded."""
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            started = time.perf_counter()
+            work()
+            os.write(write_end, b"%f" % ((time.perf_counter() - started) * 1000))
+        finally:
+            os._exit(0)
+    os.close(write_end)
+    answer = os.read(read_end, 64)
+    os.close(read_end)
+    os.waitpid(pid, 0)
+    return float(answer)

@@ -13,10 +13,18 @@ of the same run; nothing is compared across runs.
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
-from common import distribution, fmt, header, log, machine, md_table, settled_rig
+from common import (
+    comparison_rows,
+    header,
+    interleaved,
+    log,
+    machine,
+    md_table,
+    settled_rig,
+    timed_admission,
+)
 
 FULL = {"runs": 200}
 QUICK = {"runs": 20}
@@ -24,42 +32,18 @@ VARIANTS = ("auto", "none")
 
 
 def _once(rig: Any, isolation: str) -> dict[str, float]:
-    started = time.perf_counter()
-    admission = rig.exec(argv=["true"], isolation=isolation)
-    returned = time.perf_counter()
-    view = rig.runtime.wait(admission.session, timeout=60.0)
-    settled = time.perf_counter()
-    receipt = view["receipt"]
-    assert receipt["death"]["proven"], receipt["death"]
+    figures, receipt = timed_admission(rig, argv=["true"], isolation=isolation)
     if isolation == "auto":
         assert receipt["isolation"]["home_hidden"], receipt["isolation"]
-    rig.forget_logs(admission.session)
-    return {
-        "return_ms": (returned - started) * 1000,
-        "receipt_ms": (settled - started) * 1000,
-        "spawn_ms": float(receipt["timings"]["spawn_s"]) * 1000,
-    }
+    return figures
 
 
 def run(quick: bool) -> tuple[dict[str, Any], str]:
     sizes = QUICK if quick else FULL
     data: dict[str, Any] = {"machine": machine(), "sizes": sizes, "launchers": {}}
     for launcher in ("warm", "fresh"):
-        records: dict[str, list[dict[str, float]]] = {v: [] for v in VARIANTS}
         with settled_rig(f"isolation-{launcher}", launcher=launcher) as rig:
-            for variant in VARIANTS:  # warm-up: the zygote, the journal, the page cache
-                _once(rig, variant)
-            for index in range(sizes["runs"]):
-                order = VARIANTS if index % 2 == 0 else VARIANTS[::-1]
-                for variant in order:
-                    records[variant].append(_once(rig, variant))
-        summary = {
-            variant: {
-                key: distribution([r[key] for r in rows])
-                for key in ("return_ms", "receipt_ms", "spawn_ms")
-            }
-            for variant, rows in records.items()
-        }
+            records, summary = interleaved(VARIANTS, sizes["runs"], lambda v: _once(rig, v))
         data["launchers"][launcher] = {"runs": records, "summary": summary}
         auto, none = summary["auto"], summary["none"]
         log(
@@ -71,25 +55,11 @@ def run(quick: bool) -> tuple[dict[str, Any], str]:
 
 
 def render(data: dict[str, Any]) -> str:
-    rows = []
-    for launcher, result in data["launchers"].items():
-        auto, none = result["summary"]["auto"], result["summary"]["none"]
-        for key, label in (
-            ("spawn_ms", "owner spawn (fork to exec)"),
-            ("return_ms", "exec to return"),
-            ("receipt_ms", "exec to receipt"),
-        ):
-            for q in ("p50", "p99"):
-                rows.append(
-                    [
-                        launcher,
-                        f"{label} {q}",
-                        fmt(auto[key][q]),
-                        fmt(none[key][q]),
-                        fmt(auto[key][q] - none[key][q]),
-                        fmt(auto[key][q] / none[key][q]),
-                    ]
-                )
+    rows = [
+        [launcher, *row]
+        for launcher, result in data["launchers"].items()
+        for row in comparison_rows(result["summary"]["auto"], result["summary"]["none"])
+    ]
     return (
         header("isolation: admission with and without it", data)
         + "\n\n"

@@ -20,13 +20,21 @@ from __future__ import annotations
 import compileall
 import json
 import os
-import select
 import subprocess
 import sys
-import time
 from typing import Any
 
-from common import distribution, fmt, header, log, machine, md_table, scratch, source_revision
+from common import (
+    distribution,
+    fmt,
+    header,
+    log,
+    machine,
+    md_table,
+    scratch,
+    source_revision,
+    timed_process,
+)
 
 FULL = {"runs": 200, "cli_rounds": 40}
 QUICK = {"runs": 20, "cli_rounds": 6}
@@ -134,25 +142,6 @@ class Driver:
         self.process.wait(timeout=120)
 
 
-def _timed(argv: list[str], env: dict[str, str]) -> float:
-    """Milliseconds from spawn to exit, awaited on a pidfd (subprocess.run with a timeout
-    polls in sleeps of up to 50 ms: startup.py)."""
-    started = time.perf_counter()
-    child = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL)
-    handle = os.pidfd_open(child.pid)
-    try:
-        if not select.select([handle], [], [], 120)[0]:
-            child.kill()
-            child.wait()
-            raise RuntimeError(f"{argv} ran past 120 s")
-        took = (time.perf_counter() - started) * 1e3
-    finally:
-        os.close(handle)
-    if child.wait() != 0:
-        raise RuntimeError(f"{argv} exited {child.returncode}")
-    return took
-
-
 def run(quick: bool) -> tuple[dict[str, Any], str]:
     sizes = QUICK if quick else FULL
     data: dict[str, Any] = {"machine": machine(), "quick": quick, "sizes": sizes}
@@ -210,10 +199,10 @@ def _cli(srcs: dict[str, str], root: str, rounds: int) -> dict[str, Any]:
     samples: dict[str, list[float]] = {name: [] for name in cases}
     try:
         for name, argv in cases.items():  # the home launcher starts here
-            _timed(argv, env_of[name])
+            timed_process(argv, env_of[name])
         for _ in range(rounds):
             for name, argv in cases.items():
-                samples[name].append(_timed(argv, env_of[name]))
+                samples[name].append(timed_process(argv, env_of[name]))
     finally:
         for env in envs.values():
             subprocess.run(

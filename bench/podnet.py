@@ -13,11 +13,21 @@ brought up), paid once per task. Ratios and differences are between variants of 
 
 from __future__ import annotations
 
-import os
-import time
 from typing import Any
 
-from common import distribution, fmt, header, log, machine, md_table, settled_rig
+from common import (
+    comparison_rows,
+    distribution,
+    fmt,
+    header,
+    interleaved,
+    log,
+    machine,
+    md_table,
+    settled_rig,
+    timed_admission,
+    timed_in_child,
+)
 
 FULL = {"runs": 200, "makes": 30}
 QUICK = {"runs": 20, "makes": 5}
@@ -25,38 +35,9 @@ VARIANTS = ("none", "host")
 
 
 def _once(rig: Any, variant: str) -> dict[str, float]:
-    started = time.perf_counter()
-    admission = rig.exec(argv=["true"], network=variant)
-    returned = time.perf_counter()
-    view = rig.runtime.wait(admission.session, timeout=60.0)
-    settled = time.perf_counter()
-    receipt = view["receipt"]
-    assert receipt["death"]["proven"], receipt["death"]
+    figures, receipt = timed_admission(rig, argv=["true"], network=variant)
     assert receipt["isolation"]["network"]["mode"] == variant, receipt["isolation"]
-    rig.forget_logs(admission.session)
-    return {
-        "return_ms": (returned - started) * 1000,
-        "receipt_ms": (settled - started) * 1000,
-        "spawn_ms": float(receipt["timings"]["spawn_s"]) * 1000,
-    }
-
-
-def _in_child(work: Any) -> float:
-    """`work()` timed in a forked child (single-threaded, as the init is), the fork excluded."""
-    read_end, write_end = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        try:
-            started = time.perf_counter()
-            work()
-            os.write(write_end, b"%f" % ((time.perf_counter() - started) * 1000))
-        finally:
-            os._exit(0)
-    os.close(write_end)
-    answer = os.read(read_end, 64)
-    os.close(read_end)
-    os.waitpid(pid, 0)
-    return float(answer)
+    return figures
 
 
 def _join_costs(home: str, task: str, runs: int) -> dict[str, Any]:
@@ -75,7 +56,7 @@ def _join_costs(home: str, task: str, runs: int) -> dict[str, Any]:
 
     for index in range(runs):
         for variant in VARIANTS if index % 2 == 0 else VARIANTS[::-1]:
-            costs[variant].append(_in_child(lambda v=variant: joins(v)))
+            costs[variant].append(timed_in_child(lambda v=variant: joins(v)))
     return {v: distribution(c) for v, c in costs.items()}
 
 
@@ -87,29 +68,16 @@ def _make_costs(makes: int) -> dict[str, Any]:
         linux.unshare(linux.CLONE_NEWNET)
         podnet.loopback_up()
 
-    return distribution([_in_child(make) for _ in range(makes)])
+    return distribution([timed_in_child(make) for _ in range(makes)])
 
 
 def run(quick: bool) -> tuple[dict[str, Any], str]:
     sizes = QUICK if quick else FULL
     data: dict[str, Any] = {"machine": machine(), "sizes": sizes}
-    records: dict[str, list[dict[str, float]]] = {v: [] for v in VARIANTS}
     with settled_rig("podnet", launcher="fresh") as rig:
-        for variant in VARIANTS:  # warm-up: the pod made, the journal, the page cache
-            _once(rig, variant)
-        for index in range(sizes["runs"]):
-            order = VARIANTS if index % 2 == 0 else VARIANTS[::-1]
-            for variant in order:
-                records[variant].append(_once(rig, variant))
+        records, summary = interleaved(VARIANTS, sizes["runs"], lambda v: _once(rig, v))
         data["joins"] = _join_costs(rig.runtime.home, rig.task, sizes["runs"])
         data["make_ms"] = _make_costs(sizes["makes"])
-    summary = {
-        variant: {
-            key: distribution([r[key] for r in rows])
-            for key in ("return_ms", "receipt_ms", "spawn_ms")
-        }
-        for variant, rows in records.items()
-    }
     data["runs"], data["summary"] = records, summary
     none, host = summary["none"], summary["host"]
     joins = data["joins"]
@@ -123,23 +91,7 @@ def run(quick: bool) -> tuple[dict[str, Any], str]:
 
 
 def render(data: dict[str, Any]) -> str:
-    none, host = data["summary"]["none"], data["summary"]["host"]
-    rows = []
-    for key, label in (
-        ("spawn_ms", "owner spawn (fork to exec)"),
-        ("return_ms", "exec to running (return)"),
-        ("receipt_ms", "exec to receipt"),
-    ):
-        for q in ("p50", "p99"):
-            rows.append(
-                [
-                    f"{label} {q}",
-                    fmt(none[key][q]),
-                    fmt(host[key][q]),
-                    fmt(none[key][q] - host[key][q]),
-                    fmt(none[key][q] / host[key][q]),
-                ]
-            )
+    rows = comparison_rows(data["summary"]["none"], data["summary"]["host"])
     joins, made = data["joins"], data["make_ms"]
     return (
         header("podnet: admission joining the task's network namespace, and not", data)

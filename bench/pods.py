@@ -16,7 +16,19 @@ import os
 import time
 from typing import Any
 
-from common import distribution, fmt, header, log, machine, md_table, settled_rig
+from common import (
+    comparison_rows,
+    distribution,
+    fmt,
+    header,
+    interleaved,
+    log,
+    machine,
+    md_table,
+    settled_rig,
+    timed_admission,
+    timed_in_child,
+)
 
 FULL = {"runs": 200, "makes": 30}
 QUICK = {"runs": 20, "makes": 5}
@@ -30,22 +42,11 @@ def _once(rig: Any, variant: str) -> dict[str, float]:
     else:
         os.environ.pop(PODS_ENV, None)
     try:
-        started = time.perf_counter()
-        admission = rig.exec(argv=["true"])
-        returned = time.perf_counter()
-        view = rig.runtime.wait(admission.session, timeout=60.0)
-        settled = time.perf_counter()
+        figures, receipt = timed_admission(rig, argv=["true"])
     finally:
         os.environ.pop(PODS_ENV, None)
-    receipt = view["receipt"]
-    assert receipt["death"]["proven"], receipt["death"]
     assert (receipt["isolation"]["pod"] is not None) == (variant == "pod"), receipt["isolation"]
-    rig.forget_logs(admission.session)
-    return {
-        "return_ms": (returned - started) * 1000,
-        "receipt_ms": (settled - started) * 1000,
-        "spawn_ms": float(receipt["timings"]["spawn_s"]) * 1000,
-    }
+    return figures
 
 
 def _join_costs(home: str, task: str, runs: int) -> dict[str, Any]:
@@ -55,24 +56,13 @@ def _join_costs(home: str, task: str, runs: int) -> dict[str, Any]:
 
     pod = podns.ensure(home, task)
     podns.key_filter()  # made once per owner process, before it forks its init
-    costs = []
-    for _ in range(runs):
-        read_end, write_end = os.pipe()
-        pid = os.fork()
-        if pid == 0:
-            try:
-                started = time.perf_counter()
-                joining = podns.open_namespaces(pod)
-                podns.join_before_view(joining)
-                podns.join_after_view(joining)
-                os.write(write_end, b"%f" % ((time.perf_counter() - started) * 1000))
-            finally:
-                os._exit(0)
-        os.close(write_end)
-        costs.append(float(os.read(read_end, 64)))
-        os.close(read_end)
-        os.waitpid(pid, 0)
-    return distribution(costs)
+
+    def joins() -> None:
+        joining = podns.open_namespaces(pod)
+        podns.join_before_view(joining)
+        podns.join_after_view(joining)
+
+    return distribution([timed_in_child(joins) for _ in range(runs)])
 
 
 def _ensure_costs(rig: Any, makes: int) -> dict[str, Any]:
@@ -95,23 +85,10 @@ def _ensure_costs(rig: Any, makes: int) -> dict[str, Any]:
 def run(quick: bool) -> tuple[dict[str, Any], str]:
     sizes = QUICK if quick else FULL
     data: dict[str, Any] = {"machine": machine(), "sizes": sizes}
-    records: dict[str, list[dict[str, float]]] = {v: [] for v in VARIANTS}
     with settled_rig("pods", launcher="fresh") as rig:
-        for variant in VARIANTS:  # warm-up: the pod made, the journal, the page cache
-            _once(rig, variant)
-        for index in range(sizes["runs"]):
-            order = VARIANTS if index % 2 == 0 else VARIANTS[::-1]
-            for variant in order:
-                records[variant].append(_once(rig, variant))
+        records, summary = interleaved(VARIANTS, sizes["runs"], lambda v: _once(rig, v))
         data["ensure"] = _ensure_costs(rig, sizes["makes"])
         data["joins"] = _join_costs(rig.runtime.home, rig.task, sizes["runs"])
-    summary = {
-        variant: {
-            key: distribution([r[key] for r in rows])
-            for key in ("return_ms", "receipt_ms", "spawn_ms")
-        }
-        for variant, rows in records.items()
-    }
     data["runs"], data["summary"] = records, summary
     pod, none = summary["pod"], summary["none"]
     log(
@@ -126,23 +103,7 @@ def run(quick: bool) -> tuple[dict[str, Any], str]:
 
 
 def render(data: dict[str, Any]) -> str:
-    pod, none = data["summary"]["pod"], data["summary"]["none"]
-    rows = []
-    for key, label in (
-        ("spawn_ms", "owner spawn (fork to exec)"),
-        ("return_ms", "exec to running (return)"),
-        ("receipt_ms", "exec to receipt"),
-    ):
-        for q in ("p50", "p99"):
-            rows.append(
-                [
-                    f"{label} {q}",
-                    fmt(pod[key][q]),
-                    fmt(none[key][q]),
-                    fmt(pod[key][q] - none[key][q]),
-                    fmt(pod[key][q] / none[key][q]),
-                ]
-            )
+    rows = comparison_rows(data["summary"]["pod"], data["summary"]["none"])
     ensure = data["ensure"]
     return (
         header("pods: admission with and without the task's pod", data)

@@ -11,13 +11,21 @@ from __future__ import annotations
 
 import compileall
 import os
-import select
 import subprocess
 import sys
-import time
 from typing import Any
 
-from common import distribution, fmt, header, log, machine, md_table, scratch, source_revision
+from common import (
+    distribution,
+    fmt,
+    header,
+    log,
+    machine,
+    md_table,
+    scratch,
+    source_revision,
+    timed_process,
+)
 
 FULL = {"rounds": 40}
 QUICK = {"rounds": 8}
@@ -37,27 +45,6 @@ def _settled_argv() -> list[str]:
     `-m settled`."""
     script = os.path.join(os.path.dirname(sys.executable), "settled")
     return [script] if os.path.exists(script) else [sys.executable, "-m", "settled"]
-
-
-def _timed(argv: list[str], env: dict[str, str], timeout_s: float = 120.0) -> float:
-    """Milliseconds from spawn to exit. The exit is awaited on a pidfd: `subprocess.run` with a
-    timeout polls in sleeps of up to 50 ms, which quantized the first measurements by 50 ms."""
-    started = time.perf_counter()
-    child = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL)
-    handle = os.pidfd_open(child.pid)
-    try:
-        poller = select.poll()
-        poller.register(handle, select.POLLIN)
-        if not poller.poll(timeout_s * 1e3):
-            child.kill()
-            child.wait()
-            raise RuntimeError(f"{argv} ran past {timeout_s} s")
-        took = (time.perf_counter() - started) * 1e3
-    finally:
-        os.close(handle)
-    if child.wait() != 0:
-        raise RuntimeError(f"{argv} exited {child.returncode}")
-    return took
 
 
 def _import_profile(argv: list[str], env: dict[str, str]) -> list[tuple[str, float]]:
@@ -108,10 +95,10 @@ def run(quick: bool) -> tuple[dict[str, Any], str]:
         envs["run, fresh owner"] = {**env, "SETTLED_CLI": "local", "SETTLED_LAUNCHER": "fresh"}
         samples: dict[str, list[float]] = {name: [] for name in cases}
         for name, argv in cases.items():  # warm the page cache once (and start the launcher)
-            _timed(argv, envs[name])
+            timed_process(argv, envs[name])
         for n in range(params["rounds"]):
             for name, argv in cases.items():
-                samples[name].append(_timed(argv, envs[name]))
+                samples[name].append(timed_process(argv, envs[name]))
             if n % 10 == 9:
                 log(f"startup: {n + 1}/{params['rounds']} rounds")
         local = {**env, "SETTLED_CLI": "local"}  # what a call imports when it runs its verb
