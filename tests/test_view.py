@@ -357,6 +357,33 @@ def test_a_symlink_left_on_the_workspaces_mount_point_path_never_steers_the_view
     assert out == f"{task.workspace}\n"
 
 
+def test_a_child_that_ended_before_its_gate_opened_is_reported_at_its_stage_not_epipe() -> None:
+    """The placer's child builds its view before its gate; refused there, it reports on its
+    error pipe and exits, closing the gate's read end, often before the owner opens the gate
+    (the race the symlink test above meets). The owner's start gets the child's report (stage
+    `isolation`, the path), not an EPIPE from writing into a gate that no one reads."""
+    from settled.boundary.placer import Placer
+    from settled.boundary.spawn import read_spawn_error
+
+    gate_r, gate_w = os.pipe2(os.O_CLOEXEC)
+    err_r, err_w = os.pipe2(os.O_CLOEXEC)
+    status_r, status_w = os.pipe2(os.O_CLOEXEC)
+    os.write(err_w, b"isolation:40:/tmp/pytest-of-root is a symlink, not a directory")
+    for fd in (gate_r, err_w, status_w):  # the child is gone: its ends are closed
+        os.close(fd)
+    fds = {"errpipe_r": err_r, "status_r": status_r, "gate_w": gate_w}
+    placer = Placer(os.getpid(), fds)
+    placer.answer, placer.child = {"pid": 4321}, 4321
+    pid, errpipe, status = placer.start()
+    try:
+        assert pid == 4321 and "gate_w" not in placer.fds
+        failure = read_spawn_error(errpipe)  # closes it
+        assert failure is not None and failure.stage == "isolation", failure
+        assert "/tmp/pytest-of-root" in str(failure)
+    finally:
+        os.close(status)
+
+
 def test_a_workspace_inside_the_commands_home_is_bound_inside_the_pods_home(
     rt: Runtime, tmp_path: Path
 ) -> None:

@@ -166,7 +166,8 @@ class Placer:
         error pipe to its end next (the exec, or the child's failure). The placer left the
         session's pids cgroup before it replied, so the gate opens on a count of the session's
         own. SpawnFailed when there is no child (stage `limits` for the placement, `boundary`
-        for the clone)."""
+        for the clone). A child that failed while building its view (stage `isolation`) may
+        have closed its gate before the owner opens it: its report is on the error pipe."""
         from settled.boundary.spawn import SpawnFailed
 
         answer = self._answer()
@@ -174,7 +175,10 @@ class Placer:
             stage, err, detail = str(answer["error"]).split(":", 2)
             raise SpawnFailed(stage, int(err), detail)
         pid, self.child = self.child, None
-        os.write(self.fds["gate_w"], GATE_OPEN)
+        try:  # noqa: SIM105 - contextlib stays off the owner's launch path
+            os.write(self.fds["gate_w"], GATE_OPEN)
+        except BrokenPipeError:
+            pass  # the child ended before its gate (its view was refused): its error pipe says why
         self._close("gate_w")
         return pid, self.fds.pop("errpipe_r"), self.fds.pop("status_r")
 
