@@ -212,6 +212,17 @@ def stop_journals(root: Path) -> None:
     for sock in root.glob("**/journal.sock"):
         journal_lifecycle.stop(str(sock))
     stop_launchers(root)
+    stop_proxies(root)
+
+
+def stop_proxies(root: Path) -> None:
+    """A home's first `--network proxy` session starts its proxy; a test ends those it made."""
+    from settled.netproxy import lifecycle as proxy_lifecycle
+    from settled.netproxy.client import SOCKET_NAME
+
+    for sock in root.glob(f"**/{SOCKET_NAME}"):
+        with contextlib.suppress(Exception):
+            proxy_lifecycle.stop(str(sock.parent.parent))
 
 
 def stop_launchers(root: Path) -> None:

@@ -191,7 +191,7 @@ def test_task_defaults_apply_to_every_command_and_an_exec_adds_or_replaces(
     second = rt.exec(record.task, shell="true", key="own", readable=[str(extra)], pids=10, cpus=0.5)
     spec = CommandSpec.from_json(rt.store.get_session(second.session).spec)
     assert spec.readable == tuple(sorted((str(shared), str(extra))))
-    assert (spec.memory, spec.pids, spec.cpus, spec.network) == (256 << 20, 10, 0.5, "host")
+    assert (spec.memory, spec.pids, spec.cpus, spec.network) == (256 << 20, 10, 0.5, "proxy")
     rt.wait(first.session)
     rt.wait(second.session)
 
@@ -246,7 +246,7 @@ def test_the_body_grammar_refuses_limits_that_are_not_numbers() -> None:
         with pytest.raises(grammar.BadNumber, match=field):
             session_request({**base, field: value})
     with pytest.raises(grammar.BadText, match="network"):
-        session_request({**base, "network": "proxy"})
+        session_request({**base, "network": "wifi"})
     assert session_request({**base, "memory": 1 << 30})["memory"] == 1 << 30
     assert task_request({"readable": ["/opt"], "cpus": 1})["readable"] == ["/opt"]
     with pytest.raises(BadInput, match="readable"):

@@ -33,6 +33,8 @@ FOUNDATION = {
     "settled.identity",
     "settled.isolated",
     "settled.localdb",
+    "settled.netledger",
+    "settled.netpolicy",
     "settled.peers",
     "settled.nothreads",
     "settled.oomguard",
@@ -79,6 +81,8 @@ FACES = {
 # (unit, module prefix), most specific first.
 UNITS: list[tuple[str, str]] = [
     ("journal-client", "settled.workspace.journal.client"),
+    ("proxy-client", "settled.netproxy.client"),
+    ("proxy", "settled.netproxy"),
     ("journal", "settled.workspace.journal"),
     ("store-sqlite", "settled.store.sqlite"),
     ("store", "settled.store"),
@@ -116,6 +120,8 @@ BELOW_RUNTIME = {
     "log",
     "journal-client",
     "journal",
+    "proxy-client",
+    "proxy",
     "workspace",
     "objects",
     "owner",
@@ -134,6 +140,8 @@ ALLOWED: dict[str, set[str]] = {
     "objects": {"foundation", "objects"},
     "journal-client": set(),  # standard library only: the owner imports it under -I -S
     "journal": {"foundation", "journal", "journal-client"},
+    "proxy-client": set(),  # standard library only: the owner seals its ledger under -I -S
+    "proxy": {"foundation", "proxy", "proxy-client", "boundary"},  # a task's namespace: podhost
     "workspace": {"foundation", "workspace", "objects", "journal", "journal-client", "store"},
     "owner": {
         "foundation",
@@ -144,6 +152,8 @@ ALLOWED: dict[str, set[str]] = {
         "store",
         "journal",
         "journal-client",
+        "proxy",
+        "proxy-client",
     },
     "sessions": {"foundation", "decisions", "store"},
     "close": {"foundation", "decisions", "store", "close"},
@@ -168,6 +178,8 @@ WHY = {
     "log": "logs are bytes with cursors and know nothing of sessions",
     "objects": "the object store knows content and names, nothing of manifests or sessions",
     "journal-client": "the barrier client imports only the standard library",
+    "proxy-client": "the proxy's client imports only the standard library",
+    "proxy": "the proxy judges and relays; it reaches a task's namespace through boundary",
     "workspace": "the workspace service uses the Store protocol, not an implementation",
     "owner": "the owner uses boundaries, logs, the journal and the Store protocol",
     "sessions": "liveness is injected; sessions never touch a process",

@@ -212,6 +212,7 @@ def _probe_argv(targets: list[tuple[str, str, str]], swerex_path: str = "/") -> 
 
 
 def _in_session(home: Home, targets: list[tuple[str, str, str]], **options: Any) -> dict[str, Any]:
+    options.setdefault("network", "host")  # the host's loopback, where the services listen
     admission = home.rt.exec(home.task, argv=_probe_argv(targets), timeout=120, **options)
     receipt = home.rt.wait(admission.session, timeout=150)["receipt"]
     out = home.rt.read(admission.session, "stdout")

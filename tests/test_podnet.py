@@ -311,7 +311,7 @@ def test_the_hosts_network_is_named_a_grant_in_the_receipt(
     rt: Runtime, two: tuple[TaskRecord, TaskRecord], host: HostListener
 ) -> None:
     a, _ = two
-    receipt, seen = look(rt, a, {"tcp": [["127.0.0.1", host.port]]})  # host: the default
+    receipt, seen = look(rt, a, {"tcp": [["127.0.0.1", host.port]]}, network="host")
     assert seen["tcp"] == ["host"] and seen["net"] == os.readlink("/proc/self/ns/net")
     network = receipt["isolation"]["network"]
     assert network["mode"] == "host" and network["namespace"] == "host"

@@ -415,7 +415,7 @@ def test_inside_the_pod_the_user_the_cgroup_proc_and_the_read_only_host_hold() -
             root_receipt, root_out, _ = run(
                 rt, a, "grep CapEff /proc/self/status; umount /proc 2>/dev/null || echo NOUMOUNT"
             )
-            _, owners, _ = run(rt, a, f"{SYSTEM_PYTHON} -I -S -c '{OWNERS}'")
+            _, owners, _ = run(rt, a, f"{SYSTEM_PYTHON} -I -S -c '{OWNERS}'", network="host")
     finally:
         with contextlib.suppress(Exception), Runtime(str(top / "home")) as runtime:
             runtime.recover()
@@ -456,7 +456,7 @@ def test_a_pods_root_holds_no_capability_over_the_hosts_network(
         "        print(e.errno)\n"
     )
     (Path(a.workspace) / "net.py").write_text(script)
-    _, out, _ = run(rt, a, f"{SYSTEM_PYTHON} -I -S net.py")
+    _, out, _ = run(rt, a, f"{SYSTEM_PYTHON} -I -S net.py", network="host")
     assert out.split() == ["13", "1"]  # EACCES binding port 80, EPERM for a raw socket
 
 

@@ -68,9 +68,12 @@ def test_another_homes_launcher_is_no_way_out(tmp_path: Path) -> None:
         q.new_task(str(tmp_path / "q"))
         home_launcher.start(str(tmp_path / "Q" / "run"))
         try:
+            _, unlisted, _ = attack(p, task_p, f'{COMMAND_PYTHON} -I -S -c "{REACH_LAUNCHERS}"')
+            assert int(unlisted.split()[0]) == 0, "its task's network namespace names none"
             _, out, _ = attack(
-                p, task_p, f'{COMMAND_PYTHON} -I -S -c "{REACH_LAUNCHERS}"; touch mine'
-            )
+                p, task_p, f'{COMMAND_PYTHON} -I -S -c "{REACH_LAUNCHERS}"; touch mine',
+                network="host",
+            )  # fmt: skip
             listed = int(out.split()[0])
             assert listed >= 1, out  # the host's namespace still lists it: a name, no way in
             assert "ANSWERED" not in out and out.count("FileNotFoundError") == listed, out
@@ -146,7 +149,9 @@ def test_a_keyless_swerex_server_is_no_way_out(
             "try:\n    print(urllib.request.urlopen(request, timeout=10).status)\n"
             "except urllib.error.HTTPError as e:\n    print(e.code)\n"
         )
-        _, out, _ = attack(rt, task, f"{COMMAND_PYTHON} plant.py {url[1]} {planted}")
+        _, out, _ = attack(
+            rt, task, f"{COMMAND_PYTHON} plant.py {url[1]} {planted}", network="host"
+        )  # the host's loopback: the key is what stands
         assert "403" in out and not planted.exists(), out
         with pytest.raises(urllib.error.HTTPError) as refused:  # from the host, without the key
             urllib.request.urlopen(urllib.request.Request(f"{url[1]}/is_alive"), timeout=10)

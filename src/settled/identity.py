@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 
-from settled import grammar
+from settled import grammar, netpolicy
 from settled.canonical import digest_of
 from settled.errors import BadInput
 from settled.records import Frozen
@@ -22,9 +22,11 @@ if TYPE_CHECKING:
 SPEC_VERSION = "settled.command/v1"
 BOUNDARY_POLICIES = ("auto", "cgroup2+pidns", "cgroup2", "pidns", "subreaper", "pgroup")
 ISOLATION_POLICIES = ("auto", "strict", "none")
-# A command's network: the host's (today's default, a grant its receipt names), or "none": its
-# task's own network namespace, with a loopback shared by the task's sessions and nothing else.
-NETWORK_POLICIES = ("host", "none")
+# A command's network: "proxy" (the Runtime's default), its task's own network namespace whose
+# one way out is settled's proxy, which records every connection (netproxy/); "none", that
+# namespace's loopback alone; "host", the host's (a grant its receipt names). A spec recorded
+# without the field ran on the host's, as every command did before pods had a network.
+NETWORK_POLICIES = ("proxy", "none", "host")
 MAX_ID = (1 << 32) - 2  # uid_t/gid_t, (uid_t)-1 excluded
 DEFAULT_GRACE_S = 5.0
 SHELL = "/bin/sh"
@@ -44,6 +46,7 @@ class CommandSpec(Frozen):
     whoever builds the spec, and normalized so that one command has one digest."""
 
     __slots__ = (
+        "allow_hosts",
         "argv",
         "boundary",
         "cpus",
@@ -79,6 +82,7 @@ class CommandSpec(Frozen):
     readable: tuple[str, ...]  # host paths granted read-only in the command's view
     memory: int | None  # bytes; None: the host's default (boundary/limits.py)
     network: str  # one of NETWORK_POLICIES
+    allow_hosts: tuple[str, ...]  # netpolicy patterns: where the proxy lets it go; () all public
     pids: int | None  # processes and threads at once; None: the host's default
     cpus: float | None  # CPUs' worth of time; None: the host's default
     inherited: tuple[str, ...]  # names in env whose values came from the caller's environ
@@ -104,6 +108,7 @@ class CommandSpec(Frozen):
         pids: int | None = None,
         cpus: float | None = None,
         network: str = "host",
+        allow_hosts: tuple[str, ...] = (),
         inherited: tuple[str, ...] = (),
         env_removed: tuple[str, ...] = (),
     ) -> None:
@@ -122,6 +127,9 @@ class CommandSpec(Frozen):
         grammar.check_choice("boundary", boundary, BOUNDARY_POLICIES)
         grammar.check_choice("isolation", isolation, ISOLATION_POLICIES)
         grammar.check_choice("network", network, NETWORK_POLICIES)
+        allow_hosts = tuple(sorted(set(netpolicy.check_patterns("allow_hosts", allow_hosts))))
+        if allow_hosts and network != "proxy":
+            raise BadInput(f"allow_hosts: only --network proxy goes anywhere, not {network}")
         grammar.check_bool("service", service)
         if user is not None:
             user = check_user(user)
@@ -164,6 +172,7 @@ class CommandSpec(Frozen):
             **({"pids": self.pids} if self.pids is not None else {}),
             **({"cpus": self.cpus} if self.cpus is not None else {}),
             **({"network": self.network} if self.network != "host" else {}),
+            **({"allow_hosts": list(self.allow_hosts)} if self.allow_hosts else {}),
             **({"inherited": list(self.inherited)} if self.inherited else {}),
             **({"env_removed": list(self.env_removed)} if self.env_removed else {}),
         }
@@ -191,6 +200,7 @@ class CommandSpec(Frozen):
             pids=data.get("pids"),
             cpus=data.get("cpus"),
             network=data.get("network", "host"),
+            allow_hosts=tuple(data.get("allow_hosts", ())),
             inherited=tuple(data.get("inherited", ())),
             env_removed=tuple(data.get("env_removed", ())),
         )

@@ -88,10 +88,14 @@ def process_receipt(
     timings: dict[str, float],
     isolation: dict[str, Any] | None = None,
     resources: dict[str, Any] | None = None,
+    network: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """`resources`: the command's limits and what the kernel counted (boundary/walls.py);
-    absent for a command that never started."""
+    absent for a command that never started. `network`: under `--network proxy`, its ledger
+    (netledger.py: what left the sandbox, and how each connection ended)."""
     extra = {"resources": resources} if resources is not None else {}
+    if network is not None:
+        extra["network"] = network
     return seal(
         {
             "kind": "process",

@@ -13,7 +13,7 @@ import functools
 import os
 
 from settled import boundary as boundaries
-from settled import grammar, grants
+from settled import grammar, grants, netpolicy
 from settled.backends import bind, credential_names
 from settled.errors import BadInput, LogElsewhere, OwnerLaunchFailed, SettledError, WrongHost
 from settled.faults import ALL_POINTS as ALL_POINTS  # named for `settled close --list-fault-points`
@@ -276,6 +276,14 @@ def _check_limits(spec: CommandSpec) -> None:
         raise BadInput(why)
 
 
+def _allow_hosts(patterns: Sequence[str], network: str | None) -> tuple[str, ...]:
+    """The --allow-host patterns, checked; refused unless the network is the proxy's."""
+    checked = netpolicy.check_patterns("allow_hosts", list(patterns))
+    if checked and network not in (None, "proxy"):
+        raise BadInput(f"allow_hosts: only --network proxy goes through the proxy, not {network}")
+    return checked
+
+
 def _check_sandbox(spec: CommandSpec, task: TaskRecord, provider: str) -> bool:
     """Whether the command will run through the task's sandbox's enter prefix; refuses what
     settled could not then honour (its own isolation, a uid, a granted path, a network of
@@ -454,12 +462,14 @@ class Runtime:
         pids: int | None = None,
         cpus: float | None = None,
         network: str | None = None,
+        allow_hosts: Sequence[str] = (),
     ) -> TaskRecord:
         """`user` (UID[:GID], a name, or a (uid, gid) pair) is the default uid/gid of the
         task's commands; an exec may name another. `writable` and `readable` are grants every
         command of the task gets besides its own, `memory`, `pids` and `cpus` its default
-        limits (an exec's own replace them), `network` its default network ("host" or
-        "none"); each is checked here (settled.grants). A
+        limits (an exec's own replace them), `network` its default network ("proxy", the
+        Runtime's default, "none" or "host") and `allow_hosts` its default --allow-host
+        patterns (netpolicy); each is checked here (settled.grants). A
         workspace that cannot be right is refused (placement.check_workspace), and so is one
         overlapping another open task's unless `shared_workspace` (then both tasks' close
         receipts name each other). Refused below the home's reserve. `ignore`: gitignore
@@ -484,6 +494,7 @@ class Runtime:
             from settled.identity import NETWORK_POLICIES
 
             grammar.check_choice("network", network, NETWORK_POLICIES)
+        patterns = _allow_hosts(allow_hosts, network)
         granted = {kind: grants.resolve(kind, paths) for kind, paths in
                    (("writable", writable), ("readable", readable))}  # fmt: skip
         if key is None or (retried := self.store.find_task(key)) is None:
@@ -510,6 +521,8 @@ class Runtime:
             defaults.update({k: v for k, v in limits.items() if v is not None})
             if network is not None:
                 defaults["network"] = network
+            if patterns:
+                defaults["allow_hosts"] = list(patterns)
             record, created = self.store.create_task(
                 key or new_key(), root, uid_gid, shared_workspace=shared_workspace,
                 host=self.host, ignore_rules=rules, defaults=defaults or None,
@@ -593,6 +606,7 @@ class Runtime:
         pids: int | None = None,
         cpus: float | None = None,
         network: str | None = None,
+        allow_hosts: Sequence[str] | None = None,
         inherit: Sequence[str] = (),
         inherit_env: bool = False,
         inherited: Sequence[str] = (),
@@ -607,8 +621,13 @@ class Runtime:
         `readable` grants (its own and its task's; settled.grants refuses a grant of `/`, of
         the home, of another task's workspace or of a store directory). `memory` (bytes),
         `pids` and `cpus` limit it (else its task's defaults, else the host's); `network`
-        is "host" (the default: the host's network, which its receipt names) or "none" (its
-        task's own loopback only), else its task's default. Refused
+        is "proxy" (the default: its task's own network namespace, whose one way out is the
+        home's proxy, which records each connection in the session's ledger), "none" (its
+        task's own loopback only) or "host" (the host's network, which its receipt names),
+        else its task's default; `allow_hosts` (netpolicy patterns, else its task's) limits
+        where the proxy lets it go. A command run inside a task's command sandbox has the
+        sandbox's network ("host" for settled). The proxy's variables (HTTP_PROXY...) are in
+        its env and digest. Refused
         (SpaceExhausted) while the home's filesystem is below its reserve.
 
         The command's environment is the base (PATH, HOME, LANG) overlaid by `inherit` (names
@@ -637,7 +656,15 @@ class Runtime:
         for kind, asked in (("writable", writable), ("readable", readable)):
             granted[kind] = grants.resolve(kind, [*asked, *defaults.get(kind, ())])
             self._refuse_held(kind, granted[kind], record.workspace)
+        enters = bool((record.sandbox or {}).get("enter"))
+        chosen_network = network or defaults.get("network") or ("host" if enters else "proxy")
+        patterns = _allow_hosts(
+            defaults.get("allow_hosts", ()) if allow_hosts is None else allow_hosts,
+            chosen_network,
+        )
         explicit = dict(normalize_env(env or {}))
+        if chosen_network == "proxy":  # where the proxy is, unless the command says otherwise
+            explicit = {**dict(netpolicy.proxy_env()), **explicit}
         caller = self._caller_env(inherit, inherit_env)
         if stray := sorted(set(inherited) - set(explicit)):
             raise BadInput(f"inherited names {stray} are not in env")
@@ -658,7 +685,8 @@ class Runtime:
             memory=limits["memory"],
             pids=limits["pids"],
             cpus=limits["cpus"],
-            network=network or defaults.get("network", "host"),
+            network=chosen_network,
+            allow_hosts=patterns,
             inherited=(*(n for n in caller.inherited if n not in explicit), *inherited),
             env_removed=caller.removed,
         )

@@ -37,14 +37,16 @@ TCP_STATES = ("", "established", "syn-sent", "syn-recv", "fin-wait-1", "fin-wait
 
 
 def peer_socket(
-    family: int, src: bytes, sport: int, dst: bytes, dport: int
+    family: int, src: bytes, sport: int, dst: bytes, dport: int, via: Any = None
 ) -> tuple[str, int, int | None] | None:
     """(state, uid, cgroup id or None) of this host's TCP socket bound to src:sport and connected
-    to dst:dport, or None when this network namespace has none."""
+    to dst:dport, or None when this network namespace has none. `via`: a NETLINK_SOCK_DIAG
+    socket made in another network namespace, to ask about that one's sockets (a task's, for
+    its proxy: netproxy/)."""
     request = struct.pack("=BBBxI", family, _socket.IPPROTO_TCP, 0, 0xFFFFFFFF)
     request += struct.pack(">HH", sport, dport) + src.ljust(16, b"\0") + dst.ljust(16, b"\0")
     request += struct.pack("=III", 0, INET_DIAG_NOCOOKIE, INET_DIAG_NOCOOKIE)
-    reply = _netlink(NETLINK_SOCK_DIAG, SOCK_DIAG_BY_FAMILY, request)
+    reply = _netlink(NETLINK_SOCK_DIAG, SOCK_DIAG_BY_FAMILY, request, via)
     if reply is None:
         return None
     if len(reply) < 72:
@@ -68,16 +70,20 @@ def is_local(family: int, address: bytes) -> bool:
     return reply is not None and len(reply) >= 8 and reply[7] == RTN_LOCAL
 
 
-def _netlink(protocol: int, kind: int, body: bytes) -> bytes | None:
+def _netlink(protocol: int, kind: int, body: bytes, via: Any = None) -> bytes | None:
     """One request and the body of its one answer; None for ENOENT, ENETUNREACH and the like
-    (nothing there); OSError for the rest."""
-    sock = _socket.socket(_socket.AF_NETLINK, _socket.SOCK_RAW | _socket.SOCK_CLOEXEC, protocol)
+    (nothing there); OSError for the rest. `via`: a netlink socket of `protocol` to ask on (kept
+    by its caller, who asks one question at a time), else one made for this question."""
+    sock = via or _socket.socket(
+        _socket.AF_NETLINK, _socket.SOCK_RAW | _socket.SOCK_CLOEXEC, protocol
+    )
     try:
         sock.sendto(struct.pack("=IHHII", 16 + len(body), kind, NLM_F_REQUEST, 1, 0) + body, (0, 0))
         sock.settimeout(5.0)
         data = sock.recv(65536)
     finally:
-        sock.close()
+        if via is None:
+            sock.close()
     length, answer = struct.unpack_from("=IH", data)
     if answer == NLMSG_ERROR:
         code = -struct.unpack_from("=i", data, 16)[0]

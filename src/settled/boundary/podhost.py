@@ -85,20 +85,23 @@ def _check_task(task: str) -> None:
         raise ValueError(f"task id {task!r} cannot name a pod (letters, digits, _ . -; 64 at most)")
 
 
-def attach(plan: IsolationPlan, home: str, task: str) -> None:
+def attach(plan: IsolationPlan, home: str, task: str, *, fallback: bool = False) -> None:
     """Give a plan with a mount namespace its task's pod (`plan.pod`, with the key filter its
     init installs: made here, once, not in every init, and the plan's network, which says
     whether the init joins the pod's network namespace), or say in its `missing` why it has none
     (and refuse `--isolation strict`). Where no key filter exists for this machine, `missing`
     says so. `--network none` without a pod is refused whatever the policy (nothing but a pod
     gives it), but under `--isolation none`, which builds nothing: the network is the host's,
-    and `missing` says so."""
+    and `missing` says so. `--network proxy` (the default) likewise, but under `--isolation
+    auto` with `fallback` (no --allow-host asked, which the host's network would ignore) it
+    runs on the host's network, `missing` saying why."""
+    joined = plan.network in podnet.JOINED
     if not plan.mount_namespace:
-        if plan.network == "none" and plan.policy == "none":
+        if joined and plan.policy == "none":
+            plan.missing["network"] = NO_NETWORK_NAMESPACE.format(plan.network)
             plan.network = "host"
-            plan.missing["network"] = NO_NETWORK_NAMESPACE
-        elif plan.network == "none":
-            raise IsolationUnavailable(f"--network none: {_no_pod_why(plan)}")
+        elif joined:
+            raise IsolationUnavailable(f"--network {plan.network}: {_no_pod_why(plan)}")
         return
     why: str | None = None
     if os.environ.get(PODS_ENV) == "off":
@@ -113,8 +116,14 @@ def attach(plan: IsolationPlan, home: str, task: str) -> None:
         except (OSError, ValueError) as exc:
             why = str(exc)
     if why is not None:
-        if plan.network == "none":
-            raise IsolationUnavailable(f"--network none: no pod, which alone gives it: {why}")
+        if plan.network == "proxy" and fallback and plan.policy == "auto":
+            plan.missing["pod"] = why
+            without_network(plan, f"--network proxy: no pod, which alone gives it: {why}")
+            return
+        if joined:
+            raise IsolationUnavailable(
+                f"--network {plan.network}: no pod, which alone gives it: {why}"
+            )
         if plan.policy == "strict":
             raise IsolationUnavailable(f"--isolation strict: pod: {why}")
         plan.missing["pod"] = why
@@ -124,9 +133,17 @@ def attach(plan: IsolationPlan, home: str, task: str) -> None:
         plan.missing["keys"] = missing
 
 
+def without_network(plan: IsolationPlan, why: str) -> None:
+    """The plan runs on the host's network after all, `missing` saying why."""
+    plan.network = "host"
+    if plan.pod is not None:
+        plan.pod = {**plan.pod, "network": "host"}
+    plan.missing["network"] = f"{why}: the command's network is the host's, unrecorded"
+
+
 NO_NETWORK_NAMESPACE = (
-    "--network none was asked for, but --isolation none builds no namespace: the command's "
-    "network is the host's"
+    "--network {} was asked for, but --isolation none builds no namespace: the command's "
+    "network is the host's, and nothing records what it sends"
 )
 
 

@@ -1,7 +1,7 @@
 """A pod's network namespace: made with the pod, owned by its user namespace, holding one
 interface, its loopback, up; what a receipt says of a command's network; what one holds now.
 
-A command's network is one of two (identity.NETWORK_POLICIES), chosen by the launcher from the
+A command's network is one of three (identity.NETWORK_POLICIES), chosen by the launcher from the
 spec (owner/handoff.py) and carried by the plan (`IsolationPlan.network`):
 
 - "none": the init joins its task's network namespace before the view, with the pod's IPC and
@@ -12,6 +12,8 @@ spec (owner/handoff.py) and carried by the plan (`IsolationPlan.network`):
   inside holds CAP_NET_BIND_SERVICE and CAP_NET_RAW over it (ports below 1024, ping), and
   CAP_NET_ADMIN is out of every command's bounding set (isolation.KEPT_CAPS): no command adds
   an interface or a route, or takes the loopback down.
+- "proxy": as "none", and the task's loopback holds settled's proxy on 127.0.0.1:3128, its one
+  way out (netproxy/: a listener made in this namespace, served from the host's).
 - "host": the host's network namespace, as before pods had one: every address and port of the
   host, its loopback services and abstract unix sockets included. A grant, named as one in the
   receipt (`facts`), not a protection missing.
@@ -32,7 +34,8 @@ TYPE_CHECKING = False  # isolation.py imports this on the owner's launch path: n
 if TYPE_CHECKING:
     from typing import Any, Final
 
-MODES: Final = ("host", "none")
+MODES: Final = ("host", "none", "proxy")
+JOINED: Final = ("none", "proxy")  # the modes whose init joins the pod's network namespace
 SIOCGIFFLAGS: Final = 0x8913
 SIOCSIFFLAGS: Final = 0x8914
 IFF_UP: Final = 0x1
@@ -50,13 +53,22 @@ NONE: Final = (
 )
 
 
+PROXY: Final = (
+    "its task's own network namespace, as with none, whose one way out is settled's proxy on "
+    "127.0.0.1:3128 (HTTP_PROXY, HTTPS_PROXY, ALL_PROXY): every connection through it is judged "
+    "against --allow-host and recorded in the session's ledger; a tool that ignores the proxy "
+    "variables gets no route"
+)
+
+
 def facts(mode: str, pod: dict[str, Any] | None) -> dict[str, Any]:
-    """The receipt's `isolation.network`: the mode, and for "none" the namespace (by inode)
-    and what it holds."""
-    if mode != "none":
+    """The receipt's `isolation.network`: the mode, and for "none" and "proxy" the namespace
+    (by inode) and what it holds."""
+    if mode not in JOINED:
         return {"mode": "host", "namespace": "host", "shared": HOST}
     inode = pod.get("net") if pod is not None else None
-    return {"mode": "none", "namespace": inode, "interfaces": [LOOPBACK], "reaches": NONE}
+    reaches = NONE if mode == "none" else PROXY
+    return {"mode": mode, "namespace": inode, "interfaces": [LOOPBACK], "reaches": reaches}
 
 
 def loopback_up() -> None:

@@ -123,7 +123,7 @@ def open_namespaces(pod: dict[str, Any]) -> Joining:
     first. The network namespace only when the plan's network is "none" (`pod["network"]`, set
     with the plan's by podhost.attach). Raises OSError naming what is not as the plan says (the
     command never starts)."""
-    names = NAMESPACES if pod.get("network") == "none" else NAMESPACES[:3]
+    names = NAMESPACES if pod.get("network") in ("none", "proxy") else NAMESPACES[:3]
     if "net" in names and "net" not in pod:
         raise OSError(errno.ESTALE, f"pod {pod['hostname']} has no network namespace")
     own = os.open("/proc/self/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)

@@ -51,6 +51,7 @@ def cmd_task_new(rt: Runtime, args: argparse.Namespace) -> int:
         pids=args.pids,
         cpus=args.cpus,
         network=args.network,
+        allow_hosts=args.allow_host or (),
     )
     text = f"task {record.task} (key {record.key}) at {record.workspace}"
     emit(args, record.to_json(), text, brief=record.task)
@@ -115,6 +116,7 @@ def _admit(rt: Runtime, args: argparse.Namespace, verb: str) -> Admission:
         pids=args.pids,
         cpus=args.cpus,
         network=args.network,
+        allow_hosts=args.allow_host,
         inherit=args.inherit,
         inherit_env=args.inherit_env,
     )
@@ -651,8 +653,17 @@ def _wall_options(parser: argparse.ArgumentParser, whose: str) -> None:
     )  # fmt: skip
     parser.add_argument(
         "--network", choices=list(NETWORK_POLICIES),
-        help=f"host: {whose} uses the host's network (the default, named in the receipt); "
-        "none: only its task's own loopback, shared by the task's sessions and no other task",
+        help=f"proxy (the default): {whose} runs in its task's own network namespace, whose "
+        "one way out is settled's HTTP(S) proxy (HTTP_PROXY and the like are set), recording "
+        "every connection in the session's ledger; none: only the task's own loopback; host: "
+        "the host's network, unrecorded (named in the receipt)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--allow-host", action="append", metavar="PATTERN",
+        help=f"where the proxy lets {whose} go (repeatable): pypi.org, pypi.org:443, "
+        "*.pythonhosted.org, 10.0.0.7:5432, [fd00::7]:80. Without one, the public internet; "
+        "a host service (loopback, private, link-local, the host's own addresses) only when "
+        "named exactly",
     )  # fmt: skip
 
 

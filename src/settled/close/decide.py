@@ -289,6 +289,8 @@ def protections(isolation: dict[str, Any] | None) -> tuple[list[str], dict[str, 
     network = (isolation.get("network") or {}).get("mode")
     if network == "none":
         held.append("its task's own network namespace: loopback only")
+    elif network == "proxy":
+        held.append("its task's own network namespace, out only through settled's proxy")
     elif network == "host":
         held.append("the host's network, granted (--network host)")
     held.append(f"uid {isolation.get('uid')} gid {isolation.get('gid')}")

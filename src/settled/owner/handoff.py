@@ -126,12 +126,36 @@ class Prepared:
             boundary = boundaries.make(self.kind, self.record.task, self.record.session, self.plan)
             boundary.create()
             self.boundary = boundary
+            self._serve_proxy(self.plan, self.kind)
         except BoundaryUnavailable as exc:
             self.failure = ("not_started", "boundary", str(exc))
         except IsolationUnavailable as exc:
             self.failure = ("not_started", "isolation", str(exc))
+            self.discard()  # made before the proxy refused it
         if self.failure is None:
             self.failure = self._limit_v2()
+
+    def _serve_proxy(self, plan: IsolationPlan, kind: str) -> None:
+        """`--network proxy`: the home's proxy serves the session before it is claimed (its
+        task's listener made, its ledger opened, its patterns kept). The proxy knows whose a
+        connection is by the session's cgroup v2: a boundary without one gets no proxy (under
+        `auto` with no pattern asked, the host's network, its receipt saying why; else
+        refused), as a plan without a pod got none (podhost.attach)."""
+        if plan.network != "proxy":
+            return
+        if "cgroup2" not in kind:
+            why = (f"--network proxy: the boundary {kind} has no cgroup v2 of the session's, "
+                   "by which the proxy tells whose each connection is")  # fmt: skip
+            if plan.policy != "auto" or self.spec.allow_hosts:
+                raise IsolationUnavailable(why)
+            podhost.without_network(plan, why)
+            return
+        from settled.netproxy.lifecycle import ProxyUnavailable, serve
+
+        try:
+            serve(self.home, self.record.task, self.record.session, self.spec.allow_hosts)
+        except (ProxyUnavailable, OSError) as exc:
+            raise IsolationUnavailable(f"--network proxy: {exc}") from None
 
     def _limit_v2(self) -> tuple[str, str, str] | None:
         """Write the limits of the controllers the v2 hierarchy gives into the session's v2
@@ -198,7 +222,7 @@ class Prepared:
             command_home=dict(self.spec.env).get("HOME"),
         )
         plan.network = network  # joined by the init, with the pod (podhost.attach, podnet)
-        podhost.attach(plan, self.home, self.record.task)
+        podhost.attach(plan, self.home, self.record.task, fallback=not self.spec.allow_hosts)
         return plan
 
     def discard(self) -> None:

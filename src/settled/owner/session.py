@@ -284,6 +284,7 @@ class OwnerSession:
             death=outcome.evidence.to_json("owner"),
             exit=ended,
             resources=resources,
+            network=self._network(outcome),
             output={
                 **self._sealed({name: s.to_json() for name, s in summaries.items()}),
                 "drain": "complete" if outcome.drain_complete else "incomplete",
@@ -401,6 +402,37 @@ class OwnerSession:
         from settled.workspace.journal import client as journal_client
 
         return journal_client.terminal_mutation(journal_socket(self.home), self.task)
+
+    def _network(self, outcome: Outcome) -> dict[str, Any] | None:
+        """`--network proxy`: the session's ledger, sealed now that nothing of the command
+        runs (the proxy aborts what is still open), and what the receipt says of it. The
+        kill's start, if settled killed anything, decides which ends the ledger trusts
+        (netledger.entries)."""
+        if self.plan is None or self.plan.network != "proxy":
+            return None
+        # imported after evidence, off the launch path
+        from settled import netledger, netpolicy
+        from settled.canonical import digest_of
+        from settled.home import session_dir
+        from settled.netproxy import client as proxy_client
+        from settled.where import run_dir
+
+        killed_at = outcome.stop_decided if (
+            outcome.reason != "exited" or outcome.stragglers) else None  # fmt: skip
+        trouble = proxy_client.seal(run_dir(self.home), self.session, killed_at)
+        path = os.path.join(session_dir(self.home, self.session), netledger.LEDGER_NAME)
+        events, damaged = netledger.read_events(path)
+        listed = netledger.entries(events, killed_at)
+        facts: dict[str, Any] = {
+            "mode": "proxy",
+            "proxy": netpolicy.PROXY_URL,
+            "allow_hosts": list(self.spec.allow_hosts),
+            "ledger": netledger.facts(listed, damaged, digest_of(listed)),
+            "ledger_file": path,
+        }
+        if trouble is not None:
+            facts["proxy_trouble"] = trouble
+        return facts
 
     def _isolation(self) -> dict[str, Any] | None:
         if self.plan is None:

@@ -94,8 +94,18 @@ def _refuse_weakening(grant: Grant, task: TaskRecord, request: dict[str, Any]) -
         if request.get(grant_kind):
             weakened.append(f"{grant_kind} {request[grant_kind]}")
     defaults = task.defaults or {}
-    if request.get("network") == "host" and defaults.get("network") == "none":
-        weakened.append("network host (its task's is none)")
+    strictness = ("host", "proxy", "none")  # each reaches less than the one before
+    asked_network, standing_network = request.get("network"), defaults.get("network", "proxy")
+    if (
+        asked_network in strictness
+        and standing_network in strictness
+        and strictness.index(asked_network) < strictness.index(standing_network)
+    ):
+        weakened.append(f"network {asked_network} (its task's is {standing_network})")
+    standing_hosts = set(defaults.get("allow_hosts") or ())
+    asked_hosts = set(request.get("allow_hosts") or ())
+    if standing_hosts and asked_hosts - standing_hosts:
+        weakened.append(f"allow_hosts {sorted(asked_hosts - standing_hosts)} (beyond its task's)")
     for limit in ("memory", "pids", "cpus"):
         asked, standing = request.get(limit), defaults.get(limit)
         if asked is not None and (standing is None or asked > standing):

@@ -1,0 +1,291 @@
+"""Network by policy (issue 35): a task's own network namespace whose one way out is settled's
+proxy, and the ledger of what left the sandbox.
+
+Real sessions through the Runtime as root, real namespaces and sockets: a server on the host's
+127.0.0.1 (a thread of this test) is what a command must not reach unless granted; the proxy
+is the home's daemon, ended with the test. The pure halves (patterns, the ledger's rule) are
+tested with facts alone at the end.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.server
+import json
+import os
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from conftest import _skip_unavailable
+from test_trust import attack
+
+from settled import netledger, netpolicy
+from settled.errors import BadInput
+from settled.netproxy import lifecycle
+from settled.records import TaskRecord
+from settled.runtime import Runtime
+
+pytestmark = [
+    pytest.mark.skipif(os.geteuid() != 0, reason="pods and the proxy's namespaces need root"),
+    pytest.mark.timeout(120),
+]
+BODY = b"settled" * 20000  # 140,000 bytes
+CURL = "curl -sS --max-time 20 -o /dev/null -w '%{http_code} %{size_download}\\n'"
+VIA_PROXY = f"{CURL} --noproxy '' -x $http_proxy"  # curl skips the proxy for NO_PROXY's 127.0.0.1
+
+
+@pytest.fixture(autouse=True)
+def _strong_paths(rt: Runtime) -> Iterator[None]:
+    _skip_unavailable("cgroup2+pidns")
+    yield
+    lifecycle.stop(rt.home)
+
+
+class _Served(http.server.BaseHTTPRequestHandler):
+    def do_GET(self) -> None:
+        if self.path == "/forever":  # a download that never ends
+            self.send_response(200)
+            self.end_headers()
+            with contextlib.suppress(OSError):
+                while True:
+                    self.wfile.write(b"." * 65536)
+                    time.sleep(0.01)
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(BODY)))
+        self.end_headers()
+        self.wfile.write(BODY)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def host_server() -> Iterator[int]:
+    """An HTTP server on the host's loopback: the kind of host service a command must not
+    reach unless granted. Its port."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Served)
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield server.server_address[1]
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(10)
+
+
+def _ledger(receipt: dict) -> dict:
+    network = receipt.get("network")
+    assert network is not None, json.dumps(receipt, default=str)[:2000]
+    return dict(network["ledger"])
+
+
+def test_proxy_is_the_default_and_its_variables_are_in_the_env_and_the_digest(
+    rt: Runtime, task: TaskRecord
+) -> None:
+    receipt, out, _ = attack(rt, task, "echo $HTTP_PROXY $https_proxy $NO_PROXY")
+    assert out == f"{netpolicy.PROXY_URL} {netpolicy.PROXY_URL} {netpolicy.NO_PROXY}\n"
+    assert receipt["isolation"]["network"]["mode"] == "proxy"
+    assert receipt["isolation"]["network"]["interfaces"] == ["lo"]
+    assert _ledger(receipt)["count"] == 0
+    assert _ledger(receipt)["summary"] == "no connection"
+    spec = rt.store.get_session(receipt["session"]).spec
+    assert spec["network"] == "proxy"
+    assert ["HTTP_PROXY", netpolicy.PROXY_URL] in spec["env"]
+
+
+def test_a_host_service_is_unreachable_in_proxy_and_none_and_reachable_in_host(
+    rt: Runtime, task: TaskRecord, host_server: int
+) -> None:
+    """The host's 127.0.0.1 is not the task's: directly, a command reaches it only with
+    `--network host`; through the proxy, only when granted (the next test)."""
+    direct = f"{CURL} --noproxy '*' http://127.0.0.1:{host_server}/"
+    for network in ("proxy", "none"):
+        receipt, out, err = attack(rt, task, direct, network=network)
+        assert out.startswith("000"), (network, out, err)
+        assert "Connection refused" in err or "Couldn't connect" in err, err
+    receipt, out, _ = attack(rt, task, direct, network="host")
+    assert out == f"200 {len(BODY)}\n"
+    assert "network" not in receipt  # no proxy, no ledger: the receipt's isolation says host
+    assert receipt["isolation"]["network"]["mode"] == "host"
+
+
+def test_through_the_proxy_a_granted_host_server_is_reached_and_recorded_with_its_bytes(
+    rt: Runtime, task: TaskRecord, host_server: int
+) -> None:
+    grant = f"127.0.0.1:{host_server}"
+    receipt, out, _ = attack(rt, task, f"{VIA_PROXY} http://{grant}/file", allow_hosts=[grant])
+    assert out == f"200 {len(BODY)}\n"
+    ledger = _ledger(receipt)
+    assert ledger["count"] == 1 and ledger["ends"] == {"closed": 1}
+    (entry,) = ledger["entries"]
+    assert (entry["host"], entry["port"], entry["kind"]) == ("127.0.0.1", host_server, "http")
+    assert (entry["method"], entry["authority"]) == ("GET", grant)
+    assert entry["received"] > len(BODY) and entry["sent"] > 0
+    assert ledger["summary"] == f"1 connection to {grant}, closed"
+    assert receipt["network"]["allow_hosts"] == [grant]
+
+
+def test_a_host_not_allowed_is_refused_with_403_and_recorded(
+    rt: Runtime, task: TaskRecord, host_server: int
+) -> None:
+    """No pattern: the host's loopback and the metadata address are host services, refused
+    unless named; with a pattern, anything else is refused too. Nothing is sent."""
+    shell = (f"{VIA_PROXY} http://127.0.0.1:{host_server}/; "
+             f"{VIA_PROXY} http://169.254.169.254/latest/meta-data")  # fmt: skip
+    receipt, out, _ = attack(rt, task, shell)
+    assert out.count("403 ") == 2, out
+    ledger = _ledger(receipt)
+    assert ledger["ends"] == {"refused": 2}
+    assert "the host's loopback" in ledger["entries"][0]["why"]
+    assert "link-local" in ledger["entries"][1]["why"]
+    assert ledger["summary"] == (
+        f"1 refused to 127.0.0.1:{host_server}; 1 refused to 169.254.169.254:80"
+    )
+    receipt, out, _ = attack(
+        rt, task, f"{VIA_PROXY} http://127.0.0.1:{host_server}/",
+        allow_hosts=["pypi.org"],
+    )  # fmt: skip
+    assert out.startswith("403"), out
+    assert "matches no --allow-host" in _ledger(receipt)["entries"][0]["why"]
+
+
+def test_a_download_killed_by_its_timeout_is_unknown_in_the_ledger(
+    rt: Runtime, task: TaskRecord, host_server: int
+) -> None:
+    grant = f"127.0.0.1:{host_server}"
+    admission = rt.exec(
+        task.task, shell=f"{VIA_PROXY} http://{grant}/forever", allow_hosts=[grant],
+        timeout=1.5, grace=0.5,
+    )  # fmt: skip
+    receipt = rt.wait(admission.session, timeout=60)["receipt"]
+    assert receipt["exit"]["reason"] == "timeout"
+    ledger = _ledger(receipt)
+    assert ledger["ends"] == {"unknown": 1}, ledger
+    (entry,) = ledger["entries"]
+    assert entry["received"] > 0, entry  # bytes had come when the session was killed
+    assert "aborted" in entry["why"] or "being killed" in entry["why"], entry
+    assert ledger["summary"] == f"1 unknown to {grant}"
+
+
+def test_a_raw_socket_to_an_outside_address_gets_no_route(rt: Runtime, task: TaskRecord) -> None:
+    """A tool that ignores the proxy variables: the task's namespace has no interface but its
+    loopback, so no route leaves it, and nothing reaches the ledger."""
+    probe = ("python3 -c 'import socket,errno\ntry:\n"
+             " socket.create_connection((\"1.1.1.1\", 80), 5)\n"
+             "except OSError as e: print(errno.errorcode[e.errno])'")  # fmt: skip
+    receipt, out, _ = attack(rt, task, probe)
+    assert out.strip() == "ENETUNREACH"
+    assert _ledger(receipt)["count"] == 0
+
+
+def test_each_connection_is_in_the_ledger_of_the_session_whose_process_made_it(
+    rt: Runtime, task: TaskRecord, host_server: int
+) -> None:
+    """Two sessions of one task share the proxy's listener; the kernel's record of the socket's
+    cgroup, not anything the command says, decides whose ledger a connection is in."""
+    grant = f"127.0.0.1:{host_server}"
+    first = rt.exec(task.task, shell=f"{VIA_PROXY} http://{grant}/a", allow_hosts=[grant])
+    second = rt.exec(
+        task.task, shell=f"{VIA_PROXY} http://{grant}/b; {VIA_PROXY} http://{grant}/c",
+        allow_hosts=[grant],
+    )  # fmt: skip
+    one = _ledger(rt.wait(first.session, timeout=60)["receipt"])
+    two = _ledger(rt.wait(second.session, timeout=60)["receipt"])
+    assert one["count"] == 1 and two["count"] == 2
+
+
+def test_past_the_tasks_connection_limit_a_connection_is_refused_and_said(
+    rt: Runtime, task: TaskRecord, host_server: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("SETTLED_PROXY_CONNECTIONS", "2")  # the daemon this test starts
+    grant = f"127.0.0.1:{host_server}"
+    shell = (f"for i in 1 2; do {VIA_PROXY} http://{grant}/forever & done; sleep 1; "
+             f"{VIA_PROXY} http://{grant}/x; kill %1 %2; wait")  # fmt: skip
+    receipt, out, _ = attack(rt, task, shell, allow_hosts=[grant])
+    assert "503" in out, out
+    ledger = _ledger(receipt)
+    assert ledger["limit_hit"] is True
+    limited = [e for e in ledger["entries"] if e.get("limit")]
+    assert len(limited) == 1 and "connection limit (2" in limited[0]["why"]
+
+
+def test_bad_network_input_is_refused_naming_it_and_nothing_is_launched(
+    rt: Runtime, task: TaskRecord, tmp_path: Path
+) -> None:
+    before = len(rt.store.list_sessions(task.task))
+    for patterns, words in (
+        (["pypi.org:99999"], "the port must be 1..65535"),
+        (["PyPI.org"], "not a lower-case host name"),
+        (["*"], "not a lower-case host name"),
+        (["*.org"], "a wildcard needs a domain of two labels"),
+        (["[::1"], "not an IPv6 address in brackets"),
+    ):
+        with pytest.raises(BadInput, match="allow_hosts") as caught:
+            rt.exec(task.task, shell="true", allow_hosts=patterns)
+        assert words in str(caught.value)
+    with pytest.raises(BadInput, match="only --network proxy"):
+        rt.exec(task.task, shell="true", network="none", allow_hosts=["pypi.org"])
+    with pytest.raises(BadInput, match="network"):
+        rt.exec(task.task, shell="true", network="wifi")
+    after = len(rt.store.list_sessions(task.task))
+    assert after == before
+
+
+# -- the pure halves ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("patterns", "host", "port", "address", "own", "allowed"),
+    [
+        ((), "pypi.org", 443, "151.101.0.223", False, True),
+        ((), "evil.example", 80, "127.0.0.1", False, False),  # a name that resolves home
+        ((), "10.0.0.7", 5432, "10.0.0.7", False, False),
+        ((), "myhost", 80, "203.0.113.9", True, False),  # one of the host's own addresses
+        (("pypi.org",), "pypi.org", 443, "151.101.0.223", False, True),
+        (("pypi.org:443",), "pypi.org", 80, "151.101.0.223", False, False),
+        (("*.pythonhosted.org",), "files.pythonhosted.org", 443, "151.101.1.63", False, True),
+        (("*.pythonhosted.org",), "pythonhosted.org", 443, "151.101.1.63", False, False),
+        (("*.example.com",), "a.example.com", 80, "127.0.0.1", False, False),  # rebinding
+        (("127.0.0.1:5432",), "127.0.0.1", 5432, "127.0.0.1", False, True),
+        (("db.internal:5432",), "db.internal", 5432, "10.1.2.3", False, True),
+        (("[::1]:8080",), "::1", 8080, "::1", False, True),
+    ],
+)
+def test_decide_lets_a_wildcard_reach_no_host_service(
+    patterns: tuple[str, ...], host: str, port: int, address: str, own: bool, allowed: bool
+) -> None:
+    assert (netpolicy.decide(patterns, host, port, address, own) is None) is allowed
+
+
+def test_the_ledger_trusts_an_end_only_before_the_kill() -> None:
+    events = [
+        {"e": "open", "id": 1, "host": "a.org", "port": 443, "kind": "connect"},
+        {"e": "end", "id": 1, "mono": 10.0, "how": "closed", "sent": 5, "received": 7},
+        {"e": "open", "id": 2, "host": "b.org", "port": 443, "kind": "connect"},
+        {"e": "end", "id": 2, "mono": 20.0, "how": "reset", "sent": 1, "received": 0},
+        {"e": "open", "id": 3, "host": "c.org", "port": 443, "kind": "connect"},
+        {"e": "refused", "id": 4, "host": "169.254.169.254", "port": 80, "why": "link-local"},
+    ]
+    ends = [e["end"] for e in netledger.entries(events, None)]
+    assert ends == ["closed", "reset", "unknown", "refused"]
+    killed = netledger.entries(events, 15.0)
+    assert [e["end"] for e in killed] == ["closed", "unknown", "unknown", "refused"]
+    assert netledger.summary(killed) == (
+        "1 connection to a.org:443, closed; 1 refused to 169.254.169.254:80; "
+        "1 unknown to b.org:443; 1 unknown to c.org:443"
+    )
+    facts = netledger.facts(killed, 1, "d")
+    assert facts["count"] == 4 and facts["damaged_lines"] == 1
+    assert facts["ends"] == {"closed": 1, "refused": 1, "unknown": 2}
+
+
+def test_the_proxy_env_points_every_tool_at_the_tasks_proxy() -> None:
+    env = dict(netpolicy.proxy_env())
+    for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy"):
+        assert env[name] == f"http://127.0.0.1:{netpolicy.PROXY_PORT}"
+    assert env["no_proxy"] == env["NO_PROXY"] == "localhost,127.0.0.1,::1"
