@@ -134,6 +134,9 @@ def ensure_running(run_dir: str, *, idle_exit_s: float = IDLE_EXIT_S, timeout: f
                     f"no journal answered on {socket_path} within {timeout:g} s "
                     f"(lock held by pid {_lock_owner(socket_path + '.lock')}); see {log_path}"
                 )
+            if not _lock_free(socket_path + ".lock"):
+                time.sleep(0.01)  # a journal holds its lock: slow to answer (a loaded host),
+                continue  # or exiting; a second one would only find the lock held
             report = _spawn(run_dir, idle_exit_s, remaining)
             if report.get("state") == "locked":
                 time.sleep(0.01)  # a journal holds the lock: it answers soon, or is exiting
