@@ -56,6 +56,7 @@ FACE_NEUTRAL = {
     "settled.faults",  # a face's own named fault points (the server's): a name and a crash
     "settled.grammar",
     "settled.identity",
+    "settled.netpolicy",  # --allow-host's grammar, checked where a body or flag arrives
     "settled.peers",  # a server judges its TCP peers as the launcher and the journal do theirs
     "settled.oomguard",  # a server's own oom_score_adj: one write to /proc/self
     "settled.records",

@@ -308,6 +308,7 @@ def _walls(
     pids: int | None,
     cpus: float | None,
     network: str | None = None,
+    allow_hosts: Sequence[str] | None = None,
 ) -> dict[str, Any]:
     """A command's grants, limits and network as the body carries them (None: not sent)."""
     return {
@@ -317,6 +318,7 @@ def _walls(
         "pids": pids,
         "cpus": cpus,
         "network": network,
+        "allow_hosts": list(allow_hosts) if allow_hosts is not None else None,
     }
 
 

@@ -462,7 +462,7 @@ class Runtime:
         pids: int | None = None,
         cpus: float | None = None,
         network: str | None = None,
-        allow_hosts: Sequence[str] = (),
+        allow_hosts: Sequence[str] | None = (),
     ) -> TaskRecord:
         """`user` (UID[:GID], a name, or a (uid, gid) pair) is the default uid/gid of the
         task's commands; an exec may name another. `writable` and `readable` are grants every
@@ -494,7 +494,7 @@ class Runtime:
             from settled.identity import NETWORK_POLICIES
 
             grammar.check_choice("network", network, NETWORK_POLICIES)
-        patterns = _allow_hosts(allow_hosts, network)
+        patterns = _allow_hosts(allow_hosts or (), network)
         granted = {kind: grants.resolve(kind, paths) for kind, paths in
                    (("writable", writable), ("readable", readable))}  # fmt: skip
         if key is None or (retried := self.store.find_task(key)) is None:

@@ -82,6 +82,9 @@ def _start(run: str, home: str, deadline: float) -> None:
     with _start_lock(os.path.join(run, "netproxy.start"), deadline):
         if client.request(client.socket_path(run), {"op": "ping"}, 0.5) is not None:
             return
+        if not _free(client.socket_path(run) + client.LOCK_SUFFIX):
+            time.sleep(0.01)  # a daemon holds its lock: slow to answer, or exiting
+            return
         report = _spawn(run, home, max(deadline - time.monotonic(), 0.5))
         if report.get("state") == "locked":
             time.sleep(0.01)  # a daemon is exiting, or about to answer

@@ -19,7 +19,7 @@ from typing import Any
 
 from starlette.requests import Request
 
-from settled import grammar
+from settled import grammar, netpolicy
 from settled.errors import BadInput
 from settled.identity import BOUNDARY_POLICIES, ISOLATION_POLICIES, NETWORK_POLICIES
 from settled.server.errors import BodyTooLarge
@@ -27,7 +27,9 @@ from settled.server.errors import BodyTooLarge
 MAX_BODY_BYTES = 1 << 20
 STREAMS = ("stdout", "stderr")
 SIGNALS = ("TERM", "KILL", "INT")
-WALL_FIELDS = frozenset({"writable", "readable", "memory", "pids", "cpus", "network"})
+WALL_FIELDS = frozenset(
+    {"writable", "readable", "memory", "pids", "cpus", "network", "allow_hosts"}
+)
 TASK_FIELDS = frozenset({"workspace", "key", "user", "shared_workspace", "ignore"}) | WALL_FIELDS
 SESSION_FIELDS = frozenset(
     {
@@ -168,6 +170,9 @@ def walls(body: dict[str, Any]) -> dict[str, Any]:
         "network": None
         if body.get("network") is None
         else grammar.check_choice("network", body["network"], NETWORK_POLICIES),
+        "allow_hosts": None
+        if body.get("allow_hosts") is None
+        else list(netpolicy.check_patterns("allow_hosts", body["allow_hosts"])),
     }
 
 

@@ -445,6 +445,11 @@ def _schemas() -> dict[str, Any]:
         "pids": {"type": "integer", "minimum": 1, "maximum": g.MAX_PIDS},
         "cpus": {"type": "number", "minimum": g.MIN_CPUS, "maximum": g.MAX_CPUS},
         "network": {"type": "string", "enum": list(NETWORK_POLICIES)},
+        "allow_hosts": {  # netpolicy's patterns; the server checks each one's grammar
+            "type": "array",
+            "items": {"type": "string", "minLength": 1, "maxLength": 261},
+            "maxItems": 256,
+        },
     }
     return {
         "Object": {"type": "object"},
