@@ -128,6 +128,9 @@ def test_through_the_proxy_a_granted_host_server_is_reached_and_recorded_with_it
     assert entry["received"] > len(BODY) and entry["sent"] > 0
     assert ledger["summary"] == f"1 connection to {grant}, closed"
     assert receipt["network"]["allow_hosts"] == [grant]
+    said = rt.explain(task.task)
+    assert said["sessions"][0]["network"] == ledger["summary"]
+    assert f"network through the proxy: 1 connection to {grant}, closed" in said["words"]
 
 
 def test_a_host_not_allowed_is_refused_with_403_and_recorded(

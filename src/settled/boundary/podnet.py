@@ -44,7 +44,7 @@ LOOPBACK: Final = "lo"
 HOST: Final = (
     "the host's network namespace: every address and port of the host, its loopback services "
     "and abstract unix sockets included, shared with the host and every session run with "
-    "network host; granted, by --network host (the default)"
+    "network host; granted, by --network host"
 )
 NONE: Final = (
     "its task's own network namespace: the loopback (127.0.0.1, ::1, abstract unix sockets) "

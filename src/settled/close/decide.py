@@ -21,6 +21,7 @@ names each such stream, `explain` words it, and the close receipt lists it in
 
 from __future__ import annotations
 
+from settled.netledger import brief
 from settled.records import Frozen, SessionRecord, TaskRecord
 from settled.states import SETTLED, UNKNOWN
 
@@ -312,6 +313,7 @@ def session_evidence(session: SessionRecord) -> dict[str, Any]:
         "receipt": receipt.get("digest"),
         "protections": held,
         "missing_protections": missing,
+        "network": brief((receipt.get("network") or {}).get("ledger")),
     }
 
 
@@ -321,6 +323,8 @@ def _session_words(view: dict[str, Any]) -> str:
     if view["missing_protections"]:
         gaps = "; ".join(f"{k}: {v}" for k, v in view["missing_protections"].items())
         text += f" (protections missing: {gaps})"
+    if view.get("network"):
+        text += f"; network through the proxy: {view['network']}"
     return text + "."
 
 
