@@ -26,6 +26,7 @@ import isolation
 import kill
 import limits
 import load
+import netproxy
 import objects_s3
 import peers
 import plots
@@ -53,6 +54,7 @@ BENCHMARKS = {
     "isolation": isolation.run,
     "pods": pods.run,
     "podnet": podnet.run,
+    "netproxy": netproxy.run,
     "limits": limits.run,
     "remote": remote.run,
     "objects_s3": objects_s3.run,

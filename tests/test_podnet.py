@@ -316,7 +316,7 @@ def test_the_hosts_network_is_named_a_grant_in_the_receipt(
     network = receipt["isolation"]["network"]
     assert network["mode"] == "host" and network["namespace"] == "host"
     assert "the host's network" in network["shared"] and "granted" in network["shared"]
-    assert "network" not in receipt["isolation"]["missing"], "a grant, not a missing protection"
+    assert "nothing records" in receipt["isolation"]["missing"]["network"], "asked, and missing"
     assert receipt["isolation"]["pod"]["namespaces"]["net"], "the pod has one, not joined"
     look(rt, a, {}, network="none")
     said = [session["protections"] for session in rt.explain(a.task)["sessions"]]

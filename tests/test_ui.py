@@ -293,6 +293,9 @@ def test_the_page_shows_a_session_settle_and_the_close_receipt_appear(
         assert process.get_attribute("data-digest") == receipt["digest"]
         assert row.locator("td[data-clock='transport']").get_attribute("data-state") == "settled"
         assert row.locator("td[data-clock='workspace']").get_attribute("data-state") == "not_yet"
+        # what left the sandbox through the proxy (its default network), from the ledger
+        assert receipt["network"]["ledger"]["summary"] == "no connection"
+        row.locator(".network", has_text="network: no connection").wait_for()
 
         page.click("#close button[type=submit]")
         shown = page.locator("#close-receipt:not([hidden])")
@@ -300,6 +303,8 @@ def test_the_page_shows_a_session_settle_and_the_close_receipt_appear(
         close = client.post(f"/v1/tasks/{task}/close", json={}).json()  # the same receipt again
         assert shown.get_attribute("data-digest") == close["digest"]
         assert close["digest"] in page.text_content("#close-receipt")
+        assert f"{session} (process receipt" in page.text_content("#close-receipt")
+        assert "network: no connection" in page.text_content("#close-receipt")
         workspace = page.locator(
             f"tr[data-session='{session}'] td[data-clock='workspace'][data-state='settled']"
         )

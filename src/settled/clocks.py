@@ -192,6 +192,7 @@ def session_clocks(
         "command": command_words(record.spec),
         "state": view["state"],
         "exit": (record.receipt or {}).get("exit"),
+        "network": view.get("network"),  # what left through the proxy, once it settled
         "created_at": record.created_at,
         "clocks": {
             "transport": transport(record),

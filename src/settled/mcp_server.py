@@ -248,10 +248,19 @@ class Tools:
         pids: PidsLimit = None,
         cpus: CpusLimit = None,
         network: Annotated[
-            Literal["host", "none"] | None,
+            Literal["proxy", "none", "host"] | None,
             Field(
-                description="The commands' network: 'none' gives them only a loopback of "
-                "the task's own; omit for the host's."
+                description="The commands' network: 'proxy' (the default) goes out only "
+                "through settled's HTTP(S) proxy, which records every connection; 'none' "
+                "gives them only a loopback of the task's own; 'host' the host's, unrecorded."
+            ),
+        ] = None,
+        allow_hosts: Annotated[
+            list[str] | None,
+            Field(
+                description="Where the proxy lets the commands go: host names, host:port, "
+                "*.domain or addresses (pypi.org, *.pythonhosted.org:443). Omit for the "
+                "public internet; a host service only when named exactly."
             ),
         ] = None,
     ) -> CallToolResult:
@@ -266,6 +275,7 @@ class Tools:
             pids=pids,
             cpus=cpus,
             network=network,
+            allow_hosts=allow_hosts or (),
         )
         data = record.to_json()
         return _answer(f"task {record.task} over {record.workspace} ({record.state})", data)

@@ -146,6 +146,24 @@ def is_internal(address: str) -> bool:
     return not ipaddress.ip_address(address).is_global
 
 
+def may_resolve(patterns: Iterable[str], host: str, port: int) -> str | None:
+    """None when the proxy may ask the resolver for `host` (a name): with no pattern, or one
+    that names it (exactly or by wildcard, and its port); else why not. Asked before any DNS
+    query, so a name no pattern allows never leaves as a query either (no exfiltration through
+    the resolver)."""
+    given = list(patterns)
+    if not given:
+        return None
+    host = host.lower().rstrip(".")
+    for pattern in given:
+        wanted, wanted_port = parse("allow_host", pattern)
+        if wanted_port is not None and wanted_port != port:
+            continue
+        if wanted == host or (wanted.startswith("*.") and host.endswith(wanted[1:])):
+            return None
+    return f"{host}:{port} matches no --allow-host pattern ({', '.join(given)}); not resolved"
+
+
 def decide(
     patterns: Iterable[str], host: str, port: int, address: str, own_address: bool
 ) -> str | None:
@@ -169,7 +187,7 @@ def decide(
         if wanted.startswith("*."):
             if host.endswith(wanted[1:]) and not service:
                 return None
-        elif wanted in (host, _plain(address)):
+        elif wanted == host:  # by name, or an address asked for by address (never a name's)
             return None
     if service and any(parse("allow_host", p)[0].startswith("*.") for p in given):
         return (

@@ -7,6 +7,7 @@ why; it is never shown as failed, and nothing here may relaunch it.
 
 from __future__ import annotations
 
+from settled.netledger import brief
 from settled.records import OwnerFacts, SessionRecord, TaskRecord
 from settled.states import SETTLED, UNKNOWN
 
@@ -49,6 +50,9 @@ def session_status(record: SessionRecord, owner: OwnerFacts | None) -> dict[str,
         view["receipt"] = record.receipt
         exit_fact = record.receipt.get("exit", {})
         view["exit"] = exit_fact
+        ledger = (record.receipt.get("network") or {}).get("ledger")
+        if ledger is not None:  # what left the sandbox through the proxy, in one line
+            view["network"] = brief(ledger)
     if record.isolation is not None:
         # What the command could do: a missing protection is stated, never left to be assumed.
         view["protections_missing"] = record.isolation.get("missing", {})
@@ -81,7 +85,7 @@ def _unknown_why(record: SessionRecord) -> str:
 
 
 SESSION_ROW = (
-    "session", "key", "command", "state", "exit", "why", "cursors",
+    "session", "key", "command", "state", "exit", "why", "network", "cursors",
     "created_at", "started_at", "settled_at",
 )  # fmt: skip
 """What a task's view says of each session (`settled ps`): enough to tell them apart."""

@@ -96,6 +96,8 @@ def attach(plan: IsolationPlan, home: str, task: str, *, fallback: bool = False)
     auto` with `fallback` (no --allow-host asked, which the host's network would ignore) it
     runs on the host's network, `missing` saying why."""
     joined = plan.network in podnet.JOINED
+    if plan.network == "host":
+        plan.missing["network"] = HOST_ASKED
     if not plan.mount_namespace:
         if joined and plan.policy == "none":
             plan.missing["network"] = NO_NETWORK_NAMESPACE.format(plan.network)
@@ -141,6 +143,10 @@ def without_network(plan: IsolationPlan, why: str) -> None:
     plan.missing["network"] = f"{why}: the command's network is the host's, unrecorded"
 
 
+HOST_ASKED = (
+    "--network host was asked for: the host's network, every address and port of it, its "
+    "loopback services included, and nothing records what the command sends"
+)
 NO_NETWORK_NAMESPACE = (
     "--network {} was asked for, but --isolation none builds no namespace: the command's "
     "network is the host's, and nothing records what it sends"

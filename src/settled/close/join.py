@@ -33,6 +33,7 @@ from settled.close.decide import (
 )
 from settled.close.facts import read_close_facts
 from settled.errors import StaleWrite
+from settled.netledger import brief
 from settled.receipts import seal
 from settled.records import SessionRecord, TaskRecord
 from settled.states import TASK_COMPLETE, TASK_OPEN, TASK_SEALED
@@ -259,6 +260,7 @@ class CloseJoin:
                         "receipt": (s.receipt or {}).get("digest"),
                         "exit": (s.receipt or {}).get("exit"),
                         "terminal_mutation": (s.receipt or {}).get("terminal_mutation"),
+                        **_network_line(s.receipt),
                     }
                     for s in facts.sessions
                 ],
@@ -317,3 +319,10 @@ PERFORM: dict[str, StepFunction] = {
     "fenced": CloseJoin._step_fenced,
     "outcome": CloseJoin._step_outcome,
 }
+
+
+def _network_line(receipt: dict[str, Any] | None) -> dict[str, Any]:
+    """What left the sandbox through the proxy in this session, in one line (its receipt has
+    the ledger), or nothing for a session without one."""
+    ledger = ((receipt or {}).get("network") or {}).get("ledger")
+    return {"network": brief(ledger)} if ledger is not None else {}

@@ -32,6 +32,7 @@ import time
 from typing import Any
 
 from settled import netledger, oomguard, peers, sockdiag
+from settled.boundary import podhost
 from settled.home import session_dir
 from settled.netproxy import taskns
 from settled.netproxy.client import LOCK_SUFFIX, SOCKET_NAME
@@ -83,8 +84,10 @@ class SessionLedger:
 class TaskNet:
     """A task's listener and sock_diag socket, made inside its network namespace."""
 
-    def __init__(self, task: str, listener: socket.socket, diag: socket.socket) -> None:
-        self.task, self.listener, self.diag = task, listener, diag
+    def __init__(
+        self, task: str, listener: socket.socket, diag: socket.socket, namespace: int
+    ) -> None:
+        self.task, self.listener, self.diag, self.namespace = task, listener, diag, namespace
         self.open = 0
         self.accepting: asyncio.Task[None] | None = None
 
@@ -145,10 +148,14 @@ class Daemon:
         return {"ok": False, "error": f"unknown op {op!r}"}
 
     def serve(self, task: str, session: str, allow: tuple[str, ...]) -> dict[str, Any]:
+        known = self.tasks.get(task)
+        pod = podhost.find(self.home, task)
+        if known is not None and (pod is None or pod.get("net") != known.namespace):
+            self.tasks.pop(task).close()  # its pod was made again since
         if task not in self.tasks:
-            listener, diag = taskns.open_task(self.home, task)
+            listener, diag, namespace = taskns.open_task(self.home, task)
             listener.setblocking(False)
-            net = self.tasks[task] = TaskNet(task, listener, diag)
+            net = self.tasks[task] = TaskNet(task, listener, diag, namespace)
             net.accepting = asyncio.get_running_loop().create_task(self.accept(net))
             log(f"task {task}: listening in its network namespace")
         if session not in self.sessions:
@@ -238,9 +245,19 @@ class Daemon:
 
     # -- life ------------------------------------------------------------------------------
 
+    def release_ended_tasks(self) -> None:
+        """A task whose pod was released (closed, destroyed) or made again lets its listener
+        go: the listener would keep its network namespace alive."""
+        for task, net in list(self.tasks.items()):
+            pod = podhost.find(self.home, task)
+            if pod is None or pod.get("net") != net.namespace:
+                log(f"task {task}: its pod is gone or new; its listener goes")
+                self.tasks.pop(task).close()
+
     async def idle_watch(self) -> None:
         while not self.stopping.is_set():
             await asyncio.sleep(min(self.idle_exit_s, 5.0))
+            self.release_ended_tasks()
             if self.tasks or self.sessions:
                 self.idle_since = time.monotonic()
             elif time.monotonic() - self.idle_since >= self.idle_exit_s:

@@ -92,6 +92,9 @@ class Connection:
         host, port = request["host"], request["port"]
         base = {"id": self.number, "at": time.time(), "host": host, "port": port,
                 "kind": request["kind"], **request.get("http", {})}  # fmt: skip
+        if not _is_literal(host) and (why := netpolicy.may_resolve(self.ledger.allow, host, port)):
+            self._refused(base, why)
+            raise Refused(403, why)
         try:
             addresses = await _resolve(loop, host, port)
         except OSError as exc:
@@ -255,6 +258,16 @@ async def _resolve(loop: asyncio.AbstractEventLoop, host: str, port: int) -> lis
         if pair not in seen:
             seen.append(pair)
     return seen
+
+
+def _is_literal(host: str) -> bool:
+    for family in (socket.AF_INET, socket.AF_INET6):
+        try:
+            socket.inet_pton(family, host)
+            return True
+        except OSError:
+            continue
+    return False
 
 
 def _said(exc: BaseException) -> str:

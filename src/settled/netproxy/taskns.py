@@ -27,9 +27,10 @@ from settled.netpolicy import PROXY_PORT
 BACKLOG = 512
 
 
-def open_task(home: str, task: str) -> tuple[socket.socket, socket.socket]:
-    """(listener, sock_diag socket) of `task`'s network namespace. OSError naming why not: no
-    pod, no network namespace, or the port held by a command of the task."""
+def open_task(home: str, task: str) -> tuple[socket.socket, socket.socket, int]:
+    """(listener, sock_diag socket, the namespace's inode) of `task`'s network namespace.
+    OSError naming why not: no pod, no network namespace, or the port held by a command of
+    the task."""
     pod = podhost.find(home, task)
     if pod is None or "net" not in pod:
         raise OSError(errno.ENOENT, f"task {task} has no pod with a network namespace")
@@ -57,7 +58,7 @@ def open_task(home: str, task: str) -> tuple[socket.socket, socket.socket]:
             os.close(fd)
         number, _, why = message.decode("utf-8", "replace").partition(":")
         raise OSError(int(number) if number.isdigit() else errno.EIO, why or "the helper died")
-    return socket.socket(fileno=fds[0]), socket.socket(fileno=fds[1])
+    return socket.socket(fileno=fds[0]), socket.socket(fileno=fds[1]), int(pod["net"])
 
 
 def _make(pod: dict[str, Any], back: socket.socket) -> None:
@@ -67,6 +68,9 @@ def _make(pod: dict[str, Any], back: socket.socket) -> None:
         raise OSError(errno.ESTALE, f"the network namespace of pod {pod['hostname']} changed")
     linux.setns(net, linux.CLONE_NEWNET)
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    # a restarted proxy binds past its predecessor's closed connections (TIME_WAIT); never past
+    # a listener (no SO_REUSEPORT, so no command's socket shares the port either)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         listener.bind(("127.0.0.1", PROXY_PORT))
     except OSError as exc:

@@ -284,7 +284,9 @@ class OwnerSession:
             death=outcome.evidence.to_json("owner"),
             exit=ended,
             resources=resources,
-            network=self._network(outcome),
+            network=self._network(
+                outcome.stop_decided if (outcome.reason != "exited" or outcome.stragglers) else None
+            ),
             output={
                 **self._sealed({name: s.to_json() for name, s in summaries.items()}),
                 "drain": "complete" if outcome.drain_complete else "incomplete",
@@ -366,6 +368,7 @@ class OwnerSession:
             },
             stragglers=[],
             terminal_mutation={"seq": None, "source": "none", "why": "the command never ran"},
+            network=self._network(None),  # a session the proxy served lets its ledger go
         )
         code = self._write_receipt(receipt)
         self.ready.send(state="settled", owner_pid=os.getpid(), error=error)
@@ -403,11 +406,11 @@ class OwnerSession:
 
         return journal_client.terminal_mutation(journal_socket(self.home), self.task)
 
-    def _network(self, outcome: Outcome) -> dict[str, Any] | None:
+    def _network(self, killed_at: float | None) -> dict[str, Any] | None:
         """`--network proxy`: the session's ledger, sealed now that nothing of the command
         runs (the proxy aborts what is still open), and what the receipt says of it. The
         kill's start, if settled killed anything, decides which ends the ledger trusts
-        (netledger.entries)."""
+        (netledger.entries): `killed_at`, CLOCK_MONOTONIC, None if it killed nothing."""
         if self.plan is None or self.plan.network != "proxy":
             return None
         # imported after evidence, off the launch path
@@ -417,8 +420,6 @@ class OwnerSession:
         from settled.netproxy import client as proxy_client
         from settled.where import run_dir
 
-        killed_at = outcome.stop_decided if (
-            outcome.reason != "exited" or outcome.stragglers) else None  # fmt: skip
         trouble = proxy_client.seal(run_dir(self.home), self.session, killed_at)
         path = os.path.join(session_dir(self.home, self.session), netledger.LEDGER_NAME)
         events, damaged = netledger.read_events(path)

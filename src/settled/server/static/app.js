@@ -233,7 +233,8 @@ function sessionRow(session) {
   return el("tr", { data: { session: session.session, state: session.state } },
     el("td", null, el("code", null, session.session), el("div", { class: "small" }, "key " + session.key)),
     el("td", { class: "command" }, session.command),
-    el("td", null, session.state, el("div", { class: "small" }, exit)),
+    el("td", null, session.state, el("div", { class: "small" }, exit),
+      session.network ? el("div", { class: "small network", title: "what left the sandbox through settled's proxy (the session's ledger)" }, "network: " + session.network) : null),
     ...CLOCKS.map((name) => clockCell(session, name, session.clocks[name])),
     el("td", null, el("button", { click: () => openLog(session.session) }, "log")));
 }
@@ -290,7 +291,7 @@ function renderCloseReceipt(receipt) {
     ["commands", commands.join(", ") || "none"],
     ["all commands succeeded", String(outcome.all_commands_succeeded)],
     ["sealed at", iso(receipt.sealed_at)],
-    ["sessions", (receipt.sessions || []).map((s) => s.session + " (process receipt " + short(s.receipt) + ")").join("; ") || "none"],
+    ["sessions", (receipt.sessions || []).map((s) => s.session + " (process receipt " + short(s.receipt) + ")" + (s.network ? ", network: " + s.network : "")).join("; ") || "none"],
     ["checkpoint", (checkpoint.manifest || "none") + " (receipt " + short(checkpoint.digest) + ")"],
     ["read back", readBack.verified ? "verified: " + readBack.rehashed + " of " + readBack.objects_reached + " objects re-hashed" : "NOT verified"],
     ["watermark", String(checkpoint.watermark)],
