@@ -242,24 +242,26 @@ def host_address() -> str | None:
     return None
 
 
+@pytest.mark.parametrize("mode", ["none", "proxy"])
 def test_a_tasks_loopback_is_its_sessions_and_no_one_elses(
-    rt: Runtime, two: tuple[TaskRecord, TaskRecord], host: HostListener
+    rt: Runtime, two: tuple[TaskRecord, TaskRecord], host: HostListener, mode: str
 ) -> None:
+    """Under `none` and under `proxy` (the default) alike: the task's own namespace."""
     a, b = two
     port = host.port  # the host listens on it too: A's service binds the same port in its own
-    service = serve(rt, a, port, network="none")
+    service = serve(rt, a, port, network=mode)
     asked = {"tcp": [["127.0.0.1", port]], "abstract": ["settled-net-a"]}
 
-    receipt_a, seen_by_a = look(rt, a, asked, network="none")
+    receipt_a, seen_by_a = look(rt, a, asked, network=mode)
     assert seen_by_a["tcp"] == ["a"] and seen_by_a["abstract"] == ["a"]
-    receipt_b, seen_by_b = look(rt, b, asked, network="none")
+    receipt_b, seen_by_b = look(rt, b, asked, network=mode)
     assert seen_by_b["tcp"] == ["ECONNREFUSED"] and seen_by_b["abstract"] == ["ECONNREFUSED"]
     assert from_host(socket.AF_INET, ("127.0.0.1", port)) == "host", "the host's, not A's"
     assert from_host(socket.AF_UNIX, "\0settled-net-a") == f"E{errno.ECONNREFUSED}"
 
     network = receipt_a["isolation"]["network"]
     pod = receipt_a["isolation"]["pod"]
-    assert network["mode"] == "none" and network["interfaces"] == ["lo"]
+    assert network["mode"] == mode and network["interfaces"] == ["lo"]
     assert network["namespace"] == pod["namespaces"]["net"]
     assert seen_by_a["net"] == f"net:[{network['namespace']}]"
     assert seen_by_a["net"] != os.readlink("/proc/self/ns/net")
