@@ -742,12 +742,13 @@ class Client(_Base):
         pids: int | None = None,
         cpus: float | None = None,
         network: str | None = None,
+        allow_hosts: Sequence[str] | None = None,
     ) -> dict[str, Any]:
         """Create a task over `workspace` (None: a new directory the server makes; a key
         already used returns its task); one that overlaps another open task's workspace is
         refused unless `shared_workspace`. The grants and limits are defaults of every
         command of the task."""
-        walls = _walls(writable, readable, memory, pids, cpus, network)
+        walls = _walls(writable, readable, memory, pids, cpus, network, allow_hosts)
         return self._call(_task_call(workspace, key or new_key(), shared_workspace, ignore, walls))
 
     def task_status(self, task: str) -> dict[str, Any]:
@@ -781,6 +782,7 @@ class Client(_Base):
         pids: int | None = None,
         cpus: float | None = None,
         network: str | None = None,
+        allow_hosts: Sequence[str] | None = None,
     ) -> Admission:
         """Admit a command; retried with the same key and body until the server answers.
         `inherit` names variables of this process's environment to pass (`inherit_env`: all
@@ -792,7 +794,7 @@ class Client(_Base):
         options: dict[str, Any] = {"timeout": timeout, "grace": grace, "cwd": cwd, "env": env}
         options.update(inherited=inherited or None)
         options.update(service=service, boundary=boundary, isolation=isolation, user=user)
-        options.update(_walls(writable, readable, memory, pids, cpus, network))
+        options.update(_walls(writable, readable, memory, pids, cpus, network, allow_hosts))
         call = _admission_call(task, argv, shell, key, options)
         response, tries = self._send(call)
         return _admission(_json(call, response), key, tries)
@@ -1008,12 +1010,13 @@ class AsyncClient(_Base):
         pids: int | None = None,
         cpus: float | None = None,
         network: str | None = None,
+        allow_hosts: Sequence[str] | None = None,
     ) -> dict[str, Any]:
         """Create a task over `workspace` (None: a new directory the server makes; a key
         already used returns its task); one that overlaps another open task's workspace is
         refused unless `shared_workspace`. The grants and limits are defaults of every
         command of the task."""
-        walls = _walls(writable, readable, memory, pids, cpus, network)
+        walls = _walls(writable, readable, memory, pids, cpus, network, allow_hosts)
         return await self._call(
             _task_call(workspace, key or new_key(), shared_workspace, ignore, walls)
         )
@@ -1049,6 +1052,7 @@ class AsyncClient(_Base):
         pids: int | None = None,
         cpus: float | None = None,
         network: str | None = None,
+        allow_hosts: Sequence[str] | None = None,
     ) -> Admission:
         """Admit a command; retried with the same key and body until the server answers.
         `inherit` names variables of this process's environment to pass (`inherit_env`: all
@@ -1060,7 +1064,7 @@ class AsyncClient(_Base):
         options: dict[str, Any] = {"timeout": timeout, "grace": grace, "cwd": cwd, "env": env}
         options.update(inherited=inherited or None)
         options.update(service=service, boundary=boundary, isolation=isolation, user=user)
-        options.update(_walls(writable, readable, memory, pids, cpus, network))
+        options.update(_walls(writable, readable, memory, pids, cpus, network, allow_hosts))
         call = _admission_call(task, argv, shell, key, options)
         response, tries = await self._send(call)
         return _admission(_json(call, response), key, tries)
