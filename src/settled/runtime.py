@@ -411,8 +411,12 @@ class Runtime:
         """Let go of every pod of this home (its pods namespace unpinned: each pod ends with
         its last session): for a caller that made a home for a moment and removes it whole
         (`settled probe`, `settled soak`). A task still open gets a new pod at its next
-        session, and its receipt says the earlier one was lost."""
+        session, and its receipt says the earlier one was lost. The home's proxy, which holds
+        a listener in each pod's network namespace, is stopped first."""
         from settled.boundary import podhost
+        from settled.netproxy import lifecycle
+
+        lifecycle.stop(self.home)
 
         podhost.release_home(self.home)
 
