@@ -166,6 +166,7 @@ ALLOWED: dict[str, set[str]] = {
         "objects",
         "owner",
         "journal-client",
+        "proxy",
         "sessions",
     },
     "runtime": BELOW_RUNTIME | {"runtime"},

@@ -381,3 +381,31 @@ def test_the_http_body_checks_allow_hosts_naming_the_field() -> None:
     assert task_request({"allow_hosts": ["*.pythonhosted.org"]})["allow_hosts"] == [
         "*.pythonhosted.org"
     ]
+
+
+def test_recovery_seals_the_ledger_of_a_session_whose_owner_was_killed(
+    rt: Runtime, task: TaskRecord, host_server: int
+) -> None:
+    """The owner dies (SIGKILL) mid-download: recovery kills what is left of the command, seals
+    the ledger the proxy kept, and its receipt says the connection is unknown."""
+    grant = f"127.0.0.1:{host_server}"
+    admission = rt.exec(
+        task.task, shell=f"{VIA_PROXY} http://{grant}/forever", allow_hosts=[grant], timeout=60
+    )
+    ledger_file = Path(rt.home, "sessions", admission.session, netledger.LEDGER_NAME)
+    deadline = time.monotonic() + 20
+    while b'"open"' not in (ledger_file.read_bytes() if ledger_file.exists() else b""):
+        assert time.monotonic() < deadline, "the download never began"
+        time.sleep(0.05)
+    assert admission.owner_pid is not None
+    os.kill(admission.owner_pid, 9)
+    deadline = time.monotonic() + 30
+    while rt.session_status(admission.session)["state"] != "unknown":
+        assert time.monotonic() < deadline, rt.session_status(admission.session)
+        time.sleep(0.1)
+    rt.recover(task.task)
+    receipt = rt.wait(admission.session, timeout=60)["receipt"]
+    assert receipt["exit"]["reason"] == "owner_lost" and receipt["death"]["proven"]
+    ledger = _ledger(receipt)
+    assert ledger["ends"] == {"unknown": 1}, ledger
+    assert receipt["network"]["allow_hosts"] == [grant]

@@ -124,7 +124,8 @@ def summary(listed: list[dict[str, Any]]) -> str:
         return "no connection"
     groups: dict[tuple[str, str], int] = {}
     for entry in listed:
-        key = (entry["end"], f"{_host(entry['host'])}:{entry['port']}")
+        where = f"{_host(entry['host'])}:{entry['port']}" if entry["host"] else "no destination"
+        key = (entry["end"], where)
         groups[key] = groups.get(key, 0) + 1
     ordered = sorted(groups.items(), key=lambda item: (ENDS.index(item[0][0]), -item[1]))
     words = [_group(end, where, n) for (end, where), n in ordered[:SUMMARY_GROUPS]]

@@ -151,6 +151,7 @@ class Recovery:
         except StaleWrite as exc:
             return {"session": record.session, "state": "skipped", "why": str(exc)}
         faults.point("recovery.after_take_over")
+        killed_at = time.monotonic()  # inspect kills what is left of the command
         evidence = given or self.sandbox.inspect(record, self.store.get_task(record.task))
         faults.point("recovery.after_kill")
         source = str(evidence.observed.get("source") or source)  # "provider": its own word
@@ -163,7 +164,7 @@ class Recovery:
         facts = self.sessions.owner_facts(record)
         writer_may_live = facts is None or facts.process_alive
         receipt = _recovered_receipt(
-            self.home, record, generation, evidence, source, writer_may_live
+            self.home, record, generation, evidence, source, writer_may_live, killed_at
         )
         faults.point("recovery.before_receipt")
         try:
@@ -276,6 +277,14 @@ def _vanished_host_receipt(
     )
 
 
+def _network(home: str, record: SessionRecord, killed_at: float | None) -> dict[str, Any] | None:
+    if ((record.isolation or {}).get("network") or {}).get("mode") != "proxy":
+        return None
+    from settled.netproxy.sealing import sealed_facts
+
+    return sealed_facts(home, record.session, list(record.spec.get("allow_hosts", ())), killed_at)
+
+
 def _as_settled_by_another(record: SessionRecord, lost: StaleWrite) -> dict[str, Any]:
     """What a recovery that lost its receipt write to another one reports: the receipt the other
     wrote when there is one, else that the other is still at it."""
@@ -336,10 +345,12 @@ def _recovered_receipt(
     evidence: Evidence,
     source: str,
     writer_may_live: bool,
+    killed_at: float | None = None,
 ) -> dict[str, Any]:
     """The receipt of a lost owner's session. Its logs are closed in place (nothing written,
     so a full disk does not stop it) unless the lost owner may still be running, when a copy
-    fences its late appends off (log/recovered.py)."""
+    fences its late appends off (log/recovered.py). Under `--network proxy`, its ledger is
+    sealed here, as its owner would have (`killed_at`: when recovery's inspection began)."""
     from settled.workspace.journal import client as journal_client
 
     output = _logs_at_disk(home, record.session, writer_may_live=writer_may_live)
@@ -376,4 +387,5 @@ def _recovered_receipt(
             "last_words": read_last_words(last_words_path(home, record.session)),
         },
         timings={"settled_at": time.time(), "admitted_at": record.created_at},
+        network=_network(home, record, killed_at),
     )

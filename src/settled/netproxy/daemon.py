@@ -68,8 +68,9 @@ class SessionLedger:
         """Abort what is open (the ledger's rule makes it unknown), append `sealed`, fsync."""
         for number, connection in list(self.open.items()):
             if connection.task is not None:
-                connection.task.cancel()
-            connection.abort()
+                connection.task.cancel()  # its `finally` closes both sockets, off the loop's fds
+            else:
+                connection.abort()
             self.write({"e": "end", "id": number, "at": time.time(), "mono": time.monotonic(),
                         "sent": connection.sent, "received": connection.received,
                         "how": "aborted"})  # fmt: skip

@@ -413,27 +413,9 @@ class OwnerSession:
         (netledger.entries): `killed_at`, CLOCK_MONOTONIC, None if it killed nothing."""
         if self.plan is None or self.plan.network != "proxy":
             return None
-        # imported after evidence, off the launch path
-        from settled import netledger, netpolicy
-        from settled.canonical import digest_of
-        from settled.home import session_dir
-        from settled.netproxy import client as proxy_client
-        from settled.where import run_dir
+        from settled.netproxy.sealing import sealed_facts  # after evidence: off the launch path
 
-        trouble = proxy_client.seal(run_dir(self.home), self.session, killed_at)
-        path = os.path.join(session_dir(self.home, self.session), netledger.LEDGER_NAME)
-        events, damaged = netledger.read_events(path)
-        listed = netledger.entries(events, killed_at)
-        facts: dict[str, Any] = {
-            "mode": "proxy",
-            "proxy": netpolicy.PROXY_URL,
-            "allow_hosts": list(self.spec.allow_hosts),
-            "ledger": netledger.facts(listed, damaged, digest_of(listed)),
-            "ledger_file": path,
-        }
-        if trouble is not None:
-            facts["proxy_trouble"] = trouble
-        return facts
+        return sealed_facts(self.home, self.session, list(self.spec.allow_hosts), killed_at)
 
     def _isolation(self) -> dict[str, Any] | None:
         if self.plan is None:
