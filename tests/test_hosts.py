@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 from conftest import COMMAND_PYTHON, MARKER_ENV, tamper_object
 
+from settled import netpolicy
 from settled.backends import BackendMismatch, bind, credential_names, read_binding
 from settled.errors import LogElsewhere, TaskFrozen, UnknownHost, WrongHost
 from settled.identity import CommandSpec
@@ -297,7 +298,9 @@ def test_a_command_never_sees_the_object_stores_credentials(
         assert set(spec.env_removed) == removed and "MINE" not in spec.inherited
     else:
         assert removed == set() and spec.inherited == (MARKER_ENV,)  # SETTLED_INHERIT's
-        assert {name for name, _ in spec.env} == {"PATH", "HOME", "LANG", "MINE", MARKER_ENV}
+        proxy = {name for name, _ in netpolicy.proxy_env()}  # --network proxy, the default
+        base = {"PATH", "HOME", "LANG", "MINE", MARKER_ENV}
+        assert {name for name, _ in spec.env} == base | proxy
 
 
 def test_a_store_or_objects_url_settled_cannot_use_is_refused_naming_it_without_a_password(

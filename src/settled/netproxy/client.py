@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from typing import Any
 
 SOCKET_NAME, LOG_NAME, LOCK_SUFFIX = "netproxy.sock", "netproxy.log", ".lock"
+IDLE_EXIT_S = 60.0  # a daemon serving no task exits after this long, as the journal does
 
 
 def socket_path(run_dir: str) -> str:

@@ -40,7 +40,6 @@ from settled.netproxy.relay import Connection
 from settled.where import run_dir
 
 CONNECTION_LIMIT = 256  # open at once in one task (SETTLED_PROXY_CONNECTIONS overrides)
-IDLE_EXIT_S = 60.0  # with no task served, as the journal
 
 
 class SessionLedger:

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 
 from settled.errors import SettledError
 from settled.netproxy import client
-from settled.netproxy.client import LOG_NAME
+from settled.netproxy.client import IDLE_EXIT_S, LOG_NAME
 from settled.where import run_dir
 
 TYPE_CHECKING = False
@@ -115,7 +115,6 @@ def _spawn(run: str, home: str, timeout: float) -> dict[str, Any]:
     import subprocess
 
     from settled.isolated import NoReport, python_command, read_report, start_helper
-    from settled.netproxy.daemon import IDLE_EXIT_S
 
     argv = python_command("settled.netproxy.daemon:main", ("settled", "h11"), home)
     process, ready_r = start_helper(
