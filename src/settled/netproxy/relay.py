@@ -21,7 +21,11 @@ forward a request head it could not parse.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
+import fcntl
+import os
+import select
 import socket
 import time
 import urllib.parse
@@ -35,7 +39,9 @@ from settled.errors import BadInput
 HEAD_LIMIT = 65536
 HEAD_TIMEOUT_S = 30.0
 CONNECT_TIMEOUT_S = 30.0
-CHUNK = 1 << 18
+CHUNK = 1 << 20  # a pump's splice, and its pipe's size
+CHUNK_ON_LOOP = 1 << 18
+SPLICE_AFTER = 4 << 20  # bytes one direction copies on the loop before a pump takes it
 HOP_BY_HOP = {b"connection", b"keep-alive", b"proxy-connection", b"proxy-authorization",
               b"proxy-authenticate", b"te", b"trailer", b"upgrade"}  # fmt: skip
 
@@ -62,8 +68,22 @@ class Connection:
         self.upstream: socket.socket | None = None
         self.sent = self.received = 0
         self.task: asyncio.Task[None] | None = None
+        self.pumps = 0  # pump threads using its sockets: they are closed when none is
+        self.closing = False
 
     def abort(self) -> None:
+        """End both directions now: a pump blocked in splice wakes at the shutdown, and the
+        sockets are closed once no thread uses them (never under a thread's feet: the
+        number could meanwhile name another connection's socket)."""
+        for sock in (self.client, self.upstream):
+            if sock is not None:
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+        self.closing = True
+        if self.pumps == 0:
+            self.close()
+
+    def close(self) -> None:
         for sock in (self.client, self.upstream):
             if sock is not None:
                 sock.close()
@@ -140,22 +160,53 @@ class Connection:
             if rest:
                 await loop.sock_sendall(upstream, rest)
                 self.sent += len(rest)
-            results = list(
-                await asyncio.gather(
-                    _copy(loop, client, upstream, self, "sent"),
-                    _copy(loop, upstream, client, self, "received"),
-                    return_exceptions=True,
-                )
-            )
         except OSError as exc:
-            results = [exc, None]
+            self._end("reset" if isinstance(exc, ConnectionResetError | BrokenPipeError)
+                      else "failed", _said(exc))  # fmt: skip
+            self.abort()
+            return
+        results = await asyncio.gather(
+            self._direction(loop, client, upstream, "sent"),
+            self._direction(loop, upstream, client, "received"),
+            return_exceptions=True,
+        )
         resets = [r for r in results if isinstance(r, ConnectionResetError | BrokenPipeError)]
         errors = [r for r in results if isinstance(r, BaseException) and r not in resets]
-        if errors and any(isinstance(r, asyncio.CancelledError) for r in errors):
-            return  # aborted by a seal: the ledger's rule says unknown
         how = "reset" if resets else "failed" if errors else "closed"
         self._end(how, _said(errors[0]) if errors else None)
         self.abort()
+
+    async def _direction(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        source: socket.socket,
+        sink: socket.socket,
+        field: str,
+    ) -> BaseException | None:
+        """One direction's bytes, counted: copied on the loop while few (a request, an
+        answer: no thread to wake), then, past SPLICE_AFTER, moved by a pump thread with
+        splice(2), which never copies them into Python. Raises what ended it on the loop;
+        returns what ended the pump."""
+        buffer = bytearray(CHUNK_ON_LOOP)
+        view, moved = memoryview(buffer), 0
+        while moved < SPLICE_AFTER:
+            got = await loop.sock_recv_into(source, buffer)
+            if not got:
+                with contextlib.suppress(OSError):
+                    sink.shutdown(socket.SHUT_WR)
+                return None
+            await loop.sock_sendall(sink, view[:got])
+            setattr(self, field, getattr(self, field) + got)
+            moved += got
+        self.pumps += 1
+        pumped = loop.run_in_executor(_pumps(), _pump, source, sink, self, field)
+        pumped.add_done_callback(self._pumped)
+        return await pumped
+
+    def _pumped(self, _: object) -> None:
+        self.pumps -= 1
+        if self.pumps == 0 and self.closing:
+            self.close()
 
     def _end(self, how: str, why: str | None) -> None:
         event = {"e": "end", "id": self.number, "at": time.time(), "mono": time.monotonic(),
@@ -174,23 +225,56 @@ class Connection:
             await asyncio.wait_for(loop.sock_sendall(self.client, head + body), 5.0)
 
 
-async def _copy(
-    loop: asyncio.AbstractEventLoop,
-    source: socket.socket,
-    sink: socket.socket,
-    counts: Connection,
-    field: str,
-) -> None:
-    buffer = bytearray(CHUNK)
-    view = memoryview(buffer)
-    while True:
-        got = await loop.sock_recv_into(source, buffer)
-        if not got:
-            with contextlib.suppress(OSError):
-                sink.shutdown(socket.SHUT_WR)
-            return
-        await loop.sock_sendall(sink, view[:got])
-        setattr(counts, field, getattr(counts, field) + got)
+_PUMPS: list[concurrent.futures.ThreadPoolExecutor] = []
+PUMP_THREADS = 2 * 1024  # two per connection; the daemon's per-task limit bounds the use
+SPLICE_F_MOVE, F_SETPIPE_SZ = 1, 1031
+
+
+def _pumps() -> concurrent.futures.ThreadPoolExecutor:
+    if not _PUMPS:
+        _PUMPS.append(concurrent.futures.ThreadPoolExecutor(PUMP_THREADS, "pump"))
+    return _PUMPS[0]
+
+
+def _pump(
+    source: socket.socket, sink: socket.socket, counts: Connection, field: str
+) -> BaseException | None:
+    """Move `source`'s bytes to `sink` until its end (then half-close `sink`), counting them;
+    the error that ended it, else None. The sockets stay non-blocking (the loop may use the
+    other direction of each): the thread waits in poll(2), and wakes at an abort's shutdown."""
+    pipe_r, pipe_w = os.pipe2(os.O_CLOEXEC)
+    try:
+        with contextlib.suppress(OSError):  # a larger pipe: fewer calls (1 MiB, the default max)
+            fcntl.fcntl(pipe_w, F_SETPIPE_SZ, CHUNK)
+        into, out = source.fileno(), sink.fileno()
+        while True:
+            try:
+                moved = os.splice(into, pipe_w, CHUNK, flags=SPLICE_F_MOVE)
+            except BlockingIOError:
+                _wait(into, select.POLLIN)
+                continue
+            if moved == 0:
+                with contextlib.suppress(OSError):
+                    sink.shutdown(socket.SHUT_WR)
+                return None
+            left = moved
+            while left:
+                try:
+                    left -= os.splice(pipe_r, out, left, flags=SPLICE_F_MOVE)
+                except BlockingIOError:
+                    _wait(out, select.POLLOUT)
+            setattr(counts, field, getattr(counts, field) + moved)
+    except OSError as exc:
+        return exc
+    finally:
+        os.close(pipe_r)
+        os.close(pipe_w)
+
+
+def _wait(fd: int, event: int) -> None:
+    poller = select.poll()
+    poller.register(fd, event)
+    poller.poll(1000)  # an error or a hang-up wakes it too; the next splice says which
 
 
 async def _read_head(loop: asyncio.AbstractEventLoop, client: socket.socket) -> tuple[bytes, bytes]:
