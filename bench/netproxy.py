@@ -15,9 +15,11 @@ The proxy daemon is the home's, stopped at the end.
 
 from __future__ import annotations
 
+import fcntl
 import http.server
 import json
 import os
+import socket
 import threading
 from typing import Any
 
@@ -88,17 +90,59 @@ def _run(rig: Any, shell: str, **kwargs: Any) -> str:
     return out
 
 
-def _downloads(rig: Any, port: int, runs: int) -> dict[str, list[float]]:
+class _BareRelay:
+    """The floor of any relay in user space: a listener on the host's loopback whose every
+    connection is moved to the server by two threads with splice(2), nothing judged, nothing
+    recorded. What a hop costs here, whoever makes it."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.address = self.listener.getsockname()[1]
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return  # closed: the benchmark is over
+            upstream = socket.create_connection(("127.0.0.1", self.port))
+            for source, sink in ((client, upstream), (upstream, client)):
+                threading.Thread(target=_splice, args=(source, sink), daemon=True).start()
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+def _splice(source: socket.socket, sink: socket.socket) -> None:
+    pipe_r, pipe_w = os.pipe()
+    try:
+        fcntl.fcntl(pipe_w, 1031, 1 << 20)  # F_SETPIPE_SZ
+        while moved := os.splice(source.fileno(), pipe_w, 1 << 20, flags=1):
+            while moved:
+                moved -= os.splice(pipe_r, sink.fileno(), moved, flags=1)
+        sink.shutdown(socket.SHUT_WR)
+    except OSError:
+        pass
+    finally:
+        os.close(pipe_r)
+        os.close(pipe_w)
+
+
+def _downloads(rig: Any, port: int, relay: int, runs: int) -> dict[str, list[float]]:
     grant = f"127.0.0.1:{port}"
     curl = "curl -sS -o /dev/null -w '%{time_total}'"
     via_proxy = f"{curl} --noproxy '' -x $http_proxy"
     shells = {
         "proxy": (f"{via_proxy} http://{grant}/big", {"allow_hosts": [grant]}),
         "direct": (f"{curl} http://{grant}/big", {"network": "host"}),
+        "bare relay": (f"{curl} http://127.0.0.1:{relay}/big", {"network": "host"}),
     }
-    seconds: dict[str, list[float]] = {"proxy": [], "direct": []}
+    seconds: dict[str, list[float]] = {v: [] for v in shells}
+    order = list(shells)
     for index in range(runs + 1):  # the first of each is a warm-up
-        for variant in ("proxy", "direct") if index % 2 == 0 else ("direct", "proxy"):
+        for variant in order if index % 2 == 0 else order[::-1]:
             shell, kwargs = shells[variant]
             taken = float(_run(rig, shell, **kwargs))
             if index:
@@ -126,10 +170,11 @@ def run(quick: bool) -> tuple[dict[str, Any], str]:
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     port = server.server_address[1]
+    relay = _BareRelay(port)
     try:
         with settled_rig("netproxy", launcher="fresh") as rig:
             try:
-                seconds = _downloads(rig, port, sizes["downloads"])
+                seconds = _downloads(rig, port, relay.address, sizes["downloads"])
                 per_request = _connections(rig, port, sizes["requests"])
                 records, summary = interleaved(
                     ("proxy", "none"), sizes["admissions"],
@@ -140,6 +185,7 @@ def run(quick: bool) -> tuple[dict[str, Any], str]:
 
                 lifecycle.stop(rig.runtime.home)
     finally:
+        relay.close()
         server.shutdown()
         server.server_close()
         thread.join(10)
@@ -149,10 +195,12 @@ def run(quick: bool) -> tuple[dict[str, Any], str]:
     data["runs"] = records
     down, req = data["download_s"], data["request_ms"]
     data["download_ratio"] = down["proxy"]["p50"] / down["direct"]["p50"]
+    data["bare_relay_ratio"] = down["bare relay"]["p50"] / down["direct"]["p50"]
     data["connection_added_ms"] = req["proxy"]["p50"] - req["direct"]["p50"]
     log(
         f"download of {sizes['size'] >> 20} MiB: proxy p50 {down['proxy']['p50']:.3f} s vs "
-        f"direct {down['direct']['p50']:.3f} s ({data['download_ratio']:.2f}x); a connection "
+        f"direct {down['direct']['p50']:.3f} s ({data['download_ratio']:.2f}x; a bare splice "
+        f"relay {data['bare_relay_ratio']:.2f}x); a connection "
         f"adds {data['connection_added_ms']:.3f} ms p50; admission proxy p50 "
         f"{summary['proxy']['return_ms']['p50']:.2f} ms vs none "
         f"{summary['none']['return_ms']['p50']:.2f} ms"
@@ -173,7 +221,11 @@ def render(data: dict[str, Any]) -> str:
         header("netproxy: a command's traffic through settled's proxy, and not", data)
         + "\n\n"
         + md_table(["figure (p50)", "proxy", "direct (host)", "ratio"], rows)
-        + f"\n\nA connection through the proxy adds {fmt(data['connection_added_ms'], 3)} ms "
+        + f"\n\nThe floor of any relay in user space, a bare splice(2) relay on the host's "
+        f"loopback (nothing judged or recorded), takes {fmt(down['bare relay']['p50'], 3)} s "
+        f"for the same download ({fmt(data['bare_relay_ratio'])}x direct): a second TCP hop "
+        "over loopback, on this machine's two CPUs shared by the server, the relay and curl."
+        f"\n\nA connection through the proxy adds {fmt(data['connection_added_ms'], 3)} ms "
         "p50 (accept, the sock_diag attribution, the verdict, the upstream connect, two ledger "
         "lines).\n\n"
         + md_table(
