@@ -23,6 +23,7 @@ FOUNDATION = {
     "settled.atomic",
     "settled.backends",
     "settled.canonical",
+    "settled.daemons",
     "settled.environment",
     "settled.errors",
     "settled.exitcodes",

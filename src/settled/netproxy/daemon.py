@@ -33,6 +33,7 @@ from typing import Any
 
 from settled import netledger, oomguard, peers, sockdiag
 from settled.boundary import podhost
+from settled.daemons import ReadyReport
 from settled.home import session_dir
 from settled.netproxy import taskns
 from settled.netproxy.client import LOCK_SUFFIX, SOCKET_NAME
@@ -315,17 +316,7 @@ def main(argv: list[str]) -> int:
     if os.fork() != 0:
         os._exit(0)
     oomguard.protect_self()
-    ready_fd = int(ready_text)
-
-    def report(fields: dict[str, Any]) -> None:
-        nonlocal ready_fd
-        if ready_fd >= 0:
-            with contextlib.suppress(OSError):
-                os.write(ready_fd, (json.dumps(fields) + "\n").encode())
-            with contextlib.suppress(OSError):
-                os.close(ready_fd)
-            ready_fd = -1
-
+    report = ReadyReport(int(ready_text))
     try:
         return asyncio.run(serve(home, float(idle_text), report))
     finally:

@@ -11,12 +11,10 @@ daemon refused.
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import os
 import time
-from collections.abc import Iterator
 
+from settled.daemons import lock_free, start_lock
 from settled.errors import SettledError
 from settled.netproxy import client
 from settled.netproxy.client import IDLE_EXIT_S, LOG_NAME
@@ -57,32 +55,18 @@ def stop(home: str, timeout: float = 5.0) -> None:
         return
     lock = client.socket_path(run) + client.LOCK_SUFFIX
     give_up = time.monotonic() + timeout
-    while not _free(lock):
+    while not lock_free(lock):
         if time.monotonic() > give_up:
             raise ProxyUnavailable(f"the proxy acknowledged stop but still holds {lock}")
         time.sleep(0.005)
 
 
-def _free(lock: str) -> bool:
-    try:
-        fd = os.open(lock, os.O_RDONLY | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return True
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return True
-    except BlockingIOError:
-        return False
-    finally:
-        os.close(fd)
-
-
 def _start(run: str, home: str, deadline: float) -> None:
     os.makedirs(run, mode=0o700, exist_ok=True)
-    with _start_lock(os.path.join(run, "netproxy.start"), deadline):
+    with start_lock(os.path.join(run, "netproxy.start"), deadline, ProxyUnavailable):
         if client.request(client.socket_path(run), {"op": "ping"}, 0.5) is not None:
             return
-        if not _free(client.socket_path(run) + client.LOCK_SUFFIX):
+        if not lock_free(client.socket_path(run) + client.LOCK_SUFFIX):
             time.sleep(0.01)  # a daemon holds its lock: slow to answer, or exiting
             return
         report = _spawn(run, home, max(deadline - time.monotonic(), 0.5))
@@ -92,23 +76,6 @@ def _start(run: str, home: str, deadline: float) -> None:
             raise ProxyUnavailable(
                 f"the proxy did not start: {report.get('error')}; see {os.path.join(run, LOG_NAME)}"
             )
-
-
-@contextlib.contextmanager
-def _start_lock(path: str, deadline: float) -> Iterator[None]:
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    try:
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    raise ProxyUnavailable(f"another caller holds {path} too long") from None
-                time.sleep(0.005)
-        yield
-    finally:
-        os.close(fd)
 
 
 def _spawn(run: str, home: str, timeout: float) -> dict[str, Any]:

@@ -41,6 +41,7 @@ from typing import Any, Final
 
 from settled import oomguard
 from settled.atomic import write_atomic
+from settled.daemons import ReadyReport
 from settled.peers import unix_refusal
 from settled.workspace.journal.client import SOCKET_NAME, STATE_DIR, unix_address
 from settled.workspace.journal.errors import JournalUnavailable
@@ -490,17 +491,7 @@ def main(argv: list[str]) -> int:
     if os.fork() != 0:
         os._exit(0)
     oomguard.protect_self()  # never the kernel's choice under memory pressure, where it can
-    ready_fd = int(ready_text)
-
-    def report(fields: dict[str, Any]) -> None:
-        nonlocal ready_fd
-        if ready_fd >= 0:
-            with contextlib.suppress(OSError):
-                os.write(ready_fd, (json.dumps(fields) + "\n").encode())
-            with contextlib.suppress(OSError):
-                os.close(ready_fd)
-            ready_fd = -1
-
+    report = ReadyReport(int(ready_text))
     try:
         return serve(run_dir, float(idle_text), on_ready=report)
     finally:

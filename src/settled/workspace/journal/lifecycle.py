@@ -13,11 +13,10 @@ the daemon refused, or return from `stop` while the journal still holds its lock
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import os
 import time
-from collections.abc import Iterator
 
+from settled.daemons import lock_free, start_lock
 from settled.workspace.journal import client
 from settled.workspace.journal.client import LOG_NAME, SOCKET_NAME, STATE_DIR
 from settled.workspace.journal.errors import JournalUnavailable
@@ -78,27 +77,13 @@ def stop(socket_path: str, timeout: float = 5.0) -> None:
         return  # nobody answers: nothing to stop
     lock_path = socket_path + ".lock"
     give_up = time.monotonic() + timeout
-    while not _lock_free(lock_path):
+    while not lock_free(lock_path):
         if time.monotonic() > give_up:
             raise JournalUnavailable(
                 f"the journal on {socket_path} acknowledged stop but still holds {lock_path} "
                 f"after {timeout:g} s (pid {_lock_owner(lock_path)})"
             )
         time.sleep(0.002)
-
-
-def _lock_free(lock_path: str) -> bool:
-    try:
-        fd = os.open(lock_path, os.O_RDONLY | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return True
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return True
-    except BlockingIOError:
-        return False
-    finally:
-        os.close(fd)
 
 
 def _lock_owner(lock_path: str) -> str:
@@ -124,7 +109,7 @@ def ensure_running(run_dir: str, *, idle_exit_s: float = IDLE_EXIT_S, timeout: f
             f"cannot make the journal's run directory {run_dir}: {exc}"
         ) from exc
     deadline = time.monotonic() + max(timeout, 0.05)
-    with _start_lock(os.path.join(run_dir, "journal.start"), deadline):
+    with start_lock(os.path.join(run_dir, "journal.start"), deadline, _unavailable):
         while True:
             remaining = deadline - time.monotonic()
             if _answers(socket_path, min(0.5, max(remaining, 0.05))):
@@ -134,7 +119,7 @@ def ensure_running(run_dir: str, *, idle_exit_s: float = IDLE_EXIT_S, timeout: f
                     f"no journal answered on {socket_path} within {timeout:g} s "
                     f"(lock held by pid {_lock_owner(socket_path + '.lock')}); see {log_path}"
                 )
-            if not _lock_free(socket_path + ".lock"):
+            if not lock_free(socket_path + ".lock"):
                 time.sleep(0.01)  # a journal holds its lock: slow to answer (a loaded host),
                 continue  # or exiting; a second one would only find the lock held
             report = _spawn(run_dir, idle_exit_s, remaining)
@@ -156,28 +141,6 @@ def _answers(socket_path: str, timeout: float) -> bool:
     if reply.get("ok") is True:
         return True
     raise JournalUnavailable(f"the journal on {socket_path} answers: {reply.get('error')}")
-
-
-@contextlib.contextmanager
-def _start_lock(path: str, deadline: float) -> Iterator[None]:
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    except OSError as exc:
-        raise JournalUnavailable(f"cannot open the journal's start lock {path}: {exc}") from exc
-    try:
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    raise JournalUnavailable(
-                        f"another caller holds {path} (starting the journal) for too long"
-                    ) from None
-                time.sleep(0.005)
-        yield
-    finally:
-        os.close(fd)
 
 
 def _spawn(run_dir: str, idle_exit_s: float, timeout: float) -> dict[str, Any]:
@@ -225,3 +188,7 @@ def _read_report(fd: int, give_up: float) -> dict[str, Any]:
     except ValueError:
         report = None
     return report if isinstance(report, dict) else {"state": "error", "error": "bad report"}
+
+
+def _unavailable(why: str) -> JournalUnavailable:
+    return JournalUnavailable(f"the journal cannot start: {why}")
