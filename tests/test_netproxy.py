@@ -409,3 +409,18 @@ def test_recovery_seals_the_ledger_of_a_session_whose_owner_was_killed(
     ledger = _ledger(receipt)
     assert ledger["ends"] == {"unknown": 1}, ledger
     assert receipt["network"]["allow_hosts"] == [grant]
+
+
+def test_a_full_ledger_refuses_what_it_cannot_record_and_the_receipt_counts_it(
+    rt: Runtime, task: TaskRecord, host_server: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A command cannot fill the home's disk through its ledger: past the session's entries
+    (SETTLED_PROXY_LEDGER_ENTRIES, 100,000 by default) a connection is refused (503) and
+    only counted, and the receipt says how many."""
+    monkeypatch.setenv("SETTLED_PROXY_LEDGER_ENTRIES", "3")  # the daemon this test starts
+    grant = f"127.0.0.1:{host_server}"
+    shell = f"for i in 1 2 3 4 5; do {VIA_PROXY} http://{grant}/; done"
+    receipt, out, _ = attack(rt, task, shell, allow_hosts=[grant])
+    assert out.split("\n")[:5] == [f"200 {len(BODY)}"] * 3 + ["503 0"] * 2, out
+    ledger = _ledger(receipt)
+    assert ledger["count"] == 3 and ledger["refused_unrecorded"] == 2 and ledger["limit_hit"]

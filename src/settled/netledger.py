@@ -117,6 +117,11 @@ def facts(listed: list[dict[str, Any]], damaged: int, digest: str) -> dict[str, 
     return out
 
 
+def unrecorded(events: list[dict[str, Any]]) -> int:
+    """Connections refused, unrecorded, once the session's ledger was full (the seal says)."""
+    return sum(int(e.get("unrecorded") or 0) for e in events if e["e"] == "sealed")
+
+
 def summary(listed: list[dict[str, Any]]) -> str:
     """One line: "3 connections to pypi.org:443, all closed; 1 refused to 169.254.169.254:80;
     1 unknown to api.example.com:443"; "no connection" for none."""

@@ -41,6 +41,7 @@ from settled.netproxy.relay import Connection
 from settled.where import run_dir
 
 CONNECTION_LIMIT = 256  # open at once in one task (SETTLED_PROXY_CONNECTIONS overrides)
+LEDGER_ENTRIES = 100_000  # a session's ledger (~20 MiB); past it connections are refused, counted
 
 
 class SessionLedger:
@@ -55,6 +56,7 @@ class SessionLedger:
         self.next = 1 + max((int(e.get("id", 0)) for e in events), default=0)
         self.open: dict[int, Connection] = {}
         self.sealed = False
+        self.unrecorded = 0  # refused once the ledger was full: counted, said at the seal
 
     def write(self, event: dict[str, Any]) -> None:
         if not self.sealed:
@@ -75,7 +77,8 @@ class SessionLedger:
                         "sent": connection.sent, "received": connection.received,
                         "how": "aborted"})  # fmt: skip
         count = len(self.open)
-        self.write({"e": "sealed", "at": time.time(), "killed_at": killed_at, "aborted": count})
+        self.write({"e": "sealed", "at": time.time(), "killed_at": killed_at, "aborted": count,
+                    "unrecorded": self.unrecorded})  # fmt: skip
         self.sealed = True
         os.fsync(self.fd)
         os.close(self.fd)
@@ -100,8 +103,8 @@ class TaskNet:
 
 
 class Daemon:
-    def __init__(self, home: str, idle_exit_s: float, limit: int) -> None:
-        self.home, self.idle_exit_s, self.limit = home, idle_exit_s, limit
+    def __init__(self, home: str, idle_exit_s: float, limit: int, entries: int) -> None:
+        self.home, self.idle_exit_s, self.limit, self.entries = home, idle_exit_s, limit, entries
         self.tasks: dict[str, TaskNet] = {}
         self.sessions: dict[str, SessionLedger] = {}
         self.stopping = asyncio.Event()
@@ -199,6 +202,13 @@ class Daemon:
                             b"\r\n\r\n")  # fmt: skip
             client.close()
             return
+        if ledger.next > self.entries:  # the home's disk is not the command's to fill
+            ledger.unrecorded += 1
+            with contextlib.suppress(OSError):
+                client.send(b"HTTP/1.1 503 Service Unavailable\r\nConnection: close\r\n"
+                            b"Content-Length: 0\r\n\r\n")  # fmt: skip
+            client.close()
+            return
         number = ledger.number()
         connection = Connection(client, number, ledger)
         if net.open >= self.limit:
@@ -290,7 +300,8 @@ async def serve(home: str, idle_exit_s: float, on_ready: Any) -> int:
     os.ftruncate(lock, 0)
     os.write(lock, str(os.getpid()).encode())
     limit = int(os.environ.get("SETTLED_PROXY_CONNECTIONS", CONNECTION_LIMIT))
-    daemon = Daemon(home, idle_exit_s, limit)
+    entries = int(os.environ.get("SETTLED_PROXY_LEDGER_ENTRIES", LEDGER_ENTRIES))
+    daemon = Daemon(home, idle_exit_s, limit, entries)
     with contextlib.suppress(FileNotFoundError):
         os.unlink(socket_path)
     server = await asyncio.start_unix_server(daemon.control, path=socket_path)

@@ -39,6 +39,9 @@ def sealed_facts(
         "ledger": netledger.facts(listed, damaged, digest_of(listed)),
         "ledger_file": path,
     }
+    if netledger.unrecorded(events):
+        facts["ledger"]["refused_unrecorded"] = netledger.unrecorded(events)
+        facts["ledger"]["limit_hit"] = True
     if trouble is not None:
         facts["proxy_trouble"] = trouble
     return facts
