@@ -661,7 +661,10 @@ class Runtime:
             granted[kind] = grants.resolve(kind, [*asked, *defaults.get(kind, ())])
             self._refuse_held(kind, granted[kind], record.workspace)
         enters = bool((record.sandbox or {}).get("enter"))
-        chosen_network = network or defaults.get("network") or ("host" if enters else "proxy")
+        builds_nothing = enters or isolation == "none"  # no namespace to put a proxy in
+        chosen_network = network or defaults.get("network") or (
+            "host" if builds_nothing else "proxy"
+        )
         patterns = _allow_hosts(
             defaults.get("allow_hosts", ()) if allow_hosts is None else allow_hosts,
             chosen_network,
