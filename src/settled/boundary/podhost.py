@@ -144,8 +144,8 @@ def without_network(plan: IsolationPlan, why: str) -> None:
 
 
 HOST_ASKED = (
-    "--network host was asked for: the host's network, every address and port of it, its "
-    "loopback services included, and nothing records what the command sends"
+    "the host's network (--network host, or no namespace to put the proxy in): every address "
+    "and port of it, its loopback services included, and nothing records what the command sends"
 )
 NO_NETWORK_NAMESPACE = (
     "--network {} was asked for, but --isolation none builds no namespace: the command's "
