@@ -33,6 +33,7 @@ from common import (
     machine,
     md_table,
     settled_rig,
+    source_revision,
     timed_admission,
 )
 
@@ -163,7 +164,7 @@ def _connections(rig: Any, port: int, requests: int) -> dict[str, list[float]]:
 
 def run(quick: bool) -> tuple[dict[str, Any], str]:
     sizes = QUICK if quick else FULL
-    data: dict[str, Any] = {"machine": machine(), "sizes": sizes}
+    data: dict[str, Any] = {"machine": machine(), "sizes": sizes, "source": source_revision()}
     _Server.size = sizes["size"]
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Server)
     server.daemon_threads = True
@@ -219,7 +220,7 @@ def render(data: dict[str, Any]) -> str:
     admission = comparison_rows(data["admission"]["proxy"], data["admission"]["none"])
     return (
         header("netproxy: a command's traffic through settled's proxy, and not", data)
-        + "\n\n"
+        + f"\n\nSource `{data['source']}`; command `python bench/run.py netproxy`.\n\n"
         + md_table(["figure (p50)", "proxy", "direct (host)", "ratio"], rows)
         + f"\n\nThe floor of any relay in user space, a bare splice(2) relay on the host's "
         f"loopback (nothing judged or recorded), takes {fmt(down['bare relay']['p50'], 3)} s "
