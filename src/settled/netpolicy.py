@@ -31,6 +31,7 @@ Must never: resolve a name, touch a socket, or let a wildcard reach a host servi
 
 from __future__ import annotations
 
+import functools
 import re
 
 from settled.errors import BadInput
@@ -113,6 +114,13 @@ def parse_authority(text: str) -> tuple[str, int | None]:
     return host, port
 
 
+@functools.lru_cache(maxsize=4096)
+def _pattern(text: str) -> tuple[str, int | None]:
+    """A pattern already checked at admission, parsed once per process (the proxy asks for
+    each of a session's patterns at every connection)."""
+    return parse("allow_host", text)
+
+
 def _split(field: str, text: str) -> tuple[str, int | None]:
     if text.startswith("["):
         close = text.find("]")
@@ -156,7 +164,7 @@ def may_resolve(patterns: Iterable[str], host: str, port: int) -> str | None:
         return None
     host = host.lower().rstrip(".")
     for pattern in given:
-        wanted, wanted_port = parse("allow_host", pattern)
+        wanted, wanted_port = _pattern(pattern)
         if wanted_port is not None and wanted_port != port:
             continue
         if wanted == host or (wanted.startswith("*.") and host.endswith(wanted[1:])):
@@ -181,7 +189,7 @@ def decide(
             f"exactly: --allow-host {_shown(host)}:{port}"
         )
     for pattern in given:
-        wanted, wanted_port = parse("allow_host", pattern)
+        wanted, wanted_port = _pattern(pattern)
         if wanted_port is not None and wanted_port != port:
             continue
         if wanted.startswith("*."):
@@ -189,7 +197,7 @@ def decide(
                 return None
         elif wanted == host:  # by name, or an address asked for by address (never a name's)
             return None
-    if service and any(parse("allow_host", p)[0].startswith("*.") for p in given):
+    if service and any(_pattern(p)[0].startswith("*.") for p in given):
         return (
             f"{host}:{port} is {_which(address, own_address)}; a wildcard never reaches it: "
             f"--allow-host {_shown(host)}:{port}"

@@ -189,6 +189,7 @@ class Daemon:
                 await asyncio.sleep(0.05)
                 continue
             client.setblocking(False)
+            client.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # relayed as it comes
             running = loop.create_task(self.connection(net, client))
             self.running.add(running)  # a task the loop holds only weakly would be collected
             running.add_done_callback(self.running.discard)
