@@ -662,8 +662,8 @@ class Runtime:
             self._refuse_held(kind, granted[kind], record.workspace)
         enters = bool((record.sandbox or {}).get("enter"))
         builds_nothing = enters or isolation == "none"  # no namespace to put a proxy in
-        chosen_network = network or defaults.get("network") or (
-            "host" if builds_nothing else "proxy"
+        chosen_network = (
+            network or defaults.get("network") or ("host" if builds_nothing else "proxy")
         )
         patterns = _allow_hosts(
             defaults.get("allow_hosts", ()) if allow_hosts is None else allow_hosts,

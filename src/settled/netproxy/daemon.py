@@ -265,6 +265,10 @@ class Daemon:
             if pod is None or pod.get("net") != net.namespace:
                 log(f"task {task}: its pod is gone or new; its listener goes")
                 self.tasks.pop(task).close()
+                for session, ledger in list(self.sessions.items()):
+                    if ledger.task == task and pod is None:  # never sealed by an owner (its
+                        ledger.seal(time.monotonic())  # launch failed): what is open is unknown
+                        del self.sessions[session]
 
     async def idle_watch(self) -> None:
         while not self.stopping.is_set():
