@@ -309,7 +309,7 @@ def test_root_binds_port_80_and_pings_inside_its_tasks_namespace(
     assert json.loads(outside) == {"bind80": "EACCES", "ping": "EPERM"}
 
 
-def test_the_hosts_network_is_named_a_grant_in_the_receipt(
+def test_the_hosts_network_is_asked_for_by_name_and_named_missing_in_the_receipt(
     rt: Runtime, two: tuple[TaskRecord, TaskRecord], host: HostListener
 ) -> None:
     a, _ = two
