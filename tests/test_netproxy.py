@@ -240,6 +240,8 @@ def test_bad_network_input_is_refused_naming_it_and_nothing_is_launched(
         with pytest.raises(BadInput, match="allow_hosts") as caught:
             rt.exec(task.task, shell="true", allow_hosts=patterns)
         assert words in str(caught.value)
+    with pytest.raises(BadInput, match="allow_hosts must be a list"):  # never letter by letter
+        rt.exec(task.task, shell="true", allow_hosts="pypi.org")  # type: ignore[arg-type]
     with pytest.raises(BadInput, match="only --network proxy"):
         rt.exec(task.task, shell="true", network="none", allow_hosts=["pypi.org"])
     with pytest.raises(BadInput, match="network"):

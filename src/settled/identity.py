@@ -127,9 +127,7 @@ class CommandSpec(Frozen):
         grammar.check_choice("boundary", boundary, BOUNDARY_POLICIES)
         grammar.check_choice("isolation", isolation, ISOLATION_POLICIES)
         grammar.check_choice("network", network, NETWORK_POLICIES)
-        allow_hosts = tuple(sorted(set(netpolicy.check_patterns("allow_hosts", allow_hosts))))
-        if allow_hosts and network != "proxy":
-            raise BadInput(f"allow_hosts: only --network proxy goes anywhere, not {network}")
+        allow_hosts = netpolicy.check_allowed("allow_hosts", allow_hosts, network)
         grammar.check_bool("service", service)
         if user is not None:
             user = check_user(user)

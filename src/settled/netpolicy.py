@@ -76,17 +76,22 @@ def check_patterns(field: str, values: object) -> tuple[str, ...]:
     return tuple(checked)
 
 
+def check_allowed(field: str, values: object, network: str | None) -> tuple[str, ...]:
+    """The patterns, checked, once each and sorted; refused unless the network is the
+    proxy's (None: not yet chosen), the only one that goes through it."""
+    checked = tuple(sorted(set(check_patterns(field, values))))
+    if checked and network not in (None, "proxy"):
+        raise BadInput(f"{field}: only --network proxy goes through the proxy, not {network}")
+    return checked
+
+
 def parse(field: str, text: str) -> tuple[str, int | None]:
     """(host, port or None): host a lower-case name (maybe `*.` first) or an address."""
-    import ipaddress
-
     if not text or len(text.encode("utf-8", "replace")) > MAX_PATTERN_BYTES or text != text.strip():
         raise BadInput(f"{field}: {text!r} is not a host pattern (HOST, HOST:PORT, *.DOMAIN)")
     host, port = _split(field, text)
     if host.startswith("["):
-        if not host.endswith("]") or not _is_address(host[1:-1], 6):
-            raise BadInput(f"{field}: {text!r}: {host} is not an IPv6 address in brackets")
-        return str(ipaddress.ip_address(host[1:-1])), port
+        return _bracketed(f"{field}: {text!r}", host), port
     if _is_address(host, 4):
         return host, port
     if host != host.lower() or not _NAME.fullmatch(host) or len(host) > 253:
@@ -101,17 +106,22 @@ def parse(field: str, text: str) -> tuple[str, int | None]:
 def parse_authority(text: str) -> tuple[str, int | None]:
     """(host, port or None) of a request's authority (`CONNECT host:port`, a URI's): a name
     in lower case without its final dot, or an address (IPv6 without brackets)."""
-    import ipaddress
-
     host, port = _split("request", text)
     if host.startswith("["):
-        if not host.endswith("]") or not _is_address(host[1:-1], 6):
-            raise BadInput(f"{text!r}: {host} is not an IPv6 address in brackets")
-        return str(ipaddress.ip_address(host[1:-1])), port
+        return _bracketed(repr(text), host), port
     host = host.lower().rstrip(".")
     if not _AUTHORITY.fullmatch(host):
         raise BadInput(f"{text[:300]!r} is not host:port")
     return host, port
+
+
+def _bracketed(said: str, host: str) -> str:
+    """`[v6]`'s address in its one written form; BadInput after `said` when it is none."""
+    import ipaddress
+
+    if not host.endswith("]") or not _is_address(host[1:-1], 6):
+        raise BadInput(f"{said}: {host} is not an IPv6 address in brackets")
+    return str(ipaddress.ip_address(host[1:-1]))
 
 
 @functools.lru_cache(maxsize=4096)
@@ -160,15 +170,9 @@ def may_resolve(patterns: Iterable[str], host: str, port: int) -> str | None:
     query, so a name no pattern allows never leaves as a query either (no exfiltration through
     the resolver)."""
     given = list(patterns)
-    if not given:
-        return None
     host = host.lower().rstrip(".")
-    for pattern in given:
-        wanted, wanted_port = _pattern(pattern)
-        if wanted_port is not None and wanted_port != port:
-            continue
-        if wanted == host or (wanted.startswith("*.") and host.endswith(wanted[1:])):
-            return None
+    if not given or any(_match(pattern, host, port) for pattern in given):
+        return None
     return f"{host}:{port} matches no --allow-host pattern ({', '.join(given)}); not resolved"
 
 
@@ -189,13 +193,8 @@ def decide(
             f"exactly: --allow-host {_shown(host)}:{port}"
         )
     for pattern in given:
-        wanted, wanted_port = _pattern(pattern)
-        if wanted_port is not None and wanted_port != port:
-            continue
-        if wanted.startswith("*."):
-            if host.endswith(wanted[1:]) and not service:
-                return None
-        elif wanted == host:  # by name, or an address asked for by address (never a name's)
+        how = _match(pattern, host, port)
+        if how == "exactly" or (how == "by wildcard" and not service):
             return None
     if service and any(_pattern(p)[0].startswith("*.") for p in given):
         return (
@@ -203,6 +202,17 @@ def decide(
             f"--allow-host {_shown(host)}:{port}"
         )
     return f"{host}:{port} matches no --allow-host pattern ({', '.join(given)})"
+
+
+def _match(pattern: str, host: str, port: int) -> str | None:
+    """How `pattern` names `host`:`port`: "exactly" (the name, or an address asked for by
+    address, never a name's), "by wildcard", or None."""
+    wanted, wanted_port = _pattern(pattern)
+    if wanted_port is not None and wanted_port != port:
+        return None
+    if wanted.startswith("*."):
+        return "by wildcard" if host.endswith(wanted[1:]) else None
+    return "exactly" if wanted == host else None
 
 
 def _which(address: str, own_address: bool) -> str:
@@ -216,12 +226,6 @@ def _which(address: str, own_address: bool) -> str:
     if parsed.is_link_local:
         return f"link-local ({address}, where cloud metadata services answer)"
     return f"not on the public internet ({address})"
-
-
-def _plain(address: str) -> str:
-    import ipaddress
-
-    return str(ipaddress.ip_address(address))
 
 
 def _shown(host: str) -> str:

@@ -276,14 +276,6 @@ def _check_limits(spec: CommandSpec) -> None:
         raise BadInput(why)
 
 
-def _allow_hosts(patterns: Sequence[str], network: str | None) -> tuple[str, ...]:
-    """The --allow-host patterns, checked; refused unless the network is the proxy's."""
-    checked = netpolicy.check_patterns("allow_hosts", list(patterns))
-    if checked and network not in (None, "proxy"):
-        raise BadInput(f"allow_hosts: only --network proxy goes through the proxy, not {network}")
-    return checked
-
-
 def _check_sandbox(spec: CommandSpec, task: TaskRecord, provider: str) -> bool:
     """Whether the command will run through the task's sandbox's enter prefix; refuses what
     settled could not then honour (its own isolation, a uid, a granted path, a network of
@@ -498,7 +490,7 @@ class Runtime:
             from settled.identity import NETWORK_POLICIES
 
             grammar.check_choice("network", network, NETWORK_POLICIES)
-        patterns = _allow_hosts(allow_hosts or (), network)
+        patterns = netpolicy.check_allowed("allow_hosts", allow_hosts or (), network)
         granted = {kind: grants.resolve(kind, paths) for kind, paths in
                    (("writable", writable), ("readable", readable))}  # fmt: skip
         if key is None or (retried := self.store.find_task(key)) is None:
@@ -665,10 +657,6 @@ class Runtime:
         chosen_network = (
             network or defaults.get("network") or ("host" if builds_nothing else "proxy")
         )
-        patterns = _allow_hosts(
-            defaults.get("allow_hosts", ()) if allow_hosts is None else allow_hosts,
-            chosen_network,
-        )
         explicit = dict(normalize_env(env or {}))
         if chosen_network == "proxy":  # where the proxy is, unless the command says otherwise
             explicit = {**dict(netpolicy.proxy_env()), **explicit}
@@ -693,7 +681,11 @@ class Runtime:
             pids=limits["pids"],
             cpus=limits["cpus"],
             network=chosen_network,
-            allow_hosts=patterns,
+            allow_hosts=netpolicy.check_allowed(  # a text is refused, never taken letter by letter
+                "allow_hosts",
+                tuple(defaults.get("allow_hosts", ())) if allow_hosts is None else allow_hosts,
+                chosen_network,
+            ),
             inherited=(*(n for n in caller.inherited if n not in explicit), *inherited),
             env_removed=caller.removed,
         )
