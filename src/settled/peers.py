@@ -214,7 +214,7 @@ def session_of(cgroups: str, own: str | None = None) -> tuple[str, str] | None:
     settled that runs inside a session) is its own and not counted."""
     mine: dict[str, str] | None = None
     for key, path in _hierarchies(cgroups):
-        for session in _sessions(path):
+        for session in session_roots(path):
             if mine is None:
                 mine = dict(_hierarchies(_read("/proc/self/cgroup") if own is None else own))
             if not _within(mine.get(key), session):
@@ -230,7 +230,8 @@ def _hierarchies(text: str) -> Iterator[tuple[str, str]]:
             yield key, path
 
 
-def _sessions(path: str) -> Iterator[str]:
+def session_roots(path: str) -> Iterator[str]:
+    """Each `<any>/settled/t_<hex>/s_<hex>` that `path` lies in (a session's cgroup)."""
     parts = path.split("/")
     for at in range(len(parts) - 2):
         if (

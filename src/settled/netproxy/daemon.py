@@ -37,7 +37,7 @@ from settled.daemons import ReadyReport
 from settled.home import session_dir
 from settled.netproxy import taskns
 from settled.netproxy.client import LOCK_SUFFIX, SOCKET_NAME
-from settled.netproxy.relay import Connection
+from settled.netproxy.relay import Connection, response
 from settled.where import run_dir
 
 CONNECTION_LIMIT = 256  # open at once in one task (SETTLED_PROXY_CONNECTIONS overrides)
@@ -199,15 +199,13 @@ class Daemon:
         if ledger is None:
             log(f"task {net.task}: refused a connection: {why}")
             with contextlib.suppress(OSError):
-                client.send(b"HTTP/1.1 403 Forbidden\r\nConnection: close\r\nContent-Length: 0"
-                            b"\r\n\r\n")  # fmt: skip
+                client.send(response(403, None))
             client.close()
             return
         if ledger.next > self.entries:  # the home's disk is not the command's to fill
             ledger.unrecorded += 1
             with contextlib.suppress(OSError):
-                client.send(b"HTTP/1.1 503 Service Unavailable\r\nConnection: close\r\n"
-                            b"Content-Length: 0\r\n\r\n")  # fmt: skip
+                client.send(response(503, None))
             client.close()
             return
         number = ledger.number()
@@ -216,7 +214,7 @@ class Daemon:
             why = f"the task's connection limit ({self.limit} open at once) was reached"
             ledger.write({"e": "refused", "id": number, "at": time.time(), "host": "",
                           "port": 0, "why": why, "limit": True})  # fmt: skip
-            await connection._answer(asyncio.get_running_loop(), 503, why)
+            await connection.answer(asyncio.get_running_loop(), 503, why)
             client.close()
             return
         net.open += 1
@@ -282,10 +280,11 @@ class Daemon:
 
 
 def _session_in(path: str, task: str) -> str | None:
-    parts = path.strip("/").split("/")
-    for at in range(len(parts) - 2):
-        if parts[at] == peers.SESSION_TREE and parts[at + 1] == task:
-            return parts[at + 2]
+    """The session of `task` whose cgroup `path` lies in (peers' reading of the tree)."""
+    for root in peers.session_roots(path):
+        tree, session = os.path.split(root)
+        if os.path.basename(tree) == task:
+            return session
     return None
 
 

@@ -95,7 +95,7 @@ class Connection:
             request = _parse(head)
         except (TimeoutError, Refused, OSError, h11.RemoteProtocolError) as exc:
             why = exc.why if isinstance(exc, Refused) else f"no request head: {exc!r}"
-            await self._answer(loop, 400, why)
+            await self.answer(loop, 400, why)
             self.ledger.write({"e": "refused", "id": self.number, "at": time.time(),
                                "host": "", "port": 0, "why": why})  # fmt: skip
             self.client.close()
@@ -103,7 +103,7 @@ class Connection:
         try:
             await self._connect(loop, request)
         except Refused as exc:
-            await self._answer(loop, exc.status, exc.why)
+            await self.answer(loop, exc.status, exc.why)
             self.client.close()
             return
         await self._pipe(loop, request, rest)
@@ -112,7 +112,8 @@ class Connection:
         host, port = request["host"], request["port"]
         base = {"id": self.number, "at": time.time(), "host": host, "port": port,
                 "kind": request["kind"], **request.get("http", {})}  # fmt: skip
-        if not _is_literal(host) and (why := netpolicy.may_resolve(self.ledger.allow, host, port)):
+        named = _literal_family(host) is None
+        if named and (why := netpolicy.may_resolve(self.ledger.allow, host, port)):
             self._refused(base, why)
             raise Refused(403, why)
         try:
@@ -215,14 +216,21 @@ class Connection:
             event["why"] = why
         self.ledger.write(event)
 
-    async def _answer(self, loop: asyncio.AbstractEventLoop, status: int, why: str) -> None:
-        reason = {400: "Bad Request", 403: "Forbidden", 502: "Bad Gateway",
-                  503: "Service Unavailable"}[status]  # fmt: skip
-        body = f"settled proxy: {why}\n".encode()
-        head = (f"HTTP/1.1 {status} {reason}\r\nContent-Type: text/plain; charset=utf-8\r\n"
-                f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()  # fmt: skip
+    async def answer(self, loop: asyncio.AbstractEventLoop, status: int, why: str) -> None:
+        """The proxy's refusal to the client, with why (at most 5 s: the client may not read)."""
         with contextlib.suppress(OSError, TimeoutError):
-            await asyncio.wait_for(loop.sock_sendall(self.client, head + body), 5.0)
+            await asyncio.wait_for(loop.sock_sendall(self.client, response(status, why)), 5.0)
+
+
+REASONS = {400: "Bad Request", 403: "Forbidden", 502: "Bad Gateway", 503: "Service Unavailable"}
+
+
+def response(status: int, why: str | None) -> bytes:
+    """A whole answer that closes the connection: with why in its body, or empty."""
+    body = f"settled proxy: {why}\n".encode() if why is not None else b""
+    kind = "Content-Type: text/plain; charset=utf-8\r\n" if body else ""
+    return (f"HTTP/1.1 {status} {REASONS[status]}\r\n{kind}Content-Length: {len(body)}\r\n"
+            "Connection: close\r\n\r\n").encode() + body  # fmt: skip
 
 
 _PUMPS: list[concurrent.futures.ThreadPoolExecutor] = []
@@ -315,26 +323,23 @@ def _parse_head(head: bytes) -> dict[str, Any]:
     if url.scheme != "http" or not url.hostname:
         raise Refused(400, f"{method} {target[:200]}: a proxy request needs an http:// URI "
                       "(https goes through CONNECT)")  # fmt: skip
-    host, port = netpolicy.parse_authority(url.netloc.rpartition("@")[2])
+    authority = url.netloc.rpartition("@")[2]  # never the userinfo, in the ledger or upstream
+    host, port = netpolicy.parse_authority(authority)
     port = port or 80
     path = (url.path or "/") + (f"?{url.query}" if url.query else "")
     lines = [f"{method} {path} HTTP/1.1".encode()]
     lines += [name + b": " + value for name, value in event.headers if name not in HOP_BY_HOP]
     lines.append(b"connection: close")
     forward = b"\r\n".join(lines) + b"\r\n\r\n"
-    authority = url.netloc.rpartition("@")[2]
     return {"kind": "http", "host": host, "port": port, "forward": forward,
             "http": {"method": method, "authority": authority}}  # fmt: skip
 
 
 async def _resolve(loop: asyncio.AbstractEventLoop, host: str, port: int) -> list[tuple[int, str]]:
     """(family, address) in the resolver's order; an address literal is itself."""
-    for family in (socket.AF_INET, socket.AF_INET6):
-        try:
-            socket.inet_pton(family, host)
-            return [(family, host)]
-        except OSError:
-            continue
+    family = _literal_family(host)
+    if family is not None:
+        return [(family, host)]
     found = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     seen: list[tuple[int, str]] = []
     for family, _type, _proto, _name, address in found:
@@ -344,14 +349,15 @@ async def _resolve(loop: asyncio.AbstractEventLoop, host: str, port: int) -> lis
     return seen
 
 
-def _is_literal(host: str) -> bool:
+def _literal_family(host: str) -> int | None:
+    """The family of an address literal, None for a name."""
     for family in (socket.AF_INET, socket.AF_INET6):
         try:
             socket.inet_pton(family, host)
-            return True
+            return family
         except OSError:
             continue
-    return False
+    return None
 
 
 def _said(exc: BaseException) -> str:
