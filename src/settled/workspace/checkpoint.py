@@ -27,6 +27,7 @@ Never touches processes and never decides a task's state.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import time
@@ -38,7 +39,7 @@ from settled.home import journal_socket, run_dir
 from settled.receipts import seal
 from settled.records import SessionRecord, TaskRecord
 from settled.store import Store
-from settled.workspace import ignore
+from settled.workspace import cachetrust, ignore
 from settled.workspace.hashing import algorithm_of, digest_bytes
 from settled.workspace.index import Index
 from settled.workspace.journal import client as journal_client
@@ -48,7 +49,7 @@ from settled.workspace.nodecache import NodeCache
 from settled.workspace.objectstore import ObjectMissing, ObjectStore, StoredObject
 from settled.workspace.open_objects import open_object_store as open_object_store
 from settled.workspace.readback import QUARANTINABLE, Problem, ReadBack, read_back
-from settled.workspace.scan import ScanError, gc_paused, scan
+from settled.workspace.scan import CLOCK_SLACK_NS, ScanError, Vouches, gc_paused, scan
 from settled.workspace.verified import VerifiedRecord
 
 CHECKPOINT_RECEIPT_VERSION = "settled.receipt.checkpoint/v1"
@@ -129,10 +130,11 @@ class WorkspaceService:
         only = None
         if incremental and previous is not None and watermark is not None:
             only = watermark.dirty_dirs if watermark.trustworthy else None
+        vouches = self._vouches(task)
         try:
             result = scan(
                 task.workspace, previous, self.objects, only=only, cache=self.cache,
-                ignore=rules, list_published=True,
+                ignore=rules, list_published=True, vouches=vouches,
             )  # fmt: skip
         except IndexMismatch as error:
             cache, only = f"unusable, scanned without it: {error}", None
@@ -140,6 +142,8 @@ class WorkspaceService:
                 task.workspace, None, self.objects, cache=self.cache, ignore=rules,
                 list_published=True,
             )  # fmt: skip
+        started_ns = result.index.scan_started_ns
+        self.cache.record_window(started_ns - CLOCK_SLACK_NS, started_ns, time.time_ns())
         faults.point("checkpoint.after_blobs")
         index_ref = result.index.ref
         self.cache.put_many([(index_ref, result.index.to_bytes())])
@@ -155,6 +159,11 @@ class WorkspaceService:
             "stat_cache": cache,
             "entries": result.index.count,
             "mode": "full" if only is None else "incremental",
+            "mapped_writes": {
+                "rule": cachetrust.RULE,
+                "dirs_reread": result.stats.dirs_unvouched,
+                **({} if only is None else {"not_covered": cachetrust.INCREMENTAL_GAP}),
+            },
             "stats": dataclasses.asdict(result.stats),
             **({"ignore": rules.record()} if rules.patterns else {}),
         }
@@ -305,6 +314,23 @@ class WorkspaceService:
             )
             raise CheckpointUnverified(manifest.digest, still, why)
         return healed, again, manifest
+
+    def _vouches(self, task: TaskRecord) -> Vouches:
+        """Whether a previous scan's rows are evidence now (``cachetrust``), given every
+        session of this task and of the tasks sharing its workspace, as the store has them."""
+        writers = [
+            (session.created_at, session.settled_at)
+            for owner in (task.task, *self.store.workspace_shares(task.task))
+            for session in self.store.list_sessions(owner)
+        ]
+        now_ns = time.time_ns()
+
+        @functools.cache
+        def judged(trusted_before_ns: int, magic: int) -> bool:
+            window = self.cache.window(trusted_before_ns)
+            return cachetrust.vouches(window, writers, now_ns, magic)
+
+        return judged
 
     def _previous(self, ref: str | None) -> tuple[Index | None, str]:
         """The last checkpoint's stat cache, or None and why not."""

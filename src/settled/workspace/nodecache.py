@@ -1,7 +1,10 @@
 """Where the stat cache lives: its nodes by ref, in one SQLite file beside the object store.
 
 Owns ``NodeCache``: ``read(ref)`` and ``put_many`` over a table of ``(ref, bytes)``, in
-``<home>/index.db``. Why not the object store: a node is a cache whose every load is checked
+``<home>/index.db``, and the window of each scan that listed nodes (``record_window``,
+``window``: when it started and ended, by the cutoff its nodes carry; ``cachetrust`` judges a
+node by it, and a window that is lost only costs a re-read). Why not the object store: a
+node is a cache whose every load is checked
 against its ref (``index.parse_node``), so it needs neither a file of its own nor an fsync. On
 this machine's disk a file create cost 0.03-0.8 ms depending on load, and nodes were a third of
 the files a checkpoint created (101 of 305 after changing 100 files in 100 directories); here a
@@ -49,6 +52,10 @@ class NodeCache:
                 "CREATE TABLE IF NOT EXISTS nodes (ref TEXT PRIMARY KEY, data BLOB NOT NULL) "
                 "WITHOUT ROWID"
             )
+            self._db.execute(
+                "CREATE TABLE IF NOT EXISTS scan_windows (trusted_before_ns INTEGER PRIMARY KEY, "
+                "started_ns INTEGER NOT NULL, ended_ns INTEGER NOT NULL)"
+            )
         except (sqlite3.Error, OSError) as error:
             typed = (
                 disk_error(error, path, "opening the stat cache")
@@ -77,6 +84,23 @@ class NodeCache:
                 self._db.execute("ROLLBACK")
                 raise
             self._db.execute("COMMIT")
+
+    def record_window(self, trusted_before_ns: int, started_ns: int, ended_ns: int) -> None:
+        """When the scan whose nodes carry ``trusted_before_ns`` ran (``cachetrust``)."""
+        with self._lock:
+            self._db.execute(
+                "INSERT OR REPLACE INTO scan_windows VALUES (?, ?, ?)",
+                (trusted_before_ns, started_ns, ended_ns),
+            )
+
+    def window(self, trusted_before_ns: int) -> tuple[int, int] | None:
+        """The ``(started_ns, ended_ns)`` of the scan that listed nodes with that cutoff."""
+        with self._lock:
+            row = self._db.execute(
+                "SELECT started_ns, ended_ns FROM scan_windows WHERE trusted_before_ns=?",
+                (trusted_before_ns,),
+            ).fetchone()
+        return None if row is None else (int(row[0]), int(row[1]))
 
     def close(self) -> None:
         with self._lock:

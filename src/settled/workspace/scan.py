@@ -50,6 +50,7 @@ the blobs it names are durable, write anything but store objects, or talk to the
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import os
 import stat
@@ -60,6 +61,7 @@ from typing import Final
 
 from settled.canonical import canonical_bytes
 from settled.errors import SettledError
+from settled.workspace.cachetrust import filesystem_magic
 from settled.workspace.hashing import (
     DEFAULT_ALGORITHM,
     Hasher,
@@ -110,6 +112,7 @@ from settled.workspace.walk import (
 from settled.workspace.walk import gc_paused as gc_paused
 
 CLOCK_SLACK_NS: Final = 20_000_000
+Vouches = Callable[[int, int], bool]  # (a node's trusted_before_ns, its filesystem's magic)
 TORN_ATTEMPTS: Final = 4
 TORN_BACKOFF_S: Final = (0.0, 0.005, 0.02, 0.05)
 
@@ -182,6 +185,9 @@ class ScanStats:
     sparse_files: int = 0  # files read as data extents and holes (the holes never read)
     hole_bytes: int = 0  # what the hashed files' holes added to the hash (sparse.holes_budget)
     links_reused: int = 0  # hard links given the digest of another link read in this scan
+    # directories whose cached rows were not evidence (``cachetrust``: a session could have
+    # written a mapped page unseen since they were listed), so every file in them was re-read
+    dirs_unvouched: int = 0
     walker: str = ""  # which scan_dir listed the directories: "native" (C) or "python"
 
 
@@ -204,6 +210,7 @@ def scan(
     cache: NodeCache | None = None,
     ignore: IgnoreRules = NO_RULES,
     list_published: bool = False,
+    vouches: Vouches | None = None,
 ) -> ScanResult:
     """Scan the tree at ``root``; publish file contents and trees into ``store`` if given, and
     the stat-cache nodes into ``cache`` (else they are kept in memory, beside the previous
@@ -220,6 +227,10 @@ def scan(
 
     ``list_published`` (with a store): also publish the list of the trees and blobs this scan
     published (``published_list``), durable with them; its id is ``published_ref``.
+
+    ``vouches(trusted_before_ns, magic)``: whether the previous rows listed with that cutoff,
+    in a directory on a filesystem of ``magic`` (``cachetrust``), may still vouch for their
+    files; a directory whose rows may not is re-read whole. None: the stat cache's own rules.
     """
     check_algorithm(algo)
     started = time.time_ns()
@@ -232,6 +243,7 @@ def scan(
     try:
         scanner = _Scanner(root_fd, previous, store, cache, algo, started - CLOCK_SLACK_NS)
         scanner.ignore = ignore
+        scanner.vouches = vouches
         scanner.list_published = list_published and store is not None
         with gc_paused():
             top = scanner.run(only)
@@ -364,6 +376,9 @@ class _Scanner:
         self.buffer = bytearray(CHUNK)
         self.view = memoryview(self.buffer)
         self.ignore = NO_RULES
+        self.vouches: Vouches | None = None
+        self.judged: set[str] = set()  # directories whose cutoff vouching_node decided
+        self.magics: dict[int, int] = {}  # st_dev -> filesystem magic
         self.walker = choose()
         self.stats.walker = self.walker.name
         self.holes_budget = holes_budget()
@@ -526,7 +541,7 @@ class _Scanner:
         return self.ahead.pop(child, None)
 
     def job(self, rel: str, fd: int) -> Job:
-        previous = self.previous_node(rel)
+        previous = self.vouching_node(rel, fd)
         if previous is None:
             return fd, None, 0
         return fd, previous.entries, previous.trusted_before_ns
@@ -605,6 +620,26 @@ class _Scanner:
         self.entries_listed += len(rows)
         subdirs.reverse()  # popped from the end: walk in sorted order
         return current, subdirs
+
+    def vouching_node(self, rel: str, fd: int) -> DirNode | None:
+        """``previous_node``, its cutoff taken away if its rows are no longer evidence (every
+        file in it is then re-read, as racy); decided once a directory, before its listing."""
+        node = self.previous_node(rel)
+        if node is None or self.vouches is None or rel in self.judged:
+            return node
+        self.judged.add(rel)
+        if node.trusted_before_ns and not self.vouches(node.trusted_before_ns, self.magic(fd)):
+            node = self.previous_nodes[rel] = dataclasses.replace(node, trusted_before_ns=0)
+            self.stats.dirs_unvouched += 1
+        return node
+
+    def magic(self, fd: int) -> int:
+        """The filesystem type of the directory open at ``fd`` (one ``fstatfs`` a device)."""
+        dev = os.fstat(fd).st_dev
+        known = self.magics.get(dev)
+        if known is None:
+            known = self.magics[dev] = filesystem_magic(fd)
+        return known
 
     def previous_node(self, rel: str) -> DirNode | None:
         """The previous index's node of ``rel`` (looked up from the root once, then kept:
