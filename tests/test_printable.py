@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from settled.printable import printable, printable_tree
+from settled.printable import printable, printable_tree, surrogates_escaped
 from settled.render import blocked_text, close_text, receipt_text, status_text
 
 SETTLED = [sys.executable, "-m", "settled.cli"]
@@ -123,6 +123,12 @@ def test_a_tree_is_escaped_in_every_string_and_key_and_nothing_else() -> None:
         "key\\x1b": ["a\\x0db", 7, None, {"n": 1.5, "\\u202e": True}],
         "t": ["x\\\\"],
     }
+
+
+def test_surrogates_alone_are_escaped_for_a_strict_utf8_transport() -> None:
+    tree = {"text": "line\nname-\udcff\ud800 \\ é", "n": [1, "\udc80"]}
+    assert surrogates_escaped(tree) == {"text": "line\nname-\\xff\\ud800 \\ é", "n": [1, "\\x80"]}
+    assert surrogates_escaped("ok é") == "ok é"
 
 
 # -- the renderings ----------------------------------------------------------------------------

@@ -24,7 +24,8 @@ The scheme (like `ls -b` and git's quotePath, one rule for every character):
 So distinct texts give distinct views: reading a view back is unambiguous. A view is not
 idempotent (escaping it again doubles its backslashes); escape once, where text is composed.
 `printable_tree` escapes every string (and key) of a JSON-shaped value, so a renderer escapes
-its whole input once and formats it as before.
+its whole input once and formats it as before. `surrogates_escaped` escapes lone surrogates
+alone, the same way, for a face that must send strict UTF-8 but is not a terminal (MCP).
 
 Must never: raise for any str, change what is printable (the fast path returns the same
 object), import anything (every `settled status` loads it), or be applied to JSON output or to
@@ -60,6 +61,21 @@ def _escape(char: str) -> str:
     if code <= 0xFFFF:
         return f"\\u{code:04x}"
     return f"\\U{code:08x}"
+
+
+def surrogates_escaped(value: Any) -> Any:
+    """A JSON-shaped value whose strings hold no lone surrogate, each shown as `printable`
+    shows it (`\\xff` for a byte), all else as it was: for an answer whose transport encodes
+    UTF-8 strictly (MCP's), whose text keeps its lines and is not a person's terminal."""
+    if isinstance(value, str):
+        if value.isascii() or not any(0xD800 <= ord(char) <= 0xDFFF for char in value):
+            return value
+        return "".join(_escape(c) if 0xD800 <= ord(c) <= 0xDFFF else c for c in value)
+    if isinstance(value, dict):
+        return {surrogates_escaped(k): surrogates_escaped(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [surrogates_escaped(item) for item in value]
+    return value
 
 
 def printable_tree(value: Any) -> Any:
