@@ -37,6 +37,7 @@ FOUNDATION = {
     "settled.netledger",
     "settled.netpolicy",
     "settled.peers",
+    "settled.printable",
     "settled.nothreads",
     "settled.oomguard",
     "settled.rawthread",
@@ -60,6 +61,7 @@ FACE_NEUTRAL = {
     "settled.netpolicy",  # --allow-host's grammar, checked where a body or flag arrives
     "settled.peers",  # a server judges its TCP peers as the launcher and the journal do theirs
     "settled.oomguard",  # a server's own oom_score_adj: one write to /proc/self
+    "settled.printable",  # the one escape of what a command controls, in every human view
     "settled.records",
     "settled.render",
     "settled.states",

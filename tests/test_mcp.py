@@ -318,3 +318,14 @@ def test_the_server_reports_the_package_version(tmp_path: Path) -> None:
                 return str(init.server_info.version)
 
     assert anyio.run(main) == version("settled")
+
+
+def test_an_answer_holding_a_lone_surrogate_is_sent_as_utf8() -> None:
+    """A file name's byte that is not UTF-8 reaches the model as `\\xNN` (printable.py's
+    escape), in the text and the data; the SDK's strict UTF-8 JSON refused the raw surrogate."""
+    from settled.mcp_server import _answer
+
+    answer = _answer("wrote caf\udce9.txt\nnext line", {"paths": ["caf\udce9.txt", "é"]})
+    sent = answer.model_dump_json()  # what the stdio transport writes
+    assert "caf\\\\xe9.txt\\nnext line" in sent
+    assert answer.structured_content == {"paths": ["caf\\xe9.txt", "é"]}

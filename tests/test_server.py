@@ -814,3 +814,14 @@ def test_a_scoped_token_cannot_loosen_the_sandbox_of_its_task(
         assert scoped.get(f"/v1/tasks/{task}").json()["sessions"] == []
         assert admit(scoped, task, "k-ok", argv=["true"], isolation="strict").status_code == 201
         assert admit(full, task, "k-full", argv=["true"], isolation="none").status_code == 201
+
+
+def test_an_answer_holding_a_lone_surrogate_is_ascii_json_with_the_same_values() -> None:
+    """A byte of a file name that is not UTF-8 (os.fsdecode's U+DCFF) is answered as `\\udcff`;
+    Starlette's own JSONResponse raised UnicodeEncodeError while writing it."""
+    from settled.server.jsonbody import AsciiJSONResponse
+
+    payload = {"path": "caf\udce9/\u202e\x1b", "name": "é 中"}
+    body = AsciiJSONResponse(payload).body
+    assert body == b'{"path":"caf\\udce9/\\u202e\\u001b","name":"\\u00e9 \\u4e2d"}'
+    assert json.loads(body) == payload

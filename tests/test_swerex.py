@@ -173,3 +173,19 @@ def test_cd_outside_the_workspace_persists(url: str, tmp_path: Path) -> None:
         await rt.close()
 
     asyncio.run(asyncio.wait_for(drive(), 60))
+
+
+def test_a_file_that_is_not_utf8_is_read_with_surrogateescape(url: str, tmp_path: Path) -> None:
+    """The answer is ASCII JSON: a lone surrogate in it is `\\udcff`, not a failed answer."""
+    data = tmp_path / "latin1.txt"
+    data.write_bytes(b"caf\xe9 \xff\n")
+
+    async def drive() -> str:
+        rt = _client(url)
+        request = ReadFileRequest(path=str(data), encoding="utf-8", errors="surrogateescape")
+        content = (await rt.read_file(request)).content
+        await rt.close()
+        return content
+
+    content = asyncio.run(asyncio.wait_for(drive(), 60))
+    assert content.encode("utf-8", "surrogateescape") == b"caf\xe9 \xff\n"

@@ -6,6 +6,8 @@ sessions it made (read back from the store). Then what the checklist does not as
 that cannot start and a running service, closed with a command that wrote the workspace (the
 close stops the service, checkpoints, fences), with `explain`. It ends with the comparison
 table: the same experiments on a plain `subprocess.run`, measured just now, beside settled's.
+What it prints of a command (its output's model view, paths, words) is escaped as in every
+human view (`printable`).
 Must never: run an experiment of its own that the probe also runs (one copy of each).
 """
 
@@ -14,6 +16,7 @@ from __future__ import annotations
 import time
 
 from settled.errors import EXIT_BLOCKED, EXIT_OK
+from settled.printable import printable
 from settled.probe.host import Sweep, machine
 from settled.probe.plain import PlainAdapter
 from settled.probe.questions import HOLDS, Answer, run_questions
@@ -27,7 +30,7 @@ VIEW_BYTES = 200  # the model view of the 4 MiB line, as an agent would be shown
 
 
 def run_demo(rt: Runtime) -> int:
-    print(f"home {rt.home}\n")
+    print(f"home {printable(str(rt.home))}\n")
     sweep = Sweep()
     try:
         ours = SettledAdapter(sweep, LocalBackend(rt))
@@ -58,7 +61,8 @@ def _show(rt: Runtime, answer: Answer, sessions: list[str]) -> None:
         print(receipt_text(rt.wait(session, 60)["receipt"]))
         if answer.question.id == "long_line":
             print(f"  model view ({VIEW_BYTES} bytes):")
-            print("    " + rt.view(session, "stdout", VIEW_BYTES).replace("\n", "\n    "))
+            lines = rt.view(session, "stdout", VIEW_BYTES).split("\n")
+            print("\n".join(f"    {printable(line)}" for line in lines))
     print()
 
 
@@ -79,8 +83,8 @@ def _close_story(rt: Runtime) -> bool:
     print(f"\n== a service is running ({service.session}); closing the task\n")
     result = rt.close_task(task.task, final="The demo ran every probe.", deadline=30)
     if not result.complete or result.receipt is None:
-        print(f"close is blocked: {result.blocked_on}")
+        print(f"close is blocked: {printable(str(result.blocked_on))}")
         return False
     print(close_text(result.receipt))
-    print("\n== explain\n" + rt.explain(task.task)["words"])
+    print("\n== explain\n" + printable(rt.explain(task.task)["words"]))
     return True

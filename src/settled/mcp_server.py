@@ -36,6 +36,7 @@ from pydantic import Field
 from settled import grammar
 from settled.errors import CursorOutOfRange, NotSettled, SettledError
 from settled.exitcodes import command_exit_code
+from settled.printable import surrogates_escaped
 from settled.runtime import Runtime, open_launcher
 
 if TYPE_CHECKING:
@@ -102,7 +103,12 @@ class Runtimes:
 
 
 def _answer(text: str, data: dict[str, Any]) -> CallToolResult:
-    return CallToolResult(content=[TextContent(type="text", text=text)], structured_content=data)
+    """The model's text and the harness's data; a lone surrogate (a byte of a file name that
+    is not UTF-8) escaped in both, as the SDK writes strict UTF-8 JSON."""
+    return CallToolResult(
+        content=[TextContent(type="text", text=surrogates_escaped(text))],
+        structured_content=surrogates_escaped(data),
+    )
 
 
 def _tool_errors(fn: Callable[P, R]) -> Callable[P, R]:
@@ -113,11 +119,11 @@ def _tool_errors(fn: Callable[P, R]) -> Callable[P, R]:
         try:
             return fn(*args, **kwargs)
         except SettledError as exc:
-            raise ToolError(f"{exc.kind}: {exc}") from exc
+            raise ToolError(surrogates_escaped(f"{exc.kind}: {exc}")) from exc
         except CursorOutOfRange as exc:
-            raise ToolError(f"CursorOutOfRange: {exc}") from exc
+            raise ToolError(surrogates_escaped(f"CursorOutOfRange: {exc}")) from exc
         except ValueError as exc:
-            raise ToolError(f"BadInput: {exc}") from exc
+            raise ToolError(surrogates_escaped(f"BadInput: {exc}")) from exc
 
     return wrapper
 

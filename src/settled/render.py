@@ -1,6 +1,15 @@
-"""Human-readable renderings of receipts and status for the terminal (the JSON is the truth)."""
+"""Human-readable renderings of receipts and status for the terminal (the JSON is the truth).
+
+Every public rendering escapes its whole input once (`printable.printable_tree`) before it
+formats it: a receipt or a view carries the command's argv, key, paths and words, and none of
+them may reach a person's terminal as control characters, bidi controls or escape sequences.
+Must never: escape twice (a private `_..._text` formats what its public caller escaped) or
+change the JSON a verb prints beside the text.
+"""
 
 from __future__ import annotations
+
+from settled.printable import printable_tree
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -36,6 +45,10 @@ def _stream_line(name: str, fact: dict[str, Any]) -> str:
 
 
 def receipt_text(receipt: dict[str, Any]) -> str:
+    return _receipt_text(printable_tree(receipt))
+
+
+def _receipt_text(receipt: dict[str, Any]) -> str:
     death = receipt["death"]
     output = receipt["output"]
     proof = (
@@ -83,6 +96,10 @@ def receipt_text(receipt: dict[str, Any]) -> str:
 
 
 def status_text(view: dict[str, Any]) -> str:
+    return _status_text(printable_tree(view))
+
+
+def _status_text(view: dict[str, Any]) -> str:
     if "sessions" in view:
         lines = [f"task {view['task']} [{view['state']}] workspace {view['workspace']}"]
         for s in view["sessions"]:
@@ -99,11 +116,15 @@ def status_text(view: dict[str, Any]) -> str:
     if view.get("reason"):
         lines.append(f"  reason: {view['reason']}")
     if "receipt" in view:
-        lines.append(receipt_text(view["receipt"]))
+        lines.append(_receipt_text(view["receipt"]))
     return "\n".join(lines)
 
 
 def close_text(receipt: dict[str, Any]) -> str:
+    return _close_text(printable_tree(receipt))
+
+
+def _close_text(receipt: dict[str, Any]) -> str:
     checkpoint = receipt["checkpoint"]
     commands = receipt["outcome"]["commands"]
     lines = [
@@ -129,6 +150,7 @@ def close_text(receipt: dict[str, Any]) -> str:
 
 
 def blocked_text(task: str, blocked: dict[str, Any]) -> str:
+    task, blocked = printable_tree(task), printable_tree(blocked)
     return (
         f"task {task} is NOT complete: blocked on {blocked['authority']}, "
         f"which owes {blocked['obligation']}"

@@ -1,6 +1,9 @@
 """What every verb of the command line shares: printing a result, failing in one line, and
 running a handler with every error mapped to its documented exit code.
 
+The one line is escaped as every human view is (`printable`): an error may quote a command's
+text. The JSON beside it is printed as it is.
+
 Costs nothing to import (no argparse, no runtime until a verb opens one), so the read verbs'
 quick path (`cli/reads.py`) and the full parser (`cli/verbs.py`) run their handlers alike.
 """
@@ -21,6 +24,7 @@ from settled.errors import (
     CursorOutOfRange,
     SettledError,
 )
+from settled.printable import printable
 from settled.states import SETTLED
 
 TYPE_CHECKING = False
@@ -57,7 +61,7 @@ def fail(args: Namespace, payload: dict[str, Any], message: str, code: int) -> i
         traceback.print_exc()
     if getattr(args, "json", False):
         print(json.dumps(payload, sort_keys=True))
-    print(f"settled: {payload['error']}: {message}", file=sys.stderr)
+    print(f"settled: {printable(str(payload['error']))}: {printable(message)}", file=sys.stderr)
     return code if code in EXIT_CODES and code != EXIT_OK else EXIT_FAILURE
 
 

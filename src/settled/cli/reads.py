@@ -18,6 +18,7 @@ from types import SimpleNamespace
 from settled import grammar
 from settled.cli.frame import emit
 from settled.errors import EXIT_OK, SettledError
+from settled.printable import printable
 from settled.render import status_text
 
 TYPE_CHECKING = False
@@ -44,9 +45,10 @@ def cmd_ls(rt: Runtime, args: Namespace) -> int:
         if "complete" in row:
             state += " (complete)" if row["complete"] else " (not complete)"
         sessions = f"{row['sessions']}" + (f" ({row['live']} live)" if row["live"] else "")
-        table.append(
-            (row["task"], state, sessions, _age(now - row["created_at"]), row["workspace"])
-        )
+        table.append((
+            printable(row["task"]), printable(state), sessions, _age(now - row["created_at"]),
+            printable(row["workspace"]),
+        ))  # fmt: skip
     text = _table(table) if rows else "no tasks in this home (create one: settled task new)"
     emit(args, {"tasks": rows}, text, brief="\n".join(r["task"] for r in rows) or None)
     return EXIT_OK
@@ -64,9 +66,9 @@ def cmd_ps(rt: Runtime, args: Namespace) -> int:
         started, ended = s.get("started_at"), s.get("settled_at")
         took = _age((ended or time.time()) - started) if started else "-"
         table.append((
-            s["session"], s["key"], s["state"], str(code),
-            f"{cursors.get('stdout', 0)}/{cursors.get('stderr', 0)}", took,
-            _shorten(s.get("command") or "", 60),
+            printable(s["session"]), printable(s["key"]), printable(s["state"]),
+            printable(str(code)), f"{cursors.get('stdout', 0)}/{cursors.get('stderr', 0)}", took,
+            _shorten(printable(s.get("command") or ""), 60),
         ))  # fmt: skip
     text = _table(table) if view["sessions"] else f"task {args.task} has no sessions"
     emit(args, view, text, brief="\n".join(s["session"] for s in view["sessions"]) or None)

@@ -28,6 +28,7 @@ from settled.errors import (
 )
 from settled.exitcodes import RUN_EXIT_CODES, RUN_UNKNOWN, command_exit_code
 from settled.identity import BOUNDARY_POLICIES, ISOLATION_POLICIES, NETWORK_POLICIES
+from settled.printable import printable, printable_tree
 from settled.render import blocked_text, close_text, receipt_text, status_text
 
 TYPE_CHECKING = False
@@ -53,7 +54,7 @@ def cmd_task_new(rt: Runtime, args: argparse.Namespace) -> int:
         network=args.network,
         allow_hosts=args.allow_host or (),
     )
-    text = f"task {record.task} (key {record.key}) at {record.workspace}"
+    text = f"task {record.task} (key {printable(record.key)}) at {printable(record.workspace)}"
     emit(args, record.to_json(), text, brief=record.task)
     return EXIT_OK
 
@@ -126,7 +127,7 @@ def cmd_exec(rt: Runtime, args: argparse.Namespace) -> int:
     admission = _admit(rt, args, "exec")
     payload = admission.to_json()
     verb = "reused" if admission.reused else "admitted"
-    text = f"{verb} session {admission.session} (key {admission.key}): {admission.state}"
+    text = f"{verb} session {admission.session} (key {printable(admission.key)}): {admission.state}"
     if not args.wait:
         emit(args, payload, text, brief=admission.session)
         return EXIT_OK
@@ -311,7 +312,7 @@ def cmd_recover(rt: Runtime, args: argparse.Namespace) -> int:
     else:
         results, header, vanished = rt.recover(args.task), [], {}
     still = [r for r in results if r["state"] == "unknown"]
-    lines = [f"{r['session']}: {r['state']} — {r.get('evidence') or r.get('why')}" for r in results]
+    lines = [_settling_line(r) for r in printable_tree(results)]
     emit(
         args,
         {**vanished, "sessions": results},
@@ -320,13 +321,18 @@ def cmd_recover(rt: Runtime, args: argparse.Namespace) -> int:
     return EXIT_BLOCKED if still else EXIT_OK
 
 
+def _settling_line(result: dict[str, Any]) -> str:
+    """One session's line in what recover and destroy settled: its state and why."""
+    return f"{result['session']}: {result['state']} — {result.get('evidence') or result.get('why')}"
+
+
 def cmd_hosts(rt: Runtime, args: argparse.Namespace) -> int:
     hosts = rt.hosts()
     lines = [
         f"{h['host']}  {h['name']}  {h['home']}"
         + ("  (this host)" if h["this"] else "")
         + (f"  vanished: {h['vanished_why']}" if h["vanished_at"] else "")
-        for h in hosts
+        for h in printable_tree(hosts)
     ]
     emit(args, {"hosts": hosts}, "\n".join(lines))
     return EXIT_OK
@@ -336,9 +342,9 @@ def cmd_task_destroy(rt: Runtime, args: argparse.Namespace) -> int:
     result = rt.destroy_task(args.task)
     confirmed = (result["sandbox"] or {}).get("confirmation")
     said = f": {json.dumps(confirmed, sort_keys=True)}" if confirmed is not None else ""
-    lines = [f"sandbox of {args.task} destroyed by provider {result['provider']}{said}"] + [
-        f"  {r['session']}: {r['state']} — {r.get('evidence') or r.get('why')}"
-        for r in result["sessions"]
+    provider = printable(str(result["provider"]))
+    lines = [f"sandbox of {args.task} destroyed by provider {provider}{said}"] + [
+        f"  {_settling_line(r)}" for r in printable_tree(result["sessions"])
     ]
     emit(args, result, "\n".join(lines))
     return EXIT_BLOCKED if any(r["state"] == "unknown" for r in result["sessions"]) else EXIT_OK
@@ -346,7 +352,7 @@ def cmd_task_destroy(rt: Runtime, args: argparse.Namespace) -> int:
 
 def cmd_explain(rt: Runtime, args: argparse.Namespace) -> int:
     view = rt.explain(args.task)
-    emit(args, view, view["words"])
+    emit(args, view, printable(view["words"]))
     return EXIT_OK if view["complete"] else EXIT_BLOCKED
 
 
@@ -368,7 +374,7 @@ def cmd_restore(rt: Runtime, args: argparse.Namespace) -> int:
         "times_unrecorded": result.times_unrecorded,
     }
     text = (
-        f"restored {result.manifest_id} into {result.dest}: {result.files} files, "
+        f"restored {result.manifest_id} into {printable(result.dest)}: {result.files} files, "
         f"{result.dirs} dirs, {result.symlinks} symlinks, {result.bytes_written} bytes"
     )
     if result.owners_restored:
@@ -381,16 +387,16 @@ def cmd_restore(rt: Runtime, args: argparse.Namespace) -> int:
     else:
         text += "; every entry is owned by you (--same-owner, as root, restores owners)"
     if result.setid_dropped:
-        text += (
-            f"; set-id bits dropped (not earned by this restore): {', '.join(result.setid_dropped)}"
-        )
+        dropped = ", ".join(printable(path) for path in result.setid_dropped)
+        text += f"; set-id bits dropped (not earned by this restore): {dropped}"
     if result.times_unrecorded:
         text += (
             f"; modification times not restored for {result.times_unrecorded} entries (the "
             "checkpoint predates recorded times)"
         )
     if result.not_restorable:
-        text += f"; not restorable: {result.not_restorable}"
+        kinds = ", ".join(f"{printable(path)} ({kind})" for path, kind in result.not_restorable)
+        text += f"; not restorable: {kinds}"
     emit(args, payload, text)
     return EXIT_OK if result.complete else EXIT_BLOCKED
 
@@ -398,7 +404,7 @@ def cmd_restore(rt: Runtime, args: argparse.Namespace) -> int:
 def cmd_verify(rt: Runtime, args: argparse.Namespace) -> int:
     result = rt.verify(args.target, read_data=args.read_data)
     lines = []
-    for problem in result["problems"]:
+    for problem in printable_tree(result["problems"]):
         detail = f" ({problem['detail']})" if problem.get("detail") else ""
         used_by = ", ".join(problem["paths"]) or "the manifest"
         lines.append(f"{problem['object']} {problem['problem']}{detail}: {used_by}")

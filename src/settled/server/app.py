@@ -24,7 +24,7 @@ from typing import Any
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from settled import faults, grammar
@@ -34,6 +34,7 @@ from settled.server import bodies, streams, views
 from settled.server.auth import GRANT_SCOPE_KEY, BearerAuth, Grant, TokenTable
 from settled.server.errors import EXCEPTION_HANDLERS
 from settled.server.feed import ChangeFeed, parse_event_id
+from settled.server.jsonbody import AsciiJSONResponse
 from settled.server.openapi import document
 from settled.server.page import FILES as PAGE_FILES
 from settled.server.page import Page
@@ -92,8 +93,8 @@ def grant_of(request: Request) -> Grant:
     return grant
 
 
-def _json(payload: Any, status: int = 200) -> JSONResponse:
-    return JSONResponse(payload, status_code=status)
+def _json(payload: Any, status: int = 200) -> AsciiJSONResponse:
+    return AsciiJSONResponse(payload, status_code=status)
 
 
 class Handlers:

@@ -17,7 +17,7 @@ from typing import Any
 
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
 from settled.errors import (
     AdmissionFrozen,
@@ -42,6 +42,7 @@ from settled.errors import (
     WrongHost,
 )
 from settled.grammar import TooLarge
+from settled.server.jsonbody import AsciiJSONResponse
 
 log = logging.getLogger("settled.server")
 
@@ -110,14 +111,14 @@ def error_body(exc: SettledError) -> dict[str, Any]:
     return body
 
 
-def settled_error(exc: SettledError) -> JSONResponse:
+def settled_error(exc: SettledError) -> AsciiJSONResponse:
     status = status_of(exc)
     if status >= 500:
         log.error("%s: %s", exc.kind, exc)
-    return JSONResponse(error_body(exc), status_code=status)
+    return AsciiJSONResponse(error_body(exc), status_code=status)
 
 
-def cursor_error(exc: CursorOutOfRange) -> JSONResponse:
+def cursor_error(exc: CursorOutOfRange) -> AsciiJSONResponse:
     body = {
         "error": "CursorOutOfRange",
         "message": f"{exc}; read from a cursor in [0, {exc.end}]",
@@ -125,7 +126,7 @@ def cursor_error(exc: CursorOutOfRange) -> JSONResponse:
         "end": exc.end,
         "stream": exc.stream,
     }
-    return JSONResponse(body, status_code=416, headers={"Content-Range": f"bytes */{exc.end}"})
+    return AsciiJSONResponse(body, status_code=416, headers={"Content-Range": f"bytes */{exc.end}"})
 
 
 async def on_settled_error(_request: Request, exc: Exception) -> Response:
@@ -141,13 +142,13 @@ async def on_cursor_error(_request: Request, exc: Exception) -> Response:
 async def on_http_exception(_request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     body = {"error": "HTTPError", "message": exc.detail}
-    return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
+    return AsciiJSONResponse(body, status_code=exc.status_code, headers=exc.headers)
 
 
 async def on_unexpected(request: Request, exc: Exception) -> Response:
     log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
     body = {"error": "InternalError", "message": f"{type(exc).__name__}: {exc}"}
-    return JSONResponse(body, status_code=500)
+    return AsciiJSONResponse(body, status_code=500)
 
 
 EXCEPTION_HANDLERS: dict[Any, Any] = {

@@ -50,10 +50,11 @@ from typing import Any
 
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 from starlette.routing import Route
 
 from settled.runtime import Runtime
+from settled.server.jsonbody import AsciiJSONResponse
 
 MAX_ACTION_WAIT_S = 24 * 3600.0  # an action without a timeout is waited for this long at most
 
@@ -312,7 +313,7 @@ def _split_trailer(raw: str, marker: str) -> tuple[str, tuple[str, str] | None]:
 # -- HTTP ------------------------------------------------------------------------------
 
 
-def _transfer(error: BaseException) -> JSONResponse:
+def _transfer(error: BaseException) -> AsciiJSONResponse:
     if isinstance(error, SwerexError):
         class_path, extra = error.class_path, error.extra
     else:
@@ -325,7 +326,7 @@ def _transfer(error: BaseException) -> JSONResponse:
             "extra_info": extra,
         }
     }
-    return JSONResponse(content, status_code=511)
+    return AsciiJSONResponse(content, status_code=511)
 
 
 def create_swerex_app(home: str, api_key: str, workspace: str | None = None) -> Starlette:
@@ -340,7 +341,7 @@ def create_swerex_app(home: str, api_key: str, workspace: str | None = None) -> 
     def json_route(name: str, call: Any, with_id: bool = False) -> Route:
         async def endpoint(request: Request) -> Response:
             if not authorized(request):
-                return JSONResponse({"detail": "Invalid API Key"}, status_code=401)
+                return AsciiJSONResponse({"detail": "Invalid API Key"}, status_code=401)
             raw = await request.body()  # close sends no body at all
             body = json.loads(raw) if raw.strip() else {}
             args: tuple[Any, ...] = (body or {},) if call.__code__.co_argcount > 1 else ()
@@ -350,18 +351,18 @@ def create_swerex_app(home: str, api_key: str, workspace: str | None = None) -> 
                 result = await asyncio.to_thread(call, *args)
             except Exception as error:  # every error goes back to the client as SWE-ReX's
                 return _transfer(error)
-            return JSONResponse(result)
+            return AsciiJSONResponse(result)
 
         return Route(f"/{name}", endpoint, methods=["POST"])
 
     async def is_alive(request: Request) -> Response:
         if not authorized(request):
-            return JSONResponse({"detail": "Invalid API Key"}, status_code=401)
-        return JSONResponse({"is_alive": True, "message": ""})
+            return AsciiJSONResponse({"detail": "Invalid API Key"}, status_code=401)
+        return AsciiJSONResponse({"is_alive": True, "message": ""})
 
     async def read_file(request: Request) -> Response:
         if not authorized(request):
-            return JSONResponse({"detail": "Invalid API Key"}, status_code=401)
+            return AsciiJSONResponse({"detail": "Invalid API Key"}, status_code=401)
         body = await request.json()
         try:
             data = Path(body["path"]).read_text(
@@ -369,11 +370,11 @@ def create_swerex_app(home: str, api_key: str, workspace: str | None = None) -> 
             )
         except Exception as error:
             return _transfer(error)
-        return JSONResponse({"content": data})
+        return AsciiJSONResponse({"content": data})
 
     async def write_file(request: Request) -> Response:
         if not authorized(request):
-            return JSONResponse({"detail": "Invalid API Key"}, status_code=401)
+            return AsciiJSONResponse({"detail": "Invalid API Key"}, status_code=401)
         body = await request.json()
         try:
             path = Path(body["path"])
@@ -381,11 +382,11 @@ def create_swerex_app(home: str, api_key: str, workspace: str | None = None) -> 
             path.write_text(body["content"])
         except Exception as error:
             return _transfer(error)
-        return JSONResponse({})
+        return AsciiJSONResponse({})
 
     async def upload(request: Request) -> Response:
         if not authorized(request):
-            return JSONResponse({"detail": "Invalid API Key"}, status_code=401)
+            return AsciiJSONResponse({"detail": "Invalid API Key"}, status_code=401)
         form = await request.form()
         try:
             upload = form["file"]
@@ -400,10 +401,10 @@ def create_swerex_app(home: str, api_key: str, workspace: str | None = None) -> 
             return _transfer(error)
         finally:
             await form.close()
-        return JSONResponse({})
+        return AsciiJSONResponse({})
 
     async def root(request: Request) -> Response:
-        return JSONResponse({"message": "settled swerex"})
+        return AsciiJSONResponse({"message": "settled swerex"})
 
     routes = [
         Route("/", root, methods=["GET"]),
