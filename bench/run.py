@@ -32,6 +32,7 @@ import peers
 import plots
 import podnet
 import pods
+import proof_cost
 import receipt
 import remote
 import soak
@@ -53,6 +54,7 @@ BENCHMARKS = {
     "home_age": home_age.run,
     "isolation": isolation.run,
     "pods": pods.run,
+    "proof_cost": proof_cost.run,
     "podnet": podnet.run,
     "netproxy": netproxy.run,
     "limits": limits.run,
