@@ -32,7 +32,7 @@ from settled.errors import BadInput
 from settled.runtime import Runtime
 from settled.server import bodies, streams, views
 from settled.server.auth import GRANT_SCOPE_KEY, BearerAuth, Grant, TokenTable
-from settled.server.errors import EXCEPTION_HANDLERS
+from settled.server.errors import EXCEPTION_HANDLERS, JSONAnswer
 from settled.server.feed import ChangeFeed, parse_event_id
 from settled.server.openapi import document
 from settled.server.page import FILES as PAGE_FILES
@@ -93,7 +93,7 @@ def grant_of(request: Request) -> Grant:
 
 
 def _json(payload: Any, status: int = 200) -> JSONResponse:
-    return JSONResponse(payload, status_code=status)
+    return JSONAnswer(payload, status_code=status)
 
 
 class Handlers:

@@ -3,7 +3,10 @@
 Owns the table from error type to HTTP status (the HTTP twin of the CLI's exit codes) and the
 JSON body of every error: ``{"error": <type name>, "message": <text naming the value and the way
 out>, ...}`` plus the fields a client needs (both digests of a key conflict, the session that
-froze a task, the cursor and end of an out-of-range read).
+froze a task, the cursor and end of an out-of-range read), and ``JSONAnswer``, the encoding of
+every JSON answer of the service: starlette's, except that a lone surrogate (a byte of a name
+that is not UTF-8, as ``os.fsdecode`` made it) is written ``\\udcXX`` (``canonical.utf8_json``)
+where starlette's strict UTF-8 would fail the answer.
 
 Must never: guess a status from a message, leak what a token may not see (a task outside the
 token's scope answers with the very body an unknown task does), or turn an unexpected exception
@@ -12,6 +15,7 @@ into anything but a logged 500.
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import Any
 
@@ -19,6 +23,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from settled.canonical import utf8_json
 from settled.errors import (
     AdmissionFrozen,
     AdmissionSealed,
@@ -110,11 +115,22 @@ def error_body(exc: SettledError) -> dict[str, Any]:
     return body
 
 
+class JSONAnswer(JSONResponse):
+    """A JSON answer whose strings may name files by any bytes (``\\udcXX``, see above)."""
+
+    def render(self, content: Any) -> bytes:
+        return utf8_json(
+            json.dumps(
+                content, ensure_ascii=False, allow_nan=False, indent=None, separators=(",", ":")
+            )
+        )
+
+
 def settled_error(exc: SettledError) -> JSONResponse:
     status = status_of(exc)
     if status >= 500:
         log.error("%s: %s", exc.kind, exc)
-    return JSONResponse(error_body(exc), status_code=status)
+    return JSONAnswer(error_body(exc), status_code=status)
 
 
 def cursor_error(exc: CursorOutOfRange) -> JSONResponse:
@@ -125,7 +141,7 @@ def cursor_error(exc: CursorOutOfRange) -> JSONResponse:
         "end": exc.end,
         "stream": exc.stream,
     }
-    return JSONResponse(body, status_code=416, headers={"Content-Range": f"bytes */{exc.end}"})
+    return JSONAnswer(body, status_code=416, headers={"Content-Range": f"bytes */{exc.end}"})
 
 
 async def on_settled_error(_request: Request, exc: Exception) -> Response:
@@ -141,13 +157,13 @@ async def on_cursor_error(_request: Request, exc: Exception) -> Response:
 async def on_http_exception(_request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     body = {"error": "HTTPError", "message": exc.detail}
-    return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
+    return JSONAnswer(body, status_code=exc.status_code, headers=exc.headers)
 
 
 async def on_unexpected(request: Request, exc: Exception) -> Response:
     log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
     body = {"error": "InternalError", "message": f"{type(exc).__name__}: {exc}"}
-    return JSONResponse(body, status_code=500)
+    return JSONAnswer(body, status_code=500)
 
 
 EXCEPTION_HANDLERS: dict[Any, Any] = {
