@@ -690,6 +690,22 @@ def test_close_over_http_returns_the_close_receipt_and_a_second_close_the_same(
 
 
 @pytest.mark.timeout(90)
+def test_a_close_receipt_naming_a_directory_that_is_not_utf8_answers_with_its_escape(
+    server: Server, workspace: Path
+) -> None:
+    """The journal names the directory a command changed (``caf\\xe9``, latin-1) in the close
+    receipt; the answer writes its byte as ``\\udce9`` (tests/test_any_name.py)."""
+    os.mkdir(os.path.join(os.fsencode(workspace), b"caf\xe9"))
+    with server.client(timeout=90) as client:
+        task = new_task(client, workspace)
+        receipt_of(client, run(client, task, "w", shell="printf y > \"$(printf 'caf\\351/n')\""))
+        closed = client.post(f"/v1/tasks/{task}/close", json={})
+        assert closed.status_code == 200, closed.text
+        assert closed.json()["final_scan"]["journal"]["dirty_dirs"] == ["caf\udce9"]
+        assert b'"dirty_dirs":["caf\\udce9"]' in closed.content
+
+
+@pytest.mark.timeout(90)
 def test_explain_names_the_receipts_that_allow_success(server: Server, workspace: Path) -> None:
     with server.client(timeout=90) as client:
         task = new_task(client, workspace)

@@ -5,6 +5,7 @@ plain command lines without argparse (`cli/reads.py`), and hands everything else
 It exists so that what costs nothing stays free: a script that asks for the version, or an
 agent's hundredth `settled status`, pays only for the modules its verb needs (the verbs module
 loads the runtime lazily too; bench/startup.py measures it, tests/test_startup.py holds it).
+A strict stdout is made to print a name's byte that is not UTF-8 as ``\\udcXX``, not to fail.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import sys
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    _tolerant_stdout()
     if argv in (["--version"], ["-V"]):
         from settled import __version__
 
@@ -25,6 +27,15 @@ def main(argv: list[str] | None = None) -> int:
     if code is not None:
         return code
     return run_here(argv)
+
+
+def _tolerant_stdout() -> None:
+    """A strict stdout ends a human view at the first name that is not UTF-8 (its bytes are
+    lone surrogates, as ``os.fsdecode`` made them): such a character is printed as its escape
+    ``\\udcXX`` instead. Set before the warm process is asked, which takes the same errors."""
+    out = sys.stdout
+    if getattr(out, "errors", None) == "strict" and hasattr(out, "reconfigure"):
+        out.reconfigure(errors="backslashreplace")
 
 
 def run_here(argv: list[str]) -> int:

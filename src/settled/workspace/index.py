@@ -22,7 +22,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, Final, Protocol
 
-from settled.canonical import canonical_bytes
+from settled.canonical import canonical_bytes, utf8_json
 from settled.errors import SettledError
 from settled.workspace.hashing import check_algorithm, digest_bytes, parse_digest
 from settled.workspace.manifest import (
@@ -124,11 +124,12 @@ def _node_bytes(
     if type(trusted_before_ns) is not int or type(count) is not int:
         return canonical_bytes(_node_form(algorithm, tree, trusted_before_ns, count, ordered))
     rows = ",".join([_row_text(entry) for entry in ordered])
-    return (
+    text = (
         f'{{"algorithm":{json_string(algorithm)},"count":{count},"entries":[{rows}],'
         f'"tree":{json_string(tree)},"trusted_before_ns":{trusted_before_ns},'
         f'"v":{json_string(NODE_VERSION)}}}'
-    ).encode()
+    )
+    return utf8_json(text)
 
 
 def _node_form(

@@ -40,6 +40,13 @@ flat v1 manifests are still read; their entries record no time (``mtime`` None) 
 leaves the time it wrote. The root directory's time is in the manifest's root
 (``settled.manifest/v4``; a v3 manifest records none).
 
+Names. An entry's name is any bytes but ``/`` and NUL, and a symlink's target any but NUL (both
+kept as the text ``os.fsdecode`` makes of them): a byte that is not UTF-8 is
+a lone surrogate, which the canonical bytes write ``\\udcXX`` (``canonical.utf8_json``), every
+other character as before, so a tree of UTF-8 names keeps its bytes and id. Entries are sorted
+by that text. A name or target that is not such a text (``is_decoded_name``) is refused, so
+one name has one entry and one encoding; a symlink's size is its target's byte length.
+
 No ``created_at``: the id covers every byte of the manifest, and a manifest is a pure function
 of the tree and its lineage, so a checkpoint retried after a crash writes the very same object
 and reads back the very same id. Time belongs to the checkpoint receipt (``issued_at``).
@@ -61,7 +68,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Final, NamedTuple
 
-from settled.canonical import canonical_bytes
+from settled.canonical import canonical_bytes, utf8_json
 from settled.errors import SettledError
 from settled.workspace.hashing import check_algorithm, digest_bytes, parse_digest
 from settled.workspace.ignore import ignore_digest
@@ -166,7 +173,8 @@ def name_of(path: str) -> str:
 
 
 def check_path(path: object) -> str:
-    """A relative, '/'-separated, normalized, UTF-8 path inside the tree (or ``"."``)."""
+    """A relative, '/'-separated, normalized path inside the tree (or ``"."``), as
+    ``os.fsdecode`` gives it (``is_decoded_name``)."""
     if not isinstance(path, str) or not path:
         raise UnsafePath(path, "is not a non-empty string")
     if path == ROOT:
@@ -177,10 +185,8 @@ def check_path(path: object) -> str:
         raise UnsafePath(path, "contains NUL")
     if any(part in ("", ".", "..") for part in path.split("/")):
         raise UnsafePath(path, "has an empty, '.' or '..' component")
-    try:
-        path.encode("utf-8")
-    except UnicodeEncodeError:
-        raise UnsafePath(path, "is not valid UTF-8") from None
+    if not path.isascii() and not is_decoded_name(path):
+        raise UnsafePath(path, "is not the text os.fsdecode makes of any bytes")
     return path
 
 
@@ -190,12 +196,20 @@ def check_name(name: object) -> str:
         raise UnsafePath(name, "is not a single path component")
     if "\0" in name:
         raise UnsafePath(name, "contains NUL")
-    if not name.isascii():
-        try:
-            name.encode("utf-8")
-        except UnicodeEncodeError:
-            raise UnsafePath(name, "is not valid UTF-8") from None
+    if not name.isascii() and not is_decoded_name(name):
+        raise UnsafePath(name, "is not the text os.fsdecode makes of any bytes")
     return name
+
+
+def is_decoded_name(text: str) -> bool:
+    """Whether ``text`` is what ``os.fsdecode`` makes of some bytes: valid UTF-8 as text, each
+    other byte as the lone surrogate U+DC80..U+DCFF. Not any other surrogate, and not
+    surrogates that spell valid UTF-8 (``"\\udcc3\\udca9"`` is the bytes of ``"é"``, which
+    decode to ``"é"``): one name, one text, so one tree entry and one encoding per name."""
+    try:
+        return os.fsdecode(os.fsencode(text)) == text
+    except UnicodeError:
+        return False
 
 
 _new_tuple: Final = tuple.__new__
@@ -390,7 +404,9 @@ class Entry(NamedTuple):
             target = self.target
             if not isinstance(target, str) or not target or "\0" in target:
                 raise ValueError(f"entry {path!r} has symlink target {target!r}")
-            if self.size != len(target.encode("utf-8")):
+            if not target.isascii() and not is_decoded_name(target):
+                raise ValueError(f"entry {path!r} symlink target {target!r} decodes from no bytes")
+            if self.size != len(os.fsencode(target)):
                 raise ValueError(f"entry {path!r} size {self.size} != target length")
         if self.extents is not None:
             _check_extents(self, algorithm)
@@ -446,10 +462,11 @@ def tree_bytes(algorithm: str, entries: Iterable[Entry]) -> bytes:
     sorted order) for files and directories: a close builds a tree per directory it scanned,
     and dicts sorted by the JSON encoder cost ~1.6 us an entry, this ~0.5."""
     body = ",".join([_tree_entry_text(entry) for entry in entries])
-    return (
+    text = (
         f'{{"algorithm":{json_string(algorithm)},"entries":[{body}],'
         f'"v":{json_string(TREE_VERSION)}}}'
-    ).encode()
+    )
+    return utf8_json(text)
 
 
 _FILE_TEXT: Final = (
@@ -460,7 +477,9 @@ _DIR_TEXT: Final = (
 )
 json_string: Final = json.encoder.encode_basestring
 """A string's JSON text as ``canonical_bytes`` writes it (the encoder's own function: the one
-``json.dumps(ensure_ascii=False)`` calls), for canonical bytes written without ``json.dumps``."""
+``json.dumps(ensure_ascii=False)`` calls), for canonical bytes written without ``json.dumps``;
+its text becomes bytes through ``utf8_json``, as ``canonical_bytes``'s does (a name's lone
+surrogates escaped)."""
 
 
 def _tree_entry_text(entry: Entry) -> str:
@@ -518,7 +537,11 @@ def _parse_object(data: bytes, object_id: str) -> Any:
         raw = json.loads(data)
     except ValueError as error:
         raise ManifestInvalid(object_id, f"not JSON: {error}") from None
-    if canonical_bytes(raw) != data:
+    try:
+        canonical = canonical_bytes(raw)
+    except ValueError as error:  # NaN, or a high surrogate: nothing settled writes
+        raise ManifestInvalid(object_id, f"bytes are not canonical JSON: {error}") from None
+    if canonical != data:
         raise ManifestInvalid(object_id, "bytes are not canonical JSON")
     return raw
 

@@ -39,6 +39,11 @@ mtime and ctime, its ctime older than that read by the clock slack, the stat cac
 takes the digest that read gave. Without that, 65,000 links of a 1 GiB file (`ln` is ~10 us)
 made a close read 63 TiB.
 
+Names. Any name the kernel allows (any byte but ``/`` and NUL) and any symlink target is
+recorded, as the text ``os.fsdecode`` makes of its bytes (both walkers decode so: the C one with
+``PyUnicode_DecodeFSDefault``): a byte that is not UTF-8 is a lone surrogate, written
+``\\udcXX`` in every JSON form (``canonical``), and restore writes the very bytes back.
+
 About 900 lines, over the usual 400: the walk, its no-follow checks, the stat cache, torn-read
 retries, the listings ahead and the incremental mode share one walker's state, and split they
 would share internals (what does not, the loops and the read-ahead, lives in ``walk``).
@@ -197,12 +202,6 @@ def _amount(count: int) -> str:
         if count >= 1 << shift:
             return f"{count / (1 << shift):.1f} {unit}"
     return f"{count} bytes"
-
-
-class UnrepresentablePath(ScanError):
-    def __init__(self, path: str) -> None:
-        super().__init__(f"path {path!r} is not valid UTF-8; rename it to checkpoint it")
-        self.path = path
 
 
 @dataclass
@@ -634,11 +633,6 @@ class _Scanner:
         fresh.sort()
         kept = []
         for name, st in fresh:
-            if not name.isascii():
-                try:
-                    name.encode("utf-8")
-                except UnicodeEncodeError:
-                    raise UnrepresentablePath(prefix + name) from None
             if ignore.patterns and ignore.ignores(prefix + name, stat.S_ISDIR(st.st_mode)):
                 continue  # left out by the task's bound rules: not recorded, never walked
             kept.append((name, st))
@@ -834,10 +828,6 @@ class _Scanner:
             if not stat.S_ISLNK(after.st_mode):
                 return self.entry(fd, name, child, after, at, budget - 1)
             if _same_link(before, after, target):
-                try:
-                    target.encode("utf-8")
-                except UnicodeEncodeError:
-                    raise UnrepresentablePath(f"{child} -> {target}") from None
                 return Entry.from_stat(child, after, target=target)
             before = after
             self.stats.torn_retries += 1
