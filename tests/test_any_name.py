@@ -291,8 +291,8 @@ def test_json_output_names_a_path_by_its_escapes_and_a_human_view_does_not_crash
     rt: Runtime, task: TaskRecord, tmp_path: Path
 ) -> None:
     """Restore's JSON names what it cannot restore (a socket) by path, and verify names the
-    paths that use a damaged blob: both with ``\\udcXX``; the human views print them under a
-    strict UTF-8 stdout as the same escapes."""
+    paths that use a damaged blob: both with ``\\udcXX``; the human views print each such byte
+    as ``\\xNN`` (``printable``), under a strict UTF-8 stdout too."""
     workspace = os.fsencode(task.workspace)
     with open(os.path.join(workspace, b"\xff\xfe"), "wb") as handle:
         handle.write(b"damaged later")
@@ -311,7 +311,7 @@ def test_json_output_names_a_path_by_its_escapes_and_a_human_view_does_not_crash
     assert json.loads(as_json.stdout)["problems"][0]["paths"] == ["\udcff\udcfe"]
     human = cli(rt, "verify", manifest)
     assert human.returncode == 3, human.stderr
-    assert human.stdout.splitlines()[0] == f"{blob} missing: \\udcff\\udcfe".encode()
+    assert human.stdout.splitlines()[0] == f"{blob} missing: \\xff\\xfe".encode()
 
 
 def test_an_ignore_rule_leaves_out_such_a_name(rt: Runtime, tmp_path: Path) -> None:
