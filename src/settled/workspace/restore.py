@@ -11,6 +11,13 @@ rename the temp directory onto ``dest`` within the parent's fd (``renameat``), s
 swapped in after the checks cannot redirect the restore. Sockets and devices cannot be restored
 and are named in the result; a device node is never created.
 
+Any depth. Every call below the temp directory names one component relative to its directory's
+fd (``mkdir``, ``open``, ``symlink``, ``mkfifo`` with ``dir_fd``; ``fchown``, ``fchmod`` and
+``utime`` on open fds; a symlink's owner and time by its name in its directory's fd, never
+followed): the build holds the fds of the directories from the root down to the one it fills,
+one per level, as the scan does, so a tree deeper than PATH_MAX restores like any other. The
+cleanup of a failed restore walks by fds too (``fwalk`` and ``rmtree`` with ``dir_fd``).
+
 Restore grants nothing (tar's convention). The command that made the workspace is hostile, and
 the restore often runs as root: a set-uid file of ``nobody`` restored by root with its mode
 would be a set-uid *root* file. So every entry is owned by whoever restores, unless
@@ -48,6 +55,7 @@ import os
 import secrets
 import shutil
 import stat
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Final
 
@@ -62,6 +70,7 @@ from settled.workspace.manifest import (
     Manifest,
     UnsafePath,
     check_path,
+    name_of,
     parent_of,
     read_manifest,
 )
@@ -395,6 +404,11 @@ def _unlock(dir_fd: int, name: str) -> None:
 
 
 class _Builder:
+    """The tree built through directory fds: a walk that holds one fd per level (the fds of
+    the directories from the root down to the one being filled), so every call names one
+    component, whatever the depth (a path of 20 directories of 250-byte names is past
+    PATH_MAX, and restored by name as any other)."""
+
     def __init__(
         self, store: ObjectStore, manifest: Manifest, root_fd: int, durable: bool, who: Restorer
     ) -> None:
@@ -406,55 +420,111 @@ class _Builder:
         self.dropped: list[str] = []  # paths whose set-id bits were not earned
         self.unrecorded = 0  # entries that record no owner
         self.timeless = 0  # entries that record no mtime
-        self.dirs: list[Entry] = []
-        self.made_dirs: set[str] = {ROOT}
+        self.children: dict[str, list[Entry]] = {}  # a directory's path -> its entries
         self.counts = {FILE: 0, DIR: 0, SYMLINK: 0, FIFO: 0}
         self.bytes_written = 0
         self.not_restorable: list[tuple[str, str]] = []
 
     def build(self) -> None:
+        root = self.plan()
+        self.make_all()
+        self.finish_all(root if root is not None else Entry(ROOT, DIR, 0o755, 0))
+
+    def plan(self) -> Entry | None:
+        """Every entry under its parent directory (the root entry returned apart); refused
+        before anything is made if a path is unsafe or its parent is no directory of the
+        manifest (a symlink, say: the restore then never goes through it)."""
+        dirs = {ROOT} | {entry.path for entry in self.manifest.entries if entry.type == DIR}
         root: Entry | None = None
         for entry in self.manifest.entries:
             if entry.path == ROOT:
                 root = entry
                 continue
             path = check_path(entry.path)
-            if parent_of(path) not in self.made_dirs:
+            parent = parent_of(path)
+            if parent not in dirs:
                 raise UnsafePath(path, "is not inside a directory this restore created")
-            self.make(entry)
-        for entry in sorted(self.dirs, key=lambda e: e.path.count("/"), reverse=True):
-            self.finish_dir(entry)
-        self.finish_dir(root if root is not None else Entry(ROOT, DIR, 0o755, 0))
+            self.children.setdefault(parent, []).append(entry)
+        return root
 
-    def make(self, entry: Entry) -> None:
-        path, fd = entry.path, self.root_fd
+    def make_all(self) -> None:
+        """Every entry made, depth first, each relative to its directory's fd."""
+        stack = [(self.root_fd, iter(self.children.get(ROOT, ())))]
+        try:
+            while stack:
+                fd, pending = stack[-1]
+                entry = next(pending, None)
+                if entry is None:
+                    stack.pop()
+                    if fd != self.root_fd:
+                        os.close(fd)
+                    continue
+                sub = self.make(fd, entry)
+                if sub is not None:
+                    stack.append((sub, iter(self.children.get(entry.path, ()))))
+        finally:
+            for fd, _ in stack:
+                if fd != self.root_fd:
+                    os.close(fd)
+
+    def finish_all(self, root: Entry) -> None:
+        """Owners, modes and times of the directories, each after everything below it (a
+        child made or changed afterwards would change its time), the root last of all."""
+        stack = [(self.root_fd, root, self.subdirs(ROOT))]
+        try:
+            while stack:
+                fd, entry, pending = stack[-1]
+                child = next(pending, None)
+                if child is None:
+                    stack.pop()
+                    try:
+                        self.finish_dir(fd, entry)
+                    finally:
+                        if fd != self.root_fd:
+                            os.close(fd)
+                    continue
+                sub = os.open(name_of(child.path), _DIR_FLAGS, dir_fd=fd)
+                stack.append((sub, child, self.subdirs(child.path)))
+        finally:
+            for fd, _, _ in stack:
+                if fd != self.root_fd:
+                    os.close(fd)
+
+    def subdirs(self, path: str) -> Iterator[Entry]:
+        return (entry for entry in self.children.get(path, ()) if entry.type == DIR)
+
+    def make(self, fd: int, entry: Entry) -> int | None:
+        """Make ``entry`` in the directory open at ``fd``; a directory's own fd is returned
+        (the caller fills it, then closes it)."""
+        name = name_of(entry.path)
+        sub = None
         if entry.type == DIR:
-            os.mkdir(path, 0o700, dir_fd=fd)
-            self.made_dirs.add(path)
-            self.dirs.append(entry)
+            os.mkdir(name, 0o700, dir_fd=fd)
+            sub = os.open(name, _DIR_FLAGS, dir_fd=fd)
         elif entry.type == FILE:
-            self.write_file(entry)
+            self.write_file(fd, name, entry)
         elif entry.type == SYMLINK and entry.target is not None:
-            os.symlink(entry.target, path, dir_fd=fd)
-            self.give_link_owner(entry)
-            self.set_time(entry, path)
+            os.symlink(entry.target, name, dir_fd=fd)
+            self.give_link_owner(fd, name, entry)
+            self.set_time(entry, name, fd)
         elif entry.type == FIFO:
-            os.mkfifo(path, 0o600, dir_fd=fd)
-            fifo = os.open(path, _OPEN_FIFO, dir_fd=fd)  # the FIFO this restore just made
+            os.mkfifo(name, 0o600, dir_fd=fd)
+            fifo = os.open(name, _OPEN_FIFO, dir_fd=fd)  # the FIFO this restore just made
             try:
                 self.settle(fifo, entry)
                 self.set_time(entry, fifo)
             finally:
                 os.close(fifo)
         else:  # sockets, and devices: never mknod'ed
-            self.not_restorable.append((path, entry.type))
-            return
+            self.not_restorable.append((entry.path, entry.type))
+            return None
         self.counts[entry.type] += 1
+        return sub
 
-    def write_file(self, entry: Entry) -> None:
+    def write_file(self, dir_fd: int, name: str, entry: Entry) -> None:
         path, digest = entry.path, entry.digest
         assert digest is not None  # a valid manifest's files all have digests
-        out = os.open(path, _CREATE, 0o600, dir_fd=self.root_fd)
+        out = os.open(name, _CREATE, 0o600, dir_fd=dir_fd)
         try:
             if entry.extents is not None:
                 size = self.write_sparse(entry, out)
@@ -469,7 +539,7 @@ class _Builder:
         except BaseException:
             os.close(out)
             with contextlib.suppress(OSError):
-                os.unlink(path, dir_fd=self.root_fd)
+                os.unlink(name, dir_fd=dir_fd)
             raise
         os.close(out)
         self.bytes_written += size
@@ -519,15 +589,11 @@ class _Builder:
                 size += len(data)
         return format_digest(algo, hasher.hexdigest()), size
 
-    def finish_dir(self, entry: Entry) -> None:
-        fd = os.open(entry.path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=self.root_fd)
-        try:
-            self.settle(fd, entry)
-            self.set_time(entry, fd)  # the root's too: a rename keeps the renamed dir's time
-            if self.durable:  # after the owner, mode and time, so the fsync covers them
-                os.fsync(fd)
-        finally:
-            os.close(fd)
+    def finish_dir(self, fd: int, entry: Entry) -> None:
+        self.settle(fd, entry)
+        self.set_time(entry, fd)  # the root's too: a rename keeps the renamed dir's time
+        if self.durable:  # after the owner, mode and time, so the fsync covers them
+            os.fsync(fd)
 
     # -- owners and modes ----------------------------------------------------------------------
 
@@ -560,9 +626,9 @@ class _Builder:
             mode = (mode & ~SETID) | kept
         os.fchmod(fd, mode)
 
-    def set_time(self, entry: Entry, target: int | str) -> None:
+    def set_time(self, entry: Entry, target: int | str, dir_fd: int | None = None) -> None:
         """Give the entry its recorded mtime (as atime too): through an fd this restore opened,
-        or, for a symlink, the link itself by name (never what it points at)."""
+        or, for a symlink, the link itself by its name in ``dir_fd`` (never what it points at)."""
         if entry.mtime is None:
             self.timeless += 1
             return
@@ -570,17 +636,15 @@ class _Builder:
         if isinstance(target, int):
             os.utime(target, ns=times)
         else:
-            os.utime(target, ns=times, dir_fd=self.root_fd, follow_symlinks=False)
+            os.utime(target, ns=times, dir_fd=dir_fd, follow_symlinks=False)
 
-    def give_link_owner(self, entry: Entry) -> None:
+    def give_link_owner(self, dir_fd: int, name: str, entry: Entry) -> None:
         """A symlink's owner (its mode means nothing on Linux, and it has no set-id bits)."""
         if not entry.owned:
             self.unrecorded += 1
         elif self.who.same_owner:
             assert entry.uid is not None and entry.gid is not None
             try:
-                os.chown(
-                    entry.path, entry.uid, entry.gid, dir_fd=self.root_fd, follow_symlinks=False
-                )
+                os.chown(name, entry.uid, entry.gid, dir_fd=dir_fd, follow_symlinks=False)
             except OSError as error:
                 raise OwnerNotRestorable(entry.path, entry.uid, entry.gid, error) from None
