@@ -366,6 +366,7 @@ def cmd_restore(rt: Runtime, args: argparse.Namespace) -> int:
         "owners_unrecorded": result.owners_unrecorded,
         "setid_dropped": list(result.setid_dropped),
         "times_unrecorded": result.times_unrecorded,
+        "hard_links": result.hard_links,
     }
     text = (
         f"restored {result.manifest_id} into {result.dest}: {result.files} files, "
@@ -389,6 +390,8 @@ def cmd_restore(rt: Runtime, args: argparse.Namespace) -> int:
             f"; modification times not restored for {result.times_unrecorded} entries (the "
             "checkpoint predates recorded times)"
         )
+    if result.hard_links:
+        text += f"; {result.hard_links} files made as hard links of another, never copied"
     if result.not_restorable:
         text += f"; not restorable: {result.not_restorable}"
     emit(args, payload, text)

@@ -18,6 +18,13 @@ followed): the build holds the fds of the directories from the root down to the 
 one per level, as the scan does, so a tree deeper than PATH_MAX restores like any other. The
 cleanup of a failed restore walks by fds too (``fwalk`` and ``rmtree`` with ``dir_fd``).
 
+Hard links. The files of one link group (``Entry.link``, a ``settled.tree/v4`` field) are one
+inode again: the first member is written (its content checked, owner, mode and time applied),
+every later one that records the same content, size, mode, owner and time is ``linkat``'ed to
+it (relative to both directories' fds), never copied, and counted in ``hard_links``; one that
+disagrees (the file changed between its links' reads) is written as a file of its own. Members
+the checkpoint left out (outside the workspace, ignored) are simply absent.
+
 Restore grants nothing (tar's convention). The command that made the workspace is hostile, and
 the restore often runs as root: a set-uid file of ``nobody`` restored by root with its mode
 would be a set-uid *root* file. So every entry is owned by whoever restores, unless
@@ -197,6 +204,7 @@ class RestoreResult:
     owners_restored: bool = False  # every entry chowned to its recorded owner (same_owner)
     owners_unrecorded: int = 0  # entries whose checkpoint records no owner (a v1 tree)
     times_unrecorded: int = 0  # entries that record no mtime (a v1/v2 tree, a v3 manifest's root)
+    hard_links: int = 0  # files made as another link of a file written (a link group's members)
 
     @property
     def complete(self) -> bool:
@@ -255,6 +263,7 @@ def restore(
         manifest_id, dest, counts[FILE], counts[DIR], counts[SYMLINK], counts[FIFO],
         builder.bytes_written, tuple(builder.not_restorable), tuple(sorted(builder.dropped)),
         same_owner and not builder.unrecorded, builder.unrecorded, builder.timeless,
+        builder.linked,
     )  # fmt: skip
 
 
@@ -403,6 +412,13 @@ def _unlock(dir_fd: int, name: str) -> None:
         os.close(fd)
 
 
+def _inode_facts(entry: Entry) -> tuple[object, ...]:
+    """What every link of one file shares, as its entry records it."""
+    return (
+        entry.digest, entry.size, entry.extents, entry.mode, entry.uid, entry.gid, entry.mtime,
+    )  # fmt: skip
+
+
 class _Builder:
     """The tree built through directory fds: a walk that holds one fd per level (the fds of
     the directories from the root down to the one being filled), so every call names one
@@ -424,10 +440,16 @@ class _Builder:
         self.counts = {FILE: 0, DIR: 0, SYMLINK: 0, FIFO: 0}
         self.bytes_written = 0
         self.not_restorable: list[tuple[str, str]] = []
+        self.linked = 0  # files made as another link of a file this restore wrote
+        self.groups: dict[str, Entry] = {}  # a link group's key -> its member written first
+        self.source: tuple[str, int] | None = None  # a group's first directory, held open
 
     def build(self) -> None:
         root = self.plan()
-        self.make_all()
+        try:
+            self.make_all()
+        finally:
+            self.let_go_of_source()
         self.finish_all(root if root is not None else Entry(ROOT, DIR, 0o755, 0))
 
     def plan(self) -> Entry | None:
@@ -502,7 +524,8 @@ class _Builder:
             os.mkdir(name, 0o700, dir_fd=fd)
             sub = os.open(name, _DIR_FLAGS, dir_fd=fd)
         elif entry.type == FILE:
-            self.write_file(fd, name, entry)
+            if not self.link_member(fd, name, entry):
+                self.write_file(fd, name, entry)
         elif entry.type == SYMLINK and entry.target is not None:
             os.symlink(entry.target, name, dir_fd=fd)
             self.give_link_owner(fd, name, entry)
@@ -543,6 +566,51 @@ class _Builder:
             raise
         os.close(out)
         self.bytes_written += size
+        if entry.link is not None:
+            self.groups.setdefault(entry.link, entry)
+
+    # -- hard links ------------------------------------------------------------------------------
+
+    def link_member(self, fd: int, name: str, entry: Entry) -> bool:
+        """Make ``entry`` another link of its group's file, if this restore wrote one that it
+        agrees with (content, size, mode, owner, time: one inode has one of each); the blob is
+        never copied again. A member that disagrees (the file changed between two links'
+        reads) is written as a file of its own: it gets exactly what it recorded."""
+        first = self.groups.get(entry.link) if entry.link is not None else None
+        if first is None or _inode_facts(first) != _inode_facts(entry):
+            return False
+        source_fd = self.source_dir(parent_of(first.path))
+        os.link(
+            name_of(first.path), name, src_dir_fd=source_fd, dst_dir_fd=fd, follow_symlinks=False
+        )
+        self.linked += 1
+        if first.path in self.dropped:  # one inode: its links lack the bits it lacks
+            self.dropped.append(entry.path)
+        return True
+
+    def source_dir(self, path: str) -> int:
+        """The directory ``path`` of the temp tree, opened one name at a time from the root
+        without following (every directory is this restore's own, 0o700 until the finish),
+        kept open for the next member of the group."""
+        if self.source is not None and self.source[0] == path:
+            return self.source[1]
+        self.let_go_of_source()
+        fd = os.dup(self.root_fd)
+        try:
+            for part in [] if path == ROOT else path.split("/"):
+                sub = os.open(part, _DIR_FLAGS, dir_fd=fd)
+                os.close(fd)
+                fd = sub
+        except BaseException:
+            os.close(fd)
+            raise
+        self.source = (path, fd)
+        return fd
+
+    def let_go_of_source(self) -> None:
+        if self.source is not None:
+            os.close(self.source[1])
+            self.source = None
 
     def write_sparse(self, entry: Entry, out: int) -> int:
         """A sparse file: its size set by ``ftruncate`` (a hole throughout), then each extent

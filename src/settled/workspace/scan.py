@@ -33,11 +33,14 @@ A sparse file (``sparse.data_ranges``: holes found with ``SEEK_DATA``/``SEEK_HOL
 open file) is read range by range, each data range an object of its own, its holes never read
 and hashed as zeros into its digest; the same fstat checks (after every range) make a change
 during the read a torn read. A directory moved elsewhere mid-walk is listed as it was when
-opened (its fd is held); mount points inside the root are crossed; hard links are recorded as
-separate files, but a file is read once a scan: another link of it (same device, inode, size,
+opened (its fd is held); mount points inside the root are crossed. Hard links: a file with
+other links (``st_nlink > 1``) records its group's key (``manifest.link_key`` of its device
+and inode: every link of it in this scan names the same group, which restore makes one inode
+again), and a file is read once a scan: another link of it (same device, inode, size,
 mtime and ctime, its ctime older than that read by the clock slack, the stat cache's racy rule)
 takes the digest that read gave. Without that, 65,000 links of a 1 GiB file (`ln` is ~10 us)
-made a close read 63 TiB.
+made a close read 63 TiB. A link made or removed changes the file's ctime (and its link count),
+so the stat cache re-reads every link of it and the group in its rows follows.
 
 About 900 lines, over the usual 400: the walk, its no-follow checks, the stat cache, torn-read
 retries, the listings ahead and the incremental mode share one walker's state, and split they
