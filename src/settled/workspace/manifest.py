@@ -40,6 +40,12 @@ flat v1 manifests are still read; their entries record no time (``mtime`` None) 
 leaves the time it wrote. The root directory's time is in the manifest's root
 (``settled.manifest/v4``; a v3 manifest records none).
 
+Extended attributes. Every entry of a v4 tree records its extended attributes (``xattrs``:
+``{name: base64 value}``, absent when it has none; user, trusted and security ones, file
+capabilities and POSIX ACLs: ``xattrs.py``), so a command that changes only an attribute
+changes the tree's id. The root directory's are not recorded (``xattrs.NOT_RECORDED``).
+Entries of older trees record none known (``xattrs`` None).
+
 Hard links. A file with other links (``st_nlink > 1``) records ``link``, its group's key
 (``link_key``: a hash of its device and inode, so an unchanged inode keeps it and no inode
 number is recorded; ``settled.tree/v4``). Members outside the tree or ignored are simply absent;
@@ -75,12 +81,18 @@ from settled.workspace.hashing import check_algorithm, digest_bytes, parse_diges
 from settled.workspace.ignore import ignore_digest
 from settled.workspace.objectstore import ObjectMissing, ObjectStore, StoredObject
 from settled.workspace.sparse import Extent
+from settled.workspace.xattrs import FIELD as XATTRS
+from settled.workspace.xattrs import NONE as NO_XATTRS
+from settled.workspace.xattrs import Xattrs
+from settled.workspace.xattrs import check as check_xattrs
+from settled.workspace.xattrs import form as xattr_form
+from settled.workspace.xattrs import parse as parse_xattrs
 
 MANIFEST_VERSION: Final = "settled.manifest/v4"  # v4: the root's mtime
 TIMELESS_MANIFEST_VERSION: Final = "settled.manifest/v3"  # read only: the root's time unknown
 OWNERLESS_MANIFEST_VERSION: Final = "settled.manifest/v2"  # read only: the root's owner unknown
 FLAT_MANIFEST_VERSION: Final = "settled.manifest/v1"  # read only: written before trees existed
-TREE_VERSION: Final = "settled.tree/v4"  # v4: hard-link groups (``link``)
+TREE_VERSION: Final = "settled.tree/v4"  # v4: hard-link groups (``link``), ``xattrs``
 UNLINKED_TREE_VERSION: Final = "settled.tree/v3"  # read only: links recorded as separate files
 TIMELESS_TREE_VERSION: Final = "settled.tree/v2"  # read only: written before times were recorded
 OWNERLESS_TREE_VERSION: Final = "settled.tree/v1"  # read only: written before owners were recorded
@@ -245,6 +257,7 @@ class Entry(NamedTuple):
     extents: tuple[Extent, ...] | None = None  # a sparse file's data; None: a dense file
     mtime: int | None = None  # the recorded modification time, ns; None: not recorded (< v3)
     link: str | None = None  # a file with other hard links: its group's key (v4); None: none
+    xattrs: Xattrs | None = None  # extended attributes (v4; () none); None: not recorded
 
     @property
     def sparse(self) -> bool:
@@ -287,14 +300,14 @@ class Entry(NamedTuple):
         return _new_tuple(cls, (
             path, kind, stat.S_IMODE(mode), size, digest, target, rdev, st.st_ino, st.st_dev,
             mtime_ns, st.st_ctime_ns, None, None, 0, st.st_uid, st.st_gid, extents, mtime_ns,
-            link,
+            link, NO_XATTRS,
         ))  # fmt: skip
 
     def without_stat(self) -> Entry:
         return Entry(
             self.path, self.type, self.mode, self.size, self.digest, self.target, self.rdev,
             tree=self.tree, uid=self.uid, gid=self.gid, extents=self.extents, mtime=self.mtime,
-            link=self.link,
+            link=self.link, xattrs=self.xattrs,
         )  # fmt: skip
 
     def _content_field(self) -> tuple[str | None, Any]:
@@ -335,6 +348,8 @@ class Entry(NamedTuple):
             form[MTIME] = self.mtime
         if self.link is not None:
             form[LINK] = self.link
+        if self.xattrs:
+            form[XATTRS] = xattr_form(self.xattrs)
         return form
 
     @classmethod
@@ -399,6 +414,11 @@ class Entry(NamedTuple):
         if linked and kind == FILE and LINK in form:
             expected |= {LINK}
             fields[LINK] = form[LINK]
+        if linked:  # a v4 tree records every entry's attributes: none when absent
+            fields[XATTRS] = NO_XATTRS
+            if XATTRS in form:
+                expected |= {XATTRS}
+                fields[XATTRS] = parse_xattrs(form[XATTRS], path)
         if form.keys() != expected:
             raise ValueError(f"entry {path!r} has fields {sorted(form)}")
         if owned:
@@ -441,6 +461,8 @@ class Entry(NamedTuple):
             raise ValueError(f"the root entry is a {self.type}, not a dir")
         if self.link is not None and (self.type != FILE or not _is_link_key(self.link)):
             raise ValueError(f"entry {path!r} (a {self.type}) has link group {self.link!r}")
+        if self.xattrs is not None:
+            check_xattrs(self.xattrs, path)
 
 
 def link_key(dev: int, ino: int) -> str:
@@ -518,13 +540,15 @@ def _tree_entry_text(entry: Entry) -> str:
     """One entry's canonical text in a tree. Written directly only when every field is of the
     exact type the form has (an ``int`` subclass such as ``bool`` encodes otherwise); anything
     else (links, devices, sparse files, no owner or time) goes through ``tree_form``."""
-    path, kind, mode, size, digest, _, _, _, _, _, _, tree, _, _, uid, gid, extents, mtime = entry[
-        :18
-    ]
+    (
+        path, kind, mode, size, digest, _, _, _, _, _, _, tree, _, _, uid, gid, extents, mtime,
+        link, xattrs,
+    ) = entry  # fmt: skip
     content = digest if kind == FILE else tree
     if (
         extents is None
-        and entry.link is None
+        and link is None
+        and not xattrs
         and kind in (FILE, DIR)
         and type(content) is str
         and type(gid) is type(uid) is type(mode) is type(mtime) is type(size) is int

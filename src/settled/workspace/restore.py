@@ -35,6 +35,15 @@ entry is then given that group). An entry that records no owner (a v1 tree) keep
 bit, even with ``same_owner``: there is no owner to restore. The sticky bit is kept. Every bit
 dropped is named in the result (``setid_dropped``); ``earned_setid`` is the rule, without I/O.
 
+Extended attributes (``xattrs.py``), after the owner and the mode and before the time:
+``user.*`` and the POSIX ACLs always, ``trusted.*`` and ``security.*`` (file capabilities,
+set last of all: a chown or a write clears one) only with ``same_owner``, exactly like set-id
+bits; every one not set is named in the result (``xattrs_dropped``). A directory's default
+ACL is set when it is finished, after everything below it exists, so nothing restored
+inherits it (each child's own ACL is set from its record), and the temp directory drops the
+ACLs it inherited from the destination's parent before anything is made in it, so an entry
+that records none ends with none. The root's attributes are not recorded (``NOT_RECORDED``).
+
 Times. An entry whose tree records its ``mtime`` (``settled.tree/v3``) gets it back, atime and
 mtime both (``utime`` with ``ns=``, on the open fd, or the link itself for a symlink), so a
 build tool that compares times sees the order the checkpoint saw and rebuilds nothing after a
@@ -51,7 +60,8 @@ directory restored earlier is refused, so a link created by the restore is never
 leave a partial tree at ``dest`` (on any failure the temp directory is removed and ``dest`` is
 untouched); replace a ``dest`` that exists and is not an empty directory; accept content that
 does not hash to its digest; create a set-id file or directory owned by anyone the
-checkpoint's author could not already run as; create a device node.
+checkpoint's author could not already run as, or set a file capability, ``trusted.*`` or
+``security.*`` attribute without ``same_owner``; create a device node.
 """
 
 from __future__ import annotations
@@ -83,6 +93,8 @@ from settled.workspace.manifest import (
 )
 from settled.workspace.objectstore import CHUNK, ObjectMissing, ObjectStore
 from settled.workspace.sparse import hash_zeros
+from settled.workspace.xattrs import drop_inherited_acls, setting_order
+from settled.workspace.xattrs import restorable as xattr_restorable
 
 FIFO: Final = "fifo"
 SETID: Final = stat.S_ISUID | stat.S_ISGID
@@ -145,6 +157,16 @@ class SameOwnerNeedsRoot(RestoreError):
         self.euid = euid
 
 
+class XattrNotRestorable(RestoreError):
+    def __init__(self, path: str, name: str, error: OSError) -> None:
+        super().__init__(
+            f"cannot set extended attribute {name!r} of {path!r}: {error.strerror or error}; "
+            "restore refused, nothing written at the destination (restore onto a filesystem "
+            "that supports it)"
+        )
+        self.path, self.name = path, name
+
+
 class OwnerNotRestorable(RestoreError):
     def __init__(self, path: str, uid: int, gid: int, error: OSError) -> None:
         super().__init__(
@@ -205,6 +227,7 @@ class RestoreResult:
     owners_unrecorded: int = 0  # entries whose checkpoint records no owner (a v1 tree)
     times_unrecorded: int = 0  # entries that record no mtime (a v1/v2 tree, a v3 manifest's root)
     hard_links: int = 0  # files made as another link of a file written (a link group's members)
+    xattrs_dropped: tuple[tuple[str, str], ...] = ()  # (path, xattr) not set: not earned
 
     @property
     def complete(self) -> bool:
@@ -239,6 +262,7 @@ def restore(
             root_fd = os.open(temp, _DIR_FLAGS, dir_fd=parent_fd)
             try:
                 os.fchmod(root_fd, 0o700)  # not set-gid, even in a set-gid parent
+                drop_inherited_acls(root_fd)  # nothing below inherits the parent's default ACL
                 builder = _Builder(store, manifest, root_fd, durable, restorer)
                 builder.build()
             finally:
@@ -263,7 +287,7 @@ def restore(
         manifest_id, dest, counts[FILE], counts[DIR], counts[SYMLINK], counts[FIFO],
         builder.bytes_written, tuple(builder.not_restorable), tuple(sorted(builder.dropped)),
         same_owner and not builder.unrecorded, builder.unrecorded, builder.timeless,
-        builder.linked,
+        builder.linked, tuple(builder.xattrs_dropped),
     )  # fmt: skip
 
 
@@ -416,6 +440,7 @@ def _inode_facts(entry: Entry) -> tuple[object, ...]:
     """What every link of one file shares, as its entry records it."""
     return (
         entry.digest, entry.size, entry.extents, entry.mode, entry.uid, entry.gid, entry.mtime,
+        entry.xattrs,
     )  # fmt: skip
 
 
@@ -440,6 +465,7 @@ class _Builder:
         self.counts = {FILE: 0, DIR: 0, SYMLINK: 0, FIFO: 0}
         self.bytes_written = 0
         self.not_restorable: list[tuple[str, str]] = []
+        self.xattrs_dropped: list[tuple[str, str]] = []  # (path, name) not this restorer's
         self.linked = 0  # files made as another link of a file this restore wrote
         self.groups: dict[str, Entry] = {}  # a link group's key -> its member written first
         self.source: tuple[str, int] | None = None  # a group's first directory, held open
@@ -529,6 +555,7 @@ class _Builder:
         elif entry.type == SYMLINK and entry.target is not None:
             os.symlink(entry.target, name, dir_fd=fd)
             self.give_link_owner(fd, name, entry)
+            self.set_xattrs(f"/proc/self/fd/{fd}/{name}", entry)
             self.set_time(entry, name, fd)
         elif entry.type == FIFO:
             os.mkfifo(name, 0o600, dir_fd=fd)
@@ -586,6 +613,11 @@ class _Builder:
         self.linked += 1
         if first.path in self.dropped:  # one inode: its links lack the bits it lacks
             self.dropped.append(entry.path)
+        self.xattrs_dropped += [
+            (entry.path, attr)
+            for attr, _ in entry.xattrs or ()
+            if not xattr_restorable(attr, self.who.same_owner)
+        ]  # and the attributes it lacks
         return True
 
     def source_dir(self, path: str) -> int:
@@ -693,6 +725,25 @@ class _Builder:
                 self.dropped.append(entry.path)
             mode = (mode & ~SETID) | kept
         os.fchmod(fd, mode)
+        self.set_xattrs(fd, entry)
+
+    def set_xattrs(self, target: int | str, entry: Entry) -> None:
+        """The entry's recorded extended attributes, after its owner and mode (a chown clears
+        a file capability, and an ACL is the mode's group bits too), the capability last;
+        those ``xattrs.restorable`` refuses this restorer are named in ``xattrs_dropped``.
+        ``target``: an open fd, or a symlink's ``/proc/self/fd/<dir fd>/<name>``, never
+        followed. One that cannot be set fails the restore, naming it."""
+        for name, value in setting_order(entry.xattrs or ()):
+            if not xattr_restorable(name, self.who.same_owner):
+                self.xattrs_dropped.append((entry.path, name))
+                continue
+            try:
+                if isinstance(target, int):
+                    os.setxattr(target, name, value)
+                else:
+                    os.setxattr(target, name, value, follow_symlinks=False)
+            except OSError as error:
+                raise XattrNotRestorable(entry.path, name, error) from None
 
     def set_time(self, entry: Entry, target: int | str, dir_fd: int | None = None) -> None:
         """Give the entry its recorded mtime (as atime too): through an fd this restore opened,
