@@ -209,7 +209,7 @@ def _append_during_first_reads(
                 left[0] -= 1
                 with open(path, "ab") as handle:
                     handle.write(b"+more")
-                got[i] = (read[0], read[1], os.stat(path))  # as if it landed mid-read
+                got[i] = (read[0], read[1], os.stat(path), read[3])  # as if it landed mid-read
         return got
 
     monkeypatch.setattr(scan_module, "choose", lambda: real._replace(read_files=read_files))
@@ -280,7 +280,7 @@ def _overlapped_reads(monkeypatch: pytest.MonkeyPatch, late: str) -> list[int]:
                     out.write(b"+more")
                 read = got[i]
                 if read is not None:  # as if the append landed mid-read
-                    got[i] = (read[0], read[1], os.stat(late, dir_fd=dir_fd))
+                    got[i] = (read[0], read[1], os.stat(late, dir_fd=dir_fd), read[3])
             done[0] = max(done[0], min(upto, len(names)))
             return got
 

@@ -214,12 +214,19 @@ def test_restore_without_same_owner_drops_trusted_and_capabilities_and_names_the
     assert os.stat(dest / "data").st_uid == os.geteuid()  # every entry the restorer's
 
 
+@pytest.mark.parametrize("walker", ["native", "python"])
 def test_a_change_of_only_an_attribute_changes_the_checkpoint(
-    store: LocalObjectStore, tmp_path: Path
+    store: LocalObjectStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, walker: str
 ) -> None:
+    """Small files are read by the walker, which says whether each has any attribute (its
+    flistxattr of the open file); a large one is read the slow way: both are recorded."""
+    monkeypatch.setenv("SETTLED_WALKER", walker)
     workspace = tmp_path / "ws"
     (workspace / "d").mkdir(parents=True)
     (workspace / "d" / "f").write_bytes(b"same bytes\n")
+    (workspace / "large").write_bytes(b"\x01" * (1 << 20))
+    os.setxattr(workspace / "large", "user.large", b"yes")
+    os.setxattr(workspace / "d", "user.kept", b"\x00")
     time.sleep(0.05)  # older than the scan by the clock slack: the stat cache may vouch
     first = scan(workspace, store=store)
     unchanged = scan(workspace, first.index, store=store)
@@ -228,10 +235,13 @@ def test_a_change_of_only_an_attribute_changes_the_checkpoint(
     mtime = os.stat(workspace / "d" / "f").st_mtime_ns
     os.setxattr(workspace / "d" / "f", "user.flag", b"on")  # no byte and no mtime changes
     assert os.stat(workspace / "d" / "f").st_mtime_ns == mtime
+    assert unchanged.index.by_path["large"].xattrs == (("user.large", b"yes"),)
+    assert unchanged.index.by_path["d"].xattrs == (("user.kept", b"\x00"),)
     flagged = scan(workspace, unchanged.index, store=store)
     assert flagged.index.root.tree != first.index.root.tree
     assert flagged.index.by_path["d/f"].xattrs == (("user.flag", b"on"),)
     os.setxattr(workspace / "d", "user.flag", b"dir")  # a directory's alone, too
+    os.removexattr(workspace / "d", "user.kept")
     dir_flagged = scan(workspace, flagged.index, store=store)
     assert dir_flagged.index.root.tree != flagged.index.root.tree
     os.removexattr(workspace / "d", "user.flag")

@@ -44,7 +44,9 @@ so the stat cache re-reads every link of it and the group in its rows follows.
 
 Extended attributes (``xattrs``): read for every entry the stat cache does not vouch for, one
 ``listxattr`` (and a ``getxattr`` per attribute) by its name in its directory's fd, never
-followed, after its stat. An entry the cache vouches for keeps the attributes its row recorded:
+followed, after its stat; a small file the walker read says itself whether it has any (its
+``flistxattr`` on the open file, between the read and the second fstat), and one that has
+none costs nothing more. An entry the cache vouches for keeps the attributes its row recorded:
 ``setxattr`` and ``removexattr`` move the ctime, so an unchanged ctime (older than the cutoff)
 means unchanged attributes; a directory, FIFO or device whose inode and ctime are its previous
 row's takes that row's too. The root directory's are not recorded (``xattrs.NOT_RECORDED``).
@@ -748,6 +750,8 @@ class _Scanner:
             fresh = self.read_link(fd, name, child, st, at, budget)
         else:
             fresh = self.from_read(child, read) if read is not None else None
+            if fresh is not None and read is not None and not read[3]:
+                return fresh  # the walker's flistxattr of the open file listed no name
             if fresh is None:
                 fresh = self.read_file(fd, name, child, at, budget)
         return None if fresh is None else self.with_xattrs(fd, name, fresh)
@@ -763,7 +767,7 @@ class _Scanner:
     def from_read(self, child: str, read: Read) -> Entry | None:
         """The entry of a small file the walker read whole (None if the read was torn: the
         file is then read again the slow way, with its retries)."""
-        before, data, after = read
+        before, data, after, _ = read
         if _torn(before, after, len(data)):
             self.stats.torn_retries += 1
             return None
