@@ -51,8 +51,9 @@ restore. An entry of an older tree keeps the time its restore wrote (counted in
 ``times_unrecorded``); the root's time is in a v4 manifest's root. A time that cannot be set
 fails the restore like any other write: a restored tree is exact or absent.
 
-About 500 lines, over the usual 400: the destination's no-follow walk and the builder share the
-parent's fd and the one cleanup path that leaves nothing behind.
+About 770 lines, over the usual 400: the destination's no-follow walk and the builder (its walk
+by fds, link groups, owners, modes, attributes and times) share the parent's fd and the one
+cleanup path that leaves nothing behind; what does not, the attribute rules, is ``xattrs``.
 
 Must never: write outside the temp directory or ``dest``; follow a symlink (a ``dest`` that is
 a symlink or lies under one is refused, naming it; a manifest path whose parent is not a

@@ -51,7 +51,7 @@ none costs nothing more. An entry the cache vouches for keeps the attributes its
 means unchanged attributes; a directory, FIFO or device whose inode and ctime are its previous
 row's takes that row's too. The root directory's are not recorded (``xattrs.NOT_RECORDED``).
 
-About 900 lines, over the usual 400: the walk, its no-follow checks, the stat cache, torn-read
+About 1,100 lines, over the usual 400: the walk, its no-follow checks, the stat cache, torn-read
 retries, the listings ahead and the incremental mode share one walker's state, and split they
 would share internals (what does not, the loops and the read-ahead, lives in ``walk``).
 
