@@ -115,8 +115,10 @@ def test_a_scanned_file_and_directory_take_the_direct_path(monkeypatch: Any) -> 
     """The common rows are written without the encoder (else the speed-up never happens)."""
     from settled.workspace import index, manifest
 
-    file = Entry("a/f", FILE, 0o644, 3, "blake3:" + "0" * 64, uid=1, gid=2, mtime=5)
-    folder = Entry("a/d", DIR, 0o755, 0, tree="blake3:" + "1" * 64, node="n", uid=1, gid=2, mtime=5)
+    file = Entry("a/f", FILE, 0o644, 3, "blake3:" + "0" * 64, uid=1, gid=2, mtime=5, xattrs=())
+    folder = Entry(
+        "a/d", DIR, 0o755, 0, tree="blake3:" + "1" * 64, node="n", uid=1, gid=2, mtime=5, xattrs=()
+    )  # as a scan records them: no link group, and no extended attribute (read, none)
     expected_tree = _encoder_tree([folder, file])
     expected_rows = [canonical_bytes(_row(entry)).decode() for entry in (folder, file)]
 

@@ -143,7 +143,7 @@ def test_every_tree_entry_and_the_manifest_root_record_the_owner_lstat_saw(
         assert (entry.uid, entry.gid) == (st.st_uid, st.st_gid), entry.path
     for tree in {e.tree for e in manifest.entries if e.tree is not None}:
         raw = json.loads(store.read(tree))
-        assert raw["v"] == "settled.tree/v3"
+        assert raw["v"] == "settled.tree/v4"
         assert all({"uid", "gid", "mtime"} <= set(form) for form in raw["entries"])
 
 
@@ -537,7 +537,7 @@ def test_tree_objects_are_canonical_json_of_every_entry_type(
     for tree in trees:
         data = store.read(tree)
         assert canonical_bytes(json.loads(data)) == data
-        assert json.loads(data)["v"] == "settled.tree/v3"
+        assert json.loads(data)["v"] == "settled.tree/v4"
         kinds |= {form["type"] for form in json.loads(data)["entries"]}
     assert kinds == {"file", "dir", "symlink", "fifo"}
 

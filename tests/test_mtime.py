@@ -154,7 +154,7 @@ def test_tree_bytes_carry_mtime_but_no_stat_cache(store: LocalObjectStore, tmp_p
     manifest = read_manifest(store, checkpoint(store, tmp_path / "ws"))
     for tree in {e.tree for e in manifest.entries if e.tree is not None}:
         raw = json.loads(store.read(tree))
-        assert raw["v"] == "settled.tree/v3"
+        assert raw["v"] == "settled.tree/v4"
         for form in raw["entries"]:
             assert "mtime" in form and not {"ino", "dev", "mtime_ns", "ctime_ns"} & set(form)
 

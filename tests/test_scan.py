@@ -209,7 +209,7 @@ def _append_during_first_reads(
                 left[0] -= 1
                 with open(path, "ab") as handle:
                     handle.write(b"+more")
-                got[i] = (read[0], read[1], os.stat(path))  # as if it landed mid-read
+                got[i] = (read[0], read[1], os.stat(path), read[3])  # as if it landed mid-read
         return got
 
     monkeypatch.setattr(scan_module, "choose", lambda: real._replace(read_files=read_files))
@@ -280,7 +280,7 @@ def _overlapped_reads(monkeypatch: pytest.MonkeyPatch, late: str) -> list[int]:
                     out.write(b"+more")
                 read = got[i]
                 if read is not None:  # as if the append landed mid-read
-                    got[i] = (read[0], read[1], os.stat(late, dir_fd=dir_fd))
+                    got[i] = (read[0], read[1], os.stat(late, dir_fd=dir_fd), read[3])
             done[0] = max(done[0], min(upto, len(names)))
             return got
 
@@ -764,7 +764,7 @@ def test_an_entry_from_stat_is_the_entry_its_fields_make(tmp_path: Path) -> None
         expected = Entry(
             name, kind, stat.S_IMODE(st.st_mode), size, extra.get("digest"), extra.get("target"),
             None, st.st_ino, st.st_dev, st.st_mtime_ns, st.st_ctime_ns,
-            uid=st.st_uid, gid=st.st_gid, mtime=st.st_mtime_ns,
+            uid=st.st_uid, gid=st.st_gid, mtime=st.st_mtime_ns, xattrs=(),  # the scan adds any
         )  # fmt: skip
         made = Entry.from_stat(name, st, **extra)
         assert made == expected and type(made) is Entry and made._asdict() == expected._asdict()

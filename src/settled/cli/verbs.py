@@ -372,6 +372,8 @@ def cmd_restore(rt: Runtime, args: argparse.Namespace) -> int:
         "owners_unrecorded": result.owners_unrecorded,
         "setid_dropped": list(result.setid_dropped),
         "times_unrecorded": result.times_unrecorded,
+        "hard_links": result.hard_links,
+        "xattrs_dropped": [list(item) for item in result.xattrs_dropped],
     }
     text = (
         f"restored {result.manifest_id} into {printable(result.dest)}: {result.files} files, "
@@ -394,6 +396,15 @@ def cmd_restore(rt: Runtime, args: argparse.Namespace) -> int:
             f"; modification times not restored for {result.times_unrecorded} entries (the "
             "checkpoint predates recorded times)"
         )
+    if result.xattrs_dropped:
+        shown = ", ".join(f"{path} {name}" for path, name in result.xattrs_dropped[:10])
+        more = len(result.xattrs_dropped) - 10
+        text += (
+            f"; extended attributes not set (trusted.*, security.* and file capabilities need "
+            f"--same-owner as root): {shown}" + (f" and {more} more" if more > 0 else "")
+        )
+    if result.hard_links:
+        text += f"; {result.hard_links} files made as hard links of another, never copied"
     if result.not_restorable:
         kinds = ", ".join(f"{printable(path)} ({kind})" for path, kind in result.not_restorable)
         text += f"; not restorable: {kinds}"

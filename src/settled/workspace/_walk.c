@@ -33,6 +33,7 @@
 #include <string.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
+#include <sys/xattr.h>
 #include <unistd.h>
 
 /* Entry's fields (manifest.Entry, a NamedTuple): walk.py checks this layout at import. */
@@ -446,6 +447,7 @@ typedef struct {
     struct stat before, after;
     char *data;
     size_t length;
+    int xattrs; /* 1: flistxattr listed a name (or failed): the scanner reads them by name */
 } read_t;
 
 /* Without the GIL: open the name without following (O_PATH), and only if fstat says it is a
@@ -483,6 +485,10 @@ static void read_job(void *context, size_t i) {
         if (n == 0) break;
         got += (size_t)n;
     }
+    /* between the read and the second fstat: a setxattr after it moves the ctime, and the
+     * scanner's torn check sees that */
+    ssize_t listed = flistxattr(fd, NULL, 0);
+    r->xattrs = listed > 0 || (listed < 0 && errno != ENOTSUP && errno != EOPNOTSUPP);
     if (r->data != NULL && got != (size_t)-1 && fstat(fd, &r->after) == 0) {
         r->length = got;
         r->ok = 1;
@@ -494,8 +500,9 @@ PyDoc_STRVAR(read_files_doc,
 "read_files(dir_fd, names, limit, workers) -> list\n\n"
 "Read each named regular file of at most `limit` bytes in the directory open at dir_fd, on\n"
 "up to `workers` threads without the GIL: opened without following (O_PATH), checked with\n"
-"fstat, reopened through /proc/self/fd, read up to one byte past its size, fstat again.\n"
-"Each result is (before, data, after) (two os.stat_result and the bytes read), or None for\n"
+"fstat, reopened through /proc/self/fd, read up to one byte past its size, flistxattr'ed,\n"
+"fstat again. Each result is (before, data, after, xattrs) (two os.stat_result, the bytes\n"
+"read, and whether it has any extended attribute), or None for\n"
 "anything else (gone, not a regular file, larger, unreadable): the caller reads those itself.");
 
 /* The arguments of a read, made ready with the GIL: each name encoded (its bytes held until the
@@ -548,7 +555,8 @@ static PyObject *reads_results(read_t *reads, Py_ssize_t start, Py_ssize_t end) 
             PyObject *before = stat_result_of(&reads[i].before);
             PyObject *data = PyBytes_FromStringAndSize(reads[i].data, (Py_ssize_t)reads[i].length);
             PyObject *after = stat_result_of(&reads[i].after);
-            result = before && data && after ? PyTuple_Pack(3, before, data, after) : NULL;
+            PyObject *xattrs = reads[i].xattrs ? Py_True : Py_False;
+            result = before && data && after ? PyTuple_Pack(4, before, data, after, xattrs) : NULL;
             Py_XDECREF(before);
             Py_XDECREF(data);
             Py_XDECREF(after);

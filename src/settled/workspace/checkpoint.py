@@ -51,6 +51,7 @@ from settled.workspace.open_objects import open_object_store as open_object_stor
 from settled.workspace.readback import QUARANTINABLE, Problem, ReadBack, read_back
 from settled.workspace.scan import CLOCK_SLACK_NS, ScanError, Vouches, gc_paused, scan
 from settled.workspace.verified import VerifiedRecord
+from settled.workspace.xattrs import NOT_RECORDED
 
 CHECKPOINT_RECEIPT_VERSION = "settled.receipt.checkpoint/v1"
 
@@ -209,6 +210,7 @@ class WorkspaceService:
                 "covers": {
                     **({"ignored": ignored} if (ignored := _ignore_fact(task)) else {}),
                     "scan_started_at": scan_fact["started_at"],
+                    "not_recorded": list(NOT_RECORDED),
                     "terminal_mutations": {
                         s.session: (s.receipt or {}).get("terminal_mutation") for s in sessions
                     },

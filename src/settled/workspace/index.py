@@ -40,12 +40,15 @@ from settled.workspace.manifest import (
     tree_bytes,
 )
 from settled.workspace.objectstore import ObjectMissing
+from settled.workspace.xattrs import NONE as NO_XATTRS
+from settled.workspace.xattrs import form as xattr_form
+from settled.workspace.xattrs import parse as parse_xattrs
 
-INDEX_VERSION: Final = "settled.index/v3"  # v3: rows carry uid and gid (trees record owners)
-NODE_VERSION: Final = "settled.index-node/v3"  # v3: its tree records mtimes (settled.tree/v3);
-# an older node is unusable (the scan runs without), so no subtree stays a timeless v2 tree
+INDEX_VERSION: Final = "settled.index/v5"  # v5: rows carry link groups and xattrs
+NODE_VERSION: Final = "settled.index-node/v5"  # v5: its tree records link groups and xattrs;
+# an older node is unusable (the scan runs without), so no subtree stays an older tree
 _NODE_KEYS: Final = frozenset({"v", "algorithm", "tree", "trusted_before_ns", "count", "entries"})
-_ROW_FIELDS: Final = 13
+_ROW_FIELDS: Final = 15
 _BAD_NAMES: Final = frozenset({"", ".", ".."})
 
 
@@ -145,8 +148,8 @@ def _node_form(
     }
 
 
-_FILE_ROW: Final = '[%s,"file",%d,%d,%s,%d,%d,%d,%d,%d,%d,null,%d]'
-_DIR_ROW: Final = '[%s,"dir",%d,%d,%s,%d,%d,%d,%d,%d,%d,%s,%d]'
+_FILE_ROW: Final = '[%s,"file",%d,%d,%s,%d,%d,%d,%d,%d,%d,null,%d,null,{}]'
+_DIR_ROW: Final = '[%s,"dir",%d,%d,%s,%d,%d,%d,%d,%d,%d,%s,%d,null,{}]'
 
 
 def _row_text(entry: Entry) -> str:
@@ -155,10 +158,12 @@ def _row_text(entry: Entry) -> str:
     ``canonical_bytes`` of ``_row``."""
     (
         path, kind, mode, size, digest, _, _, ino, dev, mtime_ns, ctime_ns, tree, node, below,
-        uid, gid, extents, _,
+        uid, gid, extents, _, link, xattrs,
     ) = entry  # fmt: skip
     if (
         extents is None
+        and link is None
+        and xattrs == ()
         and type(uid) is type(gid) is type(mode) is type(size) is type(ino) is int
         and type(dev) is type(mtime_ns) is type(ctime_ns) is type(below) is int
     ):
@@ -178,7 +183,9 @@ def _row_text(entry: Entry) -> str:
 
 def _row(entry: Entry) -> list[Any]:
     """A child's row: what its tree entry says (the owner too, so an unchanged directory
-    rebuilds the very same tree from its node), then its stat cache and node pointer. A sparse
+    rebuilds the very same tree from its node), then its stat cache and node pointer, then its
+    hard-link group (null: none) and its xattrs (``{name: base64}``; null: not
+    recorded, the root's). A sparse
     file's content is ``[digest, extents]`` (a dense file's, as before, its digest): nodes
     written before sparse files were recorded still read the same."""
     content: Any = {FILE: entry.digest, SYMLINK: entry.target, DIR: entry.tree}.get(
@@ -189,11 +196,15 @@ def _row(entry: Entry) -> list[Any]:
     return [
         name_of(entry.path), entry.type, entry.mode, entry.size, content, entry.uid, entry.gid,
         entry.ino, entry.dev, entry.mtime_ns, entry.ctime_ns, entry.node, entry.below,
+        entry.link, None if entry.xattrs is None else xattr_form(entry.xattrs),
     ]  # fmt: skip
 
 
 def _entry(path: str, row: list[Any]) -> Entry:
-    _, kind, mode, size, content, uid, gid, ino, dev, mtime_ns, ctime_ns, node, below = row
+    _, kind, mode, size, content, uid, gid, ino, dev, mtime_ns, ctime_ns, node, below, link, raw = (
+        row
+    )
+    xattrs = None if raw is None else (parse_xattrs(raw, path) if raw else NO_XATTRS)
     extents = None
     if kind == FILE and isinstance(content, list):  # a sparse file: [digest, extents]
         content, raw = content
@@ -206,7 +217,7 @@ def _entry(path: str, row: list[Any]) -> Entry:
         content if kind in DEVICES else None,
         ino, dev, mtime_ns, ctime_ns,
         content if kind == DIR else None,
-        node, below, uid, gid, extents, mtime_ns,
+        node, below, uid, gid, extents, mtime_ns, link, xattrs,
     )  # fmt: skip
 
 

@@ -11,6 +11,20 @@ rename the temp directory onto ``dest`` within the parent's fd (``renameat``), s
 swapped in after the checks cannot redirect the restore. Sockets and devices cannot be restored
 and are named in the result; a device node is never created.
 
+Any depth. Every call below the temp directory names one component relative to its directory's
+fd (``mkdir``, ``open``, ``symlink``, ``mkfifo`` with ``dir_fd``; ``fchown``, ``fchmod`` and
+``utime`` on open fds; a symlink's owner and time by its name in its directory's fd, never
+followed): the build holds the fds of the directories from the root down to the one it fills,
+one per level, as the scan does, so a tree deeper than PATH_MAX restores like any other. The
+cleanup of a failed restore walks by fds too (``fwalk`` and ``rmtree`` with ``dir_fd``).
+
+Hard links. The files of one link group (``Entry.link``, a ``settled.tree/v4`` field) are one
+inode again: the first member is written (its content checked, owner, mode and time applied),
+every later one that records the same content, size, mode, owner and time is ``linkat``'ed to
+it (relative to both directories' fds), never copied, and counted in ``hard_links``; one that
+disagrees (the file changed between its links' reads) is written as a file of its own. Members
+the checkpoint left out (outside the workspace, ignored) are simply absent.
+
 Restore grants nothing (tar's convention). The command that made the workspace is hostile, and
 the restore often runs as root: a set-uid file of ``nobody`` restored by root with its mode
 would be a set-uid *root* file. So every entry is owned by whoever restores, unless
@@ -21,6 +35,15 @@ entry is then given that group). An entry that records no owner (a v1 tree) keep
 bit, even with ``same_owner``: there is no owner to restore. The sticky bit is kept. Every bit
 dropped is named in the result (``setid_dropped``); ``earned_setid`` is the rule, without I/O.
 
+Extended attributes (``xattrs.py``), after the owner and the mode and before the time:
+``user.*`` and the POSIX ACLs always, ``trusted.*`` and ``security.*`` (file capabilities,
+set last of all: a chown or a write clears one) only with ``same_owner``, exactly like set-id
+bits; every one not set is named in the result (``xattrs_dropped``). A directory's default
+ACL is set when it is finished, after everything below it exists, so nothing restored
+inherits it (each child's own ACL is set from its record), and the temp directory drops the
+ACLs it inherited from the destination's parent before anything is made in it, so an entry
+that records none ends with none. The root's attributes are not recorded (``NOT_RECORDED``).
+
 Times. An entry whose tree records its ``mtime`` (``settled.tree/v3``) gets it back, atime and
 mtime both (``utime`` with ``ns=``, on the open fd, or the link itself for a symlink), so a
 build tool that compares times sees the order the checkpoint saw and rebuilds nothing after a
@@ -28,8 +51,9 @@ restore. An entry of an older tree keeps the time its restore wrote (counted in
 ``times_unrecorded``); the root's time is in a v4 manifest's root. A time that cannot be set
 fails the restore like any other write: a restored tree is exact or absent.
 
-About 500 lines, over the usual 400: the destination's no-follow walk and the builder share the
-parent's fd and the one cleanup path that leaves nothing behind.
+About 770 lines, over the usual 400: the destination's no-follow walk and the builder (its walk
+by fds, link groups, owners, modes, attributes and times) share the parent's fd and the one
+cleanup path that leaves nothing behind; what does not, the attribute rules, is ``xattrs``.
 
 Must never: write outside the temp directory or ``dest``; follow a symlink (a ``dest`` that is
 a symlink or lies under one is refused, naming it; a manifest path whose parent is not a
@@ -37,7 +61,8 @@ directory restored earlier is refused, so a link created by the restore is never
 leave a partial tree at ``dest`` (on any failure the temp directory is removed and ``dest`` is
 untouched); replace a ``dest`` that exists and is not an empty directory; accept content that
 does not hash to its digest; create a set-id file or directory owned by anyone the
-checkpoint's author could not already run as; create a device node.
+checkpoint's author could not already run as, or set a file capability, ``trusted.*`` or
+``security.*`` attribute without ``same_owner``; create a device node.
 """
 
 from __future__ import annotations
@@ -48,6 +73,7 @@ import os
 import secrets
 import shutil
 import stat
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Final
 
@@ -62,11 +88,14 @@ from settled.workspace.manifest import (
     Manifest,
     UnsafePath,
     check_path,
+    name_of,
     parent_of,
     read_manifest,
 )
 from settled.workspace.objectstore import CHUNK, ObjectMissing, ObjectStore
 from settled.workspace.sparse import hash_zeros
+from settled.workspace.xattrs import drop_inherited_acls, setting_order
+from settled.workspace.xattrs import restorable as xattr_restorable
 
 FIFO: Final = "fifo"
 SETID: Final = stat.S_ISUID | stat.S_ISGID
@@ -129,6 +158,16 @@ class SameOwnerNeedsRoot(RestoreError):
         self.euid = euid
 
 
+class XattrNotRestorable(RestoreError):
+    def __init__(self, path: str, name: str, error: OSError) -> None:
+        super().__init__(
+            f"cannot set extended attribute {name!r} of {path!r}: {error.strerror or error}; "
+            "restore refused, nothing written at the destination (restore onto a filesystem "
+            "that supports it)"
+        )
+        self.path, self.name = path, name
+
+
 class OwnerNotRestorable(RestoreError):
     def __init__(self, path: str, uid: int, gid: int, error: OSError) -> None:
         super().__init__(
@@ -188,6 +227,8 @@ class RestoreResult:
     owners_restored: bool = False  # every entry chowned to its recorded owner (same_owner)
     owners_unrecorded: int = 0  # entries whose checkpoint records no owner (a v1 tree)
     times_unrecorded: int = 0  # entries that record no mtime (a v1/v2 tree, a v3 manifest's root)
+    hard_links: int = 0  # files made as another link of a file written (a link group's members)
+    xattrs_dropped: tuple[tuple[str, str], ...] = ()  # (path, xattr) not set: not earned
 
     @property
     def complete(self) -> bool:
@@ -222,6 +263,7 @@ def restore(
             root_fd = os.open(temp, _DIR_FLAGS, dir_fd=parent_fd)
             try:
                 os.fchmod(root_fd, 0o700)  # not set-gid, even in a set-gid parent
+                drop_inherited_acls(root_fd)  # nothing below inherits the parent's default ACL
                 builder = _Builder(store, manifest, root_fd, durable, restorer)
                 builder.build()
             finally:
@@ -246,6 +288,7 @@ def restore(
         manifest_id, dest, counts[FILE], counts[DIR], counts[SYMLINK], counts[FIFO],
         builder.bytes_written, tuple(builder.not_restorable), tuple(sorted(builder.dropped)),
         same_owner and not builder.unrecorded, builder.unrecorded, builder.timeless,
+        builder.linked, tuple(builder.xattrs_dropped),
     )  # fmt: skip
 
 
@@ -394,7 +437,20 @@ def _unlock(dir_fd: int, name: str) -> None:
         os.close(fd)
 
 
+def _inode_facts(entry: Entry) -> tuple[object, ...]:
+    """What every link of one file shares, as its entry records it."""
+    return (
+        entry.digest, entry.size, entry.extents, entry.mode, entry.uid, entry.gid, entry.mtime,
+        entry.xattrs,
+    )  # fmt: skip
+
+
 class _Builder:
+    """The tree built through directory fds: a walk that holds one fd per level (the fds of
+    the directories from the root down to the one being filled), so every call names one
+    component, whatever the depth (a path of 20 directories of 250-byte names is past
+    PATH_MAX, and restored by name as any other)."""
+
     def __init__(
         self, store: ObjectStore, manifest: Manifest, root_fd: int, durable: bool, who: Restorer
     ) -> None:
@@ -406,55 +462,120 @@ class _Builder:
         self.dropped: list[str] = []  # paths whose set-id bits were not earned
         self.unrecorded = 0  # entries that record no owner
         self.timeless = 0  # entries that record no mtime
-        self.dirs: list[Entry] = []
-        self.made_dirs: set[str] = {ROOT}
+        self.children: dict[str, list[Entry]] = {}  # a directory's path -> its entries
         self.counts = {FILE: 0, DIR: 0, SYMLINK: 0, FIFO: 0}
         self.bytes_written = 0
         self.not_restorable: list[tuple[str, str]] = []
+        self.xattrs_dropped: list[tuple[str, str]] = []  # (path, name) not this restorer's
+        self.linked = 0  # files made as another link of a file this restore wrote
+        self.groups: dict[str, Entry] = {}  # a link group's key -> its member written first
+        self.source: tuple[str, int] | None = None  # a group's first directory, held open
 
     def build(self) -> None:
+        root = self.plan()
+        try:
+            self.make_all()
+        finally:
+            self.let_go_of_source()
+        self.finish_all(root if root is not None else Entry(ROOT, DIR, 0o755, 0))
+
+    def plan(self) -> Entry | None:
+        """Every entry under its parent directory (the root entry returned apart); refused
+        before anything is made if a path is unsafe or its parent is no directory of the
+        manifest (a symlink, say: the restore then never goes through it)."""
+        dirs = {ROOT} | {entry.path for entry in self.manifest.entries if entry.type == DIR}
         root: Entry | None = None
         for entry in self.manifest.entries:
             if entry.path == ROOT:
                 root = entry
                 continue
             path = check_path(entry.path)
-            if parent_of(path) not in self.made_dirs:
+            parent = parent_of(path)
+            if parent not in dirs:
                 raise UnsafePath(path, "is not inside a directory this restore created")
-            self.make(entry)
-        for entry in sorted(self.dirs, key=lambda e: e.path.count("/"), reverse=True):
-            self.finish_dir(entry)
-        self.finish_dir(root if root is not None else Entry(ROOT, DIR, 0o755, 0))
+            self.children.setdefault(parent, []).append(entry)
+        return root
 
-    def make(self, entry: Entry) -> None:
-        path, fd = entry.path, self.root_fd
+    def make_all(self) -> None:
+        """Every entry made, depth first, each relative to its directory's fd."""
+        stack = [(self.root_fd, iter(self.children.get(ROOT, ())))]
+        try:
+            while stack:
+                fd, pending = stack[-1]
+                entry = next(pending, None)
+                if entry is None:
+                    stack.pop()
+                    if fd != self.root_fd:
+                        os.close(fd)
+                    continue
+                sub = self.make(fd, entry)
+                if sub is not None:
+                    stack.append((sub, iter(self.children.get(entry.path, ()))))
+        finally:
+            for fd, _ in stack:
+                if fd != self.root_fd:
+                    os.close(fd)
+
+    def finish_all(self, root: Entry) -> None:
+        """Owners, modes and times of the directories, each after everything below it (a
+        child made or changed afterwards would change its time), the root last of all."""
+        stack = [(self.root_fd, root, self.subdirs(ROOT))]
+        try:
+            while stack:
+                fd, entry, pending = stack[-1]
+                child = next(pending, None)
+                if child is None:
+                    stack.pop()
+                    try:
+                        self.finish_dir(fd, entry)
+                    finally:
+                        if fd != self.root_fd:
+                            os.close(fd)
+                    continue
+                sub = os.open(name_of(child.path), _DIR_FLAGS, dir_fd=fd)
+                stack.append((sub, child, self.subdirs(child.path)))
+        finally:
+            for fd, _, _ in stack:
+                if fd != self.root_fd:
+                    os.close(fd)
+
+    def subdirs(self, path: str) -> Iterator[Entry]:
+        return (entry for entry in self.children.get(path, ()) if entry.type == DIR)
+
+    def make(self, fd: int, entry: Entry) -> int | None:
+        """Make ``entry`` in the directory open at ``fd``; a directory's own fd is returned
+        (the caller fills it, then closes it)."""
+        name = name_of(entry.path)
+        sub = None
         if entry.type == DIR:
-            os.mkdir(path, 0o700, dir_fd=fd)
-            self.made_dirs.add(path)
-            self.dirs.append(entry)
+            os.mkdir(name, 0o700, dir_fd=fd)
+            sub = os.open(name, _DIR_FLAGS, dir_fd=fd)
         elif entry.type == FILE:
-            self.write_file(entry)
+            if not self.link_member(fd, name, entry):
+                self.write_file(fd, name, entry)
         elif entry.type == SYMLINK and entry.target is not None:
-            os.symlink(entry.target, path, dir_fd=fd)
-            self.give_link_owner(entry)
-            self.set_time(entry, path)
+            os.symlink(entry.target, name, dir_fd=fd)
+            self.give_link_owner(fd, name, entry)
+            self.set_xattrs(f"/proc/self/fd/{fd}/{name}", entry)
+            self.set_time(entry, name, fd)
         elif entry.type == FIFO:
-            os.mkfifo(path, 0o600, dir_fd=fd)
-            fifo = os.open(path, _OPEN_FIFO, dir_fd=fd)  # the FIFO this restore just made
+            os.mkfifo(name, 0o600, dir_fd=fd)
+            fifo = os.open(name, _OPEN_FIFO, dir_fd=fd)  # the FIFO this restore just made
             try:
                 self.settle(fifo, entry)
                 self.set_time(entry, fifo)
             finally:
                 os.close(fifo)
         else:  # sockets, and devices: never mknod'ed
-            self.not_restorable.append((path, entry.type))
-            return
+            self.not_restorable.append((entry.path, entry.type))
+            return None
         self.counts[entry.type] += 1
+        return sub
 
-    def write_file(self, entry: Entry) -> None:
+    def write_file(self, dir_fd: int, name: str, entry: Entry) -> None:
         path, digest = entry.path, entry.digest
         assert digest is not None  # a valid manifest's files all have digests
-        out = os.open(path, _CREATE, 0o600, dir_fd=self.root_fd)
+        out = os.open(name, _CREATE, 0o600, dir_fd=dir_fd)
         try:
             if entry.extents is not None:
                 size = self.write_sparse(entry, out)
@@ -469,10 +590,60 @@ class _Builder:
         except BaseException:
             os.close(out)
             with contextlib.suppress(OSError):
-                os.unlink(path, dir_fd=self.root_fd)
+                os.unlink(name, dir_fd=dir_fd)
             raise
         os.close(out)
         self.bytes_written += size
+        if entry.link is not None:
+            self.groups.setdefault(entry.link, entry)
+
+    # -- hard links ------------------------------------------------------------------------------
+
+    def link_member(self, fd: int, name: str, entry: Entry) -> bool:
+        """Make ``entry`` another link of its group's file, if this restore wrote one that it
+        agrees with (content, size, mode, owner, time: one inode has one of each); the blob is
+        never copied again. A member that disagrees (the file changed between two links'
+        reads) is written as a file of its own: it gets exactly what it recorded."""
+        first = self.groups.get(entry.link) if entry.link is not None else None
+        if first is None or _inode_facts(first) != _inode_facts(entry):
+            return False
+        source_fd = self.source_dir(parent_of(first.path))
+        os.link(
+            name_of(first.path), name, src_dir_fd=source_fd, dst_dir_fd=fd, follow_symlinks=False
+        )
+        self.linked += 1
+        if first.path in self.dropped:  # one inode: its links lack the bits it lacks
+            self.dropped.append(entry.path)
+        self.xattrs_dropped += [
+            (entry.path, attr)
+            for attr, _ in entry.xattrs or ()
+            if not xattr_restorable(attr, self.who.same_owner)
+        ]  # and the attributes it lacks
+        return True
+
+    def source_dir(self, path: str) -> int:
+        """The directory ``path`` of the temp tree, opened one name at a time from the root
+        without following (every directory is this restore's own, 0o700 until the finish),
+        kept open for the next member of the group."""
+        if self.source is not None and self.source[0] == path:
+            return self.source[1]
+        self.let_go_of_source()
+        fd = os.dup(self.root_fd)
+        try:
+            for part in [] if path == ROOT else path.split("/"):
+                sub = os.open(part, _DIR_FLAGS, dir_fd=fd)
+                os.close(fd)
+                fd = sub
+        except BaseException:
+            os.close(fd)
+            raise
+        self.source = (path, fd)
+        return fd
+
+    def let_go_of_source(self) -> None:
+        if self.source is not None:
+            os.close(self.source[1])
+            self.source = None
 
     def write_sparse(self, entry: Entry, out: int) -> int:
         """A sparse file: its size set by ``ftruncate`` (a hole throughout), then each extent
@@ -519,15 +690,11 @@ class _Builder:
                 size += len(data)
         return format_digest(algo, hasher.hexdigest()), size
 
-    def finish_dir(self, entry: Entry) -> None:
-        fd = os.open(entry.path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=self.root_fd)
-        try:
-            self.settle(fd, entry)
-            self.set_time(entry, fd)  # the root's too: a rename keeps the renamed dir's time
-            if self.durable:  # after the owner, mode and time, so the fsync covers them
-                os.fsync(fd)
-        finally:
-            os.close(fd)
+    def finish_dir(self, fd: int, entry: Entry) -> None:
+        self.settle(fd, entry)
+        self.set_time(entry, fd)  # the root's too: a rename keeps the renamed dir's time
+        if self.durable:  # after the owner, mode and time, so the fsync covers them
+            os.fsync(fd)
 
     # -- owners and modes ----------------------------------------------------------------------
 
@@ -559,10 +726,29 @@ class _Builder:
                 self.dropped.append(entry.path)
             mode = (mode & ~SETID) | kept
         os.fchmod(fd, mode)
+        self.set_xattrs(fd, entry)
 
-    def set_time(self, entry: Entry, target: int | str) -> None:
+    def set_xattrs(self, target: int | str, entry: Entry) -> None:
+        """The entry's recorded extended attributes, after its owner and mode (a chown clears
+        a file capability, and an ACL is the mode's group bits too), the capability last;
+        those ``xattrs.restorable`` refuses this restorer are named in ``xattrs_dropped``.
+        ``target``: an open fd, or a symlink's ``/proc/self/fd/<dir fd>/<name>``, never
+        followed. One that cannot be set fails the restore, naming it."""
+        for name, value in setting_order(entry.xattrs or ()):
+            if not xattr_restorable(name, self.who.same_owner):
+                self.xattrs_dropped.append((entry.path, name))
+                continue
+            try:
+                if isinstance(target, int):
+                    os.setxattr(target, name, value)
+                else:
+                    os.setxattr(target, name, value, follow_symlinks=False)
+            except OSError as error:
+                raise XattrNotRestorable(entry.path, name, error) from None
+
+    def set_time(self, entry: Entry, target: int | str, dir_fd: int | None = None) -> None:
         """Give the entry its recorded mtime (as atime too): through an fd this restore opened,
-        or, for a symlink, the link itself by name (never what it points at)."""
+        or, for a symlink, the link itself by its name in ``dir_fd`` (never what it points at)."""
         if entry.mtime is None:
             self.timeless += 1
             return
@@ -570,17 +756,15 @@ class _Builder:
         if isinstance(target, int):
             os.utime(target, ns=times)
         else:
-            os.utime(target, ns=times, dir_fd=self.root_fd, follow_symlinks=False)
+            os.utime(target, ns=times, dir_fd=dir_fd, follow_symlinks=False)
 
-    def give_link_owner(self, entry: Entry) -> None:
+    def give_link_owner(self, dir_fd: int, name: str, entry: Entry) -> None:
         """A symlink's owner (its mode means nothing on Linux, and it has no set-id bits)."""
         if not entry.owned:
             self.unrecorded += 1
         elif self.who.same_owner:
             assert entry.uid is not None and entry.gid is not None
             try:
-                os.chown(
-                    entry.path, entry.uid, entry.gid, dir_fd=self.root_fd, follow_symlinks=False
-                )
+                os.chown(name, entry.uid, entry.gid, dir_fd=dir_fd, follow_symlinks=False)
             except OSError as error:
                 raise OwnerNotRestorable(entry.path, entry.uid, entry.gid, error) from None

@@ -33,18 +33,30 @@ A sparse file (``sparse.data_ranges``: holes found with ``SEEK_DATA``/``SEEK_HOL
 open file) is read range by range, each data range an object of its own, its holes never read
 and hashed as zeros into its digest; the same fstat checks (after every range) make a change
 during the read a torn read. A directory moved elsewhere mid-walk is listed as it was when
-opened (its fd is held); mount points inside the root are crossed; hard links are recorded as
-separate files, but a file is read once a scan: another link of it (same device, inode, size,
+opened (its fd is held); mount points inside the root are crossed. Hard links: a file with
+other links (``st_nlink > 1``) records its group's key (``manifest.link_key`` of its device
+and inode: every link of it in this scan names the same group, which restore makes one inode
+again), and a file is read once a scan: another link of it (same device, inode, size,
 mtime and ctime, its ctime older than that read by the clock slack, the stat cache's racy rule)
 takes the digest that read gave. Without that, 65,000 links of a 1 GiB file (`ln` is ~10 us)
-made a close read 63 TiB.
+made a close read 63 TiB. A link made or removed changes the file's ctime (and its link count),
+so the stat cache re-reads every link of it and the group in its rows follows.
 
 Names. Any name the kernel allows (any byte but ``/`` and NUL) and any symlink target is
 recorded, as the text ``os.fsdecode`` makes of its bytes (both walkers decode so: the C one with
 ``PyUnicode_DecodeFSDefault``): a byte that is not UTF-8 is a lone surrogate, written
 ``\\udcXX`` in every JSON form (``canonical``), and restore writes the very bytes back.
 
-About 900 lines, over the usual 400: the walk, its no-follow checks, the stat cache, torn-read
+Extended attributes (``xattrs``): read for every entry the stat cache does not vouch for, one
+``listxattr`` (and a ``getxattr`` per attribute) by its name in its directory's fd, never
+followed, after its stat; a small file the walker read says itself whether it has any (its
+``flistxattr`` on the open file, between the read and the second fstat), and one that has
+none costs nothing more. An entry the cache vouches for keeps the attributes its row recorded:
+``setxattr`` and ``removexattr`` move the ctime, so an unchanged ctime (older than the cutoff)
+means unchanged attributes; a directory, FIFO or device whose inode and ctime are its previous
+row's takes that row's too. The root directory's are not recorded (``xattrs.NOT_RECORDED``).
+
+About 1,100 lines, over the usual 400: the walk, its no-follow checks, the stat cache, torn-read
 retries, the listings ahead and the incremental mode share one walker's state, and split they
 would share internals (what does not, the loops and the read-ahead, lives in ``walk``).
 
@@ -112,9 +124,13 @@ from settled.workspace.walk import (
     open_beneath,
     reopen,
     reusable,
+    trusted,
     workers,
 )
 from settled.workspace.walk import gc_paused as gc_paused
+from settled.workspace.xattrs import Xattrs
+from settled.workspace.xattrs import read_at as read_xattrs
+from settled.workspace.xattrs import read_fd as read_fd_xattrs
 
 CLOCK_SLACK_NS: Final = 20_000_000
 Vouches = Callable[[int, int], bool]  # (a node's trusted_before_ns, its filesystem's magic)
@@ -711,9 +727,25 @@ class _Scanner:
                     current.rows[name] = entry
                     return None
                 continue  # replaced by another directory: open that one
-            current.rows[name] = Entry.from_stat(child, os.fstat(sub))
+            current.rows[name] = self.dir_row(child, os.fstat(sub), current.rows.get(name), sub)
             return sub
         raise TornRead(child, TORN_ATTEMPTS)
+
+    def dir_row(self, child: str, st: os.stat_result, listed: Entry | None, fd: int) -> Entry:
+        """The row of the directory open at ``fd``: its attributes as this scan's listing read
+        them if it is still that inode unchanged (``listed``), else read now through ``fd``."""
+        now = Entry.from_stat(child, st)
+        if (
+            listed is not None
+            and listed.type == DIR
+            and listed.xattrs is not None
+            and (listed.ino, listed.dev, listed.ctime_ns) == (st.st_ino, st.st_dev, st.st_ctime_ns)
+        ):
+            return _with_xattrs(now, listed.xattrs)
+        try:
+            return _with_xattrs(now, read_fd_xattrs(fd, child))
+        except OSError as error:
+            raise WorkspaceUnreadable(child, error) from error
 
     def lstat(self, fd: int, name: str, child: str) -> os.stat_result | None:
         try:
@@ -777,10 +809,13 @@ class _Scanner:
         if budget <= 0:
             raise TornRead(child, TORN_ATTEMPTS)
         kind = TYPES.get(stat.S_IFMT(st.st_mode))
-        if kind not in (FILE, SYMLINK):
-            return Entry.from_stat(child, st)
         previous = at.previous
         cached = previous.child(name) if previous is not None else None
+        if kind not in (FILE, SYMLINK):
+            made = Entry.from_stat(child, st)
+            if previous is not None and cached is not None and _same_inode(cached, st, previous):
+                return _with_xattrs(made, cached.xattrs)  # unchanged since: no setxattr either
+            return self.with_xattrs(fd, name, made)
         if previous is not None and cached is not None:
             verdict = _verdict(cached, st, previous.trusted_before_ns)
             if verdict == _REUSE:
@@ -789,17 +824,27 @@ class _Scanner:
             if verdict == _RACY:
                 at.racy = True
         if kind == SYMLINK:
-            return self.read_link(fd, name, child, st, at, budget)
-        if read is not None:
-            entry = self.from_read(child, read)
-            if entry is not None:
-                return entry
-        return self.read_file(fd, name, child, at, budget)
+            fresh = self.read_link(fd, name, child, st, at, budget)
+        else:
+            fresh = self.from_read(child, read) if read is not None else None
+            if fresh is not None and read is not None and not read[3]:
+                return fresh  # the walker's flistxattr of the open file listed no name
+            if fresh is None:
+                fresh = self.read_file(fd, name, child, at, budget)
+        return None if fresh is None else self.with_xattrs(fd, name, fresh)
+
+    def with_xattrs(self, fd: int, name: str, entry: Entry) -> Entry:
+        """``entry`` with the extended attributes its name has now (read after its stat: a
+        change in between moves the ctime, which the next scan sees)."""
+        try:
+            return _with_xattrs(entry, read_xattrs(fd, name, entry.path))
+        except OSError as error:
+            raise WorkspaceUnreadable(entry.path, error) from error
 
     def from_read(self, child: str, read: Read) -> Entry | None:
         """The entry of a small file the walker read whole (None if the read was torn: the
         file is then read again the slow way, with its retries)."""
-        before, data, after = read
+        before, data, after, _ = read
         if _torn(before, after, len(data)):
             self.stats.torn_retries += 1
             return None
@@ -1053,7 +1098,7 @@ class _Scanner:
                 os.close(sub)
                 break
             child = join(opened, name)
-            parent.rows[name] = _carried(Entry.from_stat(child, st), known)
+            parent.rows[name] = _carried(self.dir_row(child, st, None, sub), known)
             if child not in self.passed:
                 self.passed.add(child)
                 self.entries_listed += 1
@@ -1098,6 +1143,32 @@ class _Scanner:
             if row is not None and row.type == DIR:
                 parent.rows[name_of(rel)] = with_node(row, node)
         raise AssertionError("the root is always rebuilt with the directories below it")
+
+
+def _same_inode(cached: Entry, st: os.stat_result, node: DirNode) -> bool:
+    """A directory, FIFO, socket or device the previous node recorded, unchanged since (its
+    inode and ctime, older than the node's cutoff): its attributes are as recorded, since any
+    ``setxattr`` would have moved the ctime."""
+    return (
+        cached.xattrs is not None
+        and cached.ino == st.st_ino
+        and cached.dev == st.st_dev
+        and cached.ctime_ns == st.st_ctime_ns
+        and cached.type == TYPES.get(stat.S_IFMT(st.st_mode))
+        and trusted(cached, node.trusted_before_ns)
+    )
+
+
+def _with_xattrs(entry: Entry, xattrs: Xattrs | None) -> Entry:
+    """``entry`` recording ``xattrs`` (built positionally: they are its last field)."""
+    if entry.xattrs == xattrs:
+        return entry
+    return _new_tuple(Entry, (*entry[:_XATTRS_AT], xattrs))
+
+
+_new_tuple: Final = tuple.__new__
+_XATTRS_AT: Final = Entry._fields.index("xattrs")
+assert len(Entry._fields) - 1 == _XATTRS_AT, "_with_xattrs builds Entry positionally: update it"
 
 
 def _carried(now: Entry, known: Entry) -> Entry:

@@ -7,7 +7,9 @@ its entries give (the default), or, with ``read_data``, re-hashed byte for byte.
 objects are its extents (each of its extent's length); with ``read_data`` its digest is checked
 too, over its extents' bytes and its holes as zeros (``sparse.logical_digest``: CPU for the
 holes, never a read of them), so every byte the entry names is checked. Every missing, damaged
-or invalid object is named with every path that uses it.
+or invalid object is named with every path that uses it. The members of a hard-link group
+(``Entry.link``) are one inode, so they must agree: a member whose content, size, mode or owner
+differs from the group's first is named (``link_group``), with both paths.
 
 Unlike the checkpoint's read-back (``readback``), nothing is trusted: the verified-object record
 is never consulted, only refreshed for each object that re-hashed right (so a later read-back
@@ -37,6 +39,8 @@ from settled.workspace.objectstore import ObjectMissing, ObjectStore, ObjectUnre
 from settled.workspace.readback import DAMAGED, INVALID, MISSING, Problem, rehash
 from settled.workspace.sparse import Extent, logical_digest
 from settled.workspace.verified import Verified, VerifiedRecord
+
+LINK_GROUP = "link_group"  # a problem's object prefix: a hard-link group whose members disagree
 
 _SparseKey = tuple[str, int, tuple[Extent, ...]]  # a sparse file's digest, size and extents
 
@@ -99,6 +103,8 @@ class _Check:
         self.sparse: dict[_SparseKey, list[str]] = {}  # sparse files' content -> their paths
         self.identities: list[tuple[str, Verified]] = []
         self.bytes_read = 0
+        self.groups: dict[str, tuple[tuple[object, ...], str]] = {}  # link key -> first member
+        self.group_paths: dict[str, list[str]] = {}  # a disagreeing group -> its members
 
     def run(self, manifest_id: str, read_data: bool) -> None:
         got = self._rehash(manifest_id)
@@ -156,6 +162,8 @@ class _Check:
                 read[tree] = None
                 continue
             for entry in entries:
+                if entry.link is not None:
+                    self._link_member(entry)
                 if entry.type == FILE and entry.digest is not None and entry.extents is not None:
                     for _, length, digest in entry.extents:
                         self._blob(digest, entry.path, length)
@@ -164,6 +172,20 @@ class _Check:
                     self._blob(entry.digest, entry.path, entry.size)
                 elif entry.type == DIR and entry.tree is not None:
                     pending.append((entry.tree, entry.path))
+
+    def _link_member(self, entry: Entry) -> None:
+        """A hard-link group's member agrees with its first (one inode: one content, size,
+        mode and owner), else the group is named as a problem with both paths."""
+        assert entry.link is not None
+        facts = (entry.digest, entry.size, entry.extents, entry.mode, entry.uid, entry.gid)
+        first = self.groups.setdefault(entry.link, (facts, entry.path))
+        if first[0] != facts:
+            key = f"{LINK_GROUP}:{entry.link}"
+            detail = (
+                f"{entry.path!r} records another content, size, mode or owner than {first[1]!r}"
+            )
+            self.problems.setdefault(key, Problem(key, INVALID, detail=detail))
+            self.group_paths.setdefault(key, [first[1]]).append(entry.path)
 
     def _blob(self, digest: str, path: str, size: int) -> None:
         self.blob_paths.setdefault(digest, []).append(path)
@@ -211,7 +233,7 @@ class _Check:
         self.problems[digest] = Problem(digest, DAMAGED, detail=detail)
 
     def result(self, manifest_id: str, read_data: bool) -> Verification:
-        paths = {**self.blob_paths, **self.tree_paths}
+        paths = {**self.blob_paths, **self.tree_paths, **self.group_paths}
         for (digest, _, _), used_by in self.sparse.items():
             paths[digest] = [*paths.get(digest, []), *used_by]
         problems = tuple(

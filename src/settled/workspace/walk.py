@@ -13,7 +13,9 @@ And ``read_files(dir_fd, names, limit, workers)``: the files of one directory th
 must read, each opened without following (``O_PATH``), checked to be a regular file of at most
 ``limit`` bytes by fstat, only then reopened for reading through ``/proc/self/fd`` (one lookup
 in that directory, held open: a path walk from ``/proc`` each time cost ~20% more), read one
-byte past its size and fstat'd again: ``(before, data, after)``, or None for anything else
+byte past its size, ``flistxattr``'ed (whether it has any extended attribute: one syscall on
+the open file, so the scanner reads names only of the few files that have some) and fstat'd
+again: ``(before, data, after, xattrs)``, or None for anything else
 (gone, no longer a regular file, larger, unreadable), which the scanner then reads the slow
 way, with its own checks and errors. The scanner decides from the two stats whether the read
 was torn; nothing here records anything. ``start_reads(dir_fd, names, limit)`` does the same
@@ -37,6 +39,7 @@ re-read (``reusable`` is the rule for both).
 from __future__ import annotations
 
 import contextlib
+import errno
 import gc
 import os
 import stat
@@ -55,7 +58,7 @@ Fresh = list[tuple[str, os.stat_result]]
 Listed = tuple[dict[str, Entry], Fresh]
 Job = tuple[int, dict[str, Entry] | None, int]  # fd, the cached rows, their cutoff
 ScanDirs = Callable[[list[Job], int], list[Listed | OSError]]
-Read = tuple[os.stat_result, bytes, os.stat_result]  # before, the bytes, after
+Read = tuple[os.stat_result, bytes, os.stat_result, bool]  # before, the bytes, after, xattrs
 ReadFiles = Callable[[int, list[str], int, int], list[Read | None]]
 Take = Callable[[int], list[Read | None]]  # the results not taken yet, up to the n-th name
 StartReads = Callable[[int, list[str], int], Take]
@@ -211,11 +214,21 @@ def _read_file(dir_fd: int, name: str, limit: int, proc_fd: int) -> Read | None:
         while room > 0 and (chunk := os.read(fd, room)):
             chunks.append(chunk)
             room -= len(chunk)
-        return before, b"".join(chunks), os.fstat(fd)
+        data = b"".join(chunks)
+        xattrs = _has_xattrs(fd)  # before the second fstat: a change after it moves the ctime
+        return before, data, os.fstat(fd), xattrs
     except OSError:
         return None
     finally:
         os.close(fd)
+
+
+def _has_xattrs(fd: int) -> bool:
+    """Whether the open file has an extended attribute (True if that cannot be told)."""
+    try:
+        return bool(os.listxattr(fd))
+    except OSError as error:
+        return error.errno not in (errno.ENOTSUP, errno.EOPNOTSUPP)
 
 
 def _native() -> Walker | None:
