@@ -188,8 +188,11 @@ def test_a_scan_given_the_recorded_identity_scans_that_directory_or_nothing(
     link.symlink_to(workspace)
     with pytest.raises(WorkspaceReplaced, match="a symlink"):
         scan(str(link), expect=identity)
-    with pytest.raises(WorkspaceReplaced, match="nothing it could open"):
+    with pytest.raises(WorkspaceReplaced, match="found nothing;"):
         scan(str(tmp_path / "gone"), expect=identity)
+    (tmp_path / "a-file").write_text("not a directory")
+    with pytest.raises(WorkspaceReplaced, match="found not a directory;"):
+        scan(str(tmp_path / "a-file"), expect=identity)
 
 
 # --- overlap by identity ---------------------------------------------------------------------

@@ -7,8 +7,8 @@ Owns three reads of the filesystem, and nothing else:
   the directories that hold it (``ancestors``), as the task record stores them
   (``{"dev", "ino", "ancestors": [[dev, ino], ...]}``);
 - ``open_checked`` (every scan): the root opened the same way and its identity compared with
-  the recorded one, one open and one fstat; another directory, a symlink or nothing there
-  raises ``WorkspaceReplaced``;
+  the recorded one, one open and one fstat; another directory, a symlink, a file or nothing
+  there raises ``WorkspaceReplaced`` (any other error of the open is raised as it is);
 - ``ancestors``: the directories above an opened one, two ways, both without following a
   link: its ``..`` chain from the descriptor (the mount tree: at a mount's root ``..`` goes to
   the directory it is mounted on), and its chain inside its own filesystem (the directory
@@ -69,6 +69,8 @@ def open_checked(root: str, expected: Identity) -> int:
     try:
         fd = os.open(root, _ROOT_FLAGS)
     except OSError as error:
+        if error.errno not in _REPLACED:
+            raise  # the root is there but cannot be opened now (no descriptor, no access)
         raise WorkspaceReplaced(root, expected, None, _why_not_opened(root, error)) from None
     found = identity_of(fd)
     if found != expected:
@@ -77,12 +79,15 @@ def open_checked(root: str, expected: Identity) -> int:
     return fd
 
 
+_REPLACED: Final = frozenset((errno.ELOOP, errno.ENOTDIR, errno.ENOENT))
+
+
 def _why_not_opened(root: str, error: OSError) -> str:
     if error.errno == errno.ELOOP or (error.errno == errno.ENOTDIR and os.path.islink(root)):
         return "a symlink"
     if error.errno == errno.ENOTDIR:
         return "not a directory"
-    return f"nothing it could open ({error.strerror or error})"
+    return "nothing"
 
 
 def ancestors(fd: int) -> list[Identity]:
