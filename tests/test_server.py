@@ -705,6 +705,26 @@ def test_a_close_receipt_naming_a_directory_that_is_not_utf8_answers_with_its_es
         assert b'"dirty_dirs":["caf\\udce9"]' in closed.content
 
 
+def test_a_close_of_a_replaced_workspace_is_409_naming_it_and_resumes_once_it_is_back(
+    server: Server, workspace: Path, tmp_path: Path
+) -> None:
+    with server.client(timeout=90) as client:
+        task = new_task(client, workspace)
+        workspace.rename(tmp_path / "kept")
+        workspace.mkdir()  # another directory at the workspace's path
+        refused = client.post(f"/v1/tasks/{task}/close", json={})
+        assert refused.status_code == 409, refused.text
+        body = refused.json()
+        assert body["error"] == "WorkspaceReplaced" and body["workspace"] == str(workspace)
+        assert body["why"] == "another directory"
+        assert body["found"]["ino"] == workspace.stat().st_ino
+        workspace.rmdir()
+        (tmp_path / "kept").rename(workspace)
+        done = client.post(f"/v1/tasks/{task}/close", json={})
+        assert done.status_code == 200, done.text
+        assert done.json()["outcome"]["complete"] is True
+
+
 @pytest.mark.timeout(90)
 def test_explain_names_the_receipts_that_allow_success(server: Server, workspace: Path) -> None:
     with server.client(timeout=90) as client:

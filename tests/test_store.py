@@ -346,6 +346,70 @@ def test_a_complete_tasks_workspace_is_free_again(store: Store, backend: Backend
     assert created and store.workspace_shares(second.task) == []
 
 
+FS = 7  # one filesystem's device number; the inodes below are its directories
+
+
+def _identity(root: int, *above: int, dev: int = FS) -> dict[str, Any]:
+    """A workspace identity as `task new` records it (workspace/rootid.py)."""
+    return {"dev": dev, "ino": root, "ancestors": [[dev, ino] for ino in above]}
+
+
+FIRST_IDENTITY = _identity(10, 5, 2)  # inode 10, in 5, in the filesystem's root 2
+
+
+@pytest.mark.parametrize(
+    "second",
+    [
+        _identity(10, 8, 2),  # the same directory under another path: a bind mount
+        _identity(11, 8, 2, 10),  # a directory inside it, bound elsewhere (its own chain)
+        _identity(5, 2),  # the directory holding it, under another path
+    ],
+    ids=["same", "inside", "holding"],
+)
+def test_a_workspace_overlapping_by_identity_is_refused_whatever_its_path(
+    store: Store, second: dict[str, Any]
+) -> None:
+    first, _ = store.create_task("tk-1", "/ws", workspace_identity=FIRST_IDENTITY)
+    with pytest.raises(WorkspaceOverlap) as caught:
+        store.create_task("tk-2", "/elsewhere/bound", workspace_identity=second)
+    assert caught.value.others == [(first.task, "/ws")]
+
+
+def test_a_shared_workspace_by_identity_is_recorded_on_both_tasks(store: Store) -> None:
+    first, _ = store.create_task("tk-1", "/ws", workspace_identity=FIRST_IDENTITY)
+    second, created = store.create_task(
+        "tk-2", "/mnt/bound", workspace_identity=_identity(10, 8, 2), shared_workspace=True
+    )
+    assert created and store.workspace_shares(first.task) == [second.task]
+    assert store.workspace_shares(second.task) == [first.task]
+
+
+def test_identities_of_other_directories_or_filesystems_do_not_overlap(store: Store) -> None:
+    store.create_task("tk-1", "/ws", workspace_identity=FIRST_IDENTITY)
+    _sibling, created = store.create_task("tk-2", "/ws-2", workspace_identity=_identity(12, 5, 2))
+    assert created
+    _other_fs, created = store.create_task(
+        "tk-3", "/mnt/other", workspace_identity=_identity(10, 5, 2, dev=FS + 1)
+    )
+    assert created
+
+
+def test_the_workspace_identity_is_stored_with_the_task(store: Store) -> None:
+    made, _ = store.create_task("tk-1", "/ws", workspace_identity=FIRST_IDENTITY)
+    assert made.workspace_identity == FIRST_IDENTITY
+    assert store.get_task(made.task).workspace_identity == FIRST_IDENTITY
+    assert store.get_task(made.task).to_json()["workspace_identity"] == FIRST_IDENTITY
+
+
+def test_a_task_made_before_identities_overlaps_by_path_alone(store: Store) -> None:
+    old, _ = store.create_task("tk-1", "/ws")  # no identity: as a task of an older settled
+    assert old.workspace_identity is None
+    _new, created = store.create_task("tk-2", "/mnt/bound", workspace_identity=FIRST_IDENTITY)
+    assert created  # nothing recorded to compare with: its path does not overlap
+    with pytest.raises(WorkspaceOverlap):
+        store.create_task("tk-3", "/ws/inner", workspace_identity=_identity(30, 10, 5, 2))
+
+
 def test_a_new_task_is_open(store: Store) -> None:
     record, _ = store.create_task("tk", "/ws")
     assert record.state == states.TASK_OPEN
@@ -1283,6 +1347,7 @@ def test_close_facts_of_an_older_store_are_sealed_once_by_the_migration(tmp_path
         db.execute("DROP TABLE hosts")
         db.execute("DROP TABLE hidden_sets")
         db.execute("ALTER TABLE tasks DROP COLUMN defaults")
+        db.execute("ALTER TABLE tasks DROP COLUMN workspace_identity")
         db.execute("ALTER TABLE tasks DROP COLUMN host")
         db.execute("ALTER TABLE tasks DROP COLUMN frozen")
     store = SQLiteStore(path)

@@ -415,11 +415,14 @@ def test_the_receipt_names_the_view_entry_by_entry_and_its_digest(
     assert isolation["view_digest"] == digest_of(view)
     kinds = {e["kind"] for e in view}
     assert {"system", "workspace", "pod", "proc", "dev", "sys", "cover"} <= kinds
-    assert all(set(e) <= {"path", "kind", "mode", "source"} for e in view)
+    assert all(set(e) <= {"path", "kind", "mode", "source", "identity"} for e in view)
     by_path = {e["path"]: e for e in view}
+    bound = os.stat(task.workspace)  # the directory recorded at task new, checked at the bind
     assert by_path[task.workspace] == {
-        "path": task.workspace, "kind": "workspace", "mode": "rw", "source": task.workspace
+        "path": task.workspace, "kind": "workspace", "mode": "rw", "source": task.workspace,
+        "identity": f"{bound.st_dev}:{bound.st_ino}",
     }  # fmt: skip
+    assert [e for e in view if "identity" in e] == [by_path[task.workspace]]
     pod = poddirs.pod_path(rt.home, task.task)
     assert by_path["/tmp"]["source"] == f"{pod}/tmp"
     assert set(isolation["writable"]) == {task.workspace, "/tmp", "/var/tmp", "/dev/shm", "/root"}

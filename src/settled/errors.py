@@ -217,6 +217,31 @@ class ReceiptTampered(SettledError):
                 "actual": self.actual}  # fmt: skip
 
 
+class WorkspaceReplaced(SettledError):
+    """The task's workspace path no longer names the directory bound at `task new` (another
+    directory, a symlink or nothing is there now): scanning it would checkpoint another tree,
+    so nothing is scanned and the close stays where it is until that directory is back."""
+
+    exit_code = EXIT_BLOCKED
+
+    def __init__(
+        self, workspace: str, recorded: tuple[int, int], found: tuple[int, int] | None, why: str
+    ) -> None:
+        seen = f"{why} {found[0]}:{found[1]}" if found is not None else why
+        super().__init__(
+            f"the workspace {workspace!r} is not the directory bound at task new (device:inode "
+            f"{recorded[0]}:{recorded[1]}), found {seen}; put that directory back there and "
+            "run it again"
+        )
+        self.workspace, self.recorded, self.found, self.why = workspace, recorded, found, why
+
+    def to_json(self) -> dict[str, object]:
+        found = None if self.found is None else {"dev": self.found[0], "ino": self.found[1]}
+        return {**super().to_json(), "workspace": self.workspace,
+                "recorded": {"dev": self.recorded[0], "ino": self.recorded[1]},
+                "found": found, "why": self.why}  # fmt: skip
+
+
 class StaleWrite(SettledError):
     """A compare-and-set lost: the record is not in the state or generation the writer assumed."""
 

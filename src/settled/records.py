@@ -175,6 +175,7 @@ class TaskRecord(Frozen):
         "task",
         "user",
         "workspace",
+        "workspace_identity",
     )
     task: str
     key: str
@@ -198,6 +199,10 @@ class TaskRecord(Frozen):
     # (`writable`, `readable`: added to an exec's own) and limits (`memory`, `pids`, `cpus`:
     # an exec's own replaces them). None for a task made before task defaults.
     defaults: dict[str, Any] | None
+    # The workspace root's identity recorded at `task new` (workspace/rootid.py): its `dev` and
+    # `ino` and the `ancestors` that hold it, as [dev, ino] pairs. Every scan checks the root
+    # is that directory; overlap is decided by it. None for a task made before identities.
+    workspace_identity: dict[str, Any] | None
 
     def __init__(
         self,
@@ -214,6 +219,7 @@ class TaskRecord(Frozen):
         sandbox: dict[str, Any] | None = None,
         ignore_rules: dict[str, Any] | None = None,
         defaults: dict[str, Any] | None = None,
+        workspace_identity: dict[str, Any] | None = None,
     ) -> None:
         self._fill(locals())
 
@@ -232,6 +238,7 @@ class TaskRecord(Frozen):
             "sandbox": self.sandbox,
             "ignore_rules": self.ignore_rules,
             "defaults": self.defaults,
+            "workspace_identity": self.workspace_identity,
         }
 
 

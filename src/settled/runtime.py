@@ -244,6 +244,21 @@ def _same_workspace(asked: str | None, recorded: str, defaults: str) -> bool:
     return os.path.realpath(asked) == recorded
 
 
+def _root_identity(asked: str, root: str) -> dict[str, Any]:
+    """The identity of the resolved workspace `root` that the task records (workspace.rootid):
+    every scan and every command's bind must find that directory there. BadInput if it cannot
+    be opened as a directory without following a symlink (it changed since it was resolved)."""
+    from settled.workspace import rootid
+
+    try:
+        return rootid.read(root)
+    except OSError as error:
+        raise BadInput(
+            f"--workspace {asked!r}: cannot open {root} as a directory without following a "
+            f"symlink: {error.strerror or error}"
+        ) from None
+
+
 def _check_isolation(spec: CommandSpec, kind: str) -> None:
     """Refuse before recording what the owner could only refuse later: `strict` on a machine
     that lacks a protection, or a `--user` this process cannot switch to."""
@@ -509,6 +524,7 @@ class Runtime:
             if not os.path.isdir(root):
                 raise BadInput(f"--workspace {workspace!r} is not a directory")
             check_workspace(workspace, root, self.home)
+            identity = _root_identity(workspace, root)
             for kind, paths in granted.items():
                 self._refuse_held(kind, paths, root)
             rules = bind_ignore(root, extra).record()  # read once: a command cannot widen it
@@ -522,6 +538,7 @@ class Runtime:
             record, created = self.store.create_task(
                 key or new_key(), root, uid_gid, shared_workspace=shared_workspace,
                 host=self.host, ignore_rules=rules, defaults=defaults or None,
+                workspace_identity=identity,
             )  # fmt: skip
             try:
                 if not created and record.workspace != root:

@@ -328,11 +328,14 @@ def make_plan(
     pod_dirs: Mapping[str, str] | None = None,
     command_home: str | None = None,
     pod: dict[str, Any] | None = None,
+    workspace_identity: tuple[int, int] | None = None,
 ) -> IsolationPlan:
     """The strongest plan this process can carry out for `policy` ("none": nothing but the
     environment and descriptor hygiene every session gets). `pod_dirs`: the task's pod
     directories (poddirs.ensure), bound at /tmp, /var/tmp, /dev/shm and `command_home` (the
-    command's $HOME). Raises IsolationUnavailable for `strict` when a protection is missing."""
+    command's $HOME). `workspace_identity`: the workspace's (dev, ino) recorded at `task new`,
+    which the bind checks (mountview). Raises IsolationUnavailable for `strict` when a
+    protection is missing."""
     if policy == "none":
         return IsolationPlan(
             policy, no_new_privs=False, uid=uid, gid=gid,
@@ -358,6 +361,7 @@ def make_plan(
         pod_dirs=pod_dirs,
         command_home=command_home,
         runtime=settled_runtime_paths(),
+        workspace_identity=workspace_identity,
     )
     return IsolationPlan(
         policy,

@@ -28,6 +28,10 @@ namespaces before the view, its user namespace and keyring after, when the plan 
    `umount2(".", MNT_DETACH)`: no directory for it is needed, and nothing of the host is left
    in the namespace but what was bound), then the new root made read-only.
 
+The workspace's source, when its entry carries the identity recorded at `task new`, is opened
+without following a symlink and must be that directory (device and inode), else the launch is
+refused naming it: a path replaced since (a symlink, another directory) is never bound.
+
 Below the first mount of the view above it, every target is looked up one component at a
 time from a descriptor, never following a symlink, and missing directories are made as it goes
 (above it, in the new root's own tmpfs, there are only directories this build made): the pod's
@@ -109,9 +113,9 @@ class _Builder:
             if source is None or made["mode"] == "symlink" or source in self.sources:
                 continue
             if viewplan.is_within(source, STAGING):
-                self.sources[source] = self._open(source)
+                self.sources[source] = self._open(source, made.get("identity"))
 
-    def source(self, path: str) -> tuple[int, bool]:
+    def source(self, path: str, identity: str | None = None) -> tuple[int, bool]:
         """A descriptor of the bind source `path`, and whether the caller closes it."""
         fd = self.sources.get(path, -1)
         if fd >= 0:
@@ -119,14 +123,28 @@ class _Builder:
         if path == os.devnull:  # every file cover binds it: kept
             self.sources[path] = self._open(path)
             return self.sources[path], False
-        return self._open(path), True
+        return self._open(path, identity), True
 
     @staticmethod
-    def _open(path: str) -> int:
+    def _open(path: str, identity: str | None = None) -> int:
+        """`identity` ("dev:ino", the workspace's recorded at `task new`): the source is opened
+        without following a symlink and must be that directory, else the launch is refused
+        naming it (the workspace was replaced since)."""
         try:
-            return os.open(path, os.O_PATH | os.O_CLOEXEC)
+            if identity is None:
+                return os.open(path, os.O_PATH | os.O_CLOEXEC)
+            fd = os.open(path, _DIR)
         except OSError as exc:
             raise _fail(exc, path, "open") from None
+        st = os.fstat(fd)
+        if f"{st.st_dev}:{st.st_ino}" != identity:
+            os.close(fd)
+            raise OSError(
+                116,  # ESTALE
+                f"the workspace {path} is not the directory bound at task new (device:inode "
+                f"{identity}), found another directory {st.st_dev}:{st.st_ino}",
+            )
+        return fd
 
     def close(self) -> None:
         for fd in (*self.sources.values(), self.empty):
@@ -173,7 +191,7 @@ class _Builder:
             elif kind in ("proc", "pin"):  # bound onto itself: read-only, or a mount point
                 self.bind(path, -1, readonly=kind == "proc")
             elif "source" in made:
-                source, owned = self.source(made["source"])
+                source, owned = self.source(made["source"], made.get("identity"))
                 try:
                     self.bind(path, source, readonly=mode == "ro")
                 finally:

@@ -292,14 +292,20 @@ def plan_view(
     pod_dirs: Mapping[str, str] | None,
     command_home: str | None,
     runtime: Iterable[str],
+    workspace_identity: tuple[int, int] | None = None,
 ) -> ViewChoice:
-    """The command's view (see the module's docstring), from facts of the host checked here."""
+    """The command's view (see the module's docstring), from facts of the host checked here.
+    `workspace_identity`: the workspace's (dev, ino) recorded at `task new`, carried in its
+    entry as "identity" ("dev:ino") for mountview to check the directory it binds."""
     others = [o.rstrip("/") or "/" for o in others]
     forbidden = {home.rstrip("/") or "/", *others}
     granted_rw, granted_ro = choose_grants(workspace, writable, readable, forbidden)
     taken: dict[str, Entry] = {}
+    bound = entry(workspace, "workspace", "rw", workspace)
+    if workspace_identity is not None:
+        bound["identity"] = f"{workspace_identity[0]}:{workspace_identity[1]}"
     for made in (
-        entry(workspace, "workspace", "rw", workspace),
+        bound,
         *(entry(p, "writable", "rw", p) for p in granted_rw),
         *(entry(p, "readable", "ro", p) for p in granted_ro),
     ):

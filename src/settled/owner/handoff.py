@@ -220,6 +220,7 @@ class Prepared:
             readable=self.spec.readable,
             pod_dirs=pod_dirs,
             command_home=dict(self.spec.env).get("HOME"),
+            workspace_identity=_recorded_root(self.task),
         )
         plan.network = network  # joined by the init, with the pod (podhost.attach, podnet)
         podhost.attach(plan, self.home, self.record.task, fallback=not self.spec.allow_hosts)
@@ -230,6 +231,13 @@ class Prepared:
         if self.boundary is not None:
             self.boundary.discard()
             self.boundary = None
+
+
+def _recorded_root(task: TaskRecord) -> tuple[int, int] | None:
+    """The workspace's (dev, ino) recorded at `task new`, which the command's bind must find
+    (None: a task made before identities, bound by its path as it was)."""
+    identity = task.workspace_identity
+    return None if identity is None else (int(identity["dev"]), int(identity["ino"]))
 
 
 def asked_limits(spec: CommandSpec, task: TaskRecord) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -39,6 +39,7 @@ from settled.errors import (
     UnknownHost,
     UnknownSession,
     UnknownTask,
+    WorkspaceReplaced,
     WrongHost,
 )
 from settled.grammar import TooLarge
@@ -71,6 +72,7 @@ STATUS_OF: tuple[tuple[type[SettledError], int], ...] = (
     (TaskFrozen, 409),
     (UnknownHost, 404),
     (StaleWrite, 409),
+    (WorkspaceReplaced, 409),  # the close is blocked until the bound directory is back
     (AdmissionFrozen, 423),
     (NotSettled, 202),
     (NotPermitted, 403),

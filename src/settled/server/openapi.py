@@ -168,7 +168,11 @@ def _tasks() -> dict[str, Any]:
                     "200": _json("the close receipt"),
                     "400": _error("bad body"),
                     **AUTH_ERRORS,
-                    "409": _json("not complete: what it is blocked on", "Blocked"),
+                    "409": {
+                        "description": "not complete: what it is blocked on, or the "
+                        "workspace is not the directory bound at task new (WorkspaceReplaced)",
+                        "content": {JSON: {"schema": {"anyOf": [_ref("Blocked"), _ref("Error")]}}},
+                    },
                     **SPACE_ERRORS,
                 },
                 parameters=[TASK],

@@ -35,11 +35,13 @@ class Store(Protocol):
         host: str | None = None,
         ignore_rules: dict[str, Any] | None = None,
         defaults: dict[str, Any] | None = None,
+        workspace_identity: dict[str, Any] | None = None,
     ) -> tuple[TaskRecord, bool]:
         """Returns (task, created); the task of an existing key as it is. Raises
         WorkspaceOverlap when `workspace` is, holds or lies in the workspace of a task not yet
-        complete on the same `host`, unless `shared_workspace`: then each of those tasks
-        shares with this one. `host` binds the task to the host whose owners run it."""
+        complete on the same `host` (by path, and by `workspace_identity` where both tasks
+        recorded one: rows.workspaces_overlap), unless `shared_workspace`: then each of those
+        tasks shares with this one. `host` binds the task to the host whose owners run it."""
         ...
 
     def register_host(self, host: str, name: str, home: str) -> HostRecord:

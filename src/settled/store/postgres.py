@@ -69,6 +69,7 @@ from settled.states import (
     next_task_state,
     states_accepting,
 )
+from settled.store import loads
 from settled.store.rows import (
     HOST_COLUMNS,
     LIVE_COLUMNS,
@@ -80,17 +81,17 @@ from settled.store.rows import (
     fact_digest,
     host_from_row,
     live_from_row,
-    overlap,
     session_from_row,
     stored_isolation,
     stored_receipt,
     task_from_row,
+    workspaces_overlap,
 )
 
 T = TypeVar("T")
 Cursor = psycopg.Cursor[tuple[Any, ...]]
 
-SCHEMA_VERSION: Final = 10  # the SQLite store's; tests/test_store.py checks they agree
+SCHEMA_VERSION: Final = 11  # the SQLite store's; tests/test_store.py checks they agree
 CONNECT_TIMEOUT_S: Final = 10
 POOL_MIN, POOL_MAX = 1, 4
 RETRIES: Final = 8  # a deadlock or serialization failure: the whole transaction again
@@ -196,12 +197,15 @@ MIGRATIONS: Final[dict[int, str]] = {
     10: """
     ALTER TABLE tasks ADD COLUMN defaults TEXT
     """,
+    11: """
+    ALTER TABLE tasks ADD COLUMN workspace_identity TEXT
+    """,
 }
 SEALS_CLOSE_FACTS: Final = 4
 
 TASK_COLUMNS: Final = (
     'task, key, workspace, state, generation, created_at, "user", shared_workspace, host, frozen, '
-    "sandbox, ignore_rules, defaults"
+    "sandbox, ignore_rules, defaults, workspace_identity"
 )
 SELECT_SESSION: Final = f"SELECT {SESSION_COLUMNS} FROM sessions"
 
@@ -459,6 +463,7 @@ class PostgresStore:
         host: str | None = None,
         ignore_rules: dict[str, Any] | None = None,
         defaults: dict[str, Any] | None = None,
+        workspace_identity: dict[str, Any] | None = None,
     ) -> tuple[TaskRecord, bool]:
         def work(cur: Cursor) -> tuple[TaskRecord, bool]:
             cur.execute("SELECT pg_advisory_xact_lock(%s)", (self._create_lock,))
@@ -467,22 +472,23 @@ class PostgresStore:
                 return task_from_row(row), False
             others = [
                 (task, path)
-                for task, path in cur.execute(  # paths of one host: another's are not these
-                    "SELECT task, workspace FROM tasks WHERE state != %s AND (host IS NULL OR "
-                    "%s::text IS NULL OR host = %s) ORDER BY created_at",
+                for task, path, identity in cur.execute(  # one host's: not another's paths
+                    "SELECT task, workspace, workspace_identity FROM tasks WHERE state != %s "
+                    "AND (host IS NULL OR %s::text IS NULL OR host = %s) ORDER BY created_at",
                     (TASK_COMPLETE, host, host),
                 ).fetchall()
-                if overlap(path, workspace)
+                if workspaces_overlap(workspace, workspace_identity, path, loads(identity))
             ]
             if others and not shared_workspace:
                 raise WorkspaceOverlap(workspace, others)
             record = TaskRecord(
                 new_id("t"), key, workspace, TASK_OPEN, 1, time.time(), user, shared_workspace,
                 host=host, ignore_rules=ignore_rules, defaults=defaults,
+                workspace_identity=workspace_identity,
             )  # fmt: skip
             cur.execute(
                 f"INSERT INTO tasks ({TASK_COLUMNS}) "
-                "VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, NULL, NULL, %s, %s)",
+                "VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, NULL, NULL, %s, %s, %s)",
                 (
                     record.task,
                     key,
@@ -495,6 +501,7 @@ class PostgresStore:
                     host,
                     json.dumps(ignore_rules) if ignore_rules is not None else None,
                     json.dumps(defaults) if defaults is not None else None,
+                    json.dumps(workspace_identity) if workspace_identity is not None else None,
                 ),
             )
             for other, _path in others:  # each names the other in its close receipt

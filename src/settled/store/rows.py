@@ -2,7 +2,8 @@
 
 Every load of a session checks its receipt's digest and every load of a close step checks its
 fact's, whichever database the bytes came from: one decoder, so no backend can skip the check.
-The overlap of two workspaces is decided here for the same reason. Pure: no database, no I/O.
+The overlap of two workspaces is decided here for the same reason: by path, and by the identities
+recorded at `task new` (workspace/rootid.py) where both tasks have them. Pure: no database, no I/O.
 """
 
 from __future__ import annotations
@@ -176,7 +177,7 @@ def live_from_row(row: tuple[Any, ...]) -> LiveSession:
 
 def task_from_row(row: tuple[Any, ...]) -> TaskRecord:
     """(task, key, workspace, state, generation, created_at, user, shared_workspace, host,
-    frozen, sandbox, ignore_rules, defaults)."""
+    frozen, sandbox, ignore_rules, defaults, workspace_identity)."""
     user = loads(row[6])
     task, key, workspace, state, generation, created_at = row[:6]
     return TaskRecord(
@@ -184,6 +185,7 @@ def task_from_row(row: tuple[Any, ...]) -> TaskRecord:
         (int(user[0]), int(user[1])) if user is not None else None, bool(row[7]),
         host=row[8], frozen=row[9], sandbox=loads(row[10]),
         ignore_rules=loads(row[11]), defaults=loads(row[12]),
+        workspace_identity=loads(row[13]),
     )  # fmt: skip
 
 
@@ -195,6 +197,29 @@ def host_from_row(row: tuple[Any, ...]) -> HostRecord:
 def overlap(a: str, b: str) -> bool:
     """Two resolved directories are the same, or one holds the other."""
     return a == b or a.startswith(b.rstrip("/") + "/") or b.startswith(a.rstrip("/") + "/")
+
+
+def workspaces_overlap(
+    path: str, identity: dict[str, Any] | None, other_path: str, other: dict[str, Any] | None
+) -> bool:
+    """Two workspaces overlap by path (`overlap`), or, when both have identities recorded
+    (rootid.read), by identity: the same directory, or either's root among the directories
+    that hold the other (a bind mount, a symlinked path or a second mount of one filesystem
+    shows the same device and inode under another path)."""
+    if overlap(path, other_path):
+        return True
+    if identity is None or other is None:
+        return False  # a task made before identities: by path, as it was
+    root, other_root = _root(identity), _root(other)
+    return root == other_root or root in _held_by(other) or other_root in _held_by(identity)
+
+
+def _root(identity: dict[str, Any]) -> tuple[int, int]:
+    return int(identity["dev"]), int(identity["ino"])
+
+
+def _held_by(identity: dict[str, Any]) -> set[tuple[int, int]]:
+    return {(int(dev), int(ino)) for dev, ino in identity.get("ancestors", ())}
 
 
 def fact_digest(text: str) -> str:

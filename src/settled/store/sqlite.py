@@ -59,7 +59,7 @@ from settled.states import (
     next_task_state,
     states_accepting,
 )
-from settled.store import gate
+from settled.store import gate, loads
 from settled.store.rows import (
     HOST_COLUMNS,
     LIVE_COLUMNS,
@@ -70,11 +70,11 @@ from settled.store.rows import (
     fact_digest,
     host_from_row,
     live_from_row,
-    overlap,
     session_from_row,
     stored_isolation,
     stored_receipt,
     task_from_row,
+    workspaces_overlap,
 )
 
 TYPE_CHECKING = False
@@ -83,7 +83,7 @@ if TYPE_CHECKING:
 
     from settled.store.rows import HiddenSet
 
-SCHEMA_VERSION = 10
+SCHEMA_VERSION = 11
 
 MIGRATIONS: dict[int, str] = {
     1: """
@@ -182,12 +182,15 @@ MIGRATIONS: dict[int, str] = {
     10: """
     ALTER TABLE tasks ADD COLUMN defaults TEXT
     """,
+    11: """
+    ALTER TABLE tasks ADD COLUMN workspace_identity TEXT
+    """,
 }
 SEALS_CLOSE_FACTS = 4  # the migration that seals the close facts an older settled wrote
 
 TASK_COLUMNS = (
     "task, key, workspace, state, generation, created_at, user, shared_workspace, host, frozen, "
-    "sandbox, ignore_rules, defaults"
+    "sandbox, ignore_rules, defaults, workspace_identity"
 )
 
 
@@ -406,6 +409,7 @@ class SQLiteStore:
         host: str | None = None,
         ignore_rules: dict[str, Any] | None = None,
         defaults: dict[str, Any] | None = None,
+        workspace_identity: dict[str, Any] | None = None,
     ) -> tuple[TaskRecord, bool]:
         with self._write() as db:  # the overlap is decided in the transaction that records
             row = db.execute(f"SELECT {TASK_COLUMNS} FROM tasks WHERE key=?", (key,)).fetchone()
@@ -413,22 +417,23 @@ class SQLiteStore:
                 return task_from_row(row), False
             others = [
                 (task, path)
-                for task, path in db.execute(  # paths of one host: another's are not these
-                    "SELECT task, workspace FROM tasks WHERE state != ? "
+                for task, path, identity in db.execute(  # one host's: not another's paths
+                    "SELECT task, workspace, workspace_identity FROM tasks WHERE state != ? "
                     "AND (host IS NULL OR ? IS NULL OR host = ?) ORDER BY created_at",
                     (TASK_COMPLETE, host, host),
                 )
-                if overlap(path, workspace)
+                if workspaces_overlap(workspace, workspace_identity, path, loads(identity))
             ]
             if others and not shared_workspace:
                 raise WorkspaceOverlap(workspace, others)
             record = TaskRecord(
                 new_id("t"), key, workspace, TASK_OPEN, 1, time.time(), user, shared_workspace,
                 host=host, ignore_rules=ignore_rules, defaults=defaults,
+                workspace_identity=workspace_identity,
             )  # fmt: skip
             db.execute(
                 f"INSERT INTO tasks ({TASK_COLUMNS}) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, NULL, NULL, ?, ?)",
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, NULL, NULL, ?, ?, ?)",
                 (
                     record.task,
                     key,
@@ -441,6 +446,7 @@ class SQLiteStore:
                     host,
                     json.dumps(ignore_rules) if ignore_rules is not None else None,
                     json.dumps(defaults) if defaults is not None else None,
+                    json.dumps(workspace_identity) if workspace_identity is not None else None,
                 ),
             )
             for other, _path in others:  # each names the other in its close receipt

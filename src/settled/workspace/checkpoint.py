@@ -2,8 +2,9 @@
 
 Owns the tasks' journal (the home's one daemon, told to watch a task's workspace when the task
 is made or runs a command, and to release it when the close is done), the
-final scan (a full stat-cache scan that publishes blobs as it reads, then the trees of the
-directories that changed, and records their stat-cache nodes), and the checkpoint: the
+final scan (of the directory bound at `task new`, checked by its recorded identity, else
+``WorkspaceReplaced``: a full stat-cache scan that publishes blobs as it reads, then the trees
+of the directories that changed, and records their stat-cache nodes), and the checkpoint: the
 manifest written last, read back by its exact id (``readback``: after a full scan, which every
 close is, every object the manifest reaches is re-hashed or unchanged since the verified-object
 record saw it hash right; after an incremental one, everything this checkpoint published or
@@ -39,7 +40,7 @@ from settled.home import journal_socket, run_dir
 from settled.receipts import seal
 from settled.records import SessionRecord, TaskRecord
 from settled.store import Store
-from settled.workspace import cachetrust, ignore
+from settled.workspace import cachetrust, ignore, rootid
 from settled.workspace.hashing import algorithm_of, digest_bytes
 from settled.workspace.index import Index
 from settled.workspace.journal import client as journal_client
@@ -124,6 +125,7 @@ class WorkspaceService:
         A stat cache that cannot be read is not an error: the scan runs without it, and says so.
         """
         rules = ignore.from_record(task.ignore_rules)  # bound at task new, never re-read
+        expected = rootid.recorded(task.workspace_identity)  # the directory bound at task new
         watermark = journal_client.barrier(self.socket(), task.task)
         started_at = time.time()
         latest = self.store.latest_checkpoint(task.task)
@@ -135,13 +137,13 @@ class WorkspaceService:
         try:
             result = scan(
                 task.workspace, previous, self.objects, only=only, cache=self.cache,
-                ignore=rules, list_published=True, vouches=vouches,
+                ignore=rules, list_published=True, vouches=vouches, expect=expected,
             )  # fmt: skip
         except IndexMismatch as error:
             cache, only = f"unusable, scanned without it: {error}", None
             result = scan(
                 task.workspace, None, self.objects, cache=self.cache, ignore=rules,
-                list_published=True,
+                list_published=True, expect=expected,
             )  # fmt: skip
         started_ns = result.index.scan_started_ns
         self.cache.record_window(started_ns - CLOCK_SLACK_NS, started_ns, time.time_ns())
@@ -285,7 +287,10 @@ class WorkspaceService:
         started_at = time.time()
         try:
             rules = ignore.from_record(task.ignore_rules)
-            rescan = scan(task.workspace, None, self.objects, index.algorithm, ignore=rules)
+            rescan = scan(
+                task.workspace, None, self.objects, index.algorithm, ignore=rules,
+                expect=rootid.recorded(task.workspace_identity),
+            )  # fmt: skip
         except (ScanError, OSError) as error:
             why = f"The rescan that could have published them again failed: {error}"
             raise CheckpointUnverified(first.manifest_id, first.problems, why) from error

@@ -60,6 +60,9 @@ About 1,100 lines, over the usual 400: the walk, its no-follow checks, the stat 
 retries, the listings ahead and the incremental mode share one walker's state, and split they
 would share internals (what does not, the loops and the read-ahead, lives in ``walk``).
 
+Given the root's recorded identity (``expect``), it scans that directory or nothing: a root
+that is a symlink now, or another directory, raises ``WorkspaceReplaced`` (rootid).
+
 Must never: follow a symlink, open a non-regular file, record a torn read, publish a tree before
 the blobs it names are durable, write anything but store objects, or talk to the settled store.
 """
@@ -78,6 +81,7 @@ from typing import Final
 
 from settled.canonical import canonical_bytes
 from settled.errors import BadInput, SettledError
+from settled.workspace import rootid
 from settled.workspace.cachetrust import filesystem_magic
 from settled.workspace.hashing import (
     DEFAULT_ALGORITHM,
@@ -261,6 +265,7 @@ def scan(
     ignore: IgnoreRules = NO_RULES,
     list_published: bool = False,
     vouches: Vouches | None = None,
+    expect: tuple[int, int] | None = None,
 ) -> ScanResult:
     """Scan the tree at ``root``; publish file contents and trees into ``store`` if given, and
     the stat-cache nodes into ``cache`` (else they are kept in memory, beside the previous
@@ -281,6 +286,10 @@ def scan(
     ``vouches(trusted_before_ns, magic)``: whether the previous rows listed with that cutoff,
     in a directory on a filesystem of ``magic`` (``cachetrust``), may still vouch for their
     files; a directory whose rows may not is re-read whole. None: the stat cache's own rules.
+
+    ``expect``: the root's (st_dev, st_ino) recorded at `task new` (rootid.read). The root is
+    then opened without following a symlink at its last component and must be that directory,
+    else ``WorkspaceReplaced`` and nothing is scanned (one open and one fstat, rootid).
     """
     check_algorithm(algo)
     started = time.time_ns()
@@ -289,7 +298,10 @@ def scan(
         only = [rel for rel in only if not _under_ignored(rel, ignore)]
     if not os.path.isdir(_PROC_FD):
         raise ScanError(f"{_PROC_FD} is missing: files could not be opened without following")
-    root_fd = os.open(os.fspath(root), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    if expect is not None:
+        root_fd = rootid.open_checked(os.fspath(root), expect)
+    else:
+        root_fd = os.open(os.fspath(root), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         scanner = _Scanner(root_fd, previous, store, cache, algo, started - CLOCK_SLACK_NS)
         scanner.ignore = ignore
