@@ -217,6 +217,27 @@ def scratch(name: str) -> Iterator[str]:
             log(f"warning: could not remove scratch dir {path}")
 
 
+def exported_tree(root: str, revision: str) -> str:
+    """A baseline checkout's root for benchmarks that compare two trees in one run:
+    ``SETTLED_BENCH_BASE`` if set, else ``git archive`` of ``revision`` into ``root``/base with
+    its C bindings built by this interpreter."""
+    given = os.environ.get("SETTLED_BENCH_BASE")
+    if given:
+        return given
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    base = os.path.join(root, "base")
+    os.mkdir(base)
+    archive = subprocess.run(
+        ["git", "-C", here, "archive", revision], capture_output=True, check=True, timeout=120
+    ).stdout
+    subprocess.run(["tar", "-x", "-C", base], input=archive, check=True, timeout=120)
+    subprocess.run(
+        [sys.executable, "setup.py", "build_ext", "--inplace"],
+        cwd=base, capture_output=True, check=True, timeout=300,
+    )  # fmt: skip
+    return base
+
+
 def timed_process(argv: list[str], env: dict[str, str], timeout_s: float = 120.0) -> float:
     """Milliseconds from spawn to exit. The exit is awaited on a pidfd: `subprocess.run` with a
     timeout polls in sleeps of up to 50 ms, which quantized the first measurements by 50 ms."""

@@ -26,6 +26,7 @@ from typing import Any
 
 from common import (
     distribution,
+    exported_tree,
     fmt,
     header,
     log,
@@ -88,24 +89,6 @@ podns.release_home(sys.argv[1])
 """
 
 
-def _baseline(root: str) -> str:
-    """The baseline checkout's root: SETTLED_BENCH_BASE, else main, exported here and built."""
-    given = os.environ.get("SETTLED_BENCH_BASE")
-    if given:
-        return given
-    base = os.path.join(root, "base")
-    os.mkdir(base)
-    archive = subprocess.run(
-        ["git", "-C", HERE, "archive", "main"], capture_output=True, check=True, timeout=120
-    ).stdout
-    subprocess.run(["tar", "-x", "-C", base], input=archive, check=True, timeout=120)
-    subprocess.run(
-        [sys.executable, "setup.py", "build_ext", "--inplace"],
-        cwd=base, capture_output=True, check=True, timeout=300,
-    )  # fmt: skip
-    return base
-
-
 def _env(src: str, home: str, **extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
     return {**env, "PYTHONPATH": src, "SETTLED_HOME": home, **extra}
@@ -147,7 +130,10 @@ def run(quick: bool) -> tuple[dict[str, Any], str]:
     data: dict[str, Any] = {"machine": machine(), "quick": quick, "sizes": sizes}
     data["source"] = source_revision()
     with scratch("limits") as root:
-        srcs = {"base": os.path.join(_baseline(root), "src"), "limits": os.path.join(HERE, "src")}
+        srcs = {
+            "base": os.path.join(exported_tree(root, "main"), "src"),
+            "limits": os.path.join(HERE, "src"),
+        }
         for src in srcs.values():
             compileall.compile_dir(os.path.join(src, "settled"), quiet=1)
         data["launchers"] = {}

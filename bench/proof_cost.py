@@ -24,28 +24,11 @@ import sys
 import time
 from typing import Any
 
-from common import header, log, machine, md_table, scratch, source_revision
+from common import exported_tree, header, log, machine, md_table, scratch, source_revision
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BEFORE = "f0d73ef"  # main before issue 36: the stat cache's rules as they were
 CHANGED = 10
-
-
-def _baseline(root: str) -> str:
-    given = os.environ.get("SETTLED_BENCH_BASE")
-    if given:
-        return given
-    base = os.path.join(root, "base")
-    os.mkdir(base)
-    archive = subprocess.run(
-        ["git", "-C", HERE, "archive", BEFORE], capture_output=True, check=True, timeout=120
-    ).stdout
-    subprocess.run(["tar", "-x", "-C", base], input=archive, check=True, timeout=120)
-    subprocess.run(
-        [sys.executable, "setup.py", "build_ext", "--inplace"],
-        cwd=base, capture_output=True, check=True, timeout=300,
-    )  # fmt: skip
-    return base
 
 
 def _settled(tree: str, home: str, *args: str, timeout: float = 1800) -> tuple[Any, float]:
@@ -145,7 +128,7 @@ def run(quick: bool = False) -> tuple[dict[str, Any], str]:
     data: dict[str, Any] = {"machine": machine(), "quick": quick, "source": source_revision()}
     data.update({"files": dirs * files, "changed": CHANGED, "close": {}, "first": {}})
     with scratch("proof_cost") as root:
-        base = _baseline(root)
+        base = exported_tree(root, BEFORE)
         trees = {"this tree": HERE, "before issue 36": base}
         tmpfs = os.path.join(root, "tmpfs")
         _mount_tmpfs(tmpfs)

@@ -11,6 +11,7 @@ import contextlib
 import os
 import shutil
 import signal
+import subprocess
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -117,6 +118,22 @@ def _no_mount_outlives_the_run(tmp_path_factory: pytest.TempPathFactory) -> Iter
     with open("/proc/self/mountinfo") as handle:
         left = [line.split()[4] for line in handle if line.split()[4].startswith(str(base))]
     assert left == [], f"mounts left under {base}: {left}"
+
+
+@contextlib.contextmanager
+def mounted_tmpfs(at: Path, size: str = "64m") -> Iterator[Path]:
+    """A fresh tmpfs mounted at ``at`` (made here, as root), unmounted whatever happens (lazily
+    if something still holds it) and its mount point removed: the filesystem where a write to
+    a page already mapped stamps nothing."""
+    at.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(at)], check=True)
+    try:
+        yield at
+    finally:
+        if subprocess.run(["umount", str(at)], check=False).returncode != 0:
+            subprocess.run(["umount", "--lazy", str(at)], check=True)
+        with contextlib.suppress(OSError):
+            at.rmdir()
 
 
 def release_pods(root: Path) -> None:

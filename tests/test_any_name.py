@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import mounted_tmpfs
 
 from settled.canonical import canonical_bytes, digest_of
 from settled.records import TaskRecord
@@ -65,12 +66,8 @@ def filesystem(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Path]
         return
     if os.geteuid() != 0:
         pytest.skip("mounting a tmpfs needs root")
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(where)], check=True)
-    try:
+    with mounted_tmpfs(where):
         yield where
-    finally:
-        if subprocess.run(["umount", str(where)], check=False).returncode != 0:
-            subprocess.run(["umount", "--lazy", str(where)], check=True)
 
 
 @pytest.fixture

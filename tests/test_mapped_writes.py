@@ -10,13 +10,13 @@ holds the bytes the file ends with. ``cachetrust.vouches`` is the rule; its case
 from __future__ import annotations
 
 import os
-import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import mounted_tmpfs
 
 from settled.records import TaskRecord
 from settled.runtime import Runtime
@@ -83,15 +83,10 @@ def _wait_for(path: Path, seconds: float) -> None:
 
 @pytest.fixture
 def tmpfs_workspace(tmp_path: Path) -> Iterator[Path]:
-    where = tmp_path / "tmpfs"
-    where.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(where)], check=True)
-    try:
+    with mounted_tmpfs(tmp_path / "tmpfs") as where:
         workspace = where / "workspace"
         workspace.mkdir()
         yield workspace
-    finally:
-        subprocess.run(["umount", "-l", str(where)], check=True)
 
 
 def _a_page_of_a(workspace: Path) -> Path:

@@ -11,12 +11,11 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Final
 
 import pytest
+from conftest import mounted_tmpfs as tmpfs
 
 from settled.runtime import Runtime
 
@@ -75,17 +74,6 @@ def remove_by_fds(path: Path) -> None:
             shutil.rmtree(path.name, dir_fd=parent)
     finally:
         os.close(parent)
-
-
-@contextlib.contextmanager
-def tmpfs(at: Path) -> Iterator[Path]:
-    at.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(at)], check=True)
-    try:
-        yield at
-    finally:
-        subprocess.run(["umount", str(at)], check=True)
-        at.rmdir()
 
 
 def close_and_restore(rt: Runtime, workspace: Path, dest: Path) -> dict[str, object]:

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import mounted_tmpfs
 
 from settled.errors import EXIT_BLOCKED, WorkspaceOverlap, WorkspaceReplaced
 from settled.records import TaskRecord
@@ -48,24 +49,13 @@ def bound(source: Path, target: Path) -> Iterator[Path]:
         _run("umount", str(target))
 
 
-@contextlib.contextmanager
-def tmpfs(at: Path) -> Iterator[Path]:
-    """A fresh tmpfs mounted at `at` (made here), unmounted whatever happens."""
-    at.mkdir(parents=True, exist_ok=True)
-    _run("mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(at))
-    try:
-        yield at
-    finally:
-        _run("umount", "--lazy", str(at))
-
-
 @pytest.fixture(params=["ext4", "tmpfs"])
 def base(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Path]:
     """Where the workspaces are made: tmp_path itself (ext4 here), or a tmpfs mounted in it."""
     if request.param == "ext4":
         yield tmp_path / "on-disk"
         return
-    with tmpfs(tmp_path / "tmpfs") as mounted:
+    with mounted_tmpfs(tmp_path / "tmpfs", "16m") as mounted:
         yield mounted
 
 
@@ -260,7 +250,7 @@ def test_a_directory_holding_a_bind_mounted_tasks_workspace_is_refused(
 def test_a_second_mount_of_the_same_tmpfs_is_refused_as_an_overlap(
     rt: Runtime, tmp_path: Path
 ) -> None:
-    with tmpfs(tmp_path / "fs") as mounted:
+    with mounted_tmpfs(tmp_path / "fs", "16m") as mounted:
         first = rt.new_task(new_workspace(mounted / "a"))
         with bound(mounted, tmp_path / "again") as again:
             with pytest.raises(WorkspaceOverlap):

@@ -10,18 +10,17 @@ setxattr, real files; no mocks.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import os
 import shutil
 import struct
 import subprocess
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Final
 
 import pytest
+from conftest import mounted_tmpfs as tmpfs
 
 from settled.runtime import Runtime
 from settled.workspace.manifest import ManifestInvalid, read_manifest, write_manifest
@@ -68,17 +67,6 @@ _TOOLS: Final = {  # each sets exactly the value the test would otherwise set wi
 @pytest.fixture
 def store(tmp_path: Path) -> LocalObjectStore:
     return LocalObjectStore(tmp_path / "objects")
-
-
-@contextlib.contextmanager
-def tmpfs(at: Path) -> Iterator[Path]:
-    at.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(at)], check=True)
-    try:
-        yield at
-    finally:
-        subprocess.run(["umount", str(at)], check=True)
-        at.rmdir()
 
 
 def supported(root: Path, name: str, value: bytes = b"1") -> bool:
