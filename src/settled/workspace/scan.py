@@ -80,7 +80,7 @@ from dataclasses import dataclass, field
 from typing import Final
 
 from settled.canonical import canonical_bytes
-from settled.errors import BadInput, SettledError
+from settled.errors import SettledError
 from settled.workspace import rootid
 from settled.workspace.cachetrust import filesystem_magic
 from settled.workspace.hashing import (
@@ -111,6 +111,7 @@ from settled.workspace.publish import Publisher
 from settled.workspace.sparse import (
     HOLES_BUDGET_ENV,
     Extent,
+    budget_from_env,
     data_ranges,
     hash_zeros,
     holes_budget,
@@ -202,18 +203,7 @@ DEFAULT_ENTRIES_BUDGET: Final = 4_000_000  # ~9 GiB through a close here: under 
 
 def entries_budget() -> int:
     """Entries one scan may record: ``SETTLED_MAX_ENTRIES`` if set, else the default."""
-    raw = os.environ.get(ENTRIES_BUDGET_ENV)
-    if raw is None or raw == "":
-        return DEFAULT_ENTRIES_BUDGET
-    try:
-        budget = int(raw)
-    except ValueError:
-        budget = 0
-    if budget < 1:
-        raise BadInput(
-            f"{ENTRIES_BUDGET_ENV}={raw!r}: expected a whole number of entries, 1 or more"
-        )
-    return budget
+    return budget_from_env(ENTRIES_BUDGET_ENV, DEFAULT_ENTRIES_BUDGET, 1, "entries")
 
 
 def _amount(count: int) -> str:

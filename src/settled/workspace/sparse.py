@@ -70,15 +70,22 @@ def hash_zeros(hasher: Hasher, count: int) -> None:
 
 def holes_budget() -> int:
     """Bytes of holes one scan may hash: ``SETTLED_MAX_HOLE_BYTES`` if set, else the default."""
-    raw = os.environ.get(HOLES_BUDGET_ENV)
+    return budget_from_env(HOLES_BUDGET_ENV, DEFAULT_HOLES_BUDGET, 0, "bytes")
+
+
+def budget_from_env(name: str, default: int, least: int, unit: str) -> int:
+    """A scan's budget: the whole number in the environment variable ``name`` if it is set
+    (``BadInput`` naming it if it is not a whole number of at least ``least``), else
+    ``default``. The holes budget's and the entries budget's (``scan.entries_budget``)."""
+    raw = os.environ.get(name)
     if raw is None or raw == "":
-        return DEFAULT_HOLES_BUDGET
+        return default
     try:
         budget = int(raw)
     except ValueError:
-        budget = -1
-    if budget < 0:
-        raise BadInput(f"{HOLES_BUDGET_ENV}={raw!r}: expected a whole number of bytes, 0 or more")
+        budget = least - 1
+    if budget < least:
+        raise BadInput(f"{name}={raw!r}: expected a whole number of {unit}, {least} or more")
     return budget
 
 
