@@ -18,6 +18,7 @@ do not hash to the ref its parent names; do I/O other than through the reader it
 from __future__ import annotations
 
 import json
+from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, Final, Protocol
@@ -247,9 +248,15 @@ def parse_node(data: bytes, ref: str, path: str, algorithm: str) -> DirNode:
         raise IndexMismatch(f"stat-cache node {ref} of {path!r} is unusable: {error}") from None
 
 
+LOADED_ENTRIES: Final = 20_000  # entries of nodes loaded on demand that an index keeps
+
+
 class Index:
     """A scan's result: the root entry (its tree, its node, how many entries lie below) and the
-    directory nodes, loaded on demand through ``reader`` and kept once loaded."""
+    directory nodes: those it was given, and others loaded on demand through ``reader``, the
+    most recently used kept up to ``LOADED_ENTRIES`` entries (so a walk of a workspace of
+    millions of entries holds a few directories at a time, not every one: its memory does not
+    grow by an entry's ~1 KiB of objects for each entry it walks)."""
 
     def __init__(
         self,
@@ -264,6 +271,8 @@ class Index:
         self.root = root
         self.reader = reader
         self._nodes: dict[str, DirNode] = dict(nodes or {})
+        self._loaded: OrderedDict[str, DirNode] = OrderedDict()  # least recently used first
+        self._loaded_entries = 0
 
     def __repr__(self) -> str:
         return f"Index(root tree {self.root.tree}, {self.count} entries)"
@@ -294,16 +303,32 @@ class Index:
         known = self._nodes.get(path)
         if known is not None and known.ref == ref:
             return known
+        known = self._loaded.get(path)
+        if known is not None and known.ref == ref:
+            self._loaded.move_to_end(path)
+            return known
         try:
             data = self.reader.read(ref)
         except ObjectMissing:
             raise IndexMismatch(f"stat-cache node {ref} of {path!r} is missing") from None
-        node = self._nodes[path] = parse_node(data, ref, path, self.algorithm)
+        node = parse_node(data, ref, path, self.algorithm)
+        self._keep_loaded(node)
         return node
 
+    def _keep_loaded(self, node: DirNode) -> None:
+        old = self._loaded.pop(node.path, None)
+        if old is not None:
+            self._loaded_entries -= len(old.entries)
+        self._loaded[node.path] = node
+        self._loaded_entries += len(node.entries)
+        while self._loaded_entries > LOADED_ENTRIES and len(self._loaded) > 1:
+            _, dropped = self._loaded.popitem(last=False)
+            self._loaded_entries -= len(dropped.entries)
+
     def loaded(self) -> dict[str, DirNode]:
-        """The nodes read or built so far (a later index may start from them)."""
-        return dict(self._nodes)
+        """The nodes given, read or built and still kept (a later index may start from them;
+        any other it reads again through the refs)."""
+        return {**self._loaded, **self._nodes}
 
     def walk(self) -> Iterator[DirNode]:
         """Every directory node, parents before children (loads them all)."""

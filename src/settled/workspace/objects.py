@@ -738,6 +738,8 @@ class _LocalWriter:
 class _PackedStaged:
     """An object staged into its group's pack: visible once the group's sync returned."""
 
+    visible_at_sync = True
+
     def __init__(self, digest: str, size: int, *, created: bool) -> None:
         self.digest, self.size, self.created = digest, size, created
 
@@ -750,6 +752,8 @@ class _PackedStaged:
 
 class _LocalStaged:
     """A staged local object: its fsynced temp file, or None if the object was present."""
+
+    visible_at_sync = False  # renamed to its name by publish()
 
     def __init__(
         self,

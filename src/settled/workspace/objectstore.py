@@ -161,6 +161,13 @@ class StagedObject(Protocol):
     @property
     def digest(self) -> str: ...
 
+    @property
+    def visible_at_sync(self) -> bool:
+        """Whether the group's sync alone makes it visible: its ``publish()`` then only reports
+        it (and may be called at once) and its ``discard()`` does nothing, so a publisher can
+        count it instead of holding it (a pack's member: a million of them held cost ~250 MB)."""
+        ...
+
     def publish(self) -> StoredObject: ...
 
     def discard(self) -> None: ...

@@ -11,6 +11,9 @@ threads; 100,000 of them as files, each created, written, linked and unlinked, s
 first checkpoint in inode allocation; as one pack, a file. Either way ``close()`` returns only
 once every object is durable and visible.
 
+A staged object that the group's sync alone makes visible (a pack's member, or an S3 object,
+``StagedObject.visible_at_sync``) is counted, not held: a million of them held cost ~250 MB.
+
 Must never: publish a staged object before its group's sync returned; return from ``close()``
 while an object is not yet durable; swallow a failed commit or sync; leave a temp file behind.
 """
@@ -66,6 +69,8 @@ class Publisher:
         self._group = contextlib.ExitStack()
         self._sync: Callable[[], None] | None = None
         self._staged: list[tuple[int, StagedObject]] = []  # (phase, object)
+        self._counted: list[list[int]] = [[0, 0]]  # by phase: [objects, created], of those
+        # visible at the group's sync, reported at staging and counted, not held
         self._phase = 0
         self.submitted = 0
         self.created = 0  # objects that were not in the store before
@@ -97,7 +102,7 @@ class Publisher:
             return digest
         self.submitted += 1
         staged = self._store.stage_bytes(data, algo)  # the store hashes what it stages
-        self._staged.append((self._phase, staged))
+        self._hold(staged)
         return staged.digest
 
     def next_phase(self) -> None:
@@ -105,6 +110,7 @@ class Publisher:
         staged after its blobs into the same group)."""
         self._phase += 1
         self.created_in.append(0)
+        self._counted.append([0, 0])
 
     @property
     def grouping(self) -> bool:
@@ -113,14 +119,23 @@ class Publisher:
 
     def _place(self, writer: ObjectWriter) -> None:
         if self._sync is not None:
-            staged = writer.stage()  # stage() aborts the writer if it fails
-            self._staged.append((self._phase, staged))
+            self._hold(writer.stage())  # stage() aborts the writer if it fails
             return
         while len(self._pending) >= self._max_pending:
             self._collect()
         if self._pool is None:
             self._pool = ThreadPoolExecutor(self._workers, thread_name_prefix="settled-publish")
         self._pending.append((self._pool.submit(writer.commit), writer))
+
+    def _hold(self, staged: StagedObject) -> None:
+        """Keep a staged object until the group's sync, or only count it when that sync alone
+        makes it visible (a pack's member)."""
+        if staged.visible_at_sync:
+            counts = self._counted[self._phase]
+            counts[0] += 1
+            counts[1] += staged.publish().created
+            return
+        self._staged.append((self._phase, staged))
 
     def close(self) -> None:
         try:
@@ -129,9 +144,14 @@ class Publisher:
                 self._place(writer)
             while self._pending:
                 self._collect()
-            if self._staged:
+            if self._staged or any(objects for objects, _ in self._counted):
                 assert self._sync is not None
                 self._sync()  # every staged temp durable, before any of them gets its name
+                for phase, (objects, created) in enumerate(self._counted):
+                    self.created += created
+                    self.created_in[phase] += created
+                    self.grouped += objects
+                self._counted = [[0, 0] for _ in self._counted]
                 for phase, staged in self._staged:  # in the order staged: blobs before trees
                     created = staged.publish().created
                     self.created += created

@@ -40,7 +40,10 @@ read-back of the whole closure (or one that reused no subtree) is ``verified``. 
 follows the change: the entries of the directories that changed (after 100 changed files in
 100 directories of 100 files, ~11,000 objects: 0.14-0.16 s here, against 0.03-0.06 s before).
 
-About 430 lines, over the usual 400: the walk, its two sources of listings, the trust check
+A listing taken from the index is not held after its tree is walked (a workspace of millions
+of entries would be held whole again); to name a problem's paths, it is read again.
+
+About 440 lines, over the usual 400: the walk, its two sources of listings, the trust check
 and the naming of paths share one walker's state, and split they would share internals.
 
 Must never: trust an object the record does not vouch for; count an object as checked that
@@ -51,7 +54,7 @@ store; modify the store (quarantining is the caller's decision).
 from __future__ import annotations
 
 import json
-from collections.abc import Collection, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -241,7 +244,8 @@ class _Walk:
         self.store, self.record, self.index, self.fresh = store, record, index, fresh
         self.trees: dict[str, str] = {}  # tree id -> the first path it was reached at
         self.blobs: set[str] = set()
-        self.listings: dict[str, Listing] = {}
+        self.listings: dict[str, Listing] = {}  # trees read from the store, parsed
+        self.indexed: set[str] = set()  # trees listed from the index's nodes
         self.problems: dict[str, Problem] = {}
         self.done: set[str] = set()  # objects re-hashed (with or without a problem)
         self.identities: list[tuple[str, Verified]] = []
@@ -275,7 +279,10 @@ class _Walk:
                 listing = self._read_tree(tree)
                 if listing is None:
                     continue
-            self.listings[tree] = listing
+            if isinstance(listing, DirNode):  # read again from the index if a problem needs
+                self.indexed.add(tree)  # it: held, millions of entries would stay in memory
+            else:
+                self.listings[tree] = listing
             self._enter(listing, path, pending)
         # trees and blobs in one call: the store reads a pack's members together (and can
         # verify the pack whole, which the blobs alone, without its trees, never were)
@@ -332,6 +339,12 @@ class _Walk:
                     add(form["digest"])
             elif form["type"] == DIR and form["tree"] not in trees:
                 pending.append((form["tree"], join(path, form["name"])))
+
+    def _listing(self, tree: str, path: str) -> Listing | None:
+        """What the walk listed of ``tree`` at ``path``, for naming a problem's paths."""
+        if tree in self.indexed:
+            return self._from_index(tree, path)
+        return self.listings.get(tree)
 
     def _from_index(self, tree: str, path: str) -> DirNode | None:
         if self.index is None:
@@ -444,7 +457,7 @@ class _Walk:
     def result(self, manifest_id: str, scope: str) -> ReadBack:
         problems = self.problems
         if problems:
-            paths = _paths_of(set(problems), self.root, self.listings)
+            paths = _paths_of(set(problems), self.root, self._listing)
             problems = {d: _with_paths(p, paths.get(d, [])) for d, p in problems.items()}
         reached = 1 + len((self.trees.keys() | self.blobs) - {manifest_id})
         rehashed = 1 + self.trees_rehashed + self.blobs_rehashed
@@ -484,7 +497,7 @@ def _children(listing: Listing, path: str) -> Iterator[tuple[str, str | None, st
 
 
 def _paths_of(
-    wanted: set[str], root: str | None, listings: dict[str, Listing]
+    wanted: set[str], root: str | None, listing_of: Callable[[str, str], Listing | None]
 ) -> dict[str, list[str]]:
     """Every path (each occurrence of a shared tree expanded) that uses an object in
     ``wanted``, as far as the walk listed the trees."""
@@ -494,7 +507,7 @@ def _paths_of(
         tree, path = pending.pop()
         if tree in wanted:
             found.setdefault(tree, []).append(path)
-        listing = listings.get(tree)
+        listing = listing_of(tree, path)
         if listing is None:
             continue
         for child, digest, subtree in _children(listing, path):

@@ -723,6 +723,8 @@ class _S3Writer:
 
 
 class _S3Staged:
+    visible_at_sync = True  # stored when staged: publish() only reports it
+
     def __init__(self, stored: StoredObject) -> None:
         self._stored = stored
 

@@ -56,7 +56,15 @@ none costs nothing more. An entry the cache vouches for keeps the attributes its
 means unchanged attributes; a directory, FIFO or device whose inode and ctime are its previous
 row's takes that row's too. The root directory's are not recorded (``xattrs.NOT_RECORDED``).
 
-About 1,100 lines, over the usual 400: the walk, its no-follow checks, the stat cache, torn-read
+Memory (issue 36). A scan does not hold what it has finished: it keeps the nodes of its
+first ``KEEP_ENTRIES`` entries (and the root) for its index, which reads any other back from
+the stat cache by ref; node bytes go to the cache in batches of ``NODES_FLUSH_BYTES``; trees
+wait for the blobs they name in a spool (``_Spool``) that spills to an unlinked file past
+``TREES_IN_MEMORY``; and its publisher counts a pack's members instead of holding each. The
+whole ``settled close`` of 1,000,000 empty files peaked at ~200 MiB here (1.2 GiB before);
+the entries budget (``entries_budget``) bounds what is left: time, and the distinct blobs.
+
+About 1,150 lines, over the usual 400: the walk, its no-follow checks, the stat cache, torn-read
 retries, the listings ahead and the incremental mode share one walker's state, and split they
 would share internals (what does not, the loops and the read-ahead, lives in ``walk``).
 
@@ -74,8 +82,9 @@ import dataclasses
 import errno
 import os
 import stat
+import tempfile
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Final
 
@@ -142,6 +151,9 @@ Vouches = Callable[[int, int], bool]  # (a node's trusted_before_ns, its filesys
 TORN_ATTEMPTS: Final = 4
 TORN_BACKOFF_S: Final = (0.0, 0.005, 0.02, 0.05)
 
+KEEP_ENTRIES: Final = 150_000  # entries of the nodes a scan keeps in memory for its index
+NODES_FLUSH_BYTES: Final = 4 << 20  # node bytes held before they go to the stat cache
+TREES_IN_MEMORY: Final = 16 << 20  # tree bytes held before the rest spool to a temp file
 AHEAD_BATCH: Final = 64  # subdirectories listed together, on the walker's threads
 AHEAD_FDS: Final = 256  # at most this many listed ahead (each holds its directory fd)
 
@@ -184,9 +196,10 @@ class HolesOverBudget(ScanError):
 
 class EntriesOverBudget(ScanError):
     """A workspace whose entries would pass the scan's budget (``entries_budget``): every entry
-    costs the scan and the close memory (~1.2 KiB in the scan, ~2.2 KiB through a close, here),
-    and making one costs a command ~10 us, so a budget stops a tree that would exhaust the host
-    at the entry that would pass it, by name, before anything past it is read."""
+    costs a close ~30 us of CPU here (and each distinct file a digest held until the close is
+    done), and making one costs a command ~10 us, so a budget stops a tree that would keep a
+    close busy for minutes at the entry that would pass it, by name, before anything past it
+    is read."""
 
     def __init__(self, path: str, budget: int) -> None:
         super().__init__(
@@ -198,7 +211,7 @@ class EntriesOverBudget(ScanError):
 
 
 ENTRIES_BUDGET_ENV: Final = "SETTLED_MAX_ENTRIES"
-DEFAULT_ENTRIES_BUDGET: Final = 4_000_000  # ~9 GiB through a close here: under this host's 24
+DEFAULT_ENTRIES_BUDGET: Final = 4_000_000  # a close of ~2 min here
 
 
 def entries_budget() -> int:
@@ -298,7 +311,10 @@ def scan(
         scanner.vouches = vouches
         scanner.list_published = list_published and store is not None
         with gc_paused():
-            top = scanner.run(only)
+            try:
+                top = scanner.run(only)
+            finally:
+                scanner.to_publish.close()
     finally:
         os.close(root_fd)
     index = Index(algo, started, top, scanner.sink, scanner.nodes)
@@ -390,6 +406,28 @@ class _Dir:
 _LinkRead = tuple[int, int, int, int, str, tuple[Extent, ...] | None]
 
 
+class _Spool:
+    """Byte strings kept in order, in memory up to ``TREES_IN_MEMORY`` and in an unlinked temp
+    file past it, read back in order once: the trees a scan builds wait for the blobs they name
+    to be durable, and a tree of 1,000 entries is ~150 KB."""
+
+    def __init__(self) -> None:
+        self.file = tempfile.SpooledTemporaryFile(max_size=TREES_IN_MEMORY)  # noqa: SIM115
+        self.sizes: list[int] = []
+
+    def append(self, data: bytes) -> None:
+        self.file.write(data)
+        self.sizes.append(len(data))
+
+    def __iter__(self) -> Iterator[bytes]:
+        self.file.seek(0)
+        for size in self.sizes:
+            yield self.file.read(size)
+
+    def close(self) -> None:
+        self.file.close()
+
+
 class _Scanner:
     def __init__(
         self,
@@ -412,7 +450,10 @@ class _Scanner:
         else:  # nodes stay in memory, beside the previous scan's
             earlier = previous.reader if previous is not None else None
             self.sink = earlier if isinstance(earlier, MemoryObjects) else MemoryObjects(earlier)
-        self.new_nodes: list[tuple[str, bytes]] = []
+        self.new_nodes: list[tuple[str, bytes]] = []  # not yet in the sink
+        self.new_nodes_bytes = 0
+        self.kept_entries = 0  # entries of the nodes in self.nodes
+        self.full_mode = False
         self.previous_nodes: dict[str, DirNode | None] = {}  # previous_node's answers
         self.nodes: dict[str, DirNode] = {}  # every node built or kept, for the new index
         self.open: dict[str, _Dir] = {}  # incremental mode: directories whose node is rebuilt
@@ -421,7 +462,7 @@ class _Scanner:
         self.entries_listed = 0
         self.hashed: set[str] = set()
         self.new_trees: dict[str, str] = {}
-        self.to_publish: list[bytes] = []  # trees, published after the blobs they name
+        self.to_publish = _Spool()  # trees, published after the blobs they name
         self.list_published = False  # also publish the list of what this scan published
         self.published_ref: str | None = None
         self.publisher: Publisher | None = None
@@ -454,14 +495,21 @@ class _Scanner:
                 stack.enter_context(self.store.batch())  # exits last: directory fsyncs
                 self.publisher = stack.enter_context(Publisher(self.store))
             if only is None or self.previous is None:
+                self.full_mode = True
                 top = self.full()
             else:
                 self.nodes = self.previous.loaded()
                 top = self.incremental(only)
             if self.publisher is not None:
                 self.publish(self.publisher)
-        self.sink.put_many(self.new_nodes)
+        self.flush_nodes()
         return top
+
+    def flush_nodes(self) -> None:
+        """The nodes built so far into the sink (a node in the stat cache whose tree was never
+        published is harmless: only a checkpoint's index names nodes, by ref)."""
+        self.sink.put_many(self.new_nodes)
+        self.new_nodes, self.new_nodes_bytes = [], 0
 
     def publish(self, publisher: Publisher) -> None:
         """Blobs, then trees (and the list of what was published), never a tree visible before
@@ -763,8 +811,10 @@ class _Scanner:
         """The directory's node: its previous one if nothing in it changed, else a new node
         (and, if its content changed, a new tree), queued for publishing."""
         previous = current.previous
+        if self.full_mode:  # listed once: the previous index's node is not asked for again
+            self.previous_nodes.pop(current.path, None)
         if previous is not None and not current.racy and current.rows == previous.entries:
-            self.nodes[current.path] = previous
+            self.keep(previous)
             return previous
         if current.listed:
             trusted = self.trusted_before_ns
@@ -780,8 +830,20 @@ class _Scanner:
             if self.store is not None:
                 self.to_publish.append(made.tree_data)
         self.new_nodes.append((node.ref, made.node_data))
-        self.nodes[current.path] = node
+        self.new_nodes_bytes += len(made.node_data)
+        if self.new_nodes_bytes >= NODES_FLUSH_BYTES:
+            self.flush_nodes()
+        self.keep(node)
         return node
+
+    def keep(self, node: DirNode) -> None:
+        """Keep ``node`` for the index, unless this full scan already keeps ``KEEP_ENTRIES``
+        entries: past them the index reads its nodes back from the sink by ref, so a scan of
+        millions of entries holds the directories it is walking, not all of them (the root is
+        always kept, and an incremental scan keeps what it rebuilt)."""
+        if node.path == ROOT or not self.full_mode or self.kept_entries < KEEP_ENTRIES:
+            self.nodes[node.path] = node
+            self.kept_entries += len(node.entries)
 
     def publish_trees(self) -> None:
         """Trees, once the blobs they name are durable."""
