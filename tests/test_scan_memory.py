@@ -11,6 +11,7 @@ figure in bench/ (``proof_cost``: the whole ``settled close`` of 1,000,000 empty
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -35,6 +36,7 @@ def _tree(root: Path) -> None:
             path = root / f"d{d:02d}" / f"sub{d % 3}" / f"f{f:02d}"
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_bytes(b"same" if f == 0 else f"{d}/{f}".encode())
+    time.sleep(0.05)  # older than a scan's racy cutoff: a rescan may reuse every row
 
 
 def _bounded(monkeypatch: pytest.MonkeyPatch) -> None:
