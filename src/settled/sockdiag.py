@@ -21,6 +21,8 @@ import errno
 import os
 import struct
 
+from settled.where import mountinfo_path
+
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Any
@@ -135,18 +137,11 @@ def cgroup2_mount() -> tuple[str, str]:
                 left, _, right = line.partition(" - ")
                 if right.split(" ", 1)[0] == "cgroup2":
                     fields = left.split()
-                    _MOUNT.append((_unescape(fields[4]), _unescape(fields[3])))
+                    _MOUNT.append((mountinfo_path(fields[4]), mountinfo_path(fields[3])))
                     break
         if not _MOUNT:
             raise OSError(errno.ENOENT, "no cgroup2 filesystem is mounted here")
     return _MOUNT[0]
-
-
-def _unescape(field: str) -> str:
-    """mountinfo writes space, tab, newline and backslash as octal escapes."""
-    for code in ("\\040", "\\011", "\\012", "\\134"):
-        field = field.replace(code, chr(int(code[1:], 8)))
-    return field
 
 
 _LIBC: list[Any] = []  # ctypes' libc, loaded at the first TCP peer (~60 us a load)

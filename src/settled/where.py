@@ -76,3 +76,11 @@ def newest_change(package: str) -> int:
                 elif entry.name.endswith((".py", ".so")):
                     newest = max(newest, entry.stat(follow_symlinks=False).st_mtime_ns)
     return newest
+
+
+def mountinfo_path(field: str) -> str:
+    """A path as /proc/<pid>/mountinfo writes it, unescaped: the kernel writes a space, tab,
+    newline and backslash as octal escapes (and nothing else)."""
+    for code, char in (("\\040", " "), ("\\011", "\t"), ("\\012", "\n"), ("\\134", "\\")):
+        field = field.replace(code, char)
+    return field

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 
 from settled.errors import BadInput
+from settled.where import mountinfo_path
 
 # Filesystems that hold the kernel's state rather than files: no workspace may be on one.
 PSEUDO_FILESYSTEMS = frozenset(
@@ -55,13 +56,6 @@ def overlap(a: str, b: str) -> bool:
     return within(a, b) or within(b, a)
 
 
-def _unescape(field: str) -> str:
-    """A mountinfo path: space, tab, newline and backslash are written as octal escapes."""
-    for code, char in (("\\040", " "), ("\\011", "\t"), ("\\012", "\n"), ("\\134", "\\")):
-        field = field.replace(code, char)
-    return field
-
-
 def filesystem_type(path: str, mountinfo: str = MOUNTINFO) -> str | None:
     """The type of the filesystem mounted nearest above `path` (resolved), from mountinfo;
     None when mountinfo cannot be read."""
@@ -75,7 +69,7 @@ def filesystem_type(path: str, mountinfo: str = MOUNTINFO) -> str | None:
         fields = line.split(" ")
         if "-" not in fields[6:]:
             continue
-        point = _unescape(fields[4])
+        point = mountinfo_path(fields[4])
         fstype = fields[fields.index("-", 6) + 1]
         if within(path, point) and (best is None or len(point) >= best[0]):
             best = (len(point), fstype)  # a later mount on the same point covers an earlier

@@ -28,6 +28,7 @@ import os
 from typing import Any, Final
 
 from settled.errors import WorkspaceReplaced
+from settled.where import mountinfo_path
 
 Identity = tuple[int, int]
 
@@ -190,22 +191,7 @@ def _root_mount_of(dev: int) -> str | None:
                     continue
                 major, _, minor = fields[2].partition(":")
                 if os.makedev(int(major), int(minor)) == dev:
-                    return _unescape(fields[4])
+                    return mountinfo_path(fields[4])
     except (OSError, ValueError):
         return None
     return None
-
-
-def _unescape(field: str) -> str:
-    """mountinfo writes a space, tab, newline and backslash in a path as \\ooo (octal)."""
-    if "\\" not in field:
-        return field
-    out, i = [], 0
-    while i < len(field):
-        if field[i] == "\\" and field[i + 1 : i + 4].isdigit():
-            out.append(chr(int(field[i + 1 : i + 4], 8)))
-            i += 4
-        else:
-            out.append(field[i])
-            i += 1
-    return "".join(out)
