@@ -36,11 +36,9 @@ that stamps.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import os
 from collections.abc import Iterable
-from typing import Final
+from typing import Any, Final
 
 WINDOW_SLACK_NS: Final = 1_000_000_000
 
@@ -91,20 +89,26 @@ def vouches(window: Window | None, sessions: Iterable[Alive], now_ns: int, magic
     return True
 
 
-class _Statfs(ctypes.Structure):
-    _fields_ = [("f_type", ctypes.c_long), ("rest", ctypes.c_byte * 112)]
-
-
-_libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-_fstatfs = _libc.fstatfs
-_fstatfs.argtypes = [ctypes.c_int, ctypes.POINTER(_Statfs)]
-_fstatfs.restype = ctypes.c_int
+_FSTATFS: list[Any] = []  # libc's fstatfs and its struct, bound at the first scan that asks
 
 
 def filesystem_magic(fd: int) -> int:
-    """``f_type`` of the filesystem holding the open ``fd``."""
-    found = _Statfs()
-    if _fstatfs(fd, ctypes.byref(found)) != 0:
+    """``f_type`` of the filesystem holding the open ``fd`` (ctypes loaded here, at the first
+    call: a process that never scans, the CLI's verbs, never pays for it)."""
+    import ctypes
+
+    if not _FSTATFS:
+
+        class Statfs(ctypes.Structure):
+            _fields_ = (("f_type", ctypes.c_long), ("rest", ctypes.c_byte * 112))
+
+        call = ctypes.CDLL(None, use_errno=True).fstatfs
+        call.argtypes = [ctypes.c_int, ctypes.POINTER(Statfs)]
+        call.restype = ctypes.c_int
+        _FSTATFS.extend((call, Statfs))
+    call, statfs = _FSTATFS
+    found = statfs()
+    if call(fd, ctypes.byref(found)) != 0:
         error = ctypes.get_errno()
         raise OSError(error, os.strerror(error))
     return int(found.f_type) & 0xFFFFFFFF
