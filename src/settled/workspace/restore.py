@@ -94,6 +94,7 @@ from settled.workspace.manifest import (
 )
 from settled.workspace.objectstore import CHUNK, ObjectMissing, ObjectStore
 from settled.workspace.sparse import hash_zeros
+from settled.workspace.walk import open_beneath
 from settled.workspace.xattrs import drop_inherited_acls, setting_order
 from settled.workspace.xattrs import restorable as xattr_restorable
 
@@ -628,15 +629,9 @@ class _Builder:
         if self.source is not None and self.source[0] == path:
             return self.source[1]
         self.let_go_of_source()
-        fd = os.dup(self.root_fd)
-        try:
-            for part in [] if path == ROOT else path.split("/"):
-                sub = os.open(part, _DIR_FLAGS, dir_fd=fd)
-                os.close(fd)
-                fd = sub
-        except BaseException:
-            os.close(fd)
-            raise
+        fd = open_beneath(self.root_fd, path)
+        if fd is None:  # a directory this restore made, gone or replaced under it
+            raise OSError(errno.ENOENT, f"the restore's own directory {path!r} cannot be opened")
         self.source = (path, fd)
         return fd
 
