@@ -861,3 +861,25 @@ def test_an_answer_holding_a_lone_surrogate_is_ascii_json_with_the_same_values()
     body = AsciiJSONResponse(payload).body
     assert body == b'{"path":"caf\\udce9/\\u202e\\u001b","name":"\\u00e9 \\u4e2d"}'
     assert json.loads(body) == payload
+
+
+def test_http_errors_name_the_request_fields_not_the_cli_flags(
+    server: Server, workspace: Path
+) -> None:
+    """An HTTP caller is told what to set in its request (`shared_workspace`, `cwd`), never
+    a flag it has no way to pass."""
+    from settled.server.bodies import SESSION_FIELDS, TASK_FIELDS
+    from settled.server.errors import FIELD_OF_FLAG, in_http_words
+
+    assert set(FIELD_OF_FLAG.values()) <= TASK_FIELDS | SESSION_FIELDS | {"from"}
+    assert in_http_words("pass --shared-workspace, not --home") == (
+        "pass `shared_workspace`, not --home"  # a flag no request has stays as it was
+    )
+    with server.client() as client:
+        task = new_task(client, workspace)
+        again = client.post("/v1/tasks", json={"workspace": str(workspace)})
+        assert again.status_code == 400 and again.json()["error"] == "WorkspaceOverlap"
+        message = again.json()["message"]
+        assert "`shared_workspace`" in message and "--" not in message, message
+        outside = admit(client, task, "k-cwd", argv=["true"], cwd="../..")
+        assert outside.status_code == 400 and outside.json()["message"].startswith("`cwd` '../..'")

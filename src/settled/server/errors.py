@@ -13,6 +13,7 @@ into anything but a logged 500.
 from __future__ import annotations
 
 import logging
+import re
 from typing import Any
 
 from starlette.exceptions import HTTPException
@@ -94,8 +95,28 @@ def status_of(exc: SettledError) -> int:
     return 500
 
 
+# The CLI flag a shared error message names, as the request field an HTTP caller sets instead
+# (bodies.py's TASK_FIELDS, SESSION_FIELDS and the `from` query): one vocabulary per face.
+FIELD_OF_FLAG: dict[str, str] = {
+    "--shared-workspace": "shared_workspace", "--workspace": "workspace", "--ignore": "ignore",
+    "--allow-host": "allow_hosts", "--network": "network", "--isolation": "isolation",
+    "--user": "user", "--cwd": "cwd", "--env": "env", "--inherit": "inherited",
+    "--writable": "writable", "--readable": "readable", "--from": "from",
+}  # fmt: skip
+_FLAG = re.compile(r"(?<![\w-])--[a-z][a-z-]*(?![\w-])")
+
+
+def in_http_words(message: str) -> str:
+    """`message` with each CLI flag it names spelled as the request field it stands for
+    (`pass --shared-workspace` reads `pass shared_workspace`); a flag with no field stays."""
+    return _FLAG.sub(lambda m: f"`{FIELD_OF_FLAG[m[0]]}`" if m[0] in FIELD_OF_FLAG else m[0],
+                     message)  # fmt: skip
+
+
 def error_body(exc: SettledError) -> dict[str, Any]:
     body: dict[str, Any] = dict(exc.to_json())
+    if isinstance(body.get("message"), str):
+        body["message"] = in_http_words(body["message"])
     if isinstance(exc, AdmissionFrozen | AdmissionSealed):
         body["task"] = exc.task
     if isinstance(exc, AdmissionFrozen):
