@@ -17,6 +17,7 @@ itself. Imports no backend: `store.open_store` and `checkpoint.open_object_store
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 
@@ -26,6 +27,7 @@ from settled.records import Frozen
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
+    from collections.abc import Iterator
     from typing import Final
     from urllib.parse import SplitResult
 
@@ -115,6 +117,39 @@ def redacted(url: str) -> str:
     return _unsplit(parts._replace(netloc=f"{user}:***@{host}{port}"))
 
 
+# The package each remote backend needs, by the top-level module a missing one names.
+EXTRA_OF_MODULE: Final = {"psycopg": "postgres", "psycopg_pool": "postgres", "boto3": "s3",
+                          "botocore": "s3"}  # fmt: skip
+
+
+@contextlib.contextmanager
+def extra_needed(url: str) -> Iterator[None]:
+    """A remote backend whose package is not installed is one line naming what to install
+    (BadBackend, exit 2), never an internal error: `settled[postgres]`, `settled[s3]`."""
+    try:
+        yield
+    except ModuleNotFoundError as exc:
+        module = (exc.name or "").partition(".")[0]
+        if module not in EXTRA_OF_MODULE:
+            raise
+        extra = EXTRA_OF_MODULE[module]
+        raise BadBackend(
+            f"{redacted(url)} needs the {extra} extra ({module} is not installed): "
+            f"pip install 'settled[{extra}]'"
+        ) from exc
+
+
+def _require_packages(backends: Backends) -> None:
+    """BadBackend naming the extra to install for each remote backend whose package this
+    Python cannot import (found without importing it: boto3 costs ~0.2 s)."""
+    from importlib.util import find_spec
+
+    for url, module in ((backends.store, "psycopg"), (backends.objects, "boto3")):
+        if scheme(url) in ("postgresql", "s3") and find_spec(module) is None:
+            with extra_needed(url):
+                raise ModuleNotFoundError(f"No module named {module!r}", name=module)
+
+
 def default_backends(home: str) -> Backends:
     return Backends(
         store=f"sqlite://{os.path.join(home, 'settled.db')}",
@@ -191,6 +226,7 @@ def bind(home: str, store: str | None = None, objects: str | None = None) -> Bac
     if bound is None:
         # A home an older settled made holds its SQLite store already: that is its binding.
         first = default if os.path.exists(os.path.join(home, "settled.db")) else asked
+        _require_packages(first)  # never a home bound to a backend it cannot open
         bound = _record_once(home, first)
     _refuse_mismatch(home, bound, store, objects)
     return bound

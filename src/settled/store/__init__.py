@@ -216,11 +216,12 @@ def open_store(home: str, *, threads: bool = True) -> Store:
     """The store the home is bound to (`settled.backends`): its embedded SQLite database
     unless it was bound to another. `threads=False`: the calling process may start none (a
     PostgreSQL store then holds one connection, not a pool of worker threads)."""
-    from settled.backends import bound_backends
+    from settled.backends import bound_backends, extra_needed
 
     url = bound_backends(home).store
     if url.startswith("postgresql://"):
-        from settled.store.postgres import open_postgres  # psycopg loads only for it
+        with extra_needed(url):
+            from settled.store.postgres import open_postgres  # psycopg loads only for it
 
         return open_postgres(url, pooled=threads)
     from settled.store.sqlite import open_sqlite  # the implementation stays behind the seam

@@ -235,8 +235,11 @@ class S3ObjectStore:
         return client
 
     def _make_client(self) -> S3Client:
-        import boto3
-        from botocore.config import Config
+        from settled.backends import extra_needed
+
+        with extra_needed(self.location):
+            import boto3
+            from botocore.config import Config
 
         config = Config(
             region_name=self.region,
