@@ -35,7 +35,7 @@ from urllib.parse import quote
 import anyio
 import httpx
 
-from settled.environment import from_caller
+from settled.environment import caller_policy, from_caller
 from settled.exitcodes import command_exit_code
 
 CURSOR_HEADER = "Settled-Cursor"
@@ -220,10 +220,12 @@ class Admission:
 
 
 def _with_inherited(
-    env: Mapping[str, str] | None, names: Sequence[str], whole: bool
+    env: Mapping[str, str] | None, names: Sequence[str], whole: bool, clean: bool
 ) -> tuple[Mapping[str, str] | None, list[str]]:
     """The explicit env with the caller's chosen variables under it (explicit wins), and the
-    names that came from the caller."""
+    names that came from the caller: by default its PATH too (settled.environment's policy,
+    applied here since a server never hands a command its own)."""
+    names = caller_policy(names, whole, clean, os.environ)
     if not names and not whole:
         return env, []
     caller = from_caller(names, whole, os.environ)
@@ -777,6 +779,7 @@ class Client(_Base):
         writable: Sequence[str] | None = None,
         inherit: Sequence[str] = (),
         inherit_env: bool = False,
+        clean_env: bool = False,
         readable: Sequence[str] | None = None,
         memory: int | None = None,
         pids: int | None = None,
@@ -786,11 +789,12 @@ class Client(_Base):
     ) -> Admission:
         """Admit a command; retried with the same key and body until the server answers.
         `inherit` names variables of this process's environment to pass (`inherit_env`: all
-        but settled's own); they travel in `env`, named in `inherited`, so the server records
+        but settled's own; its PATH unless `clean_env`); they travel in `env`, named in
+        `inherited`, so the server records
         them and never adds its own. `writable`/`readable` grant host directories, `memory`
         (bytes), `pids` and `cpus` limit the command (else its task's defaults)."""
         key = key or new_key()
-        env, inherited = _with_inherited(env, inherit, inherit_env)
+        env, inherited = _with_inherited(env, inherit, inherit_env, clean_env)
         options: dict[str, Any] = {"timeout": timeout, "grace": grace, "cwd": cwd, "env": env}
         options.update(inherited=inherited or None)
         options.update(service=service, boundary=boundary, isolation=isolation, user=user)
@@ -1047,6 +1051,7 @@ class AsyncClient(_Base):
         writable: Sequence[str] | None = None,
         inherit: Sequence[str] = (),
         inherit_env: bool = False,
+        clean_env: bool = False,
         readable: Sequence[str] | None = None,
         memory: int | None = None,
         pids: int | None = None,
@@ -1056,11 +1061,12 @@ class AsyncClient(_Base):
     ) -> Admission:
         """Admit a command; retried with the same key and body until the server answers.
         `inherit` names variables of this process's environment to pass (`inherit_env`: all
-        but settled's own); they travel in `env`, named in `inherited`, so the server records
+        but settled's own; its PATH unless `clean_env`); they travel in `env`, named in
+        `inherited`, so the server records
         them and never adds its own. `writable`/`readable` grant host directories, `memory`
         (bytes), `pids` and `cpus` limit the command (else its task's defaults)."""
         key = key or new_key()
-        env, inherited = _with_inherited(env, inherit, inherit_env)
+        env, inherited = _with_inherited(env, inherit, inherit_env, clean_env)
         options: dict[str, Any] = {"timeout": timeout, "grace": grace, "cwd": cwd, "env": env}
         options.update(inherited=inherited or None)
         options.update(service=service, boundary=boundary, isolation=isolation, user=user)

@@ -1,7 +1,9 @@
 """The command's environment: explicit, recorded, and inside the command digest.
 
 Nothing reaches a command by accident. Its environment is a small base (a standard PATH, HOME
-of the user it runs as, LANG) overlaid by what the caller asked for: `--env K=V`, an
+of the user it runs as, LANG) overlaid by the caller's `PATH` (the one policy every face that
+has a caller's environment applies, `caller_policy`: `python3` is the one the caller would run;
+`--clean-env` keeps the base's) and by what the caller asked for: `--env K=V`, an
 `--env-file`, `--inherit NAME` (one variable of the caller's) or `--inherit-env` (all of the
 caller's but settled's own and the credentials of the home's remote backends). The result is
 the spec's `env`, so the digest covers every byte the command sees, and the names taken from
@@ -16,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import os
 import pwd
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 
 from settled.errors import BadInput
 from settled.records import Frozen
@@ -118,6 +120,23 @@ def from_caller(
     return CallerEnv(chosen, tuple(sorted(chosen)), tuple(sorted(removed)))
 
 
+DEFAULT_INHERITED = ("PATH",)  # what a command takes from its caller unless told --clean-env
+
+
+def caller_policy(
+    names: Sequence[str], whole: bool, clean: bool, environ: Mapping[str, str]
+) -> list[str]:
+    """The caller's variables a command gets by name: those asked for, and by default the
+    caller's PATH (when it has one), so a command runs the tools its caller would; `clean`
+    keeps the base's fixed PATH. `clean` with `whole` contradict each other and are refused."""
+    if clean and whole:
+        raise BadInput("--clean-env and --inherit-env contradict each other: choose one")
+    asked = list(dict.fromkeys(names))
+    if clean or whole:
+        return asked
+    return asked + [n for n in DEFAULT_INHERITED if n in environ and n not in asked]
+
+
 def standing_inherit(environ: Mapping[str, str]) -> list[str]:
     """The names the caller always passes (SETTLED_INHERIT, comma or space separated), as if
     each were given with `--inherit`: a shell profile's choice, recorded like any other."""
@@ -130,3 +149,48 @@ def compose(
 ) -> dict[str, str]:
     """base < inherited < explicit: an `--env` always wins over what the caller's shell has."""
     return {**base, **caller.env, **explicit}
+
+
+def path_of(env: Mapping[str, str], clean: bool, environ: Mapping[str, str]) -> str:
+    """The PATH a command will search: an explicit one, else the caller's (unless `clean`),
+    else the standard one."""
+    if "PATH" in env:
+        return env["PATH"]
+    return STANDARD_PATH if clean else environ.get("PATH", STANDARD_PATH)
+
+
+def unseen_on_path(word: str, search_path: str, roots: Iterable[str]) -> str | None:
+    """One line for a person when `word` (a command's first word) is found on `search_path`
+    where the command's view (it sees only `roots`) does not show it, or not what it links
+    to: what it would have run, what it will run instead, and what to grant, so `python3`
+    leading to the system's instead of the caller's virtualenv is said before it runs, not
+    found out from a wrong result."""
+    if not word or "/" in word:
+        return None
+    seen = tuple(root.rstrip("/") or "/" for root in roots)
+    entries = [entry for entry in search_path.split(":") if entry.startswith("/")]
+    found = [os.path.join(entry, word) for entry in entries]
+    found = [path for path in found if os.path.isfile(path) and os.access(path, os.X_OK)]
+    if not found or _usable(found[0], seen):
+        return None
+    instead = next((path for path in found if _usable(path, seen)), None)
+    runs = f"it runs {instead}" if instead else "it will not find it"
+    needed = (_prefix(os.path.dirname(p)) for p in (found[0], os.path.realpath(found[0])))
+    grants = " ".join(f"--readable {d}" for d in dict.fromkeys(needed) if not _within(d, seen))
+    where = f"{word} is {found[0]} on the PATH, outside the command's view"
+    return f"{where}: {runs}; to run it, grant {grants}"
+
+
+def _usable(path: str, roots: tuple[str, ...]) -> bool:
+    """Whether the view shows `path` and what it links to."""
+    return _within(os.path.dirname(path), roots) and _within(os.path.realpath(path), roots)
+
+
+def _prefix(directory: str) -> str:
+    """What to grant for a tool in `directory`: its prefix when that is a `bin` (an
+    interpreter or a toolchain needs its `lib` and `share` beside it)."""
+    return os.path.dirname(directory) if os.path.basename(directory) == "bin" else directory
+
+
+def _within(path: str, roots: tuple[str, ...]) -> bool:
+    return any(path == root or path.startswith(root.rstrip("/") + "/") for root in roots)

@@ -736,6 +736,26 @@ class Runtime:
             self._unlaunched(session.session, str(report["error"]))
         return self._admission(self.store.get_session(session.session), False, report)
 
+    def view_roots(
+        self, task: str, writable: Sequence[str], readable: Sequence[str], isolation: str
+    ) -> tuple[str, ...] | None:
+        """The host directories a command of `task` would see (the distribution's, its
+        workspace, its grants and its task's), or None when it sees the host's whole tree
+        (no isolation, or a sandbox of its own): for a person's hint, never a decision."""
+        from settled.boundary.viewplan import SYSTEM_ROOTS
+
+        record = self.store.get_task(grammar.check_id("task", task))
+        if isolation == "none" or (record.sandbox or {}).get("enter"):
+            return None
+        defaults = record.defaults or {}
+        granted = [
+            *writable,
+            *readable,
+            *defaults.get("writable", ()),
+            *defaults.get("readable", ()),
+        ]
+        return (*SYSTEM_ROOTS, record.workspace, *granted)
+
     def _unlaunched(self, session: str, why: str) -> None:
         """A launch that failed before any owner was claimed settles its session as never
         started (recovery.settle_unlaunched), so that its task is not frozen for it. A store

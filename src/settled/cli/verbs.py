@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterable, Iterator
 from settled import __version__, grammar
 from settled.cli.frame import bind_backends, emit, execute, fail, settled_code, with_runtime
 from settled.cli.reads import LS_LIMIT, cmd_ls, cmd_ps, cmd_status
+from settled.environment import caller_policy, path_of, unseen_on_path
 from settled.errors import (
     EXIT_BLOCKED,
     EXIT_FAILURE,
@@ -97,6 +98,7 @@ def _environment(args: argparse.Namespace) -> dict[str, str]:
 
 def _admit(rt: Runtime, args: argparse.Namespace, verb: str) -> Admission:
     command = _command_words(args, verb)
+    _say_where_path_leads(rt, args, command)
     return rt.exec(
         args.task,
         argv=command if len(command) > 1 else None,
@@ -118,9 +120,22 @@ def _admit(rt: Runtime, args: argparse.Namespace, verb: str) -> Admission:
         cpus=args.cpus,
         network=args.network,
         allow_hosts=args.allow_host,
-        inherit=args.inherit,
+        inherit=caller_policy(args.inherit, args.inherit_env, args.clean_env, os.environ),
         inherit_env=args.inherit_env,
     )
+
+
+def _say_where_path_leads(rt: Runtime, args: argparse.Namespace, command: list[str]) -> None:
+    """A line on stderr when the command's first word is found on its PATH in a directory its
+    view does not show (a virtualenv outside the workspace): said before it runs."""
+    roots = rt.view_roots(args.task, args.writable, args.readable, args.isolation)
+    if roots is None:
+        return
+    words = command if len(command) > 1 else command[0].split()  # a shell string's first word
+    first = words[0] if words else ""
+    search = path_of(_environment(args), args.clean_env, os.environ)
+    if note := unseen_on_path(first, search, roots):
+        print(f"settled: {printable(note)}", file=sys.stderr, flush=True)
 
 
 def cmd_exec(rt: Runtime, args: argparse.Namespace) -> int:
@@ -611,7 +626,12 @@ def _exec_options(ex: argparse.ArgumentParser) -> None:
         "--inherit", type=_text("--inherit", grammar.MAX_ARG_BYTES, 1), action="append",
         default=[], metavar="NAME",
         help="pass this variable of your environment (repeatable; SETTLED_INHERIT lists "
-        "standing ones). The command gets only PATH, HOME, LANG and what you pass",
+        "standing ones). The command gets your PATH, its HOME, LANG and what you pass",
+    )  # fmt: skip
+    ex.add_argument(
+        "--clean-env", action="store_true",
+        help="give the command the standard PATH, not yours (then only HOME, LANG and what "
+        "you pass)",
     )  # fmt: skip
     ex.add_argument(
         "--inherit-env", action="store_true",
