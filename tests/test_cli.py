@@ -268,16 +268,19 @@ def test_demo_runs_on_the_embedded_default(tmp_path: Path, marker: str) -> None:
         capture_output=True,
         timeout=120,
         env={**os.environ, "TEST_SESSION_MARKER": marker, "TMPDIR": str(tmp_path)},
-    )  # its home (kept, as the demo says) under the test's own directory, not the host's /tmp
+    )  # its home under the test's own directory, never the host's /tmp, even if it were kept
     assert done.returncode == 0, done.stderr
     out = done.stdout.decode()
     assert "4194304 bytes" in out and "(timeout)" in out and "stopped by TERM" in out
     assert "never started" in out and "reused=true" in out
-    table = out[out.index("| question") :].splitlines()  # settled.probe's table, two runtimes
+    table = [line for line in out[out.index("| question") :].splitlines() if line.startswith("|")]
     assert len(table) == 11 and "2 launches" in table[2] and "1 launch" in table[2]
     assert "bit for bit" in table[4] and "late.txt restored from checkpoint" in table[8]
     assert kill_marked(marker, b"sleep") == []
     assert "settled-demo-" in out  # a fresh home of its own, not the user's
+    home = out.splitlines()[0].removeprefix("home ")
+    assert out.splitlines()[-1] == f"the demo's home {home} is removed (--keep-home keeps it)"
+    assert not os.path.exists(home) and list(tmp_path.iterdir()) == []  # nothing left behind
 
 
 def test_recover_settles_a_session_whose_owner_was_killed(cli: CLI, task: dict) -> None:

@@ -448,7 +448,13 @@ def cmd_verify(rt: Runtime, args: argparse.Namespace) -> int:
 def cmd_demo(rt: Runtime, args: argparse.Namespace) -> int:
     from settled.demo import run_demo
 
-    return run_demo(rt)
+    made = getattr(args, "made_home", False)
+    try:
+        return run_demo(rt)
+    finally:
+        if made and not args.keep_home:  # what it started ends before the home goes
+            rt.stop_journal()
+            rt.release_pods()
 
 
 def cmd_probe(args: argparse.Namespace) -> int:
@@ -486,13 +492,25 @@ def _terminate_unwinds() -> Iterator[None]:
             signal.signal(number, handler)
 
 
-def _demo_home(args: argparse.Namespace) -> None:
+def _demo(args: argparse.Namespace) -> int:
     """The demo runs in a fresh home of its own unless one is named, so trying it leaves the
-    user's home (and its list of tasks) as it was."""
-    if getattr(args, "home", None) is None and not os.environ.get("SETTLED_HOME"):
-        import tempfile
+    user's home (and its list of tasks) as it was; that home is removed when it ends, its
+    daemons stopped first, unless `--keep-home` (then its path is the last line)."""
+    args.made_home = getattr(args, "home", None) is None and not os.environ.get("SETTLED_HOME")
+    if not args.made_home:
+        return with_runtime(args)
+    import shutil
+    import tempfile
 
-        args.home = tempfile.mkdtemp(prefix="settled-demo-")
+    args.home = tempfile.mkdtemp(prefix="settled-demo-")
+    try:
+        return with_runtime(args)
+    finally:
+        if args.keep_home:
+            print(f"the demo's home is kept: SETTLED_HOME={printable(args.home)} settled ls")
+        else:
+            shutil.rmtree(args.home, ignore_errors=True)
+            print(f"the demo's home {printable(args.home)} is removed (--keep-home keeps it)")
 
 
 # -- the grammar of each argument (settled.grammar): a BadValue propagates out of parse_args
@@ -1168,6 +1186,10 @@ def _build(only: str | None) -> tuple[argparse.ArgumentParser, bool]:
     soak.set_defaults(handler=None)
 
     demo = _verb(sub, "demo", common, "the main job on the embedded default", "settled demo")
+    demo.add_argument(
+        "--keep-home", action="store_true",
+        help="keep the fresh home the demo made (default: removed when it ends)",
+    )  # fmt: skip
     demo.set_defaults(handler=cmd_demo)
     return parser, only is None or only in verbs.choices
 
@@ -1203,7 +1225,7 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.verb == "soak":  # a temporary home of its own, never the caller's
         return _soak(args)
     if args.verb == "demo":
-        _demo_home(args)
+        return _demo(args)
     return with_runtime(args)
 
 
