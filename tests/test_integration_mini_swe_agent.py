@@ -1,9 +1,12 @@
 """mini-swe-agent's real agent loop (DefaultAgent, its DeterministicModel) over settled: the
 observations are the commands' output and exit codes, a timeout surfaces like its own local
-environment's, a replayed run (same task key) reruns no step, and close() checkpoints."""
+environment's, a replayed run (same task key) reruns no step, close() checkpoints, and
+the command gets the caller's environment as LocalEnvironment gives it."""
 
 from __future__ import annotations
 
+import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -121,3 +124,29 @@ def test_a_replay_that_diverges_is_refused_not_answered_with_the_old_output(
             replay.backend.release()
     finally:
         first.close()
+
+
+PROBE = (
+    "command -v python3; python3 -c 'import sys; print(sys.prefix)'; "
+    'echo "$MINI_PROBE ${SETTLED_PROBE:-withheld}"'
+)
+
+
+def test_the_command_gets_the_callers_environment_and_interpreter(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """LocalEnvironment's rule: python3 through the caller's PATH is the caller's interpreter,
+    a caller's variable is seen, settled's own are withheld; the token is not serialized."""
+    (tmp_path / "ws").mkdir()
+    bindir = os.path.dirname(sys.executable)
+    monkeypatch.setenv("PATH", f"{bindir}:{os.environ['PATH']}")
+    monkeypatch.setenv("MINI_PROBE", "seen")
+    monkeypatch.setenv("SETTLED_PROBE", "leaked")
+    env = _environment(tmp_path, task_key="run-env", token="secret")
+    try:
+        output = env.execute({"command": PROBE})
+        record = env.serialize()
+    finally:
+        env.close()
+    assert output["output"] == f"{os.path.join(bindir, 'python3')}\n{sys.prefix}\nseen withheld\n"
+    assert "token" not in record["info"]["config"]["environment"]

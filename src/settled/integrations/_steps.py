@@ -1,11 +1,20 @@
 """What both adapters share: run one step through settled and read back what its receipt covers.
 
 A step's invocation key is derived from the task key and the step's ordinal, so a harness that
-retries a step (same task, same ordinal) gets the same session back instead of a second run."""
+retries a step (same task, same ordinal) gets the same session back instead of a second run.
+
+The harnesses' own local environments hand a command their process's environment (mini's
+LocalEnvironment: os.environ | config env; Inspect's local sandbox: os.environ | exec env), so
+the adapters pass it too, through settled's recorded `inherit_env` (settled's own SETTLED_*
+variables and the home's credentials withheld, every inherited name in the spec and digest).
+`interpreter_grants` names the read-only grants that make `python3` on that PATH the harness's
+own interpreter inside the boundary, which otherwise shows only the system's directories."""
 
 from __future__ import annotations
 
 import hashlib
+import os
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,6 +23,7 @@ from settled.runtime import Runtime
 
 READ_CHUNK = 1 << 20
 WAIT_MARGIN_S = 60.0  # the owner's clock ends the command; this only bounds our wait
+SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/etc")  # always in the view
 
 
 @dataclass(frozen=True)
@@ -34,6 +44,19 @@ def step_key(task_key: str, ordinal: int) -> str:
     """The same (task, ordinal) always names the same session: a retried step is not rerun."""
     digest = hashlib.sha256(f"{task_key}\0{ordinal}".encode()).hexdigest()[:24]
     return f"step-{ordinal}-{digest}"
+
+
+def interpreter_grants() -> tuple[str, ...]:
+    """The directories of the interpreter this process runs under (its venv, the base install
+    it links to, the executable's directory), resolved, less those the view always shows: each
+    a read-only grant, so a command that runs `python3` from the inherited PATH gets this one."""
+    found = {sys.prefix, sys.base_prefix, os.path.dirname(os.path.realpath(sys.executable))}
+    resolved = {os.path.realpath(path) for path in found}
+    return tuple(sorted(p for p in resolved if not _in_system_dirs(p)))
+
+
+def _in_system_dirs(path: str) -> bool:
+    return any(path == top or path.startswith(top + "/") for top in SYSTEM_DIRS)
 
 
 def read_all(runtime: Runtime, session: str, stream: str) -> bytes:
@@ -57,11 +80,22 @@ def run_step(
     timeout: float | None = None,
     env: dict[str, str] | None = None,
     stdin: bytes | None = None,
+    inherit_env: bool = False,
+    readable: tuple[str, ...] = (),
 ) -> StepResult:
     """Admit the step under `key`, wait for its process receipt, and return what it covers.
     The exit code and the timeout come from the receipt, never from the command's output."""
     admission = runtime.exec(
-        task, argv, shell, key=key, cwd=cwd, timeout=timeout, env=env, stdin=stdin
+        task,
+        argv,
+        shell,
+        key=key,
+        cwd=cwd,
+        timeout=timeout,
+        env=env,
+        stdin=stdin,
+        inherit_env=inherit_env,
+        readable=readable,
     )
     bound = None if timeout is None else timeout + WAIT_MARGIN_S
     view = runtime.wait(admission.session, timeout=bound)
@@ -86,6 +120,17 @@ def close_with_checkpoint(runtime: Runtime, task: str) -> dict[str, Any]:
     return result.receipt
 
 
+@dataclass(frozen=True)
+class StepEnv:
+    """What a step's command is handed besides the base environment: `env` over the caller's
+    whole environment when `inherit` (as the harness's local environment does), and the
+    read-only grants (the harness's interpreter)."""
+
+    env: dict[str, str]
+    inherit: bool
+    readable: tuple[str, ...]
+
+
 class LocalSteps:
     """Steps through a Runtime on this machine's home (one thread: it holds one connection)."""
 
@@ -98,10 +143,18 @@ class LocalSteps:
         return record.task, record.key
 
     def step(
-        self, task: str, shell: str, *, key: str, cwd: str, timeout: float, env: dict[str, str]
+        self, task: str, shell: str, *, key: str, cwd: str, timeout: float, env: StepEnv
     ) -> StepResult:
         return run_step(
-            self.runtime, task, shell, key=key, cwd=cwd, timeout=timeout, env=env or None
+            self.runtime,
+            task,
+            shell,
+            key=key,
+            cwd=cwd,
+            timeout=timeout,
+            env=env.env or None,
+            inherit_env=env.inherit,
+            readable=env.readable,
         )
 
     def close(self, task: str) -> dict[str, Any]:
@@ -123,10 +176,17 @@ class ServiceSteps:
         return str(record["task"]), str(record["key"])
 
     def step(
-        self, task: str, shell: str, *, key: str, cwd: str, timeout: float, env: dict[str, str]
+        self, task: str, shell: str, *, key: str, cwd: str, timeout: float, env: StepEnv
     ) -> StepResult:
+        """The service's host is not this one: no interpreter grant (its paths are ours)."""
         admission = self.client.exec(
-            task, shell=shell, key=key, cwd=cwd, timeout=timeout, env=env or None
+            task,
+            shell=shell,
+            key=key,
+            cwd=cwd,
+            timeout=timeout,
+            env=env.env or None,
+            inherit_env=env.inherit,
         )
         view = self.client.wait(admission.session, timeout=timeout + WAIT_MARGIN_S)
         receipt: dict[str, Any] = view["receipt"]

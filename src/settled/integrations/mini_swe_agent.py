@@ -10,6 +10,11 @@ Name it in a mini-swe-agent config (its get_environment imports a dotted path):
 Step n of the task keyed `task_key` is admitted under a key derived from both, so a harness
 that restarts and replays its steps gets the first run's sessions (and receipts) back. The
 exit code and the timeout come from the process receipt, never from the command's output.
+
+The command's environment follows LocalEnvironment's rule (os.environ | config env) through
+settled's recorded `inherit_env`; the interpreter mini runs under is granted read-only, so
+`python3` on that PATH is the same one (`inherit_env: false` and `grant_interpreter: false`
+give settled's fixed base environment instead).
 """
 
 from __future__ import annotations
@@ -19,8 +24,16 @@ import subprocess
 from typing import Any
 
 from minisweagent.environments.local import LocalEnvironment, LocalEnvironmentConfig
+from pydantic import Field
 
-from settled.integrations._steps import LocalSteps, ServiceSteps, StepResult, step_key
+from settled.integrations._steps import (
+    LocalSteps,
+    ServiceSteps,
+    StepEnv,
+    StepResult,
+    interpreter_grants,
+    step_key,
+)
 
 
 class SettledEnvironmentConfig(LocalEnvironmentConfig):
@@ -35,8 +48,13 @@ class SettledEnvironmentConfig(LocalEnvironmentConfig):
     """The settled home (default: SETTLED_HOME, else the user's), when no `url` is given."""
     url: str = ""
     """A settled service's address (`settled serve`): steps run there, not in a local home."""
-    token: str | None = None
-    """The service's bearer token (default: SETTLED_TOKEN)."""
+    token: str | None = Field(default=None, exclude=True)
+    """The service's bearer token (default: SETTLED_TOKEN); never written to a trajectory."""
+    inherit_env: bool = True
+    """Pass this process's environment, as LocalEnvironment does (settled's own variables and
+    the home's credentials withheld); false: settled's base PATH, HOME and LANG only."""
+    grant_interpreter: bool = True
+    """Grant read-only the interpreter mini runs under, so `python3` is the same one."""
 
 
 class SettledEnvironment(LocalEnvironment):
@@ -73,12 +91,22 @@ class SettledEnvironment(LocalEnvironment):
             key=key,
             cwd=cwd or self.config.cwd or ".",
             timeout=float(limit),
-            env=dict(self.config.env),
+            env=self._step_env(),
         )
         self.last = result
         output = _observation(command, limit, result)
         self._check_finished(output)  # LocalEnvironment's: raises Submitted on the marker
         return output
+
+    def _step_env(self) -> StepEnv:
+        """LocalEnvironment's rule, os.environ | config env, recorded; a service's host is
+        not this one, so its commands get no grant of this interpreter's paths."""
+        local = not self.config.url and self.config.grant_interpreter
+        return StepEnv(
+            env=dict(self.config.env),
+            inherit=self.config.inherit_env,
+            readable=interpreter_grants() if local else (),
+        )
 
     def close(self) -> dict[str, Any]:
         """Close the task (once; a repeat returns the same receipt) and release the backend."""
