@@ -13,7 +13,9 @@ own interpreter inside the boundary, which otherwise shows only the system's dir
 from __future__ import annotations
 
 import hashlib
+import json
 import os
+import subprocess
 import sys
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +23,10 @@ from typing import Any
 from settled.client import Client
 from settled.runtime import Runtime
 
+EXIT_CLOSE_TIMEOUT_S = 600.0  # a close at interpreter exit: bounded, never a hang forever
+_SETTLED_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_CLOSE_CHILD = "import sys; sys.path[:0] = sys.argv[1:2]; from settled.cli import main; "
+_CLOSE_CHILD += "sys.exit(main(sys.argv[2:]))"
 READ_CHUNK = 1 << 20
 WAIT_MARGIN_S = 60.0  # the owner's clock ends the command; this only bounds our wait
 SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/etc")  # always in the view
@@ -132,10 +138,18 @@ class StepEnv:
 
 
 class LocalSteps:
-    """Steps through a Runtime on this machine's home (one thread: it holds one connection)."""
+    """Steps through a Runtime on this machine's home (one thread: it holds one connection),
+    opened when first needed and again after a release."""
 
     def __init__(self, home: str | None) -> None:
-        self.runtime = Runtime(home)
+        self.home = home
+        self._runtime: Runtime | None = None
+
+    @property
+    def runtime(self) -> Runtime:
+        if self._runtime is None:
+            self._runtime = Runtime(self.home)
+        return self._runtime
 
     def new_task(self, workspace: str, key: str | None) -> tuple[str, str]:
         """The task id and its key (a key already used returns its task)."""
@@ -160,8 +174,33 @@ class LocalSteps:
     def close(self, task: str) -> dict[str, Any]:
         return close_with_checkpoint(self.runtime, task)
 
+    def close_at_exit(self, task: str) -> dict[str, Any]:
+        """The close from an `atexit` hook. An exiting interpreter starts no thread, and the
+        close's checkpoint publishes through a pool of them, so a fresh interpreter closes:
+        `settled close --json` on the same home, whose one JSON object is the close receipt.
+        Isolated (-I) and run from /: no directory a command could write (the workspace, the
+        cwd) is on its path, so it imports settled from where this process did."""
+        env = dict(os.environ)
+        if self.home is not None:
+            env["SETTLED_HOME"] = self.home
+        done = subprocess.run(
+            [sys.executable, "-I", "-c", _CLOSE_CHILD, _SETTLED_ROOT, "close", task, "--json"],
+            env=env,
+            cwd="/",
+            capture_output=True,
+            timeout=EXIT_CLOSE_TIMEOUT_S,
+            check=False,
+        )
+        if done.returncode != 0:
+            why = done.stderr.decode(errors="replace").strip() or f"exit {done.returncode}"
+            raise RuntimeError(f"settled close {task}: {why}")
+        receipt: dict[str, Any] = json.loads(done.stdout)
+        return receipt
+
     def release(self) -> None:
-        self.runtime.close()
+        if self._runtime is not None:
+            self._runtime.close()
+            self._runtime = None
 
 
 class ServiceSteps:
@@ -169,7 +208,15 @@ class ServiceSteps:
     or a replayed step gets the same session back from the server."""
 
     def __init__(self, url: str, token: str | None) -> None:
-        self.client = Client(url, token)
+        self.url, self.token = url, token
+        self._client: Client | None = None
+
+    @property
+    def client(self) -> Client:
+        """Connected when first needed and again after a release."""
+        if self._client is None:
+            self._client = Client(self.url, self.token)
+        return self._client
 
     def new_task(self, workspace: str, key: str | None) -> tuple[str, str]:
         record = self.client.new_task(workspace, key)
@@ -213,5 +260,11 @@ class ServiceSteps:
         """The close receipt (the client raises Blocked if the close could not finish)."""
         return self.client.close_task(task)
 
+    def close_at_exit(self, task: str) -> dict[str, Any]:
+        """The service closes: one HTTP call, which an exiting interpreter can still make."""
+        return self.close(task)
+
     def release(self) -> None:
-        self.client.close()
+        if self._client is not None:
+            self._client.close()
+            self._client = None
