@@ -1,7 +1,8 @@
 """A real Inspect AI eval (mock model) whose sandbox is "settled": the solver's exec, write_file
 and read_file run through settled (text and bytes kept exactly, a missing file is
 FileNotFoundError, a timeout is TimeoutError), and the sample's cleanup closes its task with a
-checkpoint receipt."""
+checkpoint receipt whose digest, with the task id, is in the sample's record in the .eval log;
+file reads and writes are not counted as commands."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ pytest.importorskip("inspect_ai", reason="inspect_ai not installed (extra: inspe
 
 from inspect_ai import Task, eval
 from inspect_ai.dataset import Sample
+from inspect_ai.log import read_eval_log
 from inspect_ai.scorer import Score, Target, accuracy, scorer
 from inspect_ai.solver import Generate, TaskState, solver
 from inspect_ai.util import OutputLimitExceededError, SandboxEnvironmentSpec, sandbox
@@ -83,7 +85,8 @@ def test_an_eval_runs_through_settled_and_cleanup_checkpoints(
         scorer=wrote_it(),
         sandbox=SandboxEnvironmentSpec("settled", config),
     )
-    (log,) = eval(task, model="mockllm/model", log_dir=str(tmp_path / "logs"), display="none")
+    (run,) = eval(task, model="mockllm/model", log_dir=str(tmp_path / "logs"), display="none")
+    log = read_eval_log(run.location)  # what the .eval file on disk says
     assert log.status == "success", log.error
     assert log.samples is not None
     (sample,) = log.samples
@@ -97,10 +100,23 @@ def test_an_eval_runs_through_settled_and_cleanup_checkpoints(
     (score,) = sample.scores.values()
     assert score.value == "C"
     assert score.metadata is not None
+    record = sample.store["settled"]
+    assert record["task"] == score.metadata["task"]
     with Runtime(str(home)) as runtime:
-        closed = runtime.close_task(score.metadata["task"])  # complete: the same receipt
+        assert runtime.task_status(record["task"])["complete"] is True  # closed by cleanup
+        closed = runtime.close_task(record["task"])  # complete: the same receipt, read back
     assert closed.complete and closed.receipt is not None
+    assert record["close_receipt"] == closed.receipt["digest"]
+    assert record["checkpoint"] == closed.receipt["checkpoint"]["digest"]
     assert closed.receipt["checkpoint"]["digest"].startswith("sha256:")
+    # the exec commands by outcome; the 6 file reads and writes (the missing one included)
+    # apart, none of them failed, and the receipt's own outcome keys them apart
+    assert record["commands"] == {"succeeded": 2, "failed": 1, "timed_out": 1}
+    assert record["file_io"] == {"succeeded": 6}
+    failed = closed.receipt["outcome"]["commands"]["failed"]
+    assert len(failed) == 1 and "(inspect-exec-" in failed[0]
+    (event,) = [e for e in sample.events if e.event == "info" and e.source == "settled"]
+    assert event.data == record
     assert list(workspaces.iterdir()) == []  # the sample's workspace went with its cleanup
 
 
