@@ -1,11 +1,13 @@
 """A real Inspect AI eval (mock model) whose sandbox is "settled": the solver's exec, write_file
 and read_file run through settled (text and bytes kept exactly, a missing file is
-FileNotFoundError, a timeout is TimeoutError), and the sample's cleanup closes its task with a
-checkpoint receipt whose digest, with the task id, is in the sample's record in the .eval log;
-file reads and writes are not counted as commands."""
+FileNotFoundError, a timeout is TimeoutError), exec gets Inspect's local environment rule, and
+the sample's cleanup closes its task with a checkpoint receipt whose digest, with the task id,
+is in the sample's record in the .eval log; file reads and writes are not counted as commands."""
 
 from __future__ import annotations
 
+import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -42,11 +44,14 @@ def use_the_sandbox() -> Any:
         await box.write_file("b.bin", b"\x00\xff\n")
         ran = await box.exec(["sh", "-c", "cat sub/a.txt; echo err >&2; exit 5"])
         piped = await box.exec(["cat"], input="fed")
+        probe = 'command -v python3; echo "$INSPECT_PROBE $EXEC_PROBE ${SETTLED_PROBE:-withheld}"'
+        environment = await box.exec(["sh", "-c", probe], env={"EXEC_PROBE": "given"})
         state.metadata.update(
             code=ran.returncode,
             stdout=ran.stdout,
             stderr=ran.stderr,
             piped=piped.stdout,
+            environment=environment.stdout,
             text=await box.read_file("sub/a.txt"),
             data=list(await box.read_file("b.bin", text=False)),
             missing=await _raises(box.read_file("nope.txt"), FileNotFoundError),
@@ -76,6 +81,10 @@ def test_an_eval_runs_through_settled_and_cleanup_checkpoints(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("INSPECT_SANDBOX_MAX_EXEC_OUTPUT_SIZE", "1000000")
+    bindir = os.path.dirname(sys.executable)
+    monkeypatch.setenv("PATH", f"{bindir}:{os.environ['PATH']}")
+    monkeypatch.setenv("INSPECT_PROBE", "seen")
+    monkeypatch.setenv("SETTLED_PROBE", "leaked")
     home, workspaces = tmp_path / "home", tmp_path / "workspaces"
     workspaces.mkdir()
     config = SettledSandboxConfig(home=str(home), workspaces=str(workspaces))
@@ -93,6 +102,8 @@ def test_an_eval_runs_through_settled_and_cleanup_checkpoints(
     facts = sample.metadata
     assert (facts["code"], facts["stdout"], facts["stderr"]) == (5, "hello\r\n", "err\n")
     assert facts["piped"] == "fed"
+    python3 = os.path.join(bindir, "python3")  # Inspect's local rule: os.environ | exec env
+    assert facts["environment"] == f"{python3}\nseen given withheld\n"
     assert facts["text"] == "hello\r\n" and facts["data"] == [0, 255, 10]
     assert facts["missing"] is True and facts["timed_out"] is True
     assert facts["flooded"] is True  # INSPECT_SANDBOX_MAX_EXEC_OUTPUT_SIZE, set to 1 MB here
@@ -111,7 +122,7 @@ def test_an_eval_runs_through_settled_and_cleanup_checkpoints(
     assert closed.receipt["checkpoint"]["digest"].startswith("sha256:")
     # the exec commands by outcome; the 6 file reads and writes (the missing one included)
     # apart, none of them failed, and the receipt's own outcome keys them apart
-    assert record["commands"] == {"succeeded": 2, "failed": 1, "timed_out": 1}
+    assert record["commands"] == {"succeeded": 3, "failed": 1, "timed_out": 1}
     assert record["file_io"] == {"succeeded": 6}
     failed = closed.receipt["outcome"]["commands"]["failed"]
     assert len(failed) == 1 and "(inspect-exec-" in failed[0]

@@ -17,6 +17,10 @@ are not the agent's commands: their sessions are keyed `inspect-file-read-…` a
 `inspect-file-write-…` (an exec's `inspect-exec-…`), so the close receipt's outcome tells them
 apart, and the sample's summary counts them apart. A missing file or a directory is the
 script's answer (exit 0, said on stderr), not a failed session.
+
+A command's environment follows Inspect's local sandbox (os.environ | the exec's env), through
+settled's recorded `inherit_env` (settled's own variables and the home's credentials withheld);
+the interpreter Inspect runs under is granted read-only, so `python3` on that PATH is the same.
 """
 
 from __future__ import annotations
@@ -39,7 +43,12 @@ from inspect_ai.util import (
 )
 from pydantic import BaseModel, ConfigDict
 
-from settled.integrations._steps import StepResult, close_with_checkpoint, run_step
+from settled.integrations._steps import (
+    StepResult,
+    close_with_checkpoint,
+    interpreter_grants,
+    run_step,
+)
 from settled.runtime import Runtime
 
 # The file scripts' own answers, on stderr with exit 0 (cat writes stderr only when it fails);
@@ -69,6 +78,11 @@ class SettledSandboxConfig(BaseModel):
     workspaces: str | None = None
     keep_workspace: bool = False
     """Leave the sample's workspace after cleanup (its checkpoint is kept either way)."""
+    inherit_env: bool = True
+    """Pass this process's environment to exec, as Inspect's local sandbox does (settled's own
+    variables and the home's credentials withheld); false: settled's base environment."""
+    grant_interpreter: bool = True
+    """Grant read-only the interpreter Inspect runs under, so `python3` is the same one."""
 
 
 def _config(config: SandboxEnvironmentConfigType | None) -> SettledSandboxConfig:
@@ -158,7 +172,11 @@ class SettledSandboxEnvironment(SandboxEnvironment):
         timeout: int | None = None,
         kind: str = EXEC_KEY,
     ) -> StepResult:
-        """One step, keyed by its kind: the close's outcome tells file I/O from commands."""
+        """One step keyed by its kind; an exec gets Inspect's local environment rule, a file
+        script only settled's base environment (its own PATH)."""
+        command = kind == EXEC_KEY
+        inherit = command and self.config.inherit_env
+        grants = interpreter_grants() if command and self.config.grant_interpreter else ()
 
         def run(runtime: Runtime) -> StepResult:
             return run_step(
@@ -170,6 +188,8 @@ class SettledSandboxEnvironment(SandboxEnvironment):
                 timeout=None if timeout is None else float(timeout),
                 env=env,
                 stdin=stdin,
+                inherit_env=inherit,
+                readable=grants,
             )
 
         result: StepResult = await asyncio.to_thread(self._with_runtime, run)
