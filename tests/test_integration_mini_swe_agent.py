@@ -24,6 +24,7 @@ from minisweagent.models.test_models import DeterministicModel, make_output
 from test_client import TOKEN, Server
 
 from settled.errors import KeyConflict
+from settled.integrations._steps import interpreter_grants
 from settled.integrations.mini_swe_agent import SettledEnvironment
 from settled.runtime import Runtime
 
@@ -237,3 +238,12 @@ def test_a_run_that_ends_without_a_submit_is_closed_when_its_process_exits(
     assert (status, closed_before_exit) == ("LimitsExceeded", "False")
     assert _closed_receipt(tmp_path / "home", task)["kind"] == "close"
     assert (tmp_path / "ws" / "f").read_text() == "a\n"
+
+
+def test_the_interpreter_grant_leaves_what_the_view_already_shows(tmp_path: Path) -> None:
+    """The grant is the interpreter's directories, read-only; one inside the workspace (a venv
+    in the repo) stays the workspace's, writable, and the system's are in every view."""
+    prefix = os.path.realpath(sys.prefix)
+    assert prefix in interpreter_grants(str(tmp_path))
+    assert prefix not in interpreter_grants(os.path.dirname(prefix))  # the workspace holds it
+    assert not [p for p in interpreter_grants(str(tmp_path)) if p.startswith("/usr/")]

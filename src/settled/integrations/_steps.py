@@ -52,17 +52,19 @@ def step_key(task_key: str, ordinal: int) -> str:
     return f"step-{ordinal}-{digest}"
 
 
-def interpreter_grants() -> tuple[str, ...]:
+def interpreter_grants(workspace: str) -> tuple[str, ...]:
     """The directories of the interpreter this process runs under (its venv, the base install
-    it links to, the executable's directory), resolved, less those the view always shows: each
+    it links to, the executable's directory), resolved, less those the view always shows (the
+    system's, and the workspace's, which stay writable: a venv in the repo is the agent's): each
     a read-only grant, so a command that runs `python3` from the inherited PATH gets this one."""
     found = {sys.prefix, sys.base_prefix, os.path.dirname(os.path.realpath(sys.executable))}
     resolved = {os.path.realpath(path) for path in found}
-    return tuple(sorted(p for p in resolved if not _in_system_dirs(p)))
+    shown = (*SYSTEM_DIRS, os.path.realpath(workspace))
+    return tuple(sorted(p for p in resolved if not _under(p, shown)))
 
 
-def _in_system_dirs(path: str) -> bool:
-    return any(path == top or path.startswith(top + "/") for top in SYSTEM_DIRS)
+def _under(path: str, tops: tuple[str, ...]) -> bool:
+    return any(path == top or path.startswith(top.rstrip("/") + "/") for top in tops)
 
 
 def read_all(runtime: Runtime, session: str, stream: str) -> bytes:

@@ -176,7 +176,8 @@ class SettledSandboxEnvironment(SandboxEnvironment):
         script only settled's base environment (its own PATH)."""
         command = kind == EXEC_KEY
         inherit = command and self.config.inherit_env
-        grants = interpreter_grants() if command and self.config.grant_interpreter else ()
+        grant = command and self.config.grant_interpreter
+        grants = interpreter_grants(self.workspace) if grant else ()
 
         def run(runtime: Runtime) -> StepResult:
             return run_step(

@@ -142,7 +142,7 @@ class SettledEnvironment(LocalEnvironment):
         return StepEnv(
             env=dict(self.config.env),
             inherit=self.config.inherit_env,
-            readable=interpreter_grants() if local else (),
+            readable=interpreter_grants(self.workspace) if local else (),
         )
 
     def _close_task(self) -> None:
