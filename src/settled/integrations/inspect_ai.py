@@ -173,7 +173,7 @@ class SettledSandboxEnvironment(SandboxEnvironment):
         kind: str = EXEC_KEY,
     ) -> StepResult:
         """One step keyed by its kind; an exec gets Inspect's local environment rule, a file
-        script only settled's base environment (its own PATH)."""
+        script none of the caller's environment (it sets its own PATH)."""
         command = kind == EXEC_KEY
         inherit = command and self.config.inherit_env
         grant = command and self.config.grant_interpreter
