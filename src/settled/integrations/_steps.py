@@ -1,19 +1,35 @@
 """What both adapters share: run one step through settled and read back what its receipt covers.
 
 A step's invocation key is derived from the task key and the step's ordinal, so a harness that
-retries a step (same task, same ordinal) gets the same session back instead of a second run."""
+retries a step (same task, same ordinal) gets the same session back instead of a second run.
+
+The harnesses' own local environments hand a command their process's environment (mini's
+LocalEnvironment: os.environ | config env; Inspect's local sandbox: os.environ | exec env), so
+the adapters pass it too, through settled's recorded `inherit_env` (settled's own SETTLED_*
+variables and the home's credentials withheld, every inherited name in the spec and digest).
+`interpreter_grants` names the read-only grants that make `python3` on that PATH the harness's
+own interpreter inside the boundary, which otherwise shows only the system's directories."""
 
 from __future__ import annotations
 
 import hashlib
+import json
+import os
+import subprocess
+import sys
 from dataclasses import dataclass
 from typing import Any
 
 from settled.client import Client
 from settled.runtime import Runtime
 
+EXIT_CLOSE_TIMEOUT_S = 600.0  # a close at interpreter exit: bounded, never a hang forever
+_SETTLED_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_CLOSE_CHILD = "import sys; sys.path[:0] = sys.argv[1:2]; from settled.cli import main; "
+_CLOSE_CHILD += "sys.exit(main(sys.argv[2:]))"
 READ_CHUNK = 1 << 20
 WAIT_MARGIN_S = 60.0  # the owner's clock ends the command; this only bounds our wait
+SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/etc")  # always in the view
 
 
 @dataclass(frozen=True)
@@ -34,6 +50,21 @@ def step_key(task_key: str, ordinal: int) -> str:
     """The same (task, ordinal) always names the same session: a retried step is not rerun."""
     digest = hashlib.sha256(f"{task_key}\0{ordinal}".encode()).hexdigest()[:24]
     return f"step-{ordinal}-{digest}"
+
+
+def interpreter_grants(workspace: str) -> tuple[str, ...]:
+    """The directories of the interpreter this process runs under (its venv, the base install
+    it links to, the executable's directory), resolved, less those the view always shows (the
+    system's, and the workspace's, which stay writable: a venv in the repo is the agent's): each
+    a read-only grant, so a command that runs `python3` from the inherited PATH gets this one."""
+    found = {sys.prefix, sys.base_prefix, os.path.dirname(os.path.realpath(sys.executable))}
+    resolved = {os.path.realpath(path) for path in found}
+    shown = (*SYSTEM_DIRS, os.path.realpath(workspace))
+    return tuple(sorted(p for p in resolved if not _under(p, shown)))
+
+
+def _under(path: str, tops: tuple[str, ...]) -> bool:
+    return any(path == top or path.startswith(top.rstrip("/") + "/") for top in tops)
 
 
 def read_all(runtime: Runtime, session: str, stream: str) -> bytes:
@@ -57,11 +88,22 @@ def run_step(
     timeout: float | None = None,
     env: dict[str, str] | None = None,
     stdin: bytes | None = None,
+    inherit_env: bool = False,
+    readable: tuple[str, ...] = (),
 ) -> StepResult:
     """Admit the step under `key`, wait for its process receipt, and return what it covers.
     The exit code and the timeout come from the receipt, never from the command's output."""
     admission = runtime.exec(
-        task, argv, shell, key=key, cwd=cwd, timeout=timeout, env=env, stdin=stdin
+        task,
+        argv,
+        shell,
+        key=key,
+        cwd=cwd,
+        timeout=timeout,
+        env=env,
+        stdin=stdin,
+        inherit_env=inherit_env,
+        readable=readable,
     )
     bound = None if timeout is None else timeout + WAIT_MARGIN_S
     view = runtime.wait(admission.session, timeout=bound)
@@ -86,11 +128,30 @@ def close_with_checkpoint(runtime: Runtime, task: str) -> dict[str, Any]:
     return result.receipt
 
 
+@dataclass(frozen=True)
+class StepEnv:
+    """What a step's command is handed besides the base environment: `env` over the caller's
+    whole environment when `inherit` (as the harness's local environment does), and the
+    read-only grants (the harness's interpreter)."""
+
+    env: dict[str, str]
+    inherit: bool
+    readable: tuple[str, ...]
+
+
 class LocalSteps:
-    """Steps through a Runtime on this machine's home (one thread: it holds one connection)."""
+    """Steps through a Runtime on this machine's home (one thread: it holds one connection),
+    opened when first needed and again after a release."""
 
     def __init__(self, home: str | None) -> None:
-        self.runtime = Runtime(home)
+        self.home = home
+        self._runtime: Runtime | None = None
+
+    @property
+    def runtime(self) -> Runtime:
+        if self._runtime is None:
+            self._runtime = Runtime(self.home)
+        return self._runtime
 
     def new_task(self, workspace: str, key: str | None) -> tuple[str, str]:
         """The task id and its key (a key already used returns its task)."""
@@ -98,17 +159,50 @@ class LocalSteps:
         return record.task, record.key
 
     def step(
-        self, task: str, shell: str, *, key: str, cwd: str, timeout: float, env: dict[str, str]
+        self, task: str, shell: str, *, key: str, cwd: str, timeout: float, env: StepEnv
     ) -> StepResult:
         return run_step(
-            self.runtime, task, shell, key=key, cwd=cwd, timeout=timeout, env=env or None
+            self.runtime,
+            task,
+            shell,
+            key=key,
+            cwd=cwd,
+            timeout=timeout,
+            env=env.env or None,
+            inherit_env=env.inherit,
+            readable=env.readable,
         )
 
     def close(self, task: str) -> dict[str, Any]:
         return close_with_checkpoint(self.runtime, task)
 
+    def close_at_exit(self, task: str) -> dict[str, Any]:
+        """The close from an `atexit` hook. An exiting interpreter starts no thread, and the
+        close's checkpoint publishes through a pool of them, so a fresh interpreter closes:
+        `settled close --json` on the same home, whose one JSON object is the close receipt.
+        Isolated (-I) and run from /: no directory a command could write (the workspace, the
+        cwd) is on its path, so it imports settled from where this process did."""
+        env = dict(os.environ)
+        if self.home is not None:
+            env["SETTLED_HOME"] = self.home
+        done = subprocess.run(
+            [sys.executable, "-I", "-c", _CLOSE_CHILD, _SETTLED_ROOT, "close", task, "--json"],
+            env=env,
+            cwd="/",
+            capture_output=True,
+            timeout=EXIT_CLOSE_TIMEOUT_S,
+            check=False,
+        )
+        if done.returncode != 0:
+            why = done.stderr.decode(errors="replace").strip() or f"exit {done.returncode}"
+            raise RuntimeError(f"settled close {task}: {why}")
+        receipt: dict[str, Any] = json.loads(done.stdout)
+        return receipt
+
     def release(self) -> None:
-        self.runtime.close()
+        if self._runtime is not None:
+            self._runtime.close()
+            self._runtime = None
 
 
 class ServiceSteps:
@@ -116,17 +210,32 @@ class ServiceSteps:
     or a replayed step gets the same session back from the server."""
 
     def __init__(self, url: str, token: str | None) -> None:
-        self.client = Client(url, token)
+        self.url, self.token = url, token
+        self._client: Client | None = None
+
+    @property
+    def client(self) -> Client:
+        """Connected when first needed and again after a release."""
+        if self._client is None:
+            self._client = Client(self.url, self.token)
+        return self._client
 
     def new_task(self, workspace: str, key: str | None) -> tuple[str, str]:
         record = self.client.new_task(workspace, key)
         return str(record["task"]), str(record["key"])
 
     def step(
-        self, task: str, shell: str, *, key: str, cwd: str, timeout: float, env: dict[str, str]
+        self, task: str, shell: str, *, key: str, cwd: str, timeout: float, env: StepEnv
     ) -> StepResult:
+        """The service's host is not this one: no interpreter grant (its paths are ours)."""
         admission = self.client.exec(
-            task, shell=shell, key=key, cwd=cwd, timeout=timeout, env=env or None
+            task,
+            shell=shell,
+            key=key,
+            cwd=cwd,
+            timeout=timeout,
+            env=env.env or None,
+            inherit_env=env.inherit,
         )
         view = self.client.wait(admission.session, timeout=timeout + WAIT_MARGIN_S)
         receipt: dict[str, Any] = view["receipt"]
@@ -153,5 +262,11 @@ class ServiceSteps:
         """The close receipt (the client raises Blocked if the close could not finish)."""
         return self.client.close_task(task)
 
+    def close_at_exit(self, task: str) -> dict[str, Any]:
+        """The service closes: one HTTP call, which an exiting interpreter can still make."""
+        return self.close(task)
+
     def release(self) -> None:
-        self.client.close()
+        if self._client is not None:
+            self._client.close()
+            self._client = None

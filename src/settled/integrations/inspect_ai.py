@@ -6,9 +6,21 @@ receipt carries the workspace checkpoint.
 Registered when this module is imported (Inspect finds it through the `inspect_ai` entry
 point), so `eval(task, sandbox="settled")` or `sandbox=("settled", SettledSandboxConfig(...))`.
 
-File reads and writes are commands too, not the harness's own file I/O: a hostile command
-could leave a symlink in the workspace pointing anywhere the harness may write, and writing
-through it inside the boundary reaches only what the command itself could.
+The sample's record: its store's "settled" entry holds the task id from the sample's start and,
+after cleanup, the close receipt's digest, its checkpoint's, and the sample's commands by
+outcome; an info event in the transcript says the same. Both are in the .eval log.
+
+File reads and writes run inside the task's boundary too, not as the harness's own file I/O: a
+hostile command could leave a symlink in the workspace pointing anywhere the harness may write,
+and writing through it inside the boundary reaches only what the command itself could. They
+are not the agent's commands: their sessions are keyed `inspect-file-read-…` and
+`inspect-file-write-…` (an exec's `inspect-exec-…`), so the close receipt's outcome tells them
+apart, and the sample's summary counts them apart. A missing file or a directory is the
+script's answer (exit 0, said on stderr), not a failed session.
+
+A command's environment follows Inspect's local sandbox (os.environ | the exec's env), through
+settled's recorded `inherit_env` (settled's own variables and the home's credentials withheld);
+the interpreter Inspect runs under is granted read-only, so `python3` on that PATH is the same.
 """
 
 from __future__ import annotations
@@ -19,6 +31,7 @@ import tempfile
 import uuid
 from typing import Any, Literal, overload
 
+from inspect_ai.log import transcript
 from inspect_ai.util import (
     ExecResult,
     OutputLimitExceededError,
@@ -26,16 +39,32 @@ from inspect_ai.util import (
     SandboxEnvironmentConfigType,
     SandboxEnvironmentLimits,
     sandboxenv,
+    store,
 )
 from pydantic import BaseModel, ConfigDict
 
-from settled.integrations._steps import StepResult, close_with_checkpoint, run_step
+from settled.integrations._steps import (
+    StepResult,
+    close_with_checkpoint,
+    interpreter_grants,
+    run_step,
+)
 from settled.runtime import Runtime
 
-# exit codes of the read script: absent, a directory, unreadable (the shell's own refusals)
-_READ = 'if [ ! -e "$1" ]; then exit 3; elif [ -d "$1" ]; then exit 4; fi; exec cat -- "$1"'
-_WRITE = 'if [ -d "$1" ]; then exit 4; fi; mkdir -p -- "$(dirname -- "$1")" && cat > "$1"'
-_ABSENT, _DIRECTORY = 3, 4
+# The file scripts' own answers, on stderr with exit 0 (cat writes stderr only when it fails);
+# their PATH is fixed in the script (in its digest), whatever the caller's environment.
+_ABSENT, _DIRECTORY = b"settled-file: absent\n", b"settled-file: directory\n"
+_READ = (
+    'PATH=/usr/bin:/bin; if [ ! -e "$1" ]; then echo "settled-file: absent" >&2; exit 0; '
+    'elif [ -d "$1" ]; then echo "settled-file: directory" >&2; exit 0; fi; exec cat -- "$1"'
+)
+_WRITE = (
+    'PATH=/usr/bin:/bin; if [ -d "$1" ]; then echo "settled-file: directory" >&2; exit 0; fi; '
+    'mkdir -p -- "$(dirname -- "$1")" && cat > "$1"'
+)
+EXEC_KEY, READ_KEY, WRITE_KEY = "inspect-exec-", "inspect-file-read-", "inspect-file-write-"
+FILE_KEY = "inspect-file-"
+STORE_KEY = "settled"  # the sample store's entry (and the info event's source)
 
 
 class SettledSandboxConfig(BaseModel):
@@ -49,6 +78,11 @@ class SettledSandboxConfig(BaseModel):
     workspaces: str | None = None
     keep_workspace: bool = False
     """Leave the sample's workspace after cleanup (its checkpoint is kept either way)."""
+    inherit_env: bool = True
+    """Pass this process's environment to exec, as Inspect's local sandbox does (settled's own
+    variables and the home's credentials withheld); false: settled's base environment."""
+    grant_interpreter: bool = True
+    """Grant read-only the interpreter Inspect runs under, so `python3` is the same one."""
 
 
 def _config(config: SandboxEnvironmentConfigType | None) -> SettledSandboxConfig:
@@ -93,6 +127,7 @@ class SettledSandboxEnvironment(SandboxEnvironment):
                 return runtime.new_task(workspace, key=key).task
 
         task = await asyncio.to_thread(open_task)
+        _record({"task": task, "key": key, "closed": False})  # there even if never cleaned up
         return {"default": cls(settings, task, workspace)}
 
     @classmethod
@@ -103,9 +138,12 @@ class SettledSandboxEnvironment(SandboxEnvironment):
         environments: dict[str, SandboxEnvironment],
         interrupted: bool,
     ) -> None:
-        """Close each task (its receipt carries the checkpoint), then drop its workspace."""
+        """Close each task (its receipt carries the checkpoint), then drop its workspace, and
+        write the close into the sample's record (store and transcript)."""
         for environment in environments.values():
-            await environment.as_type(SettledSandboxEnvironment).close()
+            box = environment.as_type(SettledSandboxEnvironment)
+            record = _record(_summary(box.task, await box.close()))
+            transcript().info(record, source=STORE_KEY)
 
     async def close(self) -> dict[str, Any]:
         """Close the task once; a repeat returns the same close receipt."""
@@ -132,17 +170,27 @@ class SettledSandboxEnvironment(SandboxEnvironment):
         cwd: str | None = None,
         env: dict[str, str] | None = None,
         timeout: int | None = None,
+        kind: str = EXEC_KEY,
     ) -> StepResult:
+        """One step keyed by its kind; an exec gets Inspect's local environment rule, a file
+        script none of the caller's environment (it sets its own PATH)."""
+        command = kind == EXEC_KEY
+        inherit = command and self.config.inherit_env
+        grant = command and self.config.grant_interpreter
+        grants = interpreter_grants(self.workspace) if grant else ()
+
         def run(runtime: Runtime) -> StepResult:
             return run_step(
                 runtime,
                 self.task,
                 argv=argv,
-                key=f"inspect-{uuid.uuid4().hex}",
+                key=f"{kind}{uuid.uuid4().hex}",
                 cwd=cwd or ".",
                 timeout=None if timeout is None else float(timeout),
                 env=env,
                 stdin=stdin,
+                inherit_env=inherit,
+                readable=grants,
             )
 
         result: StepResult = await asyncio.to_thread(self._with_runtime, run)
@@ -183,7 +231,8 @@ class SettledSandboxEnvironment(SandboxEnvironment):
         """Written by a command in the boundary (parents made), so it lands where the
         command could write, never through a link to where only the harness could."""
         data = contents.encode() if isinstance(contents, str) else contents
-        result = await self._step(["/bin/sh", "-c", _WRITE, "sh", file], stdin=data)
+        argv = ["/bin/sh", "-c", _WRITE, "sh", file]
+        result = await self._step(argv, stdin=data, kind=WRITE_KEY)
         _raise_for(result, file)
 
     @overload
@@ -194,7 +243,7 @@ class SettledSandboxEnvironment(SandboxEnvironment):
 
     async def read_file(self, file: str, text: bool = True) -> str | bytes:
         """Read by a command in the boundary; its bytes exactly (text: utf-8, newlines kept)."""
-        result = await self._step(["/bin/sh", "-c", _READ, "sh", file])
+        result = await self._step(["/bin/sh", "-c", _READ, "sh", file], kind=READ_KEY)
         _raise_for(result, file)
         if len(result.stdout) > SandboxEnvironmentLimits.MAX_READ_FILE_SIZE:
             raise OutputLimitExceededError(SandboxEnvironmentLimits.MAX_READ_FILE_SIZE_STR, None)
@@ -209,14 +258,45 @@ def _text(data: bytes) -> str:
 
 
 def _raise_for(result: StepResult, file: str) -> None:
-    """The read or write script's refusal as the exception Inspect documents."""
+    """The read or write script's answer or refusal as the exception Inspect documents."""
+    if result.code == 0 and result.stderr == _ABSENT:
+        raise FileNotFoundError(file)
+    if result.code == 0 and result.stderr == _DIRECTORY:
+        raise IsADirectoryError(file)
     if result.code == 0:
         return
-    if result.code == _ABSENT:
-        raise FileNotFoundError(file)
-    if result.code == _DIRECTORY:
-        raise IsADirectoryError(file)
     reason = _text(result.stderr).strip() or f"exit {result.code}"
     if "ermission denied" in reason or "ead-only file system" in reason:
         raise PermissionError(f"{file}: {reason}")
+    if "o such file or directory" in reason:  # removed between the script's test and cat
+        raise FileNotFoundError(f"{file}: {reason}")
     raise OSError(f"{file}: {reason}")
+
+
+def _record(facts: dict[str, Any]) -> dict[str, Any]:
+    """Merge `facts` into the sample store's "settled" entry (the running sample's store: the
+    sandbox's init and cleanup run inside the sample, and the store goes into the log)."""
+    box = store()
+    merged = {**box.get(STORE_KEY, {}), **facts}
+    box.set(STORE_KEY, merged)
+    return merged
+
+
+def _summary(task: str, receipt: dict[str, Any]) -> dict[str, Any]:
+    """The close, for the sample's record: its receipt's digest and its checkpoint's, and the
+    receipt's sessions by outcome, the exec commands (`commands`) apart from the file reads
+    and writes (`file_io`), told apart by their keys."""
+    outcome: dict[str, list[str]] = (receipt.get("outcome") or {}).get("commands") or {}
+    commands: dict[str, int] = {}
+    file_io: dict[str, int] = {}
+    for group, labels in outcome.items():
+        files = sum(1 for label in labels if f"({FILE_KEY}" in label)
+        commands[group], file_io[group] = len(labels) - files, files
+    return {
+        "task": task,
+        "closed": True,
+        "close_receipt": receipt.get("digest"),
+        "checkpoint": (receipt.get("checkpoint") or {}).get("digest"),
+        "commands": {group: n for group, n in commands.items() if n},
+        "file_io": {group: n for group, n in file_io.items() if n},
+    }
