@@ -80,3 +80,18 @@ def test_every_variable_and_what_was_inherited_is_in_the_digest() -> None:
     assert len(digests) == 3
     with pytest.raises(BadInput, match="not in the command's env"):
         CommandSpec(argv=("env",), env=(("A", "1"),), inherited=("B",))
+
+
+def test_inherit_env_withholds_what_is_named_like_a_secret_unless_asked_by_name() -> None:
+    environ = {
+        "OPENAI_API_KEY": "sk", "ANTHROPIC_AUTH_TOKEN": "t", "GITHUB_TOKEN": "g",
+        "PGPASSWORD": "p", "DB_PASSWORD": "d", "MY_SECRET": "s", "GOOGLE_CREDENTIALS": "c",
+        "SSH_PRIVATE_KEY": "k", "TOKENIZERS_PARALLELISM": "false", "KEYBOARD": "us",
+        "PATH": "/bin", "SECRETARY": "no",
+    }  # fmt: skip
+    got = from_caller(["GITHUB_TOKEN"], True, environ)
+    assert got.env == {
+        "GITHUB_TOKEN": "g", "TOKENIZERS_PARALLELISM": "false", "KEYBOARD": "us",
+        "PATH": "/bin", "SECRETARY": "no",
+    }  # fmt: skip
+    assert got.removed == tuple(sorted(set(environ) - set(got.env)))

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import os
 import pwd
+import re
 from collections.abc import Iterable, Mapping, Sequence
 
 from settled.errors import BadInput
@@ -100,8 +101,9 @@ def from_caller(
     withheld: Iterable[str] = (),
 ) -> CallerEnv:
     """The caller's variables to pass: each of `names` (refused if unset, naming it), or with
-    `whole` all of them but settled's own and `withheld` (credentials; a name asked for
-    explicitly is passed, since the caller chose it)."""
+    `whole` all of them but settled's own, `withheld` (credentials) and any named like a
+    secret (`is_secret_name`: a model's API key in an agent's environment is not the
+    command's); a name asked for explicitly is passed, since the caller chose it."""
     asked = list(dict.fromkeys(names))
     missing = [name for name in asked if name not in environ]
     if missing:
@@ -113,11 +115,26 @@ def from_caller(
         for name, value in environ.items():
             if name in chosen:
                 continue
-            if name.startswith(SETTLED_PREFIX) or name in deny:
+            if name.startswith(SETTLED_PREFIX) or name in deny or is_secret_name(name):
                 removed.append(name)
             else:
                 chosen[name] = value
     return CallerEnv(chosen, tuple(sorted(chosen)), tuple(sorted(removed)))
+
+
+# A word of a variable's name (between underscores) that says its value is a secret:
+# OPENAI_API_KEY, GITHUB_TOKEN, AWS_SECRET_ACCESS_KEY, PGPASSWORD's kin, ANTHROPIC_AUTH_TOKEN.
+_SECRET_WORDS = re.compile(
+    r"(?:^|_)(?:API_?KEY|ACCESS_?KEY|PRIVATE_?KEY|SECRET|TOKEN|PASSWORD|PASSWD|PGPASSWORD"
+    r"|CREDENTIALS?)(?:_|$)",
+    re.IGNORECASE,
+)
+
+
+def is_secret_name(name: str) -> bool:
+    """Whether `name` says its value is a secret; `--inherit-env` withholds such a variable
+    (named in `env_removed`) unless it is asked for by name."""
+    return _SECRET_WORDS.search(name) is not None
 
 
 DEFAULT_INHERITED = ("PATH",)  # what a command takes from its caller unless told --clean-env

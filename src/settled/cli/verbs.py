@@ -653,8 +653,9 @@ def _exec_options(ex: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     ex.add_argument(
         "--inherit-env", action="store_true",
-        help="pass all of your environment but settled's own variables and the home's "
-        "credentials (named in the receipt's isolation.env_removed)",
+        help="pass all of your environment but settled's own variables, the home's "
+        "credentials and any named like a secret (*_API_KEY, *_TOKEN, ...; named in the "
+        "receipt's isolation.env_removed; --inherit NAME passes one)",
     )  # fmt: skip
     ex.add_argument(
         "--stdin", type=_path("--stdin"), metavar="FILE|-",
