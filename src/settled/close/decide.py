@@ -23,7 +23,8 @@ from __future__ import annotations
 
 from settled.netledger import brief
 from settled.records import Frozen, SessionRecord, TaskRecord
-from settled.states import SETTLED, UNKNOWN
+from settled.states import SETTLED, UNKNOWN, is_live
+from settled.status import command_words
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -305,7 +306,10 @@ def session_evidence(session: SessionRecord) -> dict[str, Any]:
     held, missing = protections(receipt.get("isolation") or session.isolation)
     return {
         "session": session.session,
+        "key": session.key,
+        "command": command_words(session.spec),
         "state": session.state,
+        "exit": receipt.get("exit"),
         "boundary": death.get("boundary") or session.boundary,
         "proven": bool(death.get("proven")),
         "evidence": death.get("evidence"),
@@ -318,7 +322,12 @@ def session_evidence(session: SessionRecord) -> dict[str, Any]:
 
 
 def _session_words(view: dict[str, Any]) -> str:
-    proof = view["evidence"] if view["proven"] else "no death evidence"
+    if view["proven"]:
+        proof = view["evidence"]
+    elif is_live(view["state"]):  # its owner acts for it: none can exist yet
+        proof = f"still {view['state']}, no death evidence yet"
+    else:
+        proof = f"{view['state']}, no death evidence"
     text = f" Session {view['session']}: {proof}"
     if view["missing_protections"]:
         gaps = "; ".join(f"{k}: {v}" for k, v in view["missing_protections"].items())
@@ -385,6 +394,7 @@ def _explain(facts: CloseFacts) -> dict[str, Any]:
         ignored = (checkpoint.get("covers") or {}).get("ignored")
         return {
             "task": facts.task.task,
+            "state": facts.task.state,
             "complete": True,
             "allowed_by": allowed_by,
             "commands": outcomes,
@@ -419,6 +429,7 @@ def _explain(facts: CloseFacts) -> dict[str, Any]:
         words = f"task {facts.task.task} is not complete: {blocked['obligation']}."
     return {
         "task": facts.task.task,
+        "state": facts.task.state,
         "complete": False,
         "blocked_on": blocked,
         "blocked": isinstance(decision, Blocked),  # no step can run until the authority acts
