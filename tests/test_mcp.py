@@ -329,3 +329,57 @@ def test_an_answer_holding_a_lone_surrogate_is_sent_as_utf8() -> None:
     sent = answer.model_dump_json()  # what the stdio transport writes
     assert "caf\\\\xe9.txt\\nnext line" in sent
     assert answer.structured_content == {"paths": ["caf\\xe9.txt", "é"]}
+
+
+@pytest.mark.timeout(90)
+def test_env_reaches_the_command_and_is_part_of_its_identity(tmp_path: Path) -> None:
+    async def body(session: ClientSession) -> None:
+        task = await new_task(session, tmp_path)
+        shown = data_of(
+            await call(
+                session, "run", task=task, command='printf "%s" "$GREETING"', key="greet",
+                env={"GREETING": "hello from env"},
+            )
+        )  # fmt: skip
+        assert shown["exit_code"] == 0
+        assert shown["output"]["stdout"]["text"] == "hello from env"
+        same = data_of(
+            await call(
+                session, "run", task=task, command='printf "%s" "$GREETING"', key="greet",
+                env={"GREETING": "hello from env"},
+            )
+        )  # fmt: skip
+        assert same["reused"] is True and same["session"] == shown["session"]
+        other = await call(
+            session, "start", task=task, command='printf "%s" "$GREETING"', key="greet",
+            env={"GREETING": "another value"},
+        )  # fmt: skip
+        assert other.is_error and "KeyConflict" in text_of(other)
+        bad = await call(session, "start", task=task, command="true", env={"A=B": "x"})
+        assert bad.is_error and "A=B" in text_of(bad)
+        tools = {tool.name: tool for tool in (await session.list_tools()).tools}
+        for name in ("run", "start"):
+            assert tools[name].input_schema["properties"]["env"]["description"]
+
+    run_with_server(tmp_path, body)
+
+
+@pytest.mark.timeout(120)
+def test_finish_answers_with_the_short_explain(tmp_path: Path) -> None:
+    async def body(session: ClientSession) -> None:
+        task = await new_task(session, tmp_path)
+        for command in ("true", "exit 3", "no-such-command-here"):
+            await call(session, "run", task=task, command=command)
+        result = await call(session, "finish", task=task, final="done")
+        assert data_of(result)["complete"] is True
+        text = text_of(result)
+        verdict, *lines = text.splitlines()[1:]
+        assert text.startswith("complete.\n")
+        assert verdict.startswith(f"task {task} is COMPLETE (not success: 2 of 3 command(s)")
+        assert [line[2:16].strip() for line in lines] == ["exit 0", "exit 3", "exit 127"]
+        assert [line[17:].split("  (")[0] for line in lines] == [
+            "true", "exit 3", "no-such-command-here",
+        ]  # fmt: skip
+        assert "cgroup.events" not in text and "PID namespace" not in text
+
+    run_with_server(tmp_path, body)
