@@ -54,6 +54,9 @@ def test_explain_is_a_verdict_and_a_line_per_session_and_verbose_is_the_whole(
     [live] = [line for line in _session_lines(opened) if running in line]
     assert live.split()[0] == "running" and "no death evidence yet" in live
     assert "unknown" not in live.lower()
+    words = _settled(home, "explain", task, "--verbose", code=3)
+    assert "Commands: 3 succeeded, 2 failed, 1 running." in words and "unknown" not in words
+    assert f"Session {running}: still running, no death evidence yet." in words
     _settled(home, "cancel", running)
     _settled(home, "close", task, "--deadline", "30")
 

@@ -195,8 +195,10 @@ def complete(facts: CloseFacts) -> bool:
     return not coverage_gaps(facts) and "outcome" in facts.steps
 
 
-def command_outcomes(sessions: list[SessionRecord]) -> dict[str, list[str]]:
-    """Plainly which commands did what: complete is not the same as every command succeeding."""
+def command_outcomes(sessions: list[SessionRecord], live: bool = False) -> dict[str, list[str]]:
+    """Plainly which commands did what: complete is not the same as every command succeeding.
+    With `live` (explain, before a close), a session its owner still acts for is `running`,
+    not `unknown`; a close receipt's outcome has no such group (every session has settled)."""
     groups: dict[str, list[str]] = {
         "succeeded": [],
         "failed": [],
@@ -206,11 +208,15 @@ def command_outcomes(sessions: list[SessionRecord]) -> dict[str, list[str]]:
         "services_stopped": [],
         "unknown": [],
     }
+    if live:
+        groups["running"] = []
     for session in sessions:
         exit_fact = (session.receipt or {}).get("exit", {})
         reason = exit_fact.get("reason")
         label = f"{session.session} ({session.key})"
-        if session.state != SETTLED:
+        if live and session.live:
+            groups["running"].append(label)
+        elif session.state != SETTLED:
             groups["unknown"].append(label)
         elif session.spec.get("service") and reason in ("cancelled", "exited", "timeout"):
             groups["services_stopped"].append(label)  # a service ends when the task closes
@@ -372,7 +378,7 @@ def _shared_words(workspace: dict[str, Any] | None) -> str:
 
 def _explain(facts: CloseFacts) -> dict[str, Any]:
     decision = next_decision(facts)
-    outcomes = command_outcomes(facts.sessions)
+    outcomes = command_outcomes(facts.sessions, live=True)
     if complete(facts):
         checkpoint = facts.steps["checkpoint"]["receipt"]
         allowed_by = {
