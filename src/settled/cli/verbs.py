@@ -1020,7 +1020,11 @@ def _build(only: str | None) -> tuple[argparse.ArgumentParser, bool]:
     hosts.set_defaults(handler=cmd_hosts)
 
     explain = _verb(
-        sub, "explain", common, "which receipts allow success", "settled explain t_0123"
+        sub,
+        "explain",
+        common,
+        "whether a task is complete and why: a verdict, a line per session",
+        "settled explain t_0123 --verbose",
     )
     explain.add_argument("task", type=_id("task"))
     explain.add_argument(
