@@ -97,3 +97,34 @@ def test_a_command_is_shortened_on_escape_boundaries() -> None:
     assert cut == "\\x1b\\x1b…"  # never half an escape
     assert shortened("a" * 100, width=10) == "a" * 9 + "…"
     assert shortened("é\u202e", width=60) == "é\\u202e"
+
+
+def test_the_short_form_names_a_block_an_unknown_session_and_counts_the_rest() -> None:
+    """The verdict of a blocked task is its authority and obligation; a session without death
+    evidence is said to have none (never 'stopped'); past SESSION_LINES the rest are counted."""
+    from settled.render import SESSION_LINES, explain_brief
+
+    unknown = {"session": "s_u", "command": "sleep 9", "state": "unknown", "exit": None}
+    unknown |= {"proven": False, "boundary": "pgroup", "source": None}
+    never = {"session": "s_n", "command": "x", "state": "settled", "proven": True}
+    never |= {"exit": {"reason": "not_started"}, "boundary": "cgroup2", "source": "owner"}
+    many = [{**never, "session": f"s_{n}"} for n in range(SESSION_LINES + 5)]
+    view = {
+        "task": "t_1",
+        "state": "closing",
+        "complete": False,
+        "blocked": True,
+        "blocked_on": {"authority": "recovery", "obligation": "death evidence for session s_u"},
+        "sessions": [unknown, *many],
+    }
+    text = explain_brief(view, more="(more)")
+    lines = text.splitlines()
+    assert (
+        lines[0]
+        == "task t_1 is NOT complete: blocked, recovery owes death evidence for session s_u."
+    )
+    said = "NO death evidence: recover it or destroy its sandbox"
+    assert lines[1] == f"  unknown        sleep 9  ({said}; s_u)"
+    assert lines[2] == "  never started  x  (death proven: cgroup2; s_0)"
+    assert lines[-2] == "  … and 6 more session(s)" and lines[-1] == "(more)"
+    assert len(lines) == 1 + SESSION_LINES + 2

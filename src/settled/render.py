@@ -258,4 +258,4 @@ def _proof(session: dict[str, Any]) -> str:
         return f"death proven: {session.get('boundary')}{by}"
     if is_live(session["state"]):
         return "no death evidence yet"
-    return "NO death evidence (unknown)"
+    return "NO death evidence: recover it or destroy its sandbox"
