@@ -5,9 +5,13 @@ the server, its warm launcher and every owner) and calls the tools over JSON-RPC
 
 from __future__ import annotations
 
+import json
 import os
+import re
+import shlex
 import sys
 import time
+import tomllib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -20,7 +24,7 @@ from mcp import ClientSession, StdioServerParameters, stdio_client
 from mcp.types import CallToolResult, TextContent
 
 from settled.log.view import window_view
-from settled.mcp_server import MARKER, TOOL_NAMES
+from settled.mcp_server import MARKER, MAX_WAIT_S, TOOL_NAMES
 
 FOUR_MIB = 4 * 1024 * 1024
 DIGITS = f"''.join(str(i % 10) for i in range({FOUR_MIB})) + chr(10)"
@@ -329,3 +333,119 @@ def test_an_answer_holding_a_lone_surrogate_is_sent_as_utf8() -> None:
     sent = answer.model_dump_json()  # what the stdio transport writes
     assert "caf\\\\xe9.txt\\nnext line" in sent
     assert answer.structured_content == {"paths": ["caf\\xe9.txt", "é"]}
+
+
+@pytest.mark.timeout(90)
+def test_env_reaches_the_command_and_is_part_of_its_identity(tmp_path: Path) -> None:
+    async def body(session: ClientSession) -> None:
+        task = await new_task(session, tmp_path)
+        shown = data_of(
+            await call(
+                session, "run", task=task, command='printf "%s" "$GREETING"', key="greet",
+                env={"GREETING": "hello from env"},
+            )
+        )  # fmt: skip
+        assert shown["exit_code"] == 0
+        assert shown["output"]["stdout"]["text"] == "hello from env"
+        same = data_of(
+            await call(
+                session, "run", task=task, command='printf "%s" "$GREETING"', key="greet",
+                env={"GREETING": "hello from env"},
+            )
+        )  # fmt: skip
+        assert same["reused"] is True and same["session"] == shown["session"]
+        other = await call(
+            session, "start", task=task, command='printf "%s" "$GREETING"', key="greet",
+            env={"GREETING": "another value"},
+        )  # fmt: skip
+        assert other.is_error and "KeyConflict" in text_of(other)
+        bad = await call(session, "start", task=task, command="true", env={"A=B": "x"})
+        assert bad.is_error and "A=B" in text_of(bad)
+        tools = {tool.name: tool for tool in (await session.list_tools()).tools}
+        for name in ("run", "start"):
+            assert tools[name].input_schema["properties"]["env"]["description"]
+
+    run_with_server(tmp_path, body)
+
+
+@pytest.mark.timeout(120)
+def test_finish_answers_with_the_short_explain(tmp_path: Path) -> None:
+    async def body(session: ClientSession) -> None:
+        task = await new_task(session, tmp_path)
+        for command in ("true", "exit 3", "no-such-command-here"):
+            await call(session, "run", task=task, command=command)
+        result = await call(session, "finish", task=task, final="done")
+        assert data_of(result)["complete"] is True
+        text = text_of(result)
+        verdict, *lines = text.splitlines()[1:]
+        assert text.startswith("complete.\n")
+        assert verdict.startswith(f"task {task} is COMPLETE (not success: 2 of 3 command(s)")
+        assert [line[2:16].strip() for line in lines] == ["exit 0", "exit 3", "exit 127"]
+        assert [line[17:].split("  (")[0] for line in lines] == [
+            "true", "exit 3", "no-such-command-here",
+        ]  # fmt: skip
+        assert "cgroup.events" not in text and "PID namespace" not in text
+
+    run_with_server(tmp_path, body)
+
+
+DOC = Path(__file__).resolve().parents[1] / "docs" / "integrations.md"
+
+
+def _client_snippets() -> dict[str, tuple[str, list[str]]]:
+    """Each MCP client's snippet in docs/integrations.md, parsed as its client reads it: the
+    command and args it starts."""
+    section = DOC.read_text().split("\n## MCP\n", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"```(\w+)\n(.*?)```", section, re.S)
+    found: dict[str, tuple[str, list[str]]] = {}
+    for n, (kind, text) in enumerate(blocks):
+        if kind == "json":
+            entry = json.loads(text)["mcpServers"]["settled"]
+            assert entry.get("type", "stdio") == "stdio"
+            found[f"json-{n}"] = (entry["command"], list(entry["args"]))
+        elif kind == "toml":
+            entry = tomllib.loads(text)["mcp_servers"]["settled"]
+            assert entry["tool_timeout_sec"] > MAX_WAIT_S
+            found[f"toml-{n}"] = (entry["command"], list(entry["args"]))
+        elif kind == "sh":
+            words = shlex.split(text)
+            assert (
+                words[:3] == ["claude", "mcp", "add"] and "settled" in words[3 : words.index("--")]
+            )
+            command, *args = words[words.index("--") + 1 :]
+            found[f"sh-{n}"] = (command, args)
+    return found
+
+
+@pytest.mark.timeout(120)
+def test_each_client_snippet_in_the_docs_starts_the_real_mcp_server(tmp_path: Path) -> None:
+    snippets = _client_snippets()
+    assert sorted(name.split("-")[0] for name in snippets) == ["json", "json", "sh", "toml"]
+
+    async def tools_of(command: str, args: list[str], home: Path) -> set[str]:
+        # `settled` is this checkout's entry point, `python -m settled` (PATH may hold another)
+        assert command == "settled" and args[0] == "mcp", (command, args)
+        params = StdioServerParameters(
+            command=sys.executable,
+            args=["-m", "settled", *args],
+            env={**os.environ, "SETTLED_HOME": str(home)},
+        )
+        with open(home.parent / f"{home.name}.stderr", "w") as errlog:
+            async with (
+                stdio_client(params, errlog=errlog) as (read, write),
+                ClientSession(read, write) as session,
+            ):
+                await session.initialize()
+                listed = (await session.list_tools()).tools
+                assert (
+                    "env" in next(t for t in listed if t.name == "run").input_schema["properties"]
+                )
+                return {tool.name for tool in listed}
+
+    for name, (command, args) in snippets.items():
+        assert anyio.run(tools_of, command, args, tmp_path / name) == set(TOOL_NAMES), name
+    marker = os.environ["TEST_SESSION_MARKER"]
+    deadline = time.monotonic() + 10
+    while _live(marker, b"settled\0mcp") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _live(marker, b"settled\0mcp") == [], "an MCP server outlived its stdin"

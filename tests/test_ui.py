@@ -311,7 +311,98 @@ def test_the_page_shows_a_session_settle_and_the_close_receipt_appear(
         workspace.wait_for()
         assert workspace.get_attribute("data-digest") == close["checkpoint"]["digest"]
         page.locator(f"li[data-task='{task}'] .badge[data-state='complete']").wait_for()
-        page.locator("#explain-words", has_text="is complete").wait_for()
+        page.locator("#explain-brief", has_text=f"task {task} is COMPLETE").wait_for()
+    assert page.dialogs == []  # type: ignore[attr-defined]
+
+
+def _in_view(page: Page, selector: str) -> bool:
+    """Whether the element's whole box is inside the window (the assertion a person makes)."""
+    return bool(
+        page.evaluate(
+            """(selector) => {
+                const box = document.querySelector(selector).getBoundingClientRect();
+                return box.height > 0 && box.top >= 0 && box.left >= 0
+                    && box.bottom <= window.innerHeight && box.right <= window.innerWidth;
+            }""",
+            selector,
+        )
+    )
+
+
+def _start(client: httpx.Client, task: str, key: str, shell: str) -> str:
+    answer = client.post(f"/v1/tasks/{task}/sessions", json={"key": key, "shell": shell})
+    assert answer.status_code == 201, answer.text
+    return str(answer.json()["session"])
+
+
+@pytest.mark.timeout(240)
+def test_a_task_has_an_address_a_hint_until_one_is_chosen_and_its_log_beside_it(
+    start_server: Callable[..., Server], browser_page: Page, tmp_path: Path
+) -> None:
+    server = start_server()
+    page = browser_page
+    page.set_viewport_size({"width": 1280, "height": 720})
+    with server.client() as client:
+        target = _task(client, tmp_path / "target")  # the oldest: the bottom of a long list
+        others = [_task(client, tmp_path / f"w{n}") for n in range(24)]
+        said = _run(client, target, "hello", "echo hello from the target")
+        _run(client, target, "fails", "exit 3")
+        _run(client, target, "missing", "no-such-command-here")
+        running = _start(client, target, "slow", "sleep 60")
+
+        page.goto(f"{server.url}/ui#token={TOKEN}")
+        page.locator(f"li[data-task='{target}']").wait_for()
+        assert page.locator("#empty-pane").is_visible() and not page.is_visible("#task-pane")
+        assert "Select a task" in (page.text_content("#empty-hint") or "")
+        assert "token" not in page.url and "#" not in page.url
+
+        page.locator(f"li[data-task='{target}'] button").click()  # scrolled to, far down
+        page.wait_for_function(f"location.hash === '#task={target}'")
+        assert page.text_content("#task-id") == target and not page.is_visible("#empty-pane")
+        assert _in_view(page, "#task-id")
+
+        # the short explain, and the running session shown as running (not unknown)
+        brief = page.locator("#explain-brief", has_text="1 of them still running")
+        brief.wait_for()
+        [line] = [x for x in (brief.text_content() or "").splitlines() if running in x]
+        assert (
+            line.split()[0] == "running" and "sleep 60" in line and "no death evidence yet" in line
+        )
+        assert "exit 3" in (brief.text_content() or "") and "no-such-command-here" in (
+            brief.text_content() or ""
+        )
+        assert "cgroup.events" not in (brief.text_content() or "")
+        row = page.locator(f"tr[data-session='{running}']")
+        assert row.get_attribute("data-state") == "running"
+        assert "unknown" not in (row.text_content() or "").lower()
+        assert row.locator("td[data-clock='process']").get_attribute("data-state") == "not_yet"
+
+        # the log opens beside the task's sessions, in view
+        page.locator(f"tr[data-session='{said}'] button").click()
+        page.locator("#log-out[data-final='true']").wait_for()
+        assert "hello from the target" in (page.text_content("#log-out") or "")
+        page.wait_for_function(
+            "document.getElementById('log-pane').getBoundingClientRect().bottom <= innerHeight"
+        )
+        assert _in_view(page, "#log-pane") and _in_view(page, f"tr[data-session='{said}']")
+
+        # selecting another task puts it in the address; Back and a reload follow the address
+        page.locator(f"li[data-task='{others[0]}'] button").click()
+        page.wait_for_function(f"location.hash === '#task={others[0]}'")
+        assert page.text_content("#task-id") == others[0] and not page.is_visible("#log-pane")
+        page.go_back()
+        page.locator("#task-id", has_text=target).wait_for()
+        page.reload()
+        page.locator("#task-id", has_text=target).wait_for()
+        assert page.url.endswith(f"/ui#task={target}")
+        page.goto(f"{server.url}/ui#task={others[3]}")
+        page.locator("#task-id", has_text=others[3]).wait_for()
+        page.goto(f"{server.url}/ui#task=t_00000000000000ff")
+        page.locator("#empty-hint", has_text="not among the tasks this token can see").wait_for()
+        page.goto(f"{server.url}/ui#task=<b>x</b>")  # not an id: ignored, never shown as markup
+        page.locator("#empty-pane").wait_for()
+        assert page.locator("#empty-pane b").count() == 0
+        client.post(f"/v1/sessions/{running}/signal", json={"signal": "KILL"})
     assert page.dialogs == []  # type: ignore[attr-defined]
 
 

@@ -37,6 +37,7 @@ from settled import grammar
 from settled.errors import CursorOutOfRange, NotSettled, SettledError
 from settled.exitcodes import command_exit_code
 from settled.printable import surrogates_escaped
+from settled.render import explain_brief
 from settled.runtime import Runtime, open_launcher
 
 if TYPE_CHECKING:
@@ -200,6 +201,15 @@ CommandTimeout = Annotated[
     ),
 ]
 Cwd = Annotated[str, Field(description="Directory relative to the workspace.")]
+Env = Annotated[
+    dict[str, str] | None,
+    Field(
+        description="Environment variables for the command, NAME -> VALUE, like "
+        '{"CI": "1"}; they are part of the command\'s identity, so a retry with the same key '
+        "must pass the same ones. Omit for none beyond settled's defaults.",
+        max_length=grammar.MAX_ENV_ITEMS,
+    ),
+]
 MemoryLimit = Annotated[
     str | None,
     Field(
@@ -302,6 +312,7 @@ class Tools:
             bool, Field(description="A long-running service, stopped when the task finishes.")
         ] = False,
         cwd: Cwd = ".",
+        env: Env = None,
         boundary: Annotated[
             Literal["auto", "cgroup2+pidns", "cgroup2", "pidns", "subreaper", "pgroup"],
             Field(description="How the process tree is contained; keep 'auto'."),
@@ -323,6 +334,7 @@ class Tools:
             timeout=timeout,
             service=service,
             cwd=cwd,
+            env=env,
             boundary=boundary,
             memory=_memory(memory),
             pids=pids,
@@ -360,6 +372,7 @@ class Tools:
             ),
         ] = 120.0,
         cwd: Cwd = ".",
+        env: Env = None,
         budget: Annotated[
             int,
             Field(
@@ -386,6 +399,7 @@ class Tools:
             key=key,
             timeout=timeout,
             cwd=cwd,
+            env=env,
             memory=_memory(memory),
             pids=pids,
             cpus=cpus,
@@ -530,11 +544,7 @@ class Tools:
         if not result.complete:
             blocked = result.blocked_on or {}
             data = {"task": task, "complete": False, "blocked_on": blocked}
-            text = (
-                f"NOT complete: {blocked.get('authority')} owes {blocked.get('obligation')}. "
-                f"{explained['words']}"
-            )
-            return _answer(text, data)
+            return _answer(f"NOT complete.\n{explain_brief(explained)}", data)
         receipt = result.receipt or {}
         commands = receipt.get("outcome", {}).get("commands", {})
         failed = [*commands.get("failed", []), *commands.get("timed_out", [])]
@@ -548,7 +558,7 @@ class Tools:
             "manifest": receipt.get("checkpoint", {}).get("manifest"),
             "receipt_digest": receipt.get("digest"),
         }
-        return _answer(f"complete. {explained['words']}", data)
+        return _answer(f"complete.\n{explain_brief(explained)}", data)
 
 
 TOOL_NAMES = ("new_task", "run", "start", "read_output", "wait", "signal", "finish")

@@ -9,7 +9,8 @@ change the JSON a verb prints beside the text.
 
 from __future__ import annotations
 
-from settled.printable import printable_tree
+from settled.printable import printable, printable_tree
+from settled.states import is_live
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -155,3 +156,106 @@ def blocked_text(task: str, blocked: dict[str, Any]) -> str:
         f"task {task} is NOT complete: blocked on {blocked['authority']}, "
         f"which owes {blocked['obligation']}"
     )
+
+
+COMMAND_WIDTH = 48  # characters of a command a line of `explain` shows (escapes counted)
+SESSION_LINES = 40  # sessions `explain` lists one a line; the rest are counted
+
+
+def explain_brief(view: dict[str, Any], more: str = "") -> str:
+    """`settled explain` for a person: the verdict on one line, then one line per session
+    (how it ended, its command, what proved it stopped), then `more` (where the details are).
+    The full words are `view["words"]`."""
+    shown = printable_tree(view)
+    raw_sessions = view.get("sessions") or []
+    lines = [_verdict(shown)]
+    for raw, session in zip(raw_sessions[:SESSION_LINES], shown["sessions"], strict=False):
+        lines.append(_session_line(session, shortened(str(raw.get("command") or ""))))
+    if len(raw_sessions) > SESSION_LINES:
+        lines.append(f"  … and {len(raw_sessions) - SESSION_LINES} more session(s)")
+    if more:
+        lines.append(more)
+    return "\n".join(lines)
+
+
+def shortened(command: str, width: int = COMMAND_WIDTH) -> str:
+    """`command` escaped (`printable`, a character at a time, so no escape is cut in two) and
+    cut to about `width` characters with an ellipsis."""
+    out: list[str] = []
+    used = 0
+    for char in command:
+        shown = printable(char)
+        if used + len(shown) > width - 1:
+            out.append("…")
+            break
+        out.append(shown)
+        used += len(shown)
+    return "".join(out)
+
+
+def _verdict(view: dict[str, Any]) -> str:
+    task = view["task"]
+    if view["complete"]:
+        outcome = _outcome_words(view.get("commands") or {})
+        notes = ""
+        if view.get("output_incomplete"):
+            notes += f"; output INCOMPLETE in {len(view['output_incomplete'])} stream(s)"
+        if view.get("ignored"):
+            notes += "; paths matching its ignore rules are not checkpointed"
+        if (view.get("workspace") or {}).get("shared_with"):
+            notes += "; its workspace was shared with other task(s)"
+        return (
+            f"task {task} is COMPLETE ({outcome}): every command proven stopped, workspace "
+            f"checkpointed and read back{notes}."
+        )
+    if view.get("state") == "open":
+        live = sum(1 for s in view.get("sessions") or [] if is_live(s["state"]))
+        running = f", {live} of them still running" if live else ""
+        count = len(view.get("sessions") or [])
+        return (
+            f"task {task} is open ({count} session(s){running}): not complete until it is closed."
+        )
+    blocked = view.get("blocked_on") or {}
+    owed = f"{blocked.get('authority')} owes {blocked.get('obligation')}"
+    if view.get("blocked"):
+        return f"task {task} is NOT complete: blocked, {owed}."
+    return f"task {task} is NOT complete yet: its close is under way; next, {owed}."
+
+
+def _outcome_words(commands: dict[str, list[Any]]) -> str:
+    total = sum(len(v) for v in commands.values())
+    failed = sum(len(commands.get(k) or []) for k in ("failed", "timed_out", "not_started"))
+    if failed:
+        return f"not success: {failed} of {total} command(s) did not succeed"
+    return f"all {total} command(s) succeeded" if total else "no command ran"
+
+
+def _session_line(session: dict[str, Any], command: str) -> str:
+    named = command or "(no command)"
+    return f"  {_ending(session):<14} {named}  ({_proof(session)}; {session['session']})"
+
+
+def _ending(session: dict[str, Any]) -> str:
+    """How it ended, in a word or two; a live or unknown session says its state instead."""
+    exit_fact = session.get("exit")
+    if is_live(session["state"]) or not exit_fact:
+        return str(session["state"])
+    reason = exit_fact.get("reason")
+    if reason == "not_started":
+        return "never started"
+    if reason in ("timeout", "cancelled", "oom"):
+        return {"timeout": "timed out", "cancelled": "cancelled", "oom": "out of memory"}[reason]
+    if exit_fact.get("signal"):
+        return f"SIG{exit_fact['signal']}"
+    return f"exit {exit_fact.get('code')}"
+
+
+def _proof(session: dict[str, Any]) -> str:
+    """What proved it can no longer run, named in a few words."""
+    if session.get("proven"):
+        source = session.get("source")
+        by = f", by {source}" if source and source != "owner" else ""
+        return f"death proven: {session.get('boundary')}{by}"
+    if is_live(session["state"]):
+        return "no death evidence yet"
+    return "NO death evidence: recover it or destroy its sandbox"

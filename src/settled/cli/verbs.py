@@ -30,7 +30,7 @@ from settled.errors import (
 from settled.exitcodes import RUN_EXIT_CODES, RUN_UNKNOWN, command_exit_code
 from settled.identity import BOUNDARY_POLICIES, ISOLATION_POLICIES, NETWORK_POLICIES
 from settled.printable import printable, printable_tree
-from settled.render import blocked_text, close_text, receipt_text, status_text
+from settled.render import blocked_text, close_text, explain_brief, receipt_text, status_text
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # the runtime is imported by the verbs that open one (not --version, --help)
@@ -367,7 +367,8 @@ def cmd_task_destroy(rt: Runtime, args: argparse.Namespace) -> int:
 
 def cmd_explain(rt: Runtime, args: argparse.Namespace) -> int:
     view = rt.explain(args.task)
-    emit(args, view, printable(view["words"]))
+    more = f"(every session's evidence: settled explain {args.task} --verbose)"
+    emit(args, view, printable(view["words"]) if args.verbose else explain_brief(view, more))
     return EXIT_OK if view["complete"] else EXIT_BLOCKED
 
 
@@ -1058,9 +1059,17 @@ def _build(only: str | None) -> tuple[argparse.ArgumentParser, bool]:
     hosts.set_defaults(handler=cmd_hosts)
 
     explain = _verb(
-        sub, "explain", common, "which receipts allow success", "settled explain t_0123"
+        sub,
+        "explain",
+        common,
+        "whether a task is complete and why: a verdict, a line per session",
+        "settled explain t_0123 --verbose",
     )
     explain.add_argument("task", type=_id("task"))
+    explain.add_argument(
+        "--verbose", "-v", action="store_true",
+        help="the full words: every session's kernel evidence, protections and network",
+    )  # fmt: skip
     explain.set_defaults(handler=cmd_explain)
 
     restore = _verb(

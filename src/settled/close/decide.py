@@ -23,7 +23,8 @@ from __future__ import annotations
 
 from settled.netledger import brief
 from settled.records import Frozen, SessionRecord, TaskRecord
-from settled.states import SETTLED, UNKNOWN
+from settled.states import SETTLED, UNKNOWN, is_live
+from settled.status import command_words
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -194,8 +195,10 @@ def complete(facts: CloseFacts) -> bool:
     return not coverage_gaps(facts) and "outcome" in facts.steps
 
 
-def command_outcomes(sessions: list[SessionRecord]) -> dict[str, list[str]]:
-    """Plainly which commands did what: complete is not the same as every command succeeding."""
+def command_outcomes(sessions: list[SessionRecord], live: bool = False) -> dict[str, list[str]]:
+    """Plainly which commands did what: complete is not the same as every command succeeding.
+    With `live` (explain, before a close), a session its owner still acts for is `running`,
+    not `unknown`; a close receipt's outcome has no such group (every session has settled)."""
     groups: dict[str, list[str]] = {
         "succeeded": [],
         "failed": [],
@@ -205,11 +208,15 @@ def command_outcomes(sessions: list[SessionRecord]) -> dict[str, list[str]]:
         "services_stopped": [],
         "unknown": [],
     }
+    if live:
+        groups["running"] = []
     for session in sessions:
         exit_fact = (session.receipt or {}).get("exit", {})
         reason = exit_fact.get("reason")
         label = f"{session.session} ({session.key})"
-        if session.state != SETTLED:
+        if live and session.live:
+            groups["running"].append(label)
+        elif session.state != SETTLED:
             groups["unknown"].append(label)
         elif session.spec.get("service") and reason in ("cancelled", "exited", "timeout"):
             groups["services_stopped"].append(label)  # a service ends when the task closes
@@ -305,7 +312,10 @@ def session_evidence(session: SessionRecord) -> dict[str, Any]:
     held, missing = protections(receipt.get("isolation") or session.isolation)
     return {
         "session": session.session,
+        "key": session.key,
+        "command": command_words(session.spec),
         "state": session.state,
+        "exit": receipt.get("exit"),
         "boundary": death.get("boundary") or session.boundary,
         "proven": bool(death.get("proven")),
         "evidence": death.get("evidence"),
@@ -318,7 +328,12 @@ def session_evidence(session: SessionRecord) -> dict[str, Any]:
 
 
 def _session_words(view: dict[str, Any]) -> str:
-    proof = view["evidence"] if view["proven"] else "no death evidence"
+    if view["proven"]:
+        proof = view["evidence"]
+    elif is_live(view["state"]):  # its owner acts for it: none can exist yet
+        proof = f"still {view['state']}, no death evidence yet"
+    else:
+        proof = f"{view['state']}, no death evidence"
     text = f" Session {view['session']}: {proof}"
     if view["missing_protections"]:
         gaps = "; ".join(f"{k}: {v}" for k, v in view["missing_protections"].items())
@@ -363,7 +378,7 @@ def _shared_words(workspace: dict[str, Any] | None) -> str:
 
 def _explain(facts: CloseFacts) -> dict[str, Any]:
     decision = next_decision(facts)
-    outcomes = command_outcomes(facts.sessions)
+    outcomes = command_outcomes(facts.sessions, live=True)
     if complete(facts):
         checkpoint = facts.steps["checkpoint"]["receipt"]
         allowed_by = {
@@ -385,6 +400,7 @@ def _explain(facts: CloseFacts) -> dict[str, Any]:
         ignored = (checkpoint.get("covers") or {}).get("ignored")
         return {
             "task": facts.task.task,
+            "state": facts.task.state,
             "complete": True,
             "allowed_by": allowed_by,
             "commands": outcomes,
@@ -419,6 +435,7 @@ def _explain(facts: CloseFacts) -> dict[str, Any]:
         words = f"task {facts.task.task} is not complete: {blocked['obligation']}."
     return {
         "task": facts.task.task,
+        "state": facts.task.state,
         "complete": False,
         "blocked_on": blocked,
         "blocked": isinstance(decision, Blocked),  # no step can run until the authority acts

@@ -8,7 +8,9 @@ frame, no form target, so even markup that reached the DOM could neither run nor
 
 Must never: serve anything but these files (no path from the request reaches the filesystem),
 put data in the page, or take a token from the query string (it would land in access logs; the
-page reads one from the URL fragment, which is never sent).
+page reads one from the URL fragment, which is never sent). The fragment also links to a task:
+``/ui#task=T`` opens with T selected (the page checks the id and shows only what the token's
+stream shows).
 """
 
 from __future__ import annotations

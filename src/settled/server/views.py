@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from settled.errors import BadInput, UnknownSession, UnknownTask
 from settled.identity import parse_user
 from settled.records import SessionRecord, TaskRecord
+from settled.render import explain_brief
 from settled.runtime import Runtime
 from settled.server.auth import Grant
 from settled.server.errors import NotPermitted
@@ -71,8 +72,10 @@ def task_status(rt: Runtime, grant: Grant, task: str) -> dict[str, Any]:
 
 
 def explain(rt: Runtime, grant: Grant, task: str) -> dict[str, Any]:
+    """``Runtime.explain``, with ``brief``: its short form for a person (`/ui` shows it)."""
     visible_task(rt, grant, task)
-    return rt.explain(task)
+    explained = rt.explain(task)
+    return {**explained, "brief": explain_brief(explained)}
 
 
 def admit(rt: Runtime, grant: Grant, task: str, request: dict[str, Any]) -> dict[str, Any]:

@@ -10,12 +10,15 @@
 // - The token comes from the form or the URL fragment (never the query string), lives in
 //   sessionStorage, and goes out only as `Authorization: Bearer` on this origin's fetches. The
 //   live stream is fetch + ReadableStream (EventSource cannot send that header).
+// - `#task=T` in the address is a link to task T: it is selected once the stream shows it, and
+//   selecting another task puts that one's id there (an id is `[A-Za-z0-9_-]{1,128}`, checked).
 "use strict";
 
 const TOKEN_KEY = "settled.token";
 const SHOWN_PAGES = 16; // pages of a log kept on the page; earlier ones are dropped (say so)
 const FOLLOW_MS = 500;
 const $ = (id) => document.getElementById(id);
+const TASK_ID = /^[A-Za-z0-9_-]{1,128}$/; // grammar.check_id: nothing else names a task
 
 // -- DOM, as text only ---------------------------------------------------------------------
 
@@ -39,16 +42,26 @@ function json(value) { return JSON.stringify(value, null, 2); }
 
 // -- the token -------------------------------------------------------------------------------
 
-function fragmentToken() {
-  const found = /(?:^#|&)token=([^&]*)/.exec(location.hash); // "+" stays "+": not a form
+function fragmentValue(name) { // name is one of this file's constants
+  const found = new RegExp("(?:^#|&)" + name + "=([^&]*)").exec(location.hash); // "+" stays "+": not a form
   if (!found) return null;
   try { return decodeURIComponent(found[1]) || null; } catch (_) { return null; }
 }
 
+function fragmentToken() { return fragmentValue("token"); }
+
+function fragmentTask() {
+  const task = fragmentValue("task");
+  return task && TASK_ID.test(task) ? task : null;
+}
+
+function taskAddress(task) { return location.pathname + (task && TASK_ID.test(task) ? "#task=" + task : ""); }
+
 function tokenFromFragment() {
   const token = fragmentToken();
   if (token) sessionStorage.setItem(TOKEN_KEY, token);
-  if (location.hash) history.replaceState(null, "", location.pathname); // out of the URL bar
+  ui.wanted = fragmentTask() || ui.wanted;
+  if (location.hash) history.replaceState(null, "", taskAddress(ui.wanted)); // the token out of the URL bar
 }
 
 function token() { return sessionStorage.getItem(TOKEN_KEY); }
@@ -91,7 +104,7 @@ function problem(body, res) {
 // -- the live stream of tasks (its own transport clock is the header's line) ------------------
 
 const live = { lastId: null, abort: null, retries: 0, order: [], tasks: new Map(), at: null, woken: "" };
-const ui = { task: null, explainFor: null, receiptFor: null };
+const ui = { task: null, wanted: null, explainFor: null, receiptFor: null };
 
 function setLink(state, words) {
   const link = $("link");
@@ -170,7 +183,27 @@ function onEvent(name, data) {
   live.at = Date.now();
   setLink("live", "live (" + live.woken + "): last change seen " + new Date(live.at).toLocaleTimeString());
   renderTasks();
-  if (ui.task && live.tasks.has(ui.task)) renderTask(live.tasks.get(ui.task));
+  if (ui.wanted && ui.wanted !== ui.task) selectWanted();
+  else if (ui.task && live.tasks.has(ui.task)) renderTask(live.tasks.get(ui.task));
+}
+
+// The task the address names, once the stream shows it; one this token cannot see is said so.
+function onAddress() {
+  if (fragmentToken()) {
+    tokenFromFragment();
+    live.lastId = null;
+    return connect();
+  }
+  const task = fragmentTask();
+  if (task && task !== ui.task) { ui.wanted = task; selectWanted(); } else if (!task && ui.task) showNoTask();
+}
+
+function selectWanted() {
+  if (live.tasks.has(ui.wanted)) return selectTask(ui.wanted, false);
+  const wanted = ui.wanted;
+  showNoTask();
+  ui.wanted = wanted; // selected if the stream shows it later
+  setText("empty-hint", "task " + wanted + " (from the address) is not among the tasks this token can see; select a task on the left");
 }
 
 // -- tasks -----------------------------------------------------------------------------------
@@ -192,13 +225,26 @@ function renderTasks() {
   setText("tasks-note", live.order.length ? "" : "no task this token can see yet");
 }
 
-function selectTask(id) {
-  ui.task = id;
+function selectTask(id, remember = true) {
+  if (remember && id !== fragmentTask()) history.pushState(null, "", taskAddress(id)); // a link to it; Back returns
+  ui.task = ui.wanted = id;
   ui.explainFor = ui.receiptFor = null;
   $("clock-detail").hidden = true;
+  if (logState.task !== id) closeLog();
+  $("empty-pane").hidden = true;
   $("task-pane").hidden = false;
+  $("detail").scrollTop = 0;
   renderTasks();
   if (live.tasks.has(id)) renderTask(live.tasks.get(id));
+}
+
+function showNoTask() {
+  ui.task = ui.wanted = null;
+  closeLog();
+  $("task-pane").hidden = true;
+  $("empty-pane").hidden = false;
+  setText("empty-hint", "Select a task on the left to see its sessions, their four clocks, its log and why it is (or is not) complete.");
+  renderTasks();
 }
 
 function renderTask(view) {
@@ -221,7 +267,9 @@ function renderTask(view) {
 function headline(view) {
   if (view.complete) return "complete: the close receipt below proves it (kind close, " + short(view.close && view.close.digest) + ")";
   if (view.state === "open") return "open: admitting commands; closing it seals admission, settles every session and checkpoints the workspace";
-  if (view.blocked_on) return view.state + ": blocked on " + (view.blocked_on.obligation || JSON.stringify(view.blocked_on));
+  const owed = view.blocked_on ? view.blocked_on.authority + " owes " + view.blocked_on.obligation : "";
+  if (view.blocked_on && view.state === "blocked") return "blocked: " + owed;
+  if (view.blocked_on) return view.state + ": the close is under way; next, " + owed;
   return view.state + ": the close is under way";
 }
 
@@ -265,9 +313,10 @@ async function loadExplain(task) {
   try {
     const { res, body } = await apiJSON("/v1/tasks/" + encodeURIComponent(task) + "/explain");
     if (ui.task !== task) return;
-    setText("explain-words", res.ok ? body.words : problem(body, res));
+    setText("explain-brief", res.ok ? body.brief : problem(body, res));
+    setText("explain-words", res.ok ? body.words : "");
     setText("explain-raw", json(body));
-  } catch (err) { if (!(err instanceof Unauthorized)) setText("explain-words", "explain failed: " + err); }
+  } catch (err) { if (!(err instanceof Unauthorized)) setText("explain-brief", "explain failed: " + err); }
 }
 
 async function loadCloseReceipt(task, digest) {
@@ -448,14 +497,22 @@ function renderHex(bytes, stream, cursor) {
   return el("span", { class: "chunk hex", data: { stream } }, stream + "\n" + lines.join("\n") + "\n");
 }
 
-const logState = { session: null, stream: "merged", cursor: 0, start: 0, final: false, end: null, carry: {}, pages: [], dropped: null, busy: null, gen: 0, follow: null };
+const logState = { task: null, session: null, stream: "merged", cursor: 0, start: 0, final: false, end: null, carry: {}, pages: [], dropped: null, busy: null, gen: 0, follow: null };
 
 function openLog(session) {
+  logState.task = ui.task;
   $("log-pane").hidden = false;
   setText("log-session", session);
   $("log-from").value = "0";
-  readLog();
-  $("log-pane").scrollIntoView({ block: "nearest" });
+  const inView = () => $("log-pane").scrollIntoView({ block: "nearest" }); // beside its task's sessions
+  inView();
+  Promise.resolve(readLog()).then(inView); // again once its first page has made it taller
+}
+
+function closeLog() {
+  $("log-pane").hidden = true;
+  $("log-follow").checked = false;
+  Object.assign(logState, { task: null, session: null, gen: logState.gen + 1 }); // answers still on their way land nowhere
 }
 
 function readLog(event) {
@@ -470,7 +527,7 @@ function readLog(event) {
   out.replaceChildren();
   delete out.dataset.cursor; // set again once the first page is read
   delete out.dataset.final;
-  nextPage();
+  return nextPage();
 }
 
 // One read at a time per reading; a new reading (Read, another session) makes the answers of
@@ -600,9 +657,7 @@ function start() {
     live.tasks = new Map();
     live.order = [];
     live.lastId = null;
-    ui.task = null;
-    renderTasks();
-    $("task-pane").hidden = $("log-pane").hidden = true;
+    showNoTask();
     needToken();
   });
   $("new-task").addEventListener("submit", newTask);
@@ -611,12 +666,8 @@ function start() {
   $("log-form").addEventListener("submit", readLog);
   $("log-next").addEventListener("click", () => nextPage());
   $("log-follow").addEventListener("change", () => { if ($("log-follow").checked) followLog(); });
-  window.addEventListener("hashchange", () => { // a link with #token=… to an open page
-    if (!fragmentToken()) return;
-    tokenFromFragment();
-    live.lastId = null;
-    connect();
-  });
+  window.addEventListener("hashchange", onAddress); // a link with #token=… or #task=… to an open page
+  window.addEventListener("popstate", onAddress); // Back and Forward between selected tasks
   if (token()) connect(); else needToken();
 }
 
