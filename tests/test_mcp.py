@@ -361,6 +361,8 @@ def test_env_reaches_the_command_and_is_part_of_its_identity(tmp_path: Path) -> 
         assert other.is_error and "KeyConflict" in text_of(other)
         bad = await call(session, "start", task=task, command="true", env={"A=B": "x"})
         assert bad.is_error and "A=B" in text_of(bad)
+        path = data_of(await call(session, "run", task=task, command='printf "%s" "$PATH"'))
+        assert path["output"]["stdout"]["text"] == os.environ["PATH"]  # its client's, as run's
         tools = {tool.name: tool for tool in (await session.list_tools()).tools}
         for name in ("run", "start"):
             assert tools[name].input_schema["properties"]["env"]["description"]

@@ -34,6 +34,7 @@ from mcp.types import CallToolResult, TextContent
 from pydantic import Field
 
 from settled import grammar
+from settled.environment import caller_policy
 from settled.errors import CursorOutOfRange, NotSettled, SettledError
 from settled.exitcodes import command_exit_code
 from settled.printable import surrogates_escaped
@@ -239,6 +240,13 @@ CpusLimit = Annotated[
 ]
 
 
+def _callers_path() -> list[str]:
+    """The names a command takes from this server's environment, which is its MCP client's
+    (the client starts `settled mcp`): its PATH, as `settled run` gives (environment.py's
+    policy); an `env` with PATH wins."""
+    return caller_policy((), False, False, os.environ)
+
+
 def _memory(text: str | None) -> int | None:
     """A memory limit as a model writes it (512M, 2G, bytes), in bytes."""
     return None if text is None else grammar.parse_memory("memory", text)
@@ -335,6 +343,7 @@ class Tools:
             service=service,
             cwd=cwd,
             env=env,
+            inherit=_callers_path(),
             boundary=boundary,
             memory=_memory(memory),
             pids=pids,
@@ -400,6 +409,7 @@ class Tools:
             timeout=timeout,
             cwd=cwd,
             env=env,
+            inherit=_callers_path(),
             memory=_memory(memory),
             pids=pids,
             cpus=cpus,
