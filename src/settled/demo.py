@@ -23,7 +23,7 @@ from settled.probe.questions import HOLDS, Answer, run_questions
 from settled.probe.report import Report, RuntimeReport, table
 from settled.probe.settled_adapter import SettledAdapter
 from settled.probe.settled_local import LocalBackend
-from settled.render import close_text, receipt_text
+from settled.render import close_text, explain_brief, receipt_text
 from settled.runtime import Runtime
 
 VIEW_BYTES = 200  # the model view of the 4 MiB line, as an agent would be shown it
@@ -86,5 +86,9 @@ def _close_story(rt: Runtime) -> bool:
         print(f"close is blocked: {printable(str(result.blocked_on))}")
         return False
     print(close_text(result.receipt))
-    print("\n== explain\n" + printable(rt.explain(task.task)["words"]))
+    more = (
+        f"(every session's evidence: settled explain {task.task} --verbose,\n"
+        " in a home the demo kept: settled demo --keep-home)"
+    )
+    print("\n== explain\n" + explain_brief(rt.explain(task.task), more))
     return True
