@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import io
+import os
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 import zipfile
@@ -189,3 +193,52 @@ def test_a_file_that_is_not_utf8_is_read_with_surrogateescape(url: str, tmp_path
 
     content = asyncio.run(asyncio.wait_for(drive(), 60))
     assert content.encode("utf-8", "surrogateescape") == b"caf\xe9 \xff\n"
+
+
+def _serve(tmp_path: Path, name: str, key: str | None) -> tuple[subprocess.Popen[bytes], Path]:
+    """`settled serve --swerex --port 0` on a workspace; (the process, its stderr's file)."""
+    log, workspace = tmp_path / f"{name}.log", tmp_path / "ws"
+    workspace.mkdir(exist_ok=True)
+    environ = {k: v for k, v in os.environ.items() if k != "SETTLED_SWEREX_API_KEY"}
+    environ["SETTLED_HOME"] = str(tmp_path / "home")
+    if key is not None:
+        environ["SETTLED_SWEREX_API_KEY"] = key
+    command = [sys.executable, "-m", "settled", "serve", "--swerex", "--host", "127.0.0.1",
+               "--port", "0", "--swerex-workspace", str(workspace)]  # fmt: skip
+    with open(log, "ab") as sink:
+        process = subprocess.Popen(command, env=environ, stdin=subprocess.DEVNULL,
+                                   stdout=sink, stderr=sink)  # fmt: skip
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and process.poll() is None:
+        if "key" in log.read_text():
+            break
+        time.sleep(0.05)
+    return process, log
+
+
+def _stop(process: subprocess.Popen[bytes]) -> None:
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout=10)
+
+
+def test_the_server_says_where_it_listens_its_home_workspace_and_key(tmp_path: Path) -> None:
+    """Issue 37.4: the start is said on stderr (listening address, home, workspace, where the
+    key is), and the key never is."""
+    process, log = _serve(tmp_path, "env", KEY)
+    _stop(process)
+    said = log.read_text()
+    assert f"(home {tmp_path / 'home'})" in said and "listening on http://127.0.0.1:" in said
+    assert f"workspace {tmp_path / 'ws'}:" in said
+    assert "key: from SETTLED_SWEREX_API_KEY" in said and KEY not in said
+    process, log = _serve(tmp_path, "made", None)
+    try:
+        line = next(x for x in log.read_text().splitlines() if "made one in " in x)
+        key = Path(line.split("made one in ")[1].split(" (mode")[0]).read_text().strip()
+    finally:
+        _stop(process)
+    assert len(key) == 64 and key not in log.read_text()

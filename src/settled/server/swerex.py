@@ -434,6 +434,16 @@ def _unzip(data: bytes, target: Path) -> None:
         archive.extractall(root)
 
 
+def announce(url: str, home: str, workspace: str | None, key_said: str) -> None:
+    """The lines `settled serve --swerex` says on stderr as it starts (never the key)."""
+    say(f"listening on {url} (home {home})")
+    if workspace:
+        say(f"workspace {workspace}: each SWE-ReX session works in it")
+    else:
+        say("workspace: a new directory for each SWE-ReX session (none was given)")
+    say(key_said)
+
+
 def serve_swerex(
     home: str, sock: socket.socket, api_key: str, workspace: str | None = None
 ) -> None:
