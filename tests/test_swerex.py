@@ -242,3 +242,20 @@ def test_the_server_says_where_it_listens_its_home_workspace_and_key(tmp_path: P
     finally:
         _stop(process)
     assert len(key) == 64 and key not in log.read_text()
+
+
+def test_errors_reach_the_client_as_the_types_swe_rex_raises(url: str, tmp_path: Path) -> None:
+    """Issue 37.3: a missing file was a generic SwerexException; SWE-ReX's server sends
+    Python's own errors as builtins.<name>, and its client raises that very type."""
+
+    async def drive() -> None:
+        rt = _client(url)
+        with pytest.raises(FileNotFoundError, match="No such file"):
+            await rt.read_file(ReadFileRequest(path=str(tmp_path / "missing")))
+        with pytest.raises(IsADirectoryError):
+            await rt.read_file(ReadFileRequest(path=str(tmp_path)))
+        with pytest.raises(IsADirectoryError):
+            await rt.write_file(WriteFileRequest(path=str(tmp_path), content="x"))
+        await rt.close()
+
+    asyncio.run(asyncio.wait_for(drive(), 60))

@@ -2,7 +2,10 @@
 
 Routes, bodies and auth are those of the installed ``swerex`` package (``swerex.server`` and
 ``swerex.runtime.remote.RemoteRuntime``): POST JSON endpoints, an ``X-API-Key`` header, errors as
-HTTP 511 ``{"swerexception": _ExceptionTransfer}`` which the client re-raises as the named class.
+HTTP 511 ``{"swerexception": _ExceptionTransfer}`` which the client re-raises as the named class:
+as SWE-ReX's own server does, an error of Python's own (``FileNotFoundError`` from read_file,
+``IsADirectoryError`` from write_file) is sent as ``builtins.<name>``, so the client raises that
+very type; settled's own errors go as ``swerex.exceptions.SwerexException`` with their message.
 Unlike SWE-ReX's own server, there is always a key (server/swerex_key.py makes one when none is
 given), and every connection passes the peer gate first (server/peering.py): a process inside
 one of settled's sessions is refused (403) before any route runs, key or not.
@@ -313,17 +316,24 @@ def _split_trailer(raw: str, marker: str) -> tuple[str, tuple[str, str] | None]:
 # -- HTTP ------------------------------------------------------------------------------
 
 
-def _transfer(error: BaseException) -> AsciiJSONResponse:
+def _class_path(error: BaseException) -> str:
+    """The class the client raises: a swerex one named by the service, Python's own as itself
+    (``builtins.FileNotFoundError``, as SWE-ReX's server sends it), else SwerexException."""
     if isinstance(error, SwerexError):
-        class_path, extra = error.class_path, error.extra
-    else:
-        class_path, extra = "swerex.exceptions.SwerexException", {}
+        return error.class_path
+    if type(error).__module__ == "builtins":
+        return f"builtins.{type(error).__qualname__}"
+    return "swerex.exceptions.SwerexException"
+
+
+def _transfer(error: BaseException) -> AsciiJSONResponse:
+    class_path = _class_path(error)
     content = {
         "swerexception": {
             "message": str(error),
             "class_path": class_path,
             "traceback": f"{class_path}: {error}",
-            "extra_info": extra,
+            "extra_info": error.extra if isinstance(error, SwerexError) else {},
         }
     }
     return AsciiJSONResponse(content, status_code=511)
