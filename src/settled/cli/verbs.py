@@ -1080,8 +1080,8 @@ def _build(only: str | None) -> tuple[argparse.ArgumentParser, bool]:
     )  # fmt: skip
     srv.add_argument(
         "--swerex-workspace", type=_path("--swerex-workspace"), metavar="DIR",
-        help="with --swerex: the directory each SWE-ReX session works in (default: a new one "
-        "per session)",
+        help="with --swerex: the directory of the one task that each SWE-ReX runtime's "
+        "sessions and commands share (default: a new one per runtime)",
     )  # fmt: skip
 
     probe = _verb(
