@@ -474,12 +474,14 @@ def test_close_answers_each_task_with_its_close_receipt_digest(served: Served) -
 
 
 def test_a_task_left_open_is_said_when_the_server_stops(served: Served) -> None:
-    async def drive() -> None:
+    async def drive() -> Any:
         await served.client().create_session(CreateBashSessionRequest(session="o"))
+        return (await _get(served.url, "settled/closes"))[1]
 
-    _drive(drive)
+    listed = _drive(drive)
     said = served.stop()
     task = re.findall(r"task (t_[0-9a-f]+) opened", said)[0]
+    assert listed == {"tasks": [], "open": {"task": task, "workspace": str(served.workspace)}}
     assert f"task {task} is still open (no SWE-ReX close came)" in said
     with Runtime(str(served.home)) as runtime:
         runtime.close_task(task)

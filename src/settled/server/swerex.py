@@ -129,7 +129,9 @@ def create_swerex_app(
         if not authorized(request):
             return refused()
         with service.lock:
-            return AsciiJSONResponse({"tasks": list(service.closed), "open": service.task})
+            tasks, task = list(service.closed), service.task
+        now = {"task": task[0], "workspace": task[1]} if task is not None else None
+        return AsciiJSONResponse({"tasks": tasks, "open": now})
 
     async def upload(request: Request) -> Response:
         if not authorized(request):
