@@ -437,6 +437,17 @@ def test_the_server_says_where_it_listens_its_home_workspace_and_key(tmp_path: P
     assert not Path(key_file).exists()  # the made key dies with the server
 
 
+def test_a_bad_output_cap_is_refused_before_the_server_starts(tmp_path: Path) -> None:
+    environ = {**os.environ, "SETTLED_HOME": str(tmp_path / "home"), "SETTLED_SWEREX_API_KEY": KEY,
+               "SETTLED_SWEREX_OUTPUT_CAP": "12"}  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-m", "settled", "serve", "--swerex", "--port", "0"],
+        env=environ, capture_output=True, timeout=60, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    assert done.returncode == 2 and b"listening" not in done.stderr
+    assert b"SETTLED_SWEREX_OUTPUT_CAP='12'" in done.stderr
+
+
 def test_close_answers_each_task_with_its_close_receipt_digest(served: Served) -> None:
     """Issue 37.5: the close closes the task with a checkpoint and its answer carries the
     task's id and close receipt digest. SWE-ReX's CloseResponse has no fields and its client

@@ -1211,11 +1211,12 @@ def _serve_swerex(args: argparse.Namespace) -> int:
 
     from settled.runtime import ready_home
     from settled.server import bind
-    from settled.server.swerex import announce, serve_swerex
+    from settled.server.swerex import announce, output_cap, serve_swerex
     from settled.server.swerex_key import choose_key, where_said
     from settled.where import run_dir
 
     home = ready_home(getattr(args, "home", None))
+    cap = output_cap(os.environ)  # a bad one is refused before anything is made or said
     key, made, ours = choose_key(run_dir(home), args.api_key_file, os.environ)
     try:
         try:
@@ -1227,7 +1228,7 @@ def _serve_swerex(args: argparse.Namespace) -> int:
         workspace = args.swerex_workspace or os.environ.get("SETTLED_SWEREX_WORKSPACE")
         announce(url, home, workspace, where_said(args.api_key_file, made))
         try:
-            serve_swerex(home, sock, key, workspace)
+            serve_swerex(home, sock, key, workspace, cap)
         finally:
             sock.close()
     finally:

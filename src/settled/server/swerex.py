@@ -48,7 +48,15 @@ from settled.server.swerex_service import (
     swerex_error,
 )
 
-__all__ = ["SwerexError", "SwerexService", "create_swerex_app", "say", "serve_swerex"]
+__all__ = [
+    "SwerexError",
+    "SwerexService",
+    "announce",
+    "create_swerex_app",
+    "output_cap",
+    "say",
+    "serve_swerex",
+]
 
 
 # -- HTTP ------------------------------------------------------------------------------
@@ -212,7 +220,11 @@ def announce(url: str, home: str, workspace: str | None, key_said: str) -> None:
 
 
 def serve_swerex(
-    home: str, sock: socket.socket, api_key: str, workspace: str | None = None
+    home: str,
+    sock: socket.socket,
+    api_key: str,
+    workspace: str | None = None,
+    cap: int | None = None,
 ) -> None:
     """Serve SWE-ReX's protocol on uvicorn over the bound `sock` until interrupted (`settled
     serve --swerex`); refusals of peers, tasks opened and closed are said on stderr, and so is
@@ -224,7 +236,8 @@ def serve_swerex(
     from settled.server.peering import gated
 
     workspace = workspace or os.environ.get("SETTLED_SWEREX_WORKSPACE")
-    app = create_swerex_app(home, api_key, workspace, cap=output_cap(os.environ), tell=say)
+    cap = cap if cap is not None else output_cap(os.environ)
+    app = create_swerex_app(home, api_key, workspace, cap=cap, tell=say)
     oomguard.protect_self()  # never the kernel's choice under memory pressure, where it can
     config = uvicorn.Config(app, log_level="warning", http=gated(say))
     with signals_end_serving():  # SIGINT/SIGTERM end the serving and return, so cleanup runs
