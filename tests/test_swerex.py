@@ -243,6 +243,12 @@ def test_a_retried_action_runs_once_and_answers_the_same(served: Served) -> None
         answers = [await _post(served.url, "run_in_session", body, "req-1") for _ in range(2)]
         assert answers[0] == answers[1] and answers[0][0] == 200
         assert marker.read_text() == "x\n"
+        slow = BashAction(session="r", command=f"sleep 1; echo y >> {marker}; echo $RANDOM")
+        both = await asyncio.gather(  # a retry while the first try still runs
+            *(_post(served.url, "run_in_session", slow.model_dump(), "req-2") for _ in range(2))
+        )
+        assert both[0] == both[1] and both[0][0] == 200
+        assert marker.read_text() == "x\ny\n"
         create = CreateBashSessionRequest(session="s", startup_source=[str(marker)]).model_dump()
         made = [await _post(served.url, "create_session", create, "create-1") for _ in range(2)]
         assert made[0] == made[1] and made[0][0] == 200  # a retried create is answered again
