@@ -41,12 +41,8 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from settled.server.jsonbody import AsciiJSONResponse
-from settled.server.swerex_service import (
-    SwerexError,
-    SwerexService,
-    output_cap,
-    swerex_error,
-)
+from settled.server.swerex_output import output_cap
+from settled.server.swerex_service import SwerexError, SwerexService, swerex_error
 
 __all__ = [
     "SwerexError",

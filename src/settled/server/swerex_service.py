@@ -10,10 +10,9 @@ not a plain word), ``swerex:execute:<position>`` for the execute calls. SWE-ReX'
 one ``X-Request-ID`` per call and the same one on its retries, so a request id seen before gets
 its first position back: the same key, so settled returns the same session, never a second run.
 
-Output: the whole of each stream up to a cap (``SETTLED_SWEREX_OUTPUT_CAP`` bytes, default
-64 MiB) and past it the head and the tail with a marker line naming the omitted byte range and
-the session that holds it all; bytes the owner drained but did not store (the home's log cap or
-reserve) are named by a marker too. Never a silent cut.
+Output is each stream whole up to a cap, or its head and tail with a marker
+(server/swerex_output.py); the script of a bash action and its state report are
+server/swerex_shell.py's.
 
 Must never: run an action twice for one request id; carry state from text the action printed
 (swerex_shell: the state report is on its own stream, behind a nonce); name a CLI flag in what
@@ -22,19 +21,19 @@ an HTTP caller reads as an error; answer a close without each task's id and rece
 
 from __future__ import annotations
 
-import codecs
 import errno
 import hashlib
 import os
 import re
 import shlex
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from settled.errors import BadInput, WorkspaceOverlap
+from settled.errors import WorkspaceOverlap
 from settled.runtime import Runtime
+from settled.server.swerex_output import DEFAULT_OUTPUT_CAP, report_tail, stream_text
 from settled.server.swerex_shell import (
     ShellState,
     new_nonce,
@@ -44,9 +43,6 @@ from settled.server.swerex_shell import (
 )
 
 MAX_ACTION_WAIT_S = 24 * 3600.0  # an action without a timeout is waited for this long at most
-OUTPUT_CAP_ENV = "SETTLED_SWEREX_OUTPUT_CAP"
-DEFAULT_OUTPUT_CAP = 64 << 20
-REPORT_TAIL = 1 << 20  # the state report is read from at most the last MiB of its stream
 _PLAIN_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
 
@@ -61,16 +57,6 @@ class SwerexError(Exception):
 
 def swerex_error(name: str, message: str, extra: dict[str, Any] | None = None) -> SwerexError:
     return SwerexError(f"swerex.exceptions.{name}", message, extra)
-
-
-def output_cap(environ: Mapping[str, str]) -> int:
-    """The per-stream output cap of an answer, from ``SETTLED_SWEREX_OUTPUT_CAP`` (bytes)."""
-    text = environ.get(OUTPUT_CAP_ENV, "").strip()
-    if not text:
-        return DEFAULT_OUTPUT_CAP
-    if not text.isdigit() or int(text) < 4096:
-        raise BadInput(f"{OUTPUT_CAP_ENV}={text!r}: give a number of bytes, at least 4096")
-    return int(text)
 
 
 @dataclass
@@ -225,9 +211,9 @@ class SwerexService:
                     f"timeout after {timeout} seconds while running command {command!r}",
                     {"session": admission.session},
                 )
-            reported = self._tail(runtime, admission.session)
+            reported = report_tail(runtime, admission.session)
             _refuse_syntax(command, read_syntax_error(reported, nonce))
-            output = self._text(runtime, admission.session, "stdout", status, "replace")
+            output = stream_text(runtime, admission.session, "stdout", status, "replace", self.cap)
             report = read_report(reported, nonce)
         with self.lock:
             # the newest action's report only: a late retry changes nothing
@@ -282,7 +268,9 @@ class SwerexService:
                     "CommandTimeoutError", f"Timeout ({timeout}s) exceeded while running command"
                 )
             answer = {
-                name: self._text(runtime, admission.session, name, status, "backslashreplace")
+                name: stream_text(
+                    runtime, admission.session, name, status, "backslashreplace", self.cap
+                )
                 for name in ("stdout", "stderr")
             }
         code = exit_facts.get("code")
@@ -295,37 +283,6 @@ class SwerexService:
                 message = f"{body['error_msg']}: {message}"
             raise swerex_error("NonZeroExitCodeError", message, {"exit_code": code})
         return {**answer, "exit_code": code}
-
-    # -- output --------------------------------------------------------------------------
-
-    def _text(
-        self, runtime: Runtime, session: str, stream: str, status: dict[str, Any], errors: str
-    ) -> str:
-        """The stream whole up to the cap, else its head and tail with a marker naming what is
-        omitted; and a marker when the owner drained bytes it did not store."""
-        end = runtime.final_cursor(session, stream) or 0
-        if end <= self.cap:
-            text = runtime.read(session, stream, 0, end).decode(errors=errors) if end else ""
-        else:
-            half = self.cap // 2
-            head = _head_text(runtime.read(session, stream, 0, half), errors)
-            tail = _tail_text(runtime.read(session, stream, end - half, half), errors)
-            text = (
-                f"{head}\n[settled: omitted {stream} bytes {half}..{end - half} of {end} "
-                f"(the answer's cap is {self.cap} bytes); the whole stream is session "
-                f"{session}'s log on the server]\n{tail}"
-            )
-        fact = ((status.get("receipt") or {}).get("output") or {}).get(stream) or {}
-        lost = int(fact.get("not_stored") or 0) + int(fact.get("dropped") or 0)
-        if lost:
-            text += f"\n[settled: {lost} more bytes of {stream} were drained but not stored]\n"
-        return text
-
-    @staticmethod
-    def _tail(runtime: Runtime, session: str) -> bytes:
-        end = runtime.final_cursor(session, "stderr") or 0
-        start = max(0, end - REPORT_TAIL)
-        return runtime.read(session, "stderr", start, end - start) if end > start else b""
 
     # -- close ---------------------------------------------------------------------------
 
@@ -435,16 +392,3 @@ def _command_line(
         return argv, shell, os.path.relpath(target, root)
     enter = f"cd -- {shlex.quote(wanted)} || exit 1\n"  # the view may hold what the host does not
     return None, enter + (shell if shell is not None else f"exec {shlex.join(argv or [])}"), "."
-
-
-def _head_text(data: bytes, errors: str) -> str:
-    """A prefix as text, a multi-byte character cut at its end left out."""
-    return codecs.getincrementaldecoder("utf-8")(errors).decode(data, final=False)
-
-
-def _tail_text(data: bytes, errors: str) -> str:
-    """A suffix as text, the continuation bytes of a character cut at its start left out."""
-    skip = 0
-    while skip < min(3, len(data)) and data[skip] & 0xC0 == 0x80:
-        skip += 1
-    return data[skip:].decode(errors=errors)
