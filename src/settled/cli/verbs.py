@@ -1128,8 +1128,8 @@ def _build(only: str | None) -> tuple[argparse.ArgumentParser, bool]:
     )  # fmt: skip
     srv.add_argument(
         "--swerex-workspace", type=_path("--swerex-workspace"), metavar="DIR",
-        help="with --swerex: the directory each SWE-ReX session works in (default: a new one "
-        "per session)",
+        help="with --swerex: the directory of the one task that each SWE-ReX runtime's "
+        "sessions and commands share (default: a new one per runtime)",
     )  # fmt: skip
 
     probe = _verb(
@@ -1263,11 +1263,12 @@ def _serve_swerex(args: argparse.Namespace) -> int:
 
     from settled.runtime import ready_home
     from settled.server import bind
-    from settled.server.swerex import say, serve_swerex
-    from settled.server.swerex_key import choose_key
+    from settled.server.swerex import announce, output_cap, serve_swerex
+    from settled.server.swerex_key import choose_key, where_said
     from settled.where import run_dir
 
     home = ready_home(getattr(args, "home", None))
+    cap = output_cap(os.environ)  # a bad one is refused before anything is made or said
     key, made, ours = choose_key(run_dir(home), args.api_key_file, os.environ)
     try:
         try:
@@ -1275,12 +1276,11 @@ def _serve_swerex(args: argparse.Namespace) -> int:
         except OSError as exc:
             raise BadInput(f"cannot listen on {args.host}:{args.port}: {exc.strerror}") from exc
         host, port = sock.getsockname()[:2]
-        say(f"listening on http://{f'[{host}]' if ':' in host else host}:{port} (home {home})")
-        if made is not None:
-            say(f"no key was given: made one in {made} (mode 0600); send its content as "
-                "X-API-Key (SWE-ReX's auth_token)")  # fmt: skip
+        url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
+        workspace = args.swerex_workspace or os.environ.get("SETTLED_SWEREX_WORKSPACE")
+        announce(url, home, workspace, where_said(args.api_key_file, made))
         try:
-            serve_swerex(home, sock, key, args.swerex_workspace)
+            serve_swerex(home, sock, key, workspace, cap)
         finally:
             sock.close()
     finally:

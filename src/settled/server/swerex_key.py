@@ -53,6 +53,16 @@ def choose_key(
     return _made(path), path, True
 
 
+def where_said(key_file: str | None, made: str | None) -> str:
+    """Where the key is, as the service says it at start: a path or a variable, never the key."""
+    if made is not None:
+        return (f"no key was given: made one in {made} (mode 0600); send its content as "
+                "X-API-Key (SWE-ReX's auth_token)")  # fmt: skip
+    if key_file is not None:
+        return f"key: the content of {key_file}, sent as X-API-Key (SWE-ReX's auth_token)"
+    return f"key: from {KEY_ENV}, removed from this process's environment before serving"
+
+
 def _made(path: str) -> str:
     """A new key, written to `path` (which must not exist) whole or not at all: under a
     temporary name, fsynced, mode set to 0600 whatever the umask, then linked (a link never
