@@ -833,8 +833,16 @@ def _build(only: str | None) -> tuple[argparse.ArgumentParser, bool]:
         "create a task",
         "settled task new --workspace ~/proj --ignore .venv/ -q",
     )
-    new.add_argument("--workspace", type=_path("--workspace"))
-    new.add_argument("--key", type=_key("--key"))
+    new.add_argument(
+        "--workspace", type=_path("--workspace"), metavar="DIR",
+        help="the directory the task's commands work in and its checkpoints capture; it must "
+        "not overlap another open task's (default: a new empty directory settled makes for it)",
+    )  # fmt: skip
+    new.add_argument(
+        "--key", type=_key("--key"),
+        help="task key: `task new` again with the same key (and workspace) returns the same "
+        "task, so a retry after a lost answer makes no second one (default: a new key)",
+    )  # fmt: skip
     new.add_argument(
         "--user",
         type=_text("--user", grammar.MAX_USER_BYTES, 1),
