@@ -40,3 +40,23 @@ def test_ls_json_keeps_state_and_complete_apart(cli: CLI, task: dict[str, Any]) 
     assert cli.run("close", task["task"]).returncode == 0
     row = json.loads(cli.run("ls", "--json").stdout)["tasks"][0]
     assert row["state"] == "complete" and row["complete"] is True
+
+
+# -- --timeout 0, and stdin that is not passed -------------------------------------------------
+
+
+def test_timeout_0_is_no_limit_and_the_same_command_as_none(cli: CLI, task: dict[str, Any]) -> None:
+    command = ("--", "sh", "-c", "sleep 0.3; echo done")
+    done = cli.run("run", "--task", task["task"], "--key", "k0", "--timeout", "0", *command)
+    assert done.returncode == 0 and done.stdout == b"done\n", done.stderr
+    receipt = cli.json("wait", cli.run("ps", task["task"], "-q").stdout.decode().strip())
+    assert receipt["exit"]["reason"] == "exited"
+    again = cli.json("exec", "--task", task["task"], "--key", "k0", *command)
+    assert again["reused"] is True  # no --timeout and --timeout 0: one command, one digest
+
+
+def test_an_http_body_s_timeout_0_is_no_limit() -> None:
+    from settled.server.bodies import session_request
+
+    assert session_request({"key": "k", "shell": "true", "timeout": 0})["timeout"] is None
+    assert session_request({"key": "k", "shell": "true", "timeout": 2})["timeout"] == 2.0

@@ -105,7 +105,7 @@ def _admit(rt: Runtime, args: argparse.Namespace, verb: str) -> Admission:
         cwd=args.cwd,
         env=_environment(args),
         stdin=_read_stdin_arg(args.stdin),
-        timeout=args.timeout,
+        timeout=args.timeout or None,  # 0 is no limit, as timeout(1) reads it
         grace=args.grace,
         boundary=args.boundary,
         service=args.service,
@@ -589,7 +589,8 @@ def _exec_options(ex: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     ex.add_argument(
         "--timeout", type=_seconds("--timeout", grammar.MAX_TIMEOUT_S), metavar="SECONDS",
-        help="settled stops the command after this long: TERM, grace, KILL (default: none)",
+        help="settled stops the command after this long: TERM, grace, KILL; 0 is no limit, as "
+        "for timeout(1) (default: none)",
     )  # fmt: skip
     ex.add_argument(
         "--grace", type=_seconds("--grace", grammar.MAX_GRACE_S), metavar="SECONDS",
