@@ -4,10 +4,13 @@ settled-made outcome says on stderr; driven as a user would, with real `settled`
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+from pathlib import Path
 from typing import Any
 
 import test_cli
-from test_cli import CLI
+from test_cli import CLI, SETTLED
 
 cli = test_cli.cli  # the fixtures, shared
 task = test_cli.task
@@ -60,3 +63,52 @@ def test_an_http_body_s_timeout_0_is_no_limit() -> None:
 
     assert session_request({"key": "k", "shell": "true", "timeout": 0})["timeout"] is None
     assert session_request({"key": "k", "shell": "true", "timeout": 2})["timeout"] == 2.0
+
+
+def _run_with_stdin(cli: CLI, task: dict[str, Any], stdin: Any, *extra: str) -> Any:
+    return subprocess.run(
+        [*SETTLED, "run", "--task", task["task"], *extra, "--", "sh", "-c", "cat; echo end"],
+        stdin=stdin, capture_output=True, env=cli.env, timeout=60,
+    )  # fmt: skip
+
+
+def test_piped_stdin_not_passed_is_said_once_and_how_to_pass_it(
+    cli: CLI, task: dict[str, Any], tmp_path: Path
+) -> None:
+    read, write = os.pipe()
+    os.write(write, b"hi\n")
+    os.close(write)
+    with os.fdopen(read, "rb") as pipe:
+        done = _run_with_stdin(cli, task, pipe)
+    assert done.returncode == 0 and done.stdout == b"end\n"
+    lines = done.stderr.decode().splitlines()
+    assert len(lines) == 1 and "not passed" in lines[0] and "--stdin -" in lines[0], lines
+    data = tmp_path / "data"
+    data.write_bytes(b"from a file\n")
+    with data.open("rb") as handle:
+        from_file = _run_with_stdin(cli, task, handle)
+    assert b"a file with 12 bytes" in from_file.stderr and b"--stdin -" in from_file.stderr
+    read, write = os.pipe()
+    os.write(write, b"hi\n")
+    os.close(write)
+    with os.fdopen(read, "rb") as pipe:
+        passed = _run_with_stdin(cli, task, pipe, "--stdin", "-")
+    assert passed.stdout == b"hi\nend\n" and passed.stderr == b""
+
+
+def test_no_stdin_warning_for_a_terminal_dev_null_or_an_empty_pipe(
+    cli: CLI, task: dict[str, Any]
+) -> None:
+    quiet = [_run_with_stdin(cli, task, subprocess.DEVNULL)]
+    read, write = os.pipe()
+    os.close(write)
+    with os.fdopen(read, "rb") as pipe:
+        quiet.append(_run_with_stdin(cli, task, pipe))
+    primary, secondary = os.openpty()
+    try:
+        quiet.append(_run_with_stdin(cli, task, secondary))
+    finally:
+        os.close(primary)
+        os.close(secondary)
+    for done in quiet:
+        assert done.returncode == 0 and done.stdout == b"end\n" and done.stderr == b"", done

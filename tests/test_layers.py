@@ -72,6 +72,7 @@ FACES = {
     "settled.cli.verbs",
     "settled.cli.frame",
     "settled.cli.reads",
+    "settled.cli.notices",
     "settled.cli.thin",
     "settled.cli.worker",
     "settled.cli.__main__",

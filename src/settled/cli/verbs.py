@@ -97,6 +97,10 @@ def _environment(args: argparse.Namespace) -> dict[str, str]:
 
 def _admit(rt: Runtime, args: argparse.Namespace, verb: str) -> Admission:
     command = _command_words(args, verb)
+    from settled.cli.notices import stdin_left_behind
+
+    if (warning := stdin_left_behind(args.stdin)) is not None:
+        print(warning, file=sys.stderr, flush=True)
     return rt.exec(
         args.task,
         argv=command if len(command) > 1 else None,
