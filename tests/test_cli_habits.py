@@ -9,6 +9,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+import pytest
 import test_cli
 from test_cli import CLI, SETTLED
 
@@ -112,3 +113,68 @@ def test_no_stdin_warning_for_a_terminal_dev_null_or_an_empty_pipe(
         os.close(secondary)
     for done in quiet:
         assert done.returncode == 0 and done.stdout == b"end\n" and done.stderr == b"", done
+
+
+# -- a closed pipe: a quiet 141, as git -------------------------------------------------------
+
+
+def _piped(cli: CLI, reader: str, *args: str, env: dict[str, str] | None = None) -> Any:
+    """`settled ARGS | READER` through bash: the settled side's code, stdout as the reader
+    printed it, stderr as settled (and the reader) printed it."""
+    script = f'"${{@:2}}" | {reader}; exit "${{PIPESTATUS[0]}}"'
+    return subprocess.run(
+        ["bash", "-c", script, "bash", "_", *SETTLED, *args],
+        capture_output=True, env={**cli.env, **(env or {})}, timeout=90,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("where", ["warm", "local"])
+def test_ls_into_head_is_a_quiet_141(cli: CLI, tmp_path: Path, where: str) -> None:
+    deep = tmp_path / "w"
+    for _ in range(16):  # a long workspace name: 24 rows are more than a pipe holds (64 KiB)
+        deep = deep / ("d" * 200)
+    deep.mkdir(parents=True)
+    for _ in range(24):
+        made = cli.run("task", "new", "--workspace", str(deep), "--shared-workspace", "-q")
+        assert made.returncode == 0, made.stderr
+    env = {"SETTLED_CLI": "local"} if where == "local" else {}
+    whole = cli.run("ls", env=env)
+    assert whole.returncode == 0 and len(whole.stdout) > 65536
+    done = _piped(cli, "head -1", "ls", env=env)
+    assert (done.returncode, done.stderr) == (141, b"")
+    assert done.stdout.split() == [b"TASK", b"STATE", b"SESSIONS", b"AGE", b"WORKSPACE"]
+
+
+@pytest.mark.parametrize(
+    "args", [["--help"], ["run", "--help"], ["ls"], ["--version"]], ids=" ".join
+)
+def test_any_verb_into_a_closed_pipe_is_a_quiet_141(cli: CLI, args: list[str]) -> None:
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before settled writes a byte
+    try:
+        done = subprocess.run(
+            [*SETTLED, *args], stdout=write, stderr=subprocess.PIPE, env=cli.env, timeout=60
+        )
+    finally:
+        os.close(write)
+    assert done.stderr == b""
+    # argparse prints a help itself and swallows its write's error: that one exits 0, quietly
+    assert done.returncode == (0 if "--help" in args else 141)
+
+
+MIB = 1 << 20
+
+
+def test_logs_run_and_follow_into_head_are_a_quiet_141(cli: CLI, task: dict[str, Any]) -> None:
+    big = f"head -c {MIB} /dev/zero"
+    ran = _piped(cli, "head -c 10", "run", "--task", task["task"], "--", "sh", "-c", big)
+    assert (ran.returncode, ran.stderr, ran.stdout) == (141, b"", b"\0" * 10)
+    session = cli.run("ps", task["task"], "-q").stdout.decode().split()[0]
+    assert cli.json("wait", session)["output"]["stdout"]["cursor"] == MIB  # it ran on, whole
+    for stream in ("merged", "stdout"):
+        logs = _piped(cli, "head -c 10", "logs", session, "--stream", stream)
+        assert (logs.returncode, logs.stderr, logs.stdout) == (141, b"", b"\0" * 10)
+    live = cli.json("exec", "--task", task["task"], "--", "sh", "-c", f"{big}; sleep 60")
+    followed = _piped(cli, "head -c 10", "logs", live["session"], "--follow")
+    assert (followed.returncode, followed.stderr) == (141, b"")
+    assert cli.json("status", live["session"])["state"] == "running"  # only the reader left

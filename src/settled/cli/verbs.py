@@ -14,11 +14,19 @@ import sys
 from collections.abc import Callable, Iterable, Iterator
 
 from settled import __version__, grammar
-from settled.cli.frame import bind_backends, emit, execute, fail, settled_code, with_runtime
+from settled.cli.frame import (
+    bind_backends,
+    broken_pipe,
+    emit,
+    execute,
+    fail,
+    settled_code,
+    with_runtime,
+    write_all,
+)
 from settled.cli.reads import LS_LIMIT, cmd_ls, cmd_ps, cmd_status
 from settled.errors import (
     EXIT_BLOCKED,
-    EXIT_FAILURE,
     EXIT_INTERRUPTED,
     EXIT_OK,
     BadInput,
@@ -179,7 +187,7 @@ def _relay(rt: Runtime, relay: Relay, cancel_on_interrupt: bool) -> int:
         print(f"settled: cancelling session {relay.session} (TERM, grace, KILL)", file=sys.stderr)
         short = relay.run(rt, sinks)  # a second Ctrl-C detaches, through main's handler
     except BrokenPipeError:
-        return EXIT_FAILURE
+        return broken_pipe()  # `settled run ... | head`: quiet, and the command runs on
     for stream, (stored, final) in short.items():
         print(
             f"settled: {stream} of {relay.session} is stored only to byte {stored} of its "
@@ -214,10 +222,10 @@ def cmd_logs(rt: Runtime, args: argparse.Namespace) -> int:
     chunks = _merged_chunks(rt, args) if args.stream == "merged" else _stream_chunks(rt, args)
     try:
         for chunk in chunks:
-            out.write(chunk)
+            write_all(out, chunk)
         out.flush()
     except BrokenPipeError:
-        return EXIT_OK
+        return broken_pipe()
     except TimeoutError as exc:  # the follow's own bound: the session goes on, exit 3
         out.flush()
         raise NotSettled(f"logs --follow of {args.session}: {exc}; the session goes on") from None
