@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import test_cli
+from conftest import ESCAPEE, kill_marked
 from test_cli import CLI, SETTLED
 
 cli = test_cli.cli  # the fixtures, shared
@@ -178,3 +179,82 @@ def test_logs_run_and_follow_into_head_are_a_quiet_141(cli: CLI, task: dict[str,
     followed = _piped(cli, "head -c 10", "logs", live["session"], "--follow")
     assert (followed.returncode, followed.stderr) == (141, b"")
     assert cli.json("status", live["session"])["state"] == "running"  # only the reader left
+
+
+# -- every code of settled's own says why, on one line; the command's own codes say nothing ----
+
+
+def _lines(err: bytes) -> list[str]:
+    return err.decode().strip().splitlines()
+
+
+def test_a_command_not_found_says_so_naming_the_path_it_searched(
+    cli: CLI, task: dict[str, Any]
+) -> None:
+    done = cli.run("run", "--task", task["task"], "--", "no-such-program-37", "arg")
+    assert done.returncode == 127 and done.stdout == b""
+    (line,) = _lines(done.stderr)
+    assert line.startswith("settled: no-such-program-37: not found on PATH (PATH=/"), line
+    assert "never started" in line and "full path" in line
+    absolute = cli.run("run", "--task", task["task"], "--", "/no/such/program", "x")
+    assert absolute.returncode == 127
+    assert _lines(absolute.stderr) == [
+        "settled: /no/such/program: no such file; the command never started (exit 127)"
+    ]
+    as_json = cli.run("run", "--task", task["task"], "--json", "--", "no-such-program-37", "y")
+    assert as_json.returncode == 127 and json.loads(as_json.stdout)["exit"]["stage"] == "exec"
+    assert "not found on PATH" in as_json.stderr.decode()
+
+
+def test_a_timeout_names_the_limit(cli: CLI, task: dict[str, Any]) -> None:
+    done = cli.run(
+        "run", "--task", task["task"], "--timeout", "0.5", "--grace", "0.2", "--", "sleep", "30"
+    )
+    assert done.returncode == 124
+    (line,) = _lines(done.stderr)
+    assert "--timeout of 0.5 s" in line and "KILL after 0.2 s" in line and "status s_" in line
+
+
+@pytest.mark.parametrize("code", [0, 1, 117, 124, 127])
+def test_the_command_s_own_exit_codes_are_never_explained(
+    cli: CLI, task: dict[str, Any], code: int
+) -> None:
+    done = cli.run("run", "--task", task["task"], "--", "sh", "-c", f"exit {code}")
+    assert (done.returncode, done.stderr) == (code, b"")
+
+
+def test_a_shell_s_own_not_found_is_its_own_line_only(cli: CLI, task: dict[str, Any]) -> None:
+    done = cli.run("run", "--task", task["task"], "--", "no-such-program-37")  # via /bin/sh -c
+    assert done.returncode == 127
+    (line,) = _lines(done.stderr)
+    assert "no-such-program-37" in line and not line.startswith("settled:")
+
+
+def test_a_cancel_while_run_relays_says_who_cancelled(cli: CLI, task: dict[str, Any]) -> None:
+    proc = subprocess.Popen(
+        [*SETTLED, "run", "--task", task["task"], "--", "sh", "-c", "echo up; exec sleep 30"],
+        env=cli.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    assert proc.stdout is not None and proc.stdout.readline() == b"up\n"
+    session = cli.run("ps", task["task"], "-q").stdout.decode().strip()
+    assert cli.run("cancel", session, "--reason", "not needed").returncode == 0
+    _out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 143
+    assert _lines(err) == [f"settled: {session} was cancelled (not needed); see `settled status "
+                           f"{session}`"]  # fmt: skip
+
+
+def test_an_unknown_outcome_says_why_and_what_to_run(
+    cli: CLI, task: dict[str, Any], marker: str
+) -> None:
+    try:
+        done = cli.run(
+            "run", "--task", task["task"], "--boundary", "pgroup", "--grace", "0.5", "--",
+            ESCAPEE,
+        )  # fmt: skip
+        assert done.returncode == 117 and done.stdout == b"escaped\n"
+        (line,) = _lines(done.stderr)
+        assert "is unknown (exit 117): nothing proves its processes are gone" in line
+        assert "settled status s_" in line and f"settled recover --task {task['task']}" in line
+    finally:
+        kill_marked(marker, b"sleep")

@@ -34,7 +34,7 @@ from settled.errors import (
     SettledError,
     exit_code_lines,
 )
-from settled.exitcodes import RUN_EXIT_CODES, RUN_UNKNOWN, command_exit_code
+from settled.exitcodes import RUN_EXIT_CODES, command_exit_code
 from settled.identity import BOUNDARY_POLICIES, ISOLATION_POLICIES, NETWORK_POLICIES
 from settled.printable import printable, printable_tree
 from settled.render import blocked_text, close_text, receipt_text, status_text
@@ -156,6 +156,7 @@ def cmd_run(rt: Runtime, args: argparse.Namespace) -> int:
         view = rt.wait(admission.session)
         receipt = view.get("receipt")
         print(json.dumps(receipt or view, sort_keys=True))
+        _say_why(rt, admission.session, receipt)
         return command_exit_code(receipt)
     from settled.relay import Relay
 
@@ -195,14 +196,19 @@ def _relay(rt: Runtime, relay: Relay, cancel_on_interrupt: bool) -> int:
             file=sys.stderr,
         )
     receipt = rt.wait(relay.session).get("receipt")
-    code = command_exit_code(receipt)
-    if code == RUN_UNKNOWN:
-        print(
-            f"settled: the outcome of {relay.session} is unknown: see `settled status "
-            f"{relay.session}`",
-            file=sys.stderr,
-        )
-    return code
+    _say_why(rt, relay.session, receipt)
+    return command_exit_code(receipt)
+
+
+def _say_why(rt: Runtime, session: str, receipt: dict[str, Any] | None) -> None:
+    """One line on stderr when run's code is settled's (timeout, never started, unknown,
+    cancelled, oom), never for the command's own exit (cli/notices.py)."""
+    from settled.cli.notices import outcome_line
+
+    record = rt.session_record(session)
+    line = outcome_line(session, record.task, receipt, record.spec, record.cancel_requested)
+    if line is not None:
+        print(line, file=sys.stderr, flush=True)
 
 
 def cmd_wait(rt: Runtime, args: argparse.Namespace) -> int:
@@ -903,7 +909,9 @@ def _build(only: str | None) -> tuple[argparse.ArgumentParser, bool]:
         "  Ctrl-C detaches (the command runs on) and prints the `settled attach` that goes on",
         epilog="exit codes of run (the command's, as a shell reports them):\n"
         + "\n".join(f"  {code:>3}  {meaning}" for code, meaning in RUN_EXIT_CODES.items())
-        + "\n  and settled's own: 2 usage, 4 key conflict or sealed admission, 130 detached",
+        + "\n  and settled's own: 2 usage, 4 key conflict or sealed admission, 130 detached,"
+        "\n  141 stdout closed. When the code is settled's and not the command's (124, 127,"
+        "\n  117, a cancel, the memory limit), one line on stderr says why and what to do",
     )
     _exec_options(run)
     _interrupt_option(run)
