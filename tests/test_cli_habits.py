@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import json
 import os
+import pty
+import select
+import signal
 import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
@@ -258,3 +262,102 @@ def test_an_unknown_outcome_says_why_and_what_to_run(
         assert "settled status s_" in line and f"settled recover --task {task['task']}" in line
     finally:
         kill_marked(marker, b"sleep")
+
+
+# -- close: what it waits for on a terminal, its default deadline, Ctrl-C ----------------------
+
+
+class Terminal:
+    """A `settled` process on a real pseudo-terminal (its controlling terminal: Ctrl-C typed
+    there is the kernel's SIGINT to it), and everything it wrote there."""
+
+    def __init__(self, args: list[str], env: dict[str, str]) -> None:
+        argv = [*SETTLED, *args]
+        pid, fd = pty.fork()
+        if pid == 0:  # the child: nothing but exec
+            try:
+                os.execve(argv[0], argv, env)
+            finally:
+                os._exit(127)
+        self.pid, self.fd, self.seen = pid, fd, b""
+
+    def read_until(self, needle: bytes, seconds: float) -> bool:
+        give_up = time.monotonic() + seconds
+        while needle not in self.seen:
+            left = give_up - time.monotonic()
+            if left <= 0 or not select.select([self.fd], [], [], left)[0]:
+                return False
+            try:
+                chunk = os.read(self.fd, 4096)
+            except OSError:  # EIO: the process closed the terminal (it ended)
+                return needle in self.seen
+            if not chunk:
+                return needle in self.seen
+            self.seen += chunk
+        return True
+
+    def type(self, data: bytes) -> None:
+        os.write(self.fd, data)
+
+    def end(self, seconds: float = 60) -> int:
+        """Its exit code, after reading the rest of what it wrote."""
+        self.read_until(b"\0never\0", seconds)
+        give_up = time.monotonic() + seconds
+        while True:
+            done, status = os.waitpid(self.pid, os.WNOHANG)
+            if done:
+                os.close(self.fd)
+                return os.waitstatus_to_exitcode(status)
+            if time.monotonic() > give_up:
+                os.kill(self.pid, signal.SIGKILL)
+            time.sleep(0.05)
+
+
+def test_close_help_states_its_default_deadline() -> None:
+    from settled.cli.closing import DEFAULT_DEADLINE_S as SHOWN
+    from settled.close.join import DEFAULT_DEADLINE_S
+
+    assert SHOWN == DEFAULT_DEADLINE_S
+    text = subprocess.run([*SETTLED, "close", "--help"], capture_output=True, timeout=60)
+    deadline = " ".join(text.stdout.decode().split("--deadline", 1)[1].split())
+    assert f"(default: {DEFAULT_DEADLINE_S:g})" in deadline and "cancelled" in deadline
+
+
+def test_a_long_close_says_what_it_waits_for_on_a_terminal_only(
+    cli: CLI, task: dict[str, Any], tmp_path: Path
+) -> None:
+    session = cli.json("exec", "--task", task["task"], "--", "sleep", "4.5")["session"]
+    close = Terminal(["close", task["task"]], cli.env)
+    assert close.end() == 0, close.seen
+    lines = [line for line in close.seen.decode().splitlines() if "closing" in line]
+    assert lines, close.seen
+    assert f"closing {task['task']}: waiting for session {session} (sleep 4.5, running" in lines[0]
+    assert "s so far of a 600 s deadline" in lines[0]
+    workspace = tmp_path / "quiet"
+    workspace.mkdir()
+    other = cli.json("task", "new", "--workspace", str(workspace))["task"]
+    cli.json("exec", "--task", other, "--", "sleep", "4")
+    piped = cli.run("close", other)
+    assert piped.returncode == 0 and piped.stderr == b""  # not a terminal: not a word
+
+
+def test_ctrl_c_on_a_close_says_how_to_finish_it_and_run_says_so_too(
+    cli: CLI, task: dict[str, Any]
+) -> None:
+    session = cli.json("exec", "--task", task["task"], "--", "sleep", "60")["session"]
+    close = Terminal(["close", task["task"]], cli.env)
+    assert close.read_until(b"waiting for session " + session.encode(), 30), close.seen
+    close.type(b"\x03")  # Ctrl-C, as typed
+    assert close.end() == 130, close.seen
+    said = close.seen.decode().replace("\r", "")
+    assert f"close of {task['task']} interrupted" in said
+    assert f"Finish it: settled close {task['task']}\n" in said
+    refused = cli.run("run", "--task", task["task"], "--", "true")
+    assert refused.returncode == 4
+    (line,) = _lines(refused.stderr)
+    assert "AdmissionSealed" in line and "being closed" in line
+    assert line.endswith(f"run `settled close {task['task']}` to finish closing it")
+    cli.run("cancel", session)
+    assert cli.run("close", task["task"]).returncode == 0
+    closed = cli.run("run", "--task", task["task"], "--", "true")
+    assert closed.returncode == 4 and b"settled task new" in closed.stderr

@@ -73,6 +73,7 @@ FACES = {
     "settled.cli.frame",
     "settled.cli.reads",
     "settled.cli.notices",
+    "settled.cli.closing",
     "settled.cli.thin",
     "settled.cli.worker",
     "settled.cli.__main__",

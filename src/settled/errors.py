@@ -136,7 +136,14 @@ class AdmissionSealed(SettledError):
     exit_code = EXIT_CONFLICT
 
     def __init__(self, task: str, state: str) -> None:
-        super().__init__(f"task {task} is {state}: admission is sealed, no new command may start")
+        then = (
+            "start a new task with `settled task new`"
+            if state == "complete"  # states.TASK_COMPLETE: its close is done
+            else f"it is being closed: run `settled close {task}` to finish closing it"
+        )
+        super().__init__(
+            f"task {task} is {state}: admission is sealed, no new command may start; {then}"
+        )
         self.task, self.state = task, state
 
 

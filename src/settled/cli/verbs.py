@@ -298,7 +298,13 @@ def cmd_close(rt: Runtime, args: argparse.Namespace) -> int:
         return EXIT_OK
     if args.task is None:
         raise BadInput("close needs a TASK (or --list-fault-points)")
-    result = rt.close_task(args.task, args.final, args.deadline)
+    from settled.cli.closing import close_with_progress, interrupted_line
+
+    try:
+        result = close_with_progress(rt, args.task, args.final, args.deadline)
+    except KeyboardInterrupt:
+        print(interrupted_line(args.task), file=sys.stderr, flush=True)
+        return EXIT_INTERRUPTED
     if result.complete:
         emit(args, result.to_json(), close_text(result.to_json()))
         return EXIT_OK
@@ -1020,7 +1026,9 @@ def _build(only: str | None) -> tuple[argparse.ArgumentParser, bool]:
     close.add_argument(
         "--deadline",
         type=_seconds("--deadline", grammar.MAX_DEADLINE_S),
-        help="seconds to wait for required sessions",
+        help="seconds to wait for the task's running commands; then those still running are "
+        "cancelled (default: 600). On a terminal, what it waits for is printed every few "
+        "seconds; Ctrl-C stops waiting (exit 130) and `settled close TASK` again finishes it",
     )
     close.add_argument("--list-fault-points", action="store_true")
     close.set_defaults(handler=cmd_close)
