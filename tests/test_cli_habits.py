@@ -361,3 +361,23 @@ def test_ctrl_c_on_a_close_says_how_to_finish_it_and_run_says_so_too(
     assert cli.run("close", task["task"]).returncode == 0
     closed = cli.run("run", "--task", task["task"], "--", "true")
     assert closed.returncode == 4 and b"settled task new" in closed.stderr
+
+
+def test_an_outcome_lost_with_its_owner_says_so_on_attach(cli: CLI, task: dict[str, Any]) -> None:
+    from conftest import _skip_unavailable
+
+    _skip_unavailable("cgroup2")
+    admitted = cli.json(
+        "exec", "--task", task["task"], "--boundary", "cgroup2", "--", "printf hi; sleep 300"
+    )
+    os.kill(admitted["owner_pid"], signal.SIGKILL)
+    give_up = time.monotonic() + 20
+    while cli.json("status", admitted["session"])["state"] != "unknown":
+        assert time.monotonic() < give_up
+        time.sleep(0.05)
+    assert cli.json("recover")["sessions"][0]["state"] == "settled"
+    attached = cli.run("attach", admitted["session"])
+    assert attached.returncode == 117 and attached.stdout == b"hi"
+    (line,) = _lines(attached.stderr)
+    assert "is unknown (exit 117): the exit status was lost with the owner" in line, line
+    assert f"settled status {admitted['session']}" in line

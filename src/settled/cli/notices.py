@@ -77,9 +77,12 @@ def outcome_line(
     that nothing settled did not cause is ever said."""
     unknown = _unknown_because(receipt)
     if unknown is not None:
+        death = receipt.get("death") if isinstance(receipt, dict) else None
+        proven = isinstance(death, dict) and death.get("proven") is True  # recovered already
+        then = "" if proven else f"; `settled recover --task {task}` settles it"
         return (
             f"settled: the outcome of {session} is unknown (exit 117): {unknown}. "
-            f"`settled status {session}` says why; `settled recover --task {task}` settles it"
+            f"`settled status {session}` says why{then}"
         )
     assert receipt is not None
     exit_fact: dict[str, Any] = receipt["exit"]
