@@ -72,6 +72,8 @@ FACES = {
     "settled.cli.verbs",
     "settled.cli.frame",
     "settled.cli.reads",
+    "settled.cli.notices",
+    "settled.cli.closing",
     "settled.cli.thin",
     "settled.cli.worker",
     "settled.cli.__main__",

@@ -15,6 +15,7 @@ EXIT_USAGE = 2
 EXIT_BLOCKED = 3
 EXIT_CONFLICT = 4
 EXIT_INTERRUPTED = 130
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE: what a shell reports for git killed by a closed pipe
 
 # Every exit code the CLI can return, and what it means: one row per code, in order.
 EXIT_CODES: dict[int, str] = {
@@ -26,6 +27,8 @@ EXIT_CODES: dict[int, str] = {
     EXIT_CONFLICT: "key conflict, sealed or frozen admission, or a task of another host: "
     "the first command (or host) stands",
     EXIT_INTERRUPTED: "interrupted (SIGINT): what was recorded stands",
+    EXIT_BROKEN_PIPE: "the reader of stdout went away (a pipe into `head`): settled stopped "
+    "writing, quietly, as git does; what was recorded stands",
 }
 
 
@@ -133,7 +136,14 @@ class AdmissionSealed(SettledError):
     exit_code = EXIT_CONFLICT
 
     def __init__(self, task: str, state: str) -> None:
-        super().__init__(f"task {task} is {state}: admission is sealed, no new command may start")
+        then = (
+            "start a new task with `settled task new`"
+            if state == "complete"  # states.TASK_COMPLETE: its close is done
+            else f"it is being closed: run `settled close {task}` to finish closing it"
+        )
+        super().__init__(
+            f"task {task} is {state}: admission is sealed, no new command may start; {then}"
+        )
         self.task, self.state = task, state
 
 

@@ -19,6 +19,8 @@ import contextlib
 import signal
 from collections.abc import Callable, Iterator
 
+from settled.cli.frame import write_all
+
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import BinaryIO
@@ -91,7 +93,7 @@ class Relay:
             if chunk:
                 with _no_interrupt():  # a Ctrl-C lands before or after, never between
                     sink = sinks[stream]
-                    sink.write(chunk)
+                    write_all(sink, chunk)
                     sink.flush()
                     self.cursors[stream] += len(chunk)
                 moved = True

@@ -15,6 +15,15 @@ import sys
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    try:
+        return _main(argv)
+    except BrokenPipeError:  # a help or a version piped into `head`: a quiet 141
+        from settled.cli.frame import broken_pipe
+
+        return broken_pipe()
+
+
+def _main(argv: list[str]) -> int:
     _tolerant_stdout()
     if argv in (["--version"], ["-V"]):
         from settled import __version__
@@ -39,7 +48,18 @@ def _tolerant_stdout() -> None:
 
 
 def run_here(argv: list[str]) -> int:
-    """The verb, in this process: what a worker of the home's warm process runs too."""
+    """The verb, in this process: what a worker of the home's warm process runs too. A closed
+    pipe on stdout, wherever it is found (a --help written into `head`), ends it with a quiet
+    141 (`frame.broken_pipe`)."""
+    try:
+        return _run_verb(argv)
+    except BrokenPipeError:
+        from settled.cli.frame import broken_pipe
+
+        return broken_pipe()
+
+
+def _run_verb(argv: list[str]) -> int:
     from settled.cli.reads import parse_quick
 
     quick = parse_quick(argv)

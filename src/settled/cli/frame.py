@@ -16,6 +16,7 @@ import sys
 
 from settled.errors import (
     EXIT_BLOCKED,
+    EXIT_BROKEN_PIPE,
     EXIT_CODES,
     EXIT_FAILURE,
     EXIT_INTERRUPTED,
@@ -31,7 +32,7 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from argparse import Namespace
     from collections.abc import Callable
-    from typing import Any
+    from typing import Any, BinaryIO
 
     from settled.runtime import Runtime
 
@@ -75,7 +76,11 @@ def execute(args: Namespace, dispatch: Callable[[Namespace], int]) -> int:
     """Run `dispatch(args)`; every error is one line on stderr (and a JSON object with --json)
     and a listed exit code, never a traceback unless --debug asked for it."""
     try:
-        return dispatch(args)
+        code = dispatch(args)
+        sys.stdout.flush()  # a closed pipe is found here, not by the interpreter's last flush
+        return code
+    except BrokenPipeError:
+        return broken_pipe()
     except SettledError as exc:
         return fail(args, exc.to_json(), str(exc), exc.exit_code)
     except CursorOutOfRange as exc:
@@ -92,6 +97,34 @@ def execute(args: Namespace, dispatch: Callable[[Namespace], int]) -> int:
         return fail(args, payload, "interrupted", EXIT_INTERRUPTED)
     except Exception as exc:
         return internal_error(args, exc)
+
+
+def write_all(sink: BinaryIO, data: bytes) -> None:
+    """All of `data`, or an error: a buffered write as large as a pipe's capacity returns
+    short (and raises nothing) when the reader leaves in the middle of it; the next write
+    finds the closed pipe (BrokenPipeError)."""
+    view = memoryview(data)
+    while view:
+        written = sink.write(view)
+        view = view[written or 0 :]
+
+
+def broken_pipe() -> int:
+    """The reader of stdout went away (`settled ls | head -1`): stop without a word, as git
+    does (a shell reports it killed by SIGPIPE, 141; Python ignores SIGPIPE, so the code is
+    returned). What was buffered is dropped: stdout becomes /dev/null, so no later flush (the
+    interpreter's own at exit) fails again and prints its `Exception ignored`."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY | os.O_CLOEXEC)
+    except OSError:
+        return EXIT_BROKEN_PIPE
+    try:
+        os.dup2(devnull, sys.stdout.fileno(), inheritable=False)
+    except (OSError, ValueError, AttributeError):
+        pass  # stdout is not a descriptor: nothing to flush there
+    finally:
+        os.close(devnull)
+    return EXIT_BROKEN_PIPE
 
 
 def bind_backends(args: Namespace) -> None:

@@ -25,6 +25,7 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from argparse import Namespace
     from collections.abc import Callable
+    from typing import Any
 
     from settled.runtime import Runtime
 
@@ -41,9 +42,7 @@ def cmd_ls(rt: Runtime, args: Namespace) -> int:
     now = time.time()
     table: list[tuple[str, ...]] = [("TASK", "STATE", "SESSIONS", "AGE", "WORKSPACE")]
     for row in rows:
-        state = row["state"]
-        if "complete" in row:
-            state += " (complete)" if row["complete"] else " (not complete)"
+        state = _task_state(row)
         sessions = f"{row['sessions']}" + (f" ({row['live']} live)" if row["live"] else "")
         table.append((
             printable(row["task"]), printable(state), sessions, _age(now - row["created_at"]),
@@ -60,19 +59,38 @@ def cmd_ps(rt: Runtime, args: Namespace) -> int:
         ("SESSION", "KEY", "STATE", "EXIT", "OUT/ERR BYTES", "DURATION", "COMMAND")
     ]
     for s in view["sessions"]:
-        exit_fact = s.get("exit") or {}
-        code = exit_fact.get("code", exit_fact.get("signal", "-"))
+        code = _exit_column(s.get("exit") or {})
         cursors = s.get("cursors") or {}
         started, ended = s.get("started_at"), s.get("settled_at")
         took = _age((ended or time.time()) - started) if started else "-"
         table.append((
             printable(s["session"]), printable(s["key"]), printable(s["state"]),
-            printable(str(code)), f"{cursors.get('stdout', 0)}/{cursors.get('stderr', 0)}", took,
+            printable(code), f"{cursors.get('stdout', 0)}/{cursors.get('stderr', 0)}", took,
             _shorten(printable(s.get("command") or ""), 60),
         ))  # fmt: skip
     text = _table(table) if view["sessions"] else f"task {args.task} has no sessions"
     emit(args, view, text, brief="\n".join(s["session"] for s in view["sessions"]) or None)
     return EXIT_OK
+
+
+def _task_state(row: dict[str, Any]) -> str:
+    """The task's state, and whether its close proved completion when that is not the same
+    word: `complete` once, `sealed (not complete)`, `complete (not complete)` for a close
+    that ended without proof."""
+    state: str = row["state"]
+    if "complete" not in row or (row["complete"] and state == "complete"):
+        return state
+    return state + (" (complete)" if row["complete"] else " (not complete)")
+
+
+def _exit_column(exit_fact: dict[str, Any]) -> str:
+    """The exit code, else the signal that ended it (SIGKILL), else `-` (none yet, or it never
+    started: the STATE column and `settled status` say which)."""
+    if exit_fact.get("code") is not None:
+        return str(exit_fact["code"])
+    if exit_fact.get("signal") is not None:
+        return f"SIG{exit_fact['signal']}"
+    return "-"
 
 
 def _age(seconds: float) -> str:

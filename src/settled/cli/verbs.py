@@ -14,12 +14,20 @@ import sys
 from collections.abc import Callable, Iterable, Iterator
 
 from settled import __version__, grammar
-from settled.cli.frame import bind_backends, emit, execute, fail, settled_code, with_runtime
+from settled.cli.frame import (
+    bind_backends,
+    broken_pipe,
+    emit,
+    execute,
+    fail,
+    settled_code,
+    with_runtime,
+    write_all,
+)
 from settled.cli.reads import LS_LIMIT, cmd_ls, cmd_ps, cmd_status
 from settled.environment import caller_policy, path_of, unseen_on_path
 from settled.errors import (
     EXIT_BLOCKED,
-    EXIT_FAILURE,
     EXIT_INTERRUPTED,
     EXIT_OK,
     BadInput,
@@ -27,7 +35,7 @@ from settled.errors import (
     SettledError,
     exit_code_lines,
 )
-from settled.exitcodes import RUN_EXIT_CODES, RUN_UNKNOWN, command_exit_code
+from settled.exitcodes import RUN_EXIT_CODES, command_exit_code
 from settled.identity import BOUNDARY_POLICIES, ISOLATION_POLICIES, NETWORK_POLICIES
 from settled.printable import printable, printable_tree
 from settled.render import blocked_text, close_text, explain_brief, receipt_text, status_text
@@ -98,6 +106,10 @@ def _environment(args: argparse.Namespace) -> dict[str, str]:
 
 def _admit(rt: Runtime, args: argparse.Namespace, verb: str) -> Admission:
     command = _command_words(args, verb)
+    from settled.cli.notices import stdin_left_behind
+
+    if (warning := stdin_left_behind(args.stdin)) is not None:
+        print(warning, file=sys.stderr, flush=True)
     _say_where_path_leads(rt, args, command)
     return rt.exec(
         args.task,
@@ -107,7 +119,7 @@ def _admit(rt: Runtime, args: argparse.Namespace, verb: str) -> Admission:
         cwd=args.cwd,
         env=_environment(args),
         stdin=_read_stdin_arg(args.stdin),
-        timeout=args.timeout,
+        timeout=args.timeout or None,  # 0 is no limit, as timeout(1) reads it
         grace=args.grace,
         boundary=args.boundary,
         service=args.service,
@@ -159,6 +171,7 @@ def cmd_run(rt: Runtime, args: argparse.Namespace) -> int:
         view = rt.wait(admission.session)
         receipt = view.get("receipt")
         print(json.dumps(receipt or view, sort_keys=True))
+        _say_why(rt, admission.session, receipt)
         return command_exit_code(receipt)
     from settled.relay import Relay
 
@@ -190,7 +203,7 @@ def _relay(rt: Runtime, relay: Relay, cancel_on_interrupt: bool) -> int:
         print(f"settled: cancelling session {relay.session} (TERM, grace, KILL)", file=sys.stderr)
         short = relay.run(rt, sinks)  # a second Ctrl-C detaches, through main's handler
     except BrokenPipeError:
-        return EXIT_FAILURE
+        return broken_pipe()  # `settled run ... | head`: quiet, and the command runs on
     for stream, (stored, final) in short.items():
         print(
             f"settled: {stream} of {relay.session} is stored only to byte {stored} of its "
@@ -198,14 +211,19 @@ def _relay(rt: Runtime, relay: Relay, cancel_on_interrupt: bool) -> int:
             file=sys.stderr,
         )
     receipt = rt.wait(relay.session).get("receipt")
-    code = command_exit_code(receipt)
-    if code == RUN_UNKNOWN:
-        print(
-            f"settled: the outcome of {relay.session} is unknown: see `settled status "
-            f"{relay.session}`",
-            file=sys.stderr,
-        )
-    return code
+    _say_why(rt, relay.session, receipt)
+    return command_exit_code(receipt)
+
+
+def _say_why(rt: Runtime, session: str, receipt: dict[str, Any] | None) -> None:
+    """One line on stderr when run's code is settled's (timeout, never started, unknown,
+    cancelled, oom), never for the command's own exit (cli/notices.py)."""
+    from settled.cli.notices import outcome_line
+
+    record = rt.session_record(session)
+    line = outcome_line(session, record.task, receipt, record.spec, record.cancel_requested)
+    if line is not None:
+        print(line, file=sys.stderr, flush=True)
 
 
 def cmd_wait(rt: Runtime, args: argparse.Namespace) -> int:
@@ -225,10 +243,10 @@ def cmd_logs(rt: Runtime, args: argparse.Namespace) -> int:
     chunks = _merged_chunks(rt, args) if args.stream == "merged" else _stream_chunks(rt, args)
     try:
         for chunk in chunks:
-            out.write(chunk)
+            write_all(out, chunk)
         out.flush()
     except BrokenPipeError:
-        return EXIT_OK
+        return broken_pipe()
     except TimeoutError as exc:  # the follow's own bound: the session goes on, exit 3
         out.flush()
         raise NotSettled(f"logs --follow of {args.session}: {exc}; the session goes on") from None
@@ -295,7 +313,13 @@ def cmd_close(rt: Runtime, args: argparse.Namespace) -> int:
         return EXIT_OK
     if args.task is None:
         raise BadInput("close needs a TASK (or --list-fault-points)")
-    result = rt.close_task(args.task, args.final, args.deadline)
+    from settled.cli.closing import close_with_progress, interrupted_line
+
+    try:
+        result = close_with_progress(rt, args.task, args.final, args.deadline)
+    except KeyboardInterrupt:
+        print(interrupted_line(args.task), file=sys.stderr, flush=True)
+        return EXIT_INTERRUPTED
     if result.complete:
         emit(args, result.to_json(), close_text(result.to_json()))
         return EXIT_OK
@@ -623,7 +647,8 @@ def _exec_options(ex: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     ex.add_argument(
         "--timeout", type=_seconds("--timeout", grammar.MAX_TIMEOUT_S), metavar="SECONDS",
-        help="settled stops the command after this long: TERM, grace, KILL (default: none)",
+        help="settled stops the command after this long: TERM, grace, KILL; 0 is no limit, as "
+        "for timeout(1) (default: none)",
     )  # fmt: skip
     ex.add_argument(
         "--grace", type=_seconds("--grace", grammar.MAX_GRACE_S), metavar="SECONDS",
@@ -873,8 +898,16 @@ def _build(only: str | None) -> tuple[argparse.ArgumentParser, bool]:
         "create a task",
         "settled task new --workspace ~/proj --ignore .venv/ -q",
     )
-    new.add_argument("--workspace", type=_path("--workspace"))
-    new.add_argument("--key", type=_key("--key"))
+    new.add_argument(
+        "--workspace", type=_path("--workspace"), metavar="DIR",
+        help="the directory the task's commands work in and its checkpoints capture; it must "
+        "not overlap another open task's (default: a new empty directory settled makes for it)",
+    )  # fmt: skip
+    new.add_argument(
+        "--key", type=_key("--key"),
+        help="task key: `task new` again with the same key (and workspace) returns the same "
+        "task, so a retry after a lost answer makes no second one (default: a new key)",
+    )  # fmt: skip
     new.add_argument(
         "--user",
         type=_text("--user", grammar.MAX_USER_BYTES, 1),
@@ -922,7 +955,9 @@ def _build(only: str | None) -> tuple[argparse.ArgumentParser, bool]:
         "  Ctrl-C detaches (the command runs on) and prints the `settled attach` that goes on",
         epilog="exit codes of run (the command's, as a shell reports them):\n"
         + "\n".join(f"  {code:>3}  {meaning}" for code, meaning in RUN_EXIT_CODES.items())
-        + "\n  and settled's own: 2 usage, 4 key conflict or sealed admission, 130 detached",
+        + "\n  and settled's own: 2 usage, 4 key conflict or sealed admission, 130 detached,"
+        "\n  141 stdout closed. When the code is settled's and not the command's (124, 127,"
+        "\n  117, a cancel, the memory limit), one line on stderr says why and what to do",
     )
     _exec_options(run)
     _interrupt_option(run)
@@ -1031,7 +1066,9 @@ def _build(only: str | None) -> tuple[argparse.ArgumentParser, bool]:
     close.add_argument(
         "--deadline",
         type=_seconds("--deadline", grammar.MAX_DEADLINE_S),
-        help="seconds to wait for required sessions",
+        help="seconds to wait for the task's running commands; then those still running are "
+        "cancelled (default: 600). On a terminal, what it waits for is printed every few "
+        "seconds; Ctrl-C stops waiting (exit 130) and `settled close TASK` again finishes it",
     )
     close.add_argument("--list-fault-points", action="store_true")
     close.set_defaults(handler=cmd_close)

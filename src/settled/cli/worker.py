@@ -24,6 +24,7 @@ import sys
 from settled import faults
 from settled.cli import run_here
 from settled.cli import verbs as _verbs
+from settled.cli.frame import broken_pipe
 from settled.cli.reads import parse_quick as _parse_quick  # noqa: F401 - imported once, here
 from settled.relay import Relay as _Relay  # noqa: F401 - likewise (in the zygote)
 from settled.runtime import load_for_calls
@@ -105,11 +106,13 @@ def _run(argv: list[str]) -> int:
 
 
 def _flushed(code: int) -> int:
-    """Flush what the verb printed; a closed pipe ends a process with 120, as Python's own
-    exit does when its last flush fails."""
+    """Flush what the verb printed; a closed pipe is the CLI's quiet 141 (`frame.broken_pipe`),
+    any other failing flush 120, as Python's own exit does when its last flush fails."""
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
+        except BrokenPipeError:
+            code = code or broken_pipe()
         except OSError:
             code = code or 120
     return code
