@@ -64,11 +64,22 @@ def test_timeout_0_is_no_limit_and_the_same_command_as_none(cli: CLI, task: dict
     assert again["reused"] is True  # no --timeout and --timeout 0: one command, one digest
 
 
-def test_an_http_body_s_timeout_0_is_no_limit() -> None:
+def test_timeout_0_is_no_limit_for_every_face_the_runtime_decides_it(tmp_path: Path) -> None:
+    """HTTP bodies, MCP and the library pass 0 through; Runtime.exec reads it as no limit."""
+    from settled.identity import CommandSpec
+    from settled.runtime import Runtime
     from settled.server.bodies import session_request
 
-    assert session_request({"key": "k", "shell": "true", "timeout": 0})["timeout"] is None
-    assert session_request({"key": "k", "shell": "true", "timeout": 2})["timeout"] == 2.0
+    assert session_request({"key": "k", "shell": "true", "timeout": 0})["timeout"] == 0
+    (tmp_path / "ws").mkdir()
+    with Runtime(str(tmp_path / "home")) as rt:
+        task = rt.new_task(str(tmp_path / "ws")).task
+        zero = rt.exec(task, shell="sleep 0.3", key="zero", timeout=0)
+        assert rt.wait(zero.session, 30)["receipt"]["exit"]["reason"] == "exited"
+        spec = CommandSpec.from_json(rt.store.get_session(zero.session).spec)
+        assert spec.timeout is None
+        assert rt.exec(task, shell="sleep 0.3", key="zero").reused  # the same command as none
+        rt.close_task(task, deadline=30)
 
 
 def _run_with_stdin(cli: CLI, task: dict[str, Any], stdin: Any, *extra: str) -> Any:

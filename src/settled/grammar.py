@@ -18,7 +18,7 @@ Numbers are ASCII digits (``[0-9]+``, seconds also ``[0-9]+(.[0-9]+)?``: no sign
 =================  =========================  =============================================
 field              bounds                     why
 =================  =========================  =============================================
-timeout            0 <= t <= 604800 (7 days)  a command's deadline; CLI, HTTP: 0 is none
+timeout            0 <= t <= 604800 (7 days)  a command's deadline; 0 is none (timeout(1))
 grace              0 <= g <= 3600 (1 hour)    TERM to KILL; a close waits it out
 deadline (close)   0 <= d <= 86400 (1 day)    how long a close lets sessions run
 wait (CLI, lib)    0 <= w <= 604800 (7 days)  ``wait --timeout``, ``logs --follow --timeout``

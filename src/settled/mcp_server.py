@@ -194,8 +194,9 @@ Command = Annotated[
 CommandTimeout = Annotated[
     float | None,
     Field(
-        description="Seconds before settled stops the command (TERM, then KILL).",
-        gt=0,
+        description="Seconds before settled stops the command (TERM, then KILL); 0 or none: "
+        "no limit.",
+        ge=0,
         le=grammar.MAX_TIMEOUT_S,
         strict=True,
         allow_inf_nan=False,

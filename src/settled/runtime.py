@@ -658,6 +658,7 @@ class Runtime:
         )
 
         grammar.optional_key("key", key)
+        timeout = timeout or None  # 0 is no limit, as timeout(1) reads it: one rule, every face
         if stdin is not None and not isinstance(stdin, bytes):
             raise BadInput(f"stdin must be bytes, not {type(stdin).__name__}")
         record = self.store.get_task(grammar.check_id("task", task))

@@ -119,7 +119,7 @@ def _admit(rt: Runtime, args: argparse.Namespace, verb: str) -> Admission:
         cwd=args.cwd,
         env=_environment(args),
         stdin=_read_stdin_arg(args.stdin),
-        timeout=args.timeout or None,  # 0 is no limit, as timeout(1) reads it
+        timeout=args.timeout,
         grace=args.grace,
         boundary=args.boundary,
         service=args.service,

@@ -132,8 +132,7 @@ def session_request(body: dict[str, Any]) -> dict[str, Any]:
         "argv": None if argv is None else list(grammar.check_argv("argv", argv)),
         "shell": grammar.optional_text("shell", shell, grammar.MAX_ARG_BYTES),
         "key": key,
-        "timeout": grammar.optional_seconds("timeout", body.get("timeout"), grammar.MAX_TIMEOUT_S)
-        or None,  # 0 is no limit, as the CLI's --timeout 0 and timeout(1) read it
+        "timeout": grammar.optional_seconds("timeout", body.get("timeout"), grammar.MAX_TIMEOUT_S),
         "grace": grammar.optional_seconds("grace", body.get("grace"), grammar.MAX_GRACE_S),
         "cwd": grammar.optional_text("cwd", body.get("cwd"), grammar.MAX_PATH_BYTES) or ".",
         "env": _env(body),
