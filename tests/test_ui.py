@@ -618,8 +618,16 @@ def test_a_change_made_outside_the_server_reaches_a_follower(
 
 
 def _pidfds(pid: int) -> int:
+    """The server's pidfds now: an fd closed between the listing and its readlink is none."""
     fds = Path(f"/proc/{pid}/fd")
-    return sum(1 for fd in fds.iterdir() if os.readlink(fd) == "anon_inode:[pidfd]")
+    return sum(1 for fd in fds.iterdir() if _link(fd) == "anon_inode:[pidfd]")
+
+
+def _link(fd: Path) -> str | None:
+    try:
+        return os.readlink(fd)
+    except FileNotFoundError:
+        return None
 
 
 @pytest.mark.timeout(120)
