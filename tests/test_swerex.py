@@ -160,16 +160,18 @@ def test_swerex_client_drives_a_stateful_session(served: Served, tmp_path: Path)
         await rt.run_in_session(BashInterruptAction(session="s1"))  # SWE-agent's next step
         obs = await rt.run_in_session(BashAction(session="s1", command="echo $FOO; pwd"))
         assert obs.output.splitlines() == ["bar42", str(served.workspace / "sub")]
-        target = tmp_path / "f.txt"
+        target = served.workspace / "f.txt"
         await rt.write_file(WriteFileRequest(path=str(target), content="hello"))
         assert (await rt.read_file(ReadFileRequest(path=str(target)))).content == "hello"
         src = tmp_path / "srcdir"
         (src / "d").mkdir(parents=True)
         (src / "d" / "x.txt").write_text("x")
-        await rt.upload(UploadRequest(source_path=str(src), target_path=str(tmp_path / "up")))
-        assert (tmp_path / "up" / "d" / "x.txt").read_text() == "x"
-        await rt.upload(UploadRequest(source_path=str(target), target_path=str(tmp_path / "u1")))
-        assert (tmp_path / "u1").read_text() == "hello"
+        up = served.workspace / "up"
+        await rt.upload(UploadRequest(source_path=str(src), target_path=str(up)))
+        assert (up / "d" / "x.txt").read_text() == "x"
+        u1 = served.workspace / "u1"
+        await rt.upload(UploadRequest(source_path=str(target), target_path=str(u1)))
+        assert u1.read_text() == "hello"
         await rt.close_session(CloseBashSessionRequest(session="s1"))
         await rt.close()
         status, closes = await _get(served.url, "settled/closes")
