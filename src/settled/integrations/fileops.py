@@ -7,10 +7,10 @@ the task, so it reaches exactly what the task's commands reach, and a path means
 to them (a symlink a command left is followed inside its view, never on the host). The
 scripts' own answers (a path absent, a directory, not a directory) are a marker line on stderr
 with exit 0, never text of the file; `raise_for` turns an answer or a refusal into Python's own
-error (FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError, TimeoutError,
-else OSError), and `answer` refuses too a read whose bytes the home did not store whole.
-`zip_as_tar` turns a zipped directory (SWE-ReX's upload) into the tar the unpack script reads,
-in memory.
+error (FileNotFoundError, IsADirectoryError, NotADirectoryError, FileExistsError,
+PermissionError, TimeoutError, else OSError), and `answer` refuses too a read whose bytes the
+home did not store whole. `zip_as_tar` turns a zipped directory (SWE-ReX's upload) into the tar
+the unpack script reads, in memory.
 
 Must never: open, resolve or stat a path of the request on the host; take a marker from a
 stream the file's bytes are on; read more of a file than its limit and one byte; let an
@@ -87,10 +87,12 @@ def raise_for(code: int | None, stderr: bytes, timed_out: bool, path: str) -> No
     reason = stderr.decode("utf-8", errors="replace").strip() or f"exit {code}"
     if "ermission denied" in reason or "ead-only file system" in reason:
         raise PermissionError(errno.EACCES, reason, path)
-    if "o such file or directory" in reason:  # removed between the script's test and its work
+    if "o such file or directory" in reason or "irectory nonexistent" in reason:  # sh's words
         raise FileNotFoundError(errno.ENOENT, reason, path)
     if "ot a directory" in reason:  # a parent of the path is a file
         raise NotADirectoryError(errno.ENOTDIR, reason, path)
+    if "ile exists" in reason:  # mkdir of a parent that is a file, as Path.mkdir says it
+        raise FileExistsError(errno.EEXIST, reason, path)
     raise OSError(f"{path}: {reason}")
 
 
