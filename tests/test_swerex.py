@@ -593,6 +593,8 @@ def test_a_file_call_sees_paths_as_the_task_s_commands_do(served: Served, tmp_pa
         )
         assert listed.stdout == "x\nran\n", listed
         await rt.upload(UploadRequest(source_path=str(src / "run.sh"), target_path="rel/r.sh"))
+        (served.workspace / "-").write_text("dash")  # a file named `-`, not head's stdin
+        assert (await rt.read_file(ReadFileRequest(path="-"))).content == "dash"
         await rt.close()
 
     _drive(drive)

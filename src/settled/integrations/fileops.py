@@ -60,7 +60,8 @@ class FileOp:
 def read_op(path: str, limit: int) -> FileOp:
     """Read `path`: its bytes on stdout, at most `limit` and one more (so the caller can tell
     a file over its limit from one at it, without reading the rest)."""
-    return FileOp(["/bin/sh", "-c", READ_SCRIPT, "sh", path, str(limit + 1)])
+    named = "./-" if path == "-" else path  # head reads its stdin for `-`, even after --
+    return FileOp(["/bin/sh", "-c", READ_SCRIPT, "sh", named, str(limit + 1)])
 
 
 def write_op(path: str, data: bytes) -> FileOp:
