@@ -160,16 +160,18 @@ def test_swerex_client_drives_a_stateful_session(served: Served, tmp_path: Path)
         await rt.run_in_session(BashInterruptAction(session="s1"))  # SWE-agent's next step
         obs = await rt.run_in_session(BashAction(session="s1", command="echo $FOO; pwd"))
         assert obs.output.splitlines() == ["bar42", str(served.workspace / "sub")]
-        target = tmp_path / "f.txt"
+        target = served.workspace / "f.txt"
         await rt.write_file(WriteFileRequest(path=str(target), content="hello"))
         assert (await rt.read_file(ReadFileRequest(path=str(target)))).content == "hello"
         src = tmp_path / "srcdir"
         (src / "d").mkdir(parents=True)
         (src / "d" / "x.txt").write_text("x")
-        await rt.upload(UploadRequest(source_path=str(src), target_path=str(tmp_path / "up")))
-        assert (tmp_path / "up" / "d" / "x.txt").read_text() == "x"
-        await rt.upload(UploadRequest(source_path=str(target), target_path=str(tmp_path / "u1")))
-        assert (tmp_path / "u1").read_text() == "hello"
+        up = served.workspace / "up"
+        await rt.upload(UploadRequest(source_path=str(src), target_path=str(up)))
+        assert (up / "d" / "x.txt").read_text() == "x"
+        u1 = served.workspace / "u1"
+        await rt.upload(UploadRequest(source_path=str(target), target_path=str(u1)))
+        assert u1.read_text() == "hello"
         await rt.close_session(CloseBashSessionRequest(session="s1"))
         await rt.close()
         status, closes = await _get(served.url, "settled/closes")
@@ -502,6 +504,178 @@ def test_a_task_left_open_is_said_when_the_server_stops(served: Served) -> None:
     assert f"task {task} is still open (no SWE-ReX close came)" in said
     with Runtime(str(served.home)) as runtime:
         runtime.close_task(task)
+
+
+# -- read_file, write_file, upload: commands inside the task's boundary ------------------
+
+
+def _outside(tmp_path: Path) -> tuple[Path, Path, dict[str, bytes]]:
+    """A file and a directory on the host outside the workspace, and every byte they hold."""
+    secret, directory = tmp_path / "outside" / "secret.txt", tmp_path / "outside" / "dir"
+    directory.mkdir(parents=True)
+    secret.write_bytes(b"host secret\n")
+    (directory / "kept.txt").write_bytes(b"kept\n")
+    return secret, directory, _tree(tmp_path / "outside")
+
+
+def _tree(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in root.rglob("*") if p.is_file()}
+
+
+def test_a_planted_symlink_takes_no_file_call_outside_what_commands_reach(
+    served: Served, tmp_path: Path
+) -> None:
+    """The hole: read_file, write_file and upload ran as the server (root) on the host, so a
+    link a command left in the workspace let them read or write any host file. Inside the
+    boundary the link is followed in the command's view, where the host's files are not."""
+    secret, directory, before = _outside(tmp_path)
+    src = tmp_path / "srcdir"
+    (src / "sub").mkdir(parents=True)
+    (src / "sub" / "planted.txt").write_text("planted")
+    (src / "kept.txt").write_text("overwritten")
+    ws = served.workspace
+
+    async def drive() -> list[str]:
+        rt = served.client()
+        plant = f"ln -s {secret} file-link && ln -s {directory} dir-link"
+        assert (await rt.execute(Command(command=plant, shell=True))).exit_code == 0
+        outcomes, link = [], ws / "file-link"
+        calls = [
+            rt.write_file(WriteFileRequest(path=str(link), content="pwned")),
+            rt.write_file(WriteFileRequest(path=str(ws / "dir-link" / "new.txt"), content="x")),
+            rt.upload(UploadRequest(source_path=str(src / "kept.txt"), target_path=str(link))),
+            rt.upload(UploadRequest(source_path=str(src), target_path=str(ws / "dir-link"))),
+        ]  # fmt: skip
+        for call in calls:  # each lands in the task's view (or fails there), never on the host
+            try:
+                await call
+                outcomes.append("done")
+            except OSError as exc:  # the link's target is not in the view
+                outcomes.append(type(exc).__name__)
+        for name in ("file-link", "dir-link/kept.txt"):
+            try:
+                read = await rt.read_file(ReadFileRequest(path=str(ws / name)))
+                assert "host secret" not in read.content and read.content != "kept\n"
+            except FileNotFoundError:
+                pass
+        await rt.close()
+        return outcomes
+
+    outcomes = _drive(drive)
+    assert _tree(tmp_path / "outside") == before  # every outside byte unchanged
+    assert len(outcomes) == 4, outcomes  # each answered: done, or the view's own error
+
+
+def test_a_file_call_sees_paths_as_the_task_s_commands_do(served: Served, tmp_path: Path) -> None:
+    """A path outside the workspace is the task's own (its /tmp, its HOME): a later command
+    sees what a write left there, the host does not; a file, a directory (zipped by SWE-ReX's
+    client) and text round-trip exactly."""
+    src = tmp_path / "srcdir"
+    (src / "d" / "e").mkdir(parents=True)
+    (src / "d" / "e" / "x.txt").write_text("x\n")
+    (src / "run.sh").write_text("#!/bin/sh\necho ran\n")
+    (src / "run.sh").chmod(0o755)
+    private = tmp_path / "private"
+
+    async def drive() -> None:
+        rt = served.client()
+        await rt.write_file(WriteFileRequest(path=str(private / "a.txt"), content="é\r\nline"))
+        seen = await rt.execute(Command(command=["cat", str(private / "a.txt")]))
+        assert seen.stdout == "é\r\nline"
+        read = await rt.read_file(ReadFileRequest(path=str(private / "a.txt")))
+        assert read.content == "é\nline"  # Path.read_text's universal newlines, as SWE-ReX
+        home = (await rt.execute(Command(command="echo -n $HOME", shell=True))).stdout
+        await rt.write_file(WriteFileRequest(path=f"{home}/.note", content="mine"))
+        assert (await rt.execute(Command(command=["cat", f"{home}/.note"]))).stdout == "mine"
+        await rt.upload(UploadRequest(source_path=str(src), target_path=str(private / "up")))
+        listed = await rt.execute(
+            Command(command=f"cd {private}/up && cat d/e/x.txt && ./run.sh", shell=True)
+        )
+        assert listed.stdout == "x\nran\n", listed
+        await rt.upload(UploadRequest(source_path=str(src / "run.sh"), target_path="rel/r.sh"))
+        (served.workspace / "-").write_text("dash")  # a file named `-`, not head's stdin
+        assert (await rt.read_file(ReadFileRequest(path="-"))).content == "dash"
+        await rt.close()
+
+    _drive(drive)
+    assert not private.exists()  # the task's view, not the host
+    assert (served.workspace / "rel" / "r.sh").read_text() == "#!/bin/sh\necho ran\n"
+
+
+def test_file_calls_raise_python_s_own_errors(served: Served, tmp_path: Path) -> None:
+    """Read-only in the view (the system's directories) is PermissionError; a host path the
+    test names there is removed again should a regression write it as the server's user."""
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "f").write_text("f")
+    system = Path("/usr", f"settled-test-{os.getpid()}-{time.time_ns()}")
+
+    async def drive() -> None:
+        rt = served.client()
+        with pytest.raises(FileNotFoundError, match="No such file"):
+            await rt.read_file(ReadFileRequest(path="no/such/file"))
+        with pytest.raises(PermissionError, match="Read-only file system"):
+            await rt.write_file(WriteFileRequest(path=str(system), content="x"))
+        (served.workspace / "plain").write_text("p")
+        with pytest.raises(FileExistsError):  # as Path.mkdir(parents=True) of a file says
+            await rt.write_file(WriteFileRequest(path="plain/x", content="x"))
+        with pytest.raises(NotADirectoryError):  # a directory uploaded onto a file
+            await rt.upload(UploadRequest(source_path=str(tmp_path / "d"), target_path="plain"))
+        await rt.execute(Command(command="ln -s /nowhere/at/all gone", shell=True))
+        with pytest.raises(FileNotFoundError):  # through a link that leads nowhere in the view
+            await rt.write_file(WriteFileRequest(path="gone", content="x"))
+        await rt.close()
+
+    try:
+        _drive(drive)
+    finally:
+        written = system.exists()
+        system.unlink(missing_ok=True)
+    assert not written
+
+
+def test_a_retried_write_with_the_same_request_id_runs_once(served: Served) -> None:
+    target = served.workspace / "once.txt"
+
+    async def drive() -> list[tuple[int, Any]]:
+        rt = served.client()
+        body = WriteFileRequest(path=str(target), content="first").model_dump()
+        answers = [await _post(served.url, "write_file", body, "write-1")]
+        await rt.execute(Command(command=f"echo changed > {target}", shell=True))
+        answers.append(await _post(served.url, "write_file", body, "write-1"))  # a retry
+        read = ReadFileRequest(path=str(target)).model_dump()
+        answers.append(await _post(served.url, "read_file", read, "read-1"))
+        await rt.close()
+        return answers
+
+    first, retried, read = _drive(drive)
+    assert first == retried == (200, {})
+    assert read == (200, {"content": "changed\n"})  # the retry wrote nothing again
+    with Runtime(str(served.home)) as runtime:
+        [task] = runtime.store.list_tasks()
+        keys = sorted(s.key for s in runtime.store.list_sessions(task.task))
+    assert [k for k in keys if k.startswith("swerex:file-")] == [
+        "swerex:file-read:1",
+        "swerex:file-write:0",
+    ]
+
+
+def test_a_read_past_the_answer_s_cap_is_refused_not_cut(tmp_path: Path) -> None:
+    server = _start(tmp_path, SETTLED_SWEREX_OUTPUT_CAP="4096")
+    (server.workspace / "at-cap").write_bytes(b"a" * 4096)
+    (server.workspace / "past-cap").write_bytes(b"b" * 4097)
+
+    async def drive() -> str:
+        rt = server.client()
+        whole = (await rt.read_file(ReadFileRequest(path="at-cap"))).content
+        with pytest.raises(SwerexException, match="larger than the answer's cap of 4096 bytes"):
+            await rt.read_file(ReadFileRequest(path="past-cap"))
+        await rt.close()
+        return whole
+
+    try:
+        assert _drive(drive) == "a" * 4096
+    finally:
+        server.stop()
 
 
 # -- the rest of the protocol ------------------------------------------------------------

@@ -16,7 +16,8 @@ and writing through it inside the boundary reaches only what the command itself 
 are not the agent's commands: their sessions are keyed `inspect-file-read-…` and
 `inspect-file-write-…` (an exec's `inspect-exec-…`), so the close receipt's outcome tells them
 apart, and the sample's summary counts them apart. A missing file or a directory is the
-script's answer (exit 0, said on stderr), not a failed session.
+script's answer (exit 0, said on stderr), not a failed session. The scripts and their answers
+are settled.integrations.fileops's, shared with `settled serve --swerex`.
 
 A command's environment follows Inspect's local sandbox (os.environ | the exec's env), through
 settled's recorded `inherit_env` (settled's own variables and the home's credentials withheld);
@@ -43,6 +44,7 @@ from inspect_ai.util import (
 )
 from pydantic import BaseModel, ConfigDict
 
+from settled.integrations import fileops
 from settled.integrations._steps import (
     StepResult,
     close_with_checkpoint,
@@ -51,17 +53,6 @@ from settled.integrations._steps import (
 )
 from settled.runtime import Runtime
 
-# The file scripts' own answers, on stderr with exit 0 (cat writes stderr only when it fails);
-# their PATH is fixed in the script (in its digest), whatever the caller's environment.
-_ABSENT, _DIRECTORY = b"settled-file: absent\n", b"settled-file: directory\n"
-_READ = (
-    'PATH=/usr/bin:/bin; if [ ! -e "$1" ]; then echo "settled-file: absent" >&2; exit 0; '
-    'elif [ -d "$1" ]; then echo "settled-file: directory" >&2; exit 0; fi; exec cat -- "$1"'
-)
-_WRITE = (
-    'PATH=/usr/bin:/bin; if [ -d "$1" ]; then echo "settled-file: directory" >&2; exit 0; fi; '
-    'mkdir -p -- "$(dirname -- "$1")" && cat > "$1"'
-)
 EXEC_KEY, READ_KEY, WRITE_KEY = "inspect-exec-", "inspect-file-read-", "inspect-file-write-"
 FILE_KEY = "inspect-file-"
 STORE_KEY = "settled"  # the sample store's entry (and the info event's source)
@@ -231,9 +222,8 @@ class SettledSandboxEnvironment(SandboxEnvironment):
         """Written by a command in the boundary (parents made), so it lands where the
         command could write, never through a link to where only the harness could."""
         data = contents.encode() if isinstance(contents, str) else contents
-        argv = ["/bin/sh", "-c", _WRITE, "sh", file]
-        result = await self._step(argv, stdin=data, kind=WRITE_KEY)
-        _raise_for(result, file)
+        op = fileops.write_op(file, data)
+        fileops.answer(await self._step(op.argv, stdin=op.stdin, kind=WRITE_KEY), file)
 
     @overload
     async def read_file(self, file: str, text: Literal[True] = True) -> str: ...
@@ -243,11 +233,12 @@ class SettledSandboxEnvironment(SandboxEnvironment):
 
     async def read_file(self, file: str, text: bool = True) -> str | bytes:
         """Read by a command in the boundary; its bytes exactly (text: utf-8, newlines kept)."""
-        result = await self._step(["/bin/sh", "-c", _READ, "sh", file], kind=READ_KEY)
-        _raise_for(result, file)
-        if len(result.stdout) > SandboxEnvironmentLimits.MAX_READ_FILE_SIZE:
+        limit = SandboxEnvironmentLimits.MAX_READ_FILE_SIZE
+        result = await self._step(fileops.read_op(file, limit).argv, kind=READ_KEY)
+        data = fileops.answer(result, file)
+        if len(data) > limit:  # the script read at most one byte past it
             raise OutputLimitExceededError(SandboxEnvironmentLimits.MAX_READ_FILE_SIZE_STR, None)
-        return result.stdout.decode("utf-8") if text else result.stdout
+        return data.decode("utf-8") if text else data
 
     def default_polling_interval(self) -> float:
         return 0.2
@@ -255,22 +246,6 @@ class SettledSandboxEnvironment(SandboxEnvironment):
 
 def _text(data: bytes) -> str:
     return data.decode("utf-8", errors="replace")
-
-
-def _raise_for(result: StepResult, file: str) -> None:
-    """The read or write script's answer or refusal as the exception Inspect documents."""
-    if result.code == 0 and result.stderr == _ABSENT:
-        raise FileNotFoundError(file)
-    if result.code == 0 and result.stderr == _DIRECTORY:
-        raise IsADirectoryError(file)
-    if result.code == 0:
-        return
-    reason = _text(result.stderr).strip() or f"exit {result.code}"
-    if "ermission denied" in reason or "ead-only file system" in reason:
-        raise PermissionError(f"{file}: {reason}")
-    if "o such file or directory" in reason:  # removed between the script's test and cat
-        raise FileNotFoundError(f"{file}: {reason}")
-    raise OSError(f"{file}: {reason}")
 
 
 def _record(facts: dict[str, Any]) -> dict[str, Any]:

@@ -10,7 +10,8 @@ sent as ``swerex.exceptions.SwerexException`` with their message. Unlike SWE-ReX
 there is always a key (server/swerex_key.py makes one when none is given), and every connection
 passes the peer gate first (server/peering.py): a process inside one of settled's sessions is
 refused (403) before any route runs, key or not. What each call does to settled is
-server/swerex_service.py's; the script of a bash action, server/swerex_shell.py's.
+server/swerex_service.py's; the script of a bash action, server/swerex_shell.py's; read_file,
+write_file and upload, commands inside the task's boundary, server/swerex_files.py's.
 
 The close: SWE-ReX's ``CloseResponse`` has no fields and its client drops any it is sent, so
 the close's answer carries ``{"settled": {"tasks": [{task, workspace, complete, close_receipt,
@@ -25,14 +26,11 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import io
 import json
 import os
 import socket
 import sys
-import zipfile
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from starlette.applications import Starlette
@@ -40,6 +38,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from settled.server import swerex_files
 from settled.server.jsonbody import AsciiJSONResponse
 from settled.server.swerex_output import output_cap
 from settled.server.swerex_service import SwerexError, SwerexService, swerex_error
@@ -138,18 +137,22 @@ def create_swerex_app(
         return AsciiJSONResponse({"tasks": tasks, "open": now})
 
     async def upload(request: Request) -> Response:
+        """SWE-ReX's multipart upload (no X-Request-ID from its client; one is used if sent)."""
         if not authorized(request):
             return refused()
         form = await request.form()
         try:
             upload = form["file"]
+            size = getattr(upload, "size", None)
+            if size is not None and size > swerex_files.MAX_FILE_BYTES:
+                swerex_files.refuse_size(size, "upload")
             data = await upload.read() if hasattr(upload, "read") else str(upload).encode()
-            target = Path(str(form["target_path"]))
-            target.parent.mkdir(parents=True, exist_ok=True)
-            if str(form.get("unzip", "false")).lower() == "true":
-                _unzip(bytes(data), target)
-            else:
-                target.write_bytes(bytes(data))
+            target = str(form["target_path"])
+            unzip = str(form.get("unzip", "false")).lower() == "true"
+            request_id = request.headers.get("x-request-id")
+            await asyncio.to_thread(
+                swerex_files.upload, service, bytes(data), target, unzip, request_id
+            )
         except Exception as error:
             return _transfer(error)
         finally:
@@ -166,8 +169,8 @@ def create_swerex_app(
         json_route("run_in_session", service.run_in_session),
         json_route("close_session", lambda body, _id: service.close_session(body)),
         json_route("execute", service.execute),
-        json_route("read_file", lambda body, _id: _read_file(body)),
-        json_route("write_file", lambda body, _id: _write_file(body)),
+        json_route("read_file", lambda body, rid: swerex_files.read_file(service, body, rid)),
+        json_route("write_file", lambda body, rid: swerex_files.write_file(service, body, rid)),
         Route("/upload", upload, methods=["POST"]),
         json_route("close", lambda _body, request_id: service.close(request_id)),
         Route("/settled/closes", closes, methods=["GET"]),
@@ -175,30 +178,6 @@ def create_swerex_app(
     app = Starlette(routes=routes)
     app.state.swerex = service
     return app
-
-
-def _read_file(body: dict[str, Any]) -> dict[str, Any]:
-    """As SWE-ReX's own server: Path.read_text, its errors raised as they are."""
-    path = Path(str(body.get("path", "")))
-    return {"content": path.read_text(encoding=body.get("encoding"), errors=body.get("errors"))}
-
-
-def _write_file(body: dict[str, Any]) -> dict[str, Any]:
-    path = Path(str(body.get("path", "")))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(str(body.get("content", "")))
-    return {}
-
-
-def _unzip(data: bytes, target: Path) -> None:
-    """Extract a directory sent as a zip, refusing members that would land outside target."""
-    root = target.resolve()
-    with zipfile.ZipFile(io.BytesIO(data)) as archive:
-        for member in archive.namelist():
-            dest = (root / member).resolve()
-            if dest != root and root not in dest.parents:
-                raise swerex_error("SwerexException", f"zip member {member!r} escapes {target}")
-        archive.extractall(root)
 
 
 # -- serving ---------------------------------------------------------------------------

@@ -12,7 +12,8 @@ its first position back: the same key, so settled returns the same session, neve
 
 Output is each stream whole up to a cap, or its head and tail with a marker
 (server/swerex_output.py); the script of a bash action and its state report are
-server/swerex_shell.py's.
+server/swerex_shell.py's; read_file, write_file and upload, commands of the same task, are
+server/swerex_files.py's.
 
 Must never: run an action twice for one request id; carry state from text the action printed
 (swerex_shell: the state report is on its own stream, behind a nonce); name a CLI flag in what
@@ -111,6 +112,7 @@ class SwerexService:
         self.task: tuple[str, str] | None = None  # (task id, workspace) of the open task
         self.sessions: dict[str, BashSession] = {}
         self.executes = Positions()
+        self.file_ops = Positions()  # read_file, write_file, upload (server/swerex_files.py)
         self.serials = 0
         self.closed: list[dict[str, Any]] = []  # every task this service closed, in order
         self.close_answers: dict[str, dict[str, Any]] = {}  # X-Request-ID -> close's answer
@@ -122,7 +124,7 @@ class SwerexService:
         on worker threads: each call opens its own (closed by its caller's `with`)."""
         return Runtime(self.home)
 
-    def _open_task(self, runtime: Runtime) -> tuple[str, str]:
+    def open_task(self, runtime: Runtime) -> tuple[str, str]:
         """The runtime's task, made now if there is none (all sessions and executes share it)."""
         with self.task_lock:
             if self.task is None:
@@ -144,7 +146,7 @@ class SwerexService:
     def create_session(self, body: dict[str, Any], request_id: str | None) -> dict[str, Any]:
         name = str(body.get("session", "default"))
         with self.runtime() as runtime:
-            task = self._open_task(runtime)
+            task = self.open_task(runtime)
         with self.lock:
             found = self.sessions.get(name)
             if found is not None and (request_id is None or found.created_by != request_id):
@@ -249,7 +251,7 @@ class SwerexService:
         with self.lock:
             position = self.executes.take(request_id)
         with self.runtime() as runtime:
-            task, workspace = self._open_task(runtime)
+            task, workspace = self.open_task(runtime)
             argv, shell, cwd = _command_line(body, command, workspace)
             timeout = body.get("timeout")
             admission = runtime.exec(
@@ -294,6 +296,7 @@ class SwerexService:
                 return self.close_answers[request_id]
             self.sessions.clear()
             self.executes = Positions()
+            self.file_ops = Positions()
         with self.task_lock:
             closing = self.task
             entries = []
