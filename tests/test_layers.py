@@ -70,6 +70,8 @@ FACE_NEUTRAL = {
 FACES = {
     "settled.cli",
     "settled.cli.verbs",
+    "settled.cli.parser",
+    "settled.cli.running",
     "settled.cli.frame",
     "settled.cli.reads",
     "settled.cli.notices",

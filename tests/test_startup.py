@@ -150,8 +150,8 @@ NOT_QUICK = [
 def test_the_quick_parse_of_a_read_verb_is_the_full_parsers_or_none() -> None:
     """Every line the quick path takes gives the namespace argparse gives; every other line is
     left to argparse, so help, abbreviations and refusals read as they always have."""
+    from settled.cli.parser import build_parser
     from settled.cli.reads import parse_quick
-    from settled.cli.verbs import build_parser
 
     for argv in QUICK_LINES:
         quick = parse_quick(argv)
@@ -188,7 +188,7 @@ def test_version_imports_nothing_but_the_package(tmp_path: Path) -> None:
 
 def test_a_verb_parsed_alone_parses_as_the_whole_parser_does() -> None:
     """The one-verb parser must give the same namespace, and its errors the whole parser's."""
-    from settled.cli.verbs import UsageError, _named_verb, build_parser, parse
+    from settled.cli.parser import UsageError, _named_verb, build_parser, parse
 
     lines = [
         ["--json", "status", "t_0123456789abcdef"],

@@ -1,6 +1,6 @@
 """The `settled` command line's entry point: answers `--version` at once, runs the read verbs'
 plain command lines without argparse (`cli/reads.py`), and hands everything else to
-`settled.cli.verbs` (the parser and the handlers, contract in DESIGN.md).
+`settled.cli.verbs` (the handlers; their parser is `cli/parser.py`; contract in DESIGN.md).
 
 It exists so that what costs nothing stays free: a script that asks for the version, or an
 agent's hundredth `settled status`, pays only for the modules its verb needs (the verbs module

@@ -5,7 +5,8 @@ The one line is escaped as every human view is (`printable`): an error may quote
 text. The JSON beside it is printed as it is.
 
 Costs nothing to import (no argparse, no runtime until a verb opens one), so the read verbs'
-quick path (`cli/reads.py`) and the full parser (`cli/verbs.py`) run their handlers alike.
+quick path (`cli/reads.py`) and the full parser (`cli/parser.py`, handlers in `cli/verbs.py`)
+run their handlers alike.
 """
 
 from __future__ import annotations

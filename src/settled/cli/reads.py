@@ -5,7 +5,7 @@ Why: an agent makes hundreds of tool calls a task, and `settled status` is the o
 argparse, with gettext and locale, costs as much as the interpreter's own start; these command
 lines are a verb, one id and a few flags. `parse_quick` reads exactly those and answers None for
 anything else (help, an unknown or abbreviated option, a value that does not pass its grammar,
-a missing or extra word), which the full parser (`cli/verbs.py`) then parses and words as it
+a missing or extra word), which the full parser (`cli/parser.py`) then parses and words as it
 always has. tests/test_startup.py checks that both parsers agree on every line the quick one
 takes.
 """

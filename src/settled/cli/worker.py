@@ -23,8 +23,9 @@ import sys
 
 from settled import faults
 from settled.cli import run_here
-from settled.cli import verbs as _verbs
+from settled.cli import verbs as _verbs  # noqa: F401 - the handlers, imported once, here
 from settled.cli.frame import broken_pipe
+from settled.cli.parser import prebuild
 from settled.cli.reads import parse_quick as _parse_quick  # noqa: F401 - imported once, here
 from settled.relay import Relay as _Relay  # noqa: F401 - likewise (in the zygote)
 from settled.runtime import load_for_calls
@@ -32,7 +33,7 @@ from settled.runtime import load_for_calls
 KIND = b"cli"
 # The verbs argparse parses (status, ps and ls have their own quick parser), built once here.
 PREBUILT = ("run", "exec", "wait", "logs", "attach", "task", "cancel", "close", "checkpoint")
-_verbs.prebuild(PREBUILT)
+prebuild(PREBUILT)
 load_for_calls()
 
 
