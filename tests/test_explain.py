@@ -65,7 +65,8 @@ def test_explain_is_a_verdict_and_a_line_per_session_and_verbose_is_the_whole(
     as_json: dict[str, Any] = json.loads(_settled(home, "--json", "explain", task))
 
     verdict, *rest = short.splitlines()
-    assert verdict.startswith(f"task {task} is COMPLETE (not success: 2 of 6 command(s)")
+    assert verdict.startswith(f"task {task} is COMPLETE (not success: 3 of 6 command(s)")  # the
+    # cancelled `sleep 60` did not succeed either
     lines = _session_lines(short)
     assert (
         len(lines) == 6
@@ -128,3 +129,25 @@ def test_the_short_form_names_a_block_an_unknown_session_and_counts_the_rest() -
     assert lines[2] == "  never started  x  (death proven: cgroup2; s_0)"
     assert lines[-2] == "  … and 6 more session(s)" and lines[-1] == "(more)"
     assert len(lines) == 1 + SESSION_LINES + 2
+
+
+@pytest.mark.timeout(180)
+def test_a_cancelled_command_or_a_crashed_service_is_not_called_success(tmp_path: Path) -> None:
+    """The verdict counts as the close receipt does (states.did_not_succeed): a command the
+    close cancelled at its deadline and a service that crashed on its own did not succeed; a
+    service the close stopped did."""
+    home = tmp_path / "home"
+    (tmp_path / "ws").mkdir()
+    task = _settled(home, "task", "new", "--workspace", str(tmp_path / "ws"), "-q").strip()
+    _settled(home, "run", "--task", task, "--", "true")
+    _settled(home, "exec", "--task", task, "-q", "--", "sleep", "100")
+    crashed = _settled(home, "exec", "--task", task, "-q", "--service", "--", "sh", "-c", "exit 3")
+    _settled(home, "wait", crashed.strip())
+    _settled(home, "exec", "--task", task, "-q", "--service", "--", "sleep", "100")
+    closed = json.loads(_settled(home, "close", task, "--deadline", "1", "--json"))
+    commands = closed["outcome"]["commands"]
+    assert len(commands["cancelled"]) == 1 and len(commands["failed"]) == 1
+    assert len(commands["services_stopped"]) == 1 and len(commands["succeeded"]) == 1
+    assert closed["outcome"]["all_commands_succeeded"] is False
+    verdict = _settled(home, "explain", task).splitlines()[0]
+    assert f"task {task} is COMPLETE (not success: 2 of 4 command(s) did not succeed)" in verdict

@@ -10,7 +10,7 @@ change the JSON a verb prints beside the text.
 from __future__ import annotations
 
 from settled.printable import printable, printable_tree
-from settled.states import is_live
+from settled.states import did_not_succeed, is_live
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -224,7 +224,7 @@ def _verdict(view: dict[str, Any]) -> str:
 
 def _outcome_words(commands: dict[str, list[Any]]) -> str:
     total = sum(len(v) for v in commands.values())
-    failed = sum(len(commands.get(k) or []) for k in ("failed", "timed_out", "not_started"))
+    failed = did_not_succeed(commands)
     if failed:
         return f"not success: {failed} of {total} command(s) did not succeed"
     return f"all {total} command(s) succeeded" if total else "no command ran"

@@ -78,3 +78,14 @@ def next_task_state(state: str, event: str) -> str:
         return TASK_TRANSITIONS[(state, event)]
     except KeyError:
         raise IllegalTransition(f"task in state {state!r} cannot take event {event!r}") from None
+
+
+# The groups of a task's command outcomes (close/decide.py's `command_outcomes`) that are not a
+# failure; every other group (failed, timed out, cancelled, never started, unknown) is.
+NOT_FAILURES: Final = frozenset({"succeeded", "services_stopped", "running"})
+
+
+def did_not_succeed(outcomes: dict[str, list[str]]) -> int:
+    """How many commands did not succeed: the one rule of the close receipt's
+    `all_commands_succeeded` and of explain's verdict ("complete is not success")."""
+    return sum(len(v) for k, v in outcomes.items() if k not in NOT_FAILURES)

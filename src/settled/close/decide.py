@@ -218,7 +218,7 @@ def command_outcomes(sessions: list[SessionRecord], live: bool = False) -> dict[
             groups["running"].append(label)
         elif session.state != SETTLED:
             groups["unknown"].append(label)
-        elif session.spec.get("service") and reason in ("cancelled", "exited", "timeout"):
+        elif session.spec.get("service") and _stopped_service(reason, exit_fact.get("code")):
             groups["services_stopped"].append(label)  # a service ends when the task closes
         elif reason == "timeout":
             groups["timed_out"].append(label)
@@ -231,6 +231,12 @@ def command_outcomes(sessions: list[SessionRecord], live: bool = False) -> dict[
         else:
             groups["failed"].append(label)
     return groups
+
+
+def _stopped_service(reason: str | None, code: int | None) -> bool:
+    """A service stopped (by the close, or its deadline), or one that ended cleanly on its own;
+    a service that exited with a non-zero code crashed: that is a failure, not a stop."""
+    return reason in ("cancelled", "timeout") or (reason == "exited" and code == 0)
 
 
 def output_losses(sessions: list[SessionRecord]) -> list[dict[str, Any]]:

@@ -36,7 +36,7 @@ from settled.errors import StaleWrite
 from settled.netledger import brief
 from settled.receipts import seal
 from settled.records import SessionRecord, TaskRecord
-from settled.states import TASK_COMPLETE, TASK_OPEN, TASK_SEALED
+from settled.states import TASK_COMPLETE, TASK_OPEN, TASK_SEALED, did_not_succeed
 from settled.store import Store
 
 CLOSE_RECEIPT_VERSION = "settled.receipt.close/v1"
@@ -274,9 +274,7 @@ class CloseJoin:
                 "fence": facts.steps["fenced"],
                 "outcome": {
                     "complete": True,
-                    "all_commands_succeeded": not any(
-                        v for k, v in outcomes.items() if k not in ("succeeded", "services_stopped")
-                    ),
+                    "all_commands_succeeded": did_not_succeed(outcomes) == 0,
                     "commands": outcomes,
                     "output_incomplete": output_losses(facts.sessions),
                 },
