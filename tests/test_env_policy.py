@@ -15,7 +15,14 @@ import test_cli
 from test_cli import CLI
 
 from settled.client import _with_inherited
-from settled.environment import STANDARD_PATH, caller_policy, path_of, unseen_on_path
+from settled.environment import (
+    STANDARD_PATH,
+    base_environment,
+    caller_policy,
+    path_in_view,
+    path_of,
+    unseen_on_path,
+)
 from settled.errors import BadInput
 from settled.runtime import Runtime
 
@@ -50,7 +57,8 @@ def test_run_gives_the_callers_path_recorded_and_clean_env_the_standard_one(
 ) -> None:
     tools = tmp_path / "ws" / "tools"  # in the workspace: the command's view shows it
     _tool(tools, "only-mine", "found mine")
-    caller_path = f"{tools}:{os.environ['PATH']}"
+    home = base_environment()["HOME"]  # the command's: in its view, the task's own directory
+    caller_path = f"{tools}:{home}/.local/bin:{STANDARD_PATH}"
     done = cli.run("run", "--task", task["task"], "--", "only-mine", env={"PATH": caller_path})
     assert (done.returncode, done.stdout) == (0, b"found mine\n"), done.stderr
     assert b"settled:" not in done.stderr  # nothing to say: the view shows the tool
@@ -58,7 +66,8 @@ def test_run_gives_the_callers_path_recorded_and_clean_env_the_standard_one(
                        env={"PATH": caller_path})  # fmt: skip
     with Runtime(str(cli.home)) as rt:
         spec = rt.store.get_session(receipt["session"]).spec
-    assert dict(spec["env"])["PATH"] == caller_path and "PATH" in spec["inherited"]
+    assert dict(spec["env"])["PATH"] == f"{tools}:{STANDARD_PATH}"  # less the task's own dir
+    assert "PATH" in spec["inherited"]
     clean = cli.run("run", "--task", task["task"], "--clean-env", "--", "sh", "-c", 'echo "$PATH"',
                     env={"PATH": caller_path})  # fmt: skip
     assert clean.stdout.decode().strip() == STANDARD_PATH, clean.stderr
@@ -112,3 +121,37 @@ def test_the_python_client_sends_its_path_unless_clean_env() -> None:
     assert _with_inherited({"A": "1"}, [], False, True) == ({"A": "1"}, [])
     env, inherited = _with_inherited({"PATH": "/mine"}, [], False, False)
     assert env == {"PATH": "/mine"} and inherited == []  # an explicit PATH wins, not recorded
+
+
+def test_path_in_view_drops_the_tasks_own_dirs_and_relative_entries() -> None:
+    search = "/root/.local/bin:.::bin:/tmp/x:/var/tmp:/dev/shm/b:/opt/tool/bin:/usr/bin:/root2"
+    assert path_in_view(search, "/root") == "/opt/tool/bin:/usr/bin:/root2"
+    shown = ["/root/.pyenv/versions/3"]  # a read-only grant shows the host's directory there
+    assert path_in_view("/root/.pyenv/versions/3/bin:/usr/bin", "/root", shown) == (
+        "/root/.pyenv/versions/3/bin:/usr/bin"
+    )
+
+
+def test_a_tool_planted_in_the_tasks_home_is_not_what_a_later_command_runs(
+    cli: CLI, task: dict[str, Any]
+) -> None:
+    """The caller's ~/.local/bin is, in the command's view, the task's own home: an earlier
+    (hostile) command of the task could fill it, so the inherited PATH leaves it out."""
+    home = base_environment()["HOME"]
+    caller_path = f"{home}/.local/bin:{STANDARD_PATH}"
+    plant = (
+        f"mkdir -p {home}/.local/bin && printf '#!/bin/sh\\necho 1 passed\\n' "
+        f"> {home}/.local/bin/planted-tool && chmod +x {home}/.local/bin/planted-tool"
+    )
+    done = cli.run("run", "--task", task["task"], "--", "sh", "-c", plant,
+                   env={"PATH": caller_path})  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    later = cli.run("run", "--task", task["task"], "--", "planted-tool", "-q",
+                    env={"PATH": caller_path})  # fmt: skip
+    assert later.returncode == 127 and b"1 passed" not in later.stdout, later.stdout
+    shown = cli.run("run", "--task", task["task"], "--", "sh", "-c", 'echo "$PATH"',
+                    env={"PATH": caller_path})  # fmt: skip
+    assert shown.stdout.decode().strip() == STANDARD_PATH
+    explicit = cli.run("run", "--task", task["task"], "--env", f"PATH={caller_path}", "--",
+                       "planted-tool")  # fmt: skip
+    assert explicit.stdout == b"1 passed\n"  # a PATH given with --env is the caller's choice

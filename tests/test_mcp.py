@@ -23,6 +23,7 @@ from conftest import ESCAPEE, proc_files
 from mcp import ClientSession, StdioServerParameters, stdio_client
 from mcp.types import CallToolResult, TextContent
 
+from settled.environment import base_environment, path_in_view
 from settled.log.view import window_view
 from settled.mcp_server import MARKER, MAX_WAIT_S, TOOL_NAMES
 
@@ -362,7 +363,9 @@ def test_env_reaches_the_command_and_is_part_of_its_identity(tmp_path: Path) -> 
         bad = await call(session, "start", task=task, command="true", env={"A=B": "x"})
         assert bad.is_error and "A=B" in text_of(bad)
         path = data_of(await call(session, "run", task=task, command='printf "%s" "$PATH"'))
-        assert path["output"]["stdout"]["text"] == os.environ["PATH"]  # its client's, as run's
+        workspace = [str(tmp_path / "workspace")]
+        theirs = path_in_view(os.environ["PATH"], base_environment()["HOME"], workspace)
+        assert path["output"]["stdout"]["text"] == theirs  # its client's, as settled run's
         tools = {tool.name: tool for tool in (await session.list_tools()).tools}
         for name in ("run", "start"):
             assert tools[name].input_schema["properties"]["env"]["description"]

@@ -168,6 +168,28 @@ def compose(
     return {**base, **caller.env, **explicit}
 
 
+# The directories a command's view makes its task's own (poddirs: bound at these paths and at
+# its $HOME), which any earlier command of the task could have filled.
+POD_PATHS = ("/tmp", "/var/tmp", "/dev/shm")
+
+
+def path_in_view(search_path: str, home: str | None, shown: Iterable[str] = ()) -> str:
+    """A caller's PATH as a command in a view of its own may search it: less empty and relative
+    entries (the command's cwd) and those in a directory the view makes its task's own (its
+    $HOME, /tmp, /var/tmp, /dev/shm), where an earlier command of the task, which is hostile,
+    could plant the `pytest` or `git` a later one runs, unless the view shows a host directory
+    there (`shown`: the workspace and the grants, bound over the task's own). The caller's
+    ~/.local/bin is not the command's: in the view that path is the task's own home."""
+    own = tuple(p for p in (*POD_PATHS, home) if p and p.startswith("/") and p != "/")
+    granted = tuple(shown)
+    kept = []
+    for entry in search_path.split(":"):
+        path = os.path.normpath(entry) if entry.startswith("/") else ""
+        if path and (not _within(path, own) or _within(path, granted)):
+            kept.append(entry)
+    return ":".join(kept)
+
+
 def path_of(env: Mapping[str, str], clean: bool, environ: Mapping[str, str]) -> str:
     """The PATH a command will search: an explicit one, else the caller's (unless `clean`),
     else the standard one."""

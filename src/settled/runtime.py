@@ -648,7 +648,7 @@ class Runtime:
         settled's own variables and the home's credentials, named in `env_removed`), then
         `env`; `inherited` names variables of `env` a remote caller took from its own. All of
         it is in the digest (settled.environment)."""
-        from settled.environment import base_environment, compose
+        from settled.environment import STANDARD_PATH, base_environment, compose, path_in_view
         from settled.identity import (
             DEFAULT_GRACE_S,
             CommandSpec,
@@ -681,11 +681,16 @@ class Runtime:
         caller = self._caller_env(inherit, inherit_env)
         if stray := sorted(set(inherited) - set(explicit)):
             raise BadInput(f"inherited names {stray} are not in env")
+        given = compose(base_environment(run_as and run_as[0]), caller, explicit)
+        from_caller = "PATH" in inherited or ("PATH" in caller.env and "PATH" not in explicit)
+        if from_caller and not builds_nothing:  # no tool planted in the task's own dirs
+            shown = (record.workspace, *granted["writable"], *granted["readable"])
+            given["PATH"] = path_in_view(given["PATH"], given.get("HOME"), shown) or STANDARD_PATH
         spec = CommandSpec(
             argv=tuple(argv) if argv is not None else None,
             shell=shell,
             cwd=resolve_cwd(record.workspace, cwd),
-            env=normalize_env(compose(base_environment(run_as and run_as[0]), caller, explicit)),
+            env=normalize_env(given),
             stdin_digest=self._keep_stdin(stdin) if stdin is not None else None,
             timeout=timeout,
             grace=grace if grace is not None else DEFAULT_GRACE_S,

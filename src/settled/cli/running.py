@@ -110,6 +110,8 @@ def _say_where_path_leads(rt: Runtime, args: argparse.Namespace, command: list[s
         return
     words = command if len(command) > 1 else command[0].split()  # a shell string's first word
     first = words[0] if words else ""
+    # the caller's PATH whole: an entry in the task's own dirs is never in `roots`, so never
+    # what it runs instead (Runtime.exec leaves those out)
     search = path_of(_environment(args), args.clean_env, os.environ)
     if note := unseen_on_path(first, search, roots):
         print(f"settled: {printable(note)}", file=sys.stderr, flush=True)
