@@ -247,3 +247,19 @@ def test_the_interpreter_grant_leaves_what_the_view_already_shows(tmp_path: Path
     assert prefix in interpreter_grants(str(tmp_path))
     assert prefix not in interpreter_grants(os.path.dirname(prefix))  # the workspace holds it
     assert not [p for p in interpreter_grants(str(tmp_path)) if p.startswith("/usr/")]
+
+
+def test_the_exit_close_runs_no_file_the_workspace_holds(tmp_path: Path) -> None:
+    """The exit-time close is a fresh interpreter: -I -S (no .pth file runs), settled and the
+    site-packages on its path by hand, and refused when any of them, or the interpreter, lies
+    in the workspace, whose files the task's commands could have replaced."""
+    from settled.integrations._steps import LocalSteps, exit_close_command, exit_close_roots
+
+    command = exit_close_command("t_0123456789abcdef")
+    assert command[1:4] == ["-I", "-S", "-c"] and command[-3:-1] == ["--json", "--deadline"]
+    assert command[6 : 6 + int(command[5])] == exit_close_roots()
+    venv_in_repo = os.path.dirname(os.path.dirname(os.path.realpath(sys.executable)))
+    steps = LocalSteps(str(tmp_path / "home"))
+    with pytest.raises(RuntimeError, match="is inside its workspace, which its commands could"):
+        steps.close_at_exit("t_0123456789abcdef", workspace=venv_in_repo)
+    steps.release()

@@ -23,10 +23,9 @@ from typing import Any
 from settled.client import Client
 from settled.runtime import Runtime
 
-EXIT_CLOSE_TIMEOUT_S = 600.0  # a close at interpreter exit: bounded, never a hang forever
+EXIT_CLOSE_DEADLINE_S = 60  # a close at interpreter exit lets sessions run this long at most
+EXIT_CLOSE_TIMEOUT_S = EXIT_CLOSE_DEADLINE_S + 240.0  # then the rest of the join: never a hang
 _SETTLED_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-_CLOSE_CHILD = "import sys; sys.path[:0] = sys.argv[1:2]; from settled.cli import main; "
-_CLOSE_CHILD += "sys.exit(main(sys.argv[2:]))"
 READ_CHUNK = 1 << 20
 WAIT_MARGIN_S = 60.0  # the owner's clock ends the command; this only bounds our wait
 SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/etc")  # always in the view
@@ -65,6 +64,38 @@ def interpreter_grants(workspace: str) -> tuple[str, ...]:
 
 def _under(path: str, tops: tuple[str, ...]) -> bool:
     return any(path == top or path.startswith(top.rstrip("/") + "/") for top in tops)
+
+
+def exit_close_command(task: str) -> list[str]:
+    """`python -I -S -c BOOT N ROOT... close TASK --json --deadline S`: settled's root and this
+    interpreter's site-packages on sys.path by hand (as settled's own helpers start,
+    settled.isolated), so no .pth file or user site runs."""
+    roots = exit_close_roots()
+    boot = (
+        "import sys; n = int(sys.argv[1]); sys.path += sys.argv[2 : 2 + n]; "
+        "from settled.cli import main; sys.exit(main(sys.argv[2 + n :]))"
+    )
+    tail = ["close", task, "--json", "--deadline", str(EXIT_CLOSE_DEADLINE_S)]
+    return [sys.executable, "-I", "-S", "-c", boot, str(len(roots)), *roots, *tail]
+
+
+def exit_close_roots() -> list[str]:
+    """What the exit-time close imports from: settled's root and this interpreter's
+    site-packages."""
+    import sysconfig
+
+    found = [_SETTLED_ROOT, *(sysconfig.get_path(kind) for kind in ("purelib", "platlib"))]
+    return list(dict.fromkeys(found))
+
+
+def _inside(workspace: str, paths: list[str]) -> str | None:
+    """The first of `paths` (or what it resolves to) inside `workspace`, or None."""
+    top = os.path.realpath(workspace)
+    for path in paths:
+        for candidate in (os.path.abspath(path), os.path.realpath(path)):
+            if _under(candidate, (top,)):
+                return path
+    return None
 
 
 def read_all(runtime: Runtime, session: str, stream: str) -> bytes:
@@ -176,17 +207,26 @@ class LocalSteps:
     def close(self, task: str) -> dict[str, Any]:
         return close_with_checkpoint(self.runtime, task)
 
-    def close_at_exit(self, task: str) -> dict[str, Any]:
+    def close_at_exit(self, task: str, workspace: str) -> dict[str, Any]:
         """The close from an `atexit` hook. An exiting interpreter starts no thread, and the
         close's checkpoint publishes through a pool of them, so a fresh interpreter closes:
         `settled close --json` on the same home, whose one JSON object is the close receipt.
-        Isolated (-I) and run from /: no directory a command could write (the workspace, the
-        cwd) is on its path, so it imports settled from where this process did."""
+        That interpreter runs code from this one's files, so none may be where the task's
+        commands write: `-I -S` (no .pth file runs, no user site), run from /, settled and the
+        site-packages put on its path by hand, and refused (RuntimeError) when the interpreter,
+        settled or those site-packages lie in `workspace` (a virtualenv inside the repository
+        the agent works on, whose files its commands could have replaced)."""
+        command = exit_close_command(task)
+        if planted := _inside(workspace, [sys.executable, *exit_close_roots()]):
+            raise RuntimeError(
+                f"not closing task {task} at exit: {planted} is inside its workspace, which its "
+                f"commands could change; close it from a trusted interpreter: settled close {task}"
+            )
         env = dict(os.environ)
         if self.home is not None:
             env["SETTLED_HOME"] = self.home
         done = subprocess.run(
-            [sys.executable, "-I", "-c", _CLOSE_CHILD, _SETTLED_ROOT, "close", task, "--json"],
+            command,
             env=env,
             cwd="/",
             capture_output=True,
@@ -262,7 +302,7 @@ class ServiceSteps:
         """The close receipt (the client raises Blocked if the close could not finish)."""
         return self.client.close_task(task)
 
-    def close_at_exit(self, task: str) -> dict[str, Any]:
+    def close_at_exit(self, task: str, workspace: str) -> dict[str, Any]:
         """The service closes: one HTTP call, which an exiting interpreter can still make."""
         return self.close(task)
 

@@ -181,7 +181,7 @@ class SettledEnvironment(LocalEnvironment):
         through the backend's exit path (this interpreter can start no thread any more)."""
         try:
             if self.close_receipt is None:
-                self.close_receipt = self.backend.close_at_exit(self.task)
+                self.close_receipt = self.backend.close_at_exit(self.task, self.workspace)
             self.close()
         except Exception as exc:  # at exit there is no caller left to raise to
             _log.error("settled task %s did not close at exit: %s", self.task, exc)
