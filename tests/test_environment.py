@@ -87,11 +87,15 @@ def test_inherit_env_withholds_what_is_named_like_a_secret_unless_asked_by_name(
         "OPENAI_API_KEY": "sk", "ANTHROPIC_AUTH_TOKEN": "t", "GITHUB_TOKEN": "g",
         "PGPASSWORD": "p", "DB_PASSWORD": "d", "MY_SECRET": "s", "GOOGLE_CREDENTIALS": "c",
         "SSH_PRIVATE_KEY": "k", "TOKENIZERS_PARALLELISM": "false", "KEYBOARD": "us",
-        "PATH": "/bin", "SECRETARY": "no",
+        "PATH": "/bin", "SECRETARY": "no", "OPENAI_KEY": "k", "API_KEYS": "k", "DB_PASS": "p",
+        "GITHUB_PAT": "p", "NPM_AUTH": "a", "SENTRY_DSN": "d", "CLIENT_SECRETS": "s",
+        "DATABASE_URL": "postgresql://app:hunter2@db/app", "PIP_INDEX_URL": "https://u:p@pypi/",
+        "PUBLIC_URL": "https://example.com/a:b", "PATHEXT": "x", "PASSAGE": "y",
     }  # fmt: skip
     got = from_caller(["GITHUB_TOKEN"], True, environ)
     assert got.env == {
         "GITHUB_TOKEN": "g", "TOKENIZERS_PARALLELISM": "false", "KEYBOARD": "us",
-        "PATH": "/bin", "SECRETARY": "no",
+        "PATH": "/bin", "SECRETARY": "no", "PUBLIC_URL": "https://example.com/a:b",
+        "PATHEXT": "x", "PASSAGE": "y",
     }  # fmt: skip
     assert got.removed == tuple(sorted(set(environ) - set(got.env)))

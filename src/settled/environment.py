@@ -115,7 +115,7 @@ def from_caller(
         for name, value in environ.items():
             if name in chosen:
                 continue
-            if name.startswith(SETTLED_PREFIX) or name in deny or is_secret_name(name):
+            if name.startswith(SETTLED_PREFIX) or name in deny or is_secret(name, value):
                 removed.append(name)
             else:
                 chosen[name] = value
@@ -123,18 +123,28 @@ def from_caller(
 
 
 # A word of a variable's name (between underscores) that says its value is a secret:
-# OPENAI_API_KEY, GITHUB_TOKEN, AWS_SECRET_ACCESS_KEY, PGPASSWORD's kin, ANTHROPIC_AUTH_TOKEN.
+# OPENAI_API_KEY, GITHUB_TOKEN, AWS_SECRET_ACCESS_KEY, PGPASSWORD, ANTHROPIC_AUTH_TOKEN, DB_PASS,
+# GITHUB_PAT, SENTRY_DSN, CLIENT_SECRETS; and a name that ends in KEY (OPENAI_KEY, AZURE_KEY).
 _SECRET_WORDS = re.compile(
-    r"(?:^|_)(?:API_?KEY|ACCESS_?KEY|PRIVATE_?KEY|SECRET|TOKEN|PASSWORD|PASSWD|PGPASSWORD"
-    r"|CREDENTIALS?)(?:_|$)",
+    r"(?:^|_)(?:API_?KEYS?|ACCESS_?KEYS?|PRIVATE_?KEYS?|SECRETS?|TOKENS?|PASSWORDS?|PASSWD"
+    r"|PGPASSWORD|PASS|PAT|CREDENTIALS?|AUTH|DSN|COOKIES?|SESSION_?ID)(?:_|$)|(?:^|_)KEYS?$",
     re.IGNORECASE,
 )
+# A URL that carries a password in its user part: DATABASE_URL, PIP_INDEX_URL, REDIS_URL...
+_CREDENTIAL_URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^/\s:@]*:[^/\s@]+@")
 
 
 def is_secret_name(name: str) -> bool:
     """Whether `name` says its value is a secret; `--inherit-env` withholds such a variable
     (named in `env_removed`) unless it is asked for by name."""
     return _SECRET_WORDS.search(name) is not None
+
+
+def is_secret(name: str, value: str) -> bool:
+    """A secret by its name, or a value holding a URL with a password. A deny-list: a secret
+    named otherwise still passes with the whole environment (docs/TRUST.md says so); what a
+    command must not see, pass by name instead (`--inherit NAME`, `--env`)."""
+    return is_secret_name(name) or _CREDENTIAL_URL.search(value) is not None
 
 
 DEFAULT_INHERITED = ("PATH",)  # what a command takes from its caller unless told --clean-env
