@@ -84,17 +84,23 @@ def _is_terminal(err: TextIO) -> bool:
 
 
 def _waited_for(rt: Runtime, task: str) -> list[Waited]:
-    waited = []
-    for view in rt.task_status(task)["sessions"]:
-        if not is_live(view["state"]):
-            continue
-        session = view["session"]
-        spec = rt.session_record(session).spec
-        command = printable(view.get("command") or "")
-        if len(command) > COMMAND_SHOWN:
-            command = command[: COMMAND_SHOWN - 1] + "…"
-        waited.append(Waited(session, command, view.get("started_at"),
-                             bool(spec.get("service")), rt.exit_handle(session)))  # fmt: skip
+    waited: list[Waited] = []
+    try:
+        for view in rt.task_status(task)["sessions"]:
+            if not is_live(view["state"]):
+                continue
+            session = view["session"]
+            spec = rt.session_record(session).spec
+            command = printable(view.get("command") or "")
+            if len(command) > COMMAND_SHOWN:
+                command = command[: COMMAND_SHOWN - 1] + "…"
+            waited.append(Waited(session, command, view.get("started_at"),
+                                 bool(spec.get("service")), rt.exit_handle(session)))  # fmt: skip
+    except BaseException:  # no handle opened so far outlives the failure
+        for item in waited:
+            if item.handle is not None:
+                rt.close_exit_handle(item.handle)
+        raise
     return waited
 
 

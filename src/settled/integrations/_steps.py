@@ -136,7 +136,7 @@ def run_step(
         inherit_env=inherit_env,
         readable=readable,
     )
-    bound = None if timeout is None else timeout + WAIT_MARGIN_S
+    bound = None if not timeout else timeout + WAIT_MARGIN_S  # 0: no limit (Runtime.exec)
     view = runtime.wait(admission.session, timeout=bound)
     receipt: dict[str, Any] = view["receipt"]
     exit_ = receipt["exit"]
