@@ -36,6 +36,10 @@ from settled.errors import WorkspaceOverlap
 from settled.runtime import Runtime
 from settled.server.swerex_output import DEFAULT_OUTPUT_CAP, report_tail, stream_text
 from settled.server.swerex_shell import (
+    BOOT,
+    MAX_EXPORT_BYTES,
+    MAX_EXPORTS_BYTES,
+    Report,
     ShellState,
     new_nonce,
     read_report,
@@ -44,6 +48,7 @@ from settled.server.swerex_shell import (
 )
 
 MAX_ACTION_WAIT_S = 24 * 3600.0  # an action without a timeout is waited for this long at most
+MAX_COMMAND_BYTES = 16 << 20  # one bash action's text (its script is stored as the stdin)
 _PLAIN_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
 
@@ -177,7 +182,7 @@ class SwerexService:
             # whole boundary when the timeout passed, so there is nothing left to interrupt.
             self._session(name)
             return {"output": "", "exit_code": 0, "failure_reason": "", "session_type": "bash"}
-        command = str(_field(body, "command", "run_in_session"))
+        command = _bash_command(body)
         observation = self._run(name, command, body.get("timeout"), request_id)
         if body.get("check", "raise") == "raise" and observation["exit_code"] != 0:
             message = (
@@ -200,7 +205,8 @@ class SwerexService:
         with self.runtime() as runtime:
             admission = runtime.exec(
                 task,
-                argv=["/bin/bash", "-c", script(state, command, nonce, workspace)],
+                argv=["/bin/bash", "-c", BOOT],  # the script, nonce and all, is the stdin
+                stdin=script(state, command, nonce, workspace),
                 key=f"swerex:{session.serial}:{session.label}:{position}",
                 cwd=".",  # the script cds itself: a session may cd outside the workspace
                 timeout=_seconds(timeout),
@@ -214,23 +220,16 @@ class SwerexService:
                     {"session": admission.session},
                 )
             reported = report_tail(runtime, admission.session)
-            _refuse_syntax(command, read_syntax_error(reported, nonce))
+            _refuse_syntax(command, read_syntax_error(reported, nonce, exit_facts))
             output = stream_text(runtime, admission.session, "stdout", status, "replace", self.cap)
-            report = read_report(reported, nonce)
+            report = read_report(reported, nonce, exit_facts)
         with self.lock:
             # the newest action's report only: a late retry changes nothing
             if report is not None and position == session.positions.count - 1:
-                session.state = report
-        if report is None:
-            output += (
-                "\n[settled: this action left no state report (it replaced the EXIT trap, "
-                "exec'd another program or was killed); the next one starts where it started]\n"
-            )
-        code = exit_facts.get("code")
+                session.state = report.state
         return {
-            "output": output,
-            "exit_code": code,
-            "failure_reason": "" if code is not None else str(exit_facts.get("reason", "")),
+            "output": output + _report_note(report),
+            **_exit_answer(exit_facts),
             "expect_string": "",
             "session_type": "bash",
         }
@@ -315,6 +314,51 @@ class SwerexService:
                 f"close receipt {entry['close_receipt']}"
             )
         return answer
+
+
+def _exit_answer(exit_facts: dict[str, Any]) -> dict[str, Any]:
+    code = exit_facts.get("code")
+    return {
+        "exit_code": code,
+        "failure_reason": "" if code is not None else str(exit_facts.get("reason", "")),
+    }
+
+
+def _report_note(report: Report | None) -> str:
+    """What the output says when the state is not carried whole."""
+    if report is None:
+        return (
+            "\n[settled: this action left no state report (it replaced the EXIT trap, exec'd "
+            "another program, left processes running or was killed); the next one starts "
+            "where it started]\n"
+        )
+    if not report.dropped:
+        return ""
+    named = ", ".join(f"{name} ({size} bytes)" for name, size in report.dropped)
+    return (
+        f"\n[settled: exported variables not carried to the next action: {named}; a program's "
+        f"environment takes NAME=value of at most {MAX_EXPORT_BYTES} bytes each and settled "
+        f"carries at most {MAX_EXPORTS_BYTES} bytes of them]\n"
+    )
+
+
+def _bash_command(body: dict[str, Any]) -> str:
+    """The action's text: refused by name when bash could not take it whole."""
+    command = str(_field(body, "command", "run_in_session"))
+    if "\0" in command:
+        raise swerex_error("SwerexException", "run_in_session: the command holds a NUL byte")
+    try:
+        size = len(command.encode("utf-8", "surrogateescape"))
+    except UnicodeEncodeError:
+        raise swerex_error(
+            "SwerexException", "run_in_session: the command holds a lone surrogate, not text"
+        ) from None
+    if size > MAX_COMMAND_BYTES:
+        raise swerex_error(
+            "SwerexException",
+            f"run_in_session: the command is {size} bytes; at most {MAX_COMMAND_BYTES}",
+        )
+    return command
 
 
 def _exit_facts(status: dict[str, Any]) -> dict[str, Any]:
