@@ -17,8 +17,10 @@ import pytest
 
 pytest.importorskip("swerex")
 
-from swerex.runtime.abstract import BashAction, CreateBashSessionRequest
+from swerex.runtime.abstract import BashAction, Command, CreateBashSessionRequest
 from test_swerex import Served, _drive, _post, _start
+
+from settled.server import swerex_service
 
 # A child of the action: looks for the nonce wherever its parent shell might show it (argv,
 # environment, stdin, its descriptors), writes a report with what it found (old form and new,
@@ -152,6 +154,26 @@ def test_an_export_too_large_for_a_program_s_environment_is_dropped_by_name(
     made, after = _drive(drive)
     assert "not carried to the next action: D (200002 bytes)" in made
     assert after.splitlines() == ["0 kept", "started"]
+
+
+def test_a_timeout_of_zero_is_no_limit_and_the_answer_comes_with_its_receipt(
+    served: Served,
+) -> None:
+    """Runtime.exec reads a timeout of 0 as no limit; so does the service's wait for it."""
+
+    async def drive() -> tuple[str, Any]:
+        rt = served.client()
+        await rt.create_session(CreateBashSessionRequest(session="z"))
+        obs = await rt.run_in_session(
+            BashAction(session="z", command="sleep 2; echo slept", timeout=0)
+        )
+        done = await rt.execute(Command(command="sleep 2; echo ran", shell=True, timeout=0))
+        await rt.close()
+        return obs.output, done.stdout
+
+    assert _drive(drive) == ("slept\n", "ran\n")
+    assert swerex_service._wait_for(0) == swerex_service.MAX_ACTION_WAIT_S
+    assert swerex_service._wait_for(None) == swerex_service.MAX_ACTION_WAIT_S
 
 
 def test_a_command_bash_cannot_take_is_refused_by_name(served: Served) -> None:

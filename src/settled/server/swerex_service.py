@@ -211,7 +211,7 @@ class SwerexService:
                 cwd=".",  # the script cds itself: a session may cd outside the workspace
                 timeout=_seconds(timeout),
             )
-            status = runtime.wait(admission.session, _wait_for(timeout))
+            status = _settled(runtime, admission.session, timeout)
             exit_facts = _exit_facts(status)
             if exit_facts.get("reason") == "timeout":
                 raise swerex_error(
@@ -262,7 +262,7 @@ class SwerexService:
                 env=body.get("env"),
                 timeout=_seconds(timeout),
             )
-            status = runtime.wait(admission.session, _wait_for(timeout))
+            status = _settled(runtime, admission.session, timeout)
             exit_facts = _exit_facts(status)
             if exit_facts.get("reason") == "timeout":
                 raise swerex_error(
@@ -361,6 +361,18 @@ def _bash_command(body: dict[str, Any]) -> str:
     return command
 
 
+def _settled(runtime: Runtime, session: str, timeout: Any) -> dict[str, Any]:
+    """The session's status once it has its receipt (the wait is bounded by the timeout and a
+    margin, or MAX_ACTION_WAIT_S for none: 0 is none, as Runtime.exec reads it)."""
+    status = runtime.wait(session, _wait_for(timeout))
+    if not status.get("receipt"):
+        raise swerex_error(
+            "SwerexException",
+            f"settled session {session} has no receipt after {_wait_for(timeout):.0f}s",
+        )
+    return status
+
+
 def _exit_facts(status: dict[str, Any]) -> dict[str, Any]:
     """The receipt's exit; a command that never started raises as subprocess.run would: an
     OSError of its errno (FileNotFoundError for a program that is not there), as SWE-ReX's
@@ -417,7 +429,8 @@ def _seconds(timeout: Any) -> float | None:
 
 
 def _wait_for(timeout: Any) -> float:
-    return float(timeout) + 60.0 if timeout is not None else MAX_ACTION_WAIT_S
+    limit = _seconds(timeout)
+    return limit + 60.0 if limit else MAX_ACTION_WAIT_S  # None and 0 are no limit
 
 
 def _command_line(
