@@ -18,9 +18,10 @@ import pytest
 pytest.importorskip("swerex")
 
 from swerex.runtime.abstract import BashAction, Command, CreateBashSessionRequest
-from test_swerex import Served, _drive, _post, _start
+from test_swerex import KEY, Served, _drive, _post, _start
 
 from settled.server import swerex_service
+from settled.server.swerex_service import SwerexService
 
 # A child of the action: looks for the nonce wherever its parent shell might show it (argv,
 # environment, stdin, its descriptors), writes a report with what it found (old form and new,
@@ -185,3 +186,29 @@ def test_a_command_bash_cannot_take_is_refused_by_name(served: Served) -> None:
 
     _status, answer = _drive(drive)
     assert "holds a NUL byte" in str(answer)
+
+
+def test_the_retry_maps_keep_only_the_last_request_ids(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A runtime's memory does not grow with its calls: only the last RETRY_WINDOW request ids
+    (and the state and nonce of their actions) are kept; the newest can still be retried."""
+    monkeypatch.setattr(swerex_service, "RETRY_WINDOW", 3)
+    workspace = tmp_path / "ws"
+    workspace.mkdir()
+    service = SwerexService(str(tmp_path / "home"), KEY, str(workspace))
+    try:
+        service.create_session({"session": "m"}, "create-1")
+        answers = [
+            service.run_in_session({"session": "m", "command": f"echo {n}"}, f"r{n}")
+            for n in range(8)
+        ]
+        service.run_in_session({"session": "m", "command": "echo none"}, None)
+        session = service.sessions["m"]
+        assert list(session.positions.by_request) == ["r5", "r6", "r7"]
+        assert sorted(session.before) == [5, 6, 7]
+        again = service.run_in_session({"session": "m", "command": "echo 7"}, "r7")
+        assert again == answers[7]
+        assert session.positions.count == 9  # the retry took no new position
+    finally:
+        service.close()

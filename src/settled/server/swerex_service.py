@@ -28,6 +28,7 @@ import os
 import re
 import shlex
 import threading
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,6 +49,7 @@ from settled.server.swerex_shell import (
 )
 
 MAX_ACTION_WAIT_S = 24 * 3600.0  # an action without a timeout is waited for this long at most
+RETRY_WINDOW = 256  # the last request ids a retry is recognised by (each session, executes...)
 MAX_COMMAND_BYTES = 16 << 20  # one bash action's text (its script is stored as the stdin)
 _PLAIN_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
@@ -67,9 +69,11 @@ def swerex_error(name: str, message: str, extra: dict[str, Any] | None = None) -
 
 @dataclass
 class Positions:
-    """Positions handed out, by request id: a retry (same X-Request-ID) gets its first one."""
+    """Positions handed out, by request id: a retry (same X-Request-ID) gets its first one.
+    Only the last RETRY_WINDOW request ids are kept: a retry comes right after its first try,
+    and a runtime's memory does not grow with its calls."""
 
-    by_request: dict[str, int] = field(default_factory=dict)
+    by_request: OrderedDict[str, int] = field(default_factory=OrderedDict)
     count: int = 0
 
     def take(self, request_id: str | None) -> int:
@@ -79,6 +83,8 @@ class Positions:
         self.count += 1
         if request_id is not None:
             self.by_request[request_id] = position
+            while len(self.by_request) > RETRY_WINDOW:
+                self.by_request.popitem(last=False)
         return position
 
 
@@ -92,7 +98,14 @@ class BashSession:
     state: ShellState
     created_by: str | None = None  # the X-Request-ID of its create_session
     positions: Positions = field(default_factory=Positions)
-    before: dict[int, tuple[ShellState, str]] = field(default_factory=dict)  # (state, nonce)
+    # (state, nonce) of each action a retry may still come for
+    before: dict[int, tuple[ShellState, str]] = field(default_factory=dict)
+
+    def forget_unretryable(self) -> None:
+        """Drop what no retry can ask for again (its request id gone from the window, or none)."""
+        retryable = set(self.positions.by_request.values())
+        for position in [p for p in self.before if p not in retryable]:
+            del self.before[position]
 
 
 class SwerexService:
@@ -201,6 +214,7 @@ class SwerexService:
             position = session.positions.take(request_id)
             # a retry runs the very script its first try ran: same key, same digest
             state, nonce = session.before.setdefault(position, (session.state, new_nonce()))
+            session.forget_unretryable()
         task, workspace = session.task  # never another: a close ends the session with it
         with self.runtime() as runtime:
             admission = runtime.exec(
@@ -308,6 +322,8 @@ class SwerexService:
             self.closed.extend(entries)
             if request_id is not None:
                 self.close_answers[request_id] = answer
+                while len(self.close_answers) > RETRY_WINDOW:
+                    del self.close_answers[next(iter(self.close_answers))]
         for entry in entries:
             self.say(
                 f"task {entry['task']} closed: complete {str(entry['complete']).lower()}, "
