@@ -13,7 +13,8 @@ its first position back: the same key, so settled returns the same session, neve
 Output is each stream whole up to a cap, or its head and tail with a marker
 (server/swerex_output.py); the script of a bash action and its state report are
 server/swerex_shell.py's; read_file, write_file and upload, commands of the same task, are
-server/swerex_files.py's.
+server/swerex_files.py's. Over 400 lines because it is every call's mapping onto one task (and
+the bounds a retry needs), which is read best in one place.
 
 Must never: run an action twice for one request id; carry state from text the action printed
 (swerex_shell: the state report is on its own stream, behind a nonce); name a CLI flag in what
@@ -38,13 +39,11 @@ from settled.runtime import Runtime
 from settled.server.swerex_output import DEFAULT_OUTPUT_CAP, report_tail, stream_text
 from settled.server.swerex_shell import (
     BOOT,
-    MAX_EXPORT_BYTES,
-    MAX_EXPORTS_BYTES,
-    Report,
     ShellState,
     new_nonce,
     read_report,
     read_syntax_error,
+    report_note,
     script,
 )
 
@@ -242,7 +241,7 @@ class SwerexService:
             if report is not None and position == session.positions.count - 1:
                 session.state = report.state
         return {
-            "output": output + _report_note(report),
+            "output": output + report_note(report),
             **_exit_answer(exit_facts),
             "expect_string": "",
             "session_type": "bash",
@@ -338,24 +337,6 @@ def _exit_answer(exit_facts: dict[str, Any]) -> dict[str, Any]:
         "exit_code": code,
         "failure_reason": "" if code is not None else str(exit_facts.get("reason", "")),
     }
-
-
-def _report_note(report: Report | None) -> str:
-    """What the output says when the state is not carried whole."""
-    if report is None:
-        return (
-            "\n[settled: this action left no state report (it replaced the EXIT trap, exec'd "
-            "another program, left processes running or was killed); the next one starts "
-            "where it started]\n"
-        )
-    if not report.dropped:
-        return ""
-    named = ", ".join(f"{name} ({size} bytes)" for name, size in report.dropped)
-    return (
-        f"\n[settled: exported variables not carried to the next action: {named}; a program's "
-        f"environment takes NAME=value of at most {MAX_EXPORT_BYTES} bytes each and settled "
-        f"carries at most {MAX_EXPORTS_BYTES} bytes of them]\n"
-    )
 
 
 def _bash_command(body: dict[str, Any]) -> str:

@@ -35,9 +35,11 @@ without the nonce is never read as a report, and bytes it slips into the real re
 size. A report counts only when the shell exited as one that ran its EXIT trap (a code, or a
 signal bash traps; never SIGKILL), a syntax error only with bash's exit code 2 of the check.
 What remains: a process allowed to ptrace the shell (same user, no Yama restriction) can read
-its memory, as it could change the state of SWE-ReX's own long-lived shell directly. Names are
-checked here (shell identifiers, none of bash's own per-shell variables) and values are data:
-nothing of the report is evaluated.
+its memory, as it could change the state of SWE-ReX's own long-lived shell directly; and a
+process of another session of the task (outside this PID namespace) handed the stream's
+descriptor by a program of the action (over a socket) could read the report as it is written.
+Names are checked here (shell identifiers, none of bash's own per-shell variables) and values
+are data: nothing of the report is evaluated.
 
 Shell functions, aliases, options and unexported variables do not carry to the next action;
 neither does the state of an action that replaces the EXIT trap, ``exec``s another program or
@@ -226,6 +228,24 @@ def read_report(stream: bytes, nonce: str, exit_facts: dict[str, object]) -> Rep
         return None
     kept, dropped = _fitting(_carried(fields[1:]))
     return Report(ShellState(cwd, tuple(kept)), tuple(dropped))
+
+
+def report_note(report: Report | None) -> str:
+    """What the output says when the state is not carried whole."""
+    if report is None:
+        return (
+            "\n[settled: this action left no state report (it replaced the EXIT trap, exec'd "
+            "another program, left processes running or was killed); the next one starts "
+            "where it started]\n"
+        )
+    if not report.dropped:
+        return ""
+    named = ", ".join(f"{name} ({size} bytes)" for name, size in report.dropped)
+    return (
+        f"\n[settled: exported variables not carried to the next action: {named}; a program's "
+        f"environment takes NAME=value of at most {MAX_EXPORT_BYTES} bytes each and settled "
+        f"carries at most {MAX_EXPORTS_BYTES} bytes of them]\n"
+    )
 
 
 def _carried(fields: list[bytes]) -> list[tuple[str, str]]:
