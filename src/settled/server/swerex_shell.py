@@ -56,7 +56,7 @@ from dataclasses import dataclass
 REPORT_FD = 47  # the session's stderr stream, kept for the report (stderr itself is merged)
 NONCE_BYTES = 16
 MAX_EXPORT_BYTES = (128 << 10) - 1  # NAME=value, one string of a program's environment
-MAX_EXPORTS_BYTES = 1 << 20  # all carried NAME=value: room left for argv under ARG_MAX
+MAX_EXPORTS_BYTES = 512 << 10  # all carried NAME=value: room left for argv under ARG_MAX
 SYNTAX_EXIT = 2
 
 BOOT = (  # the argv's script: the action's whole script is on stdin, never in argv
