@@ -13,7 +13,8 @@ its first position back: the same key, so settled returns the same session, neve
 Output is each stream whole up to a cap, or its head and tail with a marker
 (server/swerex_output.py); the script of a bash action and its state report are
 server/swerex_shell.py's; read_file, write_file and upload, commands of the same task, are
-server/swerex_files.py's.
+server/swerex_files.py's. Over 400 lines because it is every call's mapping onto one task (and
+the bounds a retry needs), which is read best in one place.
 
 Must never: run an action twice for one request id; carry state from text the action printed
 (swerex_shell: the state report is on its own stream, behind a nonce); name a CLI flag in what
@@ -28,6 +29,7 @@ import os
 import re
 import shlex
 import threading
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,14 +38,18 @@ from settled.errors import WorkspaceOverlap
 from settled.runtime import Runtime
 from settled.server.swerex_output import DEFAULT_OUTPUT_CAP, report_tail, stream_text
 from settled.server.swerex_shell import (
+    BOOT,
     ShellState,
     new_nonce,
     read_report,
     read_syntax_error,
+    report_note,
     script,
 )
 
 MAX_ACTION_WAIT_S = 24 * 3600.0  # an action without a timeout is waited for this long at most
+RETRY_WINDOW = 256  # the last request ids a retry is recognised by (each session, executes...)
+MAX_COMMAND_BYTES = 16 << 20  # one bash action's text (its script is stored as the stdin)
 _PLAIN_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
 
@@ -62,9 +68,11 @@ def swerex_error(name: str, message: str, extra: dict[str, Any] | None = None) -
 
 @dataclass
 class Positions:
-    """Positions handed out, by request id: a retry (same X-Request-ID) gets its first one."""
+    """Positions handed out, by request id: a retry (same X-Request-ID) gets its first one.
+    Only the last RETRY_WINDOW request ids are kept: a retry comes right after its first try,
+    and a runtime's memory does not grow with its calls."""
 
-    by_request: dict[str, int] = field(default_factory=dict)
+    by_request: OrderedDict[str, int] = field(default_factory=OrderedDict)
     count: int = 0
 
     def take(self, request_id: str | None) -> int:
@@ -74,6 +82,8 @@ class Positions:
         self.count += 1
         if request_id is not None:
             self.by_request[request_id] = position
+            while len(self.by_request) > RETRY_WINDOW:
+                self.by_request.popitem(last=False)
         return position
 
 
@@ -87,7 +97,14 @@ class BashSession:
     state: ShellState
     created_by: str | None = None  # the X-Request-ID of its create_session
     positions: Positions = field(default_factory=Positions)
-    before: dict[int, tuple[ShellState, str]] = field(default_factory=dict)  # (state, nonce)
+    # (state, nonce) of each action a retry may still come for
+    before: dict[int, tuple[ShellState, str]] = field(default_factory=dict)
+
+    def forget_unretryable(self) -> None:
+        """Drop what no retry can ask for again (its request id gone from the window, or none)."""
+        retryable = set(self.positions.by_request.values())
+        for position in [p for p in self.before if p not in retryable]:
+            del self.before[position]
 
 
 class SwerexService:
@@ -177,7 +194,7 @@ class SwerexService:
             # whole boundary when the timeout passed, so there is nothing left to interrupt.
             self._session(name)
             return {"output": "", "exit_code": 0, "failure_reason": "", "session_type": "bash"}
-        command = str(_field(body, "command", "run_in_session"))
+        command = _bash_command(body)
         observation = self._run(name, command, body.get("timeout"), request_id)
         if body.get("check", "raise") == "raise" and observation["exit_code"] != 0:
             message = (
@@ -196,16 +213,18 @@ class SwerexService:
             position = session.positions.take(request_id)
             # a retry runs the very script its first try ran: same key, same digest
             state, nonce = session.before.setdefault(position, (session.state, new_nonce()))
+            session.forget_unretryable()
         task, workspace = session.task  # never another: a close ends the session with it
         with self.runtime() as runtime:
             admission = runtime.exec(
                 task,
-                argv=["/bin/bash", "-c", script(state, command, nonce, workspace)],
+                argv=["/bin/bash", "-c", BOOT],  # the script, nonce and all, is the stdin
+                stdin=script(state, command, nonce, workspace),
                 key=f"swerex:{session.serial}:{session.label}:{position}",
                 cwd=".",  # the script cds itself: a session may cd outside the workspace
                 timeout=_seconds(timeout),
             )
-            status = runtime.wait(admission.session, _wait_for(timeout))
+            status = _settled(runtime, admission.session, timeout)
             exit_facts = _exit_facts(status)
             if exit_facts.get("reason") == "timeout":
                 raise swerex_error(
@@ -214,23 +233,16 @@ class SwerexService:
                     {"session": admission.session},
                 )
             reported = report_tail(runtime, admission.session)
-            _refuse_syntax(command, read_syntax_error(reported, nonce))
+            _refuse_syntax(command, read_syntax_error(reported, nonce, exit_facts))
             output = stream_text(runtime, admission.session, "stdout", status, "replace", self.cap)
-            report = read_report(reported, nonce)
+            report = read_report(reported, nonce, exit_facts)
         with self.lock:
             # the newest action's report only: a late retry changes nothing
             if report is not None and position == session.positions.count - 1:
-                session.state = report
-        if report is None:
-            output += (
-                "\n[settled: this action left no state report (it replaced the EXIT trap, "
-                "exec'd another program or was killed); the next one starts where it started]\n"
-            )
-        code = exit_facts.get("code")
+                session.state = report.state
         return {
-            "output": output,
-            "exit_code": code,
-            "failure_reason": "" if code is not None else str(exit_facts.get("reason", "")),
+            "output": output + report_note(report),
+            **_exit_answer(exit_facts),
             "expect_string": "",
             "session_type": "bash",
         }
@@ -263,7 +275,7 @@ class SwerexService:
                 env=body.get("env"),
                 timeout=_seconds(timeout),
             )
-            status = runtime.wait(admission.session, _wait_for(timeout))
+            status = _settled(runtime, admission.session, timeout)
             exit_facts = _exit_facts(status)
             if exit_facts.get("reason") == "timeout":
                 raise swerex_error(
@@ -309,12 +321,53 @@ class SwerexService:
             self.closed.extend(entries)
             if request_id is not None:
                 self.close_answers[request_id] = answer
+                while len(self.close_answers) > RETRY_WINDOW:
+                    del self.close_answers[next(iter(self.close_answers))]
         for entry in entries:
             self.say(
                 f"task {entry['task']} closed: complete {str(entry['complete']).lower()}, "
                 f"close receipt {entry['close_receipt']}"
             )
         return answer
+
+
+def _exit_answer(exit_facts: dict[str, Any]) -> dict[str, Any]:
+    code = exit_facts.get("code")
+    return {
+        "exit_code": code,
+        "failure_reason": "" if code is not None else str(exit_facts.get("reason", "")),
+    }
+
+
+def _bash_command(body: dict[str, Any]) -> str:
+    """The action's text: refused by name when bash could not take it whole."""
+    command = str(_field(body, "command", "run_in_session"))
+    if "\0" in command:
+        raise swerex_error("SwerexException", "run_in_session: the command holds a NUL byte")
+    try:
+        size = len(command.encode("utf-8", "surrogateescape"))
+    except UnicodeEncodeError:
+        raise swerex_error(
+            "SwerexException", "run_in_session: the command holds a lone surrogate, not text"
+        ) from None
+    if size > MAX_COMMAND_BYTES:
+        raise swerex_error(
+            "SwerexException",
+            f"run_in_session: the command is {size} bytes; at most {MAX_COMMAND_BYTES}",
+        )
+    return command
+
+
+def _settled(runtime: Runtime, session: str, timeout: Any) -> dict[str, Any]:
+    """The session's status once it has its receipt (the wait is bounded by the timeout and a
+    margin, or MAX_ACTION_WAIT_S for none: 0 is none, as Runtime.exec reads it)."""
+    status = runtime.wait(session, _wait_for(timeout))
+    if not status.get("receipt"):
+        raise swerex_error(
+            "SwerexException",
+            f"settled session {session} has no receipt after {_wait_for(timeout):.0f}s",
+        )
+    return status
 
 
 def _exit_facts(status: dict[str, Any]) -> dict[str, Any]:
@@ -373,7 +426,8 @@ def _seconds(timeout: Any) -> float | None:
 
 
 def _wait_for(timeout: Any) -> float:
-    return float(timeout) + 60.0 if timeout is not None else MAX_ACTION_WAIT_S
+    limit = _seconds(timeout)
+    return limit + 60.0 if limit else MAX_ACTION_WAIT_S  # None and 0 are no limit
 
 
 def _command_line(
