@@ -3,7 +3,8 @@
 Nothing reaches a command by accident. Its environment is a small base (a standard PATH, HOME
 of the user it runs as, LANG) overlaid by the caller's `PATH` (the one policy every face that
 has a caller's environment applies, `caller_policy`: `python3` is the one the caller would run;
-`--clean-env` keeps the base's) and by what the caller asked for: `--env K=V`, an
+`--clean-env` keeps the base's; `path_in_view` leaves out what the task itself could have
+written) and by what the caller asked for: `--env K=V`, an
 `--env-file`, `--inherit NAME` (one variable of the caller's) or `--inherit-env` (all of the
 caller's but settled's own and the credentials of the home's remote backends). The result is
 the spec's `env`, so the digest covers every byte the command sees, and the names taken from
@@ -101,8 +102,8 @@ def from_caller(
     withheld: Iterable[str] = (),
 ) -> CallerEnv:
     """The caller's variables to pass: each of `names` (refused if unset, naming it), or with
-    `whole` all of them but settled's own, `withheld` (credentials) and any named like a
-    secret (`is_secret_name`: a model's API key in an agent's environment is not the
+    `whole` all of them but settled's own, `withheld` (credentials) and any secret by its
+    name or value (`is_secret`: a model's API key in an agent's environment is not the
     command's); a name asked for explicitly is passed, since the caller chose it."""
     asked = list(dict.fromkeys(names))
     missing = [name for name in asked if name not in environ]
@@ -227,7 +228,7 @@ def unseen_on_path(word: str, search_path: str, roots: Iterable[str]) -> str | N
     needed = (_prefix(os.path.dirname(p)) for p in (found[0], os.path.realpath(found[0])))
     grants = " ".join(f"--readable {d}" for d in dict.fromkeys(needed) if not _within(d, seen))
     where = f"{word} is {found[0]} on the PATH, outside the command's view"
-    return f"{where}: {runs}; to run it, grant {grants}"
+    return f"{where}: {runs}; to run it, grant {grants}" if grants else f"{where}: {runs}"
 
 
 def _usable(path: str, roots: tuple[str, ...]) -> bool:
