@@ -9,7 +9,6 @@ child cannot change its parent shell's state either), nor make the server claim 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,8 +16,9 @@ import pytest
 
 pytest.importorskip("swerex")
 
+import test_swerex
 from swerex.runtime.abstract import BashAction, Command, CreateBashSessionRequest
-from test_swerex import KEY, Served, _drive, _post, _start
+from test_swerex import KEY, Served, _drive, _post
 
 from settled.server import swerex_service
 from settled.server.swerex_service import SwerexService
@@ -48,13 +48,7 @@ exit 0
 """
 
 
-@pytest.fixture
-def served(tmp_path: Path) -> Iterator[Served]:
-    server = _start(tmp_path)
-    try:
-        yield server
-    finally:
-        server.stop()
+served = test_swerex.served  # the fixture, shared
 
 
 def test_a_child_that_reads_its_parent_and_kills_it_cannot_forge_the_state(

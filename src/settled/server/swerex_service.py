@@ -29,10 +29,9 @@ import os
 import re
 import shlex
 import threading
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from settled.errors import WorkspaceOverlap
 from settled.runtime import Runtime
@@ -66,13 +65,24 @@ def swerex_error(name: str, message: str, extra: dict[str, Any] | None = None) -
     return SwerexError(f"swerex.exceptions.{name}", message, extra)
 
 
+_V = TypeVar("_V")
+
+
+def remember(window: dict[str, _V], request_id: str, value: _V) -> None:
+    """Keep `value` for `request_id`, and only the last RETRY_WINDOW request ids (a dict keeps
+    insertion order: the oldest go first)."""
+    window[request_id] = value
+    while len(window) > RETRY_WINDOW:
+        del window[next(iter(window))]
+
+
 @dataclass
 class Positions:
     """Positions handed out, by request id: a retry (same X-Request-ID) gets its first one.
     Only the last RETRY_WINDOW request ids are kept: a retry comes right after its first try,
     and a runtime's memory does not grow with its calls."""
 
-    by_request: OrderedDict[str, int] = field(default_factory=OrderedDict)
+    by_request: dict[str, int] = field(default_factory=dict)
     count: int = 0
 
     def take(self, request_id: str | None) -> int:
@@ -81,9 +91,7 @@ class Positions:
         position = self.count
         self.count += 1
         if request_id is not None:
-            self.by_request[request_id] = position
-            while len(self.by_request) > RETRY_WINDOW:
-                self.by_request.popitem(last=False)
+            remember(self.by_request, request_id, position)
         return position
 
 
@@ -320,9 +328,7 @@ class SwerexService:
         with self.lock:
             self.closed.extend(entries)
             if request_id is not None:
-                self.close_answers[request_id] = answer
-                while len(self.close_answers) > RETRY_WINDOW:
-                    del self.close_answers[next(iter(self.close_answers))]
+                remember(self.close_answers, request_id, answer)
         for entry in entries:
             self.say(
                 f"task {entry['task']} closed: complete {str(entry['complete']).lower()}, "
