@@ -75,14 +75,15 @@ def _admit(rt: Runtime, args: argparse.Namespace, verb: str) -> Admission:
 
     if (warning := stdin_left_behind(args.stdin)) is not None:
         print(warning, file=sys.stderr, flush=True)
-    _say_where_path_leads(rt, args, command)
+    explicit = _environment(args)  # --env-file read once, for the hint and the command
+    _say_where_path_leads(rt, args, command, explicit)
     return rt.exec(
         args.task,
         argv=command if len(command) > 1 else None,
         shell=command[0] if len(command) == 1 else None,
         key=args.key,
         cwd=args.cwd,
-        env=_environment(args),
+        env=explicit,
         stdin=_read_stdin_arg(args.stdin),
         timeout=args.timeout,
         grace=args.grace,
@@ -102,7 +103,9 @@ def _admit(rt: Runtime, args: argparse.Namespace, verb: str) -> Admission:
     )
 
 
-def _say_where_path_leads(rt: Runtime, args: argparse.Namespace, command: list[str]) -> None:
+def _say_where_path_leads(
+    rt: Runtime, args: argparse.Namespace, command: list[str], explicit: dict[str, str]
+) -> None:
     """A line on stderr when the command's first word is found on its PATH in a directory its
     view does not show (a virtualenv outside the workspace): said before it runs."""
     roots = rt.view_roots(args.task, args.writable, args.readable, args.isolation)
@@ -112,7 +115,7 @@ def _say_where_path_leads(rt: Runtime, args: argparse.Namespace, command: list[s
     first = words[0] if words else ""
     # the caller's PATH whole: an entry in the task's own dirs is never in `roots`, so never
     # what it runs instead (Runtime.exec leaves those out)
-    search = path_of(_environment(args), args.clean_env, os.environ)
+    search = path_of(explicit, args.clean_env, os.environ)
     if note := unseen_on_path(first, search, roots):
         print(f"settled: {printable(note)}", file=sys.stderr, flush=True)
 
