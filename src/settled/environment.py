@@ -196,7 +196,7 @@ def path_in_view(search_path: str, home: str | None, shown: Iterable[str] = ()) 
     kept = []
     for entry in search_path.split(":"):
         path = os.path.normpath(entry) if entry.startswith("/") else ""
-        if path and (not _within(path, own) or _within(path, granted)):
+        if path and (not within(path, own) or within(path, granted)):
             kept.append(entry)
     return ":".join(kept)
 
@@ -226,14 +226,14 @@ def unseen_on_path(word: str, search_path: str, roots: Iterable[str]) -> str | N
     instead = next((path for path in found if _usable(path, seen)), None)
     runs = f"it runs {instead}" if instead else "it will not find it"
     needed = (_prefix(os.path.dirname(p)) for p in (found[0], os.path.realpath(found[0])))
-    grants = " ".join(f"--readable {d}" for d in dict.fromkeys(needed) if not _within(d, seen))
+    grants = " ".join(f"--readable {d}" for d in dict.fromkeys(needed) if not within(d, seen))
     where = f"{word} is {found[0]} on the PATH, outside the command's view"
     return f"{where}: {runs}; to run it, grant {grants}" if grants else f"{where}: {runs}"
 
 
 def _usable(path: str, roots: tuple[str, ...]) -> bool:
     """Whether the view shows `path` and what it links to."""
-    return _within(os.path.dirname(path), roots) and _within(os.path.realpath(path), roots)
+    return within(os.path.dirname(path), roots) and within(os.path.realpath(path), roots)
 
 
 def _prefix(directory: str) -> str:
@@ -242,5 +242,6 @@ def _prefix(directory: str) -> str:
     return os.path.dirname(directory) if os.path.basename(directory) == "bin" else directory
 
 
-def _within(path: str, roots: tuple[str, ...]) -> bool:
+def within(path: str, roots: tuple[str, ...]) -> bool:
+    """Whether `path` is one of `roots` or lies below one (by name: no link is followed)."""
     return any(path == root or path.startswith(root.rstrip("/") + "/") for root in roots)

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from settled.client import Client
+from settled.environment import within
 from settled.runtime import Runtime
 
 EXIT_CLOSE_DEADLINE_S = 60  # a close at interpreter exit lets sessions run this long at most
@@ -59,11 +60,7 @@ def interpreter_grants(workspace: str) -> tuple[str, ...]:
     found = {sys.prefix, sys.base_prefix, os.path.dirname(os.path.realpath(sys.executable))}
     resolved = {os.path.realpath(path) for path in found}
     shown = (*SYSTEM_DIRS, os.path.realpath(workspace))
-    return tuple(sorted(p for p in resolved if not _under(p, shown)))
-
-
-def _under(path: str, tops: tuple[str, ...]) -> bool:
-    return any(path == top or path.startswith(top.rstrip("/") + "/") for top in tops)
+    return tuple(sorted(p for p in resolved if not within(p, shown)))
 
 
 def exit_close_command(task: str) -> list[str]:
@@ -93,7 +90,7 @@ def _inside(workspace: str, paths: list[str]) -> str | None:
     top = os.path.realpath(workspace)
     for path in paths:
         for candidate in (os.path.abspath(path), os.path.realpath(path)):
-            if _under(candidate, (top,)):
+            if within(candidate, (top,)):
                 return path
     return None
 
