@@ -228,7 +228,7 @@ def multipart(
 ) -> dict[str, list[float]]:
     """MB/s of one ``size`` upload from a file, per client and for S3ObjectStore, interleaved;
     each object is deleted after its run (the plain bucket: no versions kept)."""
-    from settled.workspace.s3objects import S3ObjectStore
+    from settled.objects.s3 import S3ObjectStore
 
     path = os.path.join(tmp, "blob")
     with open(path, "wb") as handle:

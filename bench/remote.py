@@ -108,8 +108,8 @@ def _one_task(root: str, name: str, index: int, env: dict[str, str]) -> dict[str
 
 
 def _sealed_log(root: str, env: dict[str, str], size: int, weed: Any) -> dict[str, float]:
+    from settled.objects.s3 import open_s3
     from settled.runtime import Runtime
-    from settled.workspace.s3objects import open_s3
 
     source = os.path.join(root, "log.bin")
     with open(source, "wb") as handle:

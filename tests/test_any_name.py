@@ -23,11 +23,11 @@ import pytest
 from conftest import mounted_tmpfs
 
 from settled.canonical import canonical_bytes, digest_of
+from settled.objects.hashing import digest_bytes
 from settled.records import TaskRecord
 from settled.runtime import Runtime
 from settled.server.jsonbody import AsciiJSONResponse
 from settled.workspace import walk
-from settled.workspace.hashing import digest_bytes
 from settled.workspace.manifest import (
     Entry,
     ManifestInvalid,

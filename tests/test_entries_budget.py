@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from settled.errors import BadInput
+from settled.objects.local import LocalObjectStore
 from settled.records import TaskRecord
 from settled.runtime import Runtime
-from settled.workspace.objects import LocalObjectStore
 from settled.workspace.scan import (
     DEFAULT_ENTRIES_BUDGET,
     ENTRIES_BUDGET_ENV,

@@ -17,10 +17,10 @@ from typing import Final
 import pytest
 
 from settled.canonical import canonical_bytes
-from settled.workspace.hashing import DEFAULT_ALGORITHM
+from settled.objects.hashing import DEFAULT_ALGORITHM
+from settled.objects.local import LocalObjectStore
 from settled.workspace.index import Index
 from settled.workspace.manifest import Entry, read_manifest, write_manifest
-from settled.workspace.objects import LocalObjectStore
 from settled.workspace.readback import read_back
 from settled.workspace.restore import restore
 from settled.workspace.scan import scan

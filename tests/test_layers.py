@@ -102,12 +102,7 @@ UNITS: list[tuple[str, str]] = [
     ("decisions", "settled.close"),  # the package: a docstring
     ("boundary", "settled.boundary"),
     ("log", "settled.log"),
-    ("objects", "settled.workspace.objectstore"),
-    ("objects", "settled.workspace.objects"),
-    ("objects", "settled.workspace.packs"),  # the local store's packs: objects.py's alone
-    ("objects", "settled.workspace.s3objects"),
-    ("objects", "settled.workspace.hashing"),
-    ("objects", "settled.workspace.open_objects"),
+    ("objects", "settled.objects"),
     ("workspace", "settled.workspace"),
     ("owner", "settled.owner"),
     ("sessions", "settled.sessions"),
@@ -204,8 +199,8 @@ WHY = {
 CHOSEN_ONLY_BY: dict[str, set[str]] = {
     "settled.store.sqlite": {"settled.store"},
     "settled.store.postgres": {"settled.store"},
-    "settled.workspace.objects": {"settled.workspace.open_objects"},
-    "settled.workspace.s3objects": {"settled.workspace.open_objects"},
+    "settled.objects.local": {"settled.objects"},
+    "settled.objects.s3": {"settled.objects"},
     "settled.owner.zygote": {"settled.runtime"},
     "settled.owner.home_launcher": {"settled.runtime"},
     "settled.owner.liveness": {"settled.runtime"},

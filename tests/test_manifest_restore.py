@@ -18,7 +18,8 @@ import pytest
 from conftest import tamper_object
 
 from settled.canonical import canonical_bytes
-from settled.workspace.hashing import DEFAULT_ALGORITHM, digest_bytes
+from settled.objects.hashing import DEFAULT_ALGORITHM, digest_bytes
+from settled.objects.local import LocalObjectStore
 from settled.workspace.manifest import (
     Manifest,
     ManifestCorrupt,
@@ -27,7 +28,6 @@ from settled.workspace.manifest import (
     read_manifest,
     write_manifest,
 )
-from settled.workspace.objects import LocalObjectStore
 from settled.workspace.readback import CLOSURE, SINCE_PARENT, read_back
 from settled.workspace.restore import (
     BlobCorrupt,

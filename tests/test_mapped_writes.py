@@ -18,10 +18,10 @@ from typing import Any
 import pytest
 from conftest import mounted_tmpfs
 
+from settled.objects.hashing import DEFAULT_ALGORITHM, digest_bytes
 from settled.records import TaskRecord
 from settled.runtime import Runtime
 from settled.workspace import cachetrust
-from settled.workspace.hashing import DEFAULT_ALGORITHM, digest_bytes
 from settled.workspace.manifest import read_manifest
 
 SYSTEM_PYTHON = "/usr/bin/python3"  # /usr is in every view a session may get

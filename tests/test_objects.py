@@ -5,7 +5,7 @@ protocol: a new backend is one more line there (the local directory, and the S3 
 SeaweedFS server in a versioned bucket and in one without versioning, from ``tests/s3.py``).
 Tests of the local directory layout (fan-out directories, modes, temp files, fsync ordering,
 quarantine by rename) take ``local`` and run against ``LocalObjectStore`` only; the S3-only
-tests are in ``test_s3objects.py``.
+tests are in ``test_objects_s3.py``.
 """
 
 from __future__ import annotations
@@ -20,15 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from settled.workspace.hashing import (
-    DEFAULT_ALGORITHM,
-    SHA256,
-    BadDigest,
-    digest_bytes,
-    parse_digest,
-)
-from settled.workspace.objects import LocalObjectStore
-from settled.workspace.objectstore import (
+from settled.objects import (
     DigestMismatch,
     DurabilityError,
     ObjectMissing,
@@ -37,7 +29,15 @@ from settled.workspace.objectstore import (
     StagingUnavailable,
     VersionMissing,
 )
-from settled.workspace.s3objects import open_s3
+from settled.objects.hashing import (
+    DEFAULT_ALGORITHM,
+    SHA256,
+    BadDigest,
+    digest_bytes,
+    parse_digest,
+)
+from settled.objects.local import LocalObjectStore
+from settled.objects.s3 import open_s3
 
 
 def _local(request: pytest.FixtureRequest, tmp_path: Path) -> ObjectStore:

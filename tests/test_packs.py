@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from settled.workspace import packs as packs_module
-from settled.workspace.hashing import DEFAULT_ALGORITHM, SHA256, digest_bytes
-from settled.workspace.objects import LocalObjectStore
-from settled.workspace.objectstore import DurabilityError, ObjectMissing
-from settled.workspace.packs import PackWriter, key_of
+from settled.objects import DurabilityError, ObjectMissing
+from settled.objects import packs as packs_module
+from settled.objects.hashing import DEFAULT_ALGORITHM, SHA256, digest_bytes
+from settled.objects.local import LocalObjectStore
+from settled.objects.packs import PackWriter, key_of
 from settled.workspace.publish import Publisher
 
 

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from settled.workspace import packs as packs_module
-from settled.workspace.hashing import DEFAULT_ALGORITHM, digest_bytes
-from settled.workspace.objects import LocalObjectStore
-from settled.workspace.objectstore import DurabilityError
+from settled.objects import DurabilityError
+from settled.objects import packs as packs_module
+from settled.objects.hashing import DEFAULT_ALGORITHM, digest_bytes
+from settled.objects.local import LocalObjectStore
 from settled.workspace.publish import GROUP_FROM, Publisher
 from settled.workspace.scan import scan
 

@@ -111,7 +111,7 @@ def test_a_failed_restore_at_depth_leaves_nothing(rt: Runtime, tmp_path: Path) -
     the restore deep down, and no temp directory is left beside the destination."""
     from conftest import tamper_object
 
-    from settled.workspace.hashing import DEFAULT_ALGORITHM, digest_bytes
+    from settled.objects.hashing import DEFAULT_ALGORITHM, digest_bytes
     from settled.workspace.restore import BlobCorrupt
 
     workspace, dest = tmp_path / "ws", tmp_path / "out" / "restored"

@@ -14,14 +14,14 @@ from typing import Any
 
 import pytest
 
+from settled.objects import DurabilityError
+from settled.objects.hashing import DEFAULT_ALGORITHM, digest_bytes
+from settled.objects.local import LocalObjectStore
 from settled.workspace import ignore, walk
 from settled.workspace import scan as scan_module
-from settled.workspace.hashing import DEFAULT_ALGORITHM, digest_bytes
 from settled.workspace.index import Index
 from settled.workspace.manifest import TYPES, Entry
 from settled.workspace.nodecache import NodeCache
-from settled.workspace.objects import LocalObjectStore
-from settled.workspace.objectstore import DurabilityError
 from settled.workspace.scan import ScanResult, TornRead, scan
 
 SETTLE_S = 2 * scan_module.CLOCK_SLACK_NS / 1e9

@@ -17,12 +17,12 @@ from pathlib import Path
 import pytest
 from conftest import tamper_object
 
+from settled.objects.local import LocalObjectStore
 from settled.workspace import index as index_module
 from settled.workspace import scan as scan_module
 from settled.workspace.index import Index
 from settled.workspace.manifest import write_manifest
 from settled.workspace.nodecache import NodeCache
-from settled.workspace.objects import LocalObjectStore
 from settled.workspace.publish import Publisher
 from settled.workspace.readback import read_back
 from settled.workspace.scan import scan

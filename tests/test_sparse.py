@@ -24,9 +24,10 @@ import pytest
 
 from settled.canonical import canonical_bytes
 from settled.errors import BadInput
+from settled.objects.hashing import DEFAULT_ALGORITHM, digest_bytes
+from settled.objects.local import LocalObjectStore
 from settled.records import TaskRecord
 from settled.runtime import Runtime
-from settled.workspace.hashing import DEFAULT_ALGORITHM, digest_bytes
 from settled.workspace.index import Index
 from settled.workspace.manifest import (
     FILE,
@@ -37,7 +38,6 @@ from settled.workspace.manifest import (
     tree_bytes,
     write_manifest,
 )
-from settled.workspace.objects import LocalObjectStore
 from settled.workspace.readback import read_back
 from settled.workspace.restore import BlobCorrupt, restore
 from settled.workspace.scan import HolesOverBudget, TornRead, scan

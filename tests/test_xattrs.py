@@ -22,9 +22,9 @@ from typing import Final
 import pytest
 from conftest import mounted_tmpfs as tmpfs
 
+from settled.objects.local import LocalObjectStore
 from settled.runtime import Runtime
 from settled.workspace.manifest import ManifestInvalid, read_manifest, write_manifest
-from settled.workspace.objects import LocalObjectStore
 from settled.workspace.readback import read_back
 from settled.workspace.restore import restore
 from settled.workspace.scan import scan
@@ -243,7 +243,7 @@ def test_a_malformed_xattrs_field_is_refused_by_verify_and_restore(
     store: LocalObjectStore, tmp_path: Path
 ) -> None:
     from settled.canonical import canonical_bytes
-    from settled.workspace.hashing import DEFAULT_ALGORITHM
+    from settled.objects.hashing import DEFAULT_ALGORITHM
 
     blob = store.put_bytes(b"x")
     file = {"name": "f", "type": "file", "mode": 0o644, "size": 1, "uid": 0, "gid": 0,

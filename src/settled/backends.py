@@ -12,7 +12,7 @@ The URLs come from `--store` / `--objects`, else `SETTLED_STORE` / `SETTLED_OBJE
 defaults. Credentials stay where the standard tools keep them (the password in the PostgreSQL
 URL, or `PGPASSWORD`; `AWS_*` for S3); `credential_names` lists what a command must never
 inherit when a home uses a remote backend, since a command holding them could write the evidence
-itself. Imports no backend: `store.open_store` and `checkpoint.open_object_store` do, by scheme.
+itself. Imports no backend: `store.open_store` and `objects.open_object_store` do, by scheme.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ before its command starts, and none after: under a fork storm the host may have 
 give (pid_max, threads-max), and an owner that needed one to enforce its deadline or write its
 receipt would fail exactly when it matters. What could start one later asks here first and does
 its work on the calling thread instead: the store's write gate (store/gate.py), BLAKE3's thread
-pool and the S3 store's concurrent requests (workspace/hashing.py), a PostgreSQL pool (the owner
+pool and the S3 store's concurrent requests (objects/hashing.py), a PostgreSQL pool (the owner
 opens its stores with `threads=False`).
 
 Standard library only; no state but one process-wide answer. Must never start anything itself.

@@ -1071,7 +1071,7 @@ class Runtime:
         check``: the manifest and every tree re-hashed and parsed, every blob present at its
         size, or with ``read_data`` re-hashed. Nothing is trusted and nothing is repaired;
         ``verified`` is False and ``problems`` names each object (and its paths) otherwise."""
-        from settled.workspace.hashing import parse_digest
+        from settled.objects.hashing import parse_digest
         from settled.workspace.verify import verify_manifest
 
         grammar.check_text("target", target, grammar.MAX_KEY_BYTES, 1)

@@ -25,8 +25,8 @@ from typing import Any, Final
 from settled.atomic import replacing
 from settled.canonical import canonical_bytes
 from settled.errors import SettledError
-from settled.workspace.hashing import algorithm_of, digest_bytes, new_hasher
-from settled.workspace.objectstore import ObjectStore
+from settled.objects import ObjectStore
+from settled.objects.hashing import algorithm_of, digest_bytes, new_hasher
 
 SEAL_CHUNK: Final = 4 << 20
 MANIFEST_KIND: Final = "settled.log/1"

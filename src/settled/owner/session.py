@@ -382,7 +382,7 @@ class OwnerSession:
         if not seals_logs(self.home):
             return facts
         from settled.log.seal import seal_stream  # after death: off the launch path
-        from settled.workspace.open_objects import open_object_store
+        from settled.objects import open_object_store
 
         started = time.monotonic()
         try:

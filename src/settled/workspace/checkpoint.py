@@ -37,18 +37,18 @@ from typing import Any
 from settled import faults
 from settled.errors import SettledError
 from settled.home import journal_socket, run_dir
+from settled.objects import ObjectMissing, ObjectStore, StoredObject
+from settled.objects import open_object_store as open_object_store
+from settled.objects.hashing import algorithm_of, digest_bytes
 from settled.receipts import seal
 from settled.records import SessionRecord, TaskRecord
 from settled.store import Store
 from settled.workspace import cachetrust, ignore, rootid
-from settled.workspace.hashing import algorithm_of, digest_bytes
 from settled.workspace.index import Index
 from settled.workspace.journal import client as journal_client
 from settled.workspace.journal import lifecycle as journal_lifecycle
 from settled.workspace.manifest import IndexMismatch, ManifestError, publish_manifest
 from settled.workspace.nodecache import NodeCache
-from settled.workspace.objectstore import ObjectMissing, ObjectStore, StoredObject
-from settled.workspace.open_objects import open_object_store as open_object_store
 from settled.workspace.readback import QUARANTINABLE, Problem, ReadBack, read_back
 from settled.workspace.scan import CLOCK_SLACK_NS, ScanError, Vouches, gc_paused, scan
 from settled.workspace.verified import VerifiedRecord

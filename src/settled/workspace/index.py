@@ -25,7 +25,8 @@ from typing import Any, Final, Protocol
 
 from settled.canonical import canonical_bytes, utf8_json
 from settled.errors import SettledError
-from settled.workspace.hashing import check_algorithm, digest_bytes, parse_digest
+from settled.objects import ObjectMissing
+from settled.objects.hashing import check_algorithm, digest_bytes, parse_digest
 from settled.workspace.manifest import (
     DEVICES,
     DIR,
@@ -40,7 +41,6 @@ from settled.workspace.manifest import (
     parent_of,
     tree_bytes,
 )
-from settled.workspace.objectstore import ObjectMissing
 from settled.workspace.xattrs import NONE as NO_XATTRS
 from settled.workspace.xattrs import form as xattr_form
 from settled.workspace.xattrs import parse as parse_xattrs

@@ -84,9 +84,9 @@ import blake3
 
 from settled.canonical import canonical_bytes, utf8_json
 from settled.errors import SettledError
-from settled.workspace.hashing import check_algorithm, digest_bytes, parse_digest
+from settled.objects import ObjectMissing, ObjectStore, StoredObject
+from settled.objects.hashing import check_algorithm, digest_bytes, parse_digest
 from settled.workspace.ignore import ignore_digest
-from settled.workspace.objectstore import ObjectMissing, ObjectStore, StoredObject
 from settled.workspace.sparse import Extent
 from settled.workspace.xattrs import FIELD as XATTRS
 from settled.workspace.xattrs import NONE as NO_XATTRS

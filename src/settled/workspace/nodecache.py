@@ -30,7 +30,7 @@ from collections.abc import Iterable
 from settled.errors import HomeUnusable
 from settled.home import private_file, storage_error
 from settled.localdb import BUSY_TIMEOUT_S, disk_error, enable_wal
-from settled.workspace.objectstore import ObjectMissing
+from settled.objects import ObjectMissing
 
 
 class NodeCache:

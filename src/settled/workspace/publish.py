@@ -26,14 +26,14 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Final
 
-from settled.workspace.hashing import Buffer
-from settled.workspace.objectstore import (
+from settled.objects import (
     ObjectStore,
     ObjectWriter,
     StagedObject,
     StagingUnavailable,
     StoredObject,
 )
+from settled.objects.hashing import Buffer
 
 GROUP_FROM: Final = 8  # past a handful, one pack beats an fsync and a name each
 

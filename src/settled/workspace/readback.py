@@ -59,6 +59,13 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 from settled.errors import SettledError
+from settled.objects import (
+    ObjectMissing,
+    ObjectStore,
+    ObjectUnreadable,
+    Reread,
+    Stamp,
+)
 from settled.workspace.index import DirNode, Index
 from settled.workspace.manifest import (
     DIR,
@@ -72,13 +79,6 @@ from settled.workspace.manifest import (
     MissingObject,
     join,
     read_head,
-)
-from settled.workspace.objectstore import (
-    ObjectMissing,
-    ObjectStore,
-    ObjectUnreadable,
-    Reread,
-    Stamp,
 )
 from settled.workspace.verified import Verified, VerifiedRecord
 

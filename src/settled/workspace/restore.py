@@ -78,7 +78,8 @@ from dataclasses import dataclass
 from typing import Final
 
 from settled.errors import EXIT_USAGE, SettledError
-from settled.workspace.hashing import Hasher, format_digest, new_hasher
+from settled.objects import CHUNK, ObjectMissing, ObjectStore
+from settled.objects.hashing import Hasher, format_digest, new_hasher
 from settled.workspace.manifest import (
     DIR,
     FILE,
@@ -92,7 +93,6 @@ from settled.workspace.manifest import (
     parent_of,
     read_manifest,
 )
-from settled.workspace.objectstore import CHUNK, ObjectMissing, ObjectStore
 from settled.workspace.sparse import hash_zeros
 from settled.workspace.walk import open_beneath
 from settled.workspace.xattrs import drop_inherited_acls, setting_order

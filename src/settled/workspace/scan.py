@@ -90,15 +90,16 @@ from typing import Final
 
 from settled.canonical import canonical_bytes
 from settled.errors import SettledError
-from settled.workspace import rootid
-from settled.workspace.cachetrust import filesystem_magic
-from settled.workspace.hashing import (
+from settled.objects import CHUNK, ObjectStore
+from settled.objects.hashing import (
     DEFAULT_ALGORITHM,
     Hasher,
     check_algorithm,
     format_digest,
     new_hasher,
 )
+from settled.workspace import rootid
+from settled.workspace.cachetrust import filesystem_magic
 from settled.workspace.ignore import NO_RULES, IgnoreRules
 from settled.workspace.index import DirNode, Index, MemoryObjects, build_node, with_node
 from settled.workspace.manifest import (
@@ -115,7 +116,6 @@ from settled.workspace.manifest import (
     parent_of,
 )
 from settled.workspace.nodecache import NodeCache
-from settled.workspace.objectstore import CHUNK, ObjectStore
 from settled.workspace.publish import Publisher
 from settled.workspace.sparse import (
     HOLES_BUDGET_ENV,

@@ -40,8 +40,8 @@ from functools import cache
 from typing import Final
 
 from settled.errors import BadInput
-from settled.workspace.hashing import Hasher, format_digest, new_hasher
-from settled.workspace.objectstore import CHUNK, ObjectMissing, ObjectStore
+from settled.objects import CHUNK, ObjectMissing, ObjectStore
+from settled.objects.hashing import Hasher, format_digest, new_hasher
 
 MIN_HOLE: Final = 64 << 10
 MAX_EXTENTS: Final = 1024

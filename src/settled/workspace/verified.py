@@ -48,7 +48,7 @@ from typing import Any, Final, NamedTuple
 
 from settled.home import private_file
 from settled.localdb import BUSY_TIMEOUT_S, enable_wal
-from settled.workspace.objectstore import Stamp
+from settled.objects import Stamp
 from settled.workspace.scan import CLOCK_SLACK_NS, COARSE_FS_SLACK_NS
 
 _BATCH: Final = 10_000  # digests per lookup query (SQLite allows 32,766 variables)

@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from settled.errors import SettledError
-from settled.workspace.hashing import algorithm_of
+from settled.objects import ObjectMissing, ObjectStore, ObjectUnreadable
+from settled.objects.hashing import algorithm_of
 from settled.workspace.manifest import (
     DIR,
     FILE,
@@ -35,7 +36,6 @@ from settled.workspace.manifest import (
     parse_tree,
     read_head,
 )
-from settled.workspace.objectstore import ObjectMissing, ObjectStore, ObjectUnreadable
 from settled.workspace.readback import DAMAGED, INVALID, MISSING, Problem, rehash
 from settled.workspace.sparse import Extent, logical_digest
 from settled.workspace.verified import Verified, VerifiedRecord

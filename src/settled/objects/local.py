@@ -1,11 +1,11 @@
-"""The local object store: the ``ObjectStore`` protocol (``objectstore``) on a directory.
+"""The local object store: the ``ObjectStore`` protocol (``settled.objects``) on a directory.
 
 Owns ``LocalObjectStore``: ``<root>/<algo>/<hex[:2]>/<hex[2:]>``, private read-only (0o400)
 objects in private (0o700) directories (the settled home is the owner's alone; nothing reads an
 object as another user), temporary files in ``<root>/tmp`` (same filesystem, so a link is
 atomic), and ``<root>/quarantine``, where an object that no longer hashes to its name is moved
 (never deleted: it is evidence) so that the next write of those bytes can put the right ones in
-place. An object has one version here, its digest (see ``objectstore``), and its ``Stamp`` is
+place. An object has one version here, its digest (see ``settled.objects``), and its ``Stamp`` is
 its file's ``lstat`` identity.
 
 A local write is: temp file, write, fchmod 0o400, fsync, ``os.link`` into place (which never
@@ -43,18 +43,7 @@ import blake3
 
 from settled import faults
 from settled.errors import SettledError
-from settled.workspace.hashing import (
-    ALGORITHMS,
-    BLAKE3,
-    DEFAULT_ALGORITHM,
-    HEX_LENGTH,
-    Buffer,
-    check_algorithm,
-    format_digest,
-    new_hasher,
-    parse_digest,
-)
-from settled.workspace.objectstore import (
+from settled.objects import (
     CHUNK,
     DigestMismatch,
     DurabilityError,
@@ -67,7 +56,18 @@ from settled.workspace.objectstore import (
     StoredObject,
     VersionMissing,
 )
-from settled.workspace.packs import Found, Packs, PackState, PackWriter, key_from
+from settled.objects.hashing import (
+    ALGORITHMS,
+    BLAKE3,
+    DEFAULT_ALGORITHM,
+    HEX_LENGTH,
+    Buffer,
+    check_algorithm,
+    format_digest,
+    new_hasher,
+    parse_digest,
+)
+from settled.objects.packs import Found, Packs, PackState, PackWriter, key_from
 
 OBJECT_MODE: Final = 0o400
 DIR_MODE: Final = 0o700

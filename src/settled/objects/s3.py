@@ -1,4 +1,4 @@
-"""The S3 object store: the ``ObjectStore`` protocol (``objectstore``) on an S3-compatible bucket.
+"""The S3 object store: the ``ObjectStore`` protocol (``settled.objects``), S3-compatible.
 
 Owns ``S3ObjectStore`` and ``open_s3(url)``. Layout under ``s3://<bucket>/<prefix>``: an object
 is the key ``<prefix>/<algo>/<hex>``; a quarantined one is copied to
@@ -55,17 +55,7 @@ from datetime import datetime
 from typing import IO, TYPE_CHECKING, Any, BinaryIO, Final, NoReturn, TypeVar, cast
 
 from settled.errors import BadInput, SettledError
-from settled.workspace.hashing import (
-    ALGORITHMS,
-    DEFAULT_ALGORITHM,
-    Buffer,
-    check_algorithm,
-    format_digest,
-    new_hasher,
-    parse_digest,
-    threads_can_start,
-)
-from settled.workspace.objectstore import (
+from settled.objects import (
     CHUNK,
     DigestMismatch,
     ObjectMissing,
@@ -78,6 +68,16 @@ from settled.workspace.objectstore import (
     Stamp,
     StoredObject,
     VersionMissing,
+)
+from settled.objects.hashing import (
+    ALGORITHMS,
+    DEFAULT_ALGORITHM,
+    Buffer,
+    check_algorithm,
+    format_digest,
+    new_hasher,
+    parse_digest,
+    threads_can_start,
 )
 
 if TYPE_CHECKING:

@@ -17,15 +17,13 @@ from typing import Any
 import pytest
 from s3 import VERSIONED_BUCKET, Weed
 
-from settled.runtime import Runtime
-from settled.workspace.checkpoint import WorkspaceService
-from settled.workspace.hashing import DEFAULT_ALGORITHM, digest_bytes
-from settled.workspace.objectstore import (
+from settled.objects import (
     ObjectMissing,
     ObjectStoreUnreachable,
     VersionMissing,
 )
-from settled.workspace.s3objects import (
+from settled.objects.hashing import DEFAULT_ALGORITHM, digest_bytes
+from settled.objects.s3 import (
     ATTEMPTS,
     PART_SIZE,
     BadObjectsUrl,
@@ -34,6 +32,8 @@ from settled.workspace.s3objects import (
     open_s3,
     parse_s3_url,
 )
+from settled.runtime import Runtime
+from settled.workspace.checkpoint import WorkspaceService
 
 
 def raw_put(weed: Weed, store: S3ObjectStore, digest: str, data: bytes) -> dict[str, Any]:
@@ -292,7 +292,7 @@ def test_a_checkpoint_names_the_manifest_version_its_read_back_re_hashed(
 ) -> None:
     """The receipt records the manifest's VersionId; the read-back reads exactly that upload,
     so a version that is not the one written is missing to it, whatever the key holds."""
-    from settled.workspace.hashing import algorithm_of
+    from settled.objects.hashing import algorithm_of
     from settled.workspace.readback import read_back
 
     store = open_s3(s3_url)

@@ -3,10 +3,14 @@
 Owns the ``ObjectStore`` protocol and the vocabulary its callers (scan, publish, manifest,
 restore, readback, verify, checkpoint) use: ``ObjectWriter`` and ``StagedObject`` (an object
 being written), ``StoredObject`` (what a write left), ``Stamp`` and ``Reread`` (what identifies
-a stored copy, and what re-reading it found), and the errors a backend raises. A backend is a
-module of its own (``objects.LocalObjectStore``, a directory; an S3 bucket next); the
-workspace service chooses one (``checkpoint.open_object_store``), everything else takes the
-protocol.
+a stored copy, and what re-reading it found), and the errors a backend raises; and
+``open_object_store``, the one place that chooses a home's backend from its binding
+(``settled.backends``). A backend is a module of its own behind this seam, imported by
+``open_object_store`` alone: ``local.LocalObjectStore`` (a directory, with its ``packs``) and
+``s3.S3ObjectStore`` (an S3-compatible bucket). Everything else takes the protocol. The package
+(with ``hashing``, the digest vocabulary) is a layer of its own (tests/test_layers.py,
+"objects"), below the workspace service, so that an owner sealing its logs and recovery reach
+the object store without the checkpoint code.
 
 The cut follows restic's backend (Save, Load, Stat, List, Remove over named blobs) with two
 differences that content addressing allows. There is no Remove: an object, once visible, is
@@ -33,8 +37,9 @@ replaced, so its only version is the digest itself: ``StoredObject.version`` is 
 write returned; ``version=None`` means "the object, whichever upload holds it", which is what
 every reader here wants, since the bytes are checked against the digest anyway.
 
-Must never: know a path, a bucket or a key layout (those are a backend's); know about
-manifests, scans, or the settled store and database.
+Must never: know a path, a bucket or a key layout (those are a backend's; the chooser reads only
+the binding's scheme); import a backend but inside ``open_object_store``; know about manifests,
+scans, or the settled store and database.
 """
 
 from __future__ import annotations
@@ -45,7 +50,7 @@ from dataclasses import dataclass
 from typing import BinaryIO, Final, NamedTuple, Protocol
 
 from settled.errors import SettledError
-from settled.workspace.hashing import DEFAULT_ALGORITHM, Buffer
+from settled.objects.hashing import DEFAULT_ALGORITHM, Buffer
 
 CHUNK: Final = 1 << 20  # the most of one object's bytes a stream holds in memory at once
 
@@ -323,3 +328,17 @@ class ObjectStore(Protocol):
         """Every object's digest (of ``algo`` only, if given), in no promised order; an object
         written while the listing runs may or may not be in it."""
         ...
+
+
+def open_object_store(home: str) -> ObjectStore:
+    """The object store the home is bound to (by default the directory ``<home>/objects``)."""
+    from settled.backends import bound_backends
+
+    url = bound_backends(home).objects
+    if url.startswith("s3://"):
+        from settled.objects.s3 import open_s3  # boto3 loads at its first request
+
+        return open_s3(url)
+    from settled.objects.local import LocalObjectStore  # behind the seam
+
+    return LocalObjectStore(url.removeprefix("file://"))

@@ -3,7 +3,7 @@
 Owns the pack format: ``PackWriter`` (a publish group's small objects appended to one pack
 file, then made durable and visible by ``finish``), ``PackIndex`` (one pack's index: read,
 checked against its own hash, searched) and ``Packs`` (the packs of one store: which holds a
-digest, and taking one object's name away for the quarantine). ``objects.LocalObjectStore``
+digest, and taking one object's name away for the quarantine). ``local.LocalObjectStore``
 uses them for the objects a group stages; everything else sees only the ``ObjectStore``
 protocol, whose every guarantee holds for a packed object as for a loose one.
 
@@ -51,20 +51,20 @@ import blake3
 
 from settled import faults
 from settled.errors import SettledError
-from settled.workspace.hashing import (
-    ALGORITHMS,
-    BLAKE3,
-    format_digest,
-    new_hasher,
-    parse_digest,
-)
-from settled.workspace.objectstore import (
+from settled.objects import (
     CHUNK,
     DurabilityError,
     ObjectMissing,
     ObjectUnreadable,
     Reread,
     Stamp,
+)
+from settled.objects.hashing import (
+    ALGORITHMS,
+    BLAKE3,
+    format_digest,
+    new_hasher,
+    parse_digest,
 )
 
 PACKS_DIR: Final = "packs"
