@@ -193,7 +193,7 @@ static long long ns_of(const struct timespec *t) {
     return (long long)t->tv_sec * NS + t->tv_nsec;
 }
 
-/* scan.py's _verdict == _REUSE: the cached entry of a file or symlink whose every stat field
+/* scanrules.py's stat_verdict == REUSE: the cached entry of a file or symlink whose every stat field
  * matches, with both timestamps strictly older than the cutoff (the racy-git rule). 1, 0 or -1
  * (a Python error). */
 static int reusable(PyObject *cached, const struct stat *st, long long cutoff) {

@@ -12,16 +12,17 @@ files of a listing are read in batches by the same checks as one at a time, on a
 the scanner hashes what was read before (``ReadAhead``), and
 the cyclic GC is paused while a scan allocates its entries (``gc_paused``).
 
-Stat-cache rules. A file or symlink whose type, mode, owner, size, ino, dev, mtime_ns and ctime_ns
-equal its previous node's row is not re-read, unless its mtime or ctime is not strictly older than
-that node's ``trusted_before_ns`` (the racy-git rule). A node listed by this scan is trusted
-up to the wall clock taken before the walk (minus ``CLOCK_SLACK_NS``: the kernel stamps files
-from a clock that may lag ``time.time_ns()`` by a tick; 2 s when ctime is a whole second, i.e.
-on a filesystem with second timestamps). A directory whose rows come out exactly as before,
-with nothing re-read for being racy, keeps its previous node (and cutoff), so an unchanged
-directory costs no new object. An incremental scan rebuilds the nodes of the dirty directories
-(listed afresh) and of their ancestors (their old rows, with the changed child's row replaced),
-and carries every other directory by reference.
+Stat-cache rules (each a pure function with a named answer in ``scanrules``, as are the torn
+read, symlink and hard-link rules below). A file or symlink whose type, mode, owner, size, ino,
+dev, mtime_ns and ctime_ns equal its previous node's row is not re-read, unless its mtime or
+ctime is not strictly older than that node's ``trusted_before_ns`` (the racy-git rule). A node
+listed by this scan is trusted up to the wall clock taken before the walk (minus
+``CLOCK_SLACK_NS``: the kernel stamps files from a clock that may lag ``time.time_ns()`` by a
+tick; 2 s when ctime is a whole second, i.e. on a filesystem with second timestamps). A
+directory whose rows come out exactly as before, with nothing re-read for being racy, keeps its
+previous node (and cutoff), so an unchanged directory costs no new object. An incremental scan
+rebuilds the nodes of the dirty directories (listed afresh) and of their ancestors (their old
+rows, with the changed child's row replaced), and carries every other directory by reference.
 
 Safety. Nothing outside the root is read: every name is resolved relative to an open directory
 fd with ``O_NOFOLLOW``; symlinks are recorded with ``os.readlink``, never followed; FIFOs,
@@ -117,6 +118,20 @@ from settled.workspace.manifest import (
 )
 from settled.workspace.nodecache import NodeCache
 from settled.workspace.publish import Publisher
+from settled.workspace.scanrules import CLOCK_SLACK_NS as CLOCK_SLACK_NS
+from settled.workspace.scanrules import (
+    RACY,
+    REUSE,
+    LinkRead,
+    changed_while_read,
+    hard_link_verdict,
+    listed_dir_row_holds,
+    range_changed_while_read,
+    same_dir,
+    same_inode,
+    stat_verdict,
+    symlink_unchanged,
+)
 from settled.workspace.sparse import (
     HOLES_BUDGET_ENV,
     Extent,
@@ -137,8 +152,6 @@ from settled.workspace.walk import (
     identity,
     open_beneath,
     reopen,
-    reusable,
-    trusted,
     workers,
 )
 from settled.workspace.walk import gc_paused as gc_paused
@@ -146,7 +159,6 @@ from settled.workspace.xattrs import Xattrs
 from settled.workspace.xattrs import read_at as read_xattrs
 from settled.workspace.xattrs import read_fd as read_fd_xattrs
 
-CLOCK_SLACK_NS: Final = 20_000_000
 Vouches = Callable[[int, int], bool]  # (a node's trusted_before_ns, its filesystem's magic)
 TORN_ATTEMPTS: Final = 4
 TORN_BACKOFF_S: Final = (0.0, 0.005, 0.02, 0.05)
@@ -344,49 +356,7 @@ def _usable(previous: Index | None, algo: str, only: Iterable[str] | None) -> In
     return previous
 
 
-_REUSE, _RACY = 1, 2
 _UNKNOWN: Final = DirNode("", "", "", 0, {}, 0, "")  # not looked up yet (None: no node)
-
-
-def _verdict(cached: Entry, st: os.stat_result, trusted_before_ns: int) -> int:
-    """What the stat cache says of a file or symlink: ``_REUSE`` its entry, re-read it because
-    its timestamps are ``_RACY``, or 0 (no match: read it). ``walk.reusable`` is the rule."""
-    if reusable(cached, st, trusted_before_ns):
-        return _REUSE
-    if (cached.digest or cached.target) is None:
-        return 0
-    # no match, or a match too recent to trust: which one, by the same fields with no cutoff
-    return _RACY if reusable(cached, st, _NO_CUTOFF) else 0
-
-
-_NO_CUTOFF: Final = 1 << 62  # later than any timestamp: only the stat fields are compared
-
-
-def _same_link(before: os.stat_result, after: os.stat_result, target: str) -> bool:
-    return (before.st_ino, before.st_dev, before.st_ctime_ns) == (
-        after.st_ino,
-        after.st_dev,
-        after.st_ctime_ns,
-    ) and after.st_size == len(os.fsencode(target))
-
-
-def _torn(before: os.stat_result, after: os.stat_result, got: int) -> bool:
-    return (
-        got != before.st_size
-        or after.st_size != before.st_size
-        or after.st_mtime_ns != before.st_mtime_ns
-        or after.st_ctime_ns != before.st_ctime_ns
-        or after.st_ino != before.st_ino
-    )
-
-
-def _same_dir(known: Entry | None, now: Entry | os.stat_result) -> bool:
-    """The directory the previous index knew here (with a node), not one put in its place."""
-    if known is None or known.type != DIR or known.node is None:
-        return False
-    if isinstance(now, os.stat_result):
-        return (known.ino, known.dev) == (now.st_ino, now.st_dev)
-    return now.type == DIR and (known.ino, known.dev) == (now.ino, now.dev)
 
 
 class _Dir:
@@ -401,9 +371,6 @@ class _Dir:
     ) -> None:
         self.path, self.rows, self.previous, self.listed = path, rows, previous, listed
         self.racy = False
-
-
-_LinkRead = tuple[int, int, int, int, str, tuple[Extent, ...] | None]
 
 
 class _Spool:
@@ -478,7 +445,7 @@ class _Scanner:
         self.entries_budget = entries_budget()
         # (dev, ino) of a multiply-linked file read in this scan -> (size, mtime_ns, ctime_ns,
         # when its read began, digest, extents): its other links are not read again
-        self.links: dict[tuple[int, int], _LinkRead] = {}
+        self.links: dict[tuple[int, int], LinkRead] = {}
         self.workers = workers()
         self.ahead: dict[str, tuple[int, Listed | OSError]] = {}  # listed with a sibling
         self.dirty: list[str] = []  # incremental mode: the dirty directories, sorted
@@ -785,12 +752,8 @@ class _Scanner:
         """The row of the directory open at ``fd``: its attributes as this scan's listing read
         them if it is still that inode unchanged (``listed``), else read now through ``fd``."""
         now = Entry.from_stat(child, st)
-        if (
-            listed is not None
-            and listed.type == DIR
-            and listed.xattrs is not None
-            and (listed.ino, listed.dev, listed.ctime_ns) == (st.st_ino, st.st_dev, st.st_ctime_ns)
-        ):
+        if listed_dir_row_holds(listed, st):
+            assert listed is not None
             return _with_xattrs(now, listed.xattrs)
         try:
             return _with_xattrs(now, read_fd_xattrs(fd, child))
@@ -877,15 +840,15 @@ class _Scanner:
         cached = previous.child(name) if previous is not None else None
         if kind not in (FILE, SYMLINK):
             made = Entry.from_stat(child, st)
-            if previous is not None and cached is not None and _same_inode(cached, st, previous):
+            if previous is not None and cached is not None and same_inode(cached, st, previous):
                 return _with_xattrs(made, cached.xattrs)  # unchanged since: no setxattr either
             return self.with_xattrs(fd, name, made)
         if previous is not None and cached is not None:
-            verdict = _verdict(cached, st, previous.trusted_before_ns)
-            if verdict == _REUSE:
+            verdict = stat_verdict(cached, st, previous.trusted_before_ns)
+            if verdict == REUSE:
                 self.stats.entries_reused += 1
                 return cached
-            if verdict == _RACY:
+            if verdict == RACY:
                 at.racy = True
         if kind == SYMLINK:
             fresh = self.read_link(fd, name, child, st, at, budget)
@@ -909,7 +872,7 @@ class _Scanner:
         """The entry of a small file the walker read whole (None if the read was torn: the
         file is then read again the slow way, with its retries)."""
         before, data, after, _ = read
-        if _torn(before, after, len(data)):
+        if changed_while_read(before, after, len(data)):
             self.stats.torn_retries += 1
             return None
         if self.publisher is None:
@@ -936,7 +899,7 @@ class _Scanner:
                 raise WorkspaceUnreadable(child, error) from error
             if not stat.S_ISLNK(after.st_mode):
                 return self.entry(fd, name, child, after, at, budget - 1)
-            if _same_link(before, after, target):
+            if symlink_unchanged(before, after, target):
                 return Entry.from_stat(child, after, target=target)
             before = after
             self.stats.torn_retries += 1
@@ -976,7 +939,7 @@ class _Scanner:
                 self.stats.sparse_files += extents is not None
                 self.stats.hole_bytes += holes
                 if before.st_nlink > 1:
-                    self.links[(before.st_dev, before.st_ino)] = (
+                    self.links[(before.st_dev, before.st_ino)] = LinkRead(
                         before.st_size, before.st_mtime_ns, before.st_ctime_ns, read_at,
                         digest, extents,
                     )  # fmt: skip
@@ -986,24 +949,14 @@ class _Scanner:
         raise TornRead(child, TORN_ATTEMPTS)
 
     def linked_entry(self, child: str, st: os.stat_result) -> Entry | None:
-        """The entry of a hard link whose file this scan read through another link, unchanged
-        since (the same size, mtime and ctime) and not changed in the clock's slack before that
-        read began (a write then could leave the ctime as it was); None: read it. The ctime
-        alone decides racy, not the mtime as the stat cache's `walk.trusted` does: a command
-        may set an mtime in the future (utimes) to have every link read, never a ctime."""
-        if st.st_nlink < 2:
+        """The entry of a hard link whose file this scan read through another link, if
+        ``scanrules.hard_link_verdict`` lets it take that read's digest; None: read it."""
+        known = self.links.get((st.st_dev, st.st_ino)) if st.st_nlink > 1 else None
+        if hard_link_verdict(st, known) != REUSE:
             return None
-        known = self.links.get((st.st_dev, st.st_ino))
-        if known is None:
-            return None
-        size, mtime_ns, ctime_ns, read_at, digest, extents = known
-        if (st.st_size, st.st_mtime_ns, st.st_ctime_ns) != (size, mtime_ns, ctime_ns):
-            return None
-        coarse = ctime_ns % 1_000_000_000 == 0  # a filesystem of whole-second stamps
-        if ctime_ns >= read_at - CLOCK_SLACK_NS - (COARSE_FS_SLACK_NS if coarse else 0):
-            return None  # racy: read again (that read, later, is the one the next link uses)
+        assert known is not None
         self.stats.links_reused += 1
-        return Entry.from_stat(child, st, digest=digest, extents=extents)
+        return Entry.from_stat(child, st, digest=known.digest, extents=known.extents)
 
     def open_regular(
         self, fd: int, name: str, child: str
@@ -1030,12 +983,12 @@ class _Scanner:
         if self.store is None or self.publisher is None:
             hasher = new_hasher(self.algo, size_hint=size)
             got = self._read_all(fd, size, hasher.update)
-            torn = _torn(before, os.fstat(fd), got)
+            torn = changed_while_read(before, os.fstat(fd), got)
             return None if torn else format_digest(self.algo, hasher.hexdigest())
         writer = self.store.writer(self.algo, size_hint=size)
         try:
             got = self._read_all(fd, size, writer.write)
-            torn = _torn(before, os.fstat(fd), got)
+            torn = changed_while_read(before, os.fstat(fd), got)
         except BaseException:
             writer.abort()
             raise
@@ -1065,7 +1018,8 @@ class _Scanner:
             extents.append((offset, length, digest))
             pos = offset + length
         hash_zeros(logical, size - pos)
-        if _torn(before, os.fstat(fd), size):  # a file of holes only was never checked yet
+        # a file of holes only was never checked yet
+        if changed_while_read(before, os.fstat(fd), size):
             return None, ()
         return format_digest(self.algo, logical.hexdigest()), tuple(extents)
 
@@ -1074,16 +1028,15 @@ class _Scanner:
     ) -> str | None:
         """One data range: hashed into ``logical`` and into its own object, published if the
         file is unchanged after it (else None, nothing published)."""
-        size = before.st_size
         if self.store is None or self.publisher is None:
             own = new_hasher(self.algo, size_hint=length)
             got = self._read_range(fd, offset, length, (logical.update, own.update))
-            torn = _torn(before, os.fstat(fd), size if got == length else -1)
+            torn = range_changed_while_read(before, os.fstat(fd), got, length)
             return None if torn else format_digest(self.algo, own.hexdigest())
         writer = self.store.writer(self.algo, size_hint=length)
         try:
             got = self._read_range(fd, offset, length, (logical.update, writer.write))
-            torn = _torn(before, os.fstat(fd), size if got == length else -1)
+            torn = range_changed_while_read(before, os.fstat(fd), got, length)
         except BaseException:
             writer.abort()
             raise
@@ -1158,7 +1111,7 @@ class _Scanner:
             except OSError:
                 break
             st = os.fstat(sub)
-            if not _same_dir(known, st):
+            if not same_dir(known, st):
                 os.close(sub)
                 break
             child = join(opened, name)
@@ -1181,7 +1134,7 @@ class _Scanner:
         for name in subdirs:
             known = previous.child(name) if previous is not None else None
             now = current.rows[name]
-            if known is not None and _same_dir(known, now):
+            if known is not None and same_dir(known, now):
                 current.rows[name] = _carried(now, known)
                 continue
             child = join(rel, name)
@@ -1207,20 +1160,6 @@ class _Scanner:
             if row is not None and row.type == DIR:
                 parent.rows[name_of(rel)] = with_node(row, node)
         raise AssertionError("the root is always rebuilt with the directories below it")
-
-
-def _same_inode(cached: Entry, st: os.stat_result, node: DirNode) -> bool:
-    """A directory, FIFO, socket or device the previous node recorded, unchanged since (its
-    inode and ctime, older than the node's cutoff): its attributes are as recorded, since any
-    ``setxattr`` would have moved the ctime."""
-    return (
-        cached.xattrs is not None
-        and cached.ino == st.st_ino
-        and cached.dev == st.st_dev
-        and cached.ctime_ns == st.st_ctime_ns
-        and cached.type == TYPES.get(stat.S_IFMT(st.st_mode))
-        and trusted(cached, node.trusted_before_ns)
-    )
 
 
 def _with_xattrs(entry: Entry, xattrs: Xattrs | None) -> Entry:
