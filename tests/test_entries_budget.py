@@ -14,12 +14,12 @@ from settled.errors import BadInput
 from settled.objects.local import LocalObjectStore
 from settled.records import TaskRecord
 from settled.runtime import Runtime
-from settled.workspace.scan import (
+from settled.workspace.scan import scan
+from settled.workspace.scanerrors import (
     DEFAULT_ENTRIES_BUDGET,
     ENTRIES_BUDGET_ENV,
     EntriesOverBudget,
     entries_budget,
-    scan,
 )
 
 

@@ -22,7 +22,8 @@ from settled.workspace import scan as scan_module
 from settled.workspace.index import Index
 from settled.workspace.manifest import TYPES, Entry
 from settled.workspace.nodecache import NodeCache
-from settled.workspace.scan import ScanResult, TornRead, scan
+from settled.workspace.scan import ScanResult, scan
+from settled.workspace.scanerrors import TornRead, WorkspaceUnreadable
 
 SETTLE_S = 2 * scan_module.CLOCK_SLACK_NS / 1e9
 WALKERS = (walk.NATIVE, walk.PYTHON)
@@ -645,7 +646,7 @@ def test_a_directory_listed_ahead_that_fails_is_named_when_reached(
         return listed
 
     monkeypatch.setattr(scan_module, "choose", lambda: real._replace(scan_dirs=failing_b))
-    with pytest.raises(scan_module.WorkspaceUnreadable, match="'b'"):
+    with pytest.raises(WorkspaceUnreadable, match="'b'"):
         scan(tmp_path)
 
 

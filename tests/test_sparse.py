@@ -40,7 +40,8 @@ from settled.workspace.manifest import (
 )
 from settled.workspace.readback import read_back
 from settled.workspace.restore import BlobCorrupt, restore
-from settled.workspace.scan import HolesOverBudget, TornRead, scan
+from settled.workspace.scan import scan
+from settled.workspace.scanerrors import HolesOverBudget, TornRead
 from settled.workspace.sparse import HOLES_BUDGET_ENV, MAX_EXTENTS, MIN_HOLE, unallocated
 from settled.workspace.verify import verify_manifest
 

@@ -50,7 +50,8 @@ from settled.workspace.journal import lifecycle as journal_lifecycle
 from settled.workspace.manifest import IndexMismatch, ManifestError, publish_manifest
 from settled.workspace.nodecache import NodeCache
 from settled.workspace.readback import QUARANTINABLE, Problem, ReadBack, read_back
-from settled.workspace.scan import CLOCK_SLACK_NS, ScanError, Vouches, gc_paused, scan
+from settled.workspace.scan import CLOCK_SLACK_NS, Vouches, gc_paused, scan
+from settled.workspace.scanerrors import ScanError
 from settled.workspace.verified import VerifiedRecord
 from settled.workspace.xattrs import NOT_RECORDED
 

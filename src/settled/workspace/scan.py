@@ -3,14 +3,14 @@
 Owns ``scan``, which builds an ``Index`` (per-directory stat-cache nodes, defined in ``index``,
 each naming the tree object its directory hashes to): a walk with directory fds that lists and
 lstats every entry (``walk``: a C loop without the GIL, or its pure Python twin), records every
-entry by type and mode, hashes regular files (publishing them into an ``ObjectStore`` in the
-same read: hash and copy together, stored only if new), re-reads a file only when the stat
-cache cannot vouch for it, and publishes the trees it built once every blob they name is durable
-(and its stat-cache nodes into the ``NodeCache``). Speed without a weaker proof: siblings (and
-an incremental scan's dirty directories) are listed together on the walker's threads, the small
-files of a listing are read in batches by the same checks as one at a time, on a thread while
-the scanner hashes what was read before (``ReadAhead``), and
-the cyclic GC is paused while a scan allocates its entries (``gc_paused``).
+entry by type and mode, hashes regular files (``scanread``: publishing them into an
+``ObjectStore`` in the same read, hash and copy together, stored only if new), re-reads a file
+only when the stat cache cannot vouch for it, and publishes the trees it built once every blob
+they name is durable (and its stat-cache nodes into the ``NodeCache``). Speed without a weaker
+proof: siblings (and an incremental scan's dirty directories) are listed together on the
+walker's threads, the small files of a listing are read in batches by the same checks as one at
+a time, on a thread while the scanner hashes what was read before (``ReadAhead``), and the
+cyclic GC is paused while a scan allocates its entries (``gc_paused``).
 
 Stat-cache rules (each a pure function with a named answer in ``scanrules``, as are the torn
 read, symlink and hard-link rules below). A file or symlink whose type, mode, owner, size, ino,
@@ -65,9 +65,13 @@ wait for the blobs they name in a spool (``_Spool``) that spills to an unlinked 
 whole ``settled close`` of 1,000,000 empty files peaked at ~200 MiB here (1.2 GiB before);
 the entries budget (``entries_budget``) bounds what is left: time, and the distinct blobs.
 
-About 1,150 lines, over the usual 400: the walk, its no-follow checks, the stat cache, torn-read
-retries, the listings ahead and the incremental mode share one walker's state, and split they
-would share internals (what does not, the loops and the read-ahead, lives in ``walk``).
+About 890 lines, over the usual 400: the walk, its no-follow checks, the stat cache's use, the
+listings ahead, the nodes and trees it builds and the incremental mode share one walker's state
+(its open directories, the previous index's nodes, what is dirty and listed ahead), and split
+they would share internals. What does not is apart: the loops and the read-ahead in ``walk``,
+the rules in ``scanrules``, the reading of one file or symlink (opening, hashing, publishing,
+torn-read retries, hard links) in ``scanread``, the errors and the entries budget in
+``scanerrors``.
 
 Given the root's recorded identity (``expect``), it scans that directory or nothing: a root
 that is a symlink now, or another directory, raises ``WorkspaceReplaced`` (rootid).
@@ -90,15 +94,8 @@ from dataclasses import dataclass, field
 from typing import Final
 
 from settled.canonical import canonical_bytes
-from settled.errors import SettledError
-from settled.objects import CHUNK, ObjectStore
-from settled.objects.hashing import (
-    DEFAULT_ALGORITHM,
-    Hasher,
-    check_algorithm,
-    format_digest,
-    new_hasher,
-)
+from settled.objects import ObjectStore
+from settled.objects.hashing import DEFAULT_ALGORITHM, check_algorithm
 from settled.workspace import rootid
 from settled.workspace.cachetrust import filesystem_magic
 from settled.workspace.ignore import NO_RULES, IgnoreRules
@@ -118,29 +115,22 @@ from settled.workspace.manifest import (
 )
 from settled.workspace.nodecache import NodeCache
 from settled.workspace.publish import Publisher
+from settled.workspace.scanerrors import (
+    EntriesOverBudget,
+    ScanError,
+    TornRead,
+    WorkspaceUnreadable,
+    entries_budget,
+)
+from settled.workspace.scanread import PROC_FD, TORN_ATTEMPTS, FileReader, ScanStats
 from settled.workspace.scanrules import CLOCK_SLACK_NS as CLOCK_SLACK_NS
 from settled.workspace.scanrules import (
     RACY,
     REUSE,
-    LinkRead,
-    changed_while_read,
-    hard_link_verdict,
     listed_dir_row_holds,
-    range_changed_while_read,
     same_dir,
     same_inode,
     stat_verdict,
-    symlink_unchanged,
-)
-from settled.workspace.sparse import (
-    HOLES_BUDGET_ENV,
-    Extent,
-    budget_from_env,
-    data_ranges,
-    hash_zeros,
-    holes_budget,
-    may_have_holes,
-    unallocated,
 )
 from settled.workspace.walk import COARSE_FS_SLACK_NS as COARSE_FS_SLACK_NS
 from settled.workspace.walk import (
@@ -151,7 +141,6 @@ from settled.workspace.walk import (
     choose,
     identity,
     open_beneath,
-    reopen,
     workers,
 )
 from settled.workspace.walk import gc_paused as gc_paused
@@ -160,8 +149,6 @@ from settled.workspace.xattrs import read_at as read_xattrs
 from settled.workspace.xattrs import read_fd as read_fd_xattrs
 
 Vouches = Callable[[int, int], bool]  # (a node's trusted_before_ns, its filesystem's magic)
-TORN_ATTEMPTS: Final = 4
-TORN_BACKOFF_S: Final = (0.0, 0.005, 0.02, 0.05)
 
 KEEP_ENTRIES: Final = 150_000  # entries of the nodes a scan keeps in memory for its index
 NODES_FLUSH_BYTES: Final = 4 << 20  # node bytes held before they go to the stat cache
@@ -169,95 +156,7 @@ TREES_IN_MEMORY: Final = 16 << 20  # tree bytes held before the rest spool to a 
 AHEAD_BATCH: Final = 64  # subdirectories listed together, on the walker's threads
 AHEAD_FDS: Final = 256  # at most this many listed ahead (each holds its directory fd)
 
-_PROC_FD: Final = "/proc/self/fd"
 _DIR_FLAGS: Final = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-
-
-class ScanError(SettledError):
-    """The workspace could not be scanned as asked."""
-
-
-class TornRead(ScanError):
-    def __init__(self, path: str, attempts: int) -> None:
-        super().__init__(
-            f"{path!r} changed while it was read, {attempts} times in a row; "
-            "no digest recorded. Scan again once nothing writes to it."
-        )
-        self.path, self.attempts = path, attempts
-
-
-class WorkspaceUnreadable(ScanError):
-    def __init__(self, path: str, error: OSError) -> None:
-        super().__init__(f"cannot read {path!r} in the workspace: {error.strerror or error}")
-        self.path = path
-
-
-class HolesOverBudget(ScanError):
-    """A file whose holes would pass the scan's budget (``sparse.holes_budget``): hashing them
-    costs ~1 s of two cores per 17 GiB, and making them costs nothing."""
-
-    def __init__(self, path: str, size: int, holes: int, left: int, budget: int) -> None:
-        super().__init__(
-            f"{path!r} is {_amount(size)} with {_amount(size - holes)} on disk: hashing its "
-            f"{_amount(holes)} of holes would pass this scan's budget of {_amount(budget)} of "
-            f"holes ({_amount(left)} left; {HOLES_BUDGET_ENV} sets it). No digest recorded; "
-            "remove or shrink the file, or raise the budget"
-        )
-        self.path, self.size, self.holes, self.budget = path, size, holes, budget
-
-
-class EntriesOverBudget(ScanError):
-    """A workspace whose entries would pass the scan's budget (``entries_budget``): every entry
-    costs a close ~30 us of CPU here (and each distinct file a digest held until the close is
-    done), and making one costs a command ~10 us, so a budget stops a tree that would keep a
-    close busy for minutes at the entry that would pass it, by name, before anything past it
-    is read."""
-
-    def __init__(self, path: str, budget: int) -> None:
-        super().__init__(
-            f"{path!r} would be entry {budget + 1:,} of this workspace, past the scan's budget of "
-            f"{budget:,} entries ({ENTRIES_BUDGET_ENV} sets it). Nothing recorded; remove "
-            "entries (or leave them out with --ignore), or raise the budget"
-        )
-        self.path, self.budget = path, budget
-
-
-ENTRIES_BUDGET_ENV: Final = "SETTLED_MAX_ENTRIES"
-DEFAULT_ENTRIES_BUDGET: Final = 4_000_000  # a close of ~2 min here
-
-
-def entries_budget() -> int:
-    """Entries one scan may record: ``SETTLED_MAX_ENTRIES`` if set, else the default."""
-    return budget_from_env(ENTRIES_BUDGET_ENV, DEFAULT_ENTRIES_BUDGET, 1, "entries")
-
-
-def _amount(count: int) -> str:
-    """Bytes in the largest binary unit that leaves at least 1 (1.5 TiB, 4.0 KiB, 12 bytes)."""
-    for shift, unit in ((40, "TiB"), (30, "GiB"), (20, "MiB"), (10, "KiB")):
-        if count >= 1 << shift:
-            return f"{count / (1 << shift):.1f} {unit}"
-    return f"{count} bytes"
-
-
-@dataclass
-class ScanStats:
-    files_hashed: int = 0
-    bytes_read: int = 0
-    blobs_written: int = 0
-    entries_reused: int = 0  # files and symlinks vouched for by the stat cache, not re-read
-    entries_carried: int = 0  # incremental mode: entries of directories not re-listed
-    dirs_listed: int = 0
-    torn_retries: int = 0
-    trees_built: int = 0  # directories whose tree changed (published when a store is given)
-    nodes_built: int = 0  # directories whose stat-cache node changed
-    objects_grouped: int = 0  # objects made durable by one group sync, not an fsync each
-    sparse_files: int = 0  # files read as data extents and holes (the holes never read)
-    hole_bytes: int = 0  # what the hashed files' holes added to the hash (sparse.holes_budget)
-    links_reused: int = 0  # hard links given the digest of another link read in this scan
-    # directories whose cached rows were not evidence (``cachetrust``: a session could have
-    # written a mapped page unseen since they were listed), so every file in them was re-read
-    dirs_unvouched: int = 0
-    walker: str = ""  # which scan_dir listed the directories: "native" (C) or "python"
 
 
 @dataclass(frozen=True)
@@ -311,8 +210,8 @@ def scan(
     previous = _usable(previous, algo, only)
     if only is not None:  # a dirty directory inside an ignored one is never relisted
         only = [rel for rel in only if not _under_ignored(rel, ignore)]
-    if not os.path.isdir(_PROC_FD):
-        raise ScanError(f"{_PROC_FD} is missing: files could not be opened without following")
+    if not os.path.isdir(PROC_FD):
+        raise ScanError(f"{PROC_FD} is missing: files could not be opened without following")
     if expect is not None:
         root_fd = rootid.open_checked(os.fspath(root), expect)
     else:
@@ -332,7 +231,11 @@ def scan(
     index = Index(algo, started, top, scanner.sink, scanner.nodes)
     scanner.stats.entries_carried = max(0, index.count - scanner.entries_listed)
     return ScanResult(
-        index, scanner.stats, frozenset(scanner.hashed), scanner.new_trees, scanner.published_ref
+        index,
+        scanner.stats,
+        frozenset(scanner.reader.hashed),
+        scanner.new_trees,
+        scanner.published_ref,
     )
 
 
@@ -411,6 +314,7 @@ class _Scanner:
         self.algo = algo
         self.trusted_before_ns = trusted_before_ns  # for the nodes this scan lists
         self.stats = ScanStats()
+        self.reader = FileReader(algo, store, self.stats)  # reads, hashes and publishes files
         self.sink: NodeCache | MemoryObjects
         if cache is not None:
             self.sink = cache
@@ -427,25 +331,18 @@ class _Scanner:
         self.walked: set[str] = set()  # incremental mode: new directories walked in full
         self.passed: set[str] = set()  # incremental mode: rows refreshed on the way down
         self.entries_listed = 0
-        self.hashed: set[str] = set()
         self.new_trees: dict[str, str] = {}
         self.to_publish = _Spool()  # trees, published after the blobs they name
         self.list_published = False  # also publish the list of what this scan published
         self.published_ref: str | None = None
         self.publisher: Publisher | None = None
-        self.buffer = bytearray(CHUNK)
-        self.view = memoryview(self.buffer)
         self.ignore = NO_RULES
         self.vouches: Vouches | None = None
         self.judged: set[str] = set()  # directories whose cutoff vouching_node decided
         self.magics: dict[int, int] = {}  # st_dev -> filesystem magic
         self.walker = choose()
         self.stats.walker = self.walker.name
-        self.holes_budget = holes_budget()
         self.entries_budget = entries_budget()
-        # (dev, ino) of a multiply-linked file read in this scan -> (size, mtime_ns, ctime_ns,
-        # when its read began, digest, extents): its other links are not read again
-        self.links: dict[tuple[int, int], LinkRead] = {}
         self.workers = workers()
         self.ahead: dict[str, tuple[int, Listed | OSError]] = {}  # listed with a sibling
         self.dirty: list[str] = []  # incremental mode: the dirty directories, sorted
@@ -461,6 +358,7 @@ class _Scanner:
             if self.store is not None:
                 stack.enter_context(self.store.batch())  # exits last: directory fsyncs
                 self.publisher = stack.enter_context(Publisher(self.store))
+                self.reader.publisher = self.publisher
             if only is None or self.previous is None:
                 self.full_mode = True
                 top = self.full()
@@ -504,7 +402,7 @@ class _Scanner:
 
     def published_list(self) -> bytes:
         """What this scan published, for the read-back: tree id -> directory, blob digests."""
-        return canonical_bytes({"trees": self.new_trees, "blobs": sorted(self.hashed)})
+        return canonical_bytes({"trees": self.new_trees, "blobs": sorted(self.reader.hashed)})
 
     def full(self) -> Entry:
         top = Entry.from_stat(ROOT, os.fstat(self.root_fd))
@@ -853,7 +751,7 @@ class _Scanner:
         if kind == SYMLINK:
             fresh = self.read_link(fd, name, child, st, at, budget)
         else:
-            fresh = self.from_read(child, read) if read is not None else None
+            fresh = self.reader.from_read(child, read) if read is not None else None
             if fresh is not None and read is not None and not read[3]:
                 return fresh  # the walker's flistxattr of the open file listed no name
             if fresh is None:
@@ -868,218 +766,22 @@ class _Scanner:
         except OSError as error:
             raise WorkspaceUnreadable(entry.path, error) from error
 
-    def from_read(self, child: str, read: Read) -> Entry | None:
-        """The entry of a small file the walker read whole (None if the read was torn: the
-        file is then read again the slow way, with its retries)."""
-        before, data, after, _ = read
-        if changed_while_read(before, after, len(data)):
-            self.stats.torn_retries += 1
-            return None
-        if self.publisher is None:
-            hasher = new_hasher(self.algo, size_hint=len(data))
-            hasher.update(data)
-            digest = format_digest(self.algo, hasher.hexdigest())
-        else:  # staged into the group's pack, or committed
-            digest = self.publisher.submit_bytes(data, self.algo)
-        self.stats.files_hashed += 1
-        self.stats.bytes_read += len(data)
-        self.hashed.add(digest)
-        return Entry.from_stat(child, before, digest=digest)
-
     def read_link(
-        self, fd: int, name: str, child: str, before: os.stat_result, at: _Dir, budget: int
+        self, fd: int, name: str, child: str, st: os.stat_result, at: _Dir, budget: int
     ) -> Entry | None:
-        for _ in range(TORN_ATTEMPTS):
-            try:
-                target = os.readlink(name, dir_fd=fd)
-                after = os.stat(name, dir_fd=fd, follow_symlinks=False)
-            except FileNotFoundError:
-                return None
-            except OSError as error:
-                raise WorkspaceUnreadable(child, error) from error
-            if not stat.S_ISLNK(after.st_mode):
-                return self.entry(fd, name, child, after, at, budget - 1)
-            if symlink_unchanged(before, after, target):
-                return Entry.from_stat(child, after, target=target)
-            before = after
-            self.stats.torn_retries += 1
-        raise TornRead(child, TORN_ATTEMPTS)
-
-    def read_file(self, fd: int, name: str, child: str, at: _Dir, budget: int) -> Entry | None:
-        for attempt in range(TORN_ATTEMPTS):
-            if attempt:
-                time.sleep(TORN_BACKOFF_S[attempt])
-            opened = self.open_regular(fd, name, child)
-            if opened is None:
-                return None
-            if isinstance(opened, os.stat_result):  # no longer a regular file
-                return self.entry(fd, name, child, opened, at, budget - 1)
-            file_fd, before = opened
-            linked = self.linked_entry(child, before)
-            if linked is not None:
-                os.close(file_fd)
-                return linked
-            holes = unallocated(before)
-            left = self.holes_budget - self.stats.hole_bytes
-            if holes > left:
-                os.close(file_fd)
-                raise HolesOverBudget(child, before.st_size, holes, left, self.holes_budget)
-            read_at = time.time_ns()
-            try:
-                ranges = data_ranges(file_fd, before.st_size) if may_have_holes(before) else None
-                if ranges is None:
-                    digest, extents = self.hash_open_file(file_fd, before), None
-                else:
-                    digest, extents = self.hash_sparse_file(file_fd, before, ranges)
-            finally:
-                os.close(file_fd)
-            if digest is not None:
-                entry = Entry.from_stat(child, before, digest=digest, extents=extents)
-                self.stats.files_hashed += 1
-                self.stats.sparse_files += extents is not None
-                self.stats.hole_bytes += holes
-                if before.st_nlink > 1:
-                    self.links[(before.st_dev, before.st_ino)] = LinkRead(
-                        before.st_size, before.st_mtime_ns, before.st_ctime_ns, read_at,
-                        digest, extents,
-                    )  # fmt: skip
-                self.hashed.update(entry.blobs())
-                return entry
-            self.stats.torn_retries += 1
-        raise TornRead(child, TORN_ATTEMPTS)
-
-    def linked_entry(self, child: str, st: os.stat_result) -> Entry | None:
-        """The entry of a hard link whose file this scan read through another link, if
-        ``scanrules.hard_link_verdict`` lets it take that read's digest; None: read it."""
-        known = self.links.get((st.st_dev, st.st_ino)) if st.st_nlink > 1 else None
-        if hard_link_verdict(st, known) != REUSE:
-            return None
-        assert known is not None
-        self.stats.links_reused += 1
-        return Entry.from_stat(child, st, digest=known.digest, extents=known.extents)
-
-    def open_regular(
-        self, fd: int, name: str, child: str
-    ) -> tuple[int, os.stat_result] | os.stat_result | None:
-        """``(fd, stat)`` of the file opened for reading, its stat if it is no longer a regular
-        file, or None if it is gone. Opens nothing but a regular file."""
-        try:
-            path_fd = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
-            try:
-                st = os.fstat(path_fd)
-                if not stat.S_ISREG(st.st_mode):
-                    return st
-                return reopen(f"{_PROC_FD}/{path_fd}"), st
-            finally:
-                os.close(path_fd)
-        except FileNotFoundError:
-            return None
-        except OSError as error:
-            raise WorkspaceUnreadable(child, error) from error
-
-    def hash_open_file(self, fd: int, before: os.stat_result) -> str | None:
-        """Hash (and publish) the open file; None if it changed while it was read."""
-        size = before.st_size
-        if self.store is None or self.publisher is None:
-            hasher = new_hasher(self.algo, size_hint=size)
-            got = self._read_all(fd, size, hasher.update)
-            torn = changed_while_read(before, os.fstat(fd), got)
-            return None if torn else format_digest(self.algo, hasher.hexdigest())
-        writer = self.store.writer(self.algo, size_hint=size)
-        try:
-            got = self._read_all(fd, size, writer.write)
-            torn = changed_while_read(before, os.fstat(fd), got)
-        except BaseException:
-            writer.abort()
-            raise
-        if torn:
-            writer.abort()  # nothing is linked
-            return None
-        digest = writer.digest()
-        self.publisher.submit(writer)  # fsync and link on a publisher thread
-        return digest
-
-    def hash_sparse_file(
-        self, fd: int, before: os.stat_result, ranges: list[tuple[int, int]]
-    ) -> tuple[str | None, tuple[Extent, ...]]:
-        """Hash the whole logical content (holes as zeros, never read) and publish each data
-        range as an object of its own; (None, ()) if the file changed while it was read. Each
-        range is checked unchanged (fstat) before it is handed to the publisher, so what a torn
-        read publishes is at most what was read before the change, never a torn object."""
-        size = before.st_size
-        logical = new_hasher(self.algo, size_hint=size)
-        extents: list[Extent] = []
-        pos = 0
-        for offset, length in ranges:
-            hash_zeros(logical, offset - pos)
-            digest = self._hash_range(fd, before, offset, length, logical)
-            if digest is None:
-                return None, ()
-            extents.append((offset, length, digest))
-            pos = offset + length
-        hash_zeros(logical, size - pos)
-        # a file of holes only was never checked yet
-        if changed_while_read(before, os.fstat(fd), size):
-            return None, ()
-        return format_digest(self.algo, logical.hexdigest()), tuple(extents)
-
-    def _hash_range(
-        self, fd: int, before: os.stat_result, offset: int, length: int, logical: Hasher
-    ) -> str | None:
-        """One data range: hashed into ``logical`` and into its own object, published if the
-        file is unchanged after it (else None, nothing published)."""
-        if self.store is None or self.publisher is None:
-            own = new_hasher(self.algo, size_hint=length)
-            got = self._read_range(fd, offset, length, (logical.update, own.update))
-            torn = range_changed_while_read(before, os.fstat(fd), got, length)
-            return None if torn else format_digest(self.algo, own.hexdigest())
-        writer = self.store.writer(self.algo, size_hint=length)
-        try:
-            got = self._read_range(fd, offset, length, (logical.update, writer.write))
-            torn = range_changed_while_read(before, os.fstat(fd), got, length)
-        except BaseException:
-            writer.abort()
-            raise
-        if torn:
-            writer.abort()
-            return None
-        digest = writer.digest()
-        self.publisher.submit(writer)  # fsync and link on a publisher thread
-        return digest
-
-    def _read_range(
-        self,
-        fd: int,
-        offset: int,
-        length: int,
-        sinks: tuple[Callable[[memoryview], object], Callable[[memoryview], object]],
-    ) -> int:
-        """Read ``length`` bytes at ``offset`` into both sinks (fewer only if the file shrank)."""
-        got = 0
-        view = self.view
-        first, second = sinks
-        while got < length:
-            count = os.preadv(fd, [view[: min(CHUNK, length - got)]], offset + got)
-            if not count:
-                break
-            first(view[:count])
-            second(view[:count])
-            got += count
-        self.stats.bytes_read += got
+        """The symlink's entry (``scanread``); one that is no longer a symlink is recorded as
+        what it is now, within the same budget of attempts."""
+        got = self.reader.read_link(fd, name, child, st)
+        if isinstance(got, os.stat_result):
+            return self.entry(fd, name, child, got, at, budget - 1)
         return got
 
-    def _read_all(self, fd: int, size: int, sink: Callable[[memoryview], object]) -> int:
-        got = 0
-        view = self.view
-        while got <= size:  # read past the size: a file that grew is torn
-            count = os.readv(fd, [self.buffer])
-            if not count:
-                break
-            sink(view[:count])
-            got += count
-            if count < CHUNK and got >= size:
-                break  # a short read at the size is the end; growth after it shows in fstat
-        self.stats.bytes_read += got
+    def read_file(self, fd: int, name: str, child: str, at: _Dir, budget: int) -> Entry | None:
+        """The regular file's entry (``scanread``); one that is no longer a regular file is
+        recorded as what it is now, within the same budget of attempts."""
+        got = self.reader.read_file(fd, name, child)
+        if isinstance(got, os.stat_result):
+            return self.entry(fd, name, child, got, at, budget - 1)
         return got
 
     # -- incremental ---------------------------------------------------------------------------

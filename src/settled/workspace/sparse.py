@@ -76,7 +76,7 @@ def holes_budget() -> int:
 def budget_from_env(name: str, default: int, least: int, unit: str) -> int:
     """A scan's budget: the whole number in the environment variable ``name`` if it is set
     (``BadInput`` naming it if it is not a whole number of at least ``least``), else
-    ``default``. The holes budget's and the entries budget's (``scan.entries_budget``)."""
+    ``default``. The holes budget's and the entries budget's (``scanerrors.entries_budget``)."""
     raw = os.environ.get(name)
     if raw is None or raw == "":
         return default
