@@ -301,6 +301,9 @@ def test_every_module_is_in_a_unit() -> None:
         ("settled.owner.main", "settled.workspace.journal.client", True),
         ("settled.recovery", "settled.boundary.local", False),  # the sandbox is injected
         ("settled.store", "settled.store.sqlite", True),  # the one chooser
+        ("settled.workspace.checkpoint", "settled.objects.local", False),  # past the seam
+        ("settled.objects", "settled.objects.s3", True),  # the object store's one chooser
+        ("settled.objects", "settled.workspace.manifest", False),  # objects know no manifests
     ],
 )
 def test_the_rules_catch_what_they_are_for(importer: str, target: str, ok: bool) -> None:
