@@ -56,6 +56,8 @@ PROC_FD: Final = "/proc/self/fd"
 
 @dataclass
 class ScanStats:
+    """What one scan did, counted as it went (the reads here, the listings by ``scan``)."""
+
     files_hashed: int = 0
     bytes_read: int = 0
     blobs_written: int = 0
