@@ -356,3 +356,15 @@ def test_one_live_predicate() -> None:
         if "LIVE_STATES" in line
     ]
     assert not found, "use SessionRecord.live or states.is_live instead:\n" + "\n".join(found)
+
+
+# The Python HTTP client is installed and imported on its own (a caller's machine): beside httpx
+# and anyio it takes from settled only the error classes a Runtime caller catches, the caller's
+# environment policy and the run verb's exit-code rule (docs/ARCHITECTURE.md, faces).
+CLIENT_IMPORTS = {"settled.errors", "settled.environment", "settled.exitcodes"}
+
+
+def test_the_client_imports_of_settled_only_errors_environment_and_exit_codes() -> None:
+    path = SRC / "settled" / "client.py"
+    found = {t for _, t in settled_imports(path, "settled.client") if t.startswith("settled")}
+    assert found == CLIENT_IMPORTS, sorted(found)
