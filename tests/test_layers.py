@@ -32,7 +32,7 @@ FOUNDATION = {
     "settled.grants",
     "settled.home",
     "settled.identity",
-    "settled.isolated",
+    "settled.helper_process",
     "settled.localdb",
     "settled.netledger",
     "settled.netpolicy",

@@ -81,7 +81,7 @@ def _start(run: str, home: str, deadline: float) -> None:
 def _spawn(run: str, home: str, timeout: float) -> dict[str, Any]:
     import subprocess
 
-    from settled.isolated import NoReport, python_command, read_report, start_helper
+    from settled.helper_process import NoReport, python_command, read_report, start_helper
 
     argv = python_command("settled.netproxy.daemon:main", ("settled", "h11"), home)
     process, ready_r = start_helper(

@@ -23,8 +23,8 @@ import time
 from collections.abc import Callable
 
 from settled import faults
+from settled.helper_process import ReportReader
 from settled.home import make_session_dir
-from settled.isolated import ReportReader
 from settled.owner import receipt_wake
 from settled.owner.handoff import hand_over, prepare
 from settled.owner.launcher import READY_TIMEOUT_S

@@ -44,8 +44,8 @@ import threading
 import time
 
 from settled.errors import OwnerLaunchFailed
+from settled.helper_process import NoReport, python_command, read_report, start_helper
 from settled.home import run_dir
-from settled.isolated import NoReport, python_command, read_report, start_helper
 from settled.owner.face_workers import FaceWorkers
 from settled.owner.forking import (
     MAX_REQUEST,

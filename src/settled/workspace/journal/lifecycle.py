@@ -147,7 +147,7 @@ def _spawn(run_dir: str, idle_exit_s: float, timeout: float) -> dict[str, Any]:
     """Start `python -I -S` (about 10 ms) that forks the daemon and exits; read its report."""
     import subprocess
 
-    from settled.isolated import HelperUnavailable, python_command, start_helper
+    from settled.helper_process import HelperUnavailable, python_command, start_helper
 
     try:
         argv = python_command(
@@ -177,7 +177,7 @@ def _spawn(run_dir: str, idle_exit_s: float, timeout: float) -> dict[str, Any]:
 
 
 def _read_report(fd: int, give_up: float) -> dict[str, Any]:
-    from settled.isolated import NoReport, read_report
+    from settled.helper_process import NoReport, read_report
 
     try:
         report = read_report(fd, give_up)
