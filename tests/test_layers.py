@@ -88,7 +88,7 @@ FACES = {
 
 # (unit, module prefix), most specific first.
 UNITS: list[tuple[str, str]] = [
-    ("journal-client", "settled.workspace.journal.client"),
+    ("journal-wire", "settled.workspace.journal.wire"),
     ("proxy-client", "settled.netproxy.client"),
     ("proxy", "settled.netproxy"),
     ("journal", "settled.workspace.journal"),
@@ -126,7 +126,7 @@ BELOW_RUNTIME = {
     "store-sqlite",
     "boundary",
     "log",
-    "journal-client",
+    "journal-wire",
     "journal",
     "proxy-client",
     "proxy",
@@ -146,11 +146,11 @@ ALLOWED: dict[str, set[str]] = {
     "boundary": {"foundation", "boundary"},
     "log": {"foundation", "log", "objects"},  # a settled stream is sealed into objects
     "objects": {"foundation", "objects"},
-    "journal-client": set(),  # standard library only: the owner imports it under -I -S
-    "journal": {"foundation", "journal", "journal-client"},
+    "journal-wire": set(),  # standard library only: the owner imports it under -I -S
+    "journal": {"foundation", "journal", "journal-wire"},
     "proxy-client": set(),  # standard library only: the owner seals its ledger under -I -S
     "proxy": {"foundation", "proxy", "proxy-client", "boundary"},  # a task's namespace: podhost
-    "workspace": {"foundation", "workspace", "objects", "journal", "journal-client", "store"},
+    "workspace": {"foundation", "workspace", "objects", "journal", "journal-wire", "store"},
     "owner": {
         "foundation",
         "owner",
@@ -159,7 +159,7 @@ ALLOWED: dict[str, set[str]] = {
         "objects",
         "store",
         "journal",
-        "journal-client",
+        "journal-wire",
         "proxy",
         "proxy-client",
     },
@@ -172,7 +172,7 @@ ALLOWED: dict[str, set[str]] = {
         "log",
         "objects",
         "owner",
-        "journal-client",
+        "journal-wire",
         "proxy",
         "sessions",
     },
@@ -186,7 +186,7 @@ WHY = {
     "boundary": "the boundary is the bottom of process work",
     "log": "logs are bytes with cursors and know nothing of sessions",
     "objects": "the object store knows content and names, nothing of manifests or sessions",
-    "journal-client": "the barrier client imports only the standard library",
+    "journal-wire": "the journal's wire protocol imports only the standard library",
     "proxy-client": "the proxy's client imports only the standard library",
     "proxy": "the proxy judges and relays; it reaches a task's namespace through boundary",
     "workspace": "the workspace service uses the Store protocol, not an implementation",
@@ -266,7 +266,7 @@ def violations() -> Iterator[str]:
         importer = module_name(path)
         for line, target in settled_imports(path, importer):
             if target.split(".")[0] != "settled":
-                if unit_of(importer) == "journal-client" and not _stdlib(target):
+                if unit_of(importer) == "journal-wire" and not _stdlib(target):
                     yield f"{path.relative_to(SRC.parent)}:{line}: {importer} imports {target}"
                 continue
             if not allowed(importer, target):
@@ -303,7 +303,7 @@ def test_every_module_is_in_a_unit() -> None:
         ("settled.status", "settled.store", False),  # a decision reading a component
         ("settled.workspace.checkpoint", "settled.store.sqlite", False),  # past the protocol
         ("settled.workspace.checkpoint", "settled.store", True),
-        ("settled.owner.main", "settled.workspace.journal.client", True),
+        ("settled.owner.main", "settled.workspace.journal.wire", True),
         ("settled.recovery", "settled.boundary.local", False),  # the sandbox is injected
         ("settled.store", "settled.store.sqlite", True),  # the one chooser
     ],

@@ -48,7 +48,7 @@ def preload() -> None:
     import settled.owner.launch  # the owner's launch path, likewise
     import settled.owner.main  # imported once, before any fork
     import settled.owner.session  # what the owner loads once its command runs
-    import settled.workspace.journal.client  # noqa: F401 - the owner's barrier client, likewise
+    import settled.workspace.journal.wire  # noqa: F401 - the barrier's wire, likewise
     from settled import boundary, oomguard, store
     from settled.boundary import limits, linux, spawn
     from settled.boundary import walls as _walls  # noqa: F401 - the receipt's resources

@@ -17,9 +17,9 @@ import os
 import time
 
 from settled.daemons import lock_free, start_lock
-from settled.workspace.journal import client
-from settled.workspace.journal.client import LOG_NAME, SOCKET_NAME, STATE_DIR
+from settled.workspace.journal import wire as client
 from settled.workspace.journal.errors import JournalUnavailable
+from settled.workspace.journal.wire import LOG_NAME, SOCKET_NAME, STATE_DIR
 
 # Starting a daemon (isolated, subprocess) is imported where it happens: an exec that finds
 # the journal running (every exec but a home's first) sends one request and loads neither.
