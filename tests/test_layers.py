@@ -89,7 +89,7 @@ FACES = {
 # (unit, module prefix), most specific first.
 UNITS: list[tuple[str, str]] = [
     ("journal-wire", "settled.workspace.journal.wire"),
-    ("proxy-client", "settled.netproxy.client"),
+    ("proxy-wire", "settled.netproxy.wire"),
     ("proxy", "settled.netproxy"),
     ("journal", "settled.workspace.journal"),
     ("store-sqlite", "settled.store.sqlite"),
@@ -128,7 +128,7 @@ BELOW_RUNTIME = {
     "log",
     "journal-wire",
     "journal",
-    "proxy-client",
+    "proxy-wire",
     "proxy",
     "workspace",
     "objects",
@@ -148,8 +148,8 @@ ALLOWED: dict[str, set[str]] = {
     "objects": {"foundation", "objects"},
     "journal-wire": set(),  # standard library only: the owner imports it under -I -S
     "journal": {"foundation", "journal", "journal-wire"},
-    "proxy-client": set(),  # standard library only: the owner seals its ledger under -I -S
-    "proxy": {"foundation", "proxy", "proxy-client", "boundary"},  # a task's namespace: podhost
+    "proxy-wire": set(),  # standard library only: the owner seals its ledger under -I -S
+    "proxy": {"foundation", "proxy", "proxy-wire", "boundary"},  # a task's namespace: podhost
     "workspace": {"foundation", "workspace", "objects", "journal", "journal-wire", "store"},
     "owner": {
         "foundation",
@@ -161,7 +161,7 @@ ALLOWED: dict[str, set[str]] = {
         "journal",
         "journal-wire",
         "proxy",
-        "proxy-client",
+        "proxy-wire",
     },
     "sessions": {"foundation", "decisions", "store"},
     "close": {"foundation", "decisions", "store", "close"},
@@ -187,7 +187,7 @@ WHY = {
     "log": "logs are bytes with cursors and know nothing of sessions",
     "objects": "the object store knows content and names, nothing of manifests or sessions",
     "journal-wire": "the journal's wire protocol imports only the standard library",
-    "proxy-client": "the proxy's client imports only the standard library",
+    "proxy-wire": "the proxy's wire protocol imports only the standard library",
     "proxy": "the proxy judges and relays; it reaches a task's namespace through boundary",
     "workspace": "the workspace service uses the Store protocol, not an implementation",
     "owner": "the owner uses boundaries, logs, the journal and the Store protocol",
