@@ -285,7 +285,7 @@ def fork_child(
 
 def reap_stubs(*, all_of_them: bool = False) -> None:
     """Reap the owners' stubs that exited (by pid: a face's workers are reaped by whoever
-    forked them, face_workers.py); `all_of_them`: wait for every one, as a zygote does before
+    forked them, verb_workers.py); `all_of_them`: wait for every one, as a zygote does before
     it ends."""
     for pid in list(_STUBS):
         with contextlib.suppress(ChildProcessError):
