@@ -429,7 +429,7 @@ def render(data: dict[str, Any]) -> str:
         r
         for r in launch["modules"]
         if r["module"].startswith("settled.")
-        and r["module"].split(".")[1] in ("errors", "faults", "isolated", "records", "home")
+        and r["module"].split(".")[1] in ("errors", "faults", "helper_process", "records", "home")
     ]
     foundation_text = ", ".join(f"`{r['module']}` {fmt(r['self_ms'])} ms" for r in foundation)
     met = "met" if s["target_met"] else "**missed**"

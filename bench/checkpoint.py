@@ -239,7 +239,7 @@ class Settled:
 
     def __init__(self, home: str, tree: str, trash: Trash) -> None:
         from settled.runtime import Runtime
-        from settled.workspace.journal import client as journal_client
+        from settled.workspace.journal import wire as journal_client
 
         self.home, self.trash = home, trash
         self.rt = Runtime(home)

@@ -122,8 +122,8 @@ class Variant:
     def close(self) -> None:
         """The home's one journal daemon outlives each close (it watches the home's open
         tasks and exits after a minute idle): stopped here, once, and awaited."""
-        from settled.workspace.journal import client as journal_client
         from settled.workspace.journal import lifecycle as journal_lifecycle
+        from settled.workspace.journal import wire as journal_client
 
         socket = self.rt.workspace.socket()
         pid = (journal_client.ping(socket) or {}).get("pid")

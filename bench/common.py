@@ -14,6 +14,7 @@ import json
 import math
 import os
 import platform
+import re
 import select
 import shutil
 import signal
@@ -26,7 +27,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
-RESULTS_DIR = os.path.join(BENCH_DIR, "results")
+# Where a run writes its JSON (every run), tables and figures: outside the repository. The
+# committed page of a benchmark, bench/results/<name>.md, is a copy of a run's <name>.md.
+RESULTS_DIR = os.environ.get("SETTLED_BENCH_OUT") or os.path.join(
+    tempfile.gettempdir(), "settled-bench"
+)
 SCRATCH_PARENT = "/tmp"
 MARK_ENV = "SETTLED_BENCH_MARK"
 MIB = 1 << 20
@@ -191,6 +196,24 @@ def write_readme(out_dir: str) -> None:
             with open(path) as handle:
                 parts += ["", handle.read().rstrip()]
     _write_atomic(os.path.join(out_dir, "README.md"), "\n".join(parts) + "\n")
+
+
+COMMIT = re.compile(r"[0-9a-f]{7,40}(-dirty)?")
+
+
+def page_head(name: str, data: dict[str, Any]) -> str:
+    """The lines under a page's title: the command that produced it, the commit it was measured
+    at, the machine."""
+    recorded = data.get("revision") or data.get("source")
+    commit = recorded if isinstance(recorded, str) and COMMIT.fullmatch(recorded) else None
+    m = data["machine"]
+    quick = " --quick" if data.get("quick") else ""
+    return (
+        f"- Command: `.venv/bin/python bench/run.py {name}{quick}`\n"
+        f"- Commit: `{commit or source_revision()}`\n"
+        f"- Machine: kernel `{m['kernel']}`, {m.get('machine', '?')}, nproc {m['nproc']}, "
+        f"Python {m['python']}; measured {m['date']}"
+    )
 
 
 def header(title: str, data: dict[str, Any]) -> str:

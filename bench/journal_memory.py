@@ -19,7 +19,7 @@ import sys
 import tempfile
 from typing import Any
 
-from settled.workspace.journal import client, lifecycle
+from settled.workspace.journal import lifecycle, wire
 
 
 def _rss_kib(pid: int) -> int:
@@ -40,13 +40,13 @@ def main() -> int:
     base = tempfile.mkdtemp(prefix="settled-journal-memory-")
     run_dir = os.path.join(base, "run")
     socket_path = lifecycle.ensure_running(run_dir)
-    info = client.ping(socket_path)
+    info = wire.ping(socket_path)
     assert info is not None
     pid = int(info["pid"])
     steps: list[dict[str, Any]] = []
 
     def measure(label: str) -> None:
-        now = client.ping(socket_path)
+        now = wire.ping(socket_path)
         assert now is not None
         steps.append(
             {

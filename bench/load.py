@@ -625,8 +625,8 @@ def _latencies(admissions: list[dict[str, Any]], facts: dict[str, Any]) -> dict[
 def run_once(root: str, variant: str, p: dict[str, Any]) -> dict[str, Any]:
     from settled.runtime import Runtime
     from settled.states import LIVE_STATES
-    from settled.workspace.journal import client as journal_client
     from settled.workspace.journal import lifecycle as journal_lifecycle
+    from settled.workspace.journal import wire as journal_client
 
     launcher, share = VARIANTS[variant]
     base = os.path.join(root, variant)

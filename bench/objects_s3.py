@@ -339,12 +339,12 @@ def markdown(data: dict[str, Any]) -> str:
 
 
 if __name__ == "__main__":
-    from common import write_results
+    from common import RESULTS_DIR, write_results
 
     quick = "--quick" in sys.argv
     result, text = run(quick)
     write_results(
-        os.path.join(os.path.dirname(__file__), "results", "quick" if quick else ""),
+        os.path.join(RESULTS_DIR, "quick") if quick else RESULTS_DIR,
         "objects_s3",
         result,
         text,

@@ -1,10 +1,12 @@
 """Run settled's benchmarks: python bench/run.py [NAME|all] [--quick] [--out DIR].
 
-Each benchmark writes `<name>.json` (every run) and `<name>.md` (its tables) into the output
-directory and regenerates `README.md` there with every table, the machine and the date.
-Full sizes write to bench/results/; `--quick` (small sizes, a smoke run for CI in under a minute)
-writes to bench/results/quick/ unless --out says otherwise. Nothing is asserted about speed:
-results are ratios against baselines measured in the same run.
+Each benchmark writes `<name>.json` (every run), `<name>.md` (its page: the command, the commit,
+the machine, its tables) and its figure if it has one into the output directory, and
+regenerates `README.md` there with every table. The output directory is outside the repository
+(default `$TMPDIR/settled-bench`, `.../quick` with `--quick`; or SETTLED_BENCH_OUT): a
+benchmark's committed page in bench/results/ is updated by copying its `<name>.md` (and figure)
+there. Nothing is asserted about speed: results are ratios against baselines measured in the
+same run.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ import soak
 import startup
 import store_ops
 import ui_feed
-from common import RESULTS_DIR, log, write_markdown, write_results
+from common import RESULTS_DIR, log, page_head, write_markdown, write_results
 
 BENCHMARKS = {
     "drain": drain.run,
@@ -83,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("which", nargs="?", default="all", choices=[*BENCHMARKS, "all"])
     parser.add_argument("--quick", action="store_true", help="small sizes: a CI smoke run")
-    parser.add_argument("--out", help="results directory (default bench/results[/quick])")
+    parser.add_argument("--out", help=f"results directory (default {RESULTS_DIR}[/quick])")
     parser.add_argument(
         "--figures", action="store_true",
         help="only redraw the figures of results already in the directory (no run)",
@@ -104,6 +106,8 @@ def main(argv: list[str] | None = None) -> int:
         artifact = ARTIFACTS.get(name)
         if artifact is not None:
             markdown = markdown.rstrip() + "\n\n" + artifact(out, data)
+        title, _, body = markdown.partition("\n")
+        markdown = f"{title}\n\n{page_head(name, data)}\n{body}"
         write_results(out, name, data, markdown)
         print(markdown + "\n", flush=True)
         log(f"== {name} done in {data['duration_s']:.1f} s -> {out}/{name}.json, {name}.md")

@@ -235,7 +235,7 @@ def stop_journals(root: Path) -> None:
 def stop_proxies(root: Path) -> None:
     """A home's first `--network proxy` session starts its proxy; a test ends those it made."""
     from settled.netproxy import lifecycle as proxy_lifecycle
-    from settled.netproxy.client import SOCKET_NAME
+    from settled.netproxy.wire import SOCKET_NAME
 
     for sock in root.glob(f"**/{SOCKET_NAME}"):
         with contextlib.suppress(Exception):

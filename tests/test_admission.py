@@ -26,8 +26,8 @@ from settled.boundary import availability, linux
 from settled.boundary.cgroup2 import ROOT_DIR_NAME, find_hierarchy
 from settled.boundary.isolation import KEPT_CAPS
 from settled.errors import OwnerLaunchFailed
+from settled.helper_process import json_text, python_command
 from settled.identity import CommandSpec
-from settled.isolated import json_text, python_command
 from settled.owner import handoff
 from settled.owner.launcher import owner_path
 from settled.records import OwnerInfo, TaskRecord

@@ -254,6 +254,40 @@ def test_the_same_key_is_reused_and_another_command_under_it_conflicts(
 
 
 @pytest.mark.timeout(90)
+def test_a_client_and_a_runtime_raise_the_same_error_classes_with_the_same_fields(
+    client: Client, workspace: str, server: Server
+) -> None:
+    from settled import errors
+    from settled.runtime import Runtime
+
+    task = client.new_task(workspace)["task"]
+    first = client.exec(task, argv=["true"], key="k-one")
+    client.wait(first.session, timeout=30)
+    caught: dict[str, list[Any]] = {"conflict": [], "sealed": []}
+    with Runtime(server.home) as rt:
+        for face in (rt, client):
+            with pytest.raises(errors.KeyConflict) as conflict:
+                face.exec(task, argv=["false"], key="k-one")
+            caught["conflict"].append(conflict.value)
+        client.close_task(task, deadline=30)
+        for face in (rt, client):
+            with pytest.raises(errors.AdmissionSealed) as sealed:
+                face.exec(task, argv=["true"], key="k-two")
+            caught["sealed"].append(sealed.value)
+    (local, remote), (local_sealed, remote_sealed) = caught["conflict"], caught["sealed"]
+    assert isinstance(remote, ClientError) and isinstance(remote, KeyConflict)
+    assert remote.status == 409 and not isinstance(local, ClientError)
+    for name in ("task", "key", "session", "existing_digest"):
+        assert getattr(remote, name) == getattr(local, name), name
+    assert remote.requested_digest not in (None, remote.existing_digest)  # its env is the caller's
+    assert remote.to_json().keys() == local.to_json().keys()
+    assert remote.kind == local.kind == "KeyConflict"
+    assert remote.exit_code == local.exit_code == errors.EXIT_CONFLICT
+    assert isinstance(remote_sealed, ClientError)
+    assert (remote_sealed.task, remote_sealed.state) == (local_sealed.task, local_sealed.state)
+
+
+@pytest.mark.timeout(90)
 def test_close_returns_the_receipt_and_explain_names_what_allowed_it(
     client: Client, workspace: str
 ) -> None:

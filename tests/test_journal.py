@@ -29,15 +29,15 @@ import pytest
 from conftest import journal_pids
 
 from settled.owner.launcher import owner_path
-from settled.workspace.journal import client as client_module
 from settled.workspace.journal import daemon
-from settled.workspace.journal.client import Watermark, ping, release
-from settled.workspace.journal.client import barrier as task_barrier
-from settled.workspace.journal.client import reset as task_reset
+from settled.workspace.journal import wire as wire_module
 from settled.workspace.journal.daemon import serve
 from settled.workspace.journal.errors import JournalUnavailable
 from settled.workspace.journal.inotify import Journal, Watcher
 from settled.workspace.journal.lifecycle import ensure_running, ensure_watching, stop
+from settled.workspace.journal.wire import Watermark, ping, release
+from settled.workspace.journal.wire import barrier as task_barrier
+from settled.workspace.journal.wire import reset as task_reset
 
 TASK = "t_test"
 
@@ -470,7 +470,7 @@ def test_every_seq_a_client_sees_is_persisted_first(
 
 _RACER = """
 import json, os, sys, time
-from settled.workspace.journal.client import ping
+from settled.workspace.journal.wire import ping
 from settled.workspace.journal.lifecycle import ensure_watching
 open(sys.argv[4], "w").close()
 while not os.path.exists(sys.argv[3]):
@@ -653,7 +653,7 @@ def test_a_session_owner_can_ask_for_a_barrier_with_only_its_own_path(
     socket_path = daemons.start(ws, run)
     probe = (
         "import sys, json; sys.path[:0] = json.loads(sys.argv[1]); "
-        "from settled.workspace.journal.client import barrier; "
+        "from settled.workspace.journal.wire import barrier; "
         "mark = barrier(sys.argv[2], sys.argv[3]); "
         "assert 'inotify_simple' not in sys.modules; print(json.dumps(mark.to_json()))"
     )
@@ -678,8 +678,8 @@ def _imports(source: Path) -> list[tuple[int, str]]:
     return found
 
 
-def test_the_client_imports_only_the_standard_library() -> None:
-    source = Path(client_module.__file__ or "")
+def test_the_wire_module_imports_only_the_standard_library() -> None:
+    source = Path(wire_module.__file__ or "")
     foreign = [
         f"{source.name}:{line} imports {module}"
         for line, module in _imports(source)
@@ -689,15 +689,15 @@ def test_the_client_imports_only_the_standard_library() -> None:
 
 
 def test_the_journal_package_itself_imports_nothing() -> None:
-    package = Path(client_module.__file__ or "").with_name("__init__.py")
+    package = Path(wire_module.__file__ or "").with_name("__init__.py")
     assert _imports(package) == []
 
 
 @pytest.mark.timeout(30)
-def test_importing_the_client_loads_no_other_settled_module() -> None:
+def test_importing_the_wire_module_loads_no_other_settled_module() -> None:
     probe = (
         "import sys, json; sys.path[:0] = json.loads(sys.argv[1]); "
-        "import settled.workspace.journal.client; "
+        "import settled.workspace.journal.wire; "
         "print(json.dumps(sorted(m for m in sys.modules if m.startswith('settled'))))"
     )
     done = subprocess.run(
@@ -710,7 +710,7 @@ def test_importing_the_client_loads_no_other_settled_module() -> None:
         "settled",
         "settled.workspace",
         "settled.workspace.journal",
-        "settled.workspace.journal.client",
+        "settled.workspace.journal.wire",
     ]
 
 
@@ -790,7 +790,7 @@ def test_a_forgotten_task_leaves_no_state(daemons: Daemons, ws: Path, run: Path)
 def test_requests_that_name_no_valid_task_are_refused(
     daemons: Daemons, ws: Path, run: Path
 ) -> None:
-    from settled.workspace.journal.client import request
+    from settled.workspace.journal.wire import request
 
     socket_path = daemons.start(ws, run)
     for task in ("../escape", "", ".hidden", "a/b", "x" * 200, 7):

@@ -32,7 +32,7 @@ FOUNDATION = {
     "settled.grants",
     "settled.home",
     "settled.identity",
-    "settled.isolated",
+    "settled.helper_process",
     "settled.localdb",
     "settled.netledger",
     "settled.netpolicy",
@@ -88,8 +88,8 @@ FACES = {
 
 # (unit, module prefix), most specific first.
 UNITS: list[tuple[str, str]] = [
-    ("journal-client", "settled.workspace.journal.client"),
-    ("proxy-client", "settled.netproxy.client"),
+    ("journal-wire", "settled.workspace.journal.wire"),
+    ("proxy-wire", "settled.netproxy.wire"),
     ("proxy", "settled.netproxy"),
     ("journal", "settled.workspace.journal"),
     ("store-sqlite", "settled.store.sqlite"),
@@ -121,9 +121,9 @@ BELOW_RUNTIME = {
     "store-sqlite",
     "boundary",
     "log",
-    "journal-client",
+    "journal-wire",
     "journal",
-    "proxy-client",
+    "proxy-wire",
     "proxy",
     "workspace",
     "objects",
@@ -141,11 +141,11 @@ ALLOWED: dict[str, set[str]] = {
     "boundary": {"foundation", "boundary"},
     "log": {"foundation", "log", "objects"},  # a settled stream is sealed into objects
     "objects": {"foundation", "objects"},
-    "journal-client": set(),  # standard library only: the owner imports it under -I -S
-    "journal": {"foundation", "journal", "journal-client"},
-    "proxy-client": set(),  # standard library only: the owner seals its ledger under -I -S
-    "proxy": {"foundation", "proxy", "proxy-client", "boundary"},  # a task's namespace: podhost
-    "workspace": {"foundation", "workspace", "objects", "journal", "journal-client", "store"},
+    "journal-wire": set(),  # standard library only: the owner imports it under -I -S
+    "journal": {"foundation", "journal", "journal-wire"},
+    "proxy-wire": set(),  # standard library only: the owner seals its ledger under -I -S
+    "proxy": {"foundation", "proxy", "proxy-wire", "boundary"},  # a task's namespace: podhost
+    "workspace": {"foundation", "workspace", "objects", "journal", "journal-wire", "store"},
     "owner": {
         "foundation",
         "owner",
@@ -154,9 +154,9 @@ ALLOWED: dict[str, set[str]] = {
         "objects",
         "store",
         "journal",
-        "journal-client",
+        "journal-wire",
         "proxy",
-        "proxy-client",
+        "proxy-wire",
     },
     "sessions": {"foundation", "decisions", "store"},
     "close": {"foundation", "decisions", "store", "close"},
@@ -167,7 +167,7 @@ ALLOWED: dict[str, set[str]] = {
         "log",
         "objects",
         "owner",
-        "journal-client",
+        "journal-wire",
         "proxy",
         "sessions",
     },
@@ -181,8 +181,8 @@ WHY = {
     "boundary": "the boundary is the bottom of process work",
     "log": "logs are bytes with cursors and know nothing of sessions",
     "objects": "the object store knows content and names, nothing of manifests or sessions",
-    "journal-client": "the barrier client imports only the standard library",
-    "proxy-client": "the proxy's client imports only the standard library",
+    "journal-wire": "the journal's wire protocol imports only the standard library",
+    "proxy-wire": "the proxy's wire protocol imports only the standard library",
     "proxy": "the proxy judges and relays; it reaches a task's namespace through boundary",
     "workspace": "the workspace service uses the Store protocol, not an implementation",
     "owner": "the owner uses boundaries, logs, the journal and the Store protocol",
@@ -261,7 +261,7 @@ def violations() -> Iterator[str]:
         importer = module_name(path)
         for line, target in settled_imports(path, importer):
             if target.split(".")[0] != "settled":
-                if unit_of(importer) == "journal-client" and not _stdlib(target):
+                if unit_of(importer) == "journal-wire" and not _stdlib(target):
                     yield f"{path.relative_to(SRC.parent)}:{line}: {importer} imports {target}"
                 continue
             if not allowed(importer, target):
@@ -298,7 +298,7 @@ def test_every_module_is_in_a_unit() -> None:
         ("settled.status", "settled.store", False),  # a decision reading a component
         ("settled.workspace.checkpoint", "settled.store.sqlite", False),  # past the protocol
         ("settled.workspace.checkpoint", "settled.store", True),
-        ("settled.owner.main", "settled.workspace.journal.client", True),
+        ("settled.owner.main", "settled.workspace.journal.wire", True),
         ("settled.recovery", "settled.boundary.local", False),  # the sandbox is injected
         ("settled.store", "settled.store.sqlite", True),  # the one chooser
         ("settled.workspace.checkpoint", "settled.objects.local", False),  # past the seam
@@ -354,3 +354,15 @@ def test_one_live_predicate() -> None:
         if "LIVE_STATES" in line
     ]
     assert not found, "use SessionRecord.live or states.is_live instead:\n" + "\n".join(found)
+
+
+# The Python HTTP client is installed and imported on its own (a caller's machine): beside httpx
+# and anyio it takes from settled only the error classes a Runtime caller catches, the caller's
+# environment policy and the run verb's exit-code rule (docs/ARCHITECTURE.md, faces).
+CLIENT_IMPORTS = {"settled.errors", "settled.environment", "settled.exitcodes"}
+
+
+def test_the_client_imports_of_settled_only_errors_environment_and_exit_codes() -> None:
+    path = SRC / "settled" / "client.py"
+    found = {t for _, t in settled_imports(path, "settled.client") if t.startswith("settled")}
+    assert found == CLIENT_IMPORTS, sorted(found)

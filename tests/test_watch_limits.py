@@ -29,8 +29,8 @@ from conftest import journal_pids
 
 from settled.errors import BadInput
 from settled.runtime import Runtime
-from settled.workspace.journal import client as journal_client
 from settled.workspace.journal import lifecycle as journal_lifecycle
+from settled.workspace.journal import wire as journal_client
 from settled.workspace.journal.errors import JournalUnavailable
 
 HOST_LIMITS = ("/proc/sys/fs/inotify/max_user_instances", "/proc/sys/fs/inotify/max_user_watches")

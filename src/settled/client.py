@@ -35,6 +35,7 @@ from urllib.parse import quote
 import anyio
 import httpx
 
+from settled import errors
 from settled.environment import caller_policy, from_caller
 from settled.exitcodes import command_exit_code
 
@@ -53,13 +54,24 @@ TASK_ID = re.compile(r"t_[0-9a-f]{16}")  # identity.new_id("t"): run() reads any
 
 class ClientError(Exception):
     """Base of every error this client raises on purpose; `status` and `body` when the server
-    answered, None when it never did."""
+    answered, None when it never did. What the server refused in settled's own words is raised
+    as settled.errors' class of that name (KeyConflict, AdmissionSealed, WrongHost, TaskFrozen,
+    NotSettled, AdmissionFrozen, CursorOutOfRange), through a subclass that is also a
+    ClientError: `except settled.errors.KeyConflict` catches it from a Runtime and from a
+    Client alike, and `except ClientError` still catches everything this client raises. Its
+    attributes are the settled.errors class's, read from the reply's body (None where the
+    server did not send one)."""
 
     def __init__(
         self, message: str, status: int | None = None, body: dict[str, Any] | None = None
     ) -> None:
-        super().__init__(message)
+        Exception.__init__(self, message)  # not the settled.errors class's own __init__
         self.status, self.body = status, body or {}
+
+
+def _from_body(name: str) -> Any:
+    """An attribute of a settled.errors class, as the server's reply body carries it."""
+    return property(lambda self: self.body.get(name))
 
 
 class UsageError(ClientError, ValueError):
@@ -74,40 +86,37 @@ class NotFound(ClientError):
     """404: no such task or session (or not visible to this token)."""
 
 
-class KeyConflict(ClientError):
+class KeyConflict(ClientError, errors.KeyConflict):
     """409: the key is bound to another command in this task; nothing was launched."""
 
-    @property
-    def key(self) -> str | None:
-        return self.body.get("key")
-
-    @property
-    def session(self) -> str | None:
-        return self.body.get("session")
-
-    @property
-    def existing_digest(self) -> str | None:
-        return self.body.get("existing_digest")
-
-    @property
-    def requested_digest(self) -> str | None:
-        return self.body.get("requested_digest")
+    task = _from_body("task")
+    key = _from_body("key")
+    session = _from_body("session")
+    existing_digest = _from_body("existing_digest")
+    requested_digest = _from_body("requested_digest")
 
 
-class AdmissionSealed(ClientError):
+class AdmissionSealed(ClientError, errors.AdmissionSealed):
     """409: the task is sealed (closing or closed); no new command may start in it."""
 
+    task = _from_body("task")
+    state = _from_body("state")
 
-class WrongHost(ClientError):
+
+class WrongHost(ClientError, errors.WrongHost):
     """409: the task runs on another host (`body["host"]`); send its execs and close there."""
 
-    @property
-    def host(self) -> str | None:
-        return self.body.get("host")
+    task = _from_body("task")
+    host = _from_body("host")
+    host_name = _from_body("host_name")
+    here = _from_body("here")
 
 
-class TaskFrozen(ClientError):
+class TaskFrozen(ClientError, errors.TaskFrozen):
     """409: the task's host was declared vanished; nothing more may start in it."""
+
+    task = _from_body("task")
+    why = _from_body("why")
 
 
 class Blocked(ClientError):
@@ -119,17 +128,24 @@ class Blocked(ClientError):
         return blocked
 
 
-class NotSettled(ClientError):
+class NotSettled(ClientError, errors.NotSettled):
     """wait() ran out before the session settled; the session goes on."""
 
 
-class AdmissionFrozen(ClientError):
+class AdmissionFrozen(ClientError, errors.AdmissionFrozen):
     """423: recovery is inspecting a session of this task whose owner vanished; retry later
     (or run recovery) with the same key."""
 
+    task = _from_body("task")
+    session = _from_body("session")
 
-class CursorOutOfRange(ClientError):
+
+class CursorOutOfRange(ClientError, errors.CursorOutOfRange):
     """416: the cursor is beyond what the stream holds (`body["end"]` bytes)."""
+
+    cursor = _from_body("cursor")
+    end = _from_body("end")
+    stream = _from_body("stream")
 
 
 class TransportFailed(ClientError):

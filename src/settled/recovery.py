@@ -351,7 +351,7 @@ def _recovered_receipt(
     so a full disk does not stop it) unless the lost owner may still be running, when a copy
     fences its late appends off (log/recovered.py). Under `--network proxy`, its ledger is
     sealed here, as its owner would have (`killed_at`: when recovery's inspection began)."""
-    from settled.workspace.journal import client as journal_client
+    from settled.workspace.journal import wire as journal_client
 
     output = _logs_at_disk(home, record.session, writer_may_live=writer_may_live)
     never_ran = (

@@ -20,7 +20,7 @@ from settled.boundary.base import Evidence
 from settled.boundary.cgroup2 import Cgroup2Boundary
 from settled.boundary.pidns import PidnsBoundary
 from settled.boundary.spawn import join_cgroup
-from settled.isolated import json_text
+from settled.helper_process import json_text
 
 
 class CgroupPidnsBoundary(PidnsBoundary):
@@ -35,7 +35,7 @@ class CgroupPidnsBoundary(PidnsBoundary):
     def ref(self) -> str:
         """JSON: the cgroup path and, once forked, init's pid and start time (recovery kills
         both; either alone is evidence). Written without the json module, which the owner's
-        launch path does not import (isolated.json_text writes what json.dumps would)."""
+        launch path does not import (helper_process.json_text writes what json.dumps would)."""
         init = self.init_pid
         start = procfs.start_time(init) if init is not None else None
         return json_text({"cgroup": self.cgroup.path, "init": init, "start": start})

@@ -264,7 +264,7 @@ def settled_runtime_paths() -> tuple[str, ...]:
     if not _RUNTIME_PATHS:
         import sys
 
-        from settled.isolated import import_roots
+        from settled.helper_process import import_roots
 
         paths = {*import_roots("settled", "blake3"), sys.prefix, sys.base_prefix}
         paths.add(os.path.dirname(os.path.realpath(sys.executable)))

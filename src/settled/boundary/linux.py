@@ -140,20 +140,9 @@ def make_readonly(path: str, *, recursive: bool, dir_fd: int = AT_FDCWD) -> None
     """mount_setattr(2): one call makes a mount (and, recursive, every mount below it) read-only,
     where a remount per submount would be dozens of calls. With `dir_fd`, `path` is looked up
     from that directory and a symlink as its last component is not followed."""
-    _set_readonly(path, recursive=recursive, readonly=True, dir_fd=dir_fd)
-
-
-def make_writable(path: str, *, recursive: bool, dir_fd: int = AT_FDCWD) -> None:
-    """The opposite: clear the read-only flag of a mount made read-only by make_readonly (a new
-    bind mount inherits the flags of the mount it copies)."""
-    _set_readonly(path, recursive=recursive, readonly=False, dir_fd=dir_fd)
-
-
-def _set_readonly(path: str, *, recursive: bool, readonly: bool, dir_fd: int) -> None:
-    attr_set, attr_clr = (MOUNT_ATTR_RDONLY, 0) if readonly else (0, MOUNT_ATTR_RDONLY)
     flags = (AT_RECURSIVE if recursive else 0) | (AT_SYMLINK_NOFOLLOW if dir_fd >= 0 else 0)
-    result = _call.mount_setattr(dir_fd, os.fsencode(path), flags, attr_set, attr_clr)
-    _check(result, f"mount_setattr({'read-only' if readonly else 'writable'}) on {path}")
+    result = _call.mount_setattr(dir_fd, os.fsencode(path), flags, MOUNT_ATTR_RDONLY, 0)
+    _check(result, f"mount_setattr(read-only) on {path}")
 
 
 def prctl(option: int, arg2: int = 0, arg3: int = 0, arg4: int = 0, arg5: int = 0) -> int:

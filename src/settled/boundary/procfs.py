@@ -49,10 +49,6 @@ def start_and_state(pid: int) -> tuple[int, str] | None:
     return (int(fields[19]), fields[0]) if fields else None
 
 
-def is_same_process(pid: int, started: int | None) -> bool:
-    return started is not None and start_time(pid) == started
-
-
 def children(pid: int) -> list[int]:
     found: list[int] = []
     try:

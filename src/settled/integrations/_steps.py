@@ -66,7 +66,7 @@ def interpreter_grants(workspace: str) -> tuple[str, ...]:
 def exit_close_command(task: str) -> list[str]:
     """`python -I -S -c BOOT N ROOT... close TASK --json --deadline S`: settled's root and this
     interpreter's site-packages on sys.path by hand (as settled's own helpers start,
-    settled.isolated), so no .pth file or user site runs."""
+    settled.helper_process), so no .pth file or user site runs."""
     roots = exit_close_roots()
     boot = (
         "import sys; n = int(sys.argv[1]); sys.path += sys.argv[2 : 2 + n]; "

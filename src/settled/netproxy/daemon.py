@@ -36,8 +36,8 @@ from settled.boundary import podhost
 from settled.daemons import ReadyReport
 from settled.home import session_dir
 from settled.netproxy import taskns
-from settled.netproxy.client import LOCK_SUFFIX, SOCKET_NAME
 from settled.netproxy.relay import Connection, response
+from settled.netproxy.wire import LOCK_SUFFIX, SOCKET_NAME
 from settled.where import run_dir
 
 CONNECTION_LIMIT = 256  # open at once in one task (SETTLED_PROXY_CONNECTIONS overrides)

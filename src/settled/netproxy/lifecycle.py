@@ -3,7 +3,7 @@
 `serve` (the launcher, before a `--network proxy` session is claimed): the daemon makes the
 task's listener unless it exists and opens the session's ledger, starting the daemon first if
 none answers (serialized by a start lock, so one daemon per home). `stop` for tests and a
-home's end. The seal is the owner's, through `client.seal`.
+home's end. The seal is the owner's, through `wire.seal`.
 
 Must never: start a second daemon for a home that has one, or say a session is served that the
 daemon refused.
@@ -16,8 +16,8 @@ import time
 
 from settled.daemons import lock_free, start_lock
 from settled.errors import SettledError
-from settled.netproxy import client
-from settled.netproxy.client import IDLE_EXIT_S, LOG_NAME
+from settled.netproxy import wire
+from settled.netproxy.wire import IDLE_EXIT_S, LOG_NAME
 from settled.where import run_dir
 
 TYPE_CHECKING = False
@@ -36,7 +36,7 @@ def serve(home: str, task: str, session: str, allow: tuple[str, ...], timeout: f
     deadline = time.monotonic() + timeout
     while True:
         left = max(deadline - time.monotonic(), 0.05)
-        reply = client.request(client.socket_path(run), body, left)
+        reply = wire.request(wire.socket_path(run), body, left)
         if reply is not None and reply.get("ok") is True:
             return str(reply["ledger"])
         if reply is not None:
@@ -51,9 +51,9 @@ def serve(home: str, task: str, session: str, allow: tuple[str, ...], timeout: f
 def stop(home: str, timeout: float = 5.0) -> None:
     """Stop the home's daemon, if one answers, and wait until it let its lock go."""
     run = run_dir(home)
-    if not client.send_stop(run, timeout):
+    if not wire.send_stop(run, timeout):
         return
-    lock = client.socket_path(run) + client.LOCK_SUFFIX
+    lock = wire.socket_path(run) + wire.LOCK_SUFFIX
     give_up = time.monotonic() + timeout
     while not lock_free(lock):
         if time.monotonic() > give_up:
@@ -64,9 +64,9 @@ def stop(home: str, timeout: float = 5.0) -> None:
 def _start(run: str, home: str, deadline: float) -> None:
     os.makedirs(run, mode=0o700, exist_ok=True)
     with start_lock(os.path.join(run, "netproxy.start"), deadline, ProxyUnavailable):
-        if client.request(client.socket_path(run), {"op": "ping"}, 0.5) is not None:
+        if wire.request(wire.socket_path(run), {"op": "ping"}, 0.5) is not None:
             return
-        if not lock_free(client.socket_path(run) + client.LOCK_SUFFIX):
+        if not lock_free(wire.socket_path(run) + wire.LOCK_SUFFIX):
             time.sleep(0.01)  # a daemon holds its lock: slow to answer, or exiting
             return
         report = _spawn(run, home, max(deadline - time.monotonic(), 0.5))
@@ -81,7 +81,7 @@ def _start(run: str, home: str, deadline: float) -> None:
 def _spawn(run: str, home: str, timeout: float) -> dict[str, Any]:
     import subprocess
 
-    from settled.isolated import NoReport, python_command, read_report, start_helper
+    from settled.helper_process import NoReport, python_command, read_report, start_helper
 
     argv = python_command("settled.netproxy.daemon:main", ("settled", "h11"), home)
     process, ready_r = start_helper(

@@ -17,14 +17,14 @@ from typing import Any
 from settled import netledger, netpolicy
 from settled.canonical import digest_of
 from settled.home import session_dir
-from settled.netproxy import client
+from settled.netproxy import wire
 from settled.where import run_dir
 
 
 def sealed_facts(
     home: str, session: str, allow_hosts: list[str], killed_at: float | None
 ) -> dict[str, Any]:
-    trouble = client.seal(run_dir(home), session, killed_at)
+    trouble = wire.seal(run_dir(home), session, killed_at)
     path = os.path.join(session_dir(home, session), netledger.LEDGER_NAME)
     try:
         events, damaged = netledger.read_events(path)

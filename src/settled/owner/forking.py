@@ -23,8 +23,8 @@ import time
 from collections.abc import Callable
 
 from settled import faults
+from settled.helper_process import ReportReader
 from settled.home import make_session_dir
-from settled.isolated import ReportReader
 from settled.owner import receipt_wake
 from settled.owner.handoff import hand_over, prepare
 from settled.owner.launcher import READY_TIMEOUT_S
@@ -48,7 +48,7 @@ def preload() -> None:
     import settled.owner.launch  # the owner's launch path, likewise
     import settled.owner.main  # imported once, before any fork
     import settled.owner.session  # what the owner loads once its command runs
-    import settled.workspace.journal.client  # noqa: F401 - the owner's barrier client, likewise
+    import settled.workspace.journal.wire  # noqa: F401 - the barrier's wire, likewise
     from settled import boundary, oomguard, store
     from settled.boundary import limits, linux, spawn
     from settled.boundary import walls as _walls  # noqa: F401 - the receipt's resources
@@ -285,7 +285,7 @@ def fork_child(
 
 def reap_stubs(*, all_of_them: bool = False) -> None:
     """Reap the owners' stubs that exited (by pid: a face's workers are reaped by whoever
-    forked them, face_workers.py); `all_of_them`: wait for every one, as a zygote does before
+    forked them, verb_workers.py); `all_of_them`: wait for every one, as a zygote does before
     it ends."""
     for pid in list(_STUBS):
         with contextlib.suppress(ChildProcessError):

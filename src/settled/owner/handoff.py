@@ -43,9 +43,9 @@ from settled.boundary.isolation import (
 )
 from settled.boundary.viewplan import is_within
 from settled.errors import BoundaryUnavailable, StaleWrite
+from settled.helper_process import NoReport, ReportReader
 from settled.home import last_words_path, log_path, read_home_id, session_dir, stdin_path
 from settled.identity import CommandSpec
-from settled.isolated import NoReport, ReportReader
 from settled.log.interleave import index_path
 from settled.owner.lease import lease_seconds
 from settled.records import OwnerInfo, SessionRecord, TaskRecord

@@ -15,10 +15,10 @@ The zygote exits after IDLE_EXIT_S without a request and with no call running, w
 stop, or when a caller of another settled (its version, install or interpreter) asks it for
 anything, so an upgrade never runs old code.
 
-A face may ask too: a request that starts with FACE_MAGIC (the CLI's, cli/thin.py) gets a worker
-forked with the caller's stdio and directory, which runs the face's function named when the
-zygote started (`runtime.HOME_FACE`, imported before the heap is frozen); the zygote reaps each
-worker and tells its caller how one ended that could not say (face_workers.py).
+The CLI may ask too: a request that starts with FACE_MAGIC (cli/thin.py) gets a worker forked
+with the caller's stdio and directory, which runs the verb through the CLI's function named when
+the zygote started (`runtime.HOME_FACE`, imported before the heap is frozen); the zygote reaps
+each worker and tells its caller how one ended that could not say (verb_workers.py).
 
 Trust: the socket lives in the home's run directory (0700, hidden from every command by its
 mount namespace), and the zygote serves only its own uid (SO_PEERCRED) and, whatever the uid
@@ -27,7 +27,7 @@ cgroup (peers.py): any other connection gets one word (REFUSED) and is closed un
 log says why; its caller fails at once naming the log. It holds no store connection, no lock
 but its own, and forks owners that act only on orders from the caller that claimed their
 session. Must never: serve another uid or a session's process, answer for a request it did not
-fork, run a face's request for a caller of other code, or outlive IDLE_EXIT_S without a request
+fork, run a CLI verb for a caller of other code, or outlive IDLE_EXIT_S without a request
 while no call runs.
 """
 
@@ -44,9 +44,8 @@ import threading
 import time
 
 from settled.errors import OwnerLaunchFailed
+from settled.helper_process import NoReport, python_command, read_report, start_helper
 from settled.home import run_dir
-from settled.isolated import NoReport, python_command, read_report, start_helper
-from settled.owner.face_workers import FaceWorkers
 from settled.owner.forking import (
     MAX_REQUEST,
     ZYGOTE_MODULES,
@@ -57,6 +56,7 @@ from settled.owner.forking import (
     preload,
     reap_stubs,
 )
+from settled.owner.verb_workers import VerbWorkers
 from settled.peers import unix_refusal
 from settled.store import Store
 from settled.where import FACE_MAGIC, LAUNCHER_LOG, LAUNCHER_SOCKET
@@ -68,14 +68,14 @@ if TYPE_CHECKING:
     from collections.abc import Callable
     from typing import Any
 
-    Face = Callable[[bytes, list[int], int], int]
+    VerbRunner = Callable[[bytes, list[int], int], int]  # (arguments, stdio + cwd, connection)
 
 SOCKET_NAME = LAUNCHER_SOCKET
 LOCK_NAME = "launcher.lock"  # held by the running zygote for its whole life
 START_NAME = "launcher.start"  # serializes starts
 LOG_NAME = LAUNCHER_LOG
 IDLE_EXIT_S = 60.0  # SETTLED_LAUNCHER_IDLE_S overrides it, read when a zygote starts
-FACE_FDS = 4  # a face's worker gets its caller's stdin, stdout, stderr and directory
+VERB_FDS = 4  # a verb's worker gets its caller's stdin, stdout, stderr and directory
 START_TIMEOUT_S = 30.0
 REPLY_TIMEOUT_S = 10.0
 REFUSED = b"refused\n"  # the answer to a peer peers.py refuses: why is in the log alone
@@ -92,25 +92,25 @@ class LauncherUnavailable(OwnerLaunchFailed):
 
 def main(argv: list[str]) -> int:
     """argv: RUN_DIR IDLE_S READY_FD [FACE]. Forks once, so its starter reaps this process at
-    once and the zygote is nobody's child but init's. FACE ("module:function") is a face whose
-    requests the zygote also serves (see `_serve_face`)."""
+    once and the zygote is nobody's child but init's. FACE ("module:function") runs a CLI verb
+    in a worker the zygote forks (see `_serve_verb`)."""
     run, idle, ready_fd = argv[0], float(argv[1]), int(argv[2])
-    face = _load_face(argv[3]) if len(argv) > 3 else None
+    run_verb = _load_verb_runner(argv[3]) if len(argv) > 3 else None
     if os.fork() != 0:
         os._exit(0)
-    return serve_home(run, idle, ready_fd, face)
+    return serve_home(run, idle, ready_fd, run_verb)
 
 
-def _load_face(target: str) -> Face:
-    """Import the face before the zygote's preload freezes the heap: its workers share it."""
+def _load_verb_runner(target: str) -> VerbRunner:
+    """Import the CLI before the zygote's preload freezes the heap: its workers share it."""
     import importlib
 
     module, _, function = target.partition(":")
-    served: Face = getattr(importlib.import_module(module), function)
+    served: VerbRunner = getattr(importlib.import_module(module), function)
     return served
 
 
-def serve_home(run: str, idle_s: float, ready_fd: int, face: Face | None = None) -> int:
+def serve_home(run: str, idle_s: float, ready_fd: int, run_verb: VerbRunner | None = None) -> int:
     lock = os.open(os.path.join(run, LOCK_NAME), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -133,9 +133,9 @@ def serve_home(run: str, idle_s: float, ready_fd: int, face: Face | None = None)
     os.chdir("/")
     _report(ready_fd, {"state": "ready", "pid": os.getpid()})
     poller = select.poll()
-    workers = FaceWorkers(poller)
+    workers = VerbWorkers(poller)
     try:
-        _serve(listener, poller, workers, mine, idle_s, face)
+        _serve(listener, poller, workers, mine, idle_s, run_verb)
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)  # before the lock goes: a caller then starts a new one
@@ -148,8 +148,8 @@ def serve_home(run: str, idle_s: float, ready_fd: int, face: Face | None = None)
 
 
 def _serve(
-    listener: socket.socket, poller: select.poll, workers: FaceWorkers, mine: str,
-    idle_s: float, face: Face | None,
+    listener: socket.socket, poller: select.poll, workers: VerbWorkers, mine: str,
+    idle_s: float, run_verb: VerbRunner | None,
 ) -> None:  # fmt: skip
     poller.register(listener, select.POLLIN)
     refill = Refill()
@@ -165,7 +165,7 @@ def _serve(
         if any(fd == listener.fileno() for fd, _ in events):
             conn, _ = listener.accept()
             with conn:
-                served = _answer(conn, listener, mine, face, workers)
+                served = _answer(conn, listener, mine, run_verb, workers)
                 if served is None:
                     return  # asked to, or another settled asks: a new zygote serves it
                 if isinstance(served, str):
@@ -173,8 +173,8 @@ def _serve(
 
 
 def _answer(
-    conn: socket.socket, listener: socket.socket, mine: str, face: Face | None,
-    workers: FaceWorkers,
+    conn: socket.socket, listener: socket.socket, mine: str, run_verb: VerbRunner | None,
+    workers: VerbWorkers,
 ) -> str | bool | None:  # fmt: skip
     """One request; None when the zygote must leave, the home of an owner it forked (its spare
     is due: forking.Refill), else False."""
@@ -188,7 +188,7 @@ def _answer(
     conn.settimeout(REPLY_TIMEOUT_S)
     message, fds = _receive(conn)
     if message.startswith(FACE_MAGIC):
-        stays = _serve_face(message, fds, (listener, conn), mine, face, workers)
+        stays = _serve_verb(message, fds, (listener, conn), mine, run_verb, workers)
         return False if stays else None
     request = _request(message)
     if request is None:
@@ -206,31 +206,31 @@ def _answer(
     return str(request["home"])  # the caller has its answer; its spare a moment later
 
 
-def _serve_face(
+def _serve_verb(
     message: bytes,
     fds: list[int],
     sockets: tuple[socket.socket, socket.socket],
     mine: str,
-    face: Face | None,
-    workers: FaceWorkers,
+    run_verb: VerbRunner | None,
+    workers: VerbWorkers,
 ) -> bool:
-    """A face's request: FACE_MAGIC, the caller's identity, then what the face reads. Forks a
-    worker that runs `face(body, fds, connection)`, keeping the connection (the zygote keeps
-    a copy too, to tell the caller how a worker ended that could not: face_workers.py); False
+    """A CLI verb's request: FACE_MAGIC, the caller's identity, then the verb's arguments. Forks
+    a worker that runs `run_verb(body, fds, connection)`, keeping the connection (the zygote
+    keeps a copy too, to tell the caller how a worker ended that could not: verb_workers.py); False
     when the caller is another settled (the zygote must leave)."""
     parts = message.split(b"\0", 2)
     listener, conn = sockets
     body, answer = parts[-1], None
     if len(parts) != 3 or parts[1].decode(errors="replace") != mine:
         answer = b"stop\n"
-    elif face is None or len(fds) != FACE_FDS or workers.full():
+    elif run_verb is None or len(fds) != VERB_FDS or workers.full():
         answer = b"noface\n"  # the caller serves itself
-    if face is None or answer is not None:
+    if run_verb is None or answer is not None:
         _close_all(fds)
         with contextlib.suppress(OSError):
             conn.sendall(answer or b"noface\n")
         return answer != b"stop\n"
-    served = face
+    served = run_verb
     workers.start(lambda: served(body, fds, conn.fileno()), fds, conn, (listener,))
     return True
 
@@ -251,7 +251,7 @@ def _receive(conn: socket.socket) -> tuple[bytes, list[int]]:
     import socket
 
     try:
-        message, fds, _flags, _addr = socket.recv_fds(conn, MAX_REQUEST, FACE_FDS)
+        message, fds, _flags, _addr = socket.recv_fds(conn, MAX_REQUEST, VERB_FDS)
     except OSError:
         return b"", []
     return message, fds
@@ -297,9 +297,10 @@ class HomeLauncher:
     each launch is a connection of its own."""
 
     def __init__(self, face: str | None = None) -> None:
-        """`face`: a face ("module:function") that a zygote this launcher starts also serves."""
+        """`face`: the CLI's verb runner ("module:function", runtime.HOME_FACE) that a zygote
+        this launcher starts runs in a worker for a CLI call (see `_serve_verb`)."""
         self._identity = identity()
-        self._face = face
+        self._verb_runner = face
         self._start_lock = threading.Lock()
 
     def launch(self, home: str, session: str, store: Store) -> dict[str, Any]:
@@ -326,7 +327,7 @@ class HomeLauncher:
                 )
             if attempt < 2:
                 with self._start_lock:
-                    start(run, face=self._face)
+                    start(run, verb_runner=self._verb_runner)
         raise LauncherUnavailable(f"the home's launcher in {run} did not fork an owner; see "
                                   f"{os.path.join(run, LOG_NAME)}")  # fmt: skip
 
@@ -354,10 +355,10 @@ def _ask(run: str, request: dict[str, Any], fds: list[int]) -> bytes:
         sock.close()
 
 
-def start(run: str, idle_s: float | None = None, face: str | None = None) -> None:
+def start(run: str, idle_s: float | None = None, verb_runner: str | None = None) -> None:
     """Start the home's zygote unless one answers; only one starts (the start lock), and one
-    that finds another holding the zygote's lock reports so and leaves. `face`: a face it also
-    serves ("module:function", see `serve_face`)."""
+    that finds another holding the zygote's lock reports so and leaves. `verb_runner`: the
+    CLI's function it also serves ("module:function", see `_serve_verb`)."""
     if idle_s is None:
         idle_s = float(os.environ.get("SETTLED_LAUNCHER_IDLE_S") or IDLE_EXIT_S)
     os.makedirs(run, mode=0o700, exist_ok=True)
@@ -367,7 +368,7 @@ def start(run: str, idle_s: float | None = None, face: str | None = None) -> Non
         if _answers(run):
             return  # another caller started it meanwhile
         process, ready_r = start_helper(
-            lambda ready_w: _zygote_command(run, idle_s, ready_w, face),
+            lambda ready_w: _zygote_command(run, idle_s, ready_w, verb_runner),
             os.path.join(run, LOG_NAME),
             cwd="/",
         )
@@ -384,9 +385,9 @@ def start(run: str, idle_s: float | None = None, face: str | None = None) -> Non
         os.close(fd)
 
 
-def _zygote_command(run: str, idle_s: float, ready_w: int, face: str | None) -> list[str]:
+def _zygote_command(run: str, idle_s: float, ready_w: int, verb_runner: str | None) -> list[str]:
     target = "settled.owner.home_launcher:main"
-    served = [face] if face else []
+    served = [verb_runner] if verb_runner else []
     return python_command(target, ZYGOTE_MODULES, run, repr(idle_s), str(ready_w), *served)
 
 

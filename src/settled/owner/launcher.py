@@ -26,8 +26,8 @@ import time
 from settled.boundary import procfs
 from settled.boundary.limits import WALLS_ENV, exported
 from settled.boundary.spawn import PROBED_ENV, clone3_missing
+from settled.helper_process import ReportReader, import_roots, python_command, spawn_detached
 from settled.home import make_session_dir
-from settled.isolated import ReportReader, import_roots, python_command, spawn_detached
 from settled.owner import receipt_wake
 from settled.owner.handoff import hand_over, prepare
 from settled.owner.signals import HANDLED

@@ -21,7 +21,7 @@ import sys
 import time
 
 from settled import faults
-from settled.isolated import json_text
+from settled.helper_process import json_text
 from settled.owner.signals import OwnerSignals
 
 TYPE_CHECKING = False
@@ -38,7 +38,7 @@ ORDERS_VERSION = 1  # handoff.ORDERS_VERSION: the launcher's side
 
 class Ready:
     """The launcher's readiness pipe: the owner's pid first, then one line once the command
-    runs (or cannot). Written without json (isolated.json_text). Closed once the receipt is
+    runs (or cannot). Written without json (helper_process.json_text). Closed once the receipt is
     written, not before: the launcher wakes its waiters on that (receipt_wake.py)."""
 
     def __init__(self, fd: int | None) -> None:

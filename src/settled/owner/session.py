@@ -60,7 +60,7 @@ def _load_settle_path() -> None:
     journal's client is ~10 ms of imports in a fresh owner (a zygote's fork has it), which
     after the command's exit would stand between its death evidence and its receipt, and at
     load every owner whose command exits at once would queue for the CPU with it."""
-    from settled.workspace.journal import client  # noqa: F401
+    from settled.workspace.journal import wire  # noqa: F401
 
 
 class OwnerSession:
@@ -402,9 +402,9 @@ class OwnerSession:
         """The journal's watermark read after death evidence: every write of the session's
         processes completed before it, so each is at or below this sequence number."""
         # imported after evidence, off the launch path
-        from settled.workspace.journal import client as journal_client
+        from settled.workspace.journal import wire as journal_wire
 
-        return journal_client.terminal_mutation(journal_socket(self.home), self.task)
+        return journal_wire.terminal_mutation(journal_socket(self.home), self.task)
 
     def _network(self, killed_at: float | None) -> dict[str, Any] | None:
         """`--network proxy`: the session's ledger, sealed now that nothing of the command

@@ -21,7 +21,7 @@ import subprocess
 import threading
 from typing import Any
 
-from settled.isolated import python_command
+from settled.helper_process import python_command
 from settled.owner.forking import (
     MAX_REQUEST,
     ZYGOTE_MODULES,

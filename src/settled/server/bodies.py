@@ -176,11 +176,6 @@ def walls(body: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _service(body: dict[str, Any]) -> bool:
-    value = body.get("service")
-    return False if value is None else grammar.check_bool("service", value)
-
-
 def _choice(body: dict[str, Any], name: str, choices: tuple[str, ...]) -> str:
     value = body.get(name)
     return "auto" if value is None else grammar.check_choice(name, value, choices)

@@ -45,8 +45,8 @@ from settled.records import SessionRecord, TaskRecord
 from settled.store import Store
 from settled.workspace import cachetrust, ignore, rootid
 from settled.workspace.index import Index
-from settled.workspace.journal import client as journal_client
 from settled.workspace.journal import lifecycle as journal_lifecycle
+from settled.workspace.journal import wire as journal_client
 from settled.workspace.manifest import IndexMismatch, ManifestError, publish_manifest
 from settled.workspace.nodecache import NodeCache
 from settled.workspace.readback import QUARANTINABLE, Problem, ReadBack, read_back

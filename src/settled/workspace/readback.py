@@ -133,11 +133,6 @@ def rehash(store: ObjectStore, digest: str, *, keep: bool = False) -> Rehash:
     return _rehashed(digest, got)
 
 
-def rehash_all(store: ObjectStore, digests: list[str]) -> list[Rehash]:
-    """``rehash`` of each (bytes not kept), the store asked for all of them at once."""
-    return [_rehashed(d, got) for d, got in zip(digests, store.rereads(digests), strict=True)]
-
-
 def _rehashed(digest: str, got: Reread | Exception) -> Rehash:
     if isinstance(got, ObjectMissing):
         return Rehash(Problem(digest, MISSING))

@@ -43,9 +43,9 @@ from settled import oomguard
 from settled.atomic import write_atomic
 from settled.daemons import ReadyReport
 from settled.peers import unix_refusal
-from settled.workspace.journal.client import SOCKET_NAME, STATE_DIR, unix_address
 from settled.workspace.journal.errors import JournalUnavailable
 from settled.workspace.journal.inotify import Journal, Watcher
+from settled.workspace.journal.wire import SOCKET_NAME, STATE_DIR, unix_address
 
 RESERVE = 1 << 16  # sequence numbers reserved on disk ahead of the last one reported
 _MAX_LINE = 1 << 16

@@ -24,8 +24,8 @@ import os
 from collections.abc import Iterator
 from typing import Protocol
 
-from settled.workspace.journal.client import Watermark
 from settled.workspace.journal.errors import JournalUnavailable
+from settled.workspace.journal.wire import Watermark
 
 IN_MODIFY, IN_ATTRIB, IN_CLOSE_WRITE = 0x2, 0x4, 0x8
 IN_MOVED_FROM, IN_MOVED_TO, IN_CREATE, IN_DELETE = 0x40, 0x80, 0x100, 0x200

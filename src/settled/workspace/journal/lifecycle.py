@@ -17,9 +17,9 @@ import os
 import time
 
 from settled.daemons import lock_free, start_lock
-from settled.workspace.journal import client
-from settled.workspace.journal.client import LOG_NAME, SOCKET_NAME, STATE_DIR
+from settled.workspace.journal import wire as client
 from settled.workspace.journal.errors import JournalUnavailable
+from settled.workspace.journal.wire import LOG_NAME, SOCKET_NAME, STATE_DIR
 
 # Starting a daemon (isolated, subprocess) is imported where it happens: an exec that finds
 # the journal running (every exec but a home's first) sends one request and loads neither.
@@ -147,7 +147,7 @@ def _spawn(run_dir: str, idle_exit_s: float, timeout: float) -> dict[str, Any]:
     """Start `python -I -S` (about 10 ms) that forks the daemon and exits; read its report."""
     import subprocess
 
-    from settled.isolated import HelperUnavailable, python_command, start_helper
+    from settled.helper_process import HelperUnavailable, python_command, start_helper
 
     try:
         argv = python_command(
@@ -177,7 +177,7 @@ def _spawn(run_dir: str, idle_exit_s: float, timeout: float) -> dict[str, Any]:
 
 
 def _read_report(fd: int, give_up: float) -> dict[str, Any]:
-    from settled.isolated import NoReport, read_report
+    from settled.helper_process import NoReport, read_report
 
     try:
         report = read_report(fd, give_up)

@@ -1,4 +1,4 @@
-"""The workers the home's zygote forks for a face (the CLI's verbs, cli/worker.py), each with
+"""The workers the home's zygote forks to run the CLI's verbs (cli/worker.py), each with
 its caller's connection: a worker that ends without sending its exit code (a crash, a signal)
 has the way it ended told to its caller by the zygote, its parent, which alone can know it.
 
@@ -33,7 +33,7 @@ def _capacity() -> int:
     return max(1, min(256, soft // 8))
 
 
-class FaceWorkers:
+class VerbWorkers:
     """The live workers: pidfd -> the caller's connection. Polled with the listener."""
 
     def __init__(self, poller: select.poll) -> None:

@@ -1,4 +1,4 @@
-"""The journal's client: the wire protocol every caller speaks and the `Watermark` it returns.
+"""The journal's wire protocol, spoken by every caller of its daemon, and the `Watermark`.
 
 One home runs one journal daemon that watches every open task's workspace. One request per
 connection, one JSON object per line each way; every request but `stop` names its task:
