@@ -40,7 +40,7 @@ class Store(Protocol):
         """Returns (task, created); the task of an existing key as it is. Raises
         WorkspaceOverlap when `workspace` is, holds or lies in the workspace of a task not yet
         complete on the same `host` (by path, and by `workspace_identity` where both tasks
-        recorded one: rows.workspaces_overlap), unless `shared_workspace`: then each of those
+        recorded one: admission.workspaces_overlap), unless `shared_workspace`: then each of those
         tasks shares with this one. `host` binds the task to the host whose owners run it."""
         ...
 

@@ -45,17 +45,12 @@ from psycopg_pool import ConnectionPool
 
 from settled.canonical import canonical_bytes
 from settled.errors import (
-    AdmissionFrozen,
-    AdmissionSealed,
     HomeUnusable,
-    KeyConflict,
     StaleWrite,
     StoreUnreachable,
-    TaskFrozen,
     UnknownHost,
     UnknownSession,
     UnknownTask,
-    WorkspaceOverlap,
 )
 from settled.identity import new_id
 from settled.receipts import checked
@@ -70,6 +65,13 @@ from settled.states import (
     states_accepting,
 )
 from settled.store import loads
+from settled.store.admission import (
+    admission_verdict,
+    creation_verdict,
+    enforce,
+    key_verdict,
+    overlapping,
+)
 from settled.store.rows import (
     HOST_COLUMNS,
     LIVE_COLUMNS,
@@ -85,7 +87,6 @@ from settled.store.rows import (
     stored_isolation,
     stored_receipt,
     task_from_row,
-    workspaces_overlap,
 )
 
 T = TypeVar("T")
@@ -470,17 +471,19 @@ class PostgresStore:
             row = cur.execute(f"SELECT {TASK_COLUMNS} FROM tasks WHERE key=%s", (key,)).fetchone()
             if row:
                 return task_from_row(row), False
-            others = [
-                (task, path)
-                for task, path, identity in cur.execute(  # one host's: not another's paths
-                    "SELECT task, workspace, workspace_identity FROM tasks WHERE state != %s "
-                    "AND (host IS NULL OR %s::text IS NULL OR host = %s) ORDER BY created_at",
-                    (TASK_COMPLETE, host, host),
-                ).fetchall()
-                if workspaces_overlap(workspace, workspace_identity, path, loads(identity))
-            ]
-            if others and not shared_workspace:
-                raise WorkspaceOverlap(workspace, others)
+            others = overlapping(
+                workspace,
+                workspace_identity,
+                (  # one host's: not another's paths
+                    (task, path, loads(identity))
+                    for task, path, identity in cur.execute(
+                        "SELECT task, workspace, workspace_identity FROM tasks WHERE state != %s "
+                        "AND (host IS NULL OR %s::text IS NULL OR host = %s) ORDER BY created_at",
+                        (TASK_COMPLETE, host, host),
+                    ).fetchall()
+                ),
+            )
+            enforce(creation_verdict(workspace, others, shared_workspace))
             record = TaskRecord(
                 new_id("t"), key, workspace, TASK_OPEN, 1, time.time(), user, shared_workspace,
                 host=host, ignore_rules=ignore_rules, defaults=defaults,
@@ -666,8 +669,7 @@ class PostgresStore:
             record = session_from_row(
                 row, self._hidden_sets.via(lambda digest: self._hidden_set(digest, cur))
             )
-            if record.digest != digest:
-                raise KeyConflict(task, key, record.digest, digest, record.session)
+            enforce(key_verdict(record, key, digest))  # a retry, or KeyConflict
             return record, True
 
         def work(cur: Cursor) -> tuple[SessionRecord, bool]:
@@ -682,15 +684,10 @@ class PostgresStore:
             if existing is not None:
                 return reuse(existing, cur)
             state, generation, frozen = found
-            if state != TASK_OPEN:
-                raise AdmissionSealed(task, state)
-            if frozen is not None:
-                raise TaskFrozen(task, frozen)
             unknown = cur.execute(
                 "SELECT session FROM sessions WHERE task=%s AND state='unknown' LIMIT 1", (task,)
             ).fetchone()
-            if unknown is not None:
-                raise AdmissionFrozen(task, unknown[0])
+            enforce(admission_verdict(task, state, frozen, None if unknown is None else unknown[0]))
             row = cur.execute(
                 "INSERT INTO sessions (session, task, key, digest, spec, state, generation, "
                 "created_at) VALUES (%s, %s, %s, %s, %s, %s, %s, %s) "

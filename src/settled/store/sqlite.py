@@ -27,17 +27,12 @@ from contextlib import contextmanager
 
 from settled.canonical import canonical_bytes
 from settled.errors import (
-    AdmissionFrozen,
-    AdmissionSealed,
     HomeUnusable,
-    KeyConflict,
     StaleWrite,
     StorageFailed,
-    TaskFrozen,
     UnknownHost,
     UnknownSession,
     UnknownTask,
-    WorkspaceOverlap,
 )
 from settled.home import (
     check_store_present,
@@ -60,6 +55,14 @@ from settled.states import (
     states_accepting,
 )
 from settled.store import gate, loads
+from settled.store.admission import (
+    REUSE,
+    admission_verdict,
+    creation_verdict,
+    enforce,
+    key_verdict,
+    overlapping,
+)
 from settled.store.rows import (
     HOST_COLUMNS,
     LIVE_COLUMNS,
@@ -74,7 +77,6 @@ from settled.store.rows import (
     stored_isolation,
     stored_receipt,
     task_from_row,
-    workspaces_overlap,
 )
 
 TYPE_CHECKING = False
@@ -415,17 +417,19 @@ class SQLiteStore:
             row = db.execute(f"SELECT {TASK_COLUMNS} FROM tasks WHERE key=?", (key,)).fetchone()
             if row:
                 return task_from_row(row), False
-            others = [
-                (task, path)
-                for task, path, identity in db.execute(  # one host's: not another's paths
-                    "SELECT task, workspace, workspace_identity FROM tasks WHERE state != ? "
-                    "AND (host IS NULL OR ? IS NULL OR host = ?) ORDER BY created_at",
-                    (TASK_COMPLETE, host, host),
-                )
-                if workspaces_overlap(workspace, workspace_identity, path, loads(identity))
-            ]
-            if others and not shared_workspace:
-                raise WorkspaceOverlap(workspace, others)
+            others = overlapping(
+                workspace,
+                workspace_identity,
+                (  # one host's: not another's paths
+                    (task, path, loads(identity))
+                    for task, path, identity in db.execute(
+                        "SELECT task, workspace, workspace_identity FROM tasks WHERE state != ? "
+                        "AND (host IS NULL OR ? IS NULL OR host = ?) ORDER BY created_at",
+                        (TASK_COMPLETE, host, host),
+                    )
+                ),
+            )
+            enforce(creation_verdict(workspace, others, shared_workspace))
             record = TaskRecord(
                 new_id("t"), key, workspace, TASK_OPEN, 1, time.time(), user, shared_workspace,
                 host=host, ignore_rules=ignore_rules, defaults=defaults,
@@ -587,21 +591,15 @@ class SQLiteStore:
             existing = db.execute(
                 f"SELECT {SESSION_COLUMNS} FROM sessions WHERE task=? AND key=?", (task, key)
             ).fetchone()
-            if existing is not None:
-                record = session_from_row(existing, self._hidden_sets)
-                if record.digest != digest:
-                    raise KeyConflict(task, key, record.digest, digest, record.session)
+            record = None if existing is None else session_from_row(existing, self._hidden_sets)
+            if enforce(key_verdict(record, key, digest)) == REUSE:
+                assert record is not None
                 return record, True
             state, generation, frozen = found
-            if state != TASK_OPEN:
-                raise AdmissionSealed(task, state)
-            if frozen is not None:
-                raise TaskFrozen(task, frozen)
             unknown = db.execute(
                 "SELECT session FROM sessions WHERE task=? AND state='unknown' LIMIT 1", (task,)
             ).fetchone()
-            if unknown is not None:
-                raise AdmissionFrozen(task, unknown[0])
+            enforce(admission_verdict(task, state, frozen, None if unknown is None else unknown[0]))
             session = new_id("s")
             db.execute(
                 "INSERT INTO sessions (session, task, key, digest, spec, state, generation, "
