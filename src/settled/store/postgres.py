@@ -45,7 +45,6 @@ from psycopg_pool import ConnectionPool
 
 from settled.canonical import canonical_bytes
 from settled.errors import (
-    HomeUnusable,
     StaleWrite,
     StoreUnreachable,
     UnknownHost,
@@ -64,7 +63,7 @@ from settled.states import (
     next_task_state,
     states_accepting,
 )
-from settled.store import loads
+from settled.store import loads, schema
 from settled.store.admission import (
     admission_verdict,
     creation_verdict,
@@ -72,6 +71,7 @@ from settled.store.admission import (
     key_verdict,
     overlapping,
 )
+from settled.store.dialect import POSTGRESQL
 from settled.store.rows import (
     HOST_COLUMNS,
     LIVE_COLUMNS,
@@ -88,121 +88,14 @@ from settled.store.rows import (
     stored_receipt,
     task_from_row,
 )
+from settled.store.schema import SCHEMA_VERSION, refuse_newer
 
 T = TypeVar("T")
 Cursor = psycopg.Cursor[tuple[Any, ...]]
 
-SCHEMA_VERSION: Final = 11  # the SQLite store's; tests/test_store.py checks they agree
 CONNECT_TIMEOUT_S: Final = 10
 POOL_MIN, POOL_MAX = 1, 4
 RETRIES: Final = 8  # a deadlock or serialization failure: the whole transaction again
-
-# SQLite's migrations, step for step. BIGINT where SQLite's INTEGER holds cursors, pids and
-# generations (64-bit there); "user" is quoted (a reserved word here); checkpoints get `seq`,
-# the insertion order that SQLite's rowid gives `latest_checkpoint`.
-MIGRATIONS: Final[dict[int, str]] = {
-    1: """
-    CREATE TABLE tasks (
-        task        TEXT PRIMARY KEY,
-        key         TEXT NOT NULL UNIQUE,
-        workspace   TEXT NOT NULL,
-        state       TEXT NOT NULL,
-        generation  BIGINT NOT NULL,
-        created_at  DOUBLE PRECISION NOT NULL
-    );
-    CREATE TABLE sessions (
-        session             TEXT PRIMARY KEY,
-        task                TEXT NOT NULL REFERENCES tasks(task),
-        key                 TEXT NOT NULL,
-        digest              TEXT NOT NULL,
-        spec                TEXT NOT NULL,
-        state               TEXT NOT NULL,
-        generation          BIGINT NOT NULL,
-        owner               TEXT,
-        boundary            TEXT,
-        boundary_ref        TEXT,
-        command_pid         BIGINT,
-        command_start_time  BIGINT,
-        stdout_durable      BIGINT NOT NULL DEFAULT 0,
-        stderr_durable      BIGINT NOT NULL DEFAULT 0,
-        cancel_requested    TEXT,
-        created_at          DOUBLE PRECISION NOT NULL,
-        started_at          DOUBLE PRECISION,
-        settled_at          DOUBLE PRECISION,
-        receipt             TEXT,
-        UNIQUE (task, key)
-    );
-    CREATE INDEX sessions_by_task ON sessions(task, created_at)
-    """,
-    2: """
-    CREATE TABLE close_steps (
-        task        TEXT NOT NULL REFERENCES tasks(task),
-        step        TEXT NOT NULL,
-        fact        TEXT NOT NULL,
-        recorded_at DOUBLE PRECISION NOT NULL,
-        PRIMARY KEY (task, step)
-    );
-    CREATE TABLE checkpoints (
-        manifest    TEXT NOT NULL,
-        task        TEXT NOT NULL REFERENCES tasks(task),
-        generation  BIGINT NOT NULL,
-        receipt     TEXT NOT NULL,
-        index_ref   TEXT,
-        created_at  DOUBLE PRECISION NOT NULL,
-        seq         BIGINT GENERATED ALWAYS AS IDENTITY,
-        PRIMARY KEY (task, manifest)
-    );
-    CREATE INDEX checkpoints_by_task ON checkpoints(task, created_at)
-    """,
-    3: """
-    ALTER TABLE sessions ADD COLUMN unknown_why TEXT
-    """,
-    4: """
-    ALTER TABLE sessions ADD COLUMN isolation TEXT;
-    ALTER TABLE tasks ADD COLUMN "user" TEXT;
-    ALTER TABLE close_steps ADD COLUMN digest TEXT
-    """,
-    5: """
-    ALTER TABLE tasks ADD COLUMN shared_workspace INTEGER NOT NULL DEFAULT 0;
-    CREATE TABLE workspace_shares (
-        task        TEXT NOT NULL REFERENCES tasks(task),
-        other       TEXT NOT NULL REFERENCES tasks(task),
-        created_at  DOUBLE PRECISION NOT NULL,
-        PRIMARY KEY (task, other)
-    )
-    """,
-    6: """
-    CREATE TABLE hosts (
-        host          TEXT PRIMARY KEY,
-        name          TEXT NOT NULL,
-        home          TEXT NOT NULL,
-        registered_at DOUBLE PRECISION NOT NULL,
-        vanished_at   DOUBLE PRECISION,
-        vanished_why  TEXT
-    );
-    ALTER TABLE tasks ADD COLUMN host TEXT;
-    ALTER TABLE tasks ADD COLUMN frozen TEXT
-    """,
-    7: """
-    ALTER TABLE tasks ADD COLUMN sandbox TEXT
-    """,
-    8: """
-    ALTER TABLE tasks ADD COLUMN ignore_rules TEXT
-    """,
-    9: """
-    CREATE TABLE hidden_sets (
-        digest  TEXT PRIMARY KEY,
-        dirs    TEXT NOT NULL
-    )
-    """,
-    10: """
-    ALTER TABLE tasks ADD COLUMN defaults TEXT
-    """,
-    11: """
-    ALTER TABLE tasks ADD COLUMN workspace_identity TEXT
-    """,
-}
-SEALS_CLOSE_FACTS: Final = 4
 
 TASK_COLUMNS: Final = (
     'task, key, workspace, state, generation, created_at, "user", shared_workspace, host, frozen, '
@@ -417,23 +310,7 @@ class PostgresStore:
             row = conn.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
             version = int(row[0]) if row else 0
             self._refuse_newer(version)
-            for step in range(version + 1, SCHEMA_VERSION + 1):
-                for statement in MIGRATIONS[step].split(";"):
-                    if statement.strip():
-                        conn.execute(statement)
-                if step == SEALS_CLOSE_FACTS:
-                    rows = conn.execute("SELECT task, step, fact FROM close_steps").fetchall()
-                    for task, name, fact in rows:
-                        conn.execute(
-                            "UPDATE close_steps SET digest=%s WHERE task=%s AND step=%s",
-                            (fact_digest(fact), task, name),
-                        )
-            if version != SCHEMA_VERSION:
-                conn.execute(
-                    "INSERT INTO meta(key, value) VALUES('schema_version', %s) "
-                    "ON CONFLICT(key) DO UPDATE SET value=excluded.value",
-                    (str(SCHEMA_VERSION),),
-                )
+            schema.apply(POSTGRESQL, conn.execute, version)
 
     def _version_now(self, conn: psycopg.Connection[tuple[Any, ...]]) -> int | None:
         """The recorded schema version, None where there is no store yet; a newer one refused."""
@@ -445,12 +322,8 @@ class PostgresStore:
         return version
 
     def _refuse_newer(self, version: int) -> None:
-        if version > SCHEMA_VERSION:
-            schema = f" (schema {self.schema})" if self.schema else ""
-            raise HomeUnusable(
-                f"the store at {self.where}{schema} has schema v{version}, newer than this "
-                f"settled (v{SCHEMA_VERSION}); upgrade settled or use another store"
-            )
+        named = f"{self.where} (schema {self.schema})" if self.schema else self.where
+        refuse_newer(version, named, "store")
 
     # -- tasks ---------------------------------------------------------------------------
 

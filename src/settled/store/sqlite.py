@@ -54,7 +54,7 @@ from settled.states import (
     next_task_state,
     states_accepting,
 )
-from settled.store import gate, loads
+from settled.store import gate, loads, schema
 from settled.store.admission import (
     REUSE,
     admission_verdict,
@@ -63,6 +63,7 @@ from settled.store.admission import (
     key_verdict,
     overlapping,
 )
+from settled.store.dialect import SQLITE
 from settled.store.rows import (
     HOST_COLUMNS,
     LIVE_COLUMNS,
@@ -78,117 +79,13 @@ from settled.store.rows import (
     stored_receipt,
     task_from_row,
 )
+from settled.store.schema import SCHEMA_VERSION, refuse_newer
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Any
 
     from settled.store.rows import HiddenSet
-
-SCHEMA_VERSION = 11
-
-MIGRATIONS: dict[int, str] = {
-    1: """
-    CREATE TABLE tasks (
-        task        TEXT PRIMARY KEY,
-        key         TEXT NOT NULL UNIQUE,
-        workspace   TEXT NOT NULL,
-        state       TEXT NOT NULL,
-        generation  INTEGER NOT NULL,
-        created_at  REAL NOT NULL
-    );
-    CREATE TABLE sessions (
-        session             TEXT PRIMARY KEY,
-        task                TEXT NOT NULL REFERENCES tasks(task),
-        key                 TEXT NOT NULL,
-        digest              TEXT NOT NULL,
-        spec                TEXT NOT NULL,
-        state               TEXT NOT NULL,
-        generation          INTEGER NOT NULL,
-        owner               TEXT,
-        boundary            TEXT,
-        boundary_ref        TEXT,
-        command_pid         INTEGER,
-        command_start_time  INTEGER,
-        stdout_durable      INTEGER NOT NULL DEFAULT 0,
-        stderr_durable      INTEGER NOT NULL DEFAULT 0,
-        cancel_requested    TEXT,
-        created_at          REAL NOT NULL,
-        started_at          REAL,
-        settled_at          REAL,
-        receipt             TEXT,
-        UNIQUE (task, key)
-    );
-    CREATE INDEX sessions_by_task ON sessions(task, created_at);
-    """,
-    2: """
-    CREATE TABLE close_steps (
-        task        TEXT NOT NULL REFERENCES tasks(task),
-        step        TEXT NOT NULL,
-        fact        TEXT NOT NULL,
-        recorded_at REAL NOT NULL,
-        PRIMARY KEY (task, step)
-    );
-    CREATE TABLE checkpoints (
-        manifest    TEXT NOT NULL,
-        task        TEXT NOT NULL REFERENCES tasks(task),
-        generation  INTEGER NOT NULL,
-        receipt     TEXT NOT NULL,
-        index_ref   TEXT,
-        created_at  REAL NOT NULL,
-        PRIMARY KEY (task, manifest)
-    );
-    CREATE INDEX checkpoints_by_task ON checkpoints(task, created_at);
-    """,
-    3: """
-    ALTER TABLE sessions ADD COLUMN unknown_why TEXT
-    """,
-    4: """
-    ALTER TABLE sessions ADD COLUMN isolation TEXT;
-    ALTER TABLE tasks ADD COLUMN user TEXT;
-    ALTER TABLE close_steps ADD COLUMN digest TEXT
-    """,
-    5: """
-    ALTER TABLE tasks ADD COLUMN shared_workspace INTEGER NOT NULL DEFAULT 0;
-    CREATE TABLE workspace_shares (
-        task        TEXT NOT NULL REFERENCES tasks(task),
-        other       TEXT NOT NULL REFERENCES tasks(task),
-        created_at  REAL NOT NULL,
-        PRIMARY KEY (task, other)
-    )
-    """,
-    6: """
-    CREATE TABLE hosts (
-        host          TEXT PRIMARY KEY,
-        name          TEXT NOT NULL,
-        home          TEXT NOT NULL,
-        registered_at REAL NOT NULL,
-        vanished_at   REAL,
-        vanished_why  TEXT
-    );
-    ALTER TABLE tasks ADD COLUMN host TEXT;
-    ALTER TABLE tasks ADD COLUMN frozen TEXT
-    """,
-    7: """
-    ALTER TABLE tasks ADD COLUMN sandbox TEXT
-    """,
-    8: """
-    ALTER TABLE tasks ADD COLUMN ignore_rules TEXT
-    """,
-    9: """
-    CREATE TABLE hidden_sets (
-        digest  TEXT PRIMARY KEY,
-        dirs    TEXT NOT NULL
-    )
-    """,
-    10: """
-    ALTER TABLE tasks ADD COLUMN defaults TEXT
-    """,
-    11: """
-    ALTER TABLE tasks ADD COLUMN workspace_identity TEXT
-    """,
-}
-SEALS_CLOSE_FACTS = 4  # the migration that seals the close facts an older settled wrote
 
 TASK_COLUMNS = (
     "task, key, workspace, state, generation, created_at, user, shared_workspace, host, frozen, "
@@ -341,23 +238,8 @@ class SQLiteStore:
             db.execute("CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT)")
             row = db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
             version = int(row[0]) if row else 0
-            if version > SCHEMA_VERSION:
-                raise HomeUnusable(
-                    f"the store at {self.path} has schema v{version}, newer than this settled "
-                    f"(v{SCHEMA_VERSION}); upgrade settled or use another --home"
-                )
-            for step in range(version + 1, SCHEMA_VERSION + 1):
-                for statement in MIGRATIONS[step].split(";"):
-                    if statement.strip():
-                        db.execute(statement)
-                if step == SEALS_CLOSE_FACTS:  # once, in the migration: never on a later open
-                    self._seal_old_close_facts(db)
-            if version != SCHEMA_VERSION:  # an open writes nothing once migrated (a full disk)
-                db.execute(
-                    "INSERT INTO meta(key, value) VALUES('schema_version', ?) "
-                    "ON CONFLICT(key) DO UPDATE SET value=excluded.value",
-                    (str(SCHEMA_VERSION),),
-                )
+            refuse_newer(version, self.path, "--home")
+            schema.apply(SQLITE, db.execute, version)
 
     def _schema_version(self) -> int | None:
         try:
@@ -389,15 +271,6 @@ class SQLiteStore:
                     f"{file_id} ({home_id_path(self.home)}): it was copied from another home; "
                     "put back this home's own store, or move the home away"
                 )
-
-    @staticmethod
-    def _seal_old_close_facts(db: sqlite3.Connection) -> None:
-        rows = db.execute("SELECT task, step, fact FROM close_steps").fetchall()
-        for task, step, fact in rows:  # facts an older settled wrote: sealed as they are
-            db.execute(
-                "UPDATE close_steps SET digest=? WHERE task=? AND step=?",
-                (fact_digest(fact), task, step),
-            )
 
     # -- tasks ---------------------------------------------------------------------------
 
