@@ -159,3 +159,25 @@ def test_a_task_is_made_in_an_overlapping_workspace_only_when_it_shares(
         assert isinstance(got, WorkspaceOverlap) and got.others == overlaps
     else:
         assert got == verdict
+
+
+@pytest.mark.parametrize("module", ["admission", "dialect"])
+def test_the_store_decisions_import_no_database_and_nothing_of_the_store_but_records(
+    module: str,
+) -> None:
+    """Pure: facts in, a verdict out. A database module here would let a decision read."""
+    import ast
+    import importlib
+
+    source = importlib.import_module(f"settled.store.{module}").__file__
+    assert source is not None
+    with open(source, encoding="utf-8") as handle:
+        tree = ast.parse(handle.read())
+    imported = {
+        node.module if isinstance(node, ast.ImportFrom) else alias.name
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Import | ast.ImportFrom)
+        for alias in node.names
+    }
+    assert not {"sqlite3", "psycopg", "settled.store.sql", "settled.store.sqlite"} & imported
+    assert {name for name in imported if name and name.startswith("settled.store")} == set()
