@@ -21,7 +21,7 @@ import blake3
 import pytest
 from conftest import _skip_unavailable, kill_marked, stop_journals
 
-from settled.errors import HomeUnusable, SpaceExhausted, StorageFailed
+from settled.errors import HomeUnusable, KeyConflict, SpaceExhausted, StorageFailed
 from settled.home import RESERVE_ENV, RESERVE_MAX, SpaceGuard, reserve_bytes
 from settled.records import TaskRecord
 from settled.runtime import Runtime
@@ -200,6 +200,28 @@ def test_a_retry_below_the_reserve_still_returns_its_session(
     assert rt.new_task(key="k-default").task == defaulted.task  # a retried `task new --key`
     with pytest.raises(SpaceExhausted):
         rt.new_task(key="a-new-task")
+
+
+def test_a_conflicting_key_below_the_reserve_is_a_key_conflict_before_anything_is_paid(
+    rt: Runtime, task: TaskRecord, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Is this key a retry is asked first (store/admission.key_verdict): another command under
+    an admitted key is refused as KeyConflict on a home below its reserve, never as
+    SpaceExhausted, and without the liveness pass a new admission pays for."""
+    first = rt.exec(task.task, shell="echo once", key="k-taken")
+    rt.wait(first.session, timeout=30)
+    monkeypatch.setenv(RESERVE_ENV, str(RESERVE_MAX))  # more than any disk here has free
+
+    def no_pass(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a liveness pass was paid for a key that is refused")
+
+    monkeypatch.setattr(rt.recovery, "detect", no_pass)
+    with pytest.raises(KeyConflict) as refused:
+        rt.exec(task.task, shell="echo another command", key="k-taken")
+    assert refused.value.session == first.session and refused.value.exit_code != 3
+    assert [s.session for s in rt.store.list_sessions(task.task)] == [first.session]
+    with pytest.raises(SpaceExhausted):  # a new key on the same home still meets the reserve
+        rt.exec(task.task, shell="echo another command", key="k-new")
 
 
 def test_the_cli_refuses_below_the_reserve_with_exit_3_and_one_line(

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import itertools
+import json
 import multiprocessing
 import os
 import re
@@ -57,10 +59,11 @@ from settled.states import (
     SETTLING,
     UNKNOWN,
 )
-from settled.store import Store, postgres
+from settled.store import Store, dialect, schema
 from settled.store.postgres import PostgresStore, open_postgres
 from settled.store.rows import fact_digest
-from settled.store.sqlite import MIGRATIONS, SCHEMA_VERSION, SQLiteStore
+from settled.store.schema import SCHEMA_VERSION
+from settled.store.sqlite import SQLiteStore
 
 # --- backends -----------------------------------------------------------------------------
 
@@ -160,7 +163,7 @@ POSTGRESQL = Backend(
     set_session_state=_pg_set_session_state,
     read_schema_version=_pg_read_schema_version,
     write_schema_version=_pg_write_schema_version,
-    schema_version=postgres.SCHEMA_VERSION,
+    schema_version=SCHEMA_VERSION,
     fetch=_pg_fetch,
     fixture="pg_cluster",
 )
@@ -1081,10 +1084,31 @@ def test_a_store_with_a_newer_schema_is_refused_naming_both_versions(
     assert backend.read_schema_version(home) == newer  # refused, not downgraded
 
 
-def test_every_backend_has_the_same_schema_version_and_migration_steps() -> None:
-    """A migration added to one store and not the other fails here, not on a user's store."""
-    assert postgres.SCHEMA_VERSION == SCHEMA_VERSION
-    assert sorted(postgres.MIGRATIONS) == sorted(MIGRATIONS) == list(range(1, SCHEMA_VERSION + 1))
+# The statements of steps 1..11 as each dialect applies them, as the stores applied them when
+# each wrote its own copy: a released step never changes (a store it made must open as it did).
+RELEASED_STEPS = 11
+RELEASED_DIGESTS = {
+    "sqlite": "59d86f5d3ade00356ac449c82f315f2a7b26cef62abbc1a7a09768d10f59f38b",
+    "postgresql": "29a67ee0fee18e5310c3affdeedbad739298d651ed4b362d7cb025a38badfb39",
+}
+
+
+def test_one_migration_list_renders_the_released_statements_for_every_dialect() -> None:
+    """One list, rendered per dialect: a step added is applied by every backend, and the
+    statements of the released steps are exactly those each store applied before."""
+    assert sorted(schema.MIGRATIONS) == list(range(1, SCHEMA_VERSION + 1))
+    for chosen in (dialect.SQLITE, dialect.POSTGRESQL):
+        released = [schema.statements(chosen, step) for step in range(1, RELEASED_STEPS + 1)]
+        text = json.dumps(released).encode()
+        assert hashlib.sha256(text).hexdigest() == RELEASED_DIGESTS[chosen.name], chosen.name
+    sqlite_1, postgres_1 = (
+        schema.statements(d, 1)[1] for d in (dialect.SQLITE, dialect.POSTGRESQL)
+    )
+    assert "command_pid         INTEGER," in sqlite_1 and "created_at          REAL" in sqlite_1
+    assert "command_pid         BIGINT," in postgres_1 and "DOUBLE PRECISION" in postgres_1
+    assert 'ADD COLUMN "user" TEXT' in schema.statements(dialect.POSTGRESQL, 4)[1]
+    assert "seq" in schema.statements(dialect.POSTGRESQL, 2)[1]
+    assert "seq" not in schema.statements(dialect.SQLITE, 2)[1]
 
 
 # --- concurrency, across processes --------------------------------------------------------

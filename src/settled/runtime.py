@@ -35,6 +35,7 @@ from settled.sessions import WAKE_BOUND_S, SessionWatch
 from settled.states import SETTLED, TASK_COMPLETE, TASK_OPEN
 from settled.status import session_status, task_status
 from settled.store import Store, open_store
+from settled.store.admission import REUSE, enforce, key_verdict
 
 # What only some verbs need is imported where it is used: `settled status` and the other
 # readers must not pay for the checkpoint code, the launchers, recovery, the close join, the
@@ -720,8 +721,9 @@ class Runtime:
         _check_limits(spec)
         key = key or new_key()
         while True:
-            existing = self.store.find_session(task, key)
-            if existing is not None and existing.digest == spec.digest:
+            existing = self.store.find_session(task, key)  # a retry, or KeyConflict, first:
+            if enforce(key_verdict(existing, key, spec.digest)) == REUSE:  # nothing paid yet
+                assert existing is not None
                 return self._admission(existing, reused=True)  # a retry: nothing to inspect
             with _ADMITTING.turn(self.home, task, key) as first:
                 if not first:

@@ -3,9 +3,11 @@
 Owns task and session records and every state change, each a compare-and-set on (state,
 generation) through the transition table in `settled.states`. `Store` is the seam: the Runtime,
 the owner, the close join, recovery and the workspace service depend on it and on nothing else of
-this package; `open_store` is the one place an implementation is chosen. SQLite
+this package (but the Runtime's pre-check, which asks `admission.key_verdict` as the stores
+do); `open_store` is the one place an implementation is chosen. SQLite
 (`store/sqlite.py`) is the embedded default; PostgreSQL (`store/postgres.py`) is shared by many
-hosts; both pass the same contract tests (`tests/test_store.py` runs against the protocol).
+hosts; both are `store/sql.py`'s statements and method bodies over a dialect, and pass the same
+contract tests (`tests/test_store.py` runs against the protocol).
 Never touches processes, logs or the workspace.
 """
 
@@ -40,7 +42,7 @@ class Store(Protocol):
         """Returns (task, created); the task of an existing key as it is. Raises
         WorkspaceOverlap when `workspace` is, holds or lies in the workspace of a task not yet
         complete on the same `host` (by path, and by `workspace_identity` where both tasks
-        recorded one: rows.workspaces_overlap), unless `shared_workspace`: then each of those
+        recorded one: admission.workspaces_overlap), unless `shared_workspace`: then each of those
         tasks shares with this one. `host` binds the task to the host whose owners run it."""
         ...
 

@@ -1,9 +1,10 @@
 """PostgreSQL implementation of the authority store: one database (or schema) shared by many hosts.
 
-The same records, transitions and seals as `store/sqlite.py`, translated. Connections are
-autocommit and every write is one explicit transaction at READ COMMITTED, so each statement
-sees what committed before it began; what SQLite gets from its one write lock comes here from
-row locks taken before the reads that decide:
+Every statement and method body is `store/sql.py`'s, in PostgreSQL's dialect (`store/dialect.py`);
+this module brings the connections, the transactions, the locks and the notifications.
+Connections are autocommit and every write is one explicit transaction at READ COMMITTED, so
+each statement sees what committed before it began; what SQLite gets from its one write lock
+comes here from row locks taken before the reads that decide (the statements carry them):
 - a session's state change reads its row `FOR UPDATE`, then updates it `WHERE state=... AND
   generation=...` and checks the row count: a lost compare-and-set is StaleWrite, never a silent
   no-op;
@@ -11,8 +12,8 @@ row locks taken before the reads that decide:
   (each of which locks the task row for update) waits for admissions in flight, and an
   admission never lands in a task that was sealed or frozen under it; `ON CONFLICT (task, key)`
   turns the 16-way race of one key into one insert and fifteen reuses;
-- `create_task` holds a transaction-scoped advisory lock of its schema, so two concurrent
-  creations cannot both pass the workspace overlap check;
+- `create_task` (and `discard_task`) hold a transaction-scoped advisory lock of its schema, so
+  two concurrent creations cannot both pass the workspace overlap check;
 - migrations run under another advisory lock, so two processes opening a fresh store at once
   migrate it once.
 A deadlock or serialization failure the server reports is retried a few times (the transaction
@@ -29,7 +30,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
 import logging
 import threading
 import time
@@ -43,171 +43,18 @@ from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict
 from psycopg_pool import ConnectionPool
 
-from settled.canonical import canonical_bytes
-from settled.errors import (
-    AdmissionFrozen,
-    AdmissionSealed,
-    HomeUnusable,
-    KeyConflict,
-    StaleWrite,
-    StoreUnreachable,
-    TaskFrozen,
-    UnknownHost,
-    UnknownSession,
-    UnknownTask,
-    WorkspaceOverlap,
-)
-from settled.identity import new_id
-from settled.receipts import checked
-from settled.records import HostRecord, LiveSession, OwnerInfo, SessionRecord, TaskRecord
-from settled.states import (
-    ADMITTED,
-    TASK_COMPLETE,
-    TASK_OPEN,
-    IllegalTransition,
-    next_session_state,
-    next_task_state,
-    states_accepting,
-)
-from settled.store import loads
-from settled.store.rows import (
-    HOST_COLUMNS,
-    LIVE_COLUMNS,
-    RECEIPT_EVENTS,
-    SESSION_COLUMNS,
-    HiddenSet,
-    HiddenSets,
-    checked_fact,
-    fact_digest,
-    host_from_row,
-    live_from_row,
-    session_from_row,
-    stored_isolation,
-    stored_receipt,
-    task_from_row,
-    workspaces_overlap,
-)
+from settled.errors import StoreUnreachable
+from settled.store import schema
+from settled.store.dialect import POSTGRESQL
+from settled.store.schema import SCHEMA_VERSION, refuse_newer
+from settled.store.sql import SQLStore
 
 T = TypeVar("T")
 Cursor = psycopg.Cursor[tuple[Any, ...]]
 
-SCHEMA_VERSION: Final = 11  # the SQLite store's; tests/test_store.py checks they agree
 CONNECT_TIMEOUT_S: Final = 10
 POOL_MIN, POOL_MAX = 1, 4
 RETRIES: Final = 8  # a deadlock or serialization failure: the whole transaction again
-
-# SQLite's migrations, step for step. BIGINT where SQLite's INTEGER holds cursors, pids and
-# generations (64-bit there); "user" is quoted (a reserved word here); checkpoints get `seq`,
-# the insertion order that SQLite's rowid gives `latest_checkpoint`.
-MIGRATIONS: Final[dict[int, str]] = {
-    1: """
-    CREATE TABLE tasks (
-        task        TEXT PRIMARY KEY,
-        key         TEXT NOT NULL UNIQUE,
-        workspace   TEXT NOT NULL,
-        state       TEXT NOT NULL,
-        generation  BIGINT NOT NULL,
-        created_at  DOUBLE PRECISION NOT NULL
-    );
-    CREATE TABLE sessions (
-        session             TEXT PRIMARY KEY,
-        task                TEXT NOT NULL REFERENCES tasks(task),
-        key                 TEXT NOT NULL,
-        digest              TEXT NOT NULL,
-        spec                TEXT NOT NULL,
-        state               TEXT NOT NULL,
-        generation          BIGINT NOT NULL,
-        owner               TEXT,
-        boundary            TEXT,
-        boundary_ref        TEXT,
-        command_pid         BIGINT,
-        command_start_time  BIGINT,
-        stdout_durable      BIGINT NOT NULL DEFAULT 0,
-        stderr_durable      BIGINT NOT NULL DEFAULT 0,
-        cancel_requested    TEXT,
-        created_at          DOUBLE PRECISION NOT NULL,
-        started_at          DOUBLE PRECISION,
-        settled_at          DOUBLE PRECISION,
-        receipt             TEXT,
-        UNIQUE (task, key)
-    );
-    CREATE INDEX sessions_by_task ON sessions(task, created_at)
-    """,
-    2: """
-    CREATE TABLE close_steps (
-        task        TEXT NOT NULL REFERENCES tasks(task),
-        step        TEXT NOT NULL,
-        fact        TEXT NOT NULL,
-        recorded_at DOUBLE PRECISION NOT NULL,
-        PRIMARY KEY (task, step)
-    );
-    CREATE TABLE checkpoints (
-        manifest    TEXT NOT NULL,
-        task        TEXT NOT NULL REFERENCES tasks(task),
-        generation  BIGINT NOT NULL,
-        receipt     TEXT NOT NULL,
-        index_ref   TEXT,
-        created_at  DOUBLE PRECISION NOT NULL,
-        seq         BIGINT GENERATED ALWAYS AS IDENTITY,
-        PRIMARY KEY (task, manifest)
-    );
-    CREATE INDEX checkpoints_by_task ON checkpoints(task, created_at)
-    """,
-    3: """
-    ALTER TABLE sessions ADD COLUMN unknown_why TEXT
-    """,
-    4: """
-    ALTER TABLE sessions ADD COLUMN isolation TEXT;
-    ALTER TABLE tasks ADD COLUMN "user" TEXT;
-    ALTER TABLE close_steps ADD COLUMN digest TEXT
-    """,
-    5: """
-    ALTER TABLE tasks ADD COLUMN shared_workspace INTEGER NOT NULL DEFAULT 0;
-    CREATE TABLE workspace_shares (
-        task        TEXT NOT NULL REFERENCES tasks(task),
-        other       TEXT NOT NULL REFERENCES tasks(task),
-        created_at  DOUBLE PRECISION NOT NULL,
-        PRIMARY KEY (task, other)
-    )
-    """,
-    6: """
-    CREATE TABLE hosts (
-        host          TEXT PRIMARY KEY,
-        name          TEXT NOT NULL,
-        home          TEXT NOT NULL,
-        registered_at DOUBLE PRECISION NOT NULL,
-        vanished_at   DOUBLE PRECISION,
-        vanished_why  TEXT
-    );
-    ALTER TABLE tasks ADD COLUMN host TEXT;
-    ALTER TABLE tasks ADD COLUMN frozen TEXT
-    """,
-    7: """
-    ALTER TABLE tasks ADD COLUMN sandbox TEXT
-    """,
-    8: """
-    ALTER TABLE tasks ADD COLUMN ignore_rules TEXT
-    """,
-    9: """
-    CREATE TABLE hidden_sets (
-        digest  TEXT PRIMARY KEY,
-        dirs    TEXT NOT NULL
-    )
-    """,
-    10: """
-    ALTER TABLE tasks ADD COLUMN defaults TEXT
-    """,
-    11: """
-    ALTER TABLE tasks ADD COLUMN workspace_identity TEXT
-    """,
-}
-SEALS_CLOSE_FACTS: Final = 4
-
-TASK_COLUMNS: Final = (
-    'task, key, workspace, state, generation, created_at, "user", shared_workspace, host, frozen, '
-    "sandbox, ignore_rules, defaults, workspace_identity"
-)
-SELECT_SESSION: Final = f"SELECT {SESSION_COLUMNS} FROM sessions"
 
 # The pool's background retries would print warnings on stderr (logging's last resort); the
 # failure reaches the caller as StoreUnreachable instead. An application's own handlers still
@@ -271,12 +118,15 @@ def _lock_key(*parts: str) -> int:
     return int.from_bytes(digest[:8], "big", signed=True)
 
 
-class PostgresStore:
+class PostgresStore(SQLStore):
     """A small pool per instance; one instance per process (owners open their own). A process
     the kernel refuses threads (``pooled=False``) uses one connection instead: a pool's
     scheduler and workers are threads."""
 
+    dialect = POSTGRESQL
+
     def __init__(self, url: str, *, pooled: bool = True) -> None:
+        super().__init__()
         self._url = url
         params = _parse(url)
         self.where = _where(params)
@@ -287,7 +137,6 @@ class PostgresStore:
         self._create_lock = _lock_key(namespace, "create_task")
         self._listener: psycopg.Connection[tuple[Any, ...]] | None = None
         self._listen_lock = threading.Lock()
-        self._hidden_sets = HiddenSets(self._hidden_set)
         # The pool's first connection is made in the background while this one checks the
         # schema: an open costs one connection time, not two. The direct connection is what
         # names a failure (the pool would only time out).
@@ -354,8 +203,10 @@ class PostgresStore:
         except (psycopg.OperationalError, psycopg.InterfaceError) as exc:
             raise StoreUnreachable(self.where, _one_line(str(exc), self._secrets)) from None
 
-    def _write(self, work: Callable[[Cursor], T]) -> T:
-        """Run `work` in one transaction; a deadlock or serialization failure runs it again."""
+    def _transact(self, work: Callable[[Cursor], T], *, durable: bool = True) -> T:
+        """Run `work` in one transaction; a deadlock or serialization failure runs it again.
+        `durable=False`: `synchronous_commit=off` for this one transaction (committed without
+        waiting for the WAL flush)."""
         for attempt in range(RETRIES):
             try:
                 with (
@@ -364,6 +215,8 @@ class PostgresStore:
                     conn.transaction(),
                     conn.cursor() as cur,
                 ):
+                    if not durable:
+                        cur.execute("SET LOCAL synchronous_commit = off")
                     return work(cur)
             except pgerrors.TransactionRollback:
                 if attempt == RETRIES - 1:
@@ -371,33 +224,16 @@ class PostgresStore:
                 time.sleep(0.001 * 2**attempt)
         raise AssertionError("unreachable")  # pragma: no cover
 
-    def _read(self, query: str, args: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+    def _fetch(self, statement: str, args: tuple[Any, ...]) -> list[tuple[Any, ...]]:
         with self._unreachable(), self._connection() as conn:
-            return conn.execute(query, args).fetchall()
-
-    def _read_one(self, query: str, args: tuple[Any, ...] = ()) -> tuple[Any, ...] | None:
-        rows = self._read(query, args)
-        return rows[0] if rows else None
-
-    def _hidden_set(self, digest: str, cur: Cursor | None = None) -> str | None:
-        """By `cur` inside a transaction: an unpooled store has one connection."""
-        query, args = "SELECT dirs FROM hidden_sets WHERE digest=%s", (digest,)
-        row = (
-            cur.execute(query, args).fetchone() if cur is not None else self._read_one(query, args)
-        )
-        return None if row is None else str(row[0])
-
-    def _store_hidden(self, cur: Cursor, hidden_set: HiddenSet | None) -> None:
-        """Once per distinct list: every later session that hides the same directories names it."""
-        if hidden_set is not None:
-            cur.execute(
-                "INSERT INTO hidden_sets(digest, dirs) VALUES (%s, %s) ON CONFLICT DO NOTHING",
-                hidden_set,
-            )
+            return conn.execute(statement, args).fetchall()
 
     def _notify(self, cur: Cursor, task: str, session: str = "") -> None:
         """Delivered at commit, to every LISTENer of this schema's channel."""
         cur.execute("SELECT pg_notify(%s, %s)", (self._channel, f"{task} {session}"))
+
+    def _serialize_creations(self, cur: Cursor) -> None:
+        cur.execute("SELECT pg_advisory_xact_lock(%s)", (self._create_lock,))
 
     # -- schema ----------------------------------------------------------------------------
 
@@ -416,23 +252,7 @@ class PostgresStore:
             row = conn.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
             version = int(row[0]) if row else 0
             self._refuse_newer(version)
-            for step in range(version + 1, SCHEMA_VERSION + 1):
-                for statement in MIGRATIONS[step].split(";"):
-                    if statement.strip():
-                        conn.execute(statement)
-                if step == SEALS_CLOSE_FACTS:
-                    rows = conn.execute("SELECT task, step, fact FROM close_steps").fetchall()
-                    for task, name, fact in rows:
-                        conn.execute(
-                            "UPDATE close_steps SET digest=%s WHERE task=%s AND step=%s",
-                            (fact_digest(fact), task, name),
-                        )
-            if version != SCHEMA_VERSION:
-                conn.execute(
-                    "INSERT INTO meta(key, value) VALUES('schema_version', %s) "
-                    "ON CONFLICT(key) DO UPDATE SET value=excluded.value",
-                    (str(SCHEMA_VERSION),),
-                )
+            schema.apply(POSTGRESQL, conn.execute, version)
 
     def _version_now(self, conn: psycopg.Connection[tuple[Any, ...]]) -> int | None:
         """The recorded schema version, None where there is no store yet; a newer one refused."""
@@ -444,525 +264,8 @@ class PostgresStore:
         return version
 
     def _refuse_newer(self, version: int) -> None:
-        if version > SCHEMA_VERSION:
-            schema = f" (schema {self.schema})" if self.schema else ""
-            raise HomeUnusable(
-                f"the store at {self.where}{schema} has schema v{version}, newer than this "
-                f"settled (v{SCHEMA_VERSION}); upgrade settled or use another store"
-            )
-
-    # -- tasks ---------------------------------------------------------------------------
-
-    def create_task(
-        self,
-        key: str,
-        workspace: str,
-        user: tuple[int, int] | None = None,
-        *,
-        shared_workspace: bool = False,
-        host: str | None = None,
-        ignore_rules: dict[str, Any] | None = None,
-        defaults: dict[str, Any] | None = None,
-        workspace_identity: dict[str, Any] | None = None,
-    ) -> tuple[TaskRecord, bool]:
-        def work(cur: Cursor) -> tuple[TaskRecord, bool]:
-            cur.execute("SELECT pg_advisory_xact_lock(%s)", (self._create_lock,))
-            row = cur.execute(f"SELECT {TASK_COLUMNS} FROM tasks WHERE key=%s", (key,)).fetchone()
-            if row:
-                return task_from_row(row), False
-            others = [
-                (task, path)
-                for task, path, identity in cur.execute(  # one host's: not another's paths
-                    "SELECT task, workspace, workspace_identity FROM tasks WHERE state != %s "
-                    "AND (host IS NULL OR %s::text IS NULL OR host = %s) ORDER BY created_at",
-                    (TASK_COMPLETE, host, host),
-                ).fetchall()
-                if workspaces_overlap(workspace, workspace_identity, path, loads(identity))
-            ]
-            if others and not shared_workspace:
-                raise WorkspaceOverlap(workspace, others)
-            record = TaskRecord(
-                new_id("t"), key, workspace, TASK_OPEN, 1, time.time(), user, shared_workspace,
-                host=host, ignore_rules=ignore_rules, defaults=defaults,
-                workspace_identity=workspace_identity,
-            )  # fmt: skip
-            cur.execute(
-                f"INSERT INTO tasks ({TASK_COLUMNS}) "
-                "VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, NULL, NULL, %s, %s, %s)",
-                (
-                    record.task,
-                    key,
-                    workspace,
-                    record.state,
-                    1,
-                    record.created_at,
-                    json.dumps(list(user)) if user is not None else None,
-                    int(shared_workspace),
-                    host,
-                    json.dumps(ignore_rules) if ignore_rules is not None else None,
-                    json.dumps(defaults) if defaults is not None else None,
-                    json.dumps(workspace_identity) if workspace_identity is not None else None,
-                ),
-            )
-            for other, _path in others:  # each names the other in its close receipt
-                cur.executemany(
-                    "INSERT INTO workspace_shares VALUES (%s, %s, %s) ON CONFLICT DO NOTHING",
-                    [
-                        (record.task, other, record.created_at),
-                        (other, record.task, record.created_at),
-                    ],
-                )
-            self._notify(cur, record.task)
-            return record, True
-
-        return self._write(work)
-
-    def discard_task(self, task: str) -> bool:
-        def work(cur: Cursor) -> bool:
-            cur.execute("SELECT pg_advisory_xact_lock(%s)", (self._create_lock,))
-            locked = cur.execute(
-                "SELECT 1 FROM tasks WHERE task=%s AND state=%s AND generation=1 FOR UPDATE",
-                (task, TASK_OPEN),
-            ).fetchone()
-            if locked is None:
-                return False
-            cur.execute(  # a new statement, after the lock: it sees every committed use
-                "DELETE FROM tasks WHERE task=%s"
-                " AND NOT EXISTS (SELECT 1 FROM sessions WHERE sessions.task=tasks.task)"
-                " AND NOT EXISTS (SELECT 1 FROM close_steps WHERE close_steps.task=tasks.task)"
-                " AND NOT EXISTS (SELECT 1 FROM checkpoints WHERE checkpoints.task=tasks.task)",
-                (task,),
-            )
-            if cur.rowcount != 1:
-                return False
-            cur.execute("DELETE FROM workspace_shares WHERE task=%s OR other=%s", (task, task))
-            return True
-
-        return self._write(work)
-
-    def record_sandbox(self, task: str, facts: dict[str, Any]) -> TaskRecord:
-        def work(cur: Cursor) -> TaskRecord:
-            done = cur.execute(
-                "UPDATE tasks SET sandbox=%s WHERE task=%s AND sandbox IS NULL",
-                (json.dumps(facts, sort_keys=True), task),
-            )
-            updated = done.rowcount
-            row = cur.execute(f"SELECT {TASK_COLUMNS} FROM tasks WHERE task=%s", (task,)).fetchone()
-            if row is None:
-                raise UnknownTask(task)
-            if updated != 1:
-                raise StaleWrite(f"task {task} has its sandbox recorded already")
-            self._notify(cur, task)
-            return task_from_row(row)
-
-        return self._write(work)
-
-    def workspace_shares(self, task: str) -> list[str]:
-        rows = self._read(
-            "SELECT other FROM workspace_shares WHERE task=%s ORDER BY created_at, other", (task,)
-        )
-        return [r[0] for r in rows]
-
-    def get_task(self, task: str) -> TaskRecord:
-        row = self._read_one(f"SELECT {TASK_COLUMNS} FROM tasks WHERE task=%s", (task,))
-        if row is None:
-            raise UnknownTask(task)
-        return task_from_row(row)
-
-    def list_tasks(self, limit: int = 1000) -> list[TaskRecord]:
-        rows = self._read(
-            f"SELECT {TASK_COLUMNS} FROM tasks ORDER BY created_at DESC, task LIMIT %s", (limit,)
-        )
-        return [task_from_row(r) for r in rows]
-
-    def find_task(self, key: str) -> TaskRecord | None:
-        row = self._read_one(f"SELECT {TASK_COLUMNS} FROM tasks WHERE key=%s", (key,))
-        return None if row is None else task_from_row(row)
-
-    def workspaces(self) -> list[str]:
-        return [r[0] for r in self._read("SELECT DISTINCT workspace FROM tasks")]
-
-    def add_hidden_paths(self, paths: list[str]) -> None:
-        def work(cur: Cursor) -> None:
-            cur.execute(
-                "INSERT INTO meta(key, value) VALUES('hidden_paths', '[]') ON CONFLICT DO NOTHING"
-            )
-            row = cur.execute(
-                "SELECT value FROM meta WHERE key='hidden_paths' FOR UPDATE"
-            ).fetchone()
-            known = set(json.loads(row[0])) if row else set()
-            if known >= set(paths):
-                return
-            cur.execute(
-                "UPDATE meta SET value=%s WHERE key='hidden_paths'",
-                (json.dumps(sorted(known | set(paths))),),
-            )
-
-        self._write(work)
-
-    def hidden_paths(self) -> list[str]:
-        row = self._read_one("SELECT value FROM meta WHERE key='hidden_paths'")
-        return list(json.loads(row[0])) if row else []
-
-    # -- hosts -----------------------------------------------------------------------------
-
-    def register_host(self, host: str, name: str, home: str) -> HostRecord:
-        found = self.get_host(host)
-        if found is not None:
-            return found
-
-        def work(cur: Cursor) -> HostRecord:
-            cur.execute(
-                "INSERT INTO hosts (host, name, home, registered_at) VALUES (%s, %s, %s, %s) "
-                "ON CONFLICT (host) DO NOTHING",
-                (host, name, home, time.time()),
-            )
-            row = cur.execute(f"SELECT {HOST_COLUMNS} FROM hosts WHERE host=%s", (host,))
-            return host_from_row(row.fetchone() or ())
-
-        return self._write(work)
-
-    def get_host(self, host: str) -> HostRecord | None:
-        row = self._read_one(f"SELECT {HOST_COLUMNS} FROM hosts WHERE host=%s", (host,))
-        return None if row is None else host_from_row(row)
-
-    def hosts(self) -> list[HostRecord]:
-        rows = self._read(f"SELECT {HOST_COLUMNS} FROM hosts ORDER BY registered_at, host")
-        return [host_from_row(r) for r in rows]
-
-    def vanish_host(self, host: str, why: str) -> list[str]:
-        def work(cur: Cursor) -> list[str]:
-            if (
-                cur.execute("SELECT 1 FROM hosts WHERE host=%s FOR UPDATE", (host,)).fetchone()
-                is None
-            ):
-                raise UnknownHost(host)
-            cur.execute(
-                "UPDATE hosts SET vanished_at=%s, vanished_why=%s "
-                "WHERE host=%s AND vanished_at IS NULL",
-                (time.time(), why, host),
-            )
-            frozen = cur.execute(
-                "UPDATE tasks SET frozen=%s WHERE host=%s AND frozen IS NULL AND state != %s "
-                "RETURNING task",
-                (why, host, TASK_COMPLETE),
-            ).fetchall()
-            for (task,) in frozen:
-                self._notify(cur, task)
-            rows = cur.execute(
-                "SELECT task FROM tasks WHERE host=%s AND frozen IS NOT NULL ORDER BY created_at",
-                (host,),
-            ).fetchall()
-            return [r[0] for r in rows]
-
-        return self._write(work)
-
-    # -- sessions --------------------------------------------------------------------------
-
-    def admit(
-        self, task: str, key: str, digest: str, spec: dict[str, Any]
-    ) -> tuple[SessionRecord, bool]:
-        def reuse(row: tuple[Any, ...], cur: Cursor) -> tuple[SessionRecord, bool]:
-            record = session_from_row(
-                row, self._hidden_sets.via(lambda digest: self._hidden_set(digest, cur))
-            )
-            if record.digest != digest:
-                raise KeyConflict(task, key, record.digest, digest, record.session)
-            return record, True
-
-        def work(cur: Cursor) -> tuple[SessionRecord, bool]:
-            found = cur.execute(  # held until commit: no seal, fence or freeze slips under us
-                "SELECT state, generation, frozen FROM tasks WHERE task=%s FOR SHARE", (task,)
-            ).fetchone()
-            if found is None:
-                raise UnknownTask(task)
-            existing = cur.execute(
-                f"{SELECT_SESSION} WHERE task=%s AND key=%s", (task, key)
-            ).fetchone()
-            if existing is not None:
-                return reuse(existing, cur)
-            state, generation, frozen = found
-            if state != TASK_OPEN:
-                raise AdmissionSealed(task, state)
-            if frozen is not None:
-                raise TaskFrozen(task, frozen)
-            unknown = cur.execute(
-                "SELECT session FROM sessions WHERE task=%s AND state='unknown' LIMIT 1", (task,)
-            ).fetchone()
-            if unknown is not None:
-                raise AdmissionFrozen(task, unknown[0])
-            row = cur.execute(
-                "INSERT INTO sessions (session, task, key, digest, spec, state, generation, "
-                "created_at) VALUES (%s, %s, %s, %s, %s, %s, %s, %s) "
-                f"ON CONFLICT (task, key) DO NOTHING RETURNING {SESSION_COLUMNS}",
-                (
-                    new_id("s"),
-                    task,
-                    key,
-                    digest,
-                    canonical_bytes(spec).decode(),
-                    ADMITTED,
-                    generation,
-                    time.time(),
-                ),
-            ).fetchone()
-            if row is None:  # a concurrent admission of this key committed first: it stands
-                won = cur.execute(
-                    f"{SELECT_SESSION} WHERE task=%s AND key=%s", (task, key)
-                ).fetchone()
-                assert won is not None
-                return reuse(won, cur)
-            self._notify(cur, task, row[0])
-            return session_from_row(row, self._hidden_sets), False
-
-        return self._write(work)
-
-    def get_session(self, session: str) -> SessionRecord:
-        row = self._read_one(f"{SELECT_SESSION} WHERE session=%s", (session,))
-        if row is None:
-            raise UnknownSession(session)
-        return session_from_row(row, self._hidden_sets)
-
-    def find_session(self, task: str, key: str) -> SessionRecord | None:
-        row = self._read_one(f"{SELECT_SESSION} WHERE task=%s AND key=%s", (task, key))
-        return session_from_row(row, self._hidden_sets) if row else None
-
-    def list_sessions(self, task: str) -> list[SessionRecord]:
-        rows = self._read(f"{SELECT_SESSION} WHERE task=%s ORDER BY created_at, session", (task,))
-        return [session_from_row(r, self._hidden_sets) for r in rows]
-
-    def _transition(
-        self, cur: Cursor, session: str, generation: int, event: str, sets: dict[str, Any]
-    ) -> None:
-        """The compare-and-set every state change goes through."""
-        expected = states_accepting(event)
-        if event == "lose":  # freezes the task's admission: wait for admissions in flight
-            cur.execute(
-                "SELECT 1 FROM tasks WHERE task=(SELECT task FROM sessions WHERE session=%s) "
-                "FOR NO KEY UPDATE",
-                (session,),
-            )
-        row = cur.execute(
-            "SELECT task, state, generation FROM sessions WHERE session=%s FOR UPDATE",
-            (session,),
-        ).fetchone()
-        if row is None:
-            raise UnknownSession(session)
-        task, state, current_generation = row
-        if state not in expected or current_generation != generation:
-            raise StaleWrite(
-                f"session {session}: {event} expects state in {list(expected)} at generation "
-                f"{generation}, found {state!r} at generation {current_generation}"
-            )
-        new_state = next_session_state(state, event)
-        assignments = "".join(f", {column}=%s" for column in sets)
-        cur.execute(
-            f"UPDATE sessions SET state=%s{assignments} "
-            "WHERE session=%s AND state=%s AND generation=%s",
-            (new_state, *sets.values(), session, state, generation),
-        )
-        if cur.rowcount != 1:  # the row is locked: this is a bug, not a race
-            raise StaleWrite(f"session {session}: {event} lost its compare-and-set")
-        self._notify(cur, task, session)
-
-    def _update_live(self, cur: Cursor, session: str, generation: int, sets: dict[str, Any]) -> str:
-        """A field update that changes no state but still must hold the generation; returns
-        the session's task."""
-        assignments = ", ".join(f"{column}=%s" for column in sets)
-        row = cur.execute(
-            f"UPDATE sessions SET {assignments} WHERE session=%s AND generation=%s "
-            "AND state IN ('running', 'settling') RETURNING task",
-            (*sets.values(), session, generation),
-        ).fetchone()
-        if row is None:
-            raise StaleWrite(f"session {session} is not live at generation {generation}")
-        return str(row[0])
-
-    def claim(
-        self,
-        session: str,
-        generation: int,
-        owner: OwnerInfo,
-        *,
-        boundary: str | None = None,
-        boundary_ref: str | None = None,
-        isolation: dict[str, Any] | None = None,
-    ) -> SessionRecord:
-        sets: dict[str, Any] = {"owner": json.dumps(owner.to_json()), "started_at": time.time()}
-        hidden_set = None
-        if boundary is not None:
-            sets |= {"boundary": boundary, "boundary_ref": boundary_ref}
-            if isolation is not None:
-                sets["isolation"], hidden_set = stored_isolation(isolation)
-
-        def work(cur: Cursor) -> None:
-            self._store_hidden(cur, hidden_set)
-            self._transition(cur, session, generation, "claim", sets)
-
-        self._write(work)
-        return self.get_session(session)
-
-    def record_launch(
-        self,
-        session: str,
-        generation: int,
-        boundary: str,
-        boundary_ref: str | None,
-        command_pid: int | None,
-        command_start_time: int | None,
-        isolation: dict[str, Any] | None = None,
-        *,
-        durable: bool = True,
-    ) -> None:
-        """`durable=False`: committed without waiting for the WAL flush, for facts of this
-        boot only (a pid), which no crash of the server's host can make wrong."""
-        sets: dict[str, Any] = {
-            "boundary": boundary,
-            "boundary_ref": boundary_ref,
-            "command_pid": command_pid,
-            "command_start_time": command_start_time,
-        }
-        hidden_set = None
-        if isolation is not None:
-            sets["isolation"], hidden_set = stored_isolation(isolation)
-
-        def work(cur: Cursor) -> None:
-            if not durable:
-                cur.execute("SET LOCAL synchronous_commit = off")
-            self._store_hidden(cur, hidden_set)
-            self._notify(cur, self._update_live(cur, session, generation, sets), session)
-
-        self._write(work)
-
-    def heartbeat(
-        self, session: str, generation: int, lease_until: float, stdout: int, stderr: int
-    ) -> str | None:
-        """Committed without waiting for the WAL flush (`synchronous_commit=off` for this one
-        transaction), as SQLite's is not fsynced: a renewal lost to a crash is harmless, and
-        many owners renewing must not queue behind one flush each."""
-
-        def work(cur: Cursor) -> str | None:
-            cur.execute("SET LOCAL synchronous_commit = off")
-            row = cur.execute(
-                "SELECT owner, cancel_requested FROM sessions WHERE session=%s FOR UPDATE",
-                (session,),
-            ).fetchone()
-            if row is None:
-                raise UnknownSession(session)
-            owner = json.loads(row[0]) if row[0] else {}
-            owner["lease_until"] = lease_until
-            task = self._update_live(cur, session, generation, {"owner": json.dumps(owner)})
-            cur.execute(  # a durable cursor never moves backwards
-                "UPDATE sessions SET stdout_durable=GREATEST(stdout_durable, %s), "
-                "stderr_durable=GREATEST(stderr_durable, %s) WHERE session=%s",
-                (stdout, stderr, session),
-            )
-            self._notify(cur, task, session)
-            return row[1]  # type: ignore[no-any-return]
-
-        return self._write(work)
-
-    def settle_begin(self, session: str, generation: int) -> None:
-        self._write(lambda cur: self._transition(cur, session, generation, "settle_begin", {}))
-
-    def write_receipt(
-        self, session: str, generation: int, receipt: dict[str, Any], event: str = "receipt"
-    ) -> SessionRecord:
-        if event not in RECEIPT_EVENTS:
-            raise StaleWrite(f"a receipt settles a session only by {RECEIPT_EVENTS}, not {event!r}")
-        checked(receipt, f"the receipt offered for session {session}")  # refused unsealed
-        output = receipt.get("output", {})
-        text, hidden_set = stored_receipt(receipt)
-        sets = {
-            "receipt": text,
-            "settled_at": time.time(),
-            **{
-                f"{stream}_durable": output[stream]["cursor"]
-                for stream in ("stdout", "stderr")
-                if stream in output
-            },
-        }
-
-        def work(cur: Cursor) -> None:
-            self._store_hidden(cur, hidden_set)
-            self._transition(cur, session, generation, event, sets)
-
-        self._write(work)
-        return self.get_session(session)
-
-    def mark_unknown(self, session: str, generation: int, why: str) -> SessionRecord:
-        """The owner is gone without a receipt: unknown, never failed (rule 4)."""
-        sets = {"unknown_why": why}
-        self._write(lambda cur: self._transition(cur, session, generation, "lose", sets))
-        return self.get_session(session)
-
-    def take_over(self, session: str, generation: int) -> int:
-        """Fence an unknown session's old owner: recovery writes at the next generation, and
-        every later write of the old owner (heartbeat, receipt) is refused."""
-
-        def work(cur: Cursor) -> None:
-            row = cur.execute(
-                "UPDATE sessions SET generation=generation+1 "
-                "WHERE session=%s AND generation=%s AND state='unknown' RETURNING task",
-                (session, generation),
-            ).fetchone()
-            if row is None:
-                raise StaleWrite(
-                    f"session {session} is not unknown at generation {generation}: another "
-                    "recovery took it over, or it settled"
-                )
-            self._notify(cur, row[0], session)
-
-        self._write(work)
-        return generation + 1
-
-    def note_unknown(self, session: str, why: str) -> None:
-        """Recovery inspected an unknown session and could not prove it dead: say why."""
-        self._write(
-            lambda cur: cur.execute(
-                "UPDATE sessions SET unknown_why=%s WHERE session=%s AND state='unknown'",
-                (why, session),
-            )
-        )
-
-    def unknown_sessions(self, task: str | None = None) -> list[SessionRecord]:
-        where, args = ("AND task=%s", (task,)) if task else ("", ())
-        rows = self._read(
-            f"{SELECT_SESSION} WHERE state='unknown' {where} ORDER BY created_at", args
-        )
-        return [session_from_row(r, self._hidden_sets) for r in rows]
-
-    def live_sessions(self, task: str | None = None) -> list[SessionRecord]:
-        where, args = ("AND task=%s", (task,)) if task else ("", ())
-        rows = self._read(
-            f"{SELECT_SESSION} WHERE state IN ('admitted', 'running', 'settling') {where} "
-            "ORDER BY created_at",
-            args,
-        )
-        return [session_from_row(r, self._hidden_sets) for r in rows]
-
-    def live_owners(self, task: str | None = None) -> list[LiveSession]:
-        where, args = ("AND task=%s", (task,)) if task else ("", ())
-        rows = self._read(
-            f"SELECT {LIVE_COLUMNS} FROM sessions "
-            f"WHERE state IN ('admitted', 'running', 'settling') {where} ORDER BY created_at",
-            args,
-        )
-        return [live_from_row(r) for r in rows]
-
-    def request_cancel(self, session: str, reason: str) -> SessionRecord:
-        def work(cur: Cursor) -> None:
-            row = cur.execute(
-                "UPDATE sessions SET cancel_requested=%s WHERE session=%s "
-                "AND cancel_requested IS NULL AND state IN ('admitted', 'running', 'settling') "
-                "RETURNING task",
-                (reason, session),
-            ).fetchone()
-            if row is not None:
-                self._notify(cur, row[0], session)
-
-        self._write(work)
-        return self.get_session(session)
+        named = f"{self.where} (schema {self.schema})" if self.schema else self.where
+        refuse_newer(version, named, "store")
 
     def await_change(self, topics: tuple[str, ...], seconds: float) -> None:
         """Block until a change of one of `topics` (session or task ids; "*": any) is
@@ -981,131 +284,6 @@ class PostgresStore:
                 for note in self._listener.notifies(timeout=left, stop_after=1):
                     if "*" in wanted or wanted & set(note.payload.split()):
                         return
-
-    # -- the close join and checkpoints --------------------------------------------------
-
-    def _task_transition(self, cur: Cursor, task: str, event: str) -> str:
-        row = cur.execute(
-            "SELECT state FROM tasks WHERE task=%s FOR NO KEY UPDATE", (task,)
-        ).fetchone()
-        if row is None:
-            raise UnknownTask(task)
-        try:
-            new_state = next_task_state(row[0], event)
-        except IllegalTransition as exc:
-            raise StaleWrite(f"task {task}: {exc}") from None
-        cur.execute(
-            "UPDATE tasks SET state=%s WHERE task=%s AND state=%s", (new_state, task, row[0])
-        )
-        self._notify(cur, task)
-        return new_state
-
-    def task_event(self, task: str, event: str) -> TaskRecord:
-        self._write(lambda cur: self._task_transition(cur, task, event))
-        return self.get_task(task)
-
-    def record_close_step(
-        self,
-        task: str,
-        step: str,
-        fact: dict[str, Any],
-        *,
-        event: str | None = None,
-        fence: int | None = None,
-        durable: bool = True,
-    ) -> dict[str, Any]:
-        """Record a step's fact once; a second recording returns the first (never re-runs).
-        Its ``event`` and ``fence``, if any, in the same transaction (see ``Store``): made
-        after the insert, so a refused one rolls the insert back. ``durable=False``:
-        ``synchronous_commit=off`` for this one transaction."""
-        text = canonical_bytes(fact).decode()
-
-        def work(cur: Cursor) -> dict[str, Any]:
-            if not durable:
-                cur.execute("SET LOCAL synchronous_commit = off")
-            inserted = cur.execute(
-                "INSERT INTO close_steps (task, step, fact, recorded_at, digest) "
-                "VALUES (%s, %s, %s, %s, %s) ON CONFLICT (task, step) DO NOTHING RETURNING 1",
-                (task, step, text, time.time(), fact_digest(text)),
-            ).fetchone()
-            if inserted is None:
-                row = cur.execute(
-                    "SELECT fact, digest FROM close_steps WHERE task=%s AND step=%s",
-                    (task, step),
-                ).fetchone()
-                assert row is not None
-                return checked_fact(task, step, row[0], row[1])
-            if event is not None:
-                self._task_transition(cur, task, event)
-            if fence is not None:
-                self._fence(cur, task, fence)
-            self._notify(cur, task)
-            return fact
-
-        return self._write(work)
-
-    def close_steps(self, task: str) -> dict[str, dict[str, Any]]:
-        rows = self._read("SELECT step, fact, digest FROM close_steps WHERE task=%s", (task,))
-        return {step: checked_fact(task, step, fact, digest) for step, fact, digest in rows}
-
-    def record_checkpoint(
-        self, task: str, generation: int, receipt: dict[str, Any], index_ref: str | None
-    ) -> None:
-        """Refused from a fenced generation: only the task's current generation may publish."""
-
-        def work(cur: Cursor) -> None:
-            row = cur.execute(
-                "SELECT generation FROM tasks WHERE task=%s FOR SHARE", (task,)
-            ).fetchone()
-            if row is None:
-                raise UnknownTask(task)
-            if row[0] != generation:
-                raise StaleWrite(
-                    f"task {task}: a checkpoint from generation {generation} is refused; the "
-                    f"runtime generation is {row[0]} (fenced)"
-                )
-            cur.execute(
-                "INSERT INTO checkpoints (manifest, task, generation, receipt, index_ref, "
-                "created_at) VALUES (%s, %s, %s, %s, %s, %s) ON CONFLICT DO NOTHING",
-                (
-                    receipt["manifest"],
-                    task,
-                    generation,
-                    canonical_bytes(receipt).decode(),
-                    index_ref,
-                    time.time(),
-                ),
-            )
-
-        self._write(work)
-
-    def latest_checkpoint(self, task: str) -> tuple[dict[str, Any], str | None] | None:
-        row = self._read_one(
-            "SELECT receipt, index_ref FROM checkpoints WHERE task=%s "
-            "ORDER BY created_at DESC, seq DESC LIMIT 1",
-            (task,),
-        )
-        if row is None:
-            return None
-        return checked(json.loads(row[0]), f"the checkpoint receipt of task {task}"), row[1]
-
-    def fence(self, task: str, generation: int) -> int:
-        """Advance the runtime generation past `generation`; a stale fence is refused."""
-
-        def work(cur: Cursor) -> None:
-            self._fence(cur, task, generation)
-            self._notify(cur, task)
-
-        self._write(work)
-        return generation + 1
-
-    def _fence(self, cur: Cursor, task: str, generation: int) -> None:
-        cur.execute(
-            "UPDATE tasks SET generation=generation+1 WHERE task=%s AND generation=%s",
-            (task, generation),
-        )
-        if cur.rowcount != 1:
-            raise StaleWrite(f"task {task} is not at generation {generation}: already fenced")
 
 
 def open_postgres(url: str, *, pooled: bool = True) -> PostgresStore:

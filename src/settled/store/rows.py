@@ -2,8 +2,7 @@
 
 Every load of a session checks its receipt's digest and every load of a close step checks its
 fact's, whichever database the bytes came from: one decoder, so no backend can skip the check.
-The overlap of two workspaces is decided here for the same reason: by path, and by the identities
-recorded at `task new` (workspace/rootid.py) where both tasks have them. Pure: no database, no I/O.
+Pure: no database, no I/O (the admission and overlap rules are `store/admission.py`'s).
 """
 
 from __future__ import annotations
@@ -192,34 +191,6 @@ def task_from_row(row: tuple[Any, ...]) -> TaskRecord:
 def host_from_row(row: tuple[Any, ...]) -> HostRecord:
     """In `HOST_COLUMNS` order."""
     return HostRecord(*row)
-
-
-def overlap(a: str, b: str) -> bool:
-    """Two resolved directories are the same, or one holds the other."""
-    return a == b or a.startswith(b.rstrip("/") + "/") or b.startswith(a.rstrip("/") + "/")
-
-
-def workspaces_overlap(
-    path: str, identity: dict[str, Any] | None, other_path: str, other: dict[str, Any] | None
-) -> bool:
-    """Two workspaces overlap by path (`overlap`), or, when both have identities recorded
-    (rootid.read), by identity: the same directory, or either's root among the directories
-    that hold the other (a bind mount, a symlinked path or a second mount of one filesystem
-    shows the same device and inode under another path)."""
-    if overlap(path, other_path):
-        return True
-    if identity is None or other is None:
-        return False  # a task made before identities: by path, as it was
-    root, other_root = _root(identity), _root(other)
-    return root == other_root or root in _held_by(other) or other_root in _held_by(identity)
-
-
-def _root(identity: dict[str, Any]) -> tuple[int, int]:
-    return int(identity["dev"]), int(identity["ino"])
-
-
-def _held_by(identity: dict[str, Any]) -> set[tuple[int, int]]:
-    return {(int(dev), int(ino)) for dev, ino in identity.get("ancestors", ())}
 
 
 def fact_digest(text: str) -> str:
