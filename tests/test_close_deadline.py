@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from settled.close.decide import Deadline, close_deadline, seconds_left, settle_bound
+from settled.close.deadline import Deadline, close_deadline, seconds_left, settle_bound
 from settled.records import TaskRecord
 from settled.runtime import Runtime
 

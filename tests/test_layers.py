@@ -95,6 +95,7 @@ UNITS: list[tuple[str, str]] = [
     ("store-sqlite", "settled.store.sqlite"),
     ("store", "settled.store"),
     ("decisions", "settled.close.decide"),
+    ("decisions", "settled.close.deadline"),  # the close's one deadline, across resumes
     ("decisions", "settled.status"),
     ("decisions", "settled.clocks"),  # the four clocks of /ui, over the close's facts
     ("decisions", "settled.recovery_decide"),  # recovery's verdicts, over what it observed

@@ -142,46 +142,6 @@ def next_decision(facts: CloseFacts) -> Decision:
     return Done()
 
 
-class Deadline(Frozen):
-    """The close's one deadline: the wall-clock time it passes, its length, and where it came
-    from ("recorded" with final_pending, or this close's own for a final_pending recorded
-    before the deadline was: counted from now, as every close did then)."""
-
-    __slots__ = ("at", "seconds", "source")
-    at: float
-    seconds: float
-    source: str
-
-    def __init__(self, at: float, seconds: float, source: str) -> None:
-        self._fill(locals())
-
-    def to_json(self) -> dict[str, Any]:
-        return {"at": self.at, "s": self.seconds, "source": self.source}
-
-
-def close_deadline(pending: dict[str, Any], given_s: float, now: float) -> Deadline:
-    """The deadline a close keeps: the one its final_pending fact recorded when the close
-    began (a resumed close keeps it, whatever deadline it was given), or, for a fact an older
-    version recorded without one, `given_s` counted from `now`."""
-    at, seconds = pending.get("deadline_at"), pending.get("deadline_s")
-    if isinstance(at, int | float) and isinstance(seconds, int | float):
-        return Deadline(float(at), float(seconds), "recorded")
-    return Deadline(now + given_s, given_s, "this close (final_pending recorded none)")
-
-
-def seconds_left(deadline: Deadline, now: float) -> float:
-    """How long the close may still wait for its required commands, by the wall clock `now`,
-    within [0, the deadline's length]: a clock stepped back never makes a close wait longer
-    than its whole deadline from now; one stepped forward only brings the cancel sooner."""
-    return min(max(0.0, deadline.at - now), deadline.seconds)
-
-
-def settle_bound(graces: list[float], cancel_settle_s: float) -> float:
-    """The one bound the close waits, from its cancel, for every session still live to settle:
-    the longest `cancel_settle_s + grace` among them, not their sum (they stop together)."""
-    return max((cancel_settle_s + grace for grace in graces), default=0.0)
-
-
 def terminal_mutations(sessions: list[SessionRecord]) -> list[int]:
     seqs = []
     for session in sessions:

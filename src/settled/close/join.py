@@ -9,18 +9,11 @@ step changes in the store itself (the task's transitions into closing and comple
 is written in the same transaction as its fact (``_recorded_with``), and the facts are read
 again only when another close may have moved them (``_after``).
 
-The deadline is one scope for the whole close, across a crash and a resume. The close that
-records ``final_pending`` records its deadline there too, as a wall-clock time: a resumed
-close (``settled close`` again, another process, perhaps after a reboot) keeps it, whatever
-deadline it is given, and cancels at once if it passed. Monotonic time cannot be recorded for
-another process: CLOCK_MONOTONIC counts from an unspecified point of each boot, so a value
-written before a crash and reboot means nothing after it. Within a step the waits run on the
-monotonic clock; the wall clock is read once to say how much of the deadline is left, and
-that is kept within [0, the deadline's length] (``decide.seconds_left``), so a clock stepped
-back cannot stretch the close past its deadline counted anew, and one stepped forward only
-cancels sooner. Past the deadline every late session is asked to stop at once, and all the
-live ones are then waited for under one bound from that cancel (the longest
-``CANCEL_SETTLE_S + grace`` among them), never one bound after another.
+The deadline is one scope for the whole close, across a crash and a resume (deadline.py):
+recorded with ``final_pending`` as a wall-clock time, kept by a resumed close whatever
+deadline it is given (it cancels at once if it passed), and, past it, every late session is
+asked to stop at once and all the live ones are waited for under one bound from that cancel
+(the longest ``CANCEL_SETTLE_S + grace`` among them), never one bound after another.
 """
 
 from __future__ import annotations
@@ -34,18 +27,16 @@ from typing import Any, Protocol
 
 from settled import faults
 from settled.canonical import canonical_bytes
+from settled.close.deadline import close_deadline, seconds_left, settle_bound
 from settled.close.decide import (
     STEPS,
     Blocked,
     CloseFacts,
     Done,
     Next,
-    close_deadline,
     command_outcomes,
     next_decision,
     output_losses,
-    seconds_left,
-    settle_bound,
 )
 from settled.close.facts import read_close_facts
 from settled.errors import StaleWrite
