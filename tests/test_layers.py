@@ -95,8 +95,10 @@ UNITS: list[tuple[str, str]] = [
     ("store-sqlite", "settled.store.sqlite"),
     ("store", "settled.store"),
     ("decisions", "settled.close.decide"),
+    ("decisions", "settled.close.deadline"),  # the close's one deadline, across resumes
     ("decisions", "settled.status"),
     ("decisions", "settled.clocks"),  # the four clocks of /ui, over the close's facts
+    ("decisions", "settled.recovery_decide"),  # recovery's verdicts, over what it observed
     ("close", "settled.close.join"),
     ("close", "settled.close.facts"),  # reads the store for the join and for explain
     ("decisions", "settled.close"),  # the package: a docstring
@@ -162,6 +164,7 @@ ALLOWED: dict[str, set[str]] = {
     "close": {"foundation", "decisions", "store", "close"},
     "recovery": {
         "foundation",
+        "decisions",
         "store",
         "boundary",
         "log",
@@ -300,6 +303,8 @@ def test_every_module_is_in_a_unit() -> None:
         ("settled.workspace.checkpoint", "settled.store", True),
         ("settled.owner.main", "settled.workspace.journal.wire", True),
         ("settled.recovery", "settled.boundary.local", False),  # the sandbox is injected
+        ("settled.recovery", "settled.recovery_decide", True),  # its verdicts, pure
+        ("settled.recovery_decide", "settled.sessions", False),  # a decision asking a service
         ("settled.store", "settled.store.sqlite", True),  # the one chooser
         ("settled.workspace.checkpoint", "settled.objects.local", False),  # past the seam
         ("settled.objects", "settled.objects.s3", True),  # the object store's one chooser
@@ -312,6 +317,7 @@ def test_the_rules_catch_what_they_are_for(importer: str, target: str, ok: bool)
 
 # The Runtime and the services decide and ask; only owner/ and boundary/ touch processes.
 ASKERS = ["settled/runtime.py", "settled/sessions.py", "settled/recovery.py", "settled/status.py"]
+ASKERS += ["settled/recovery_decide.py"]
 ASKERS += [f"settled/{d}" for d in ("close", "store")]
 PROCESS_CALLS = {"kill", "killpg", "pidfd_open", "waitpid", "pidfd_send_signal"}
 PROCESS_MODULES = {"signal", "select"}

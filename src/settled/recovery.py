@@ -8,6 +8,10 @@ writes a receipt with `death.source: recovery`, the log closed at the bytes on d
 `drain: incomplete`. A session whose boundary cannot give evidence stays unknown, with why.
 A session no owner was ever claimed for (its launch failed first) is settled by its launcher as
 never started without passing through unknown (`settle_unlaunched`): nothing of it can run.
+
+This module owns recovery's I/O: it looks (the store, the owners, the sandbox, the last words)
+and writes (unknown, take-over, receipts, the logs' close). What it decides from what it saw
+is recovery_decide.py's, pure, and never decided here.
 """
 
 from __future__ import annotations
@@ -22,8 +26,22 @@ from settled.home import journal_socket, last_words_path, log_path
 from settled.owner.last_words import read_last_words
 from settled.receipts import process_receipt
 from settled.records import LiveSession, OwnerFacts, SessionRecord
+from settled.recovery_decide import (
+    SANDBOX_DESTROYED,
+    RecoveryFacts,
+    Settles,
+    StaysUnknown,
+    never_claimed,
+    owner_gone,
+    recovery_verdict,
+    settled,
+    settled_by_another,
+    skipped,
+    stays_unknown,
+    unclaimed_too_long,
+    with_last_words,
+)
 from settled.sessions import SessionWatch
-from settled.states import ADMITTED, UNKNOWN
 from settled.store import Store
 
 # What settling a lost session needs (evidence, the log's close at disk, the sandbox) is
@@ -84,12 +102,8 @@ class Recovery:
         if record.owner is None:
             from settled.owner.launcher import READY_TIMEOUT_S
 
-            waited = now - record.created_at
-            if record.state == ADMITTED and waited > READY_TIMEOUT_S:
-                return f"no owner claimed it in {waited:.0f} s (its launcher died)"
-            return None
-        facts = facts or self.sessions.liveness.facts(record.owner)
-        return None if facts is None or facts.alive else facts.why
+            return unclaimed_too_long(record, now, READY_TIMEOUT_S)
+        return owner_gone(facts or self.sessions.liveness.facts(record.owner))
 
     def detect(self, task: str | None = None, *, force: bool = False) -> list[str]:
         """Mark every live session whose owner is missing as unknown; returns their ids.
@@ -103,16 +117,10 @@ class Recovery:
         looked = [None] * len(records) if force else self.sessions.owners_facts(records)
         found = []
         for record, facts in zip(records, looked, strict=True):
-            why = (
-                "the task's sandbox was destroyed"
-                if force
-                else self.owner_missing(record, now, facts)
-            )
+            why = SANDBOX_DESTROYED if force else self.owner_missing(record, now, facts)
             if why is None:
                 continue
-            words = self.last_words(record.session)
-            if words is not None:
-                why = f"{why}; its owner's last words: {words['reason']}"
+            why = with_last_words(why, self.last_words(record.session))
             with contextlib.suppress(StaleWrite):  # it settled (or another detector won)
                 self.store.mark_unknown(record.session, record.generation, why)
                 found.append(record.session)
@@ -146,32 +154,34 @@ class Recovery:
     def recover_session(
         self, record: SessionRecord, source: str, given: Evidence | None = None
     ) -> dict[str, Any]:
+        """Fence the lost owner, inspect the boundary (which kills what is left), and write
+        what `recovery_verdict` decides from what was seen."""
         try:
             generation = self.store.take_over(record.session, record.generation)
         except StaleWrite as exc:
-            return {"session": record.session, "state": "skipped", "why": str(exc)}
+            return skipped(record.session, str(exc))
         faults.point("recovery.after_take_over")
         killed_at = time.monotonic()  # inspect kills what is left of the command
         evidence = given or self.sandbox.inspect(record, self.store.get_task(record.task))
         faults.point("recovery.after_kill")
-        source = str(evidence.observed.get("source") or source)  # "provider": its own word
-        if not evidence.proven:
-            why = str(
-                evidence.observed.get("why") or f"boundary {evidence.boundary} gave no evidence"
-            )
-            self.store.note_unknown(record.session, why)
-            return {"session": record.session, "state": UNKNOWN, "why": why}
-        facts = self.sessions.owner_facts(record)
-        writer_may_live = facts is None or facts.process_alive
-        receipt = _recovered_receipt(
-            self.home, record, generation, evidence, source, writer_may_live, killed_at
-        )
+        owner = self.sessions.owner_facts(record)
+        verdict = recovery_verdict(RecoveryFacts(record, evidence, source, owner))
+        if isinstance(verdict, StaysUnknown):
+            self.store.note_unknown(record.session, verdict.why)
+            return stays_unknown(record.session, verdict)
+        receipt = _recovered_receipt(self.home, record, generation, evidence, verdict, killed_at)
         faults.point("recovery.before_receipt")
+        return self._write(record, generation, receipt, evidence)
+
+    def _write(
+        self, record: SessionRecord, generation: int, receipt: dict[str, Any], evidence: Evidence
+    ) -> dict[str, Any]:
+        """Write a recovered receipt at the generation recovery took over at."""
         try:
             self.store.write_receipt(record.session, generation, receipt, event="recover")
         except StaleWrite as exc:  # another recovery (a second destroy) took it over since
-            return _as_settled_by_another(self.store.get_session(record.session), exc)
-        return {"session": record.session, "state": "settled", "evidence": evidence.evidence}
+            return settled_by_another(self.store.get_session(record.session), str(exc))
+        return settled(record.session, evidence.evidence)
 
     def settle_unlaunched(self, session: str, why: str) -> bool:
         """Settle, as never started, a session whose launch failed before any owner was claimed
@@ -185,7 +195,7 @@ class Recovery:
         settled session refuses a claim. Without this, the session would wait out the launch
         timeout, turn unknown and freeze its task until `settled recover`."""
         record = self.store.get_session(session)
-        if record.state != ADMITTED or record.owner is not None:
+        if not never_claimed(record):
             return False
         receipt = _unlaunched_receipt(self.home, record, why)
         try:
@@ -207,22 +217,15 @@ class Recovery:
         try:
             generation = self.store.take_over(record.session, record.generation)
         except StaleWrite as exc:
-            return {"session": record.session, "state": "skipped", "why": str(exc)}
+            return skipped(record.session, str(exc))
         evidence = given or self._inspect_elsewhere(record)
-        if evidence is None or not evidence.proven:
-            reason = (
-                str(evidence.observed.get("why")) if evidence is not None
-                else "the local sandbox of another host cannot be inspected from here; a "
-                "sandbox provider that answers for it (SETTLED_SANDBOX=command:CONFIG) can"
-            )  # fmt: skip
-            self.store.note_unknown(record.session, f"{why}; {reason}")
-            return {"session": record.session, "state": UNKNOWN, "why": f"{why}; {reason}"}
-        receipt = _vanished_host_receipt(record, generation, evidence, why)
-        try:
-            self.store.write_receipt(record.session, generation, receipt, event="recover")
-        except StaleWrite as exc:
-            return _as_settled_by_another(self.store.get_session(record.session), exc)
-        return {"session": record.session, "state": "settled", "evidence": evidence.evidence}
+        verdict = recovery_verdict(RecoveryFacts(record, evidence, vanished=why))
+        if isinstance(verdict, StaysUnknown):
+            self.store.note_unknown(record.session, verdict.why)
+            return stays_unknown(record.session, verdict)
+        assert evidence is not None  # no verdict settles without it
+        receipt = _vanished_host_receipt(record, generation, evidence, verdict, why)
+        return self._write(record, generation, receipt, evidence)
 
     def _inspect_elsewhere(self, record: SessionRecord) -> Evidence | None:
         """The provider's answer for a session of another host (None from the local one,
@@ -238,7 +241,7 @@ class Recovery:
 
 
 def _vanished_host_receipt(
-    record: SessionRecord, generation: int, evidence: Evidence, why: str
+    record: SessionRecord, generation: int, evidence: Evidence, verdict: Settles, why: str
 ) -> dict[str, Any]:
     lost = "the log stayed on the vanished host; its owner last published this durable cursor"
     output = {
@@ -252,14 +255,9 @@ def _vanished_host_receipt(
         key=record.key,
         command_digest=record.digest,
         generation=generation,
-        death={**evidence.to_json("provider"), "boundary": "sandbox"},
-        exit={
-            "code": None,
-            "signal": None,
-            "reason": "owner_lost",
-            "note": f"the exit status was lost with the host: {why}",
-        },
-        output={**output, "drain": "incomplete"},
+        death={**evidence.to_json(verdict.source), "boundary": "sandbox"},
+        exit=verdict.exit,
+        output={**output, "drain": verdict.drain},
         stragglers=[],
         terminal_mutation={
             "seq": None,
@@ -283,18 +281,6 @@ def _network(home: str, record: SessionRecord, killed_at: float | None) -> dict[
     from settled.netproxy.sealing import sealed_facts
 
     return sealed_facts(home, record.session, list(record.spec.get("allow_hosts", ())), killed_at)
-
-
-def _as_settled_by_another(record: SessionRecord, lost: StaleWrite) -> dict[str, Any]:
-    """What a recovery that lost its receipt write to another one reports: the receipt the other
-    wrote when there is one, else that the other is still at it."""
-    if record.receipt is not None:
-        return {
-            "session": record.session,
-            "state": record.state,
-            "evidence": record.receipt["death"].get("evidence"),
-        }
-    return {"session": record.session, "state": "skipped", "why": str(lost)}
 
 
 def _logs_at_disk(home: str, session: str, *, writer_may_live: bool) -> dict[str, Any]:
@@ -343,39 +329,26 @@ def _recovered_receipt(
     record: SessionRecord,
     generation: int,
     evidence: Evidence,
-    source: str,
-    writer_may_live: bool,
+    verdict: Settles,
     killed_at: float | None = None,
 ) -> dict[str, Any]:
-    """The receipt of a lost owner's session. Its logs are closed in place (nothing written,
-    so a full disk does not stop it) unless the lost owner may still be running, when a copy
-    fences its late appends off (log/recovered.py). Under `--network proxy`, its ledger is
-    sealed here, as its owner would have (`killed_at`: when recovery's inspection began)."""
+    """The receipt of a lost owner's session, as `verdict` decided it. Its logs are closed in
+    place (nothing written, so a full disk does not stop it) unless the lost owner may still be
+    running, when a copy fences its late appends off (log/recovered.py). Under `--network
+    proxy`, its ledger is sealed here, as its owner would have (`killed_at`: when recovery's
+    inspection began)."""
     from settled.workspace.journal import wire as journal_client
 
-    output = _logs_at_disk(home, record.session, writer_may_live=writer_may_live)
-    never_ran = (
-        not evidence.observed.get("claimed", True)
-        or evidence.boundary == "none"
-        or record.owner is None
-        or record.boundary is None
-    )
+    output = _logs_at_disk(home, record.session, writer_may_live=verdict.writer_may_live)
     return process_receipt(
         session=record.session,
         task=record.task,
         key=record.key,
         command_digest=record.digest,
         generation=generation,
-        death=evidence.to_json(source),
-        exit={
-            "code": None,
-            "signal": None,
-            "reason": "not_started" if never_ran else "owner_lost",
-            "note": "the owner died before it started the command"
-            if never_ran
-            else "the exit status was lost with the owner",
-        },
-        output={**output, "drain": "complete" if never_ran else "incomplete"},
+        death=evidence.to_json(verdict.source),
+        exit=verdict.exit,
+        output={**output, "drain": verdict.drain},
         stragglers=[],
         terminal_mutation=journal_client.terminal_mutation(journal_socket(home), record.task),
         isolation=record.isolation,

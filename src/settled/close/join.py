@@ -8,6 +8,12 @@ and a repeated close returns the same close receipt without running anything aga
 step changes in the store itself (the task's transitions into closing and complete, the fence)
 is written in the same transaction as its fact (``_recorded_with``), and the facts are read
 again only when another close may have moved them (``_after``).
+
+The deadline is one scope for the whole close, across a crash and a resume (deadline.py):
+recorded with ``final_pending`` as a wall-clock time, kept by a resumed close whatever
+deadline it is given (it cancels at once if it passed), and, past it, every late session is
+asked to stop at once and all the live ones are waited for under one bound from that cancel
+(the longest ``CANCEL_SETTLE_S + grace`` among them), never one bound after another.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from typing import Any, Protocol
 
 from settled import faults
 from settled.canonical import canonical_bytes
+from settled.close.deadline import close_deadline, seconds_left, settle_bound
 from settled.close.decide import (
     STEPS,
     Blocked,
@@ -170,7 +177,14 @@ class CloseJoin:
     # -- the steps, in the order of decide.STEPS ------------------------------------------
 
     def _step_final_pending(self, facts: CloseFacts) -> dict[str, Any]:
-        return {"final": self.final, "received_at": time.time()}
+        """The final response and the close's deadline, which every resume keeps."""
+        now, seconds = time.time(), float(self.deadline)
+        return {
+            "final": self.final,
+            "received_at": now,
+            "deadline_s": seconds,
+            "deadline_at": now + seconds,
+        }
 
     def _step_sealed(self, facts: CloseFacts) -> dict[str, Any]:
         if facts.task.state == TASK_OPEN:
@@ -179,30 +193,41 @@ class CloseJoin:
         return {"sealed_at": time.time(), "sessions": [s.session for s in sessions]}
 
     def _step_sessions_settled(self, facts: CloseFacts) -> dict[str, Any]:
+        """Stop services; wait for the required sessions until the recorded deadline; then
+        cancel every one still live at once and wait for all the live ones under one bound.
+        Those that still have not settled are named ``unsettled`` (the next step blocks on
+        them, or recovery's Unknown does)."""
         live = [s for s in facts.sessions if s.live]
         services = [s for s in live if s.spec.get("service")]
         for service in services:
             self.sessions.cancel(service.session, "service stopped at close")
         required = [s for s in live if not s.spec.get("service")]
-        give_up = time.monotonic() + self.deadline
-        cancelled: list[str] = []
-        for session in required:
-            remaining = give_up - time.monotonic()
-            if self.sessions.settles_within(session.session, remaining):
-                continue
-            self.sessions.cancel(session.session, f"close deadline of {self.deadline} s passed")
-            cancelled.append(session.session)
-        unsettled = [
-            s.session
-            for s in live
-            if not self.sessions.settles_within(s.session, CANCEL_SETTLE_S + float(s.spec["grace"]))
-        ]
+        deadline = close_deadline(facts.steps["final_pending"], self.deadline, time.time())
+        late = self._not_settled_by(required, seconds_left(deadline, time.time()))
+        for session in late:
+            self.sessions.cancel(session.session, f"close deadline of {deadline.seconds} s passed")
+        cancelled_at = time.time()
+        bound = settle_bound([float(s.spec["grace"]) for s in live], CANCEL_SETTLE_S)
+        unsettled = self._not_settled_by(live, bound)
         return {
             "settled_at": time.time(),
             "stopped_services": [s.session for s in services],
-            "cancelled_at_deadline": cancelled,
-            "unsettled": unsettled,
+            "cancelled_at_deadline": [s.session for s in late],
+            "unsettled": [s.session for s in unsettled],
+            "deadline": deadline.to_json(),
+            "cancelled_at": cancelled_at,
+            "settle_bound_s": bound,
         }
+
+    def _not_settled_by(self, sessions: list[SessionRecord], seconds: float) -> list[SessionRecord]:
+        """The sessions that have not settled `seconds` from now. One bound for them all: each
+        is waited for only what is left of it, so N sessions wait as long as the slowest."""
+        give_up = time.monotonic() + seconds
+        return [
+            s
+            for s in sessions
+            if not self.sessions.settles_within(s.session, give_up - time.monotonic())
+        ]
 
     def _step_receipts(self, facts: CloseFacts) -> dict[str, Any]:
         return {  # recorded with the task's close_begin (``_recorded_with``)
