@@ -44,6 +44,7 @@ FOUNDATION = {
     "settled.receipts",
     "settled.records",
     "settled.render",
+    "settled.requests",
     "settled.sockdiag",
     "settled.states",
     "settled.where",
@@ -64,6 +65,7 @@ FACE_NEUTRAL = {
     "settled.printable",  # the one escape of what a command controls, in every human view
     "settled.records",
     "settled.render",
+    "settled.requests",  # one request type per verb: what a face asks, in its grammar
     "settled.states",
     "settled.where",  # the CLI's thin client finds its home's warm process without a Runtime
 }

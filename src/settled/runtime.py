@@ -54,6 +54,7 @@ if TYPE_CHECKING:
     from settled.log.view import Window
     from settled.owner.launcher import Launcher as Launcher  # the seam faces may share
     from settled.recovery import Recovery
+    from settled.requests import ExecRequest, TaskRequest
     from settled.workspace.checkpoint import WorkspaceService
     from settled.workspace.restore import RestoreResult
 
@@ -458,23 +459,17 @@ class Runtime:
 
     # -- tasks ---------------------------------------------------------------------------
 
-    @_on_disk("task new")
     def new_task(
-        self,
-        workspace: str | None = None,
-        key: str | None = None,
-        *,
-        user: str | tuple[int, int] | None = None,
-        shared_workspace: bool = False,
-        ignore: Sequence[str] = (),
-        writable: Sequence[str] = (),
-        readable: Sequence[str] = (),
-        memory: int | None = None,
-        pids: int | None = None,
-        cpus: float | None = None,
-        network: str | None = None,
-        allow_hosts: Sequence[str] | None = (),
+        self, workspace: str | None = None, key: str | None = None, **options: Any
     ) -> TaskRecord:
+        """``create_task`` with the request's options as keywords (`requests.TaskRequest`'s
+        names): what a caller in this process writes."""
+        from settled.requests import TaskRequest
+
+        return self.create_task(TaskRequest(workspace=workspace, key=key, **options))
+
+    @_on_disk("task new")
+    def create_task(self, request: TaskRequest) -> TaskRecord:
         """`user` (UID[:GID], a name, or a (uid, gid) pair) is the default uid/gid of the
         task's commands; an exec may name another. `writable` and `readable` are grants every
         command of the task gets besides its own, `memory`, `pids` and `cpus` its default
@@ -494,27 +489,30 @@ class Runtime:
         from settled.workspace.ignore import compile_rules
         from settled.workspace.placement import check_workspace, default_workspaces
 
-        grammar.optional_key("key", key)
-        extra = list(ignore)
+        grammar.optional_key("key", request.key)
+        extra = list(request.ignore)
         compile_rules(extra)  # a bad pattern is refused before anything is made
-        if workspace is not None:
-            grammar.check_path("workspace", workspace)
-        uid_gid = _resolve_user(user)  # bad input is refused, a retry's too
-        limits = _limits(memory, pids, cpus, {})
-        if network is not None:
+        if request.workspace is not None:
+            grammar.check_path("workspace", request.workspace)
+        uid_gid = _resolve_user(request.user)  # bad input is refused, a retry's too
+        limits = _limits(request.memory, request.pids, request.cpus, {})
+        if request.network is not None:
             from settled.identity import NETWORK_POLICIES
 
-            grammar.check_choice("network", network, NETWORK_POLICIES)
-        patterns = netpolicy.check_allowed("allow_hosts", allow_hosts or (), network)
+            grammar.check_choice("network", request.network, NETWORK_POLICIES)
+        patterns = netpolicy.check_allowed(
+            "allow_hosts", request.allow_hosts or (), request.network
+        )
         granted = {kind: grants.resolve(kind, paths) for kind, paths in
-                   (("writable", writable), ("readable", readable))}  # fmt: skip
-        if key is None or (retried := self.store.find_task(key)) is None:
+                   (("writable", request.writable), ("readable", request.readable))}  # fmt: skip
+        if request.key is None or (retried := self.store.find_task(request.key)) is None:
             check_reserve(self.home, "task new")  # a retry needs no space: it gets its task
-        elif _same_workspace(workspace, retried.workspace, default_workspaces(self.home)):
+        elif _same_workspace(request.workspace, retried.workspace, default_workspaces(self.home)):
             if retried.state == TASK_OPEN:
                 self._ensure_journal(retried)
             return retried
         made = None
+        workspace = request.workspace
         if workspace is None:
             workspace = made = tempfile.mkdtemp(prefix="workspace-", dir=self._default_workspaces())
         try:  # all or nothing: a creation that fails leaves no row, directory or journal state
@@ -531,12 +529,12 @@ class Runtime:
             made_sandbox: dict[str, Any] | None = None
             defaults: dict[str, Any] = {k: list(v) for k, v in granted.items() if v}
             defaults.update({k: v for k, v in limits.items() if v is not None})
-            if network is not None:
-                defaults["network"] = network
+            if request.network is not None:
+                defaults["network"] = request.network
             if patterns:
                 defaults["allow_hosts"] = list(patterns)
             record, created = self.store.create_task(
-                key or new_key(), root, uid_gid, shared_workspace=shared_workspace,
+                request.key or new_key(), root, uid_gid, shared_workspace=request.shared_workspace,
                 host=self.host, ignore_rules=rules, defaults=defaults or None,
                 workspace_identity=identity,
             )  # fmt: skip
@@ -596,34 +594,21 @@ class Runtime:
 
     # -- admission -----------------------------------------------------------------------
 
-    @_on_disk("exec")
     def exec(
         self,
         task: str,
-        argv: list[str] | None = None,
+        argv: Sequence[str] | None = None,
         shell: str | None = None,
-        *,
-        key: str | None = None,
-        cwd: str = ".",
-        env: dict[str, str] | list[str] | None = None,
-        stdin: bytes | None = None,
-        timeout: float | None = None,
-        grace: float | None = None,
-        boundary: str = "auto",
-        service: bool = False,
-        isolation: str = "auto",
-        user: str | tuple[int, int] | None = None,
-        writable: list[str] | tuple[str, ...] = (),
-        readable: list[str] | tuple[str, ...] = (),
-        memory: int | None = None,
-        pids: int | None = None,
-        cpus: float | None = None,
-        network: str | None = None,
-        allow_hosts: Sequence[str] | None = None,
-        inherit: Sequence[str] = (),
-        inherit_env: bool = False,
-        inherited: Sequence[str] = (),
+        **options: Any,
     ) -> Admission:
+        """``admit`` with the request's options as keywords (`requests.ExecRequest`'s names):
+        what a caller in this process writes, a test, the soak or the probe."""
+        from settled.requests import ExecRequest
+
+        return self.admit(task, ExecRequest(argv=argv, shell=shell, **options))
+
+    @_on_disk("exec")
+    def admit(self, task: str, request: ExecRequest) -> Admission:
         """Admit a command idempotently; only the admission that creates it launches it.
 
         `isolation` is "auto" (every protection this machine gives; the receipt names any
@@ -657,46 +642,50 @@ class Runtime:
             resolve_cwd,
         )
 
-        grammar.optional_key("key", key)
-        timeout = timeout or None  # 0 is no limit, as timeout(1) reads it: one rule, every face
-        if stdin is not None and not isinstance(stdin, bytes):
-            raise BadInput(f"stdin must be bytes, not {type(stdin).__name__}")
+        grammar.optional_key("key", request.key)
+        timeout = (
+            request.timeout or None
+        )  # 0 is no limit, as timeout(1) reads it: one rule, every face
+        if request.stdin is not None and not isinstance(request.stdin, bytes):
+            raise BadInput(f"stdin must be bytes, not {type(request.stdin).__name__}")
         record = self.store.get_task(grammar.check_id("task", task))
         self._on_this_host(record, "exec")
-        run_as = _resolve_user(user) or record.user
+        run_as = _resolve_user(request.user) or record.user
         defaults = record.defaults or {}
-        limits = _limits(memory, pids, cpus, defaults)
+        limits = _limits(request.memory, request.pids, request.cpus, defaults)
         granted = {}
-        for kind, asked in (("writable", writable), ("readable", readable)):
+        for kind, asked in (("writable", request.writable), ("readable", request.readable)):
             granted[kind] = grants.resolve(kind, [*asked, *defaults.get(kind, ())])
             self._refuse_held(kind, granted[kind], record.workspace)
         enters = bool((record.sandbox or {}).get("enter"))
-        builds_nothing = enters or isolation == "none"  # no namespace to put a proxy in
+        builds_nothing = enters or request.isolation == "none"  # no namespace to put a proxy in
         chosen_network = (
-            network or defaults.get("network") or ("host" if builds_nothing else "proxy")
+            request.network or defaults.get("network") or ("host" if builds_nothing else "proxy")
         )
-        explicit = dict(normalize_env(env or {}))
+        explicit = dict(normalize_env(request.env or {}))
         if chosen_network == "proxy":  # where the proxy is, unless the command says otherwise
             explicit = {**dict(netpolicy.proxy_env()), **explicit}
-        caller = self._caller_env(inherit, inherit_env)
-        if stray := sorted(set(inherited) - set(explicit)):
+        caller = self._caller_env(request.inherit, request.inherit_env)
+        if stray := sorted(set(request.inherited) - set(explicit)):
             raise BadInput(f"inherited names {stray} are not in env")
         given = compose(base_environment(run_as and run_as[0]), caller, explicit)
-        from_caller = "PATH" in inherited or ("PATH" in caller.env and "PATH" not in explicit)
+        from_caller = "PATH" in request.inherited or (
+            "PATH" in caller.env and "PATH" not in explicit
+        )
         if from_caller and not builds_nothing:  # no tool planted in the task's own dirs
             shown = (record.workspace, *granted["writable"], *granted["readable"])
             given["PATH"] = path_in_view(given["PATH"], given.get("HOME"), shown) or STANDARD_PATH
         spec = CommandSpec(
-            argv=tuple(argv) if argv is not None else None,
-            shell=shell,
-            cwd=resolve_cwd(record.workspace, cwd),
+            argv=tuple(request.argv) if request.argv is not None else None,
+            shell=request.shell,
+            cwd=resolve_cwd(record.workspace, request.cwd),
             env=normalize_env(given),
-            stdin_digest=self._keep_stdin(stdin) if stdin is not None else None,
+            stdin_digest=self._keep_stdin(request.stdin) if request.stdin is not None else None,
             timeout=timeout,
-            grace=grace if grace is not None else DEFAULT_GRACE_S,
-            boundary=boundary,
-            service=service,
-            isolation=isolation,
+            grace=request.grace if request.grace is not None else DEFAULT_GRACE_S,
+            boundary=request.boundary,
+            service=request.service,
+            isolation=request.isolation,
             user=run_as,
             writable=granted["writable"],
             readable=granted["readable"],
@@ -706,10 +695,12 @@ class Runtime:
             network=chosen_network,
             allow_hosts=netpolicy.check_allowed(  # a text is refused, never taken letter by letter
                 "allow_hosts",
-                tuple(defaults.get("allow_hosts", ())) if allow_hosts is None else allow_hosts,
+                tuple(defaults.get("allow_hosts", ()))
+                if request.allow_hosts is None
+                else request.allow_hosts,
                 chosen_network,
             ),
-            inherited=(*(n for n in caller.inherited if n not in explicit), *inherited),
+            inherited=(*(n for n in caller.inherited if n not in explicit), *request.inherited),
             env_removed=caller.removed,
         )
         entered = _check_sandbox(spec, record, self._sandbox_name)
@@ -718,7 +709,7 @@ class Runtime:
         if not entered:
             _check_isolation(spec, kind)
         _check_limits(spec)
-        key = key or new_key()
+        key = request.key or new_key()
         while True:
             existing = self.store.find_session(task, key)
             if existing is not None and existing.digest == spec.digest:
