@@ -208,9 +208,9 @@ CHOSEN_ONLY_BY: dict[str, set[str]] = {
     "settled.store.postgres": {"settled.store"},
     "settled.workspace.objects": {"settled.workspace.open_objects"},
     "settled.workspace.s3objects": {"settled.workspace.open_objects"},
-    "settled.owner.zygote": {"settled.runtime"},
-    "settled.owner.home_launcher": {"settled.runtime"},
-    "settled.owner.liveness": {"settled.runtime"},
+    "settled.owner.zygote": {"settled.runtime.composition"},
+    "settled.owner.home_launcher": {"settled.runtime.composition"},
+    "settled.owner.liveness": {"settled.runtime.composition"},
     "settled.boundary.local": {"settled.boundary.sandbox"},
     "settled.boundary.command": {"settled.boundary.sandbox"},
 }
@@ -232,7 +232,8 @@ def allowed(importer: str, target: str) -> bool:
         return False
     unit, wanted = unit_of(importer), unit_of(target)
     if unit == "faces":
-        return target in FACE_NEUTRAL or wanted in {"runtime", "faces"}
+        # the Runtime through its facade (runtime/__init__.py), never one of its parts
+        return target in FACE_NEUTRAL or target == "settled.runtime" or wanted == "faces"
     return wanted in ALLOWED[unit]
 
 
@@ -301,6 +302,7 @@ def test_every_module_is_in_a_unit() -> None:
     [
         ("settled.server.views", "settled.log.reader", False),  # a face skipping the Runtime
         ("settled.server.views", "settled.runtime", True),
+        ("settled.server.views", "settled.runtime.admission", False),  # a part, not the facade
         ("settled.close.join", "settled.runtime", False),  # an arrow pointing up
         ("settled.status", "settled.store", False),  # a decision reading a component
         ("settled.workspace.checkpoint", "settled.store.sqlite", False),  # past the protocol
@@ -315,7 +317,7 @@ def test_the_rules_catch_what_they_are_for(importer: str, target: str, ok: bool)
 
 
 # The Runtime and the services decide and ask; only owner/ and boundary/ touch processes.
-ASKERS = ["settled/runtime.py", "settled/sessions.py", "settled/recovery.py", "settled/status.py"]
+ASKERS = ["settled/runtime", "settled/sessions.py", "settled/recovery.py", "settled/status.py"]
 ASKERS += [f"settled/{d}" for d in ("close", "store")]
 PROCESS_CALLS = {"kill", "killpg", "pidfd_open", "waitpid", "pidfd_send_signal"}
 PROCESS_MODULES = {"signal", "select"}

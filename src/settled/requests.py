@@ -204,7 +204,7 @@ WALLS = (
 
 
 class ExecRequest(Request):
-    """`exec`: a command (exactly one of `argv` and `shell`) and how it runs. Runtime.exec's
+    """`exec`: a command (exactly one of `argv` and `shell`) and how it runs. Runtime.admit's
     docstring says what each option means."""
 
     OPTIONS = (
@@ -264,7 +264,7 @@ class ExecRequest(Request):
 
 class TaskRequest(Request):
     """`task new`: the workspace (None: one settled makes), the key, and the defaults of every
-    command of the task. Runtime.new_task's docstring says what each option means."""
+    command of the task. Runtime.create_task's docstring says what each option means."""
 
     OPTIONS = (
         Option("workspace", None, grammar.check_path),
