@@ -360,3 +360,15 @@ def test_one_live_predicate() -> None:
         if "LIVE_STATES" in line
     ]
     assert not found, "use SessionRecord.live or states.is_live instead:\n" + "\n".join(found)
+
+
+def test_the_runtime_reaches_the_workspace_through_its_service() -> None:
+    """`workspace/service.py`'s WorkspaceService is the seam ARCHITECTURE.md draws: the
+    Runtime imports no other module of the workspace layer (nor the object store's)."""
+    found = [
+        f"{path.relative_to(SRC.parent)}:{line}: {target}"
+        for path in sorted((SRC / "settled" / "runtime").rglob("*.py"))
+        for line, target in settled_imports(path, module_name(path))
+        if target.startswith("settled.workspace") and target != "settled.workspace.service"
+    ]
+    assert not found, "the Runtime past its workspace service:\n" + "\n".join(found)

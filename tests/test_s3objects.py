@@ -18,7 +18,6 @@ import pytest
 from s3 import VERSIONED_BUCKET, Weed
 
 from settled.runtime import Runtime
-from settled.workspace.checkpoint import WorkspaceService
 from settled.workspace.hashing import DEFAULT_ALGORITHM, digest_bytes
 from settled.workspace.objectstore import (
     ObjectMissing,
@@ -34,6 +33,7 @@ from settled.workspace.s3objects import (
     open_s3,
     parse_s3_url,
 )
+from settled.workspace.service import WorkspaceService
 
 
 def raw_put(weed: Weed, store: S3ObjectStore, digest: str, data: bytes) -> dict[str, Any]:

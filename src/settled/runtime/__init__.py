@@ -10,7 +10,7 @@ reads facts and asks the owner to act.
 from __future__ import annotations
 
 from settled import grammar
-from settled.errors import BadInput, SettledError
+from settled.errors import BadInput
 from settled.faults import ALL_POINTS as ALL_POINTS  # named for `settled close --list-fault-points`
 from settled.home import storage_error as storage_error  # for the CLI: one line for a disk error
 from settled.records import OwnerFacts, SessionRecord, TaskRecord
@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from settled.close.join import CloseResult as CloseResult  # what close_task returns
     from settled.log.reader import StreamLog as StreamLog  # the type of stream_log()
     from settled.owner.launcher import Launcher as Launcher  # the seam faces may share
-    from settled.workspace.restore import RestoreResult
+    from settled.workspace.service import RestoreResult
 
 
 class Runtime(Admissions, Tasks, LogReads):
@@ -202,24 +202,18 @@ class Runtime(Admissions, Tasks, LogReads):
         """Rebuild a task's last checkpoint (or a manifest id) into an empty directory that is
         not (and is not under) a symlink. Every entry is the caller's and set-id bits it has
         not earned are dropped, unless ``same_owner`` (root only) restores every recorded owner."""
-        from settled.workspace.restore import restore
-
         grammar.check_text("target", target, grammar.MAX_KEY_BYTES, 1)
         grammar.check_path("dest", dest)
         manifest = self._manifest_of(target, "close it first")[1]
-        return restore(self.workspace.objects, manifest, dest, same_owner=same_owner)
+        return self.workspace.restore(manifest, dest, same_owner=same_owner)
 
     def verify(self, target: str, *, read_data: bool = False) -> dict[str, Any]:
         """Check everything a task's last checkpoint (or a manifest id) reaches, like ``restic
         check``: the manifest and every tree re-hashed and parsed, every blob present at its
         size, or with ``read_data`` re-hashed. Nothing is trusted and nothing is repaired;
         ``verified`` is False and ``problems`` names each object (and its paths) otherwise."""
-        from settled.workspace.verify import verify_manifest
-
         task, manifest = self._manifest_of(target, "checkpoint or close it")
-        objects, verified = self.workspace.objects, self.workspace.verified
-        result = verify_manifest(objects, manifest, read_data=read_data, record=verified)
-        return {"task": task, **result.to_json()}
+        return {"task": task, **self.workspace.verify(manifest, read_data=read_data)}
 
     def _manifest_of(self, target: str, how: str) -> tuple[str | None, str]:
         """The task (None for a manifest id) and the manifest that `target` names: a task's
@@ -232,17 +226,7 @@ class Runtime(Admissions, Tasks, LogReads):
             if latest is None:
                 raise BadInput(f"task {target} has no checkpoint yet: {how}")
             return task, str(latest[0]["manifest"])
-        from settled.workspace.hashing import parse_digest
-
-        try:
-            parse_digest(target)
-        except SettledError:
-            raise BadInput(
-                f"{target!r} is neither a task (t_...) nor a manifest id (<algo>:<hex>)"
-            ) from None
-        if not self.workspace.objects.has(target):
-            where = self.workspace.objects.location
-            raise BadInput(f"unknown manifest {target}: not in {where}")
+        self.workspace.check_manifest(target)
         return None, target
 
     def task_record(self, task: str) -> TaskRecord:

@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     from settled.boundary.sandbox import SandboxProvider
     from settled.owner.launcher import Launcher
     from settled.recovery import Recovery
-    from settled.workspace.checkpoint import WorkspaceService
+    from settled.workspace.service import WorkspaceService
 
     _C = TypeVar("_C", bound="Composition")
     _P = ParamSpec("_P")
@@ -70,11 +70,10 @@ def load_for_calls() -> None:
     import settled.close.join
     import settled.environment  # with pwd
     import settled.log.watch
-    import settled.recovery
-    import settled.workspace.checkpoint
-    import settled.workspace.ignore
-    import settled.workspace.journal.lifecycle
-    import settled.workspace.placement  # noqa: F401 - the last of them
+    import settled.recovery  # noqa: F401 - the last of them
+    from settled.workspace.service import load_for_calls as load_workspace
+
+    load_workspace()
 
 
 def open_launcher(kind: str | None = None) -> Launcher:
@@ -161,7 +160,9 @@ class Composition:
 
     @functools.cached_property
     def workspace(self) -> WorkspaceService:
-        from settled.workspace.checkpoint import WorkspaceService
+        """The one way to the workspace layer (workspace/service.py), light to make: an exec
+        asks it for its task's journal watch and loads no checkpoint code."""
+        from settled.workspace.service import WorkspaceService
 
         return WorkspaceService(self.home, self.store)
 
@@ -172,24 +173,14 @@ class Composition:
         return Recovery(self.store, self.sessions, lambda: self.sandbox, self.home, self.host)
 
     def _ensure_journal(self, record: TaskRecord) -> None:
-        """Have the home's journal watch the task's workspace (one request when it already
-        runs; it is started otherwise). A kernel that refuses the watches or the inotify
-        instance is not an error here: the journal then says it cannot vouch, and the scans
-        are full. Raises JournalUnavailable if no journal can be started or reached. Called
-        here, not through the workspace service, so an exec loads no checkpoint code."""
-        from settled.home import run_dir
-        from settled.workspace.journal.lifecycle import ensure_watching
-
-        ensure_watching(record.task, record.workspace, run_dir(self.home))
+        """Have the home's journal watch the task's workspace (WorkspaceService.watch)."""
+        self.workspace.watch(record)
 
     def stop_journal(self) -> None:
         """Stop this home's journal daemon and return once it let go of its lock: for a
         caller that made a home for a moment (`settled probe`) and ends what it started. A
         task still open then has no watch: its next checkpoint is a full scan."""
-        from settled.home import journal_socket
-        from settled.workspace.journal.lifecycle import stop
-
-        stop(journal_socket(self.home))
+        self.workspace.stop_journal()
 
     def release_pods(self) -> None:
         """Let go of every pod of this home (its pods namespace unpinned: each pod ends with

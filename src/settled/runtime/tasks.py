@@ -33,21 +33,6 @@ def _same_workspace(asked: str | None, recorded: str, defaults: str) -> bool:
     return os.path.realpath(asked) == recorded
 
 
-def _root_identity(asked: str, root: str) -> dict[str, Any]:
-    """The identity of the resolved workspace `root` that the task records (workspace.rootid):
-    every scan and every command's bind must find that directory there. BadInput if it cannot
-    be opened as a directory without following a symlink (it changed since it was resolved)."""
-    from settled.workspace import rootid
-
-    try:
-        return rootid.read(root)
-    except OSError as error:
-        raise BadInput(
-            f"--workspace {asked!r}: cannot open {root} as a directory without following a "
-            f"symlink: {error.strerror or error}"
-        ) from None
-
-
 class Tasks(Composition):
     """The Runtime's tasks: made, and their sandbox destroyed."""
 
@@ -77,13 +62,10 @@ class Tasks(Composition):
         import tempfile
 
         from settled.identity import new_key
-        from settled.workspace.ignore import bind as bind_ignore
-        from settled.workspace.ignore import compile_rules
-        from settled.workspace.placement import check_workspace, default_workspaces
 
         grammar.optional_key("key", request.key)
         extra = list(request.ignore)
-        compile_rules(extra)  # a bad pattern is refused before anything is made
+        self.workspace.check_ignore(extra)  # a bad pattern is refused before anything is made
         if request.workspace is not None:
             grammar.check_path("workspace", request.workspace)
         uid_gid = resolve_user(request.user)  # bad input is refused, a retry's too
@@ -99,7 +81,7 @@ class Tasks(Composition):
                    (("writable", request.writable), ("readable", request.readable))}  # fmt: skip
         if request.key is None or (retried := self.store.find_task(request.key)) is None:
             check_reserve(self.home, "task new")  # a retry needs no space: it gets its task
-        elif _same_workspace(request.workspace, retried.workspace, default_workspaces(self.home)):
+        elif _same_workspace(request.workspace, retried.workspace, self._made_workspaces()):
             if retried.state == TASK_OPEN:
                 self._ensure_journal(retried)
             return retried
@@ -113,11 +95,11 @@ class Tasks(Composition):
             root = os.path.realpath(workspace)
             if not os.path.isdir(root):
                 raise BadInput(f"--workspace {workspace!r} is not a directory")
-            check_workspace(workspace, root, self.home)
-            identity = _root_identity(workspace, root)
+            self.workspace.check_placement(workspace, root)
+            identity = self.workspace.root_identity(workspace, root)
             for kind, paths in granted.items():
                 self._refuse_held(kind, paths, root)
-            rules = bind_ignore(root, extra).record()  # read once: a command cannot widen it
+            rules = self.workspace.bind_ignore(root, extra)  # read once: a command cannot widen it
             made_sandbox: dict[str, Any] | None = None
             defaults: dict[str, Any] = {k: list(v) for k, v in granted.items() if v}
             defaults.update({k: v for k, v in limits.items() if v is not None})
@@ -167,10 +149,12 @@ class Tasks(Composition):
         with contextlib.suppress(SettledError):
             self.sandbox.destroy(record, [])
 
-    def _default_workspaces(self) -> str:
-        from settled.workspace.placement import default_workspaces
+    def _made_workspaces(self) -> str:
+        """Where the workspaces settled makes live (WorkspaceService.default_workspaces)."""
+        return self.workspace.default_workspaces()
 
-        path = default_workspaces(self.home)
+    def _default_workspaces(self) -> str:
+        path = self._made_workspaces()
         os.makedirs(path, mode=0o700, exist_ok=True)
         return path
 
