@@ -145,3 +145,17 @@ def test_the_numbers_of_a_body_pass_their_grammar() -> None:
     with pytest.raises(grammar.BadNumber, match="memory"):
         TaskRequest.from_json({"memory": "512M"})
     assert TaskRequest.from_json({"cpus": 1.5}).cpus == 1.5
+
+
+def test_every_option_is_a_flag_of_its_verb_of_the_same_name() -> None:
+    """A new option is a row of its request and a flag whose dest is its name: the CLI
+    builds its request from the table (cli/running.py, cli/verbs.py)."""
+    from settled.cli.parser import build_parser
+    from settled.cli.running import FROM_WORDS
+
+    parser = build_parser()
+    exec_args = vars(parser.parse_args(["exec", "--task", "t_0123", "--", "true"]))
+    task_args = vars(parser.parse_args(["task", "new"]))
+    missing = [o.name for o in ExecRequest.OPTIONS if o.name not in {*exec_args, *FROM_WORDS}]
+    assert missing == []
+    assert [name for name in TaskRequest.fields() if name not in {*task_args, "allow_hosts"}] == []

@@ -84,10 +84,12 @@ def _admit(rt: Runtime, args: argparse.Namespace, verb: str) -> Admission:
 def _exec_request(
     args: argparse.Namespace, command: list[str], explicit: dict[str, str]
 ) -> ExecRequest:
-    """The request the flags ask for: each of `ExecRequest`'s options, named as `cli/parser.py`
-    stores its flag (the same word but `allow_host`, and the caller's own environment)."""
+    """The request the flags ask for: each of `ExecRequest`'s options from the flag of its
+    name (`cli/parser.py`), but those made from the command's words, the env files, stdin and
+    the caller's environment (FROM_WORDS)."""
     from settled.requests import ExecRequest
 
+    flags = {o.name: getattr(args, o.name) for o in ExecRequest.OPTIONS if o.name not in FROM_WORDS}
     return ExecRequest(
         argv=command if len(command) > 1 else None,
         shell=command[0] if len(command) == 1 else None,
@@ -95,15 +97,13 @@ def _exec_request(
         stdin=_read_stdin_arg(args.stdin),
         allow_hosts=args.allow_host,
         inherit=caller_policy(args.inherit, args.inherit_env, args.clean_env, os.environ),
-        **{name: getattr(args, name) for name in FLAG_OPTIONS},
+        inherited=(),  # what a remote caller names; here the Runtime reads the caller's own
+        **flags,
     )
 
 
-# The options a flag of the same name gives as it is.
-FLAG_OPTIONS = (
-    "key", "cwd", "timeout", "grace", "boundary", "service", "isolation", "user", "writable",
-    "readable", "memory", "pids", "cpus", "network", "inherit_env",
-)  # fmt: skip
+# The options not taken as their flag gives them: each is made by _exec_request.
+FROM_WORDS = frozenset({"argv", "shell", "env", "stdin", "allow_hosts", "inherit", "inherited"})
 
 
 def _say_where_path_leads(
