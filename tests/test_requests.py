@@ -159,3 +159,13 @@ def test_every_option_is_a_flag_of_its_verb_of_the_same_name() -> None:
     missing = [o.name for o in ExecRequest.OPTIONS if o.name not in {*exec_args, *FROM_WORDS}]
     assert missing == []
     assert [name for name in TaskRequest.fields() if name not in {*task_args, "allow_hosts"}] == []
+
+
+def test_the_openapi_document_describes_every_body_field() -> None:
+    """The schema a client is given (GET /v1/openapi.json) names exactly the fields a body
+    may carry: the request's table is the contract, openapi.py its description."""
+    from settled.server.openapi import document
+
+    schemas = document()["components"]["schemas"]
+    assert set(schemas["SessionRequest"]["properties"]) == ExecRequest.fields()
+    assert set(schemas["TaskRequest"]["properties"]) == TaskRequest.fields()
