@@ -67,10 +67,10 @@ def test_timeout_0_is_no_limit_and_the_same_command_as_none(cli: CLI, task: dict
 def test_timeout_0_is_no_limit_for_every_face_the_runtime_decides_it(tmp_path: Path) -> None:
     """HTTP bodies, MCP and the library pass 0 through; Runtime.exec reads it as no limit."""
     from settled.identity import CommandSpec
+    from settled.requests import ExecRequest
     from settled.runtime import Runtime
-    from settled.server.bodies import session_request
 
-    assert session_request({"key": "k", "shell": "true", "timeout": 0})["timeout"] == 0
+    assert ExecRequest.from_json({"key": "k", "shell": "true", "timeout": 0}).timeout == 0
     (tmp_path / "ws").mkdir()
     with Runtime(str(tmp_path / "home")) as rt:
         task = rt.new_task(str(tmp_path / "ws")).task

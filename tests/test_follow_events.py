@@ -23,13 +23,12 @@ import pytest
 from conftest import COMMAND_PYTHON
 
 from settled import relay as relay_module
-from settled import runtime as runtime_module
 from settled import sessions as sessions_module
 from settled.home import session_dir
 from settled.log.watch import LogWatch
 from settled.records import TaskRecord
 from settled.relay import Relay
-from settled.runtime import Runtime
+from settled.runtime import Runtime, logreads
 from settled.sessions import EARLY_LOOK_S, POLL_S, SessionWatch
 
 HOUR = 3600.0
@@ -176,7 +175,7 @@ def test_a_pause_looks_again_when_its_watch_starts_and_polls_when_there_is_none(
 def test_follow_yields_a_byte_while_the_command_runs_with_hour_long_pauses(
     rt: Runtime, task: TaskRecord, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(runtime_module, "WAKE_BOUND_S", HOUR)
+    monkeypatch.setattr(logreads, "WAKE_BOUND_S", HOUR)
     session = _gated(rt, task, "follow")
     stream = rt.follow(session, "stdout", 0, timeout=60)
     assert next(iter(stream)) == b"x"
@@ -187,7 +186,7 @@ def test_follow_yields_a_byte_while_the_command_runs_with_hour_long_pauses(
 def test_a_merged_follow_yields_in_order_while_the_command_runs_with_hour_long_pauses(
     rt: Runtime, task: TaskRecord, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(runtime_module, "WAKE_BOUND_S", HOUR)
+    monkeypatch.setattr(logreads, "WAKE_BOUND_S", HOUR)
     session = _gated(rt, task, "merged")
     chunks = rt.follow_merged(session, 0, timeout=60)
     first = next(iter(chunks))

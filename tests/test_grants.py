@@ -239,15 +239,15 @@ def test_the_cli_refuses_a_bad_limit_or_grant_with_exit_2_naming_it(
 
 
 def test_the_body_grammar_refuses_limits_that_are_not_numbers() -> None:
-    from settled.server.bodies import session_request, task_request
+    from settled.requests import ExecRequest, TaskRequest
 
     base = {"key": "k", "shell": "true"}
     for field, value in (("memory", "512M"), ("pids", 1.0), ("cpus", "2"), ("memory", True)):
         with pytest.raises(grammar.BadNumber, match=field):
-            session_request({**base, field: value})
+            ExecRequest.from_json({**base, field: value})
     with pytest.raises(grammar.BadText, match="network"):
-        session_request({**base, "network": "wifi"})
-    assert session_request({**base, "memory": 1 << 30})["memory"] == 1 << 30
-    assert task_request({"readable": ["/opt"], "cpus": 1})["readable"] == ["/opt"]
+        ExecRequest.from_json({**base, "network": "wifi"})
+    assert ExecRequest.from_json({**base, "memory": 1 << 30}).memory == 1 << 30
+    assert TaskRequest.from_json({"readable": ["/opt"], "cpus": 1}).readable == ["/opt"]
     with pytest.raises(BadInput, match="readable"):
-        task_request({"readable": "/opt"})
+        TaskRequest.from_json({"readable": "/opt"})

@@ -44,6 +44,7 @@ FOUNDATION = {
     "settled.receipts",
     "settled.records",
     "settled.render",
+    "settled.requests",
     "settled.sockdiag",
     "settled.states",
     "settled.where",
@@ -64,6 +65,7 @@ FACE_NEUTRAL = {
     "settled.printable",  # the one escape of what a command controls, in every human view
     "settled.records",
     "settled.render",
+    "settled.requests",  # one request type per verb: what a face asks, in its grammar
     "settled.states",
     "settled.where",  # the CLI's thin client finds its home's warm process without a Runtime
 }
@@ -204,9 +206,9 @@ CHOSEN_ONLY_BY: dict[str, set[str]] = {
     "settled.store.postgres": {"settled.store"},
     "settled.objects.local": {"settled.objects"},
     "settled.objects.s3": {"settled.objects"},
-    "settled.owner.zygote": {"settled.runtime"},
-    "settled.owner.home_launcher": {"settled.runtime"},
-    "settled.owner.liveness": {"settled.runtime"},
+    "settled.owner.zygote": {"settled.runtime.composition"},
+    "settled.owner.home_launcher": {"settled.runtime.composition"},
+    "settled.owner.liveness": {"settled.runtime.composition"},
     "settled.boundary.local": {"settled.boundary.sandbox"},
     "settled.boundary.command": {"settled.boundary.sandbox"},
 }
@@ -228,7 +230,8 @@ def allowed(importer: str, target: str) -> bool:
         return False
     unit, wanted = unit_of(importer), unit_of(target)
     if unit == "faces":
-        return target in FACE_NEUTRAL or wanted in {"runtime", "faces"}
+        # the Runtime through its facade (runtime/__init__.py), never one of its parts
+        return target in FACE_NEUTRAL or target == "settled.runtime" or wanted == "faces"
     return wanted in ALLOWED[unit]
 
 
@@ -297,6 +300,7 @@ def test_every_module_is_in_a_unit() -> None:
     [
         ("settled.server.views", "settled.log.reader", False),  # a face skipping the Runtime
         ("settled.server.views", "settled.runtime", True),
+        ("settled.server.views", "settled.runtime.admission", False),  # a part, not the facade
         ("settled.close.join", "settled.runtime", False),  # an arrow pointing up
         ("settled.status", "settled.store", False),  # a decision reading a component
         ("settled.workspace.checkpoint", "settled.store.sqlite", False),  # past the protocol
@@ -316,7 +320,7 @@ def test_the_rules_catch_what_they_are_for(importer: str, target: str, ok: bool)
 
 
 # The Runtime and the services decide and ask; only owner/ and boundary/ touch processes.
-ASKERS = ["settled/runtime.py", "settled/sessions.py", "settled/recovery.py", "settled/status.py"]
+ASKERS = ["settled/runtime", "settled/sessions.py", "settled/recovery.py", "settled/status.py"]
 ASKERS += ["settled/recovery_decide.py"]
 ASKERS += [f"settled/{d}" for d in ("close", "store")]
 PROCESS_CALLS = {"kill", "killpg", "pidfd_open", "waitpid", "pidfd_send_signal"}
@@ -365,10 +369,22 @@ def test_one_live_predicate() -> None:
 # The Python HTTP client is installed and imported on its own (a caller's machine): beside httpx
 # and anyio it takes from settled only the error classes a Runtime caller catches, the caller's
 # environment policy and the run verb's exit-code rule (docs/ARCHITECTURE.md, faces).
-CLIENT_IMPORTS = {"settled.errors", "settled.environment", "settled.exitcodes"}
+CLIENT_IMPORTS = {"settled.errors", "settled.environment", "settled.exitcodes", "settled.requests"}
 
 
 def test_the_client_imports_of_settled_only_errors_environment_and_exit_codes() -> None:
     path = SRC / "settled" / "client.py"
     found = {t for _, t in settled_imports(path, "settled.client") if t.startswith("settled")}
     assert found == CLIENT_IMPORTS, sorted(found)
+
+
+def test_the_runtime_reaches_the_workspace_through_its_service() -> None:
+    """`workspace/service.py`'s WorkspaceService is the seam ARCHITECTURE.md draws: the
+    Runtime imports no other module of the workspace layer (nor the object store's)."""
+    found = [
+        f"{path.relative_to(SRC.parent)}:{line}: {target}"
+        for path in sorted((SRC / "settled" / "runtime").rglob("*.py"))
+        for line, target in settled_imports(path, module_name(path))
+        if target.startswith("settled.workspace") and target != "settled.workspace.service"
+    ]
+    assert not found, "the Runtime past its workspace service:\n" + "\n".join(found)

@@ -370,17 +370,17 @@ def test_a_proxy_that_cannot_listen_in_the_task_refuses_the_session_naming_why(
 
 
 def test_the_http_body_checks_allow_hosts_naming_the_field() -> None:
-    from settled.server.bodies import session_request, task_request
+    from settled.requests import ExecRequest, TaskRequest
 
     base = {"key": "k", "shell": "true"}
-    assert session_request({**base, "allow_hosts": ["pypi.org:443"]})["allow_hosts"] == [
+    assert ExecRequest.from_json({**base, "allow_hosts": ["pypi.org:443"]}).allow_hosts == [
         "pypi.org:443"
     ]
-    assert session_request(base)["allow_hosts"] is None  # the task's, then
+    assert ExecRequest.from_json(base).allow_hosts is None  # the task's, then
     for bad in (["PyPI.org"], "pypi.org", [7]):
         with pytest.raises(BadInput, match="allow_hosts"):
-            session_request({**base, "allow_hosts": bad})
-    assert task_request({"allow_hosts": ["*.pythonhosted.org"]})["allow_hosts"] == [
+            ExecRequest.from_json({**base, "allow_hosts": bad})
+    assert TaskRequest.from_json({"allow_hosts": ["*.pythonhosted.org"]}).allow_hosts == [
         "*.pythonhosted.org"
     ]
 

@@ -33,7 +33,7 @@ from settled.objects.s3 import (
     parse_s3_url,
 )
 from settled.runtime import Runtime
-from settled.workspace.checkpoint import WorkspaceService
+from settled.workspace.service import WorkspaceService
 
 
 def raw_put(weed: Weed, store: S3ObjectStore, digest: str, data: bytes) -> dict[str, Any]:

@@ -852,6 +852,20 @@ def test_a_scoped_token_cannot_loosen_the_sandbox_of_its_task(
         assert admit(full, task, "k-full", argv=["true"], isolation="none").status_code == 201
 
 
+def test_a_tasks_walls_sent_over_http_are_the_defaults_of_its_commands(
+    server: Server, home: Path, workspace: Path
+) -> None:
+    """`POST /v1/tasks` takes the grants, limits and network of every command of the task
+    (openapi's TaskRequest), as `settled task new` and the MCP tool do: one TaskRequest."""
+    body = {"workspace": str(workspace), "memory": 1 << 30, "pids": 64, "network": "none"}
+    with server.client() as client:
+        answer = client.post("/v1/tasks", json=body)
+        assert answer.status_code == 201, answer.text
+    with Runtime(str(home)) as rt:
+        defaults = rt.task_record(answer.json()["task"]).defaults
+    assert defaults == {"memory": 1 << 30, "pids": 64, "network": "none"}
+
+
 def test_an_answer_holding_a_lone_surrogate_is_ascii_json_with_the_same_values() -> None:
     """A byte of a file name that is not UTF-8 (os.fsdecode's U+DCFF) is answered as `\\udcff`;
     Starlette's own JSONResponse raised UnicodeEncodeError while writing it."""

@@ -38,6 +38,7 @@ import httpx
 from settled import errors
 from settled.environment import caller_policy, from_caller
 from settled.exitcodes import command_exit_code
+from settled.requests import ExecRequest, TaskRequest
 
 CURSOR_HEADER = "Settled-Cursor"
 RETRY_STATUSES = frozenset({502, 503, 504})
@@ -301,63 +302,20 @@ def _seg(value: str) -> str:
     return quote(value, safe="")
 
 
-def _task_call(
-    workspace: str | None,
-    key: str,
-    shared_workspace: bool = False,
-    ignore: Sequence[str] = (),
-    walls: dict[str, Any] | None = None,
-) -> _Call:
-    body: dict[str, Any] = (
-        {"key": key} if workspace is None else {"workspace": workspace, "key": key}
-    )
-    if shared_workspace:  # only when asked: the body of every other request is unchanged
-        body["shared_workspace"] = True
-    if ignore:
-        body["ignore"] = list(ignore)
-    body.update({k: v for k, v in (walls or {}).items() if v is not None})
-    return _Call("POST", "/v1/tasks", body)
+def _task_call(request: TaskRequest) -> _Call:
+    return _Call("POST", "/v1/tasks", request.to_json())
 
 
-def _walls(
-    writable: Sequence[str] | None,
-    readable: Sequence[str] | None,
-    memory: int | None,
-    pids: int | None,
-    cpus: float | None,
-    network: str | None = None,
-    allow_hosts: Sequence[str] | None = None,
-) -> dict[str, Any]:
-    """A command's grants, limits and network as the body carries them (None: not sent)."""
-    return {
-        "writable": list(writable) if writable else None,
-        "readable": list(readable) if readable else None,
-        "memory": memory,
-        "pids": pids,
-        "cpus": cpus,
-        "network": network,
-        "allow_hosts": list(allow_hosts) if allow_hosts is not None else None,
-    }
-
-
-def _admission_call(
-    task: str, argv: Sequence[str] | None, shell: str | None, key: str, options: dict[str, Any]
-) -> _Call:
+def _admission_call(task: str, request: ExecRequest) -> _Call:
     """The admission body: exactly the keys given, so every retry sends the same digest."""
+    argv, shell = request.argv, request.shell
     if (shell is None) == (argv is None):
         raise UsageError("exec needs exactly one of shell (a string) or argv (a list of strings)")
     if argv is not None and (
         isinstance(argv, str) or not argv or not all(isinstance(a, str) for a in argv)
     ):
         raise UsageError(f"argv must be a non-empty list of strings, got {argv!r}")
-    body: dict[str, Any] = {"key": key}
-    body.update({"argv": list(argv)} if argv is not None else {"shell": shell})
-    if options.get("env") is not None:
-        options["env"] = dict(options["env"])
-    if not options.get("service"):
-        options.pop("service", None)
-    body.update({k: v for k, v in options.items() if v is not None})
-    return _Call("POST", f"/v1/tasks/{_seg(task)}/sessions", body)
+    return _Call("POST", f"/v1/tasks/{_seg(task)}/sessions", request.to_json())
 
 
 def _signal_call(session: str, name: str, reason: str | None) -> _Call:
@@ -766,8 +724,11 @@ class Client(_Base):
         already used returns its task); one that overlaps another open task's workspace is
         refused unless `shared_workspace`. The grants and limits are defaults of every
         command of the task."""
-        walls = _walls(writable, readable, memory, pids, cpus, network, allow_hosts)
-        return self._call(_task_call(workspace, key or new_key(), shared_workspace, ignore, walls))
+        request = TaskRequest(workspace=workspace, key=key or new_key(),
+                              shared_workspace=shared_workspace, ignore=ignore,
+                              writable=writable, readable=readable, memory=memory, pids=pids,
+                              cpus=cpus, network=network, allow_hosts=allow_hosts)  # fmt: skip
+        return self._call(_task_call(request))
 
     def task_status(self, task: str) -> dict[str, Any]:
         """The task's computed status and a row per session."""
@@ -811,11 +772,13 @@ class Client(_Base):
         (bytes), `pids` and `cpus` limit the command (else its task's defaults)."""
         key = key or new_key()
         env, inherited = _with_inherited(env, inherit, inherit_env, clean_env)
-        options: dict[str, Any] = {"timeout": timeout, "grace": grace, "cwd": cwd, "env": env}
-        options.update(inherited=inherited or None)
-        options.update(service=service, boundary=boundary, isolation=isolation, user=user)
-        options.update(_walls(writable, readable, memory, pids, cpus, network, allow_hosts))
-        call = _admission_call(task, argv, shell, key, options)
+        request = ExecRequest(key=key, argv=argv, shell=shell, timeout=timeout, grace=grace,
+                              cwd=cwd, env=None if env is None else dict(env),
+                              inherited=inherited, service=service,
+                              boundary=boundary, isolation=isolation, user=user,
+                              writable=writable, readable=readable, memory=memory, pids=pids,
+                              cpus=cpus, network=network, allow_hosts=allow_hosts)  # fmt: skip
+        call = _admission_call(task, request)
         response, tries = self._send(call)
         return _admission(_json(call, response), key, tries)
 
@@ -1036,10 +999,11 @@ class AsyncClient(_Base):
         already used returns its task); one that overlaps another open task's workspace is
         refused unless `shared_workspace`. The grants and limits are defaults of every
         command of the task."""
-        walls = _walls(writable, readable, memory, pids, cpus, network, allow_hosts)
-        return await self._call(
-            _task_call(workspace, key or new_key(), shared_workspace, ignore, walls)
-        )
+        request = TaskRequest(workspace=workspace, key=key or new_key(),
+                              shared_workspace=shared_workspace, ignore=ignore,
+                              writable=writable, readable=readable, memory=memory, pids=pids,
+                              cpus=cpus, network=network, allow_hosts=allow_hosts)  # fmt: skip
+        return await self._call(_task_call(request))
 
     async def task_status(self, task: str) -> dict[str, Any]:
         """The task's computed status and a row per session."""
@@ -1083,11 +1047,13 @@ class AsyncClient(_Base):
         (bytes), `pids` and `cpus` limit the command (else its task's defaults)."""
         key = key or new_key()
         env, inherited = _with_inherited(env, inherit, inherit_env, clean_env)
-        options: dict[str, Any] = {"timeout": timeout, "grace": grace, "cwd": cwd, "env": env}
-        options.update(inherited=inherited or None)
-        options.update(service=service, boundary=boundary, isolation=isolation, user=user)
-        options.update(_walls(writable, readable, memory, pids, cpus, network, allow_hosts))
-        call = _admission_call(task, argv, shell, key, options)
+        request = ExecRequest(key=key, argv=argv, shell=shell, timeout=timeout, grace=grace,
+                              cwd=cwd, env=None if env is None else dict(env),
+                              inherited=inherited, service=service,
+                              boundary=boundary, isolation=isolation, user=user,
+                              writable=writable, readable=readable, memory=memory, pids=pids,
+                              cpus=cpus, network=network, allow_hosts=allow_hosts)  # fmt: skip
+        call = _admission_call(task, request)
         response, tries = await self._send(call)
         return _admission(_json(call, response), key, tries)
 

@@ -39,6 +39,7 @@ from settled.errors import CursorOutOfRange, NotSettled, SettledError
 from settled.exitcodes import command_exit_code
 from settled.printable import surrogates_escaped
 from settled.render import explain_brief
+from settled.requests import ExecRequest, TaskRequest
 from settled.runtime import Runtime, open_launcher
 
 if TYPE_CHECKING:
@@ -293,14 +294,16 @@ class Tools:
         and finish(task) later proves the task complete. memory, pids, cpus and network are
         the defaults of its commands (a command's own limits replace them). Returns the task
         id. (Paths beyond the workspace are granted by whoever runs settled, never here.)"""
-        record = self.runtimes.get().new_task(
-            workspace,
-            shared_workspace=shared_workspace,
-            memory=_memory(memory),
-            pids=pids,
-            cpus=cpus,
-            network=network,
-            allow_hosts=allow_hosts or (),
+        record = self.runtimes.get().create_task(
+            TaskRequest(
+                workspace=workspace,
+                shared_workspace=shared_workspace,
+                memory=_memory(memory),
+                pids=pids,
+                cpus=cpus,
+                network=network,
+                allow_hosts=allow_hosts or (),
+            )
         )
         data = record.to_json()
         return _answer(f"task {record.task} over {record.workspace} ({record.state})", data)
@@ -335,20 +338,22 @@ class Tools:
         Calling start again with the same key returns the same session (reused=true) and never
         starts the command twice."""
         shell, argv = (command, None) if isinstance(command, str) else (None, command)
-        admission = self.runtimes.get().exec(
+        admission = self.runtimes.get().admit(
             task,
-            argv,
-            shell,
-            key=key,
-            timeout=timeout,
-            service=service,
-            cwd=cwd,
-            env=env,
-            inherit=_callers_path(),
-            boundary=boundary,
-            memory=_memory(memory),
-            pids=pids,
-            cpus=cpus,
+            ExecRequest(
+                argv=argv,
+                shell=shell,
+                key=key,
+                timeout=timeout,
+                service=service,
+                cwd=cwd,
+                env=env,
+                inherit=_callers_path(),
+                boundary=boundary,
+                memory=_memory(memory),
+                pids=pids,
+                cpus=cpus,
+            ),
         )
         data = admission.to_json()
         text = (
@@ -402,18 +407,20 @@ class Tools:
         whether its whole process tree is proven stopped."""
         rt = self.runtimes.get()
         shell, argv = (command, None) if isinstance(command, str) else (None, command)
-        admission = rt.exec(
+        admission = rt.admit(
             task,
-            argv,
-            shell,
-            key=key,
-            timeout=timeout,
-            cwd=cwd,
-            env=env,
-            inherit=_callers_path(),
-            memory=_memory(memory),
-            pids=pids,
-            cpus=cpus,
+            ExecRequest(
+                argv=argv,
+                shell=shell,
+                key=key,
+                timeout=timeout,
+                cwd=cwd,
+                env=env,
+                inherit=_callers_path(),
+                memory=_memory(memory),
+                pids=pids,
+                cpus=cpus,
+            ),
         )
         try:
             view = rt.wait(admission.session, wait)

@@ -30,6 +30,7 @@ if TYPE_CHECKING:  # the runtime is imported by the verbs that open one
     from typing import Any
 
     from settled.relay import Relay
+    from settled.requests import ExecRequest
     from settled.runtime import Admission, Runtime
 
 
@@ -77,30 +78,32 @@ def _admit(rt: Runtime, args: argparse.Namespace, verb: str) -> Admission:
         print(warning, file=sys.stderr, flush=True)
     explicit = _environment(args)  # --env-file read once, for the hint and the command
     _say_where_path_leads(rt, args, command, explicit)
-    return rt.exec(
-        args.task,
+    return rt.admit(args.task, _exec_request(args, command, explicit))
+
+
+def _exec_request(
+    args: argparse.Namespace, command: list[str], explicit: dict[str, str]
+) -> ExecRequest:
+    """The request the flags ask for: each of `ExecRequest`'s options from the flag of its
+    name (`cli/parser.py`), but those made from the command's words, the env files, stdin and
+    the caller's environment (FROM_WORDS)."""
+    from settled.requests import ExecRequest
+
+    flags = {o.name: getattr(args, o.name) for o in ExecRequest.OPTIONS if o.name not in FROM_WORDS}
+    return ExecRequest(
         argv=command if len(command) > 1 else None,
         shell=command[0] if len(command) == 1 else None,
-        key=args.key,
-        cwd=args.cwd,
         env=explicit,
         stdin=_read_stdin_arg(args.stdin),
-        timeout=args.timeout,
-        grace=args.grace,
-        boundary=args.boundary,
-        service=args.service,
-        isolation=args.isolation,
-        user=args.user,
-        writable=args.writable,
-        readable=args.readable,
-        memory=args.memory,
-        pids=args.pids,
-        cpus=args.cpus,
-        network=args.network,
         allow_hosts=args.allow_host,
         inherit=caller_policy(args.inherit, args.inherit_env, args.clean_env, os.environ),
-        inherit_env=args.inherit_env,
+        inherited=(),  # what a remote caller names; here the Runtime reads the caller's own
+        **flags,
     )
+
+
+# The options not taken as their flag gives them: each is made by _exec_request.
+FROM_WORDS = frozenset({"argv", "shell", "env", "stdin", "allow_hosts", "inherit", "inherited"})
 
 
 def _say_where_path_leads(

@@ -45,20 +45,10 @@ if TYPE_CHECKING:  # the runtime is imported by the verbs that open one (not --v
 
 
 def cmd_task_new(rt: Runtime, args: argparse.Namespace) -> int:
-    record = rt.new_task(
-        args.workspace,
-        args.key,
-        user=args.user,
-        shared_workspace=args.shared_workspace,
-        ignore=args.ignore,
-        writable=args.writable,
-        readable=args.readable,
-        memory=args.memory,
-        pids=args.pids,
-        cpus=args.cpus,
-        network=args.network,
-        allow_hosts=args.allow_host or (),
-    )
+    from settled.requests import TaskRequest
+
+    options = {name: getattr(args, name) for name in TaskRequest.fields() - {"allow_hosts"}}
+    record = rt.create_task(TaskRequest(allow_hosts=args.allow_host or (), **options))
     text = f"task {record.task} (key {printable(record.key)}) at {printable(record.workspace)}"
     emit(args, record.to_json(), text, brief=record.task)
     return EXIT_OK

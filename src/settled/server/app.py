@@ -29,6 +29,7 @@ from starlette.routing import Route
 
 from settled import faults, grammar
 from settled.errors import BadInput
+from settled.requests import ExecRequest, TaskRequest
 from settled.runtime import Runtime
 from settled.server import bodies, streams, views
 from settled.server.auth import GRANT_SCOPE_KEY, BearerAuth, Grant, TokenTable
@@ -115,16 +116,8 @@ class Handlers:
         return _json(document())
 
     async def create_task(self, request: Request) -> Response:
-        body = bodies.task_request(await bodies.json_body(request, bodies.TASK_FIELDS))
-        task = await self.pool.call(
-            views.new_task,
-            grant_of(request),
-            body["workspace"],
-            body["key"],
-            body["user"],
-            body["shared_workspace"],
-            body["ignore"],
-        )
+        body = TaskRequest.from_json(await bodies.json_body(request, bodies.TASK_FIELDS))
+        task = await self.pool.call(views.new_task, grant_of(request), body)
         self.service.feed.nudge()
         return _json(task, 201)
 
@@ -133,7 +126,7 @@ class Handlers:
         return _json(await self.pool.call(views.task_status, grant_of(request), task))
 
     async def admit(self, request: Request) -> Response:
-        body = bodies.session_request(await bodies.json_body(request, bodies.SESSION_FIELDS))
+        body = ExecRequest.from_json(await bodies.json_body(request, bodies.SESSION_FIELDS))
         task = request.path_params["task"]
         admission = await self.pool.call(views.admit, grant_of(request), task, body)
         self.service.feed.nudge()

@@ -14,6 +14,7 @@ from typing import Any
 
 from settled import __version__, grammar
 from settled.identity import BOUNDARY_POLICIES, ISOLATION_POLICIES, NETWORK_POLICIES
+from settled.requests import MAX_IGNORE_PATTERNS
 
 VERSION = "1"
 JSON = "application/json"
@@ -464,7 +465,18 @@ def _schemas() -> dict[str, Any]:
         },
         "Task": {"type": "object", "required": ["task", "key", "workspace", "state"]},
         "TaskRequest": _obj(
-            {"workspace": path, "key": key, "user": user, "shared_workspace": b, **walls}
+            {
+                "workspace": path,
+                "key": key,
+                "user": user,
+                "shared_workspace": b,
+                "ignore": {  # gitignore patterns after the workspace's .settledignore
+                    "type": "array",
+                    "items": {"type": "string", "minLength": 1, "maxLength": 4096},
+                    "maxItems": MAX_IGNORE_PATTERNS,
+                },
+                **walls,
+            }
         ),
         "SessionRequest": _obj(
             {

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from settled.errors import WorkspaceOverlap
+from settled.requests import ExecRequest, TaskRequest
 from settled.runtime import Runtime
 from settled.server.swerex_output import DEFAULT_OUTPUT_CAP, report_tail, stream_text
 from settled.server.swerex_shell import (
@@ -154,7 +155,7 @@ class SwerexService:
         with self.task_lock:
             if self.task is None:
                 try:
-                    record = runtime.new_task(self.workspace)
+                    record = runtime.create_task(TaskRequest(workspace=self.workspace))
                 except WorkspaceOverlap as exc:
                     held = ", ".join(task for task, _path in exc.others)
                     raise swerex_error(
@@ -224,14 +225,14 @@ class SwerexService:
             session.forget_unretryable()
         task, workspace = session.task  # never another: a close ends the session with it
         with self.runtime() as runtime:
-            admission = runtime.exec(
-                task,
+            request = ExecRequest(
                 argv=["/bin/bash", "-c", BOOT],  # the script, nonce and all, is the stdin
                 stdin=script(state, command, nonce, workspace),
                 key=f"swerex:{session.serial}:{session.label}:{position}",
                 cwd=".",  # the script cds itself: a session may cd outside the workspace
                 timeout=_seconds(timeout),
             )
+            admission = runtime.admit(task, request)
             status = _settled(runtime, admission.session, timeout)
             exit_facts = _exit_facts(status)
             if exit_facts.get("reason") == "timeout":
@@ -274,8 +275,7 @@ class SwerexService:
             task, workspace = self.open_task(runtime)
             argv, shell, cwd = _command_line(body, command, workspace)
             timeout = body.get("timeout")
-            admission = runtime.exec(
-                task,
+            request = ExecRequest(
                 argv=argv,
                 shell=shell,
                 key=f"swerex:execute:{position}",
@@ -283,6 +283,7 @@ class SwerexService:
                 env=body.get("env"),
                 timeout=_seconds(timeout),
             )
+            admission = runtime.admit(task, request)
             status = _settled(runtime, admission.session, timeout)
             exit_facts = _exit_facts(status)
             if exit_facts.get("reason") == "timeout":

@@ -12,13 +12,13 @@ decide anything the Runtime decides (status, completion, reuse are the Runtime's
 from __future__ import annotations
 
 import base64
-from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from settled.errors import BadInput, UnknownSession, UnknownTask
 from settled.identity import parse_user
 from settled.records import SessionRecord, TaskRecord
 from settled.render import explain_brief
+from settled.requests import ExecRequest, TaskRequest
 from settled.runtime import Runtime
 from settled.server.auth import Grant
 from settled.server.errors import NotPermitted
@@ -47,23 +47,13 @@ def visible_session(rt: Runtime, grant: Grant, session: str) -> SessionRecord:
     return record
 
 
-def new_task(
-    rt: Runtime,
-    grant: Grant,
-    workspace: str | None,
-    key: str | None,
-    user: str | None = None,
-    shared_workspace: bool = False,
-    ignore: Sequence[str] = (),
-) -> dict[str, Any]:
+def new_task(rt: Runtime, grant: Grant, request: TaskRequest) -> dict[str, Any]:
     if not grant.creates_tasks:
         raise NotPermitted(
             f"this token is scoped to task(s) {grant.describe()} and cannot create tasks; "
             'use a token whose scope is "*"'
         )
-    return rt.new_task(
-        workspace, key, user=user, shared_workspace=shared_workspace, ignore=ignore
-    ).to_json()
+    return rt.create_task(request).to_json()
 
 
 def task_status(rt: Runtime, grant: Grant, task: str) -> dict[str, Any]:
@@ -78,27 +68,27 @@ def explain(rt: Runtime, grant: Grant, task: str) -> dict[str, Any]:
     return {**explained, "brief": explain_brief(explained)}
 
 
-def admit(rt: Runtime, grant: Grant, task: str, request: dict[str, Any]) -> dict[str, Any]:
-    """``Runtime.exec``: the store decides new (201) or reused (200); a conflict raises."""
+def admit(rt: Runtime, grant: Grant, task: str, request: ExecRequest) -> dict[str, Any]:
+    """``Runtime.admit``: the store decides new (201) or reused (200); a conflict raises."""
     record = visible_task(rt, grant, task)
     if not grant.creates_tasks:
         _refuse_weakening(grant, record, request)
-    return rt.exec(task, **request).to_json()
+    return rt.admit(task, request).to_json()
 
 
-def _refuse_weakening(grant: Grant, task: TaskRecord, request: dict[str, Any]) -> None:
+def _refuse_weakening(grant: Grant, task: TaskRecord, request: ExecRequest) -> None:
     """A task-scoped token is what an agent holds: it may run commands in its task, never
     loosen the sandbox they run in (no isolation, a granted host path, another user, a
     limit above its task's)."""
     weakened = []
-    if request.get("isolation") == "none":
+    if request.isolation == "none":
         weakened.append("isolation none")
     for grant_kind in ("writable", "readable"):
-        if request.get(grant_kind):
-            weakened.append(f"{grant_kind} {request[grant_kind]}")
+        if getattr(request, grant_kind):
+            weakened.append(f"{grant_kind} {getattr(request, grant_kind)}")
     defaults = task.defaults or {}
     strictness = ("host", "proxy", "none")  # each reaches less than the one before
-    asked_network, standing_network = request.get("network"), defaults.get("network", "proxy")
+    asked_network, standing_network = request.network, defaults.get("network", "proxy")
     if (
         asked_network in strictness
         and standing_network in strictness
@@ -106,15 +96,15 @@ def _refuse_weakening(grant: Grant, task: TaskRecord, request: dict[str, Any]) -
     ):
         weakened.append(f"network {asked_network} (its task's is {standing_network})")
     standing_hosts = set(defaults.get("allow_hosts") or ())
-    asked_hosts = set(request.get("allow_hosts") or ())
+    asked_hosts = set(request.allow_hosts or ())
     if standing_hosts and asked_hosts - standing_hosts:
         weakened.append(f"allow_hosts {sorted(asked_hosts - standing_hosts)} (beyond its task's)")
     for limit in ("memory", "pids", "cpus"):
-        asked, standing = request.get(limit), defaults.get(limit)
+        asked, standing = getattr(request, limit), defaults.get(limit)
         if asked is not None and (standing is None or asked > standing):
             weakened.append(f"{limit} {asked} (its task's is {standing or 'the host default'})")
-    if request.get("user") is not None and parse_user(request["user"]) != task.user:
-        weakened.append(f"user {request['user']}")
+    if request.user is not None and parse_user(str(request.user)) != task.user:
+        weakened.append(f"user {request.user}")
     if weakened:
         raise NotPermitted(
             f"this token is scoped to task(s) {grant.describe()}: it cannot ask for "
