@@ -5,6 +5,11 @@ launch path, before its command, where `threading` costs an import and a handsha
 new thread; and each of them must be joined before the owner reports. A lock held while the
 thread runs is its join. Written once here for the three.
 
+Also the wait such a thread blocks in, `await_event`: an eventfd read that a handled signal does
+not end. The owner's TERM and USR1 are sent to the process, so the kernel may hand them to any
+of its threads (after a stop and a continue, to whichever runs first), and `os.eventfd_read`,
+unlike `os.read`, raises InterruptedError then instead of reading again.
+
 Standard library only. Must never start a thread the caller did not ask for, or return from
 `join` before the thread's target has ended.
 """
@@ -12,7 +17,18 @@ Standard library only. Must never start a thread the caller did not ask for, or 
 from __future__ import annotations
 
 import _thread
+import os
 from collections.abc import Callable
+
+
+def await_event(fd: int) -> int:
+    """Block until the eventfd `fd` is non-zero, read (and so clear) it; retried after EINTR
+    (the signal's handler has run: its wake-up is the main loop's to see)."""
+    while True:
+        try:
+            return os.eventfd_read(fd)
+        except InterruptedError:
+            continue
 
 
 class RawThread:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import os
 
-from settled.rawthread import RawThread
+from settled.rawthread import RawThread, await_event
 
 TYPE_CHECKING = False  # loaded by every owner: no typing or collections.abc at run time
 if TYPE_CHECKING:
@@ -90,7 +90,7 @@ class Flusher:
 
     def _run(self) -> None:
         while True:
-            os.eventfd_read(self._poked)  # blocks (without the GIL) until poked; clears it
+            await_event(self._poked)  # blocks (without the GIL) until poked; clears it
             if self._stopping:
                 return
             for target in self._targets:

@@ -34,7 +34,7 @@ import _thread
 import os
 import time
 
-from settled.rawthread import RawThread
+from settled.rawthread import RawThread, await_event
 
 TYPE_CHECKING = False  # started on the owner's launch path: no typing or contextlib there
 if TYPE_CHECKING:
@@ -112,7 +112,7 @@ class LeaseKeeper:
             with self._mutex:
                 if self._answered >= number or self._failure is not None or self._stopping:
                     break
-            os.eventfd_read(self._answers)  # the thread answered something: look again
+            await_event(self._answers)  # the thread answered something: look again
         return self.collect()
 
     def _ask(self, *, waiting: bool) -> int:
@@ -187,7 +187,7 @@ class LeaseKeeper:
                 if self._pending is not None:
                     request, self._pending = self._pending, None
                     return request
-            os.eventfd_read(self._work)  # blocks (without the GIL) until asked or stopped
+            await_event(self._work)  # blocks (without the GIL) until asked or stopped
 
     def _fresh(self, request: _Request) -> bool:
         with self._mutex:
