@@ -143,6 +143,32 @@ def test_a_resumed_close_keeps_the_deadline_its_first_attempt_recorded(
     assert settled["cancelled_at"] < max(pending["deadline_at"], resumed_at) + 30
 
 
+@pytest.mark.timeout(180)
+def test_a_resumed_close_given_a_sooner_deadline_cancels_at_it(tmp_path: Path) -> None:
+    """A close killed after recording a 300 s deadline, resumed with `--deadline 0` (a person
+    cutting it short): the stuck command is cancelled now, not 300 s later."""
+    home, ws = tmp_path / "home", tmp_path / "ws"
+    ws.mkdir()
+    task = json.loads(_cli(home, "task", "new", "--workspace", str(ws), "--json").stdout)["task"]
+    admitted = _cli(home, "exec", "--task", task, "--key", "stuck", "--grace", "0.5",
+                    "--json", "--", "sleep 300")  # fmt: skip
+    assert admitted.returncode == 0, admitted.stderr
+    crashed = _cli(home, "close", task, "--deadline", "300", "--json",
+                   fault="close.after_final_pending")  # fmt: skip
+    assert crashed.returncode == -9, crashed.stderr
+    resumed_at = time.time()
+    retried = _cli(home, "close", task, "--deadline", "0", "--json")
+    assert retried.returncode == 0, retried.stderr
+    assert json.loads(retried.stdout)["outcome"]["complete"] is True
+    with Runtime(str(home)) as rt:
+        steps = rt.store.close_steps(task)
+    settled = steps["sessions_settled"]
+    assert steps["final_pending"]["deadline_s"] == 300.0, "the first attempt's fact stands"
+    assert settled["deadline"]["source"] == "this close (sooner than the recorded one)"
+    assert settled["deadline"]["s"] == 0.0
+    assert settled["cancelled_at_deadline"] and settled["cancelled_at"] < resumed_at + 30
+
+
 def test_a_final_pending_recorded_without_a_deadline_gets_a_fresh_one(
     rt: Runtime, task: TaskRecord
 ) -> None:
@@ -164,21 +190,28 @@ def test_a_final_pending_recorded_without_a_deadline_gets_a_fresh_one(
 NOW = 1_000_000.0
 
 
+RECORDED = {"final": None, "received_at": NOW - 5, "deadline_s": 10.0, "deadline_at": NOW + 5}
+OLDER = {"final": "x", "received_at": NOW - 900}  # an older version's fact
+
+
 @pytest.mark.parametrize(
     ("pending", "given", "expected"),
     [
-        ({"final": None, "received_at": NOW - 5, "deadline_s": 10.0, "deadline_at": NOW + 5},
-         600.0, Deadline(NOW + 5, 10.0, "recorded")),
-        ({"final": "x", "received_at": NOW - 900},  # an older version's fact
-         30.0, Deadline(NOW + 30, 30.0, "this close (final_pending recorded none)")),
+        (RECORDED, 600.0, Deadline(NOW + 5, 10.0, "recorded")),  # never later
+        (RECORDED, None, Deadline(NOW + 5, 10.0, "recorded")),  # none named: the recorded
+        (RECORDED, 5.0, Deadline(NOW + 5, 10.0, "recorded")),  # as soon: the recorded
+        (RECORDED, 0.0, Deadline(NOW, 0.0, "this close (sooner than the recorded one)")),
+        (RECORDED, 2.0, Deadline(NOW + 2, 2.0, "this close (sooner than the recorded one)")),
+        (OLDER, 30.0, Deadline(NOW + 30, 30.0, "this close (final_pending recorded none)")),
+        (OLDER, None, Deadline(NOW + 600, 600.0, "this close (final_pending recorded none)")),
         ({"final": None, "deadline_at": NOW + 1},  # half a deadline is none
          7.0, Deadline(NOW + 7, 7.0, "this close (final_pending recorded none)")),
     ],
 )  # fmt: skip
-def test_close_deadline_keeps_the_recorded_one(
-    pending: dict[str, object], given: float, expected: Deadline
+def test_close_deadline_keeps_the_recorded_one_unless_asked_for_a_sooner_one(
+    pending: dict[str, object], given: float | None, expected: Deadline
 ) -> None:
-    assert close_deadline(pending, given, NOW) == expected
+    assert close_deadline(pending, given, NOW, 600.0) == expected
 
 
 @pytest.mark.parametrize(

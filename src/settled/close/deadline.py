@@ -2,14 +2,14 @@
 
 The close that records ``final_pending`` records its deadline there as a wall-clock time
 (join.py), and every close of the task, the first or a resume in another process, keeps it
-(`close_deadline`). Monotonic time cannot be recorded for another process: CLOCK_MONOTONIC
-counts from an unspecified point of each boot, so a value written before a crash and a reboot
-means nothing after it. The wall clock is read once per wait to say how much of the deadline
-is left, and that is kept within [0, the deadline's length] (`seconds_left`), so a clock
-stepped back cannot stretch the close past its whole deadline counted anew from then, and one
-stepped forward only cancels sooner; the waits themselves run on the monotonic clock. Past the
-deadline, every session still live is waited for under one bound (`settle_bound`), not one
-after another.
+(`close_deadline`), unless a resume asks for a sooner one: a deadline is only ever shortened.
+Monotonic time cannot be recorded for another process: CLOCK_MONOTONIC counts from an
+unspecified point of each boot, so a value written before a crash and a reboot means nothing
+after it. The wall clock is read once per wait to say how much of the deadline is left, and that
+is kept within [0, the deadline's length] (`seconds_left`), so a clock stepped back cannot
+stretch the close past its whole deadline counted anew from then, and one stepped forward only
+cancels sooner; the waits themselves run on the monotonic clock. Past the deadline, every
+session still live is waited for under one bound (`settle_bound`), not one after another.
 
 Must never: read a clock, the store or a session; it imports records only (decisions layer).
 """
@@ -40,14 +40,21 @@ class Deadline(Frozen):
         return {"at": self.at, "s": self.seconds, "source": self.source}
 
 
-def close_deadline(pending: dict[str, Any], given_s: float, now: float) -> Deadline:
-    """The deadline a close keeps: the one its final_pending fact recorded when the close
-    began (a resumed close keeps it, whatever deadline it was given), or, for a fact an older
-    version recorded without one, `given_s` counted from `now`."""
+def close_deadline(
+    pending: dict[str, Any], given_s: float | None, now: float, default_s: float
+) -> Deadline:
+    """The deadline a close keeps. The one its final_pending fact recorded when the close began
+    holds across every resume; a resume given a deadline of its own (`given_s`, None when the
+    caller named none) may bring it sooner, never later: `settled close T --deadline 0` after an
+    interrupted close cancels now. A fact an older version recorded without a deadline gets
+    `given_s` (else `default_s`) counted from `now`, as every close did then."""
     at, seconds = pending.get("deadline_at"), pending.get("deadline_s")
     if isinstance(at, int | float) and isinstance(seconds, int | float):
+        if given_s is not None and now + given_s < at:
+            return Deadline(now + given_s, given_s, "this close (sooner than the recorded one)")
         return Deadline(float(at), float(seconds), "recorded")
-    return Deadline(now + given_s, given_s, "this close (final_pending recorded none)")
+    chosen = default_s if given_s is None else given_s
+    return Deadline(now + chosen, chosen, "this close (final_pending recorded none)")
 
 
 def seconds_left(deadline: Deadline, now: float) -> float:

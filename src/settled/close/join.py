@@ -10,10 +10,10 @@ is written in the same transaction as its fact (``_recorded_with``), and the fac
 again only when another close may have moved them (``_after``).
 
 The deadline is one scope for the whole close, across a crash and a resume (deadline.py):
-recorded with ``final_pending`` as a wall-clock time, kept by a resumed close whatever
-deadline it is given (it cancels at once if it passed), and, past it, every late session is
-asked to stop at once and all the live ones are waited for under one bound from that cancel
-(the longest ``CANCEL_SETTLE_S + grace`` among them), never one bound after another.
+recorded with ``final_pending`` as a wall-clock time, kept by a resumed close unless it is given
+a sooner one (never a later one; it cancels at once if the deadline passed), and, past it, every
+late session is asked to stop at once and all the live ones are waited for under one bound from
+that cancel (the longest ``CANCEL_SETTLE_S + grace`` among them), never one bound after another.
 """
 
 from __future__ import annotations
@@ -119,6 +119,7 @@ class CloseJoin:
     ) -> None:
         self.store, self.workspace, self.sessions, self.pod = store, workspace, sessions, pod
         self.task, self.final = task, final
+        self.given_deadline = deadline  # None: the caller named none (a resume keeps the recorded)
         self.deadline = DEFAULT_DEADLINE_S if deadline is None else deadline
 
     def facts(self) -> CloseFacts:
@@ -202,7 +203,9 @@ class CloseJoin:
         for service in services:
             self.sessions.cancel(service.session, "service stopped at close")
         required = [s for s in live if not s.spec.get("service")]
-        deadline = close_deadline(facts.steps["final_pending"], self.deadline, time.time())
+        deadline = close_deadline(
+            facts.steps["final_pending"], self.given_deadline, time.time(), DEFAULT_DEADLINE_S
+        )
         late = self._not_settled_by(required, seconds_left(deadline, time.time()))
         for session in late:
             self.sessions.cancel(session.session, f"close deadline of {deadline.seconds} s passed")
