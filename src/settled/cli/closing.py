@@ -57,7 +57,7 @@ def close_with_progress(
     if not _is_terminal(err):
         return rt.close_task(task, final, deadline)
     waited = _waited_for(rt, task)
-    progress = Progress(task, waited, deadline, err)
+    progress = Progress(task, waited, rt.close_deadline_s(task, deadline), err)
     progress.start()
     try:
         return rt.close_task(task, final, deadline)

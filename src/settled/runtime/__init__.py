@@ -118,6 +118,21 @@ class Runtime(Admissions, Tasks, LogReads):
             self._on_this_host(record, "close")
         return self._close_join(task, final, deadline).run()
 
+    def close_deadline_s(self, task: str, deadline: float | None = None) -> float:
+        """The deadline a close of `task` given `deadline` would keep, in seconds from now: the
+        one an interrupted close recorded unless `deadline` is sooner (close/deadline.py), for
+        a person's progress line; the close decides it again when it waits."""
+        import time
+
+        from settled.close.deadline import close_deadline
+        from settled.close.join import DEFAULT_DEADLINE_S
+
+        pending = self.store.close_steps(grammar.check_id("task", task)).get("final_pending", {})
+        now = time.time()
+        return round(
+            max(0.0, close_deadline(pending, deadline, now, DEFAULT_DEADLINE_S).at - now), 1
+        )
+
     def _close_join(
         self, task: str, final: str | None = None, deadline: float | None = None
     ) -> CloseJoin:
