@@ -566,6 +566,14 @@ def test_the_same_key_in_another_task_is_another_session(store: Store) -> None:
     assert second.session != first.session
 
 
+@pytest.mark.parametrize("event", [None, "seal"])
+def test_a_close_step_of_an_unknown_task_raises_unknown_task(
+    store: Store, event: str | None
+) -> None:
+    with pytest.raises(UnknownTask, match="t_nope"):
+        store.record_close_step("t_nope", "final_pending", {"final": None}, event=event)
+
+
 def test_admit_to_an_unknown_task_raises_unknown_task(store: Store) -> None:
     with pytest.raises(UnknownTask, match="t_missing"):
         store.admit("t_missing", "k1", DIGEST_A, SPEC)

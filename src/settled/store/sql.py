@@ -711,6 +711,8 @@ class SQLStore:
         text = canonical_bytes(fact).decode()
 
         def work(cur: Cursor) -> dict[str, Any]:
+            if self._run(cur, "SELECT 1 FROM tasks WHERE task=?", (task,)).fetchone() is None:
+                raise UnknownTask(task)  # named, not the foreign key's IntegrityError
             inserted = self._run(
                 cur,
                 "INSERT INTO close_steps (task, step, fact, recorded_at, digest) "
