@@ -239,13 +239,13 @@ class Settled:
 
     def __init__(self, home: str, tree: str, trash: Trash) -> None:
         from settled.runtime import Runtime
-        from settled.workspace.journal import wire as journal_client
+        from settled.workspace.journal import wire as journal_wire
 
         self.home, self.trash = home, trash
         self.rt = Runtime(home)
         self.task = self.rt.new_task(tree)
         self.socket = self.rt.workspace.socket()
-        self.journal_pid = (journal_client.ping(self.socket) or {}).get("pid")
+        self.journal_pid = (journal_wire.ping(self.socket) or {}).get("pid")
         self.scan_s = 0.0
         self._time_scans(self.rt)
 

@@ -123,10 +123,10 @@ class Variant:
         """The home's one journal daemon outlives each close (it watches the home's open
         tasks and exits after a minute idle): stopped here, once, and awaited."""
         from settled.workspace.journal import lifecycle as journal_lifecycle
-        from settled.workspace.journal import wire as journal_client
+        from settled.workspace.journal import wire as journal_wire
 
         socket = self.rt.workspace.socket()
-        pid = (journal_client.ping(socket) or {}).get("pid")
+        pid = (journal_wire.ping(socket) or {}).get("pid")
         with contextlib.suppress(Exception):
             journal_lifecycle.stop(socket)
         if not await_exit(pid, 10.0):

@@ -626,7 +626,7 @@ def run_once(root: str, variant: str, p: dict[str, Any]) -> dict[str, Any]:
     from settled.runtime import Runtime
     from settled.states import LIVE_STATES
     from settled.workspace.journal import lifecycle as journal_lifecycle
-    from settled.workspace.journal import wire as journal_client
+    from settled.workspace.journal import wire as journal_wire
 
     launcher, share = VARIANTS[variant]
     base = os.path.join(root, variant)
@@ -657,7 +657,7 @@ def run_once(root: str, variant: str, p: dict[str, Any]) -> dict[str, Any]:
         rt = Runtime(home, launcher=launcher)
         task = rt.new_task(workspace)
         socket = rt.workspace.socket()
-        journal_pid = (journal_client.ping(socket) or {}).get("pid")
+        journal_pid = (journal_wire.ping(socket) or {}).get("pid")
         db_path = os.path.join(rt.home, "settled.db")
         sampler = SamplerProcess(token, os.path.join(base, "memory.json"), db_path)
         gate = Gate(gate_path) if use_gate else None

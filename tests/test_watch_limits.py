@@ -30,7 +30,7 @@ from conftest import journal_pids
 from settled.errors import BadInput
 from settled.runtime import Runtime
 from settled.workspace.journal import lifecycle as journal_lifecycle
-from settled.workspace.journal import wire as journal_client
+from settled.workspace.journal import wire as journal_wire
 from settled.workspace.journal.errors import JournalUnavailable
 
 HOST_LIMITS = ("/proc/sys/fs/inotify/max_user_instances", "/proc/sys/fs/inotify/max_user_watches")
@@ -164,7 +164,7 @@ def test_300_tasks_under_a_low_instance_limit_share_one_daemon_and_close(
     assert len(set(tasks)) == 300 and made["refused_instances"] >= 1
     assert len(journal_pids(home / "run")) == 1
     socket_path = str(home / "run" / "journal.sock")
-    info = journal_client.ping(socket_path)
+    info = journal_wire.ping(socket_path)
     assert info is not None and info["tasks"] == 300 and info["instance"] == "ok"
     assert info["directories"] == 600  # each workspace and its one subdirectory
     with Runtime(str(home)) as rt:
@@ -179,7 +179,7 @@ def test_300_tasks_under_a_low_instance_limit_share_one_daemon_and_close(
         with_command = rt.close_task(tasks[0]).receipt
         assert with_command is not None
         assert with_command["sessions"][0]["terminal_mutation"]["source"] == "journal"
-    info = journal_client.ping(socket_path)
+    info = journal_wire.ping(socket_path)
     assert info is not None and info["tasks"] == 0  # every close released its task
 
 
@@ -194,7 +194,7 @@ def test_refused_watches_leave_the_task_working_and_its_scans_full(
     workspace = _workspace(tmp_path, 8)  # 9 directories, 3 watches allowed
     with Runtime(str(home)) as rt:
         task = rt.new_task(str(workspace))
-        mark = journal_client.barrier(socket_path, task.task)
+        mark = journal_wire.barrier(socket_path, task.task)
         assert mark is not None and not mark.trustworthy and mark.lost_watches
         assert any("max_inotify_watches = 3" in reason for reason in mark.reasons)
         admission = rt.exec(task.task, shell="echo x > d7/f", key="w")
@@ -213,7 +213,7 @@ def test_a_refused_inotify_instance_leaves_every_task_working_and_untrusted(
     userns: None, home: Path, tmp_path: Path
 ) -> None:
     socket_path = _daemon_with_limits(home, max_inotify_instances=0)
-    info = journal_client.ping(socket_path)
+    info = journal_wire.ping(socket_path)
     assert info is not None and "max_inotify_instances = 0" in info["instance"]
     workspace = _workspace(tmp_path, 2)
     with Runtime(str(home)) as rt:
@@ -259,7 +259,7 @@ def test_a_task_whose_journal_cannot_start_leaves_nothing(home: Path, tmp_path: 
         (home / "run" / "journal").unlink()
         task = rt.new_task(str(tmp_path / "ws"), key="given")  # the same key: a new task
         assert [row[0] for row in _rows(home, "tasks")] == [task.task]
-        mark = journal_client.barrier(rt.workspace.socket(), task.task)
+        mark = journal_wire.barrier(rt.workspace.socket(), task.task)
         assert mark is not None and mark.trustworthy  # no state of the failed one remained
 
 

@@ -337,7 +337,7 @@ def _recovered_receipt(
     running, when a copy fences its late appends off (log/recovered.py). Under `--network
     proxy`, its ledger is sealed here, as its owner would have (`killed_at`: when recovery's
     inspection began)."""
-    from settled.workspace.journal import wire as journal_client
+    from settled.workspace.journal import wire as journal_wire
 
     output = _logs_at_disk(home, record.session, writer_may_live=verdict.writer_may_live)
     return process_receipt(
@@ -350,7 +350,7 @@ def _recovered_receipt(
         exit=verdict.exit,
         output={**output, "drain": verdict.drain},
         stragglers=[],
-        terminal_mutation=journal_client.terminal_mutation(journal_socket(home), record.task),
+        terminal_mutation=journal_wire.terminal_mutation(journal_socket(home), record.task),
         isolation=record.isolation,
         owner={
             "pid": os.getpid(),

@@ -15,7 +15,8 @@ import sys
 ROOT_HOME = "/var/lib/settled"  # root's home, as a system service keeps its state
 LAUNCHER_SOCKET = "launcher.sock"  # in the run directory: the home's zygote (home_launcher.py)
 LAUNCHER_LOG = "launcher.log"
-FACE_MAGIC = b"settled-face/1\0"  # a face's request to that zygote; an owner's is JSON
+VERB_REQUEST_MAGIC = b"settled-face/1\0"  # a CLI verb's request to that zygote (the bytes are
+# the wire's, kept); an owner's request is JSON
 
 
 def run_dir(home: str) -> str:

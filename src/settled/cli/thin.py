@@ -27,9 +27,9 @@ import os
 import sys
 
 from settled.where import (
-    FACE_MAGIC,
     LAUNCHER_LOG,
     LAUNCHER_SOCKET,
+    VERB_REQUEST_MAGIC,
     install_identity,
     resolve_home,
     run_dir,
@@ -159,7 +159,7 @@ def _request(argv: list[str]) -> bytes | None:
         os.fsencode(sys.argv[0] if sys.argv else "settled"), b"%d" % len(argv),
         *map(os.fsencode, argv), *(k + b"=" + v for k, v in os.environb.items()),
     ]  # fmt: skip
-    request = FACE_MAGIC + install_identity().encode() + b"\0" + b"\0".join(fields)
+    request = VERB_REQUEST_MAGIC + install_identity().encode() + b"\0" + b"\0".join(fields)
     return request if len(request) <= MAX_REQUEST else None
 
 

@@ -15,9 +15,9 @@ The zygote exits after IDLE_EXIT_S without a request and with no call running, w
 stop, or when a caller of another settled (its version, install or interpreter) asks it for
 anything, so an upgrade never runs old code.
 
-The CLI may ask too: a request that starts with FACE_MAGIC (cli/thin.py) gets a worker forked
-with the caller's stdio and directory, which runs the verb through the CLI's function named when
-the zygote started (`runtime.HOME_FACE`, imported before the heap is frozen); the zygote reaps
+The CLI may ask too: a request that starts with VERB_REQUEST_MAGIC (cli/thin.py) gets a worker
+forked with the caller's stdio and directory, which runs the verb through the CLI's function named
+when the zygote started (`runtime.VERB_RUNNER`, imported before the heap is frozen); the zygote reaps
 each worker and tells its caller how one ended that could not say (verb_workers.py).
 
 Trust: the socket lives in the home's run directory (0700, hidden from every command by its
@@ -59,7 +59,7 @@ from settled.owner.forking import (
 from settled.owner.verb_workers import VerbWorkers
 from settled.peers import unix_refusal
 from settled.store import Store
-from settled.where import FACE_MAGIC, LAUNCHER_LOG, LAUNCHER_SOCKET
+from settled.where import LAUNCHER_LOG, LAUNCHER_SOCKET, VERB_REQUEST_MAGIC
 from settled.where import install_identity as identity
 
 TYPE_CHECKING = False
@@ -91,9 +91,9 @@ class LauncherUnavailable(OwnerLaunchFailed):
 
 
 def main(argv: list[str]) -> int:
-    """argv: RUN_DIR IDLE_S READY_FD [FACE]. Forks once, so its starter reaps this process at
-    once and the zygote is nobody's child but init's. FACE ("module:function") runs a CLI verb
-    in a worker the zygote forks (see `_serve_verb`)."""
+    """argv: RUN_DIR IDLE_S READY_FD [VERB_RUNNER]. Forks once, so its starter reaps this process
+    at once and the zygote is nobody's child but init's. VERB_RUNNER ("module:function") runs a
+    CLI verb in a worker the zygote forks (see `_serve_verb`)."""
     run, idle, ready_fd = argv[0], float(argv[1]), int(argv[2])
     run_verb = _load_verb_runner(argv[3]) if len(argv) > 3 else None
     if os.fork() != 0:
@@ -187,7 +187,7 @@ def _answer(
         return False  # another uid: not a word, not a fork
     conn.settimeout(REPLY_TIMEOUT_S)
     message, fds = _receive(conn)
-    if message.startswith(FACE_MAGIC):
+    if message.startswith(VERB_REQUEST_MAGIC):
         stays = _serve_verb(message, fds, (listener, conn), mine, run_verb, workers)
         return False if stays else None
     request = _request(message)
@@ -214,8 +214,8 @@ def _serve_verb(
     run_verb: VerbRunner | None,
     workers: VerbWorkers,
 ) -> bool:
-    """A CLI verb's request: FACE_MAGIC, the caller's identity, then the verb's arguments. Forks
-    a worker that runs `run_verb(body, fds, connection)`, keeping the connection (the zygote
+    """A CLI verb's request: VERB_REQUEST_MAGIC, the caller's identity, then the verb's arguments.
+    Forks a worker that runs `run_verb(body, fds, connection)`, keeping the connection (the zygote
     keeps a copy too, to tell the caller how a worker ended that could not: verb_workers.py); False
     when the caller is another settled (the zygote must leave)."""
     parts = message.split(b"\0", 2)
@@ -296,11 +296,11 @@ class HomeLauncher:
     """Launches owners through the home's zygote, starting it when none answers. Thread-safe:
     each launch is a connection of its own."""
 
-    def __init__(self, face: str | None = None) -> None:
-        """`face`: the CLI's verb runner ("module:function", runtime.HOME_FACE) that a zygote
-        this launcher starts runs in a worker for a CLI call (see `_serve_verb`)."""
+    def __init__(self, verb_runner: str | None = None) -> None:
+        """`verb_runner`: the CLI's verb runner ("module:function", runtime.VERB_RUNNER) that a
+        zygote this launcher starts runs in a worker for a CLI call (see `_serve_verb`)."""
         self._identity = identity()
-        self._verb_runner = face
+        self._verb_runner = verb_runner
         self._start_lock = threading.Lock()
 
     def launch(self, home: str, session: str, store: Store) -> dict[str, Any]:

@@ -16,9 +16,9 @@ from settled.home import storage_error as storage_error  # for the CLI: one line
 from settled.records import OwnerFacts, SessionRecord, TaskRecord
 from settled.runtime.admission import Admission as Admission
 from settled.runtime.admission import Admissions
-from settled.runtime.composition import HOME_FACE as HOME_FACE
 from settled.runtime.composition import LAUNCHERS as LAUNCHERS
 from settled.runtime.composition import MAX_WAIT, _on_disk
+from settled.runtime.composition import VERB_RUNNER as VERB_RUNNER
 from settled.runtime.composition import load_for_calls as load_for_calls
 from settled.runtime.composition import open_launcher as open_launcher
 from settled.runtime.composition import ready_home as ready_home

@@ -51,8 +51,8 @@ LAUNCHERS = ("fresh", "warm", "home")
 # The home's zygote also runs the command line's verbs, each in a worker it forks with the
 # caller's stdio, directory and environment: a CLI call then costs a fork, not ~25 ms of
 # imports (cli/thin.py asks, cli/worker.py answers). A name, not an import: the Runtime
-# composes no face; the zygote imports it when it starts.
-HOME_FACE = "settled.cli.worker:serve"
+# composes no face (a CLI, a server); the zygote imports it when it starts.
+VERB_RUNNER = "settled.cli.worker:serve"
 
 
 def _check_launcher_kind(kind: str | None) -> str:
@@ -89,7 +89,7 @@ def open_launcher(kind: str | None = None) -> Launcher:
     if kind == "home":
         from settled.owner.home_launcher import HomeLauncher
 
-        return HomeLauncher(face=HOME_FACE)
+        return HomeLauncher(verb_runner=VERB_RUNNER)
     from settled.owner.zygote import WarmLauncher
 
     return WarmLauncher()

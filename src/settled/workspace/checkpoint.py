@@ -46,7 +46,7 @@ from settled.store import Store
 from settled.workspace import cachetrust, ignore, rootid
 from settled.workspace.index import Index
 from settled.workspace.journal import lifecycle as journal_lifecycle
-from settled.workspace.journal import wire as journal_client
+from settled.workspace.journal import wire as journal_wire
 from settled.workspace.manifest import IndexMismatch, ManifestError, publish_manifest
 from settled.workspace.nodecache import NodeCache
 from settled.workspace.readback import QUARANTINABLE, Problem, ReadBack, read_back
@@ -130,7 +130,7 @@ class Checkpoints:
         """
         rules = ignore.from_record(task.ignore_rules)  # bound at task new, never re-read
         expected = rootid.recorded(task.workspace_identity)  # the directory bound at task new
-        watermark = journal_client.barrier(self.socket(), task.task)
+        watermark = journal_wire.barrier(self.socket(), task.task)
         started_at = time.time()
         latest = self.store.latest_checkpoint(task.task)
         previous, cache = self._previous(latest[1] if latest else None)
@@ -180,7 +180,7 @@ class Checkpoints:
         fact = self.final_scan(task, incremental=incremental)
         receipt = self.checkpoint(task, fact, [])
         if fact["watermark"] is not None:
-            journal_client.reset(self.socket(), task.task, int(fact["watermark"]))
+            journal_wire.reset(self.socket(), task.task, int(fact["watermark"]))
         return {**receipt, "scan": {k: v for k, v in fact.items() if k != "index_ref"}}
 
     def checkpoint(
@@ -381,7 +381,7 @@ def _ignore_fact(task: TaskRecord) -> dict[str, Any] | None:
     return rules.record() if rules.patterns else None
 
 
-def _journal_trust(watermark: journal_client.Watermark | None) -> dict[str, Any]:
+def _journal_trust(watermark: journal_wire.Watermark | None) -> dict[str, Any]:
     """Whether the journal vouched for the interval, and if not, why (a kernel that refused
     the watches or the inotify instance, an overflow, a restart, no journal at all): the
     scan fact says it, whatever the scan's mode."""

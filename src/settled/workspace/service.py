@@ -25,10 +25,10 @@ if TYPE_CHECKING:
     from collections.abc import Sequence
     from typing import Any
 
+    from settled.objects import ObjectStore
     from settled.records import SessionRecord, TaskRecord
     from settled.store import Store
     from settled.workspace.checkpoint import Checkpoints
-    from settled.objects import ObjectStore
     from settled.workspace.restore import RestoreResult as RestoreResult  # what restore returns
 
 
