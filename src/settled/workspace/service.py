@@ -3,10 +3,10 @@
 Owns what the Runtime asks of the workspace layer, each answered by the module that decides it:
 the task's journal watch (`journal/lifecycle.py`), where a workspace may be (`placement.py`),
 the identity of its root (`rootid.py`), the ignore rules bound at `task new` (`ignore.py`),
-the home's object store (`settled.objects.open_object_store`), restore and verify of a manifest (`restore.py`,
-`verify.py`), and the checkpoints (`checkpoint.py`'s `Checkpoints`: the final scan, the
-checkpoint and its read-back; the close join reaches them through this service, its
-`Workspace`).
+the home's object store (`settled.objects.open_object_store`), restore and verify of a
+manifest (`restore.py`, `verify.py`), and the checkpoints (`checkpoint.py`'s `Checkpoints`:
+the final scan, the checkpoint and its read-back; the close join reaches them through this
+service, its `Workspace`).
 
 Must never: import at module level what only some verbs need. An exec has its task's workspace
 watched through here and must load no checkpoint code, and `settled status` none of this
