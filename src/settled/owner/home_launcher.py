@@ -16,9 +16,10 @@ stop, or when a caller of another settled (its version, install or interpreter) 
 anything, so an upgrade never runs old code.
 
 The CLI may ask too: a request that starts with VERB_REQUEST_MAGIC (cli/thin.py) gets a worker
-forked with the caller's stdio and directory, which runs the verb through the CLI's function named
-when the zygote started (`runtime.VERB_RUNNER`, imported before the heap is frozen); the zygote reaps
-each worker and tells its caller how one ended that could not say (verb_workers.py).
+forked with the caller's stdio and directory, which runs the verb through the CLI's function
+named when the zygote started (`runtime.VERB_RUNNER`, imported before the heap is frozen); the
+zygote reaps each worker and tells its caller how one ended that could not say
+(verb_workers.py).
 
 Trust: the socket lives in the home's run directory (0700, hidden from every command by its
 mount namespace), and the zygote serves only its own uid (SO_PEERCRED) and, whatever the uid
