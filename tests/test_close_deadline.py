@@ -102,6 +102,20 @@ def _cli(home: Path, *args: str, fault: str | None = None) -> subprocess.Complet
     return subprocess.run([*SETTLED, *args], capture_output=True, timeout=90, env=env)
 
 
+def _close_interrupted_after_final_pending(home: Path, ws: Path, deadline: str) -> str:
+    """A task with a stuck command whose close (given `deadline`) was killed right after it
+    recorded final_pending; its id."""
+    ws.mkdir()
+    task = json.loads(_cli(home, "task", "new", "--workspace", str(ws), "--json").stdout)["task"]
+    admitted = _cli(home, "exec", "--task", task, "--key", "stuck", "--grace", "0.5",
+                    "--json", "--", "sleep 300")  # fmt: skip
+    assert admitted.returncode == 0, admitted.stderr
+    crashed = _cli(home, "close", task, "--deadline", deadline, "--json",
+                   fault="close.after_final_pending")  # fmt: skip
+    assert crashed.returncode == -9, crashed.stderr
+    return str(task)
+
+
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("resumed", ["before_the_deadline", "after_the_deadline"])
 def test_a_resumed_close_keeps_the_deadline_its_first_attempt_recorded(
@@ -110,15 +124,8 @@ def test_a_resumed_close_keeps_the_deadline_its_first_attempt_recorded(
     """A close killed right after recording final_pending (its deadline 4 s) is resumed with
     a deadline of 600 s: it cancels the stuck command at the first deadline, or at once when
     that has passed, never 600 s later."""
-    home, ws = tmp_path / "home", tmp_path / "ws"
-    ws.mkdir()
-    task = json.loads(_cli(home, "task", "new", "--workspace", str(ws), "--json").stdout)["task"]
-    admitted = _cli(home, "exec", "--task", task, "--key", "stuck", "--grace", "0.5",
-                    "--json", "--", "sleep 300")  # fmt: skip
-    assert admitted.returncode == 0, admitted.stderr
-    crashed = _cli(home, "close", task, "--deadline", "4", "--json",
-                   fault="close.after_final_pending")  # fmt: skip
-    assert crashed.returncode == -9, crashed.stderr
+    home = tmp_path / "home"
+    task = _close_interrupted_after_final_pending(home, tmp_path / "ws", deadline="4")
     with Runtime(str(home)) as rt:
         pending = rt.store.close_steps(task)["final_pending"]
     assert pending["deadline_s"] == 4.0
@@ -147,15 +154,8 @@ def test_a_resumed_close_keeps_the_deadline_its_first_attempt_recorded(
 def test_a_resumed_close_given_a_sooner_deadline_cancels_at_it(tmp_path: Path) -> None:
     """A close killed after recording a 300 s deadline, resumed with `--deadline 0` (a person
     cutting it short): the stuck command is cancelled now, not 300 s later."""
-    home, ws = tmp_path / "home", tmp_path / "ws"
-    ws.mkdir()
-    task = json.loads(_cli(home, "task", "new", "--workspace", str(ws), "--json").stdout)["task"]
-    admitted = _cli(home, "exec", "--task", task, "--key", "stuck", "--grace", "0.5",
-                    "--json", "--", "sleep 300")  # fmt: skip
-    assert admitted.returncode == 0, admitted.stderr
-    crashed = _cli(home, "close", task, "--deadline", "300", "--json",
-                   fault="close.after_final_pending")  # fmt: skip
-    assert crashed.returncode == -9, crashed.stderr
+    home = tmp_path / "home"
+    task = _close_interrupted_after_final_pending(home, tmp_path / "ws", deadline="300")
     resumed_at = time.time()
     retried = _cli(home, "close", task, "--deadline", "0", "--json")
     assert retried.returncode == 0, retried.stderr
