@@ -53,7 +53,7 @@ def close_deadline(
         if given_s is not None and now + given_s < at:
             return Deadline(now + given_s, given_s, "this close (sooner than the recorded one)")
         return Deadline(float(at), float(seconds), "recorded")
-    chosen = default_s if given_s is None else given_s
+    chosen = float(default_s if given_s is None else given_s)
     return Deadline(now + chosen, chosen, "this close (final_pending recorded none)")
 
 

@@ -119,8 +119,7 @@ class CloseJoin:
     ) -> None:
         self.store, self.workspace, self.sessions, self.pod = store, workspace, sessions, pod
         self.task, self.final = task, final
-        self.given_deadline = deadline  # None: the caller named none (a resume keeps the recorded)
-        self.deadline = DEFAULT_DEADLINE_S if deadline is None else deadline
+        self.deadline = deadline  # None: the caller named none (a resume keeps the recorded)
 
     def facts(self) -> CloseFacts:
         return read_close_facts(self.store, self.task)
@@ -179,12 +178,13 @@ class CloseJoin:
 
     def _step_final_pending(self, facts: CloseFacts) -> dict[str, Any]:
         """The final response and the close's deadline, which every resume keeps."""
-        now, seconds = time.time(), float(self.deadline)
+        now = time.time()
+        deadline = close_deadline({}, self.deadline, now, DEFAULT_DEADLINE_S)  # none recorded yet
         return {
             "final": self.final,
             "received_at": now,
-            "deadline_s": seconds,
-            "deadline_at": now + seconds,
+            "deadline_s": deadline.seconds,
+            "deadline_at": deadline.at,
         }
 
     def _step_sealed(self, facts: CloseFacts) -> dict[str, Any]:
@@ -204,7 +204,7 @@ class CloseJoin:
             self.sessions.cancel(service.session, "service stopped at close")
         required = [s for s in live if not s.spec.get("service")]
         deadline = close_deadline(
-            facts.steps["final_pending"], self.given_deadline, time.time(), DEFAULT_DEADLINE_S
+            facts.steps["final_pending"], self.deadline, time.time(), DEFAULT_DEADLINE_S
         )
         late = self._not_settled_by(required, seconds_left(deadline, time.time()))
         for session in late:
