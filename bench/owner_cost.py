@@ -220,13 +220,14 @@ def run(quick: bool) -> tuple[dict[str, Any], str]:
                     time.sleep(PAUSE_S)  # an agent's next call: the zygote's spare is ready
             if index % 10 == 9:
                 log(f"owner_cost: {index + 1}/{rounds} rounds")
+        overruns = task_exits.overruns if task_exits is not None else None
     data = {
         "machine": machine(),
         "revision": _revision(),
         "source": _source_root(),
         "quick": quick,
         "rounds": rounds,
-        "taskstats_overruns": task_exits.overruns if task_exits is not None else None,
+        "taskstats_overruns": overruns,
         "runs": runs,
         "summary": _summary(runs),
     }

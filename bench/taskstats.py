@@ -12,6 +12,7 @@ Offsets are those of `struct taskstats` version 13 (linux/taskstats.h), checked 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import socket
 import struct
@@ -102,9 +103,11 @@ class TaskExits:
         while True:
             try:
                 data = self._sock.recv(1 << 20)
-            except OSError:  # ENOBUFS: the kernel dropped some; the ones after still count
-                self.overruns += 1
-                continue
+            except OSError as error:
+                if error.errno == errno.ENOBUFS:  # the kernel dropped some; later ones count
+                    self.overruns += 1
+                    continue
+                return  # closed
             for kind, payload in _messages(data):
                 if kind == self._family:
                     self._read(payload)
