@@ -30,6 +30,7 @@ import limits
 import load
 import netproxy
 import objects_s3
+import owner_cost
 import peers
 import plots
 import podnet
@@ -62,6 +63,7 @@ BENCHMARKS = {
     "limits": limits.run,
     "remote": remote.run,
     "objects_s3": objects_s3.run,
+    "owner_cost": owner_cost.run,
     "peers": peers.run,
     "store_ops": store_ops.run,
     "soak": soak.run,
@@ -73,6 +75,7 @@ ARTIFACTS = {
     "close_latency": close_latency.plot,
     "admission": plots.admission_svg,
     "drain": plots.drain_svg,
+    "owner_cost": owner_cost.plot,
 }
 
 

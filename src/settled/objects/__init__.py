@@ -342,3 +342,19 @@ def open_object_store(home: str) -> ObjectStore:
     from settled.objects.local import LocalObjectStore  # behind the seam
 
     return LocalObjectStore(url.removeprefix("file://"))
+
+
+def prepare_object_store(home: str, env: dict[str, str]) -> bool:
+    """In a process that forks owners, before it forks them: import what the home's object
+    store will need in each of them and make it ready without a request (an S3 store: boto3 and
+    a client, objects/s3.py `warm_client`); a local store needs nothing. True when it did
+    anything. `env`: the environment the owners will run with (the endpoint, the credentials)."""
+    from settled.backends import bound_backends
+
+    url = bound_backends(home).objects
+    if not url.startswith("s3://"):
+        return False
+    from settled.objects.s3 import warm_client  # behind the seam, as in open_object_store
+
+    warm_client(url, env)
+    return True

@@ -235,6 +235,9 @@ class S3ObjectStore:
         return client
 
     def _make_client(self) -> S3Client:
+        warm = _WARM.get(self._client_key())
+        if warm is not None:  # built before this process was forked (warm_client)
+            return warm
         from settled.backends import extra_needed
 
         with extra_needed(self.location):
@@ -255,6 +258,10 @@ class S3ObjectStore:
             region_name=self.region,
         )
         return session.client("s3", endpoint_url=self.endpoint, config=config)
+
+    def _client_key(self) -> tuple[str | None, ...]:
+        """What a client is made of: a warm client serves only a store that would make the same."""
+        return (self.endpoint, self.region, self._access_key, self._secret_key)
 
     def _call(self, call: Callable[[], _T]) -> _T:
         """``call()``, retried on connection errors, 5xx and throttling, with backoff and full
@@ -621,6 +628,121 @@ class S3ObjectStore:
                 if not page.get("IsTruncated") or not token:
                     break
 
+    # -- uploading a file whose digest is known (a sealed log) ----------------------------------
+
+    def upload_file(self, source: BinaryIO, length: int, digest: str) -> StoredObject:
+        """Store the first ``length`` bytes of ``source`` (a file, or any seekable stream, at
+        its start) as the object ``digest``, which the caller counted as the bytes were written
+        (a settled stream's), create-only, holding at most one part in memory: one PUT up to
+        ``PART_SIZE``, else a multipart upload read a part at a time. The bytes are hashed as
+        they are read; bytes that do not hash to ``digest`` are never stored
+        (``DigestMismatch``: the PUT is not sent, the multipart upload is aborted before its
+        completion). An existing copy is dedupe only once re-hashed, and a damaged one is
+        quarantined and written again once, as ``store_spooled`` does. No ``ListObjectsV2``
+        first (``client()``'s): a missing bucket or refused credentials fail the PUT itself,
+        named as ``ObjectStoreUnreachable`` all the same."""
+        with self._lock:
+            if self._client is None:
+                self._client = self._make_client()
+            client = self._client
+        for attempt in (1, 2):
+            source.seek(0)
+            try:
+                if length <= PART_SIZE:
+                    data = _hashed_read(source, length, digest)
+                    stored = self._put_once(client, digest, length, data)
+                else:
+                    try:
+                        stored = self._existing(digest, length)
+                    except ObjectMissing:
+                        stored = self._multipart_file(client, source, length, digest)
+            except ObjectMissing:
+                continue  # a 409 conflict that left no object: write again
+            if stored is not None:
+                return stored
+            if attempt == 1:
+                self.quarantine(digest)
+        raise ObjectUnreadable(digest, "the stored copy does not hash to its name, even rewritten")
+
+    def _multipart_file(
+        self, client: S3Client, source: BinaryIO, length: int, digest: str
+    ) -> StoredObject | None:
+        """The multipart upload of ``upload_file``: parts read and hashed one at a time, the
+        whole checked against ``digest`` before the create-only completion; aborted on any
+        failure (a wrong digest, a 412 included)."""
+        from botocore.exceptions import ClientError
+
+        key, bucket = self.key_of(digest), self.bucket
+        part_size = max(PART_SIZE, -(-length // MAX_PARTS))
+        hasher = _Counted(digest)
+        upload = self._call(lambda: client.create_multipart_upload(Bucket=bucket, Key=key))
+        upload_id = upload["UploadId"]
+        try:
+            parts: list[dict[str, Any]] = []
+            while hasher.size < length:
+                data = hasher.read(source, min(part_size, length - hasher.size))
+                number = len(parts) + 1
+                part = self._call(
+                    functools.partial(
+                        client.upload_part, Bucket=bucket, Key=key, UploadId=upload_id,
+                        PartNumber=number, Body=data,
+                    )
+                )  # fmt: skip
+                parts.append({"PartNumber": number, "ETag": part["ETag"]})
+            hasher.check(length)
+            done = self._call(
+                lambda: client.complete_multipart_upload(
+                    Bucket=bucket,
+                    Key=key,
+                    UploadId=upload_id,
+                    MultipartUpload={"Parts": cast(Any, parts)},
+                    IfNoneMatch="*",
+                )
+            )
+        except ClientError as error:
+            self._abort(client, key, upload_id)
+            if _code(error)[0] not in _EXISTS:
+                self._raise(error, digest)
+            return self._existing(digest, length)
+        except BaseException:
+            self._abort(client, key, upload_id)
+            raise
+        return StoredObject(digest, length, created=True, version=_version_of(done))
+
+
+class _Counted:
+    """The hash of bytes read from a file for an object whose digest the caller announced."""
+
+    def __init__(self, digest: str) -> None:
+        self.digest, self.algo = digest, parse_digest(digest)[0]
+        self.hasher = new_hasher(self.algo)  # no size hint: BLAKE3 starts no thread pool
+        self.size = 0
+
+    def read(self, source: BinaryIO, size: int) -> bytes:
+        """Exactly ``size`` bytes (fewer only at the file's end), hashed."""
+        data = source.read(size)
+        while data and len(data) < size and (more := source.read(size - len(data))):
+            data += more
+        self.hasher.update(data)
+        self.size += len(data)
+        if not data:
+            self.check(self.size + size)  # the file ends early: that is another content
+        return data
+
+    def check(self, length: int) -> None:
+        actual = format_digest(self.algo, self.hasher.hexdigest())
+        if self.size != length or actual != self.digest:
+            raise DigestMismatch(self.digest, f"{actual} ({self.size} of {length} bytes read)")
+
+
+def _hashed_read(source: BinaryIO, length: int, digest: str) -> bytes:
+    """Bytes [0, length) of ``source``, refused (``DigestMismatch``) unless they hash to
+    ``digest``."""
+    counted = _Counted(digest)
+    data = counted.read(source, length) if length else b""
+    counted.check(length)
+    return data
+
 
 def _transient(error: Exception) -> bool:
     """A connection that failed, was closed or timed out: worth another attempt."""
@@ -740,3 +862,63 @@ class _S3Staged:
 
     def discard(self) -> None:
         """Nothing to undo: the object is stored, and content addressing makes that harmless."""
+
+
+# -- a client made before a fork -------------------------------------------------------------
+
+_WARM: dict[tuple[str | None, ...], S3Client] = {}  # clients made by warm_client, by what made them
+
+
+def warm_client(url: str, env: Mapping[str, str]) -> bool:
+    """In a process that forks owners (a zygote), before it forks them: import boto3 and make
+    the client of the store at ``url`` as ``env`` reaches it, endpoint resolved, without a
+    request: no connection and no thread exist yet, so a forked owner shares those pages
+    copy-on-write and opens connections of its own. Only with the credentials in ``env``:
+    without them boto3 would look for them (an instance's metadata service is a request), so
+    only the imports are made. True when a client was made."""
+    store = open_s3(url, env)
+    from settled.backends import extra_needed
+
+    with extra_needed(store.location):
+        import boto3  # noqa: F401
+        import botocore.config  # noqa: F401
+    if store._access_key is None or store._secret_key is None:
+        return False
+    if store._client_key() not in _WARM:
+        client = store._make_client()
+        _rehearse(client, store.bucket, store.key_of(REHEARSAL_DIGEST))
+        _WARM[store._client_key()] = client
+    return True
+
+
+REHEARSAL_DIGEST: Final = "blake3:" + "0" * 64
+
+
+def _rehearse(client: S3Client, bucket: str, key: str) -> None:
+    """One create-only PutObject through the client's whole path (parameters, endpoint rules,
+    signature, checksum), answered before it is sent: a 'before-send' handler returns a canned
+    response, so no connection is made; what the client builds lazily at its first request is
+    then built once, here, not in every owner."""
+    from botocore.awsrequest import AWSResponse, HTTPHeaders
+
+    def answer(request: Any, **_: Any) -> AWSResponse:
+        return AWSResponse(request.url, 200, HTTPHeaders(), _NoBody())
+
+    events = client.meta.events
+    events.register_first("before-send.s3", cast(Any, answer), unique_id="settled-rehearsal")
+    try:
+        client.put_object(Bucket=bucket, Key=key, Body=b"", IfNoneMatch="*")
+    finally:
+        events.unregister("before-send.s3", unique_id="settled-rehearsal")
+        with contextlib.suppress(AttributeError):  # were one opened all the same: let it go
+            cast(Any, client)._endpoint.http_session.close()
+
+
+class _NoBody:
+    """The raw body of the rehearsal's canned response: empty."""
+
+    def stream(self, *_: Any, **__: Any) -> Iterator[bytes]:
+        yield b""
+
+    def read(self, *_: Any, **__: Any) -> bytes:
+        return b""

@@ -10,6 +10,8 @@ A spare: after each request a zygote forks the next owner ahead of need (`Spare`
 already, its store opened once no request came for a moment, it waits for a request on a
 socket only the zygote holds, so the next caller's owner says its pid without waiting for a
 fork (~1.7 ms) or a first store open in a fresh copy of the heap (~1.2 ms of page faults).
+A home bound to PostgreSQL or S3: what its owners need beyond the embedded home's is imported
+once, in the zygote, before the spare that follows its first request (remote_imports.py).
 Must never: import after the fork, run a command without the caller's orders, or outlive its
 zygote (a spare that reads EOF exits).
 """
@@ -28,6 +30,7 @@ from settled.home import make_session_dir
 from settled.owner import receipt_wake
 from settled.owner.handoff import hand_over, prepare
 from settled.owner.launcher import READY_TIMEOUT_S
+from settled.owner.remote_imports import Remote
 from settled.store import Store
 
 TYPE_CHECKING = False
@@ -71,6 +74,7 @@ def fork_owner(request: dict[str, Any], fds: list[int], sockets: tuple[socket.so
     """Fork the owner `request` asks for, handing it `fds` (its ready and orders pipes); the
     child closes `sockets` (the zygote's own), detaches and becomes the owner. The spare, if
     one waits for this home, becomes it instead (no fork on the caller's path)."""
+    Remote.note(request)  # its imports are made after the caller has its answer (Refill)
     if Spare.take(request, fds):
         return
     from settled.owner.main import run_session  # preloaded: no import after the fork
@@ -140,6 +144,7 @@ class Refill:
         if self.home is None or time.monotonic() < self.due:
             return False
         home, self.home = self.home, None
+        Remote.prepare()  # before the spare's fork, so that it has them too
         Spare.refill(home, sockets)
         return True
 
