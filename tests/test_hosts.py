@@ -368,16 +368,15 @@ def test_every_view_of_a_session_sealed_on_a_reads_on_b_and_an_unsealed_one_is_l
 
     merged = logs(b.home, done.session)
     assert merged.returncode == 0, merged.stderr
-    assert merged.stdout == stdout + stderr  # the order is A's alone: stdout, then stderr
-    assert sorted(merged.stdout.splitlines()) == sorted(
-        logs(a.home, done.session).stdout.splitlines()
-    )
+    in_order = logs(a.home, done.session).stdout  # the owner's order, read on A
+    assert merged.stdout == in_order != stdout + stderr  # its index is sealed with stdout
+    assert b"not recorded" not in merged.stderr
     readme = logs(b.home, done.session, "--from", "4096")
-    assert (readme.returncode, readme.stdout) == (0, (stdout + stderr)[4096:])
+    assert (readme.returncode, readme.stdout) == (0, in_order[4096:])
     for argv, expected in (
         (["--stream", "stdout"], stdout),
         (["--stream", "stderr", "--from", "7"], stderr[7:]),
-        (["--follow"], stdout + stderr),
+        (["--follow"], in_order),
         (["--stream", "stdout", "--follow", "--from", "4096"], stdout[4096:]),
     ):
         read = logs(b.home, done.session, *argv)
@@ -402,3 +401,30 @@ def test_every_view_of_a_session_sealed_on_a_reads_on_b_and_an_unsealed_one_is_l
     ):
         with pytest.raises(LogElsewhere):
             read()
+
+
+def test_recovery_seals_a_lost_owners_logs_and_host_b_reads_them(
+    hosts: tuple[Runtime, Runtime], tmp_path: Path
+) -> None:
+    """An owner killed (-9) mid-run leaves no seal; recovery's receipt is followed by its
+    seal of the logs at the bytes on disk, so host B reads what the command printed."""
+    a, b = hosts
+    task = a.new_task(_workspace(tmp_path, "w"))
+    running = a.exec(task.task, ["sh", "-c", "echo before-the-kill; exec sleep 60"])
+    deadline = time.monotonic() + 30
+    while a.store.get_session(running.session).stdout_durable == 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    owner = a.store.get_session(running.session).owner
+    assert owner is not None
+    os.kill(owner.pid, 9)
+    while a.store.get_session(running.session).state != SETTLED:
+        assert time.monotonic() < deadline + 30
+        a.recover(task.task)
+        time.sleep(0.1)
+    receipt = a.store.get_session(running.session).receipt
+    assert receipt is not None and receipt["death"]["source"] == "recovery"
+    seals = a.store.log_seals(task.task, running.session)[running.session]
+    assert seals["stdout"]["digest"] == receipt["output"]["stdout"]["digest"]
+    assert b.read(running.session, "stdout") == b"before-the-kill\n"
+    assert b.read_merged(running.session)[0].data == b"before-the-kill\n"

@@ -80,6 +80,8 @@ def _seal_one(
     started = time.monotonic()
     try:
         sealed = seal_stream(objects, path, int(fact["cursor"]), str(fact["digest"]))
+        if stream == "stdout":  # the order of both streams, for the merged view elsewhere
+            sealed.update(_sealed_index(objects, os.path.dirname(path)))
         store.record_seal(
             record.session,
             stream,
@@ -95,6 +97,20 @@ def _seal_one(
             raise
         return f"{type(exc).__name__}: {exc}"
     return None
+
+
+def _sealed_index(objects: ObjectStore, log_dir: str) -> dict[str, str]:
+    """The session's interleave index as one object (`{"index": name}`), or nothing for a
+    session without one. Not covered by the receipt, and need not be: the merged view trusts
+    its records only while they are contiguous and within the receipt's cursors, so a wrong
+    index could only unorder bytes the receipt's digests cover, never serve another."""
+    from settled.log.interleave import index_path
+
+    try:
+        with open(index_path(log_dir), "rb") as index:
+            return {"index": objects.put_stream(index)}
+    except FileNotFoundError:
+        return {}
 
 
 def seal_with_retries(

@@ -211,7 +211,28 @@ class LogReads(Composition):
             digest = str(receipt["output"][stream]["digest"])
             dest = os.path.join(directory, f"{stream}.log")
             fetch_sealed(self.workspace.objects, sealed, digest, dest)
+        index = (copies.get("stdout") or {}).get("index")
+        if index is not None:
+            self._rebuilt_index(directory, str(index))
         return directory
+
+    def _rebuilt_index(self, directory: str, name: str) -> None:
+        """The sealed interleave index beside the rebuilt logs (once), checked against its
+        name: the merged view elsewhere keeps the owner's order. The index decides only the
+        order of bytes the receipt's digests cover (log/interleave.pieces)."""
+        from settled.atomic import replacing
+        from settled.log.interleave import index_path
+        from settled.log.seal import SealBroken
+        from settled.objects.hashing import algorithm_of, digest_bytes
+
+        dest = index_path(directory)
+        if os.path.exists(dest):
+            return
+        data = self.workspace.objects.read(name)
+        if digest_bytes(algorithm_of(name), data) != name:
+            raise SealBroken(f"the sealed interleave index {name} is damaged")
+        with replacing(dest, 0o400) as out:
+            out.write(data)
 
     def stream_log(self, session: str, stream: str) -> StreamLog:
         """The session's ``stream`` log ("stdout" or "stderr"), to read by cursor without a
