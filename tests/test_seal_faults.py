@@ -27,6 +27,7 @@ import pytest
 import s3
 from conftest import COMMAND_PYTHON
 
+from settled.receipts import STREAMS
 from settled.runtime import Runtime
 from settled.states import SETTLED
 
@@ -202,3 +203,66 @@ def test_the_owners_seal_retries_double_their_pause_and_stop_at_their_bound() ->
     pauses.clear()
     left = seal_with_retries(lambda: {"stdout": "down"}, 0.0, pauses.append)
     assert left == {"stdout": "down"} and pauses == []  # no attempt starts past the bound
+
+
+# -- the pure decisions, handed facts ----------------------------------------------------------
+
+SEALED = {"manifest": "blake3:" + "9" * 64, "chunks": 1, "length": 4, "digest": "blake3:1"}
+EMPTY = {"manifest": None, "chunks": 0}
+
+
+def _receipt(**stdout: Any) -> dict[str, Any]:
+    return {"output": {"stdout": {"cursor": 4, "digest": "blake3:1", **stdout}, "stderr": {}}}
+
+
+@pytest.mark.parametrize(
+    ("receipt", "recorded", "expected"),
+    [
+        (_receipt(), {"stdout": SEALED}, SEALED),  # recorded apart, after the receipt
+        (_receipt(sealed=EMPTY), {}, EMPTY),  # an older receipt's inline seal
+        (_receipt(sealed={"error": "S3 away"}), {}, None),  # an older receipt's failed one
+        (_receipt(sealed={"error": "S3 away"}), {"stdout": SEALED}, SEALED),  # sealed since
+        (_receipt(), {"stderr": SEALED}, None),  # another stream's
+        (None, {}, None),  # no receipt yet
+    ],
+)
+def test_sealed_copy_is_the_recorded_seal_else_an_older_receipts(
+    receipt: dict[str, Any] | None, recorded: dict[str, Any], expected: dict[str, Any] | None
+) -> None:
+    from settled.receipts import sealed_copy
+
+    assert sealed_copy(receipt, recorded, "stdout") == expected
+
+
+@pytest.mark.parametrize(
+    ("seals", "named"),
+    [
+        ({}, [("s_1", "stdout"), ("s_1", "stderr")]),  # as the close receipt named them
+        ({"s_1": {"stdout": SEALED}}, [("s_1", "stderr")]),  # a late seal drops one
+        ({"s_1": {"stdout": SEALED, "stderr": EMPTY}}, []),
+    ],
+)
+def test_explain_names_what_the_close_left_unsealed_until_it_is_sealed(
+    seals: dict[str, Any], named: list[tuple[str, str]]
+) -> None:
+    from settled.close.decide import CloseFacts, explain, output_unsealed
+    from settled.records import SessionRecord, TaskRecord
+
+    record = SessionRecord(
+        "s_1", "t_1", "k", "sha256:x", {"grace": 1.0}, SETTLED, 1, None, "pgroup", None, None,
+        None, 4, 0, None, 0.0, None, 1.0,
+        {**_receipt(), "death": {"proven": True, "evidence": "reaped"}},
+    )  # fmt: skip
+    why = "ObjectStoreUnreachable: s3://b/p"
+    outcome = {"output_unsealed": [{"session": "s_1", "stream": s, "why": why} for s in STREAMS]}
+    facts = CloseFacts(
+        TaskRecord("t_1", "k", "/w", "complete", 2, 0.0),
+        [record],
+        {"outcome": {"receipt": {"outcome": outcome}}},
+        seals,
+    )
+    assert [(u["session"], u["stream"]) for u in output_unsealed(facts)] == named
+    words = explain(facts)["words"]
+    assert ("Output not sealed" in words) == bool(named)
+    for _, stream in named:
+        assert f"session s_1 {stream} ({why})" in words
