@@ -80,7 +80,7 @@ def _seal_one(
     started = time.monotonic()
     try:
         sealed = seal_stream(objects, path, int(fact["cursor"]), str(fact["digest"]))
-        if stream == "stdout":  # the order of both streams, for the merged view elsewhere
+        if stream == "stdout" and _both_wrote(record.receipt):  # their order, for elsewhere
             sealed.update(_sealed_index(objects, os.path.dirname(path)))
         store.record_seal(
             record.session,
@@ -97,6 +97,12 @@ def _seal_one(
             raise
         return f"{type(exc).__name__}: {exc}"
     return None
+
+
+def _both_wrote(receipt: dict[str, Any] | None) -> bool:
+    """Whether the merged view has an order to keep: both streams stored bytes."""
+    output = (receipt or {}).get("output", {})
+    return all((output.get(stream) or {}).get("cursor") for stream in STREAMS)
 
 
 def _sealed_index(objects: ObjectStore, log_dir: str) -> dict[str, str]:
