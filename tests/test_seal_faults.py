@@ -183,8 +183,10 @@ def test_an_s3_down_through_the_close_is_named_by_the_close_and_explain(
             words = json.loads(_cli(a.home, "explain", task.task, "--json").stdout)
             assert words["output_unsealed"] == outcome["output_unsealed"]
             assert f"session {admitted.session} stdout (ObjectStoreUnreachable" in words["words"]
-            elsewhere = _cli(b.home, "logs", admitted.session, "--stream", "stdout")
-            assert elsewhere.returncode == 3 and b"no sealed copy" in elsewhere.stderr
+            for argv in (["--stream", "stdout"], [], ["--from", "4096"], ["--view", "64"]):
+                elsewhere = _cli(b.home, "logs", admitted.session, *argv)
+                assert elsewhere.returncode == 3, (argv, elsewhere.stderr)
+                assert b"no sealed copy" in elsewhere.stderr and not elsewhere.stdout
 
 
 def test_the_owners_seal_retries_double_their_pause_and_stop_at_their_bound() -> None:
