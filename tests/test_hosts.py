@@ -429,3 +429,38 @@ def test_recovery_seals_a_lost_owners_logs_and_host_b_reads_them(
     assert seals["stdout"]["digest"] == receipt["output"]["stdout"]["digest"]
     assert b.read(running.session, "stdout") == b"before-the-kill\n"
     assert b.read_merged(running.session)[0].data == b"before-the-kill\n"
+
+
+def test_the_http_log_endpoints_of_host_b_serve_a_sealed_session_and_409_an_unsealed_one(
+    hosts: tuple[Runtime, Runtime], tmp_path: Path
+) -> None:
+    """The service reads through the same Runtime path: raw output, the merged view and the
+    events of a session sealed on A are served by B's server; a session running on A is 409
+    LogElsewhere in each."""
+    from test_server import Server
+
+    a, b = hosts
+    task = a.new_task(_workspace(tmp_path, "w"))
+    done = a.exec(task.task, ["sh", "-c", "seq 1 5000; echo oops >&2"])
+    a.wait(done.session, timeout=60)
+    assert set(sealed_facts(a, task.task, done.session)) == {"stdout", "stderr"}
+    running = a.exec(task.task, ["sleep", "60"])
+    stdout = a.read(done.session, "stdout", 0, 1 << 20)
+    server = Server(Path(b.home), tmp_path / "server-b.log", None, {})
+    try:
+        with server.client() as client:
+            output = f"/v1/sessions/{done.session}/output"
+            assert client.get(output).content == stdout
+            assert client.get(output, params={"from": 4096}).content == stdout[4096:]
+            assert client.get(output, params={"stream": "stderr"}).content == b"oops\n"
+            assert client.get(output, params={"follow": 1}).content == stdout
+            merged = client.get(f"/v1/sessions/{done.session}/merged").json()
+            assert merged["final"] and merged["cursor"] == len(stdout) + 5
+            events = client.get(f"/v1/sessions/{done.session}/events")
+            assert events.status_code == 200 and "data:" in events.text, events.text[:200]
+            for path in ("output", "merged", "events"):
+                refused = client.get(f"/v1/sessions/{running.session}/{path}")
+                assert refused.status_code == 409, (path, refused.text)
+                assert refused.json()["error"] == "LogElsewhere"
+    finally:
+        server.stop()
