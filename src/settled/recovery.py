@@ -177,17 +177,24 @@ class Recovery:
         self._seal_logs(record.session)
         return written
 
+    # Until when recovery asks no object store for a seal: one that could not be reached is
+    # not asked again for every recovered session of a pass (a stalled S3 costs ~30 s a try).
+    _seals_away_until = 0.0
+    SEALS_AWAY_S = 60.0
+
     def _seal_logs(self, session: str) -> None:
         """Seal a recovered session's logs where the home's objects live outside it, once: a
         seal that fails (the object store away) is the close's to retry and name."""
-        if not seals_logs(self.home):
+        if not seals_logs(self.home) or time.monotonic() < self._seals_away_until:
             return
         from settled.objects import open_object_store
-        from settled.owner.sealing import seal_session
+        from settled.owner.sealing import seal_session, unreachable
 
         with contextlib.suppress(SettledError, OSError):
             record = self.store.get_session(session)
-            seal_session(self.home, self.store, open_object_store(self.home), record)
+            failures = seal_session(self.home, self.store, open_object_store(self.home), record)
+            if unreachable(failures) is not None:
+                self._seals_away_until = time.monotonic() + self.SEALS_AWAY_S
 
     def _write(
         self, record: SessionRecord, generation: int, receipt: dict[str, Any], evidence: Evidence

@@ -148,15 +148,15 @@ class CloseSeals:
         if not seals_logs(self.home):
             return []
         unsealed: list[dict[str, Any]] = []
-        unreachable: str | None = None
+        away: str | None = None  # why the object store could not be reached, once it could not
         for record in sessions:
             if record.receipt is None:
                 continue
-            if unreachable is not None:  # one unreachable store is not asked again per session
-                failures = {s: unreachable for s in self._unsealed(record)}
+            if away is not None:  # one unreachable store is not asked again per session
+                failures = {s: away for s in self._unsealed(record)}
             else:
                 failures = seal_session(self.home, self.store, self.objects(), record)
-                unreachable = _unreachable(failures)
+                away = unreachable(failures)
             for stream, why in failures.items():
                 first = seal_failure(record.receipt, stream)  # an older receipt's own words
                 why = f"{why} (its owner's seal failed first: {first})" if first else why
@@ -168,7 +168,7 @@ class CloseSeals:
         return [s for s in STREAMS if sealed_copy(record.receipt, recorded, s) is None]
 
 
-def _unreachable(failures: dict[str, str]) -> str | None:
+def unreachable(failures: dict[str, str]) -> str | None:
     """The failure that says the object store could not be reached, if one does."""
     for why in failures.values():
         if why.startswith("ObjectStoreUnreachable"):
