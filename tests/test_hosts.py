@@ -18,6 +18,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from conftest import COMMAND_PYTHON, MARKER_ENV, tamper_object
@@ -72,6 +73,17 @@ def hosts(tmp_path: Path, backends: dict[str, str]) -> Iterator[tuple[Runtime, R
             runtime.close()
 
 
+def sealed_facts(runtime: Runtime, task: str, session: str, within: float = 60.0) -> dict[str, Any]:
+    """The session's recorded seals once both streams have one: its owner seals them right
+    after its receipt, so a waiter that woke at the receipt may look a moment early."""
+    give_up = time.monotonic() + within
+    while True:
+        seals = runtime.store.log_seals(task, session).get(session, {})
+        if set(seals) == {"stdout", "stderr"} or time.monotonic() > give_up:
+            return seals
+        time.sleep(0.05)
+
+
 def _workspace(tmp_path: Path, name: str) -> str:
     path = tmp_path / name
     path.mkdir()
@@ -115,7 +127,10 @@ def test_a_task_closed_on_a_is_read_explained_and_restored_on_b_after_a_is_delet
     assert b.read(admitted.session, "stderr", 0, 1 << 20) == stderr
     assert b.read(admitted.session, "stdout", 10_000_000, 100) == stdout[10_000_000:10_000_100]
     receipt = b.session_status(admitted.session)["receipt"]
-    assert receipt["output"]["stdout"]["sealed"]["chunks"] == 3  # 10.24 MB in 4 MiB chunks
+    assert "sealed" not in receipt["output"]["stdout"]  # a fact of its own, after the receipt
+    seals = b.store.log_seals(task.task, admitted.session)[admitted.session]
+    assert seals["stdout"]["chunks"] == 3  # 10.24 MB in 4 MiB chunks
+    assert seals["stdout"]["digest"] == receipt["output"]["stdout"]["digest"]
     assert b.explain(task.task)["complete"]
     restored = b.restore(task.task, str(tmp_path / "restored"))
     assert b.close_task(task.task).receipt == closed.receipt  # a repeated close, from anywhere
@@ -259,11 +274,13 @@ def test_a_sealed_log_whose_chunk_was_changed_is_refused_never_served(
     a, b = hosts
     task = a.new_task(_workspace(tmp_path, "w"))
     admitted = a.exec(task.task, ["sh", "-c", "seq 1 200000"])
-    receipt = a.wait(admitted.session, timeout=60)["receipt"]
-    assert receipt["output"]["stderr"]["sealed"] == {"manifest": None, "chunks": 0}
-    manifest = json.loads(
-        b.workspace.objects.read(receipt["output"]["stdout"]["sealed"]["manifest"])
-    )
+    a.wait(admitted.session, timeout=60)
+    seals = sealed_facts(a, task.task, admitted.session)
+    assert {k: seals["stderr"][k] for k in ("manifest", "chunks")} == {
+        "manifest": None,
+        "chunks": 0,
+    }
+    manifest = json.loads(b.workspace.objects.read(seals["stdout"]["manifest"]))
     tamper_object(
         b.workspace.objects, manifest["chunks"][0][2], lambda b: b.replace(b"1000\n", b"1001\n")
     )
@@ -272,7 +289,7 @@ def test_a_sealed_log_whose_chunk_was_changed_is_refused_never_served(
     assert b.read(admitted.session, "stderr") == b""  # an empty stream is sealed as empty
     with pytest.raises(SealBroken, match="damaged"):
         b.read(admitted.session, "stdout")
-    assert not Path(b.home, "sealed", admitted.session, "stdout").exists()  # nothing half-built
+    assert not Path(b.home, "sealed", admitted.session, "stdout.log").exists()  # none half-built
 
 
 @pytest.mark.parametrize("inherit_env", [False, True], ids=["explicit", "inherit-env"])
@@ -322,3 +339,128 @@ def test_a_store_or_objects_url_settled_cannot_use_is_refused_naming_it_without_
         with pytest.raises(BadBackend, match=re.escape(objects)):
             bind(home, objects=objects)
     assert read_binding(home) is None  # nothing recorded for a refused request
+
+
+def test_every_view_of_a_session_sealed_on_a_reads_on_b_and_an_unsealed_one_is_log_elsewhere(
+    hosts: tuple[Runtime, Runtime], tmp_path: Path
+) -> None:
+    """Merged (the README's `--from 4096` too), one stream, `--follow` and `--view` of a
+    sealed session read on host B from its sealed copy, checked against the receipt; a session
+    still running on A (its logs unsealed) is one LogElsewhere line and exit 3 in every view,
+    never an internal error or an empty exit 0."""
+    a, b = hosts
+    task = a.new_task(_workspace(tmp_path, "w"))
+    script = (
+        "import sys\nfor i in range(20000):\n    print(f'out {i}', flush=True)\n"
+        "    if i % 100 == 0: print(f'err {i}', file=sys.stderr, flush=True)"
+    )
+    done = a.exec(task.task, [COMMAND_PYTHON, "-c", script])
+    a.wait(done.session, timeout=60)
+    assert set(sealed_facts(a, task.task, done.session)) == {"stdout", "stderr"}
+    running = a.exec(task.task, ["sh", "-c", "echo started; exec sleep 60"])
+    stdout, stderr = a.read(done.session, "stdout", 0, 1 << 24), a.read(done.session, "stderr")
+
+    def logs(home: str, *argv: str) -> subprocess.CompletedProcess[bytes]:
+        return subprocess.run(
+            [sys.executable, "-m", "settled", "--home", home, "logs", *argv],
+            capture_output=True, timeout=60,
+        )  # fmt: skip
+
+    merged = logs(b.home, done.session)
+    assert merged.returncode == 0, merged.stderr
+    on_a = logs(a.home, done.session)  # the owner's order, read on A
+    in_order = on_a.stdout
+    assert merged.stdout == in_order  # its index is sealed with stdout
+    assert (b"not recorded" in merged.stderr) == (b"not recorded" in on_a.stderr)
+    readme = logs(b.home, done.session, "--from", "4096")
+    assert (readme.returncode, readme.stdout) == (0, in_order[4096:])
+    for argv, expected in (
+        (["--stream", "stdout"], stdout),
+        (["--stream", "stderr", "--from", "7"], stderr[7:]),
+        (["--follow"], in_order),
+        (["--stream", "stdout", "--follow", "--from", "4096"], stdout[4096:]),
+    ):
+        read = logs(b.home, done.session, *argv)
+        assert (read.returncode, read.stdout) == (0, expected), (argv, read.stderr)
+    view = logs(b.home, done.session, "--view", "300")
+    assert view.returncode == 0 and b"out 19999" in view.stdout and b"omitted" in view.stdout
+    assert b"".join(b.follow(done.session, "stderr")) == stderr
+    assert b.stream_log(done.session, "stdout").stored_length() == len(stdout)
+
+    a.follow(running.session, "stdout", 0, timeout=0.5).__next__()  # it printed: it runs
+    for argv in ([], ["--from", "4096"], ["--stream", "stdout"], ["--stream", "stderr"],
+                 ["--follow"], ["--view", "100"]):  # fmt: skip
+        elsewhere = logs(b.home, running.session, *argv)
+        assert elsewhere.returncode == 3, (argv, elsewhere.stderr)
+        assert b"no sealed copy" in elsewhere.stderr and a.host.encode() in elsewhere.stderr
+        assert len(elsewhere.stderr.strip().splitlines()) == 1 and not elsewhere.stdout, argv
+    for read in (
+        lambda: b.read_merged(running.session),
+        lambda: b.follow_merged(running.session),
+        lambda: b.view(running.session, "stdout", 100),
+        lambda: b.stream_log(running.session, "stderr"),
+    ):
+        with pytest.raises(LogElsewhere):
+            read()
+
+
+def test_recovery_seals_a_lost_owners_logs_and_host_b_reads_them(
+    hosts: tuple[Runtime, Runtime], tmp_path: Path
+) -> None:
+    """An owner killed (-9) mid-run leaves no seal; recovery's receipt is followed by its
+    seal of the logs at the bytes on disk, so host B reads what the command printed."""
+    a, b = hosts
+    task = a.new_task(_workspace(tmp_path, "w"))
+    running = a.exec(task.task, ["sh", "-c", "echo before-the-kill; exec sleep 60"])
+    deadline = time.monotonic() + 30
+    while a.store.get_session(running.session).stdout_durable == 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    owner = a.store.get_session(running.session).owner
+    assert owner is not None
+    os.kill(owner.pid, 9)
+    while a.store.get_session(running.session).state != SETTLED:
+        assert time.monotonic() < deadline + 30
+        a.recover(task.task)
+        time.sleep(0.1)
+    receipt = a.store.get_session(running.session).receipt
+    assert receipt is not None and receipt["death"]["source"] == "recovery"
+    seals = a.store.log_seals(task.task, running.session)[running.session]
+    assert seals["stdout"]["digest"] == receipt["output"]["stdout"]["digest"]
+    assert b.read(running.session, "stdout") == b"before-the-kill\n"
+    assert b.read_merged(running.session)[0].data == b"before-the-kill\n"
+
+
+def test_the_http_log_endpoints_of_host_b_serve_a_sealed_session_and_409_an_unsealed_one(
+    hosts: tuple[Runtime, Runtime], tmp_path: Path
+) -> None:
+    """The service reads through the same Runtime path: raw output, the merged view and the
+    events of a session sealed on A are served by B's server; a session running on A is 409
+    LogElsewhere in each."""
+    from test_server import Server
+
+    a, b = hosts
+    task = a.new_task(_workspace(tmp_path, "w"))
+    done = a.exec(task.task, ["sh", "-c", "seq 1 5000; echo oops >&2"])
+    a.wait(done.session, timeout=60)
+    assert set(sealed_facts(a, task.task, done.session)) == {"stdout", "stderr"}
+    running = a.exec(task.task, ["sleep", "60"])
+    stdout = a.read(done.session, "stdout", 0, 1 << 20)
+    server = Server(Path(b.home), tmp_path / "server-b.log", None, {})
+    try:
+        with server.client() as client:
+            output = f"/v1/sessions/{done.session}/output"
+            assert client.get(output).content == stdout
+            assert client.get(output, params={"from": 4096}).content == stdout[4096:]
+            assert client.get(output, params={"stream": "stderr"}).content == b"oops\n"
+            assert client.get(output, params={"follow": 1}).content == stdout
+            merged = client.get(f"/v1/sessions/{done.session}/merged").json()
+            assert merged["final"] and merged["cursor"] == len(stdout) + 5
+            events = client.get(f"/v1/sessions/{done.session}/events")
+            assert events.status_code == 200 and "data:" in events.text, events.text[:200]
+            for path in ("output", "merged", "events"):
+                refused = client.get(f"/v1/sessions/{running.session}/{path}")
+                assert refused.status_code == 409, (path, refused.text)
+                assert refused.json()["error"] == "LogElsewhere"
+    finally:
+        server.stop()

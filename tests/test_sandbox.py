@@ -436,9 +436,10 @@ def test_the_store_records_a_sandbox_once_and_migrates_a_v6_home(tmp_path: Path)
         db.execute("DROP TABLE hidden_sets")  # v9's
         db.execute("ALTER TABLE tasks DROP COLUMN defaults")  # v10's
         db.execute("ALTER TABLE tasks DROP COLUMN workspace_identity")  # v11's
+        db.execute("DROP TABLE log_seals")  # v12's
         db.execute("UPDATE meta SET value='6' WHERE key='schema_version'")
     store = SQLiteStore(path)
-    assert store.get_task(made.task).sandbox is None and SCHEMA_VERSION == 11
+    assert store.get_task(made.task).sandbox is None and SCHEMA_VERSION == 12
     store.close()
 
 

@@ -877,6 +877,57 @@ def test_a_second_receipt_raises_stale_write_and_keeps_the_first(store: Store) -
     assert store.get_session(record.session) == first
 
 
+def _seal_fact(stdout: int = 1234, digest: str = "blake3:" + "1" * 64) -> dict[str, Any]:
+    return {"manifest": "blake3:" + "9" * 64, "chunks": 1, "length": stdout, "digest": digest}
+
+
+def test_a_seal_is_a_fact_of_its_own_recorded_once_beside_a_settled_receipt(store: Store) -> None:
+    task = new_task(store)
+    record = drive(store, task, SETTLED)
+    other = drive(store, task, SETTLED)
+    assert store.log_seals(task) == {}
+    first = store.record_seal(record.session, "stdout", _seal_fact())
+    assert first == _seal_fact()
+    again = {**_seal_fact(), "manifest": "blake3:" + "8" * 64}  # another attempt's manifest
+    assert store.record_seal(record.session, "stdout", again) == first  # the first stands
+    empty = {"manifest": None, "chunks": 0, "length": 56, "digest": "blake3:" + "2" * 64}
+    store.record_seal(other.session, "stderr", empty)
+    assert store.log_seals(task) == {
+        record.session: {"stdout": first},
+        other.session: {"stderr": empty},
+    }
+    assert store.log_seals(task, record.session) == {record.session: {"stdout": first}}
+    assert store.get_session(record.session).receipt == receipt()  # the receipt is untouched
+
+
+@pytest.mark.parametrize("state", [ADMITTED, RUNNING, SETTLING, UNKNOWN])
+def test_a_seal_of_a_session_not_settled_is_refused(store: Store, state: str) -> None:
+    record = drive(store, new_task(store), state)
+    with pytest.raises(StaleWrite, match="only a settled session"):
+        store.record_seal(record.session, "stdout", _seal_fact())
+    assert store.log_seals(record.task) == {}
+
+
+@pytest.mark.parametrize(
+    "fact",
+    [
+        _seal_fact(stdout=1235),  # a longer log than the receipt counted
+        _seal_fact(digest="blake3:" + "3" * 64),  # other bytes
+        {"chunks": 1, "length": 1234, "digest": "blake3:" + "1" * 64},  # no manifest
+    ],
+    ids=["length", "digest", "manifest"],
+)
+def test_a_seal_that_disagrees_with_the_receipt_is_refused(
+    store: Store, fact: dict[str, Any]
+) -> None:
+    record = drive(store, new_task(store), SETTLED)
+    with pytest.raises(StaleWrite, match="seal offered"):
+        store.record_seal(record.session, "stdout", fact)
+    with pytest.raises(StaleWrite, match="stdout or stderr"):
+        store.record_seal(record.session, "index", _seal_fact())
+    assert store.log_seals(record.task) == {}
+
+
 def test_a_receipt_at_a_wrong_generation_raises_stale_write(store: Store) -> None:
     record = drive(store, new_task(store), RUNNING)
     with pytest.raises(StaleWrite):
@@ -1382,6 +1433,7 @@ def test_close_facts_of_an_older_store_are_sealed_once_by_the_migration(tmp_path
         db.execute("ALTER TABLE tasks DROP COLUMN workspace_identity")
         db.execute("ALTER TABLE tasks DROP COLUMN host")
         db.execute("ALTER TABLE tasks DROP COLUMN frozen")
+        db.execute("DROP TABLE log_seals")
     store = SQLiteStore(path)
     assert store.close_steps("t_1") == {"sealed": {"sealed_at": 1}}
     store.close()

@@ -178,16 +178,17 @@ class WrongHost(SettledError):
 
 class LogElsewhere(SettledError):
     """The stream's bytes are in another host's home and no sealed copy of them exists (yet):
-    a running session's log is sealed with its receipt, and only a home whose object store
-    lives outside it seals."""
+    a session's logs are sealed after its receipt (a failed seal is retried by its owner and
+    its close), and only a home whose object store lives outside it seals."""
 
     exit_code = EXIT_BLOCKED
 
     def __init__(self, session: str, stream: str, host: str | None) -> None:
         super().__init__(
             f"the {stream} of session {session} is in the home of host {host} and has no "
-            "sealed copy: read it there, or wait for its receipt (a home whose objects live "
-            "outside it seals every stream with the receipt)"
+            "sealed copy: read it there, or wait for its receipt and seal (a home whose objects "
+            "live outside it seals every stream after the receipt; its close retries a failed "
+            "seal and names a stream it could not seal)"
         )
         self.session, self.stream, self.host = session, stream, host
 

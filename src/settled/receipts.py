@@ -1,7 +1,9 @@
 """Receipts: canonical, versioned JSON facts, each sealed with a digest over its canonical bytes.
 
 Owns the shape of the process receipt (DESIGN.md) and the decoding of a wait status into
-`exit {code | signal, reason}`. Pure: the owner gathers the facts, this only arranges them.
+`exit {code | signal, reason}`, and the one answer to where a settled stream's sealed copy is
+(`sealed_copy`) and whether a seal may be recorded (`seal_refusal`). Pure: the owner gathers the
+facts, this only arranges them.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from settled.errors import ReceiptTampered
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from typing import Any
+    from typing import Any, Final
 
 PROCESS_RECEIPT_VERSION = "settled.receipt.process/v1"
 SHELL_CONVENTIONS = {
@@ -117,3 +119,50 @@ def process_receipt(
             **extra,
         }
     )
+
+
+# -- sealed logs: where a settled stream's copy in the object store is -------------------------
+STREAMS: Final = ("stdout", "stderr")
+
+
+def sealed_copy(
+    receipt: dict[str, Any] | None, recorded: dict[str, Any], stream: str
+) -> dict[str, Any] | None:
+    """Where the sealed copy of `stream` is (a fact naming its manifest and chunks), or None:
+    the seal recorded apart (`Store.record_seal`, `recorded` by stream), else the one an older
+    receipt carried in `output.<stream>.sealed`. Every reader of a sealed log asks this."""
+    fact = recorded.get(stream)
+    if isinstance(fact, dict) and "chunks" in fact:
+        return fact
+    inline = ((receipt or {}).get("output", {}).get(stream) or {}).get("sealed")
+    if isinstance(inline, dict) and "chunks" in inline:
+        return inline
+    return None
+
+
+def seal_failure(receipt: dict[str, Any] | None, stream: str) -> str | None:
+    """Why an older receipt's seal of `stream` failed, as the receipt names it."""
+    inline = ((receipt or {}).get("output", {}).get(stream) or {}).get("sealed")
+    return str(inline["error"]) if isinstance(inline, dict) and "error" in inline else None
+
+
+def seal_refusal(
+    session: str, stream: str, state: str, receipt: dict[str, Any] | None, fact: dict[str, Any]
+) -> str | None:
+    """Why a seal of `stream` may not be recorded (None: it may): only a settled session's,
+    and only one whose length and digest are its receipt's cursor and digest for the stream,
+    so no log (hostile or changed) can make a sealed copy that disagrees with the receipt."""
+    if stream not in STREAMS:
+        return f"a seal names stream stdout or stderr, not {stream!r}"
+    if state != "settled" or receipt is None:
+        return f"session {session} is {state}: only a settled session's logs are sealed"
+    output = receipt.get("output", {}).get(stream) or {}
+    if fact.get("length") != output.get("cursor") or fact.get("digest") != output.get("digest"):
+        return (
+            f"the seal offered for the {stream} of session {session} names "
+            f"{fact.get('length')} bytes with digest {fact.get('digest')}, its receipt "
+            f"{output.get('cursor')} bytes with digest {output.get('digest')}"
+        )
+    if fact.get("chunks") is None or (fact["chunks"] and not fact.get("manifest")):
+        return f"the seal offered for the {stream} of session {session} names no manifest"
+    return None

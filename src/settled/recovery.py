@@ -10,7 +10,8 @@ A session no owner was ever claimed for (its launch failed first) is settled by 
 never started without passing through unknown (`settle_unlaunched`): nothing of it can run.
 
 This module owns recovery's I/O: it looks (the store, the owners, the sandbox, the last words)
-and writes (unknown, take-over, receipts, the logs' close). What it decides from what it saw
+and writes (unknown, take-over, receipts, the logs' close, then their seal where the home's
+objects live outside it: owner/sealing.py, after the receipt). What it decides from what it saw
 is recovery_decide.py's, pure, and never decided here.
 """
 
@@ -21,6 +22,7 @@ import os
 import time
 
 from settled import faults
+from settled.backends import seals_logs
 from settled.errors import SettledError, StaleWrite
 from settled.home import journal_socket, last_words_path, log_path
 from settled.owner.last_words import read_last_words
@@ -171,7 +173,28 @@ class Recovery:
             return stays_unknown(record.session, verdict)
         receipt = _recovered_receipt(self.home, record, generation, evidence, verdict, killed_at)
         faults.point("recovery.before_receipt")
-        return self._write(record, generation, receipt, evidence)
+        written = self._write(record, generation, receipt, evidence)
+        self._seal_logs(record.session)
+        return written
+
+    # Until when recovery asks no object store for a seal: one that could not be reached is
+    # not asked again for every recovered session of a pass (a stalled S3 costs ~30 s a try).
+    _seals_away_until = 0.0
+    SEALS_AWAY_S = 60.0
+
+    def _seal_logs(self, session: str) -> None:
+        """Seal a recovered session's logs where the home's objects live outside it, once: a
+        seal that fails (the object store away) is the close's to retry and name."""
+        if not seals_logs(self.home) or time.monotonic() < self._seals_away_until:
+            return
+        from settled.objects import open_object_store
+        from settled.owner.sealing import seal_session, unreachable
+
+        with contextlib.suppress(SettledError, OSError):
+            record = self.store.get_session(session)
+            failures = seal_session(self.home, self.store, open_object_store(self.home), record)
+            if unreachable(failures) is not None:
+                self._seals_away_until = time.monotonic() + self.SEALS_AWAY_S
 
     def _write(
         self, record: SessionRecord, generation: int, receipt: dict[str, Any], evidence: Evidence

@@ -146,6 +146,11 @@ def _close_text(receipt: dict[str, Any]) -> str:
             f"  output    {loss['session']} {loss['stream']} INCOMPLETE: stored "
             f"{loss['stored']} bytes, {loss['dropped']} drained but not stored ({loss['reason']})"
         )
+    for unsealed in receipt["outcome"].get("output_unsealed", []):
+        lines.append(
+            f"  output    {unsealed['session']} {unsealed['stream']} NOT SEALED into the object "
+            f"store: {unsealed['why']}"
+        )
     lines.append(f"  digest    {receipt['digest']}")
     return "\n".join(lines)
 
@@ -200,6 +205,11 @@ def _verdict(view: dict[str, Any]) -> str:
         notes = ""
         if view.get("output_incomplete"):
             notes += f"; output INCOMPLETE in {len(view['output_incomplete'])} stream(s)"
+        if view.get("output_unsealed"):
+            notes += (
+                f"; {len(view['output_unsealed'])} stream(s) NOT SEALED into the object store "
+                "(readable only on their host)"
+            )
         if view.get("ignored"):
             notes += "; paths matching its ignore rules are not checkpointed"
         if (view.get("workspace") or {}).get("shared_with"):

@@ -16,12 +16,15 @@ reached) does not block completion: its final cursor is still a fact (the stored
 process is still proven dead, and the lost bytes can never come back, so blocking would make the
 task impossible to complete. It is never called complete silently either: `output_losses`
 names each such stream, `explain` words it, and the close receipt lists it in
-`outcome.output_incomplete`.
+`outcome.output_incomplete`. Likewise a stream whose seal into a remote object store failed
+(its only copy is its host's log): the close retries the seal before it publishes, and its
+receipt names each stream still unsealed in `outcome.output_unsealed` (`output_unsealed`).
 """
 
 from __future__ import annotations
 
 from settled.netledger import brief
+from settled.receipts import sealed_copy
 from settled.records import Frozen, SessionRecord, TaskRecord
 from settled.states import SETTLED, UNKNOWN, is_live
 from settled.status import command_words
@@ -64,20 +67,24 @@ STEPS: tuple[Step, ...] = (
 
 
 class CloseFacts(Frozen):
-    """Everything the store recorded about one task's close, handed in by the driver."""
+    """Everything the store recorded about one task's close, handed in by the driver.
+    `seals`: the sealed copies recorded apart from the receipts, by session then stream."""
 
-    __slots__ = ("sessions", "steps", "task")
+    __slots__ = ("seals", "sessions", "steps", "task")
     task: TaskRecord
     sessions: list[SessionRecord]
     steps: dict[str, dict[str, Any]]
+    seals: dict[str, dict[str, Any]]
 
     def __init__(
         self,
         task: TaskRecord,
         sessions: list[SessionRecord],
         steps: dict[str, dict[str, Any]] | None = None,
+        seals: dict[str, dict[str, Any]] | None = None,
     ) -> None:
         steps = {} if steps is None else steps
+        seals = {} if seals is None else seals
         self._fill(locals())
 
 
@@ -261,6 +268,33 @@ def output_losses(sessions: list[SessionRecord]) -> list[dict[str, Any]]:
     return losses
 
 
+def output_unsealed(facts: CloseFacts) -> list[dict[str, Any]]:
+    """The streams the close receipt named as not sealed into the object store (the home's
+    objects are remote, so the log in the home is the only copy) that still have no sealed
+    copy: a seal recorded since (an owner's late retry) drops one from the list."""
+    outcome = (facts.steps.get("outcome", {}).get("receipt") or {}).get("outcome", {})
+    receipts = {s.session: s.receipt for s in facts.sessions}
+    return [
+        named
+        for named in outcome.get("output_unsealed") or []
+        if sealed_copy(
+            receipts.get(named["session"]), facts.seals.get(named["session"], {}), named["stream"]
+        )
+        is None
+    ]
+
+
+def _unsealed_words(unsealed: list[dict[str, Any]]) -> str:
+    if not unsealed:
+        return ""
+    parts = [f"session {u['session']} {u['stream']} ({u['why']})" for u in unsealed]
+    return (
+        " Output not sealed into the object store, so readable only in its host's home: "
+        + "; ".join(parts)
+        + "."
+    )
+
+
 def _loss_words(losses: list[dict[str, Any]]) -> str:
     if not losses:
         return ""
@@ -356,7 +390,11 @@ def explain(facts: CloseFacts) -> dict[str, Any]:
     result["sessions"] = views
     losses = output_losses(facts.sessions)
     result["output_incomplete"] = losses
-    result["words"] += _loss_words(losses) + "".join(_session_words(v) for v in views)
+    unsealed = output_unsealed(facts)
+    result["output_unsealed"] = unsealed
+    result["words"] += (
+        _loss_words(losses) + _unsealed_words(unsealed) + "".join(_session_words(v) for v in views)
+    )
     return result
 
 

@@ -11,9 +11,11 @@ from settled.store import Store
 
 
 def read_close_facts(store: Store, task: str) -> CloseFacts:
-    """The task, its sessions and its recorded close steps, as the store has them now."""
+    """The task, its sessions, its recorded close steps and its logs' recorded seals, as the
+    store has them now."""
     return CloseFacts(
         task=store.get_task(task),
         sessions=store.list_sessions(task),
         steps=store.close_steps(task),
+        seals=store.log_seals(task),
     )

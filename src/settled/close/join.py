@@ -103,6 +103,13 @@ class Pod(Protocol):
     def release(self, task: str) -> None: ...
 
 
+class Seals(Protocol):
+    """Retry the seal of every settled session's logs not sealed yet (their logs are on this
+    host); returns each stream left unsealed `{session, stream, why}`."""
+
+    def __call__(self, sessions: list[SessionRecord]) -> list[dict[str, Any]]: ...
+
+
 StepFunction = Callable[["CloseJoin", CloseFacts], dict[str, Any]]
 
 
@@ -116,8 +123,10 @@ class CloseJoin:
         final: str | None = None,
         deadline: float | None = None,
         pod: Pod | None = None,
+        seals: Seals | None = None,
     ) -> None:
         self.store, self.workspace, self.sessions, self.pod = store, workspace, sessions, pod
+        self.seals = seals  # retries the logs' seals before the outcome (owner/sealing.py)
         self.task, self.final = task, final
         self.deadline = deadline  # None: the caller named none (a resume keeps the recorded)
 
@@ -172,7 +181,7 @@ class CloseJoin:
         if recorded is not fact or name == "sessions_settled":
             return self.facts(), True
         steps = {**facts.steps, name: fact}
-        return CloseFacts(self.store.get_task(self.task), facts.sessions, steps), False
+        return CloseFacts(self.store.get_task(self.task), facts.sessions, steps, facts.seals), False
 
     # -- the steps, in the order of decide.STEPS ------------------------------------------
 
@@ -305,6 +314,7 @@ class CloseJoin:
                     "all_commands_succeeded": did_not_succeed(outcomes) == 0,
                     "commands": outcomes,
                     "output_incomplete": output_losses(facts.sessions),
+                    "output_unsealed": self.seals(facts.sessions) if self.seals else [],
                 },
             }
         )

@@ -5,7 +5,8 @@ Loaded by the owner's launch path (launch.py) after its command started, while t
 files created before the command), the lease keeper's thread, the supervise loop, the receipt
 and the journal client. Owns the session from the
 running command to its receipt: the drain, the deadline, the lease, death evidence, the logs'
-summaries, the terminal mutation, the receipt (or, when it cannot be written, the last words).
+summaries, the terminal mutation, the receipt (or, when it cannot be written, the last words),
+then the seal of its logs, after the receipt and never at its cost (owner/sealing.py).
 Also writes the receipt of a session whose command never started. Must never: run a second
 command, or write for a session its generation no longer holds (the store refuses: StaleWrite).
 """
@@ -26,7 +27,7 @@ from settled.boundary.base import Boundary
 from settled.boundary.isolation import IsolationPlan
 from settled.boundary.pidns import threads_refused
 from settled.errors import StaleWrite, StorageFailed
-from settled.home import SpaceGuard, journal_socket, log_path, storage_error
+from settled.home import SpaceGuard, journal_socket, storage_error
 from settled.identity import CommandSpec
 from settled.log.flush import FLUSH_ENV, Flusher, flush_every
 from settled.log.interleave import IndexWriter
@@ -50,6 +51,7 @@ if TYPE_CHECKING:
     from typing import Any
 
     from settled.boundary.walls import Walls
+    from settled.objects import ObjectStore
     from settled.records import SessionRecord
 
 LOG_CAP_ENV = "SETTLED_LOG_CAP"
@@ -288,7 +290,7 @@ class OwnerSession:
                 outcome.stop_decided if (outcome.reason != "exited" or outcome.stragglers) else None
             ),
             output={
-                **self._sealed({name: s.to_json() for name, s in summaries.items()}),
+                **{name: s.to_json() for name, s in summaries.items()},
                 "drain": "complete" if outcome.drain_complete else "incomplete",
             },
             stragglers=outcome.stragglers,
@@ -296,7 +298,7 @@ class OwnerSession:
         )
         faults.point("owner.before_receipt")
         event = "receipt" if outcome.evidence.proven else "lose"
-        return self._write_receipt(receipt, event)
+        return self._sealed(self._write_receipt(receipt, event))
 
     def _write_receipt(self, receipt: dict[str, Any], event: str = "receipt") -> int:
         """Write the receipt; if the disk refuses it, leave the reason in the last words (whose
@@ -350,7 +352,7 @@ class OwnerSession:
         for fd in (pipes or {}).values():
             os.close(fd)
         streams = self._open_streams({}, logs if logs is not None else {})
-        summaries = self._sealed({n: s.to_json() for n, s in streams.close().items()})
+        summaries = {n: s.to_json() for n, s in streams.close().items()}
         self.timings["settled_at"] = time.time()
         receipt = self._receipt(
             death={
@@ -372,31 +374,35 @@ class OwnerSession:
         )
         code = self._write_receipt(receipt)
         self.ready.send(state="settled", owner_pid=os.getpid(), error=error)
+        return self._sealed(code)
+
+    def _sealed(self, code: int) -> int:
+        """After the receipt (`code` 0: it was written), seal each stream into the object store
+        where the home's objects live outside it (owner/sealing.py), trying again with bounded
+        backoff: the receipt never waits on the object store, and a seal that still fails is
+        the close's to retry and name. Returns `code`: a seal never changes the owner's exit."""
+        if code != 0 or not seals_logs(self.home):
+            return code
+        from settled.objects import open_object_store  # after the receipt: off the launch path
+        from settled.owner.sealing import seal_bound, seal_session, seal_with_retries
+
+        objects: list[ObjectStore] = []  # opened once, at the first attempt
+
+        def attempt() -> dict[str, str]:
+            try:
+                objects[:] = objects or [open_object_store(self.home)]
+                record = self.store.get_session(self.session)
+                return seal_session(self.home, self.store, objects[0], record)
+            except BaseException as exc:  # the store or the object store: try again
+                if isinstance(exc, KeyboardInterrupt | SystemExit):
+                    raise
+                return {"stdout": f"{type(exc).__name__}: {exc}"}
+
+        failures = seal_with_retries(attempt, seal_bound())
+        if failures:
+            with contextlib.suppress(OSError, ValueError):
+                print(f"settled owner: logs not sealed: {failures}", file=sys.stderr, flush=True)
         return code
-
-    def _sealed(self, facts: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
-        """Each stream's fact, with its sealed copy in the object store named when the home's
-        objects live outside it (log/seal.py). A seal that fails is named in the fact and
-        does not stop the receipt: death and cursors are proven all the same, and the log
-        still lies in the home."""
-        if not seals_logs(self.home):
-            return facts
-        from settled.log.seal import seal_stream  # after death: off the launch path
-        from settled.objects import open_object_store
-
-        started = time.monotonic()
-        try:
-            objects = open_object_store(self.home)
-            for name, fact in facts.items():
-                path = log_path(self.home, self.session, name)
-                fact["sealed"] = seal_stream(objects, path, fact["cursor"], fact["digest"])
-        except BaseException as exc:  # never the receipt's cost: a library's panic is named too
-            if isinstance(exc, KeyboardInterrupt | SystemExit):
-                raise
-            for fact in facts.values():
-                fact.setdefault("sealed", {"error": f"{type(exc).__name__}: {exc}"})
-        self.timings["seal_s"] = round(time.monotonic() - started, 6)
-        return facts
 
     def _terminal_mutation(self) -> dict[str, Any]:
         """The journal's watermark read after death evidence: every write of the session's

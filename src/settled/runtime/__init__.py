@@ -138,9 +138,13 @@ class Runtime(Admissions, Tasks, LogReads):
     ) -> CloseJoin:
         from settled.boundary.pod import LocalPods
         from settled.close.join import CloseJoin
+        from settled.owner.sealing import CloseSeals
 
         pods = LocalPods(self.home)
-        return CloseJoin(self.store, self.workspace, self.sessions, task, final, deadline, pods)
+        seals = CloseSeals(self.home, self.store, lambda: self.workspace.objects)
+        return CloseJoin(
+            self.store, self.workspace, self.sessions, task, final, deadline, pods, seals
+        )
 
     @_on_disk("recover")
     def recover(self, task: str | None = None) -> list[dict[str, Any]]:

@@ -1,6 +1,7 @@
 """Reading a session's output: by cursor (`read`, `read_merged`), as it grows (`follow`,
 `follow_merged`, woken by a stored byte or the owner's exit), as the model's view (`view`,
-`window`), from this home's log or its sealed copy (`_log_file`).
+`window`), from this home's log or its sealed copy (`_log_dir`: any host reads a sealed session;
+another host's unsealed one is LogElsewhere, never an empty read).
 
 Must never: serve a byte past a stream's final cursor once settled (the receipt's, so never past
 what recovery proved), nor, while a session runs, a merged cursor that could not resume.
@@ -21,7 +22,7 @@ from settled.sessions import WAKE_BOUND_S
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
-    from typing import TypeVar
+    from typing import Any, TypeVar
 
     from settled.log.interleave import Chunk
     from settled.log.reader import StreamLog
@@ -80,30 +81,30 @@ class LogReads(Composition):
             path, start, final, timeout=timeout, sleep=pause,
             poll_interval=WAKE_BOUND_S))  # fmt: skip
 
-    def _merged_limits(self, session: str) -> tuple[dict[str, int], bool]:
+    def _merged_limits(self, session: str, directory: str) -> tuple[dict[str, int], bool]:
         """The cursors each stream may be served to in the merged view, and whether final
         (settled or recovered: the receipt's cursors, so never past what recovery proved)."""
-        finals = {name: self.final_cursor(session, name) for name in ("stdout", "stderr")}
+        finals = {name: self.final_cursor(session, name) for name in STREAMS}
         if all(v is not None for v in finals.values()):
             return {k: int(v or 0) for k, v in finals.items()}, True
         from settled.log.reader import stored_length
 
-        now = {n: stored_length(log_path(self.home, session, n)) for n in ("stdout", "stderr")}
+        now = {n: stored_length(os.path.join(directory, f"{n}.log")) for n in STREAMS}
         return now, False
 
     def read_merged(self, session: str, start: int = 0, size: int = 1 << 20) -> list[Chunk]:
         """Up to ``size`` bytes of both streams in the order the owner stored them, from
         merged cursor ``start`` (a byte offset into the merged view), as chunks tagged with
         stream, stream cursor and merged cursor. A chunk with ``ordered`` False is a tail the
-        index did not cover (an old session without one: stdout then stderr). While the
-        session runs, only the ordered prefix is served, so every merged cursor resumes."""
+        index did not cover (an old session without one, or a sealed copy read on another
+        host: stdout then stderr). While the session runs, only the ordered prefix is served,
+        so every merged cursor resumes."""
         from settled.log import interleave
 
         grammar.check_cursor("start", start)
         grammar.check_int("size", size, 1, grammar.MAX_CURSOR)
-        self.store.get_session(session)
-        limits, final = self._merged_limits(session)
-        directory = session_dir(self.home, session)
+        directory = self._log_dir(grammar.check_id("session", session), STREAMS)
+        limits, final = self._merged_limits(session, directory)
         if not final:
             limits = interleave.ordered_limits(directory, limits)
         return interleave.read_merged(directory, limits, start, size)
@@ -117,9 +118,8 @@ class LogReads(Composition):
 
         grammar.check_cursor("start", start)
         timeout = grammar.optional_seconds("timeout", timeout, MAX_WAIT)
-        self.store.get_session(session)
-        directory = session_dir(self.home, session)
-        limits = functools.partial(self._merged_limits, session)
+        directory = self._log_dir(grammar.check_id("session", session), STREAMS)
+        limits = functools.partial(self._merged_limits, session, directory)
         return self._woken(session, lambda pause: interleave.follow_merged(
             directory, limits, start, timeout=timeout, sleep=pause,
             poll_interval=WAKE_BOUND_S))  # fmt: skip
@@ -174,29 +174,75 @@ class LogReads(Composition):
         return view, final == end
 
     def _log_file(self, session: str, stream: str) -> str:
-        """Where the stream's bytes are read: the home's log, else (a session of another
-        host, or a home rebuilt) its sealed copy, rebuilt here and checked by hash first."""
-        path = log_path(self.home, session, stream)
-        if os.path.exists(path):
-            return path
+        """Where the stream's bytes are read (`_log_dir`)."""
+        return os.path.join(self._log_dir(session, (stream,)), f"{stream}.log")
+
+    def _log_dir(self, session: str, streams: tuple[str, ...]) -> str:
+        """The directory whose `<stream>.log` files hold `streams`: the home's logs; else (a
+        session of another host, or a home rebuilt) their sealed copies, rebuilt under
+        `HOME/sealed/<session>/` and checked by hash against the receipt's digests first;
+        else, for a session of another host (running, unknown, or its seal failed),
+        LogElsewhere. A session of this host whose logs are not written yet reads as empty."""
+        if all(os.path.exists(log_path(self.home, session, s)) for s in streams):
+            return session_dir(self.home, session)
+        from settled.receipts import sealed_copy
+
         record = self.store.get_session(session)
-        fact = (record.receipt or {}).get("output", {}).get(stream, {})
-        sealed = fact.get("sealed")
-        if not isinstance(sealed, dict) or "chunks" not in sealed:
-            host = self.store.get_task(record.task).host
-            if host not in (None, self.host):
-                raise LogElsewhere(session, stream, host)
-            return path  # this home's, not written yet: an empty stream so far
+        recorded = self.store.log_seals(record.task, session).get(session, {})
+        copies = {s: sealed_copy(record.receipt, recorded, s) for s in streams}
+        missing = [s for s, copy in copies.items() if copy is None]
+        if not missing and record.receipt is not None:
+            return self._rebuilt(session, record.receipt, copies)
+        host = self.store.get_task(record.task).host
+        if missing and host not in (None, self.host):
+            raise LogElsewhere(session, missing[0], host)
+        return session_dir(self.home, session)  # this home's, not written yet: empty so far
+
+    def _rebuilt(
+        self, session: str, receipt: dict[str, Any], copies: dict[str, dict[str, Any] | None]
+    ) -> str:
+        """Each sealed copy rebuilt once into `HOME/sealed/<session>/<stream>.log`, every
+        chunk and the whole checked against the receipt's digest (log/seal.py)."""
         from settled.log.seal import fetch_sealed
 
-        dest = os.path.join(self.home, "sealed", session, stream)
-        return fetch_sealed(self.workspace.objects, sealed, str(fact["digest"]), dest)
+        directory = os.path.join(self.home, "sealed", session)
+        for stream, sealed in copies.items():
+            assert sealed is not None
+            digest = str(receipt["output"][stream]["digest"])
+            dest = os.path.join(directory, f"{stream}.log")
+            fetch_sealed(self.workspace.objects, sealed, digest, dest)
+        index = (copies.get("stdout") or {}).get("index")
+        if index is not None:
+            self._rebuilt_index(directory, str(index))
+        return directory
+
+    def _rebuilt_index(self, directory: str, name: str) -> None:
+        """The sealed interleave index beside the rebuilt logs (once), checked against its
+        name: the merged view elsewhere keeps the owner's order. The index decides only the
+        order of bytes the receipt's digests cover (log/interleave.pieces)."""
+        from settled.atomic import replacing
+        from settled.log.interleave import index_path
+        from settled.log.seal import SealBroken
+        from settled.objects.hashing import algorithm_of, digest_bytes
+
+        dest = index_path(directory)
+        if os.path.exists(dest):
+            return
+        data = self.workspace.objects.read(name)
+        if digest_bytes(algorithm_of(name), data) != name:
+            raise SealBroken(f"the sealed interleave index {name} is damaged")
+        with replacing(dest, 0o400) as out:
+            out.write(data)
 
     def stream_log(self, session: str, stream: str) -> StreamLog:
         """The session's ``stream`` log ("stdout" or "stderr"), to read by cursor without a
         Runtime: its reads touch only the file, so an async streamer can poll it from worker
-        threads that hold no store. The session is not looked up here."""
+        threads that hold no store. The session is looked up only when the home holds no log
+        of it (another host's: its sealed copy, or LogElsewhere)."""
         from settled.log.reader import StreamLog as StreamLog  # the type of stream_log()
 
         _session_stream(session, stream)
-        return StreamLog(log_path(self.home, session, stream), stream)
+        path = log_path(self.home, session, stream)
+        if not os.path.exists(path):  # another host's session: its sealed copy, or LogElsewhere
+            path = self._log_file(session, stream)
+        return StreamLog(path, stream)

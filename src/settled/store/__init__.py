@@ -152,6 +152,17 @@ class Store(Protocol):
 
     def request_cancel(self, session: str, reason: str) -> SessionRecord: ...
 
+    def record_seal(self, session: str, stream: str, fact: dict[str, Any]) -> dict[str, Any]:
+        """Record the sealed copy of a settled session's stream (`log/seal.py`'s fact with the
+        stream's `length` and `digest`), once: a second recording returns the first. Refused
+        (StaleWrite) unless the session is settled and `length` and `digest` are its receipt's
+        (`receipts.seal_refusal`)."""
+        ...
+
+    def log_seals(self, task: str, session: str | None = None) -> dict[str, dict[str, Any]]:
+        """The recorded seals of the task's sessions (or of `session`), by session, then stream."""
+        ...
+
     def mark_unknown(self, session: str, generation: int, why: str) -> SessionRecord: ...
 
     def take_over(self, session: str, generation: int) -> int: ...

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 
     Execute = Callable[[str, tuple[Any, ...]], Any]  # runs one statement, returns a cursor
 
-SCHEMA_VERSION: Final = 11
+SCHEMA_VERSION: Final = 12
 SEALS_CLOSE_FACTS: Final = 4  # the migration that seals the close facts an older settled wrote
 
 MIGRATIONS: Final[dict[int, str]] = {
@@ -131,6 +131,15 @@ MIGRATIONS: Final[dict[int, str]] = {
     """,
     11: """
     ALTER TABLE tasks ADD COLUMN workspace_identity TEXT
+    """,
+    12: """
+    CREATE TABLE log_seals (
+        session     TEXT NOT NULL REFERENCES sessions(session),
+        stream      TEXT NOT NULL,
+        fact        TEXT NOT NULL,
+        recorded_at {double} NOT NULL,
+        PRIMARY KEY (session, stream)
+    )
     """,
 }
 

@@ -25,7 +25,7 @@ import time
 from settled.canonical import canonical_bytes
 from settled.errors import StaleWrite, UnknownHost, UnknownSession, UnknownTask
 from settled.identity import new_id
-from settled.receipts import checked
+from settled.receipts import checked, seal_refusal
 from settled.records import HostRecord, LiveSession, OwnerInfo, SessionRecord, TaskRecord
 from settled.states import (
     ADMITTED,
@@ -672,6 +672,52 @@ class SQLStore:
 
         self._transact(work)
         return self.get_session(session)
+
+    # -- sealed logs ---------------------------------------------------------------------
+
+    def record_seal(self, session: str, stream: str, fact: dict[str, Any]) -> dict[str, Any]:
+        """Record where the sealed copy of a settled stream is (once: the first stands and is
+        returned). Refused (StaleWrite) unless the session is settled and the fact's length
+        and digest are its receipt's cursor and digest for that stream."""
+        text = canonical_bytes(fact).decode()
+
+        def work(cur: Cursor) -> dict[str, Any]:
+            row = self._run(
+                cur, "SELECT task, state, receipt FROM sessions WHERE session=?", (session,)
+            ).fetchone()
+            if row is None:
+                raise UnknownSession(session)
+            refusal = seal_refusal(session, stream, row[1], loads(row[2]), fact)
+            if refusal is not None:
+                raise StaleWrite(refusal)
+            self._run(
+                cur,
+                "INSERT INTO log_seals (session, stream, fact, recorded_at) VALUES (?, ?, ?, ?) "
+                "ON CONFLICT (session, stream) DO NOTHING",
+                (session, stream, text, time.time()),
+            )
+            kept = self._run(
+                cur,
+                "SELECT fact FROM log_seals WHERE session=? AND stream=?",
+                (session, stream),
+            ).fetchone()
+            self._notify(cur, str(row[0]), session)
+            return dict(json.loads(kept[0]))
+
+        return self._transact(work)
+
+    def log_seals(self, task: str, session: str | None = None) -> dict[str, dict[str, Any]]:
+        """The recorded seals of the task's sessions (or of one), by session, then stream."""
+        where, args = ("AND s.session=?", (task, session)) if session else ("", (task,))
+        rows = self._read(
+            "SELECT l.session, l.stream, l.fact FROM log_seals l "
+            f"JOIN sessions s ON s.session=l.session WHERE s.task=? {where}",
+            args,
+        )
+        seals: dict[str, dict[str, Any]] = {}
+        for name, stream, fact in rows:
+            seals.setdefault(str(name), {})[str(stream)] = json.loads(fact)
+        return seals
 
     # -- the close join and checkpoints --------------------------------------------------
 
