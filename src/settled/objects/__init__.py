@@ -324,6 +324,13 @@ class ObjectStore(Protocol):
         """Re-hash the stored bytes; False if they do not match ``digest`` or it is missing."""
         ...
 
+    def recorded(self) -> ObjectStore:
+        """This store as a reader of what a checkpoint recorded (verify, restore): where the
+        backend keeps older uploads of a name (a versioned bucket), a read of an object whose
+        newest upload was deleted or overwritten is served by the newest one that hashes to
+        its digest. A store that keeps one copy per digest returns itself."""
+        ...
+
     def list_digests(self, algo: str | None = None) -> Iterator[str]:
         """Every object's digest (of ``algo`` only, if given), in no promised order; an object
         written while the listing runs may or may not be in it."""
