@@ -29,9 +29,12 @@ returns, so there is no batch durability: ``staging()`` raises ``StagingUnavaila
 publisher commits on its threads.
 
 Retries: connection errors, 5xx and throttling only (never another 4xx), at most 5 attempts
-with exponential backoff and full jitter, none started past 10 s. A missing bucket, refused
-credentials or an endpoint that does not answer is ``ObjectStoreUnreachable``, one line
-naming the bucket, the endpoint and the server's reason (its error code), never the secret.
+with exponential backoff and full jitter, none started past 10 s. ``classify`` reads an error
+answer: no room (507, ``InsufficientStorage``, ``QuotaExceeded``, ``EntityTooLarge``, ...) is
+``ObjectStoreFull`` at once (a ``SpaceExhausted``: exit 3, HTTP 507), never retried; refused
+credentials are ``ObjectStoreRefused``; a missing bucket or an endpoint that does not answer is
+``ObjectStoreUnreachable``. Each is one line naming the bucket, the endpoint and the server's
+reason (its error code), never the secret.
 The client is boto3 (chosen by ``bench/objects_s3.py``: the only one measured that does a
 create-only multipart upload); it is imported and built at the first request, not at open.
 
@@ -65,6 +68,8 @@ from settled.objects import (
     CHUNK,
     DigestMismatch,
     ObjectMissing,
+    ObjectStoreFull,
+    ObjectStoreRefused,
     ObjectStoreUnreachable,
     ObjectUnreadable,
     ObjectWriter,
@@ -104,6 +109,19 @@ ETAG: Final = "etag:"
 _THROTTLED: Final = frozenset(
     {"SlowDown", "Throttling", "ThrottlingException", "RequestTimeout", "InternalError"}
 )
+# Answers that mean "no room": out of space (507, MinIO's XMinioStorageFull), a quota
+# (QuotaExceeded, often a 403), an object larger than the store takes (EntityTooLarge, a 400).
+_FULL: Final = frozenset({
+    "InsufficientStorage", "QuotaExceeded", "EntityTooLarge", "StorageFull", "XMinioStorageFull",
+    "XMinioAdminBucketQuotaExceeded", "NoSpaceLeft", "ServiceQuotaExceeded",
+})  # fmt: skip
+_FULL_WORDS: Final = ("no space left", "insufficient storage", "quota exceeded", "storage full",
+                      "disk full", "exceeds the quota")  # fmt: skip
+_REFUSED: Final = frozenset({
+    "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken",
+    "InvalidToken", "TokenRefreshRequired", "AuthorizationHeaderMalformed", "AccountProblem",
+})  # fmt: skip
+FULL, REFUSED, TRANSIENT, OTHER = "full", "refused", "transient", "other"
 _EXISTS: Final = (412, 409)  # precondition failed; a conditional write in conflict with another
 _T = TypeVar("_T")
 
@@ -157,6 +175,21 @@ def _code(error: Exception) -> tuple[int, str, str]:
     status = int(response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0)
     body = response.get("Error", {})
     return status, str(body.get("Code") or status), str(body.get("Message") or "")
+
+
+def classify(status: int, code: str, message: str) -> str:
+    """What an S3 error answer means, as a table: ``FULL`` (no room: never retried, a full
+    store), ``REFUSED`` (the credentials or their rights), ``TRANSIENT`` (5xx, throttling:
+    retried) or ``OTHER`` (any other 4xx: the caller's to map). Room first: a quota is often
+    a 403 and a full disk a 5xx."""
+    words = message.lower()
+    if status == 507 or code in _FULL or any(w in words for w in _FULL_WORDS):
+        return FULL
+    if status >= 500 or status == 429 or code in _THROTTLED:
+        return TRANSIENT
+    if status in (401, 403) or code in _REFUSED:
+        return REFUSED
+    return OTHER
 
 
 def _version_of(response: Mapping[str, Any]) -> str:
@@ -292,8 +325,10 @@ class S3ObjectStore:
             try:
                 return call()
             except ClientError as error:
-                status, code, _ = _code(error)
-                if status < 500 and status != 429 and code not in _THROTTLED:
+                kind = classify(*_code(error))
+                if kind == FULL:
+                    self._unreachable(error)  # no retry makes room
+                if kind != TRANSIENT:
                     raise
                 failure: Exception = error
             except BotoCoreError as error:
@@ -309,13 +344,19 @@ class S3ObjectStore:
     def _unreachable(self, error: Exception, *, tries: int = 1) -> NoReturn:
         from botocore.exceptions import ClientError
 
+        kind = OTHER
         if isinstance(error, ClientError):
             status, code, message = _code(error)
             reason = f"{code} (HTTP {status}){': ' + message if message else ''}"
+            kind = classify(status, code, message)
         else:
             cause = getattr(error, "kwargs", {}).get("error")
             reason = f"{error}{f' ({cause})' if cause else ''}"
         after = f" after {tries} attempts" if tries > 1 else ""
+        if kind == FULL:
+            raise ObjectStoreFull(self.location, reason) from None
+        if kind == REFUSED:
+            raise ObjectStoreRefused(self.location, reason + after) from None
         raise ObjectStoreUnreachable(self.location, reason + after) from None
 
     def _raise(self, error: Exception, digest: str, version: str | None = None) -> NoReturn:
