@@ -26,7 +26,7 @@ from settled.runtime.logreads import STREAMS as STREAMS
 from settled.runtime.logreads import LogReads
 from settled.runtime.tasks import Tasks
 from settled.states import SETTLED, TASK_COMPLETE, TASK_OPEN
-from settled.status import session_status, task_status
+from settled.status import session_status, task_state_word, task_status
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -74,7 +74,7 @@ class Runtime(Admissions, Tasks, LogReads):
             row: dict[str, Any] = {
                 "task": record.task,
                 "key": record.key,
-                "state": record.state,
+                "state": task_state_word(record),
                 "workspace": record.workspace,
                 "created_at": record.created_at,
                 "sessions": len(sessions),
