@@ -175,7 +175,80 @@ def check_store_url(url: str) -> str:
         return f"sqlite://{os.path.normpath(parts.path)}"
     if not parts.path.strip("/"):
         raise BadBackend(f"store URL {redacted(url)!r} names no database (…/DBNAME)")
+    from urllib.parse import parse_qs
+
+    for options in parse_qs(parts.query, keep_blank_values=True).get("options", []):
+        search_path_schema(options)  # a malformed one is refused before the home is bound
     return _unsplit(parts._replace(scheme="postgresql"))
+
+
+SCHEMA_NAME_MAX: Final = 63  # bytes: PostgreSQL's NAMEDATALEN - 1; it cuts a longer name
+
+
+def search_path_schema(options: str) -> str | None:
+    """The schema a PostgreSQL store lives in: the first entry of `-c search_path=...` in the
+    libpq `options`, read as PostgreSQL reads it, so the schema settled creates is the one the
+    server's search_path then names: an unquoted name is folded to lower case (`MySchema` is
+    `myschema`), a double-quoted one is taken verbatim (`"MySchema"`, `""` for a quote).
+    None without a search_path; BadBackend, one line, for an entry that names no schema."""
+    value = _search_path_value(options.split())
+    if value is None:
+        return None
+    name, rest = _first_entry(value.strip())
+    if rest.strip() and not rest.strip().startswith(","):
+        raise _bad_schema(value, "text after the quoted name; separate entries with commas")
+    if name == "$user":
+        raise _bad_schema(value, "$user is not a schema settled can create; name the schema")
+    if len(name.encode()) > SCHEMA_NAME_MAX:
+        raise _bad_schema(value, f"longer than {SCHEMA_NAME_MAX} bytes (PostgreSQL would cut it)")
+    if not name.isprintable():
+        raise _bad_schema(value, "a control character")
+    return name
+
+
+def _search_path_value(tokens: list[str]) -> str | None:
+    for i, token in enumerate(tokens):
+        for prefix in ("-csearch_path=", "--search_path="):
+            if token.startswith(prefix):
+                return token[len(prefix) :]
+        if token == "-c" and i + 1 < len(tokens) and tokens[i + 1].startswith("search_path="):
+            return tokens[i + 1][len("search_path=") :]
+    return None
+
+
+def _first_entry(value: str) -> tuple[str, str]:
+    """(the first entry's schema name, what follows it), unquoted names folded as PostgreSQL
+    folds them (ASCII letters only, as it does in UTF-8)."""
+    if not value.startswith('"'):
+        name = value.split(",")[0].strip()
+        if not name or '"' in name or any(c.isspace() for c in name):
+            raise _bad_schema(value, "no schema name" if not name else "a quote or a space")
+        return name.translate(_ASCII_LOWER), value[len(value.split(",")[0]) :]
+    parts: list[str] = []
+    at = 1
+    while True:
+        end = value.find('"', at)
+        if end < 0:
+            raise _bad_schema(value, "an unterminated double quote")
+        parts.append(value[at:end])
+        if value[end + 1 : end + 2] != '"':
+            break
+        parts.append('"')
+        at = end + 2
+    name = "".join(parts)
+    if not name:
+        raise _bad_schema(value, "an empty quoted name")
+    return name, value[end + 1 :]
+
+
+_ASCII_LOWER: Final = str.maketrans("ABCDEFGHIJKLMNOPQRSTUVWXYZ", "abcdefghijklmnopqrstuvwxyz")
+
+
+def _bad_schema(value: str, why: str) -> BadBackend:
+    return BadBackend(
+        f"store URL: search_path {value!r} names no schema settled can use: {why} "
+        "(options=-csearch_path%3DNAME; quote it, %22Name%22, to keep upper case)"
+    )
 
 
 def check_objects_url(url: str) -> str:
