@@ -38,6 +38,10 @@ reason (its error code), never the secret.
 The client is boto3 (chosen by ``bench/objects_s3.py``: the only one measured that does a
 create-only multipart upload); it is imported and built at the first request, not at open.
 
+About 900 lines, over the usual 400: the writer, the readers (with the recorded-upload search)
+and the quarantine share one client, its retries and one mapping of its answers, which must not
+drift apart.
+
 Must never: replace an object; report as stored bytes that were not re-hashed after a 412;
 leave a multipart upload unaborted; retry a 4xx; put a secret in a message; hold more than one
 part of a blob in memory; know about manifests, scans or the settled store and database.
