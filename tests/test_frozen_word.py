@@ -54,6 +54,10 @@ def test_status_and_ls_say_frozen_after_recover_host(tmp_path: Path) -> None:
         rows = json.loads(_cli(tmp_path, home, "ls", "--json").stdout)["tasks"]
         assert [r["state"] for r in rows if r["task"] == task] == [TASK_FROZEN]
 
+    explained = _cli(tmp_path, "B", "explain", task)
+    assert f"task {task} is frozen (host {host_a}" in explained.stdout, explained.stderr
+    assert json.loads(_cli(tmp_path, "B", "explain", task, "--json").stdout)["state"] == "frozen"
+
     env = {"SETTLED_STORE": f"sqlite://{tmp_path}/shared/store.db",
            "SETTLED_OBJECTS": f"file://{tmp_path}/shared/objects"}  # fmt: skip
     saved = {k: os.environ.get(k) for k in env}

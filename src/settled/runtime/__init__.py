@@ -182,7 +182,11 @@ class Runtime(Admissions, Tasks, LogReads):
         from settled.close.decide import explain
         from settled.close.facts import read_close_facts
 
-        return explain(read_close_facts(self.store, grammar.check_id("task", task)))
+        facts = read_close_facts(self.store, grammar.check_id("task", task))
+        view = explain(facts)
+        if view.get("state") == TASK_OPEN and facts.task.frozen:  # the word every view uses
+            view = {**view, "state": task_state_word(facts.task), "frozen": facts.task.frozen}
+        return view
 
     def clocks(self, task: str, limit: int = 50) -> dict[str, Any]:
         """The four clocks of the task's newest ``limit`` sessions and the task's close receipt
