@@ -47,6 +47,7 @@ FOUNDATION = {
     "settled.requests",
     "settled.sockdiag",
     "settled.states",
+    "settled.storepass",  # the store's password: found when connecting, never in the home
     "settled.where",
 }
 # What a face may import besides the Runtime and other faces: types and words, no paths.

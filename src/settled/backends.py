@@ -9,9 +9,12 @@ one its Runtime admitted the session in. Asking for a different backend than the
 refused by name (`BackendMismatch`): silently switching would hide every task of the first one.
 
 The URLs come from `--store` / `--objects`, else `SETTLED_STORE` / `SETTLED_OBJECTS`, else the
-defaults. Credentials stay where the standard tools keep them (the password in the PostgreSQL
-URL, or `PGPASSWORD`; `AWS_*` for S3); `credential_names` lists what a command must never
-inherit when a home uses a remote backend, since a command holding them could write the evidence
+defaults. No credential is ever recorded: the binding holds the store URL without its password
+(and the path of a password file the operator named); `store_connection` puts the password back
+in memory from where `storepass.py` finds it (the URL given, the file, libpq's PGPASSWORD /
+PGPASSFILE / ~/.pgpass, or a binding an older settled wrote, scrubbed once another source
+works); S3 keys stay in `AWS_*`. `credential_names` lists what a command must never inherit
+when a home uses a remote backend, since a command holding them could write the evidence
 itself. Imports no backend: `store.open_store` and `objects.open_object_store` do, by scheme.
 """
 
@@ -24,6 +27,15 @@ import os
 from settled.atomic import create_once
 from settled.errors import BadInput, HomeUnusable
 from settled.records import Frozen
+from settled.storepass import (
+    PASSWORD_FILE_ENV,
+    check_password_file,
+    connection_password,
+    scrub,
+    stored_password,
+    with_password,
+    without_password,
+)
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -46,7 +58,8 @@ S3_CREDENTIALS: Final = (
     "AWS_SHARED_CREDENTIALS_FILE",
     "AWS_CONFIG_FILE",
 )
-POSTGRES_CREDENTIALS: Final = ("PGPASSWORD", "PGPASSFILE", "PGSERVICEFILE", "PGSSLKEY")
+POSTGRES_CREDENTIALS: Final = ("PGPASSWORD", "PGPASSFILE", "PGSERVICEFILE", "PGSSLKEY",
+                                STORE_ENV, PASSWORD_FILE_ENV)  # fmt: skip
 
 
 class BadBackend(BadInput):
@@ -58,11 +71,12 @@ class BackendMismatch(BadInput):
 
 
 class Backends(Frozen):
-    __slots__ = ("objects", "store")
-    store: str  # sqlite:///abs/path | postgresql://...
+    __slots__ = ("objects", "password_file", "store")
+    store: str  # sqlite:///abs/path | postgresql://... (never with a password: storepass.py)
     objects: str  # file:///abs/path | s3://bucket/prefix
+    password_file: str | None  # the file the operator named for the store's password (a path)
 
-    def __init__(self, store: str, objects: str) -> None:
+    def __init__(self, store: str, objects: str, password_file: str | None = None) -> None:
         self._fill(locals())
 
     @property
@@ -175,7 +189,80 @@ def check_store_url(url: str) -> str:
         return f"sqlite://{os.path.normpath(parts.path)}"
     if not parts.path.strip("/"):
         raise BadBackend(f"store URL {redacted(url)!r} names no database (…/DBNAME)")
+    from urllib.parse import parse_qs
+
+    for options in parse_qs(parts.query, keep_blank_values=True).get("options", []):
+        search_path_schema(options)  # a malformed one is refused before the home is bound
     return _unsplit(parts._replace(scheme="postgresql"))
+
+
+SCHEMA_NAME_MAX: Final = 63  # bytes: PostgreSQL's NAMEDATALEN - 1; it cuts a longer name
+
+
+def search_path_schema(options: str) -> str | None:
+    """The schema a PostgreSQL store lives in: the first entry of `-c search_path=...` in the
+    libpq `options`, read as PostgreSQL reads it, so the schema settled creates is the one the
+    server's search_path then names: an unquoted name is folded to lower case (`MySchema` is
+    `myschema`), a double-quoted one is taken verbatim (`"MySchema"`, `""` for a quote).
+    None without a search_path; BadBackend, one line, for an entry that names no schema."""
+    value = _search_path_value(options.split())
+    if value is None:
+        return None
+    name, rest = _first_entry(value.strip())
+    if rest.strip() and not rest.strip().startswith(","):
+        raise _bad_schema(value, "text after the quoted name; separate entries with commas")
+    if name == "$user":
+        raise _bad_schema(value, "$user is not a schema settled can create; name the schema")
+    if len(name.encode()) > SCHEMA_NAME_MAX:
+        raise _bad_schema(value, f"longer than {SCHEMA_NAME_MAX} bytes (PostgreSQL would cut it)")
+    if not name.isprintable():
+        raise _bad_schema(value, "a control character")
+    return name
+
+
+def _search_path_value(tokens: list[str]) -> str | None:
+    for i, token in enumerate(tokens):
+        for prefix in ("-csearch_path=", "--search_path="):
+            if token.startswith(prefix):
+                return token[len(prefix) :]
+        if token == "-c" and i + 1 < len(tokens) and tokens[i + 1].startswith("search_path="):
+            return tokens[i + 1][len("search_path=") :]
+    return None
+
+
+def _first_entry(value: str) -> tuple[str, str]:
+    """(the first entry's schema name, what follows it), unquoted names folded as PostgreSQL
+    folds them (ASCII letters only, as it does in UTF-8)."""
+    if not value.startswith('"'):
+        name = value.split(",")[0].strip()
+        if not name or '"' in name or any(c.isspace() for c in name):
+            raise _bad_schema(value, "no schema name" if not name else "a quote or a space")
+        return name.translate(_ASCII_LOWER), value[len(value.split(",")[0]) :]
+    parts: list[str] = []
+    at = 1
+    while True:
+        end = value.find('"', at)
+        if end < 0:
+            raise _bad_schema(value, "an unterminated double quote")
+        parts.append(value[at:end])
+        if value[end + 1 : end + 2] != '"':
+            break
+        parts.append('"')
+        at = end + 2
+    name = "".join(parts)
+    if not name:
+        raise _bad_schema(value, "an empty quoted name")
+    return name, value[end + 1 :]
+
+
+_ASCII_LOWER: Final = str.maketrans("ABCDEFGHIJKLMNOPQRSTUVWXYZ", "abcdefghijklmnopqrstuvwxyz")
+
+
+def _bad_schema(value: str, why: str) -> BadBackend:
+    return BadBackend(
+        f"store URL: search_path {value!r} names no schema settled can use: {why} "
+        "(options=-csearch_path%3DNAME; quote it, %22Name%22, to keep upper case)"
+    )
 
 
 def check_objects_url(url: str) -> str:
@@ -194,10 +281,17 @@ def check_objects_url(url: str) -> str:
 
 
 def read_binding(home: str) -> Backends | None:
+    """The recorded binding, its store URL without a password even where an older settled
+    wrote one (`storepass.py` finds that one when it is still needed)."""
     try:
         with open(binding_path(home), encoding="utf-8") as handle:
             data = json.load(handle)
-        return Backends(store=str(data["store"]), objects=str(data["objects"]))
+        password_file = data.get("password_file")
+        return Backends(
+            store=without_password(str(data["store"])),
+            objects=str(data["objects"]),
+            password_file=str(password_file) if password_file else None,
+        )
     except FileNotFoundError:
         return None
     except (OSError, ValueError, KeyError, TypeError) as exc:
@@ -219,8 +313,9 @@ def bind(home: str, store: str | None = None, objects: str | None = None) -> Bac
     objects = objects or os.environ.get(OBJECTS_ENV) or None
     default = default_backends(home)
     asked = Backends(
-        store=check_store_url(store) if store else default.store,
+        store=without_password(check_store_url(store)) if store else default.store,
         objects=check_objects_url(objects) if objects else default.objects,
+        password_file=_password_file_asked(store),
     )
     bound = read_binding(home)
     if bound is None:
@@ -232,9 +327,18 @@ def bind(home: str, store: str | None = None, objects: str | None = None) -> Bac
     return bound
 
 
+def _password_file_asked(store: str | None) -> str | None:
+    """The password file named (`--password-file`, `SETTLED_STORE_PASSWORD_FILE`) for a
+    PostgreSQL store, checked (PasswordFileRefused, nothing recorded) and made absolute."""
+    named = os.environ.get(PASSWORD_FILE_ENV) or None
+    if named is None or not store or scheme(store) not in ("postgresql", "postgres"):
+        return None
+    return check_password_file(named)
+
+
 def _refuse_mismatch(home: str, bound: Backends, store: str | None, objects: str | None) -> None:
     for what, asked, have, check in (
-        ("store", store, bound.store, check_store_url),
+        ("store", store, bound.store, _store_without_password),
         ("objects", objects, bound.objects, check_objects_url),
     ):
         if asked is not None and check(asked) != have:
@@ -244,10 +348,18 @@ def _refuse_mismatch(home: str, bound: Backends, store: str | None, objects: str
             )
 
 
+def _store_without_password(url: str) -> str:
+    return without_password(check_store_url(url))
+
+
 def _record_once(home: str, backends: Backends) -> Backends:
     """Write the binding unless one exists (a link never replaces a name): two first openers
-    agree on one binding, and the loser's request is checked against it."""
-    data = json.dumps({"store": backends.store, "objects": backends.objects}).encode()
+    agree on one binding, and the loser's request is checked against it. Never a password:
+    the store URL without it, and the path of the file that holds it if one was named."""
+    fields = {"store": without_password(backends.store), "objects": backends.objects}
+    if backends.password_file:
+        fields["password_file"] = backends.password_file
+    data = json.dumps(fields).encode()
     create_once(binding_path(home), data)
     return read_binding(home) or backends
 
@@ -263,13 +375,48 @@ def seals_logs(home: str) -> bool:
     return os.path.commonpath([root, real_home]) != real_home
 
 
+def store_connection(home: str) -> tuple[str, str]:
+    """(the URL this process connects to the home's store with, the password's source as
+    `storepass.connection_password` names it). The password lives in memory only."""
+    bound = bound_backends(home)
+    if bound.store_scheme != "postgresql":
+        return bound.store, "none"
+    given = os.environ.get(STORE_ENV) or None
+    if given is not None:
+        try:
+            given = check_store_url(given)
+        except BadBackend:
+            given = None
+    password, source = connection_password(
+        bound.store, given, bound.password_file, binding_path(home)
+    )
+    return (bound.store if password is None else with_password(bound.store, password)), source
+
+
+def connected(home: str, source: str) -> None:
+    """The store was reached with the password from ``source``: a password an older settled
+    left in the binding is scrubbed once another source has proven itself."""
+    if source in ("url", "file", "libpq") and stored_password(binding_path(home)) is not None:
+        with contextlib.suppress(OSError, ValueError, KeyError):
+            scrub(binding_path(home))
+
+
 def credential_names(backends: Backends, environ: dict[str, str]) -> list[str]:
-    """Inherited variables a command must not see: the remote backends' credentials, and any
-    whose value holds the store URL (a password inside it)."""
+    """Inherited variables a command must not see: the remote backends' credentials, settled's
+    own store variables, and any whose value holds the store URL (with or without a
+    password inside it)."""
     names: list[str] = []
     if backends.objects_scheme == "s3":
         names += [n for n in S3_CREDENTIALS if n in environ]
     if backends.store_scheme == "postgresql":
         names += [n for n in environ if n in POSTGRES_CREDENTIALS or n == "DATABASE_URL"]
-        names += [n for n, v in environ.items() if backends.store in v and n not in names]
+        bare = without_password(backends.store)
+        names += [n for n, v in environ.items() if bare in _passwords_out(v)]
     return sorted(set(names))
+
+
+def _passwords_out(value: str) -> str:
+    """``value`` with the password of any URL in it taken out (`://user:secret@` -> `://user@`)."""
+    import re
+
+    return re.sub(r"(://[^/:@\s]*):[^@\s]*@", r"\1@", value)

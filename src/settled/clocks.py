@@ -19,7 +19,7 @@ from __future__ import annotations
 from settled.close.decide import STEPS, CloseFacts, explain
 from settled.records import OwnerFacts, SessionRecord
 from settled.states import TASK_COMPLETE, is_live
-from settled.status import command_words, session_status
+from settled.status import command_words, session_status, task_state_word
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -210,8 +210,8 @@ def task_clocks(
     observed of each live session's owner; a settled session needs none)."""
     explained = explain(facts)
     task = facts.task
-    state = task.state
-    if state != "open" and not explained["complete"] and explained.get("blocked"):
+    state = task_state_word(task)
+    if task.state != "open" and not explained["complete"] and explained.get("blocked"):
         state = "blocked"
     newest = sorted(facts.sessions, key=lambda s: (s.created_at, s.session))[-limit:]
     close = (facts.steps.get("outcome") or {}).get("receipt")
@@ -228,6 +228,7 @@ def task_clocks(
         "close_steps": [s.name for s in STEPS if s.name in facts.steps],
         "close": None if close is None else {**_receipt_ref(close), "at": close.get("issued_at")},
         "close_receipt": close,
+        **({"frozen": task.frozen} if task.frozen else {}),
         "sessions_total": len(facts.sessions),
         "sessions": [
             session_clocks(s, owners.get(s.session), facts.steps) for s in reversed(newest)

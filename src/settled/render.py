@@ -218,6 +218,11 @@ def _verdict(view: dict[str, Any]) -> str:
             f"task {task} is COMPLETE ({outcome}): every command proven stopped, workspace "
             f"checkpointed and read back{notes}."
         )
+    if view.get("state") == "frozen":
+        return (
+            f"task {task} is frozen ({view.get('frozen')}): it admits nothing and is not "
+            "complete; recovery settles what its host's sandbox provider can prove."
+        )
     if view.get("state") == "open":
         live = sum(1 for s in view.get("sessions") or [] if is_live(s["state"]))
         running = f", {live} of them still running" if live else ""

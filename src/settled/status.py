@@ -9,11 +9,21 @@ from __future__ import annotations
 
 from settled.netledger import brief
 from settled.records import OwnerFacts, SessionRecord, TaskRecord
-from settled.states import SETTLED, UNKNOWN
+from settled.states import SETTLED, TASK_OPEN, UNKNOWN
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from typing import Any
+    from typing import Any, Final
+
+TASK_FROZEN: Final = "frozen"
+"""The word every view shows for an open task whose admission `recover --host` stopped for
+good (`tasks.frozen` says why): it admits nothing, so it is not shown as `open`."""
+
+
+def task_state_word(task: TaskRecord) -> str:
+    """The task's state as every view shows it: `frozen` for an open task that was frozen,
+    else its stored state (a close under way or done says more than the freeze)."""
+    return TASK_FROZEN if task.state == TASK_OPEN and task.frozen else task.state
 
 
 def command_words(spec: dict[str, Any]) -> str:
@@ -99,7 +109,7 @@ def task_status(task: TaskRecord, sessions: list[dict[str, Any]]) -> dict[str, A
         "task": task.task,
         "key": task.key,
         "workspace": task.workspace,
-        "state": task.state,
+        "state": task_state_word(task),
         "created_at": task.created_at,
         "generation": task.generation,
         "sessions": [{k: view.get(k) for k in SESSION_ROW} for view in sessions],

@@ -129,9 +129,13 @@ def broken_pipe() -> int:
 
 
 def bind_backends(args: Namespace) -> None:
-    """--store and --objects travel through the environment, so every face (a server's worker
-    Runtimes, MCP, owners) binds the same."""
-    for flag, name in (("store", "SETTLED_STORE"), ("objects", "SETTLED_OBJECTS")):
+    """--store, --objects and --password-file travel through the environment, so every face
+    (a server's worker Runtimes, MCP, owners) binds the same."""
+    for flag, name in (
+        ("store", "SETTLED_STORE"),
+        ("objects", "SETTLED_OBJECTS"),
+        ("password_file", "SETTLED_STORE_PASSWORD_FILE"),  # storepass.PASSWORD_FILE_ENV
+    ):
         if getattr(args, flag, None):
             os.environ[name] = getattr(args, flag)
 

@@ -275,7 +275,8 @@ class _OneVerb:
         return _DROPPED
 
 
-_VALUE_OPTIONS = ("--home", "--store", "--objects")  # the common options that take a value
+# the common options that take a value
+_VALUE_OPTIONS = ("--home", "--store", "--objects", "--password-file")
 
 
 def _named_verb(argv: list[str]) -> str | None:
@@ -359,7 +360,16 @@ def _build(only: str | None) -> tuple[argparse.ArgumentParser, bool]:
         default=argparse.SUPPRESS,
         metavar="URL",
         help="authority store, recorded in the home at its first open: sqlite:///PATH "
-        "(default: the home's settled.db) or postgresql://USER@HOST:PORT/DB (SETTLED_STORE)",
+        "(default: the home's settled.db) or postgresql://USER@HOST:PORT/DB (SETTLED_STORE); "
+        "a password in it is used, never recorded",
+    )
+    common.add_argument(
+        "--password-file",
+        default=argparse.SUPPRESS,
+        metavar="FILE",
+        help="the PostgreSQL store's password, on the first line of a file only its owner may "
+        "read (chmod 600); its path is recorded, never the password (SETTLED_STORE_PASSWORD_FILE;"
+        " else PGPASSWORD, PGPASSFILE or ~/.pgpass)",
     )
     common.add_argument(
         "--objects",

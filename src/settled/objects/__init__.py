@@ -49,7 +49,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import BinaryIO, Final, NamedTuple, Protocol
 
-from settled.errors import SettledError
+from settled.errors import SettledError, SpaceExhausted
 from settled.objects.hashing import DEFAULT_ALGORITHM, Buffer
 
 CHUNK: Final = 1 << 20  # the most of one object's bytes a stream holds in memory at once
@@ -109,6 +109,21 @@ class ObjectStoreUnreachable(SettledError):
     def __init__(self, location: str, reason: str) -> None:
         reason = " ".join(reason.split())  # one line, whatever the server sent
         super().__init__(f"the object store {location} cannot be used: {reason}")
+        self.location, self.reason = location, reason
+
+
+class ObjectStoreRefused(ObjectStoreUnreachable):
+    """The object store refuses the credentials (or their rights): no retry will change that."""
+
+
+class ObjectStoreFull(SpaceExhausted):
+    """The object store refused a write for space: out of space, over a quota, or an object
+    larger than it takes. A full store like a full home (exit 3, HTTP 507): blocked until space
+    is made; named by the store's location and the server's reason, in one line."""
+
+    def __init__(self, location: str, reason: str) -> None:
+        reason = " ".join(reason.split())
+        super().__init__(f"the object store {location} is full: {reason}", location, None, None)
         self.location, self.reason = location, reason
 
 
@@ -322,6 +337,13 @@ class ObjectStore(Protocol):
 
     def verify(self, digest: str) -> bool:
         """Re-hash the stored bytes; False if they do not match ``digest`` or it is missing."""
+        ...
+
+    def recorded(self) -> ObjectStore:
+        """This store as a reader of what a checkpoint recorded (verify, restore): where the
+        backend keeps older uploads of a name (a versioned bucket), a read of an object whose
+        newest upload was deleted or overwritten is served by the newest one that hashes to
+        its digest. A store that keeps one copy per digest returns itself."""
         ...
 
     def list_digests(self, algo: str | None = None) -> Iterator[str]:

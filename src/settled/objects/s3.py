@@ -17,19 +17,30 @@ that fails too the write raises ``ObjectUnreadable``: damaged bytes are never re
 
 Versions: ``StoredObject.version`` is ``v:<VersionId>`` in a versioned bucket, else
 ``etag:<ETag>``; ``open``/``read`` with ``version=`` read exactly that (``GetObject``
-``VersionId``, or ``If-Match`` the ETag), ``VersionMissing`` when it is gone or was never
-there. A ``Stamp`` comes from a ``HEAD`` (or the ``GET`` a re-read made): ``changed_ns`` and
-``modified_ns`` the Last-Modified (whole seconds, so the verified-object record adds its coarse
-clock slack), ``copy`` a 63-bit hash of the version id (or ETag), ``volume`` one of the ETag,
-``size`` the length. Every PUT is durable when it returns, so there is no batch durability:
-``staging()`` raises ``StagingUnavailable`` and the publisher commits on its threads.
+``VersionId``, or ``If-Match`` the ETag), ``VersionMissing`` when it is gone or was never there.
+``recorded()`` is a reader of what a checkpoint recorded (verify, restore): a read with no
+version whose newest upload is a delete marker or other bytes is served by the newest older
+upload of the key that hashes to the digest (``ListObjectVersions``, at most ``MAX_UPLOADS``);
+``open`` then spools while hashing. A ``Stamp`` comes from a ``HEAD`` (or the ``GET`` a re-read
+made): ``changed_ns`` and ``modified_ns`` the Last-Modified (whole seconds, so the
+verified-object record adds its coarse clock slack), ``copy`` a 63-bit hash of the version id
+(or ETag), ``volume`` one of the ETag, ``size`` the length. Every PUT is durable when it
+returns, so there is no batch durability: ``staging()`` raises ``StagingUnavailable`` and the
+publisher commits on its threads.
 
 Retries: connection errors, 5xx and throttling only (never another 4xx), at most 5 attempts
-with exponential backoff and full jitter, none started past 10 s. A missing bucket, refused
-credentials or an endpoint that does not answer is ``ObjectStoreUnreachable``, one line
-naming the bucket, the endpoint and the server's reason (its error code), never the secret.
+with exponential backoff and full jitter, none started past 10 s. ``classify`` reads an error
+answer: no room (507, ``InsufficientStorage``, ``QuotaExceeded``, ``EntityTooLarge``, ...) is
+``ObjectStoreFull`` at once (a ``SpaceExhausted``: exit 3, HTTP 507), never retried; refused
+credentials are ``ObjectStoreRefused``; a missing bucket or an endpoint that does not answer is
+``ObjectStoreUnreachable``. Each is one line naming the bucket, the endpoint and the server's
+reason (its error code), never the secret.
 The client is boto3 (chosen by ``bench/objects_s3.py``: the only one measured that does a
 create-only multipart upload); it is imported and built at the first request, not at open.
+
+About 900 lines, over the usual 400: the writer, the readers (with the recorded-upload search)
+and the quarantine share one client, its retries and one mapping of its answers, which must not
+drift apart.
 
 Must never: replace an object; report as stored bytes that were not re-hashed after a 412;
 leave a multipart upload unaborted; retry a 4xx; put a secret in a message; hold more than one
@@ -40,9 +51,11 @@ from __future__ import annotations
 
 import calendar
 import contextlib
+import copy
 import functools
 import hashlib
 import io
+import itertools
 import os
 import random
 import secrets
@@ -59,6 +72,8 @@ from settled.objects import (
     CHUNK,
     DigestMismatch,
     ObjectMissing,
+    ObjectStoreFull,
+    ObjectStoreRefused,
     ObjectStoreUnreachable,
     ObjectUnreadable,
     ObjectWriter,
@@ -87,6 +102,7 @@ PART_SIZE: Final = 8 << 20  # a multipart upload's part, and the most of a blob 
 MAX_PARTS: Final = 10_000  # S3's limit; a blob past 80 GB gets larger parts
 ATTEMPTS: Final = 5
 RETRY_BUDGET_S: Final = 10.0
+MAX_UPLOADS: Final = 100  # older uploads of one key a recorded() reader looks through
 STAMP_CONCURRENCY: Final = 16  # HEADs in flight for a read-back's closure
 BACKOFF_BASE_S: Final = 0.1
 BACKOFF_CAP_S: Final = 2.0
@@ -97,6 +113,19 @@ ETAG: Final = "etag:"
 _THROTTLED: Final = frozenset(
     {"SlowDown", "Throttling", "ThrottlingException", "RequestTimeout", "InternalError"}
 )
+# Answers that mean "no room": out of space (507, MinIO's XMinioStorageFull), a quota
+# (QuotaExceeded, often a 403), an object larger than the store takes (EntityTooLarge, a 400).
+_FULL: Final = frozenset({
+    "InsufficientStorage", "QuotaExceeded", "EntityTooLarge", "StorageFull", "XMinioStorageFull",
+    "XMinioAdminBucketQuotaExceeded", "NoSpaceLeft", "ServiceQuotaExceeded",
+})  # fmt: skip
+_FULL_WORDS: Final = ("no space left", "insufficient storage", "quota exceeded", "storage full",
+                      "disk full", "exceeds the quota")  # fmt: skip
+_REFUSED: Final = frozenset({
+    "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken",
+    "InvalidToken", "TokenRefreshRequired", "AuthorizationHeaderMalformed", "AccountProblem",
+})  # fmt: skip
+FULL, REFUSED, TRANSIENT, OTHER = "full", "refused", "transient", "other"
 _EXISTS: Final = (412, 409)  # precondition failed; a conditional write in conflict with another
 _T = TypeVar("_T")
 
@@ -152,6 +181,21 @@ def _code(error: Exception) -> tuple[int, str, str]:
     return status, str(body.get("Code") or status), str(body.get("Message") or "")
 
 
+def classify(status: int, code: str, message: str) -> str:
+    """What an S3 error answer means, as a table: ``FULL`` (no room: never retried, a full
+    store), ``REFUSED`` (the credentials or their rights), ``TRANSIENT`` (5xx, throttling:
+    retried) or ``OTHER`` (any other 4xx: the caller's to map). Room first: a quota is often
+    a 403 and a full disk a 5xx."""
+    words = message.lower()
+    if status == 507 or code in _FULL or any(w in words for w in _FULL_WORDS):
+        return FULL
+    if status >= 500 or status == 429 or code in _THROTTLED:
+        return TRANSIENT
+    if status in (401, 403) or code in _REFUSED:
+        return REFUSED
+    return OTHER
+
+
 def _version_of(response: Mapping[str, Any]) -> str:
     version = response.get("VersionId")
     if version and version != "null":
@@ -164,6 +208,15 @@ def _stamp_of(response: Mapping[str, Any], size: int) -> Stamp:
     version = str(response.get("VersionId") or "") or etag
     modified = _ns(response["LastModified"])
     return Stamp(modified, _h63(version), modified, size, _h63(etag))
+
+
+@dataclass(frozen=True)
+class _Found:
+    """An upload re-read: what it hashed to, its version, and its bytes spooled if asked."""
+
+    reread: Reread
+    version: str
+    spool: IO[bytes] | None
 
 
 @dataclass(frozen=True)
@@ -200,6 +253,15 @@ class S3ObjectStore:
         self._client: S3Client | None = None
         self._ready = False
         self._lock = threading.Lock()
+        self._uploads = False  # a reader of recorded content: older uploads serve too
+
+    def recorded(self) -> S3ObjectStore:
+        """This store as a reader of what a checkpoint recorded: a read (with no version) whose
+        newest upload is gone (a delete marker) or holds other bytes is served by the newest
+        older upload of the key that hashes to the digest (a versioned bucket keeps them)."""
+        view = copy.copy(self)
+        view._uploads = True
+        return view
 
     def __repr__(self) -> str:
         return f"S3ObjectStore({self.location!r})"
@@ -274,8 +336,10 @@ class S3ObjectStore:
             try:
                 return call()
             except ClientError as error:
-                status, code, _ = _code(error)
-                if status < 500 and status != 429 and code not in _THROTTLED:
+                kind = classify(*_code(error))
+                if kind == FULL:
+                    self._unreachable(error)  # no retry makes room
+                if kind != TRANSIENT:
                     raise
                 failure: Exception = error
             except BotoCoreError as error:
@@ -291,13 +355,19 @@ class S3ObjectStore:
     def _unreachable(self, error: Exception, *, tries: int = 1) -> NoReturn:
         from botocore.exceptions import ClientError
 
+        kind = OTHER
         if isinstance(error, ClientError):
             status, code, message = _code(error)
             reason = f"{code} (HTTP {status}){': ' + message if message else ''}"
+            kind = classify(status, code, message)
         else:
             cause = getattr(error, "kwargs", {}).get("error")
             reason = f"{error}{f' ({cause})' if cause else ''}"
         after = f" after {tries} attempts" if tries > 1 else ""
+        if kind == FULL:
+            raise ObjectStoreFull(self.location, reason) from None
+        if kind == REFUSED:
+            raise ObjectStoreRefused(self.location, reason + after) from None
         raise ObjectStoreUnreachable(self.location, reason + after) from None
 
     def _raise(self, error: Exception, digest: str, version: str | None = None) -> NoReturn:
@@ -516,7 +586,10 @@ class S3ObjectStore:
         return cast(dict[str, Any], got)
 
     def open(self, digest: str, version: str | None = None) -> BinaryIO:
-        """A stream of the object's bytes (``version``: exactly that one, see the module)."""
+        """A stream of the object's bytes (``version``: exactly that one, see the module). A
+        ``recorded()`` reader spools and hashes first, so it can fall back to an older upload."""
+        if version is None and self._uploads:
+            return self._open_right(digest)
         got = self._get(digest, version)
         return cast(BinaryIO, io.BufferedReader(_Body(got["Body"], digest), CHUNK))
 
@@ -525,16 +598,70 @@ class S3ObjectStore:
             return handle.read()
 
     def stamp(self, digest: str) -> Stamp:
-        """From a ``HEAD``: the Last-Modified, the version id and ETag, the size."""
+        """From a ``HEAD``: the Last-Modified, the version id and ETag, the size. A
+        ``recorded()`` reader whose key is deleted stamps the newest upload left."""
+        try:
+            return self._stamp(digest, None)
+        except ObjectMissing:
+            if not self._uploads:
+                raise
+            for version in self._uploads_of(digest):
+                with contextlib.suppress(VersionMissing):
+                    return self._stamp(digest, version)
+            raise
+
+    def _stamp(self, digest: str, version: str | None) -> Stamp:
         from botocore.exceptions import ClientError
 
         key = self.key_of(digest)
         client = self.client()
+        extra = {} if version is None else {"VersionId": version[len(VERSION_ID) :]}
         try:
-            head = self._call(lambda: client.head_object(Bucket=self.bucket, Key=key))
+            head = self._call(
+                lambda: client.head_object(Bucket=self.bucket, Key=key, **cast(Any, extra))
+            )
         except ClientError as error:
-            self._raise(error, digest)
+            self._raise(error, digest, version)
         return _stamp_of(cast(Mapping[str, Any], head), int(head["ContentLength"]))
+
+    def _uploads_of(self, digest: str) -> list[str]:
+        """The versions (``v:<VersionId>``) of the object's key, newest first, delete markers
+        left out: none in a bucket without versioning. At most ``MAX_UPLOADS``."""
+        from botocore.exceptions import ClientError
+
+        client, key = self.client(), self.key_of(digest)
+        found: list[tuple[datetime, str]] = []
+        marker: dict[str, str] = {}
+        while len(found) < MAX_UPLOADS:
+            try:
+                page = self._call(
+                    functools.partial(
+                        client.list_object_versions,
+                        Bucket=self.bucket,
+                        Prefix=key,
+                        **cast(Any, marker),
+                    )
+                )
+            except ClientError:
+                break  # a server that lists no versions has no older upload to offer
+            for entry in page.get("Versions", []):
+                version = str(entry.get("VersionId") or "")
+                if entry.get("Key") == key and version not in ("", "null"):
+                    found.append((entry["LastModified"], VERSION_ID + version))
+            key_marker, version_marker = page.get("NextKeyMarker"), page.get("NextVersionIdMarker")
+            if not page.get("IsTruncated") or not key_marker:
+                break
+            marker = {"KeyMarker": key_marker, "VersionIdMarker": str(version_marker or "")}
+        found.sort(key=lambda item: item[0], reverse=True)
+        return [version for _, version in found[:MAX_UPLOADS]]
+
+    def _open_right(self, digest: str) -> BinaryIO:
+        """The bytes of the newest upload that hashes to ``digest``, spooled (memory up to one
+        chunk, then an unlinked temp file) while hashed; the newest upload's if none does."""
+        found = self._first_right(digest, spool=True)
+        assert found.spool is not None
+        found.spool.seek(0)
+        return cast(BinaryIO, found.spool)
 
     def stamps(self, digests: Sequence[str]) -> list[Stamp | Exception]:
         """HEADs, ``STAMP_CONCURRENCY`` in flight (a boto3 client is thread-safe); one after
@@ -578,10 +705,56 @@ class S3ObjectStore:
         return self._reread(digest, keep)[0]
 
     def _reread(self, digest: str, keep: bool) -> tuple[Reread, str]:
-        """The re-read, and the version of the copy it hashed."""
+        """The re-read, and the version of the copy it hashed (for a ``recorded()`` reader,
+        the newest upload that hashes to the digest, if any does)."""
+        if not self._uploads:
+            return self._reread_version(digest, None, keep)
+        found = self._first_right(digest, keep=keep)
+        return found.reread, found.version
+
+    def _first_right(self, digest: str, *, keep: bool = False, spool: bool = False) -> _Found:
+        """The newest upload of the key (then the older ones, newest first) re-hashed until one
+        hashes to ``digest``; the newest upload's result if none does, ``ObjectMissing`` if
+        there is none."""
+        first: _Found | None = None
+        tried: str | None = None
+        for version in itertools.chain((None,), self._later(lambda: self._uploads_of(digest))):
+            if version is not None and version == tried:
+                continue
+            sink = tempfile.SpooledTemporaryFile(CHUNK) if spool else None  # noqa: SIM115
+            try:
+                reread, tried = self._reread_version(digest, version, keep, sink)
+            except ObjectMissing:
+                if sink is not None:
+                    sink.close()
+                continue
+            found = _Found(reread, tried, sink)
+            if reread.actual == digest:
+                if first is not None and first.spool is not None:
+                    first.spool.close()
+                return found
+            if first is None:
+                first = found
+            elif sink is not None:
+                sink.close()
+        if first is None:
+            raise ObjectMissing(digest)
+        return first
+
+    @staticmethod
+    def _later(make: Callable[[], list[str]]) -> Iterator[str]:
+        """``make()``'s items, listed only once the first is wanted (the listing costs a call
+        that an intact newest upload never needs)."""
+        yield from make()
+
+    def _reread_version(
+        self, digest: str, version: str | None, keep: bool, sink: IO[bytes] | None = None
+    ) -> tuple[Reread, str]:
+        """One GET of ``version`` (None: the newest), hashed a chunk at a time; each chunk
+        kept (``keep``) and written to ``sink``."""
         algo = parse_digest(digest)[0]
         started = time.time_ns()
-        got = self._get(digest)
+        got = self._get(digest, version)
         expected = int(got["ContentLength"])
         hasher = new_hasher(algo, size_hint=expected)
         chunks: list[bytes] = []
@@ -592,6 +765,8 @@ class S3ObjectStore:
                 size += len(chunk)
                 if keep:
                     chunks.append(chunk)
+                if sink is not None:
+                    sink.write(chunk)
         stamp = _stamp_of(got, size) if size == expected else None
         data = b"".join(chunks) if keep else None
         actual = format_digest(algo, hasher.hexdigest())

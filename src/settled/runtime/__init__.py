@@ -26,7 +26,7 @@ from settled.runtime.logreads import STREAMS as STREAMS
 from settled.runtime.logreads import LogReads
 from settled.runtime.tasks import Tasks
 from settled.states import SETTLED, TASK_COMPLETE, TASK_OPEN
-from settled.status import session_status, task_status
+from settled.status import session_status, task_state_word, task_status
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -74,7 +74,7 @@ class Runtime(Admissions, Tasks, LogReads):
             row: dict[str, Any] = {
                 "task": record.task,
                 "key": record.key,
-                "state": record.state,
+                "state": task_state_word(record),
                 "workspace": record.workspace,
                 "created_at": record.created_at,
                 "sessions": len(sessions),
@@ -186,7 +186,11 @@ class Runtime(Admissions, Tasks, LogReads):
         from settled.close.decide import explain
         from settled.close.facts import read_close_facts
 
-        return explain(read_close_facts(self.store, grammar.check_id("task", task)))
+        facts = read_close_facts(self.store, grammar.check_id("task", task))
+        view = explain(facts)
+        if view.get("state") == TASK_OPEN and facts.task.frozen:  # the word every view uses
+            view = {**view, "state": task_state_word(facts.task), "frozen": facts.task.frozen}
+        return view
 
     def clocks(self, task: str, limit: int = 50) -> dict[str, Any]:
         """The four clocks of the task's newest ``limit`` sessions and the task's close receipt

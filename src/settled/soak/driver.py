@@ -261,7 +261,7 @@ def _destroy_open_tasks(rt: Runtime) -> dict[str, Any]:
     tasks = rt.list_tasks(limit=1_000_000)
     destroyed = 0
     for row in tasks:
-        if row["state"] == "open" or row["live"]:
+        if row["state"] in ("open", "frozen") or row["live"]:
             with contextlib.suppress(Exception):
                 rt.destroy_task(row["task"])
                 destroyed += 1

@@ -229,14 +229,16 @@ def open_store(home: str, *, threads: bool = True) -> Store:
     """The store the home is bound to (`settled.backends`): its embedded SQLite database
     unless it was bound to another. `threads=False`: the calling process may start none (a
     PostgreSQL store then holds one connection, not a pool of worker threads)."""
-    from settled.backends import bound_backends, extra_needed
+    from settled.backends import connected, extra_needed, store_connection
 
-    url = bound_backends(home).store
+    url, source = store_connection(home)  # the password, if any, in memory only
     if url.startswith("postgresql://"):
         with extra_needed(url):
             from settled.store.postgres import open_postgres  # psycopg loads only for it
 
-        return open_postgres(url, pooled=threads)
+        store = open_postgres(url, pooled=threads)
+        connected(home, source)
+        return store
     from settled.store.sqlite import open_sqlite  # the implementation stays behind the seam
 
     return open_sqlite(home, url.removeprefix("sqlite://"))

@@ -43,6 +43,7 @@ from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict
 from psycopg_pool import ConnectionPool
 
+from settled.backends import search_path_schema
 from settled.errors import StoreUnreachable
 from settled.store import schema
 from settled.store.dialect import POSTGRESQL
@@ -103,13 +104,10 @@ def _parse(url: str) -> dict[str, Any]:
 
 
 def _schema_of(params: dict[str, Any]) -> str | None:
-    """The schema named by `options=-csearch_path=NAME` (its first entry), if any."""
-    for option in str(params.get("options") or "").split():
-        for prefix in ("-csearch_path=", "--search_path="):
-            if option.startswith(prefix):
-                first = option[len(prefix) :].split(",")[0].strip().strip('"')
-                return first or None
-    return None
+    """The schema named by `options=-csearch_path=NAME` (its first entry), if any, as the
+    server reads it (`backends.search_path_schema`: unquoted folded to lower case, quoted
+    verbatim), so the schema created is the one the connection's search_path uses."""
+    return search_path_schema(str(params.get("options") or ""))
 
 
 def _lock_key(*parts: str) -> int:

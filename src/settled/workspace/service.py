@@ -163,17 +163,18 @@ class WorkspaceService:
             raise BadInput(
                 f"{manifest!r} is neither a task (t_...) nor a manifest id (<algo>:<hex>)"
             ) from None
-        if not self.objects.has(manifest):
+        if not self.objects.recorded().has(manifest):
             raise BadInput(f"unknown manifest {manifest}: not in {self.objects.location}")
 
     def restore(self, manifest: str, dest: str, *, same_owner: bool = False) -> RestoreResult:
         from settled.workspace.restore import restore
 
-        return restore(self.objects, manifest, dest, same_owner=same_owner)
+        return restore(self.objects.recorded(), manifest, dest, same_owner=same_owner)
 
     def verify(self, manifest: str, *, read_data: bool = False) -> dict[str, Any]:
         from settled.workspace.verify import verify_manifest
 
         verified = self.checkpoints.verified
-        result = verify_manifest(self.objects, manifest, read_data=read_data, record=verified)
+        recorded = self.objects.recorded()  # an older upload that hashes right serves
+        result = verify_manifest(recorded, manifest, read_data=read_data, record=verified)
         return result.to_json()

@@ -266,6 +266,7 @@ function renderTask(view) {
 
 function headline(view) {
   if (view.complete) return "complete: the close receipt below proves it (kind close, " + short(view.close && view.close.digest) + ")";
+  if (view.state === "frozen") return "frozen: " + (view.frozen || "its host was declared vanished") + "; it admits nothing, recovery settles what it can prove";
   if (view.state === "open") return "open: admitting commands; closing it seals admission, settles every session and checkpoints the workspace";
   const owed = view.blocked_on ? view.blocked_on.authority + " owes " + view.blocked_on.obligation : "";
   if (view.blocked_on && view.state === "blocked") return "blocked: " + owed;
