@@ -27,7 +27,7 @@ from settled.states import is_live
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from collections.abc import Callable
-    from typing import TextIO
+    from typing import Any, TextIO
 
     from settled.runtime import CloseResult, Runtime
 
@@ -66,6 +66,20 @@ def close_with_progress(
         for item in waited:
             if item.handle is not None:
                 rt.close_exit_handle(item.handle)
+
+
+def blocked_words(task: str, blocked: dict[str, Any]) -> str:
+    """A blocked close for a person: what it owes and to whom, then, when the close tried to
+    recover the session itself (close/join.py), what recovery found and the command to go on
+    with (`why`, `next`)."""
+    from settled.render import blocked_text
+
+    text = blocked_text(task, blocked)
+    if blocked.get("why"):
+        text += f"\n  {printable(str(blocked['why']))}"
+        if blocked.get("next"):
+            text += f"\n  then: {printable(str(blocked['next']))}"
+    return text
 
 
 def interrupted_line(task: str) -> str:

@@ -14,6 +14,11 @@ recorded with ``final_pending`` as a wall-clock time, kept by a resumed close un
 a sooner one (never a later one; it cancels at once if the deadline passed), and, past it, every
 late session is asked to stop at once and all the live ones are waited for under one bound from
 that cancel (the longest ``CANCEL_SETTLE_S + grace`` among them), never one bound after another.
+
+Recovery runs itself: a session whose owner is gone is recovered while the close waits for it
+(sessions.py), one no owner claimed by the deadline is settled never started at once, and a
+close blocked on a session (a retried one, whose wait is over) recovers it and decides again;
+only what recovery cannot end (unknown without evidence, a live owner) blocks it, saying why.
 """
 
 from __future__ import annotations
@@ -43,7 +48,7 @@ from settled.errors import StaleWrite
 from settled.netledger import brief
 from settled.receipts import seal
 from settled.records import SessionRecord, TaskRecord
-from settled.states import TASK_COMPLETE, TASK_OPEN, TASK_SEALED, did_not_succeed
+from settled.states import TASK_COMPLETE, TASK_OPEN, TASK_SEALED, UNKNOWN, did_not_succeed
 from settled.store import Store
 
 CLOSE_RECEIPT_VERSION = "settled.receipt.close/v1"
@@ -79,7 +84,20 @@ class Sessions(Protocol):
 
     def cancel(self, session: str, reason: str) -> Any: ...
 
-    def settles_within(self, session: str, seconds: float) -> bool: ...
+    def settles_within(self, session: str, seconds: float) -> bool:
+        """Whether the session left its owner's hands within `seconds`; a session whose
+        owner is gone is recovered meanwhile (sessions.py `wait`)."""
+        ...
+
+    def recover_lost(
+        self, session: str, *, lapsed_lease: bool = False, closing: bool = False
+    ) -> str | None:
+        """Recover the session now if its owner is gone (or its lease lapsed), or settle it
+        never started if no owner claimed it (`closing`: the close's deadline passed); why
+        recovery could not run, else None (recovery.py `recover_lost`)."""
+        ...
+
+    def status(self, session: str) -> dict[str, Any]: ...
 
 
 class Workspace(Protocol):
@@ -131,6 +149,7 @@ class CloseJoin:
         facts and goes on from them, so both return the one recorded close receipt."""
         lost = 0
         facts, read = self.facts(), True
+        recovered: dict[str, str | None] = {}  # blocked sessions recovered here: why it failed
         while True:
             decision = next_decision(facts)
             if isinstance(decision, Done):
@@ -142,7 +161,12 @@ class CloseJoin:
                 self._end_pod()  # also a close that crashed after recording its outcome
                 return CloseResult(True, outcome["receipt"], None)
             if isinstance(decision, Blocked):
-                return CloseResult(False, None, decision.to_json())
+                session = decision.session
+                if session is not None and session not in recovered:
+                    recovered[session] = self._recover_blocking(session)
+                    facts, read = self.facts(), True
+                    continue  # a retried close converges by itself: decide again
+                return CloseResult(False, None, self._blocked(decision, recovered))
             assert isinstance(decision, Next)
             name = decision.step.name
             try:
@@ -159,6 +183,37 @@ class CloseJoin:
                 continue  # another close moved the task on: decide again from what it recorded
             faults.point(f"close.after_{name}")
             facts, read = self._after(facts, name, fact, recorded)
+
+    def _recover_blocking(self, session: str) -> str | None:
+        """The close is blocked on `session` (its wait is over: the sessions_settled step is
+        recorded): recover it here if its owner is gone or its lease lapsed, or settle it never
+        started if no owner claimed it, as `settled recover` would; never a live owner's."""
+        return self.sessions.recover_lost(session, lapsed_lease=True, closing=True)
+
+    def _blocked(self, decision: Blocked, recovered: dict[str, str | None]) -> dict[str, Any]:
+        """What the close is blocked on, with `why` once this close tried to recover the
+        session: what recovery found (the unknown it could not end and why), or why it could
+        not run, or that its owner still holds it; and `next`, the command that goes on."""
+        blocked = decision.to_json()
+        session = decision.session
+        if session is None or session not in recovered:
+            return blocked
+        view = self.sessions.status(session)
+        failed = recovered[session]
+        if failed is not None:
+            why = f"its owner is gone, and recovering it here failed: {failed}"
+            if view["state"] == UNKNOWN:  # its owner is gone: it is not "still running"
+                blocked["obligation"] = (
+                    f"death evidence for session {session}: it is unknown (its owner is gone)"
+                )
+        elif view["state"] == UNKNOWN:
+            why = (
+                f"recovery found no evidence that it stopped: {view.get('why')}; it stays "
+                "unknown (never failed) until evidence arrives"
+            )
+        else:
+            why = f"it is {view['state']} and its owner holds it (alive, its lease fresh)"
+        return {**blocked, "why": why, "next": f"settled recover --task {self.task}"}
 
     def _after(
         self, facts: CloseFacts, name: str, fact: dict[str, Any], recorded: dict[str, Any]
@@ -210,8 +265,12 @@ class CloseJoin:
         for session in late:
             self.sessions.cancel(session.session, f"close deadline of {deadline.seconds} s passed")
         cancelled_at = time.time()
+        for session in [*late, *services]:  # unclaimed by now: never started, not waited for
+            self.sessions.recover_lost(session.session, closing=True)
         bound = settle_bound([float(s.spec["grace"]) for s in live], CANCEL_SETTLE_S)
         unsettled = self._not_settled_by(live, bound)
+        for session in unsettled:  # what the bound left, by the lease rules too
+            self.sessions.recover_lost(session.session, lapsed_lease=True, closing=True)
         return {
             "settled_at": time.time(),
             "stopped_services": [s.session for s in services],
