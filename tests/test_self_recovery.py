@@ -351,3 +351,17 @@ def test_two_finders_of_one_unclaimed_session_write_one_receipt(
         record = rt.store.get_session(session.session)
         assert record.state == "settled" and record.receipt is not None
         _never_started(record.receipt, CLOSED_BEFORE_CLAIM)
+
+
+def test_a_close_progress_line_names_a_session_no_owner_claimed() -> None:
+    """On a terminal, a close waiting for a session its launcher never claimed says so (it is
+    settled never started at the deadline), not that it is running."""
+    import io
+
+    from settled.cli.closing import Progress, Waited
+
+    waited = [Waited("s_0123456789abcdef", "sh -c true", None, False, None, claimed=False)]
+    progress = Progress("t_0123456789abcdef", waited, 5.0, io.StringIO(), clock=lambda: 3.0)
+    line = progress.line()
+    assert "s_0123456789abcdef (sh -c true, not claimed by an owner yet)" in line, line
+    assert "of a 5 s deadline" in line
