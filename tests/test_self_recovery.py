@@ -174,7 +174,7 @@ def test_a_retried_close_after_its_owners_died_converges_by_itself(
             os.kill(pid, signal.SIGKILL)  # the owners die while the close is blocked on them
     assert not first.complete and first.blocked_on is not None
     assert first.blocked_on["authority"] == "session-owner", first.blocked_on
-    assert "its owner holds it" in first.blocked_on["why"], "a stopped owner's lease is fresh"
+    assert "its owner is alive" in first.blocked_on["why"], "a stopped owner's lease is fresh"
     for session in sessions:
         _wait_until(lambda session=session: _owner_dead(rt, session))
         assert rt.session_status(session)["state"] == "unknown"

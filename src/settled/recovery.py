@@ -14,7 +14,8 @@ owner is gone recovers it there (`recover_lost`) instead of waiting for `settled
 
 This module owns recovery's I/O: it looks (the store, the owners, the sandbox, the last words)
 and writes (unknown, take-over, receipts, the logs' close). What it decides from what it saw
-is recovery_decide.py's, pure, and never decided here.
+is recovery_decide.py's, pure, and never decided here. Over 400 lines: each way it settles a
+session (recovered, vanished host, never started) keeps its receipt's builder beside it.
 """
 
 from __future__ import annotations
@@ -170,15 +171,12 @@ class Recovery:
     def recover_lost(
         self, session: str, *, lapsed_lease: bool = False, closing: bool = False
     ) -> dict[str, Any] | None:
-        """Recovery run by whoever meets the session (a waiter, a close), so that nothing waits
-        for a person's `settled recover`: a session whose owner's process is gone (with
-        `lapsed_lease`, also one whose lease lapsed: `lost_owner`) is marked unknown and
-        recovered (`recover_session`: fenced, inspected, its receipt written if there is
-        evidence); an unknown one is recovered; one no owner claimed is settled as never
-        started past the claim bound, or at once for a `closing` close past its deadline
-        (`settle_unclaimed`). What it did, or None when it left the session as it was: an
-        owner that may still write, or a session of another host (its boundary cannot be
-        inspected from here: `recover --host` and a provider that can)."""
+        """Recovery run by whoever meets the session (a waiter, a close): one whose owner's
+        process is gone (with `lapsed_lease`, also one whose lease lapsed: `lost_owner`) is
+        marked unknown, and an unknown one is recovered (`recover_session`); one no owner
+        claimed is settled never started (`settle_unclaimed`; `closing`: the close's deadline
+        passed). What it did, or None when it left it: an owner that may still write, or a
+        session of another host (only `recover --host` and a provider that can inspect it)."""
         record = self.store.get_session(session)
         if not self.ours(record):
             return None
@@ -200,15 +198,11 @@ class Recovery:
 
     def settle_unclaimed(self, session: str, *, closing: bool = False) -> dict[str, Any] | None:
         """Settle, as never started, a session no owner claimed within `claim_bound_s` of its
-        admission (its launcher lost the store, or was killed), or, `closing`, one still
-        unclaimed when its close's deadline passed; None while it may still be claimed, or
-        when it was claimed or settled meanwhile.
-
+        admission (its launcher lost the store or was killed), or, `closing`, by its close's
+        deadline; None while it may still be claimed, or if claimed or settled meanwhile.
         Safe against a launcher that is only slow: the receipt moves the session from
         `admitted` at its generation (a compare-and-set), a settled session refuses the claim,
-        and a launcher whose claim is refused sends its owner no orders, so nothing starts
-        (owner/handoff.py). Whoever finds it settles it: a close, a wait, an admission's or
-        the server's look (`detect`), a retried admission of its key."""
+        and a launcher whose claim is refused sends its owner no orders (owner/handoff.py)."""
         record = self.store.get_session(session)
         if not never_claimed(record):
             return None
@@ -224,11 +218,10 @@ class Recovery:
         return settled(session, receipt["death"]["evidence"])
 
     def _remove_made_ahead(self, record: SessionRecord) -> None:
-        """What a launcher that died before its claim made for the session (its cgroup, made
-        ahead of the claim): the provider's inspection of a session no owner claimed removes
-        it, and is no evidence (the receipt's is the refused claim). Only once the receipt
-        is written: a slow launcher's claim is refused from then on, and it discards its own.
-        A provider that cannot answer leaves it to the task's destroy."""
+        """What a launcher that died before its claim made ahead (the session's cgroup): the
+        provider's inspection of an unclaimed session removes it (no evidence: the receipt's is
+        the refused claim), once the receipt makes any later claim fail; a provider that
+        cannot answer leaves it to the task's destroy."""
         with contextlib.suppress(SettledError, OSError):
             self.sandbox.inspect(record, self.store.get_task(record.task))
 

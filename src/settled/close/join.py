@@ -84,17 +84,13 @@ class Sessions(Protocol):
 
     def cancel(self, session: str, reason: str) -> Any: ...
 
-    def settles_within(self, session: str, seconds: float) -> bool:
-        """Whether the session left its owner's hands within `seconds`; a session whose
-        owner is gone is recovered meanwhile (sessions.py `wait`)."""
-        ...
+    def settles_within(self, session: str, seconds: float) -> bool: ...
 
     def recover_lost(
         self, session: str, *, lapsed_lease: bool = False, closing: bool = False
     ) -> str | None:
-        """Recover the session now if its owner is gone (or its lease lapsed), or settle it
-        never started if no owner claimed it (`closing`: the close's deadline passed); why
-        recovery could not run, else None (recovery.py `recover_lost`)."""
+        """Recovery of a session whose owner is gone, or never started if none claimed it
+        (sessions.py); why recovery could not run, else None."""
         ...
 
     def status(self, session: str) -> dict[str, Any]: ...
@@ -162,10 +158,14 @@ class CloseJoin:
                 return CloseResult(True, outcome["receipt"], None)
             if isinstance(decision, Blocked):
                 session = decision.session
-                if session is not None and session not in recovered:
-                    recovered[session] = self._recover_blocking(session)
+                if session is not None and session not in recovered:  # its wait is over:
+                    # recovered as `settled recover` would (never a live owner), then decided
+                    # again, so a retried close converges by itself
+                    recovered[session] = self.sessions.recover_lost(
+                        session, lapsed_lease=True, closing=True
+                    )
                     facts, read = self.facts(), True
-                    continue  # a retried close converges by itself: decide again
+                    continue
                 return CloseResult(False, None, self._blocked(decision, recovered))
             assert isinstance(decision, Next)
             name = decision.step.name
@@ -184,35 +184,22 @@ class CloseJoin:
             faults.point(f"close.after_{name}")
             facts, read = self._after(facts, name, fact, recorded)
 
-    def _recover_blocking(self, session: str) -> str | None:
-        """The close is blocked on `session` (its wait is over: the sessions_settled step is
-        recorded): recover it here if its owner is gone or its lease lapsed, or settle it never
-        started if no owner claimed it, as `settled recover` would; never a live owner's."""
-        return self.sessions.recover_lost(session, lapsed_lease=True, closing=True)
-
     def _blocked(self, decision: Blocked, recovered: dict[str, str | None]) -> dict[str, Any]:
-        """What the close is blocked on, with `why` once this close tried to recover the
-        session: what recovery found (the unknown it could not end and why), or why it could
-        not run, or that its owner still holds it; and `next`, the command that goes on."""
-        blocked = decision.to_json()
-        session = decision.session
+        """What the close is blocked on, with `why` (what this close's recovery of the session
+        found) and `next` (the command that goes on) once it tried."""
+        blocked, session = decision.to_json(), decision.session
         if session is None or session not in recovered:
             return blocked
-        view = self.sessions.status(session)
-        failed = recovered[session]
-        if failed is not None:
+        view, failed = self.sessions.status(session), recovered[session]
+        if view["state"] != UNKNOWN:  # its owner holds it, alive with its lease fresh
+            why = f"it is {view['state']} and its owner is alive (its lease fresh)"
+            return {**blocked, "why": why, "next": f"settled cancel {session}"}
+        if failed is not None:  # not "still running": its owner is gone
+            blocked["obligation"] = f"death evidence for session {session}: it is unknown"
             why = f"its owner is gone, and recovering it here failed: {failed}"
-            if view["state"] == UNKNOWN:  # its owner is gone: it is not "still running"
-                blocked["obligation"] = (
-                    f"death evidence for session {session}: it is unknown (its owner is gone)"
-                )
-        elif view["state"] == UNKNOWN:
-            why = (
-                f"recovery found no evidence that it stopped: {view.get('why')}; it stays "
-                "unknown (never failed) until evidence arrives"
-            )
         else:
-            why = f"it is {view['state']} and its owner holds it (alive, its lease fresh)"
+            why = f"recovery found no evidence that it stopped: {view.get('why')}; it stays "
+            why += "unknown (never failed) until evidence arrives"
         return {**blocked, "why": why, "next": f"settled recover --task {self.task}"}
 
     def _after(
