@@ -365,3 +365,22 @@ def test_a_close_progress_line_names_a_session_no_owner_claimed() -> None:
     line = progress.line()
     assert "s_0123456789abcdef (sh -c true, not claimed by an owner yet)" in line, line
     assert "of a 5 s deadline" in line
+
+
+@pytest.mark.timeout(120)
+def test_a_face_that_waits_on_its_own_loop_has_a_lost_owner_recovered_in_one_call(
+    rt: Runtime, task: TaskRecord, marker: str
+) -> None:
+    """`Runtime.recover_lost`: what `wait` does before it answers unknown, for the HTTP long
+    poll; a live owner's session is left as it is."""
+    _skip_unavailable("cgroup2")
+    live = rt.exec(task.task, shell="sleep 300", boundary="cgroup2", key="live")
+    lost = rt.exec(task.task, shell="sleep 300", boundary="cgroup2", key="lost")
+    _kill_owner(rt, lost.session)
+    assert rt.recover_lost(live.session)["state"] == "running"
+    view = rt.recover_lost(lost.session)
+    assert view["state"] == "settled", view
+    _recovered(view["receipt"])
+    rt.cancel(live.session)
+    assert rt.wait(live.session, timeout=30)["receipt"]["exit"]["reason"] == "cancelled"
+    assert kill_marked(marker, b"sleep") == []
