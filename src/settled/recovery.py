@@ -173,7 +173,8 @@ class Recovery:
     ) -> dict[str, Any] | None:
         """Recovery run by whoever meets the session (a waiter, a close): one whose owner's
         process is gone (with `lapsed_lease`, also one whose lease lapsed: `lost_owner`) is
-        marked unknown, and an unknown one is recovered (`recover_session`); one no owner
+        marked unknown, and an unknown one without a receipt is recovered (`recover_session`;
+        one its owner settled without proof keeps the owner's why); one no owner
         claimed is settled never started (`settle_unclaimed`; `closing`: the close's deadline
         passed). What it did, or None when it left it: an owner that may still write, or a
         session of another host (only `recover --host` and a provider that can inspect it)."""
@@ -192,8 +193,8 @@ class Recovery:
             except StaleWrite:  # it settled meanwhile, or another detector marked it
                 record = self.store.get_session(session)
             faults.point("recovery.after_unknown")
-        if record.state != UNKNOWN:
-            return None
+        if record.state != UNKNOWN or record.receipt is not None:
+            return None  # settled; or its owner's own receipt without proof, the best look
         return self.recover_session(record, "recovery")
 
     def settle_unclaimed(self, session: str, *, closing: bool = False) -> dict[str, Any] | None:

@@ -104,13 +104,14 @@ def _waited_for(rt: Runtime, task: str) -> list[Waited]:
             if not is_live(view["state"]):
                 continue
             session = view["session"]
-            spec = rt.session_record(session).spec
+            record = rt.session_record(session)
+            spec = record.spec
             command = printable(view.get("command") or "")
             if len(command) > COMMAND_SHOWN:
                 command = command[: COMMAND_SHOWN - 1] + "…"
             waited.append(Waited(session, command, view.get("started_at"),
                                  bool(spec.get("service")), rt.exit_handle(session),
-                                 view.get("owner") is not None))  # fmt: skip
+                                 record.owner is not None))  # fmt: skip
     except BaseException:  # no handle opened so far outlives the failure
         for item in waited:
             if item.handle is not None:

@@ -198,7 +198,7 @@ class CloseJoin:
             blocked["obligation"] = f"death evidence for session {session}: it is unknown"
             why = f"its owner is gone, and recovering it here failed: {failed}"
         else:
-            why = f"recovery found no evidence that it stopped: {view.get('why')}; it stays "
+            why = f"no evidence that it stopped: {view.get('why')}; it stays "
             why += "unknown (never failed) until evidence arrives"
         return {**blocked, "why": why, "next": f"settled recover --task {self.task}"}
 
