@@ -5,7 +5,8 @@ server's answers that a lost response would leave unsaid, and so does every plac
 what settled promises (a log, a receipt, a checkpoint blob). The actions: `crash` names the point
 on stderr (an owner's is its owner.log) and SIGKILLs the process there; `enospc` and `eio` raise
 the OSError a full or failing disk gives (errno ENOSPC / EIO) at every pass through it, so a test
-proves that settled answers a disk that refuses it with a typed, honest outcome. Unarmed, a point
+proves that settled answers a disk that refuses it with a typed, honest outcome; `stop` SIGSTOPs
+the process there (a slow one, until the test sends SIGCONT). Unarmed, a point
 costs one comparison. Never used for control flow.
 """
 
@@ -59,10 +60,14 @@ PLACER_POINTS = (
     "placer.after_join",  # the placer joined the session's v1 cgroups, nothing placed
     "placer.limits_write",  # as the placer writes the session's limits
 )
+# The launcher's (owner/handoff.py), in the process that admitted the session: a crash there
+# leaves a session no owner claimed, which whoever finds it settles never started
+# (tests/test_self_recovery.py; not the soak's).
+LAUNCHER_POINTS = ("launcher.before_claim",)
 ALL_POINTS: tuple[str, ...] = (
     OWNER_POINTS + CHECKPOINT_POINTS + CLOSE_POINTS + RECOVERY_POINTS + SERVER_POINTS
 )
-ACTIONS = ("crash", "enospc", "eio")
+ACTIONS = ("crash", "stop", "enospc", "eio")
 _ERRNO_OF = {"enospc": errno.ENOSPC, "eio": errno.EIO}
 
 _ARMED_POINT, _, _ARMED_ACTION = os.environ.get("SETTLED_FAULT", "").partition(":")
@@ -84,6 +89,9 @@ def point(name: str) -> None:
             os.write(2, f"settled: crash at fault point {name}\n".encode())
         finally:
             os.kill(os.getpid(), 9)  # SIGKILL: no handler, no cleanup, as a crash
+    if _ARMED_ACTION == "stop":  # SIGSTOP: a process slow at the point until a SIGCONT
+        os.kill(os.getpid(), 19)
+        return
     code = _ERRNO_OF.get(_ARMED_ACTION)
     if code is not None:
         raise OSError(code, f"{os.strerror(code)} (injected at fault point {name})")

@@ -7,12 +7,16 @@ heartbeat, receipt and claim are refused), inspects the boundary, and only on po
 writes a receipt with `death.source: recovery`, the log closed at the bytes on disk and
 `drain: incomplete`. A session whose boundary cannot give evidence stays unknown, with why.
 A session no owner was ever claimed for (its launch failed first) is settled by its launcher as
-never started without passing through unknown (`settle_unlaunched`): nothing of it can run.
+never started without passing through unknown (`settle_unlaunched`): nothing of it can run; one
+still unclaimed past the claim bound (its launcher is gone) is settled so by whoever finds it
+(`settle_unclaimed`). Recovery runs itself: a waiter or a close that meets a session whose
+owner is gone recovers it there (`recover_lost`) instead of waiting for `settled recover`.
 
 This module owns recovery's I/O: it looks (the store, the owners, the sandbox, the last words)
 and writes (unknown, take-over, receipts, the logs' close, then their seal where the home's
 objects live outside it: owner/sealing.py, after the receipt). What it decides from what it saw
-is recovery_decide.py's, pure, and never decided here.
+is recovery_decide.py's, pure, and never decided here. Over 400 lines: each way it settles a
+session (recovered, vanished host, never started) keeps its receipt's builder beside it.
 """
 
 from __future__ import annotations
@@ -29,10 +33,12 @@ from settled.owner.last_words import read_last_words
 from settled.receipts import process_receipt
 from settled.records import LiveSession, OwnerFacts, SessionRecord
 from settled.recovery_decide import (
+    CLOSED_BEFORE_CLAIM,
     SANDBOX_DESTROYED,
     RecoveryFacts,
     Settles,
     StaysUnknown,
+    lost_owner,
     never_claimed,
     owner_gone,
     recovery_verdict,
@@ -44,8 +50,10 @@ from settled.recovery_decide import (
     with_last_words,
 )
 from settled.sessions import SessionWatch
+from settled.states import UNKNOWN
 from settled.store import Store
 
+CLAIM_BOUND_ENV = "SETTLED_CLAIM_BOUND_S"
 # What settling a lost session needs (evidence, the log's close at disk, the sandbox) is
 # imported where it settles one: every exec asks `detect`, which needs none of it.
 TYPE_CHECKING = False
@@ -102,32 +110,41 @@ class Recovery:
         if not record.live:
             return None
         if record.owner is None:
-            from settled.owner.launcher import READY_TIMEOUT_S
-
-            return unclaimed_too_long(record, now, READY_TIMEOUT_S)
+            return unclaimed_too_long(record, now, claim_bound_s())
         return owner_gone(facts or self.sessions.liveness.facts(record.owner))
 
     def detect(self, task: str | None = None, *, force: bool = False) -> list[str]:
         """Mark every live session whose owner is missing as unknown; returns their ids.
-        `force` (the sandbox was destroyed) takes every live session of the task.
+        `force` (the sandbox was destroyed) takes every live session of the task. A session
+        no owner claimed within the bound (`claim_bound_s`) is settled as never started
+        instead (`settle_unclaimed`): it never ran, so it freezes nothing.
 
         Every new admission asks this of its task, so its owners are looked at together
         (`SessionWatch.owners_facts`): one poll over the pidfds of owners already seen alive
         instead of a read of /proc for each, with the same answer for each owner."""
+        return self._look(task, force)[0]
+
+    def _look(self, task: str | None, force: bool) -> tuple[list[str], list[dict[str, Any]]]:
+        """`detect`: (the sessions it marked unknown, what settling the unclaimed ones did)."""
         now = time.time()
         records = list(filter(self.ours, self.store.live_owners(task)))
         looked = [None] * len(records) if force else self.sessions.owners_facts(records)
-        found = []
+        found, unclaimed = [], []
         for record, facts in zip(records, looked, strict=True):
             why = SANDBOX_DESTROYED if force else self.owner_missing(record, now, facts)
             if why is None:
+                continue
+            if not force and never_claimed(record):
+                settled_now = self.settle_unclaimed(record.session)
+                if settled_now is not None:
+                    unclaimed.append(settled_now)
                 continue
             why = with_last_words(why, self.last_words(record.session))
             with contextlib.suppress(StaleWrite):  # it settled (or another detector won)
                 self.store.mark_unknown(record.session, record.generation, why)
                 found.append(record.session)
                 faults.point("recovery.after_unknown")
-        return found
+        return found, unclaimed
 
     def last_words(self, session: str) -> dict[str, Any] | None:
         """What the session's owner recorded before it ended without a receipt, if anything."""
@@ -143,8 +160,8 @@ class Recovery:
         """Settle every unknown session (of `task`) that has evidence. `evidence` is the
         provider's own for the whole task (its sandbox confirmed destroyed), which then stands
         for every session in it instead of each one's inspection."""
-        self.detect(task)
-        recovered = [
+        unclaimed = self._look(task, False)[1]
+        recovered = unclaimed + [
             self.recover_session(r, source, evidence)
             for r in filter(self.ours, self.store.unknown_sessions(task))
         ]
@@ -152,6 +169,64 @@ class Recovery:
         if sweep is not None:
             sweep()
         return recovered
+
+    def recover_lost(
+        self, session: str, *, lapsed_lease: bool = False, closing: bool = False
+    ) -> dict[str, Any] | None:
+        """Recovery run by whoever meets the session (a waiter, a close): one whose owner's
+        process is gone (with `lapsed_lease`, also one whose lease lapsed: `lost_owner`) is
+        marked unknown, and an unknown one without a receipt is recovered (`recover_session`;
+        one its owner settled without proof keeps the owner's why); one no owner
+        claimed is settled never started (`settle_unclaimed`; `closing`: the close's deadline
+        passed). What it did, or None when it left it: an owner that may still write, or a
+        session of another host (only `recover --host` and a provider that can inspect it)."""
+        record = self.store.get_session(session)
+        if not self.ours(record):
+            return None
+        if never_claimed(record):
+            return self.settle_unclaimed(session, closing=closing)
+        if record.live:
+            why = lost_owner(self.sessions.owner_facts(record), lapsed_lease=lapsed_lease)
+            if why is None:
+                return None
+            why = with_last_words(why, self.last_words(session))
+            try:
+                record = self.store.mark_unknown(session, record.generation, why)
+            except StaleWrite:  # it settled meanwhile, or another detector marked it
+                record = self.store.get_session(session)
+            faults.point("recovery.after_unknown")
+        if record.state != UNKNOWN or record.receipt is not None:
+            return None  # settled; or its owner's own receipt without proof, the best look
+        return self.recover_session(record, "recovery")
+
+    def settle_unclaimed(self, session: str, *, closing: bool = False) -> dict[str, Any] | None:
+        """Settle, as never started, a session no owner claimed within `claim_bound_s` of its
+        admission (its launcher lost the store or was killed), or, `closing`, by its close's
+        deadline; None while it may still be claimed, or if claimed or settled meanwhile.
+        Safe against a launcher that is only slow: the receipt moves the session from
+        `admitted` at its generation (a compare-and-set), a settled session refuses the claim,
+        and a launcher whose claim is refused sends its owner no orders (owner/handoff.py)."""
+        record = self.store.get_session(session)
+        if not never_claimed(record):
+            return None
+        why = unclaimed_too_long(record, time.time(), claim_bound_s())
+        if why is None and not closing:
+            return None
+        receipt = _unlaunched_receipt(self.home, record, why or CLOSED_BEFORE_CLAIM, "recovery")
+        try:
+            self.store.write_receipt(session, record.generation, receipt)
+        except StaleWrite:  # claimed meanwhile after all, or settled by another
+            return None
+        self._remove_made_ahead(record)
+        return settled(session, receipt["death"]["evidence"])
+
+    def _remove_made_ahead(self, record: SessionRecord) -> None:
+        """What a launcher that died before its claim made ahead (the session's cgroup): the
+        provider's inspection of an unclaimed session removes it (no evidence: the receipt's is
+        the refused claim), once the receipt makes any later claim fail; a provider that
+        cannot answer leaves it to the task's destroy."""
+        with contextlib.suppress(SettledError, OSError):
+            self.sandbox.inspect(record, self.store.get_task(record.task))
 
     def recover_session(
         self, record: SessionRecord, source: str, given: Evidence | None = None
@@ -220,7 +295,7 @@ class Recovery:
         record = self.store.get_session(session)
         if not never_claimed(record):
             return False
-        receipt = _unlaunched_receipt(self.home, record, why)
+        receipt = _unlaunched_receipt(self.home, record, why, "launcher")
         try:
             self.store.write_receipt(session, record.generation, receipt)
         except StaleWrite:  # claimed meanwhile after all, or settled by another
@@ -316,17 +391,25 @@ def _logs_at_disk(home: str, session: str, *, writer_may_live: bool) -> dict[str
     }
 
 
-def _unlaunched_receipt(home: str, record: SessionRecord, why: str) -> dict[str, Any]:
-    """The receipt of a session no owner was ever claimed for: never started, at `launch`."""
+# What proves a session no owner was claimed for never started, by who settled it.
+_UNCLAIMED_EVIDENCE = {
+    "launcher": "no owner was ever claimed for this session (its launch failed first)",
+    "recovery": "no owner claimed this session (its launcher is gone, or its close's deadline "
+    "passed first)",
+}
+
+
+def _unlaunched_receipt(home: str, record: SessionRecord, why: str, by: str) -> dict[str, Any]:
+    """The receipt of a session no owner was ever claimed for: never started, at `launch`.
+    `by`: "launcher" (its launch failed) or "recovery" (found unclaimed by another)."""
     from settled.boundary.base import Evidence
     from settled.receipts import not_started_fact
 
     evidence = Evidence(
         "none",
         True,
-        "no owner was ever claimed for this session (its launch failed first), and this "
-        "receipt settles it from admitted, which refuses any later claim: its command never "
-        "started",
+        f"{_UNCLAIMED_EVIDENCE[by]}, and this receipt settles it from admitted, which refuses "
+        "any later claim: its command never started",
         {"claimed": False},
     )
     output = _logs_at_disk(home, record.session, writer_may_live=False)
@@ -336,15 +419,26 @@ def _unlaunched_receipt(home: str, record: SessionRecord, why: str) -> dict[str,
         key=record.key,
         command_digest=record.digest,
         generation=record.generation,
-        death=evidence.to_json("launcher"),
+        death=evidence.to_json(by),
         exit=not_started_fact("launch", why),
         output={**output, "drain": "complete"},
         stragglers=[],
         terminal_mutation={"seq": None, "source": "none", "why": "the command never ran"},
         isolation=record.isolation,
-        owner={"pid": os.getpid(), "role": "launcher", "claimed": False},
+        owner={"pid": os.getpid(), "role": by, "claimed": False},
         timings={"settled_at": time.time(), "admitted_at": record.created_at},
     )
+
+
+def claim_bound_s() -> float:
+    """How long after its admission a session may still be claimed: its launcher's readiness
+    bound (owner/launcher.py `READY_TIMEOUT_S`), or SETTLED_CLAIM_BOUND_S (a test's shorter
+    one). Past it, whoever finds the session unclaimed settles it never started."""
+    with contextlib.suppress(ValueError):
+        return float(os.environ.get(CLAIM_BOUND_ENV) or "")
+    from settled.owner.launcher import READY_TIMEOUT_S
+
+    return READY_TIMEOUT_S
 
 
 def _recovered_receipt(

@@ -56,12 +56,27 @@ def owner_gone(owner: OwnerFacts | None) -> str | None:
     return None if owner is None or owner.alive else owner.why
 
 
+def lost_owner(owner: OwnerFacts | None, *, lapsed_lease: bool) -> str | None:
+    """Why a session met by a waiter or a close has lost its owner, or None while the owner may
+    still write (alive; or, unless `lapsed_lease`, its process still runs with only its lease
+    lapsed: stopped, hung or starved, which only the lease rules of `detect`, `settled
+    recover` and the server's pass take over). A waiter recovers a session whose owner's
+    process is gone; a close past its wait bound takes the lease's word too."""
+    if owner is None or owner.alive or (owner.process_alive and not lapsed_lease):
+        return None
+    return owner.why
+
+
 def with_last_words(why: str, words: dict[str, Any] | None) -> str:
     """Why a session becomes unknown, with what its owner recorded before it ended, if it did."""
     return why if words is None else f"{why}; its owner's last words: {words['reason']}"
 
 
-def never_claimed(record: SessionRecord) -> bool:
+# Why a close settles, as never started, a session no owner claimed by the close's deadline.
+CLOSED_BEFORE_CLAIM = "the close's deadline passed before any owner claimed it"
+
+
+def never_claimed(record: SessionRecord | LiveSession) -> bool:
     """Whether a session no owner was ever claimed for can be settled as never started by its
     launcher: still admitted with no owner (a claimed one is its owner's, then recovery's)."""
     return record.state == ADMITTED and record.owner is None

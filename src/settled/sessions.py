@@ -4,6 +4,9 @@ The close join, recovery and the Runtime share this one view, so "is the owner t
 it a receipt" and "ask it to stop" have one answer each. It decides nothing (status is the
 projection in `status.py`, states change only in the store) and touches no process itself:
 liveness comes from a `Liveness` (for owners on this host, `owner.liveness.LocalOwners`).
+A wait that meets a session whose owner is gone, or that no owner claimed, has it recovered
+through the `recover` it was given (recovery.py `recover_lost`), so it ends on a receipt, or
+on the unknown recovery could not end, never on a person's `settled recover`.
 """
 
 from __future__ import annotations
@@ -12,9 +15,9 @@ import contextlib
 import time
 from collections.abc import Callable, Iterator, Sequence
 
-from settled.errors import NotSettled
+from settled.errors import NotSettled, SettledError
 from settled.records import LiveSession, OwnerFacts, OwnerInfo, SessionRecord
-from settled.states import SETTLED, UNKNOWN
+from settled.states import ADMITTED, SETTLED, UNKNOWN
 from settled.status import session_status
 from settled.store import Store
 
@@ -23,6 +26,8 @@ if TYPE_CHECKING:
     from typing import Any, Protocol, TypeAlias
 
     LastWords: TypeAlias = Callable[[str], dict[str, Any] | None]  # session -> its last words
+    # (session, lapsed_lease, closing) -> what recovery did (recovery.py `recover_lost`)
+    RecoverLost: TypeAlias = Callable[[str, bool, bool], object]
 else:
     Protocol = object  # a protocol is the type checker's; at run time a plain base
 
@@ -72,12 +77,33 @@ class Wake(Protocol):
 
 class SessionWatch:
     def __init__(
-        self, store: Store, liveness: Liveness, last_words: LastWords | None = None
+        self,
+        store: Store,
+        liveness: Liveness,
+        last_words: LastWords | None = None,
+        recover: RecoverLost | None = None,
     ) -> None:
         """`last_words` reads what an owner that ended without a receipt recorded (why it
-        could not write one): an unknown session's status shows it as `reason`."""
+        could not write one): an unknown session's status shows it as `reason`. `recover`
+        recovers a session whose owner is gone (none: a waiter only reads)."""
         self.store, self.liveness = store, liveness
         self._last_words = last_words
+        self._recover = recover
+
+    def recover_lost(
+        self, session: str, *, lapsed_lease: bool = False, closing: bool = False
+    ) -> str | None:
+        """Have the session recovered now if its owner is gone, or settled never started if no
+        owner claimed it (recovery.py `recover_lost` decides, and leaves a live owner alone).
+        Why that could not run (the store or the disk refused it), else None: it never raises,
+        and the session is then as it was (unknown, its status says)."""
+        if self._recover is None:
+            return None
+        try:
+            self._recover(session, lapsed_lease, closing)
+        except (SettledError, OSError) as exc:
+            return f"{type(exc).__name__}: {exc}"
+        return None
 
     def owner_facts(self, record: SessionRecord) -> OwnerFacts | None:
         return None if record.owner is None else self.liveness.facts(record.owner)
@@ -111,6 +137,10 @@ class SessionWatch:
 
     def wait(self, session: str, timeout: float | None = None) -> dict[str, Any]:
         """Block until the session has a receipt (or is unknown); the session's clock, not ours.
+        A session whose owner's process is gone is recovered here first (`recover_lost`), and
+        one no owner claimed within the claim bound is settled never started: the wait ends
+        on that receipt, or on the unknown recovery found no evidence to end (with
+        `recovery_failed` when recovery itself could not run).
 
         Sleeps on the owner's exit handle (it writes the receipt just before it exits), so a
         waiter wakes at once and otherwise looks only every `WAKE_BOUND_S`. Without one (no
@@ -119,14 +149,26 @@ class SessionWatch:
         everything else.
         """
         give_up = None if timeout is None else time.monotonic() + timeout
+        recovered, unclaimed_look = False, 0.0
         with self.pauses(session) as sleep:
             while True:
                 view = self.status(session)
                 if view["state"] == SETTLED and "receipt" in view:
                     return view
                 if view["state"] == UNKNOWN and not self._owner_still_runs(session):
-                    return view  # a stale lease alone is recovery's business, not a waiter's
+                    if recovered:  # a stale lease alone is recovery's business, not a waiter's
+                        return view
+                    recovered = True  # its owner is gone: recovered here, once
+                    failed = self.recover_lost(session)
+                    if failed is not None:
+                        return {**self.status(session), "recovery_failed": failed}
+                    continue
                 now = time.monotonic()
+                unclaimed = view["state"] == ADMITTED and view["owner"] is None
+                if unclaimed and now - unclaimed_look >= WAKE_BOUND_S:  # past the claim bound:
+                    unclaimed_look = now  # settled never started (looked at once a second)
+                    self.recover_lost(session)
+                    continue
                 if give_up is not None and now >= give_up:
                     raise NotSettled(
                         f"session {session} is still {view['state']} after {timeout} s; it goes "

@@ -27,7 +27,7 @@ from settled.states import is_live
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from collections.abc import Callable
-    from typing import TextIO
+    from typing import Any, TextIO
 
     from settled.runtime import CloseResult, Runtime
 
@@ -39,14 +39,14 @@ COMMAND_SHOWN = 60  # characters of a command's words in a progress line
 class Waited:
     """A session the close waits for (or stops, a service): its words and its owner's handle."""
 
-    __slots__ = ("command", "handle", "service", "session", "started_at")
+    __slots__ = ("claimed", "command", "handle", "service", "session", "started_at")
 
     def __init__(
         self, session: str, command: str, started_at: float | None, service: bool,
-        handle: int | None,
+        handle: int | None, claimed: bool = True,
     ) -> None:  # fmt: skip
         self.session, self.command, self.started_at = session, command, started_at
-        self.service, self.handle = service, handle
+        self.service, self.handle, self.claimed = service, handle, claimed
 
 
 def close_with_progress(
@@ -66,6 +66,20 @@ def close_with_progress(
         for item in waited:
             if item.handle is not None:
                 rt.close_exit_handle(item.handle)
+
+
+def blocked_words(task: str, blocked: dict[str, Any]) -> str:
+    """A blocked close for a person: what it owes and to whom, then, when the close tried to
+    recover the session itself (close/join.py), what recovery found and the command to go on
+    with (`why`, `next`)."""
+    from settled.render import blocked_text
+
+    text = blocked_text(task, blocked)
+    if blocked.get("why"):
+        text += f"\n  {printable(str(blocked['why']))}"
+        if blocked.get("next"):
+            text += f"\n  then: {printable(str(blocked['next']))}"
+    return text
 
 
 def interrupted_line(task: str) -> str:
@@ -90,12 +104,14 @@ def _waited_for(rt: Runtime, task: str) -> list[Waited]:
             if not is_live(view["state"]):
                 continue
             session = view["session"]
-            spec = rt.session_record(session).spec
+            record = rt.session_record(session)
+            spec = record.spec
             command = printable(view.get("command") or "")
             if len(command) > COMMAND_SHOWN:
                 command = command[: COMMAND_SHOWN - 1] + "…"
             waited.append(Waited(session, command, view.get("started_at"),
-                                 bool(spec.get("service")), rt.exit_handle(session)))  # fmt: skip
+                                 bool(spec.get("service")), rt.exit_handle(session),
+                                 record.owner is not None))  # fmt: skip
     except BaseException:  # no handle opened so far outlives the failure
         for item in waited:
             if item.handle is not None:
@@ -150,6 +166,8 @@ class Progress:
 
 def _described(item: Waited, now: float) -> str:
     age = f", running {now - item.started_at:.0f}s" if item.started_at else ""
+    if not item.claimed:  # its launcher may be gone: settled never started at the deadline
+        age = ", not claimed by an owner yet"
     what = "service being stopped" if item.service else "session"
     return f"{what} {item.session} ({item.command}{age})"
 

@@ -35,7 +35,7 @@ from settled.errors import (
     SettledError,
 )
 from settled.printable import printable, printable_tree
-from settled.render import blocked_text, close_text, explain_brief, receipt_text, status_text
+from settled.render import close_text, explain_brief, receipt_text, status_text
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # the runtime is imported by the verbs that open one (not --version, --help)
@@ -141,7 +141,7 @@ def cmd_close(rt: Runtime, args: argparse.Namespace) -> int:
         return EXIT_OK
     if args.task is None:
         raise BadInput("close needs a TASK (or --list-fault-points)")
-    from settled.cli.closing import close_with_progress, interrupted_line
+    from settled.cli.closing import blocked_words, close_with_progress, interrupted_line
 
     try:
         result = close_with_progress(rt, args.task, args.final, args.deadline)
@@ -152,7 +152,7 @@ def cmd_close(rt: Runtime, args: argparse.Namespace) -> int:
         emit(args, result.to_json(), close_text(result.to_json()))
         return EXIT_OK
     payload = result.to_json()
-    emit(args, payload, blocked_text(args.task, payload["blocked_on"]))
+    emit(args, payload, blocked_words(args.task, payload["blocked_on"]))
     return EXIT_BLOCKED
 
 

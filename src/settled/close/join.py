@@ -14,6 +14,11 @@ recorded with ``final_pending`` as a wall-clock time, kept by a resumed close un
 a sooner one (never a later one; it cancels at once if the deadline passed), and, past it, every
 late session is asked to stop at once and all the live ones are waited for under one bound from
 that cancel (the longest ``CANCEL_SETTLE_S + grace`` among them), never one bound after another.
+
+Recovery runs itself: a session whose owner is gone is recovered while the close waits for it
+(sessions.py), one no owner claimed by the deadline is settled never started at once, and a
+close blocked on a session (a retried one, whose wait is over) recovers it and decides again;
+only what recovery cannot end (unknown without evidence, a live owner) blocks it, saying why.
 """
 
 from __future__ import annotations
@@ -43,7 +48,7 @@ from settled.errors import StaleWrite
 from settled.netledger import brief
 from settled.receipts import seal
 from settled.records import SessionRecord, TaskRecord
-from settled.states import TASK_COMPLETE, TASK_OPEN, TASK_SEALED, did_not_succeed
+from settled.states import TASK_COMPLETE, TASK_OPEN, TASK_SEALED, UNKNOWN, did_not_succeed
 from settled.store import Store
 
 CLOSE_RECEIPT_VERSION = "settled.receipt.close/v1"
@@ -80,6 +85,15 @@ class Sessions(Protocol):
     def cancel(self, session: str, reason: str) -> Any: ...
 
     def settles_within(self, session: str, seconds: float) -> bool: ...
+
+    def recover_lost(
+        self, session: str, *, lapsed_lease: bool = False, closing: bool = False
+    ) -> str | None:
+        """Recovery of a session whose owner is gone, or never started if none claimed it
+        (sessions.py); why recovery could not run, else None."""
+        ...
+
+    def status(self, session: str) -> dict[str, Any]: ...
 
 
 class Workspace(Protocol):
@@ -140,6 +154,7 @@ class CloseJoin:
         facts and goes on from them, so both return the one recorded close receipt."""
         lost = 0
         facts, read = self.facts(), True
+        recovered: dict[str, str | None] = {}  # blocked sessions recovered here: why it failed
         while True:
             decision = next_decision(facts)
             if isinstance(decision, Done):
@@ -151,7 +166,16 @@ class CloseJoin:
                 self._end_pod()  # also a close that crashed after recording its outcome
                 return CloseResult(True, outcome["receipt"], None)
             if isinstance(decision, Blocked):
-                return CloseResult(False, None, decision.to_json())
+                session = decision.session
+                if session is not None and session not in recovered:  # its wait is over:
+                    # recovered as `settled recover` would (never a live owner), then decided
+                    # again, so a retried close converges by itself
+                    recovered[session] = self.sessions.recover_lost(
+                        session, lapsed_lease=True, closing=True
+                    )
+                    facts, read = self.facts(), True
+                    continue
+                return CloseResult(False, None, self._blocked(decision, recovered))
             assert isinstance(decision, Next)
             name = decision.step.name
             try:
@@ -168,6 +192,24 @@ class CloseJoin:
                 continue  # another close moved the task on: decide again from what it recorded
             faults.point(f"close.after_{name}")
             facts, read = self._after(facts, name, fact, recorded)
+
+    def _blocked(self, decision: Blocked, recovered: dict[str, str | None]) -> dict[str, Any]:
+        """What the close is blocked on, with `why` (what this close's recovery of the session
+        found) and `next` (the command that goes on) once it tried."""
+        blocked, session = decision.to_json(), decision.session
+        if session is None or session not in recovered:
+            return blocked
+        view, failed = self.sessions.status(session), recovered[session]
+        if view["state"] != UNKNOWN:  # its owner holds it, alive with its lease fresh
+            why = f"it is {view['state']} and its owner is alive (its lease fresh)"
+            return {**blocked, "why": why, "next": f"settled cancel {session}"}
+        if failed is not None:  # not "still running": its owner is gone
+            blocked["obligation"] = f"death evidence for session {session}: it is unknown"
+            why = f"its owner is gone, and recovering it here failed: {failed}"
+        else:
+            why = f"no evidence that it stopped: {view.get('why')}; it stays "
+            why += "unknown (never failed) until evidence arrives"
+        return {**blocked, "why": why, "next": f"settled recover --task {self.task}"}
 
     def _after(
         self, facts: CloseFacts, name: str, fact: dict[str, Any], recorded: dict[str, Any]
@@ -219,8 +261,12 @@ class CloseJoin:
         for session in late:
             self.sessions.cancel(session.session, f"close deadline of {deadline.seconds} s passed")
         cancelled_at = time.time()
+        for session in [*late, *services]:  # unclaimed by now: never started, not waited for
+            self.sessions.recover_lost(session.session, closing=True)
         bound = settle_bound([float(s.spec["grace"]) for s in live], CANCEL_SETTLE_S)
         unsettled = self._not_settled_by(live, bound)
+        for session in unsettled:  # what the bound left, by the lease rules too
+            self.sessions.recover_lost(session.session, lapsed_lease=True, closing=True)
         return {
             "settled_at": time.time(),
             "stopped_services": [s.session for s in services],

@@ -33,6 +33,7 @@ import os
 import time
 
 from settled import boundary as boundaries
+from settled import faults
 from settled.backends import bound_backends
 from settled.boundary import limits, poddirs, podhost, procfs
 from settled.boundary.isolation import (
@@ -375,9 +376,10 @@ def hand_over(
             said = True
         else:
             said = False
+        faults.point("launcher.before_claim")
         try:
             claimed = claim_for(store, prepared, owner_pid, start_time)
-        except StaleWrite as exc:
+        except StaleWrite as exc:  # settled meanwhile (never started, found unclaimed): no orders
             prepared.discard()
             return {"error": "claim lost", "detail": str(exc)}
         except BaseException:

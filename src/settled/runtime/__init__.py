@@ -98,6 +98,13 @@ class Runtime(Admissions, Tasks, LogReads):
         grammar.check_id("session", session)
         return self.sessions.wait(session, grammar.optional_seconds("timeout", timeout, MAX_WAIT))
 
+    def recover_lost(self, session: str) -> dict[str, Any]:
+        """What `wait` does before it answers unknown, for a face that waits on a loop of its
+        own (HTTP `?wait=`): recover the session now if its owner's process is gone, or settle
+        it never started if no owner claimed it within the claim bound; its status after."""
+        self.sessions.recover_lost(grammar.check_id("session", session))
+        return self.sessions.status(session)
+
     def cancel(self, session: str, reason: str = "cancel requested") -> dict[str, Any]:
         """Ask the owner to stop the session (TERM, grace, KILL over the whole boundary)."""
         reason = grammar.check_text("reason", reason, grammar.MAX_REASON_BYTES)

@@ -6,7 +6,8 @@ Owns: `Runtime.admit` (and `exec`, its keyword form): the command spec an `ExecR
 for in its task (grants, limits, network, environment, stdin kept by digest), the refusals of
 what this host or the task's sandbox could not honour, the key's admission through the store,
 and the launch. Must never: record anything before every refusal that could apply ran, or
-launch an owner for an admission that reused a session.
+launch an owner for an admission that reused a session (a retry whose session no owner claimed
+within the bound gets it settled never started: DESIGN.md, admission).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from settled.backends import credential_names
 from settled.errors import BadInput, OwnerLaunchFailed
 from settled.home import check_reserve, stdin_path
 from settled.records import Frozen, SessionRecord
+from settled.recovery_decide import never_claimed
 from settled.runtime.composition import Composition, _on_disk
 from settled.runtime.refusals import (
     check_isolation,
@@ -256,7 +258,7 @@ class Admissions(Composition):
             existing = self.store.find_session(task, key)  # a retry, or KeyConflict, first:
             if enforce(key_verdict(existing, key, spec.digest)) == REUSE:  # nothing paid yet
                 assert existing is not None
-                return self._admission(existing, reused=True)  # a retry: nothing to inspect
+                return self._reused(existing)  # a retry: nothing to inspect
             with _ADMITTING.turn(self.home, task, key) as first:
                 if not first:
                     continue  # this process admitted the key meanwhile: read its answer
@@ -265,7 +267,7 @@ class Admissions(Composition):
                 session, reused = self.store.admit(task, key, spec.digest, spec.to_json())
             break
         if reused:
-            return self._admission(session, reused=True)
+            return self._reused(session)
         try:
             self._ensure_journal(record)  # one request when watched; restarts a lost daemon
             report = self._launch(session.session)
@@ -295,6 +297,17 @@ class Admissions(Composition):
             *defaults.get("readable", ()),
         ]
         return (*SYSTEM_ROOTS, record.workspace, *granted)
+
+    def _reused(self, record: SessionRecord) -> Admission:
+        """A retry's answer: the key's one session, never launched again (only the admission
+        that created it launches it). One that no owner claimed within the claim bound (its
+        launcher is gone) is settled never started first (recovery.settle_unclaimed, the
+        compare-and-set a late launcher loses): the retry answers that receipt, whose
+        `not_started` says why, and never a session that would never run. Within the bound its
+        launch may still be under way: it is answered `admitted`, and a wait on it ends."""
+        if never_claimed(record) and self.recovery.settle_unclaimed(record.session):
+            record = self.store.get_session(record.session)
+        return self._admission(record, reused=True)
 
     def _unlaunched(self, session: str, why: str) -> None:
         """A launch that failed before any owner was claimed settles its session as never

@@ -142,7 +142,10 @@ class Composition:
         name = os.uname().nodename  # what gethostname(2) returns, without importing socket
         self.host = self.store.register_host(ensure_home_id(self.home), name, self.home).host
         self.sessions = SessionWatch(
-            self.store, HostedOwners(self.host), last_words=self._last_words
+            self.store,
+            HostedOwners(self.host),
+            last_words=self._last_words,
+            recover=self._recover_lost,
         )
         self._launcher: Launcher | None = shared_launcher
         self._owns_launcher = shared_launcher is None
@@ -194,6 +197,10 @@ class Composition:
         lifecycle.stop(self.home)
 
         podhost.release_home(self.home)
+
+    def _recover_lost(self, session: str, lapsed_lease: bool, closing: bool) -> object:
+        """What a waiter or a close that meets a lost owner runs (recovery.py `recover_lost`)."""
+        return self.recovery.recover_lost(session, lapsed_lease=lapsed_lease, closing=closing)
 
     def _last_words(self, session: str) -> dict[str, Any] | None:
         from settled.owner.last_words import read_last_words
