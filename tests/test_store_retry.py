@@ -1,0 +1,102 @@
+"""The owner's store retry policy (owner/store_retry.py): pure, handed numbers."""
+
+from __future__ import annotations
+
+import pytest
+
+from settled.errors import StaleWrite, StoreUnreachable
+from settled.owner.store_retry import (
+    CAP_DELAY_S,
+    DEFAULT_PATIENCE_S,
+    FIRST_DELAY_S,
+    PATIENCE_ENV,
+    gives_up,
+    next_delay,
+    patience_s,
+    with_retries,
+)
+
+
+@pytest.mark.parametrize(
+    ("attempt", "delay"),
+    [(0, 0.05), (1, 0.1), (2, 0.2), (3, 0.4), (4, 0.8), (5, 1.0), (6, 1.0), (500, 1.0)],
+)
+def test_the_pause_doubles_from_the_first_to_the_cap(attempt: int, delay: float) -> None:
+    assert next_delay(attempt) == pytest.approx(delay)
+    assert FIRST_DELAY_S <= next_delay(attempt) <= CAP_DELAY_S
+
+
+@pytest.mark.parametrize(
+    ("waited", "delay", "patience", "stop"),
+    [
+        (0.0, 0.05, 300.0, False),
+        (299.0, 1.0, 300.0, False),  # a retry that starts within the patience is made
+        (299.5, 1.0, 300.0, True),  # one that would start past it is not
+        (0.0, 0.05, 0.0, True),  # no patience: one attempt
+        (1.2, 0.4, 1.5, True),
+    ],
+)
+def test_a_retry_is_made_only_if_it_starts_within_the_patience(
+    waited: float, delay: float, patience: float, stop: bool
+) -> None:
+    assert gives_up(waited, delay, patience) is stop
+
+
+def test_the_patience_is_an_environment_knob(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(PATIENCE_ENV, raising=False)
+    assert patience_s() == DEFAULT_PATIENCE_S
+    monkeypatch.setenv(PATIENCE_ENV, "2.5")
+    assert patience_s() == 2.5
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.pauses: list[float] = []
+
+    def sleep(self, seconds: float) -> None:
+        self.pauses.append(seconds)
+        self.now += seconds
+
+
+def test_an_outage_shorter_than_the_patience_is_waited_out() -> None:
+    clock, between = _Clock(), []
+    answers: list[object] = [StoreUnreachable("db", "down")] * 4 + ["done"]
+
+    def call() -> object:
+        answer = answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    result = with_retries(
+        call, 10.0, between=lambda: between.append(clock.now), clock=lambda: clock.now,
+        sleep=clock.sleep,
+    )  # fmt: skip
+    assert result == ("done", 4)
+    assert clock.pauses == pytest.approx([0.05, 0.1, 0.2, 0.4])
+    assert len(between) == 4  # a lease renewal asked before each pause
+
+
+def test_an_outage_past_the_patience_raises_the_last_unreachable() -> None:
+    clock = _Clock()
+
+    def call() -> None:
+        raise StoreUnreachable("db", f"down at {clock.now:.2f}")
+
+    with pytest.raises(StoreUnreachable, match="down at"):
+        with_retries(call, 3.0, clock=lambda: clock.now, sleep=clock.sleep)
+    assert sum(clock.pauses) <= 3.0
+    assert clock.pauses[-1] == CAP_DELAY_S
+
+
+def test_a_refused_write_is_an_answer_never_retried() -> None:
+    calls = []
+
+    def call() -> None:
+        calls.append(1)
+        raise StaleWrite("fenced")
+
+    with pytest.raises(StaleWrite):
+        with_retries(call, 60.0, sleep=lambda _s: None)
+    assert calls == [1]
