@@ -142,7 +142,7 @@ class Composition:
         name = os.uname().nodename  # what gethostname(2) returns, without importing socket
         self.host = self.store.register_host(ensure_home_id(self.home), name, self.home).host
         self.sessions = SessionWatch(
-            self.store, HostedOwners(self.host), last_words=self._last_words
+            self.store, HostedOwners(self.host, self.home), last_words=self._last_words
         )
         self._launcher: Launcher | None = shared_launcher
         self._owns_launcher = shared_launcher is None
