@@ -8,10 +8,18 @@ running command to its receipt: the drain, the deadline, the lease, death eviden
 summaries, the terminal mutation, the receipt (or, when it cannot be written, the last words).
 Also writes the receipt of a session whose command never started. Must never: run a second
 command, or write for a session its generation no longer holds (the store refuses: StaleWrite).
+
+A store outage is waited out (store_retry.py), never by the supervise loop: the loop only asks,
+and the lease keeper's thread makes every store write of a running command (the renewal, the
+run's record, `settling`); the receipt is retried until the store is back, within the owner's
+store patience, while the keeper renews the lease. A retried write whose first attempt may have
+committed (its connection lost after COMMIT) is read back: found done by this owner at its
+generation, it is done, not a failure.
 """
 
 from __future__ import annotations
 
+import _thread
 import contextlib
 import os
 import resource
@@ -25,7 +33,7 @@ from settled.boundary import linux
 from settled.boundary.base import Boundary
 from settled.boundary.isolation import IsolationPlan
 from settled.boundary.pidns import threads_refused
-from settled.errors import StaleWrite, StorageFailed
+from settled.errors import StaleWrite, StorageFailed, StoreUnreachable
 from settled.home import SpaceGuard, journal_socket, log_path, storage_error
 from settled.identity import CommandSpec
 from settled.log.flush import FLUSH_ENV, Flusher, flush_every
@@ -40,9 +48,12 @@ from settled.owner.lease import (
     Renew,
     lease_seconds,
 )
+from settled.owner.local_beat import LocalBeat
 from settled.owner.signals import OwnerSignals
+from settled.owner.store_retry import PATIENCE_ENV, patience_s, with_retries
 from settled.owner.supervise import Outcome, Streams, Supervisor
 from settled.receipts import exit_fact, not_started_fact, process_receipt
+from settled.states import SETTLED, SETTLING, UNKNOWN
 from settled.store import Store, open_store
 
 TYPE_CHECKING = False  # loaded by every fresh owner while its command runs: no typing
@@ -96,18 +107,43 @@ class OwnerSession:
         self.heartbeat_s = self.lease_s / HEARTBEATS_PER_LEASE
         self.oom = oom
         self.walls: Walls | None = None
-        self.store: Store = store or open_store(home, threads=_threads_allowed())
-        self.record = record or self.store.get_session(self.session)
+        self.patience_s = patience_s()
+        self.beat = LocalBeat(home, self.lease_s)  # the loop's requests (and the wait below)
+        self.store, self.record = self._store_and_record(store, record)
         self.spec = CommandSpec.from_json(self.record.spec)
         self.streams: Streams | None = None
         self.spawn_via: str | None = None  # clone3 or fork, once the command started
         self.store_trouble: str | None = None  # the first renewal the store could not write
+        # what the keeper's thread writes with its next renewal (the loop never waits on it)
+        self._launch_pending: tuple[str, str | None, int, int | None] | None = None
+        self._settling_pending = False
+        self._syncing = _thread.allocate_lock()  # the keeper's index fsync, against its close
+        self._logs_closing = False
         self.lease = lease or LeaseKeeper(self.renewals, stale_after=STALE_BEATS * self.heartbeat_s)
+        self.lease.beat = self.beat
         self.flusher = flusher or Flusher(flush_every(os.environ.get(FLUSH_ENV)))
         self.splice = splice
 
+    def _store_and_record(
+        self, store: Store | None, record: SessionRecord | None
+    ) -> tuple[Store, SessionRecord]:
+        """The home's store (opened ahead, or now) and the session's record, through an outage
+        within the owner's patience. The command runs meanwhile and the first drain reads both
+        pipes (the loop has not started: its deadline is kept from its first turn on), and
+        each retry is a local beat: this owner is alive, its store is not."""
+        held = [store] if store is not None else []
+
+        def read() -> SessionRecord:
+            if not held:
+                held.append(open_store(self.home, threads=_threads_allowed()))
+            return record or held[0].get_session(self.session)
+
+        found, _ = with_retries(read, self.patience_s, between=lambda: self.beat(time.time()))
+        return held[0], found
+
     def close(self) -> None:
         self.lease.close()
+        self.beat.close()
         self.flusher.close()
         self.store.close()
 
@@ -153,6 +189,8 @@ class OwnerSession:
             outcome = supervisor.run(started)
         except StaleWrite as exc:
             return self._fenced(exc)
+        with self._syncing:  # the keeper renews on through the settle, and syncs no more
+            self._logs_closing = True
         boundary.teardown()
         return self._settle(outcome, streams)
 
@@ -169,20 +207,24 @@ class OwnerSession:
 
     def _record_running(self, boundary: Boundary, pid: int, start_time: int | None) -> None:
         """The launcher records the pid and the boundary's ref when the owner reports; this
-        makes sure of it (a launcher that died first). Not fsynced, as the launcher's: a pid
-        names nothing after a power cut. A fenced session raises StaleWrite."""
-        record = self.store.get_session(self.session)
-        if record.command_pid == pid and record.boundary_ref == boundary.ref:
+        makes sure of it (a launcher that died first), through the keeper's thread at the
+        renewal asked for now (`_keeper_work`). A fenced session raises StaleWrite there."""
+        self._launch_pending = (boundary.kind, boundary.ref, pid, start_time)
+        self.lease.request()
+
+    def _record_launch(self, store: Store) -> None:
+        """In the keeper's thread. Not fsynced, as the launcher's: a pid names nothing after a
+        power cut."""
+        pending = self._launch_pending
+        if pending is None:
             return
-        self.store.record_launch(
-            self.session,
-            self.generation,
-            boundary.kind,
-            boundary.ref,
-            pid,
-            start_time,
-            durable=False,
-        )
+        kind, ref, pid, start_time = pending
+        record = store.get_session(self.session)
+        if record.command_pid != pid or record.boundary_ref != ref:
+            store.record_launch(
+                self.session, self.generation, kind, ref, pid, start_time, durable=False
+            )
+        self._launch_pending = None
 
     def _fenced(self, exc: StaleWrite) -> int:
         # Fenced: recovery took this session over (we were stopped or starved past our
@@ -191,12 +233,29 @@ class OwnerSession:
         return 3
 
     def _settle_begin(self) -> None:
-        """Record that the session is settling. A disk that refuses it does not stop the owner:
-        the receipt settles a running session as well (states.py), and draining matters more."""
+        """Record that the session is settling, through the keeper's thread (`_keeper_work`).
+        A store that refuses it or is out does not stop the owner: the receipt settles a
+        running session as well (states.py), and draining matters more."""
+        self._settling_pending = True
+        self.lease.request()
+
+    def _record_settling(self, store: Store) -> None:
+        """In the keeper's thread. A StaleWrite is read back: settling or settled by this owner
+        (a commit whose answer was lost, or the receipt first) is done; unknown at this
+        generation waits for the revival (this renewal's heartbeat made it, or the next will)."""
+        if not self._settling_pending:
+            return
         try:
-            self.store.settle_begin(self.session, self.generation)
-        except StorageFailed as exc:
-            self.store_trouble = self.store_trouble or str(exc)
+            store.settle_begin(self.session, self.generation)
+        except StaleWrite:
+            record = store.get_session(self.session)
+            if record.generation != self.generation:
+                raise
+            if record.state == UNKNOWN:
+                return
+            if record.state not in (SETTLING, SETTLED):
+                raise
+        self._settling_pending = False
 
     def _open_streams(self, pipes: dict[str, int], logs: dict[str, int]) -> Streams:
         """The writers of the logs the command's pipes drain into: adopting the files created
@@ -217,39 +276,61 @@ class OwnerSession:
     @contextlib.contextmanager
     def renewals(self) -> Iterator[Renew]:
         """Entered in the lease keeper's thread at its first renewal: a store connection of its
-        own (a SQLite connection serves one thread), opened by the factory the owner's came from."""
-        store = open_store(self.home, threads=_threads_allowed())
+        own (a SQLite connection serves one thread), opened by the factory the owner's came from
+        at the first renewal that reaches the store."""
+        held: list[Store] = []
         try:
-            yield lambda alive_at: self._heartbeat(store, alive_at)
+            yield lambda alive_at: self._heartbeat(held, alive_at)
         finally:
-            store.close()
+            for store in held:
+                store.close()
 
-    def _heartbeat(self, store: Store, alive_at: float) -> str | None:
-        """Renew the lease from `alive_at` (when the loop asked) and publish the durable cursors.
-        Safe beside the loop's appends: `sync` reads a writer's cursor once, and an append moves
-        the cursor only after its write returned, so the fsync covers every byte it names."""
+    def _heartbeat(self, held: list[Store], alive_at: float) -> str | None:
+        """Renew the lease from `alive_at` (when the loop asked) and publish the durable cursors,
+        then make the writes the loop asked for (`_keeper_work`). Safe beside the loop's
+        appends: `sync` reads a writer's cursor once, and an append moves the cursor only after
+        its write returned, so the fsync covers every byte it names."""
         assert self.streams is not None  # the loop asks only once the streams exist
         durable = {name: writer.sync() for name, writer in self.streams.writers.items()}
-        if self.streams.index is not None:
-            self.streams.index.sync()
-        try:
-            return store.heartbeat(
+        with self._syncing:  # a closed writer's sync returns its cursor; the index's would fail
+            if self.streams.index is not None and not self._logs_closing:
+                self.streams.index.sync()
+
+        def renew() -> str | None:
+            if not held:
+                held.append(open_store(self.home, threads=_threads_allowed()))
+            cancel = held[0].heartbeat(
                 self.session,
                 self.generation,
                 alive_at + self.lease_s,
                 durable["stdout"],
                 durable["stderr"],
             )
-        except StorageFailed as exc:
-            # The store's disk refused the renewal: not a reason to stop draining. The lease is
-            # not extended, so if this lasts, the session shows unknown (and recovery may fence
-            # this owner) exactly as for a starved owner; the next beat tries again.
+            self._keeper_work(held[0])
+            return cancel
+
+        try:
+            cancel, _ = with_retries(renew, self.heartbeat_s / 2)
+        except (StorageFailed, StoreUnreachable) as exc:
+            # The store's disk refused the renewal, or the store is out: not a reason to stop
+            # draining. The lease is not extended; this beat fails and the next one tries
+            # again. On this host the local beat (the loop's request) keeps the owner alive
+            # meanwhile (local_beat.py); elsewhere, or if this outlasts the lease, the session
+            # may show unknown, and this owner's next renewal revives it unless recovery took
+            # it over (then StaleWrite: fenced).
             self.store_trouble = self.store_trouble or str(exc)
             return None
+        return cancel
+
+    def _keeper_work(self, store: Store) -> None:
+        """The writes the loop asked for, after a renewal (which revived the session if it
+        had become unknown): the run's record, then `settling`."""
+        self._record_launch(store)
+        self._record_settling(store)
 
     def _settle(self, outcome: Outcome, streams: Streams) -> int:
-        self.lease.close()  # ended by the supervisor already; no thread outlives the settle
         summaries = streams.close()  # the flusher, then each log (fsynced), the index, the pipes
+        self.lease.request()  # renewed through the settle; closed once the receipt is written
         assert outcome.evidence is not None
         terminal_mutation = self._terminal_mutation()
         now = time.monotonic()
@@ -299,12 +380,18 @@ class OwnerSession:
         return self._write_receipt(receipt, event)
 
     def _write_receipt(self, receipt: dict[str, Any], event: str = "receipt") -> int:
-        """Write the receipt; if the disk refuses it, leave the reason in the last words (whose
+        """Write the receipt, through a store outage within the owner's store patience while
+        the keeper renews the lease (asked before each retry); then the keeper ends. If the
+        disk refuses it or the store stays out, leave the reason in the last words (whose
         block was reserved before the command ran), so recovery and status can say why this
-        session is unknown instead of finding a silent owner."""
+        session is unknown instead of finding a silent owner. Fenced: exit 3, nothing said."""
+        self._settling_pending = False  # the receipt settles a running session as well
         try:
-            faults.point("owner.receipt_write")
-            self.store.write_receipt(self.session, self.generation, receipt, event=event)
+            self._receipt_written(receipt, event)
+        except StaleWrite as exc:
+            return self._fenced(exc)
+        except StoreUnreachable as exc:
+            failure = f"{exc} (retried for {self.patience_s:g} s, {PATIENCE_ENV})"
         except StorageFailed as exc:
             failure = str(exc)
         except OSError as exc:
@@ -312,6 +399,8 @@ class OwnerSession:
         else:
             self.ready.close()  # a waiter in the launching process wakes now (receipt_wake.py)
             return 0
+        finally:
+            self.lease.close()
         self.say_last_words(
             f"the owner could not write its receipt: {failure}",
             receipt=receipt["digest"],
@@ -321,6 +410,26 @@ class OwnerSession:
             },
         )
         return 4
+
+    def _receipt_written(self, receipt: dict[str, Any], event: str) -> None:
+        """Write the receipt, retried through an outage. A retry refused as stale is read
+        back: the receipt recorded at this generation is this one (the first attempt
+        committed, its answer lost) or this owner was fenced (StaleWrite raised)."""
+
+        def attempt() -> None:
+            faults.point("owner.receipt_write")
+            try:
+                self.store.write_receipt(self.session, self.generation, receipt, event=event)
+            except StaleWrite:
+                found = self.store.get_session(self.session)
+                recorded = found.receipt or {}
+                if (
+                    found.generation != self.generation
+                    or recorded.get("digest") != receipt["digest"]
+                ):
+                    raise
+
+        with_retries(attempt, self.patience_s, between=self.lease.request)
 
     def say_last_words(self, reason: str, **facts: Any) -> None:
         """Record why this owner ends without a receipt (also on its owner.log, if it can)."""
