@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+from typing import Any
+
 import pytest
 
 from settled.errors import StaleWrite, StoreUnreachable
@@ -13,6 +16,8 @@ from settled.owner.store_retry import (
     gives_up,
     next_delay,
     patience_s,
+    receipt_recorded,
+    settling_outcome,
     with_retries,
 )
 
@@ -100,3 +105,43 @@ def test_a_refused_write_is_an_answer_never_retried() -> None:
     with pytest.raises(StaleWrite):
         with_retries(call, 60.0, sleep=lambda _s: None)
     assert calls == [1]
+
+
+def _found(state: str, generation: int, digest: str | None = None) -> Any:
+    """The facts the read-backs look at (a SessionRecord's state, generation and receipt)."""
+    return SimpleNamespace(
+        state=state, generation=generation, receipt=None if digest is None else {"digest": digest}
+    )
+
+
+@pytest.mark.parametrize(
+    ("found", "recorded"),
+    [
+        (_found("settled", 1, "sha256:mine"), True),  # the first attempt committed, answer lost
+        (_found("unknown", 1, "sha256:mine"), True),  # its own "lose" receipt, likewise
+        (_found("settled", 2, "sha256:mine"), False),  # another generation: fenced
+        (_found("settled", 1, "sha256:other"), False),  # another receipt at its generation
+        (_found("settled", 2, "sha256:recovery"), False),  # recovery's receipt stands
+        (_found("running", 1), False),
+        (_found("unknown", 2), False),  # taken over, no receipt yet
+    ],
+)
+def test_a_stale_receipt_write_is_this_owners_only_with_its_digest_at_its_generation(
+    found: Any, recorded: bool
+) -> None:
+    assert receipt_recorded(found, 1, "sha256:mine") is recorded
+
+
+@pytest.mark.parametrize(
+    ("found", "outcome"),
+    [
+        (_found("settling", 1), "done"),  # an earlier attempt committed
+        (_found("settled", 1, "sha256:mine"), "done"),  # its receipt came first
+        (_found("unknown", 1), "wait"),  # cut off past its lease: the next renewal revives it
+        (_found("running", 1), "wait"),  # revived meanwhile: asked again
+        (_found("unknown", 2), "fenced"),  # recovery took it over
+        (_found("settled", 2, "sha256:recovery"), "fenced"),
+    ],
+)
+def test_a_stale_settling_write_is_done_waits_or_is_fenced(found: Any, outcome: str) -> None:
+    assert settling_outcome(found, 1) == outcome

@@ -11,21 +11,21 @@ command, or write for a session its generation no longer holds (the store refuse
 
 A store outage is waited out (store_retry.py), never by the supervise loop: the loop only asks,
 and the lease keeper's thread makes every store write of a running command (the renewal, the
-run's record, `settling`); the receipt is retried until the store is back, within the owner's
-store patience, while the keeper renews the lease. A retried write whose first attempt may have
-committed (its connection lost after COMMIT) is read back: found done by this owner at its
-generation, it is done, not a failure.
+run's record, `settling`: renewals.py); the receipt is retried until the store is back, within
+the owner's store patience, while the keeper renews the lease. A retried write whose first
+attempt may have committed (its connection lost after COMMIT) is read back: found done by this
+owner at its generation, it is done, not a failure. Over 400 lines: it is the one owner from
+running command to receipt, and its settle's steps read best in one place.
 """
 
 from __future__ import annotations
 
-import _thread
 import contextlib
 import os
 import resource
 import sys
 import time
-from collections.abc import Iterator
+from contextlib import AbstractContextManager
 
 from settled import faults, nothreads
 from settled.backends import seals_logs
@@ -49,11 +49,11 @@ from settled.owner.lease import (
     lease_seconds,
 )
 from settled.owner.local_beat import LocalBeat
+from settled.owner.renewals import KeeperWrites
 from settled.owner.signals import OwnerSignals
-from settled.owner.store_retry import PATIENCE_ENV, patience_s, with_retries
+from settled.owner.store_retry import PATIENCE_ENV, patience_s, receipt_recorded, with_retries
 from settled.owner.supervise import Outcome, Streams, Supervisor
 from settled.receipts import exit_fact, not_started_fact, process_receipt
-from settled.states import SETTLED, SETTLING, UNKNOWN
 from settled.store import Store, open_store
 
 TYPE_CHECKING = False  # loaded by every fresh owner while its command runs: no typing
@@ -113,12 +113,10 @@ class OwnerSession:
         self.spec = CommandSpec.from_json(self.record.spec)
         self.streams: Streams | None = None
         self.spawn_via: str | None = None  # clone3 or fork, once the command started
-        self.store_trouble: str | None = None  # the first renewal the store could not write
-        # what the keeper's thread writes with its next renewal (the loop never waits on it)
-        self._launch_pending: tuple[str, str | None, int, int | None] | None = None
-        self._settling_pending = False
-        self._syncing = _thread.allocate_lock()  # the keeper's index fsync, against its close
-        self._logs_closing = False
+        # what the keeper's thread writes (the loop never waits on the store): renewals.py
+        self.writes = KeeperWrites(
+            home, self.session, self.generation, self.lease_s, threads=_threads_allowed()
+        )
         self.lease = lease or LeaseKeeper(self.renewals, stale_after=STALE_BEATS * self.heartbeat_s)
         self.lease.beat = self.beat
         self.flusher = flusher or Flusher(flush_every(os.environ.get(FLUSH_ENV)))
@@ -167,7 +165,7 @@ class OwnerSession:
         self.timings["supervised_at"] = time.time()  # the session's imports and store: loaded
         self.spawn_via = via
         self.walls = walls
-        streams = self.streams = self._open_streams(pipes, logs)
+        streams = self.streams = self.writes.streams = self._open_streams(pipes, logs)
         # The first drain goes on reading while the loop is built, and hands over just before
         # the loop starts: a gap between the two would let both pipes fill, and the order
         # between a stdout and a stderr write made meanwhile could not be told.
@@ -189,8 +187,7 @@ class OwnerSession:
             outcome = supervisor.run(started)
         except StaleWrite as exc:
             return self._fenced(exc)
-        with self._syncing:  # the keeper renews on through the settle, and syncs no more
-            self._logs_closing = True
+        self.writes.logs_closing()  # the keeper renews on through the settle, syncs no more
         boundary.teardown()
         return self._settle(outcome, streams)
 
@@ -208,23 +205,9 @@ class OwnerSession:
     def _record_running(self, boundary: Boundary, pid: int, start_time: int | None) -> None:
         """The launcher records the pid and the boundary's ref when the owner reports; this
         makes sure of it (a launcher that died first), through the keeper's thread at the
-        renewal asked for now (`_keeper_work`). A fenced session raises StaleWrite there."""
-        self._launch_pending = (boundary.kind, boundary.ref, pid, start_time)
+        renewal asked for now (renewals.py). A fenced session raises StaleWrite there."""
+        self.writes.launch = (boundary.kind, boundary.ref, pid, start_time)
         self.lease.request()
-
-    def _record_launch(self, store: Store) -> None:
-        """In the keeper's thread. Not fsynced, as the launcher's: a pid names nothing after a
-        power cut."""
-        pending = self._launch_pending
-        if pending is None:
-            return
-        kind, ref, pid, start_time = pending
-        record = store.get_session(self.session)
-        if record.command_pid != pid or record.boundary_ref != ref:
-            store.record_launch(
-                self.session, self.generation, kind, ref, pid, start_time, durable=False
-            )
-        self._launch_pending = None
 
     def _fenced(self, exc: StaleWrite) -> int:
         # Fenced: recovery took this session over (we were stopped or starved past our
@@ -233,29 +216,11 @@ class OwnerSession:
         return 3
 
     def _settle_begin(self) -> None:
-        """Record that the session is settling, through the keeper's thread (`_keeper_work`).
+        """Record that the session is settling, through the keeper's thread (renewals.py).
         A store that refuses it or is out does not stop the owner: the receipt settles a
         running session as well (states.py), and draining matters more."""
-        self._settling_pending = True
+        self.writes.settling = True
         self.lease.request()
-
-    def _record_settling(self, store: Store) -> None:
-        """In the keeper's thread. A StaleWrite is read back: settling or settled by this owner
-        (a commit whose answer was lost, or the receipt first) is done; unknown at this
-        generation waits for the revival (this renewal's heartbeat made it, or the next will)."""
-        if not self._settling_pending:
-            return
-        try:
-            store.settle_begin(self.session, self.generation)
-        except StaleWrite:
-            record = store.get_session(self.session)
-            if record.generation != self.generation:
-                raise
-            if record.state == UNKNOWN:
-                return
-            if record.state not in (SETTLING, SETTLED):
-                raise
-        self._settling_pending = False
 
     def _open_streams(self, pipes: dict[str, int], logs: dict[str, int]) -> Streams:
         """The writers of the logs the command's pipes drain into: adopting the files created
@@ -273,60 +238,9 @@ class OwnerSession:
         index = IndexWriter(paths["index"], fd=logs.pop("index", None))
         return Streams(dict(pipes), writers, index=index, flusher=self.flusher)
 
-    @contextlib.contextmanager
-    def renewals(self) -> Iterator[Renew]:
-        """Entered in the lease keeper's thread at its first renewal: a store connection of its
-        own (a SQLite connection serves one thread), opened by the factory the owner's came from
-        at the first renewal that reaches the store."""
-        held: list[Store] = []
-        try:
-            yield lambda alive_at: self._heartbeat(held, alive_at)
-        finally:
-            for store in held:
-                store.close()
-
-    def _heartbeat(self, held: list[Store], alive_at: float) -> str | None:
-        """Renew the lease from `alive_at` (when the loop asked) and publish the durable cursors,
-        then make the writes the loop asked for (`_keeper_work`). Safe beside the loop's
-        appends: `sync` reads a writer's cursor once, and an append moves the cursor only after
-        its write returned, so the fsync covers every byte it names."""
-        assert self.streams is not None  # the loop asks only once the streams exist
-        durable = {name: writer.sync() for name, writer in self.streams.writers.items()}
-        with self._syncing:  # a closed writer's sync returns its cursor; the index's would fail
-            if self.streams.index is not None and not self._logs_closing:
-                self.streams.index.sync()
-
-        def renew() -> str | None:
-            if not held:
-                held.append(open_store(self.home, threads=_threads_allowed()))
-            cancel = held[0].heartbeat(
-                self.session,
-                self.generation,
-                alive_at + self.lease_s,
-                durable["stdout"],
-                durable["stderr"],
-            )
-            self._keeper_work(held[0])
-            return cancel
-
-        try:
-            cancel, _ = with_retries(renew, self.heartbeat_s / 2)
-        except (StorageFailed, StoreUnreachable) as exc:
-            # The store's disk refused the renewal, or the store is out: not a reason to stop
-            # draining. The lease is not extended; this beat fails and the next one tries
-            # again. On this host the local beat (the loop's request) keeps the owner alive
-            # meanwhile (local_beat.py); elsewhere, or if this outlasts the lease, the session
-            # may show unknown, and this owner's next renewal revives it unless recovery took
-            # it over (then StaleWrite: fenced).
-            self.store_trouble = self.store_trouble or str(exc)
-            return None
-        return cancel
-
-    def _keeper_work(self, store: Store) -> None:
-        """The writes the loop asked for, after a renewal (which revived the session if it
-        had become unknown): the run's record, then `settling`."""
-        self._record_launch(store)
-        self._record_settling(store)
+    def renewals(self) -> AbstractContextManager[Renew]:
+        """Entered in the lease keeper's thread at its first renewal (renewals.py)."""
+        return self.writes.connect()
 
     def _settle(self, outcome: Outcome, streams: Streams) -> int:
         summaries = streams.close()  # the flusher, then each log (fsynced), the index, the pipes
@@ -385,7 +299,7 @@ class OwnerSession:
         disk refuses it or the store stays out, leave the reason in the last words (whose
         block was reserved before the command ran), so recovery and status can say why this
         session is unknown instead of finding a silent owner. Fenced: exit 3, nothing said."""
-        self._settling_pending = False  # the receipt settles a running session as well
+        self.writes.settling = False  # the receipt settles a running session as well
         try:
             self._receipt_written(receipt, event)
         except StaleWrite as exc:
@@ -422,19 +336,15 @@ class OwnerSession:
                 self.store.write_receipt(self.session, self.generation, receipt, event=event)
             except StaleWrite:
                 found = self.store.get_session(self.session)
-                recorded = found.receipt or {}
-                if (
-                    found.generation != self.generation
-                    or recorded.get("digest") != receipt["digest"]
-                ):
+                if not receipt_recorded(found, self.generation, receipt["digest"]):
                     raise
 
         with_retries(attempt, self.patience_s, between=self.lease.request)
 
     def say_last_words(self, reason: str, **facts: Any) -> None:
         """Record why this owner ends without a receipt (also on its owner.log, if it can)."""
-        if self.store_trouble:
-            facts.setdefault("store_trouble", self.store_trouble)
+        if self.writes.trouble:
+            facts.setdefault("store_trouble", self.writes.trouble)
         if self.last_words is not None:
             self.last_words.record(reason, **facts)
         with contextlib.suppress(OSError, ValueError):

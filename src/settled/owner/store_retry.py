@@ -12,9 +12,11 @@ Only StoreUnreachable is retried: nothing was recorded by the call that met it, 
 connection was lost after its COMMIT was sent, the caller reads the outcome back (session.py).
 A refused write (StaleWrite) or a refusing disk (StorageFailed) is an answer, not an outage.
 
-`next_delay` and `gives_up` are pure (tests/test_store_retry.py hands them numbers);
-`with_retries` is the loop over them. Must never: sleep past the patience, retry a StaleWrite,
-or run on the owner's supervise loop (a renewal retries on the lease keeper's thread).
+`next_delay` and `gives_up` are pure (tests/test_store_retry.py hands them numbers), and so
+are the read-backs of a retried write refused as stale (`receipt_recorded`, `settling_outcome`:
+handed records); `with_retries` is the loop over them. Must never: sleep past the patience,
+retry a StaleWrite, or run on the owner's supervise loop (a renewal retries on the lease
+keeper's thread).
 """
 
 from __future__ import annotations
@@ -23,11 +25,14 @@ import os
 import time
 
 from settled.errors import StoreUnreachable
+from settled.states import SETTLED, SETTLING
 
 TYPE_CHECKING = False  # loaded by every fresh owner with its session: no typing at run time
 if TYPE_CHECKING:
     from collections.abc import Callable
     from typing import TypeVar
+
+    from settled.records import SessionRecord
 
     T = TypeVar("T")
 
@@ -78,3 +83,20 @@ def with_retries(
             between()
         sleep(delay)
         attempt += 1
+
+
+def receipt_recorded(found: SessionRecord, generation: int, digest: str) -> bool:
+    """Whether a receipt write refused as stale had in fact been made by an earlier attempt of
+    the same owner (its answer lost with the connection): this receipt, at its generation."""
+    recorded = found.receipt or {}
+    return found.generation == generation and recorded.get("digest") == digest
+
+
+def settling_outcome(found: SessionRecord, generation: int) -> str:
+    """What a `settling` write refused as stale means: "done" (settling or settled at the
+    owner's generation: an earlier attempt, or its receipt, came first), "fenced" (recovery
+    took it over: another generation), else "wait" (unknown at its generation: its next
+    renewal revives it, and `settling` is asked again)."""
+    if found.generation != generation:
+        return "fenced"
+    return "done" if found.state in (SETTLING, SETTLED) else "wait"
