@@ -141,15 +141,28 @@ def cut_off(cluster: pg.Cluster) -> Iterator[None]:
     try:
         import psycopg
 
+        _until(lambda: not _tcp_accepted(cluster), 10.0)  # the reload took effect
         with psycopg.connect(_local_url(cluster, "postgres"), autocommit=True) as admin:
-            admin.execute(
-                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
-                "WHERE client_addr IS NOT NULL AND pid <> pg_backend_pid()"
-            )
+            for _ in range(2):  # and again, for a connection that was mid-handshake
+                admin.execute(
+                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                    "WHERE client_addr IS NOT NULL AND pid <> pg_backend_pid()"
+                )
+                time.sleep(0.2)
         yield
     finally:
         _hba(cluster).write_text(original)
         pg._as_postgres(os.path.join(pg.PG_BIN, "pg_ctl"), "-D", cluster.data, "reload")
+
+
+def _tcp_accepted(cluster: pg.Cluster) -> bool:
+    import psycopg
+
+    try:
+        psycopg.connect(cluster.url(), connect_timeout=5).close()
+    except psycopg.OperationalError:
+        return False
+    return True
 
 
 def _local_url(cluster: pg.Cluster, database: str = pg.DATABASE) -> str:
