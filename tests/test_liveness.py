@@ -8,11 +8,13 @@ import signal
 import subprocess
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 
 from settled.boundary import procfs
 from settled.owner.liveness import HELD, HostedOwners, LocalOwners
+from settled.owner.local_beat import LocalBeat
 from settled.records import OwnerInfo
 
 
@@ -135,3 +137,27 @@ def test_past_its_share_of_descriptors_an_owner_is_looked_at_in_proc_and_not_hel
     processes[2].kill()
     processes[2].wait()
     assert _same(owners, LocalOwners()) == [True, True, False]
+
+
+def test_a_lapsed_lease_with_a_fresh_local_beat_is_alive_on_its_own_host(tmp_path: Path) -> None:
+    """The store was out, not the owner: its process and its loop's last request (local_beat.py)
+    say alive on its host; a stale beat, a beat that is gone or another host's look do not."""
+    home = str(tmp_path)
+    lapsed = _owner_of(os.getpid(), lease_s=-5.0)  # this process stands for the owner
+    beat = LocalBeat(home, lease_s=2.0)
+    assert LocalOwners(home).facts(lapsed).alive is False  # no beat yet: the lease alone
+    beat(time.time())
+    facts = LocalOwners(home).facts(lapsed)
+    assert (facts.alive, facts.lease_fresh, facts.process_alive) == (True, False, True)
+    assert _same([lapsed], LocalOwners(home)) == [True]
+    assert LocalOwners().facts(lapsed).alive is False  # no home given: the lease alone
+    elsewhere = OwnerInfo(lapsed.pid, lapsed.start_time, lapsed.boot_id, lapsed.lease_until, "a")
+    assert HostedOwners("b", home).facts(elsewhere).alive is False  # another host's: lease
+    assert HostedOwners("a", home).facts(elsewhere).alive is True
+    beat(time.time() - 2.5)  # the loop last asked longer ago than its lease: stuck or stopped
+    assert LocalOwners(home).facts(lapsed).alive is False
+    beat(time.time())
+    other_boot = OwnerInfo(lapsed.pid, lapsed.start_time, "another-boot", lapsed.lease_until)
+    assert LocalOwners(home).facts(other_boot).alive is False
+    beat.close()  # the owner ended: its beat is gone
+    assert LocalOwners(home).facts(lapsed).alive is False

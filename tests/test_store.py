@@ -279,8 +279,9 @@ def drive(store: Store, task: str, state: str) -> SessionRecord:
         store.settle_begin(s, g)
     elif state == SETTLED:
         store.write_receipt(s, g, receipt())
-    elif state == UNKNOWN:
-        store.write_receipt(s, g, receipt(), event="lose")
+    elif state == UNKNOWN:  # as a detector loses a claimed session: no receipt
+        store.claim(s, g, OWNER)
+        store.mark_unknown(s, g, "its owner's lease lapsed")
     record = store.get_session(s)
     assert record.state == state
     return record
@@ -293,6 +294,8 @@ def apply(store: Store, record: SessionRecord, event: str, generation: int | Non
         store.claim(record.session, g, OWNER)
     elif event == "settle_begin":
         store.settle_begin(record.session, g)
+    elif event == "revive":  # the owner's heartbeat at its generation
+        store.heartbeat(record.session, g, 2e9, 0, 0)
     else:
         store.write_receipt(record.session, g, receipt(), event=event)
 
@@ -833,6 +836,9 @@ def test_heartbeat_on_a_session_not_claimed_and_live_raises_stale_write(
     store: Store, state: str
 ) -> None:
     record = drive(store, new_task(store), state)
+    if state == UNKNOWN:  # one its owner settled unproven (a detector's is revived: the fence)
+        record = drive(store, new_task(store), RUNNING)
+        record = store.write_receipt(record.session, record.generation, receipt(), event="lose")
     with pytest.raises(StaleWrite, match=record.session):
         store.heartbeat(record.session, record.generation, 2e9, 1, 1)
     assert store.get_session(record.session) == record
@@ -942,15 +948,74 @@ def test_a_receipt_with_event_lose_makes_the_session_unknown(store: Store) -> No
     assert lost.receipt == receipt()
 
 
-def test_an_unknown_session_settles_only_by_recover(store: Store) -> None:
-    record = drive(store, new_task(store), UNKNOWN)
+def test_an_unknown_session_its_owner_settled_unproven_settles_only_by_recover(
+    store: Store,
+) -> None:
+    claimed = drive(store, new_task(store), RUNNING)
+    store.write_receipt(claimed.session, claimed.generation, receipt(), event="lose")
+    record = store.get_session(claimed.session)
+    assert record.state == UNKNOWN
     with pytest.raises(StaleWrite):
         store.write_receipt(record.session, record.generation, receipt())
+    with pytest.raises(StaleWrite):  # nor does its owner's heartbeat revive it
+        store.heartbeat(record.session, record.generation, 2e9, 0, 0)
     recovered = store.write_receipt(
         record.session, record.generation, receipt(source="recovery"), event="recover"
     )
     assert recovered.state == SETTLED
     assert recovered.receipt == receipt(source="recovery")
+
+
+# --- the fence: an owner back after an outage, or recovery, never both ------------------------
+
+
+def test_an_owner_back_before_a_take_over_revives_its_session_and_fences_recovery(
+    store: Store,
+) -> None:
+    record = drive(store, new_task(store), UNKNOWN)
+    s, g = record.session, record.generation
+    assert store.heartbeat(s, g, 2e9, 3, 4) is None  # the owner's renewal, after the outage
+    revived = store.get_session(s)
+    assert (revived.state, revived.generation, revived.unknown_why) == (RUNNING, g, None)
+    assert revived.owner is not None and revived.owner.lease_until == 2e9
+    with pytest.raises(StaleWrite, match="not unknown"):
+        store.take_over(s, g)  # recovery comes second: it takes nothing
+    settled = store.write_receipt(s, g, receipt())
+    assert (settled.state, settled.generation) == (SETTLED, g)
+
+
+def test_an_owner_late_receipt_settles_an_unknown_session_nobody_took_over(store: Store) -> None:
+    record = drive(store, new_task(store), UNKNOWN)
+    settled = store.write_receipt(record.session, record.generation, receipt())
+    assert (settled.state, settled.generation) == (SETTLED, record.generation)
+    assert settled.receipt == receipt()
+    with pytest.raises(StaleWrite):
+        store.take_over(record.session, record.generation)
+
+
+def test_after_a_take_over_every_write_of_the_old_owner_is_stale(store: Store) -> None:
+    record = drive(store, new_task(store), UNKNOWN)
+    s, g = record.session, record.generation
+    assert store.take_over(s, g) == g + 1
+    for late in (
+        lambda: store.heartbeat(s, g, 2e9, 0, 0),
+        lambda: store.write_receipt(s, g, receipt()),
+        lambda: store.settle_begin(s, g),
+        lambda: store.record_launch(s, g, "cgroup2", "ref", 1, 2),
+    ):
+        with pytest.raises(StaleWrite):
+            late()
+    assert store.get_session(s).state == UNKNOWN
+    recovered = store.write_receipt(s, g + 1, receipt(source="recovery"), event="recover")
+    assert (recovered.state, recovered.receipt) == (SETTLED, receipt(source="recovery"))
+
+
+def test_a_never_claimed_unknown_session_is_not_revived_by_a_heartbeat(store: Store) -> None:
+    record = admit(store, new_task(store))
+    lost = store.mark_unknown(record.session, record.generation, "no owner claimed it")
+    with pytest.raises(StaleWrite):
+        store.heartbeat(lost.session, lost.generation, 2e9, 0, 0)
+    assert store.get_session(lost.session).state == UNKNOWN
 
 
 def test_write_receipt_refuses_events_that_do_not_settle(store: Store) -> None:
@@ -993,7 +1058,13 @@ def test_settled_is_final_and_every_live_state_can_become_unknown() -> None:
     assert {s for (s, e) in SESSION_TRANSITIONS if e == "lose"} == set(LIVE_STATES)
     assert set(SESSION_STATES) - {SETTLED} == set(LIVE_STATES) | {UNKNOWN}
     assert SESSION_TRANSITIONS[(UNKNOWN, "recover")] == SETTLED
-    assert [key for key in SESSION_TRANSITIONS if key[0] == UNKNOWN] == [(UNKNOWN, "recover")]
+    # an unknown session ends by recovery's receipt, or by its own owner's return (a late
+    # receipt, or a heartbeat that revives it), never by anything else
+    assert {key: v for key, v in SESSION_TRANSITIONS.items() if key[0] == UNKNOWN} == {
+        (UNKNOWN, "recover"): SETTLED,
+        (UNKNOWN, "receipt"): SETTLED,
+        (UNKNOWN, "revive"): RUNNING,
+    }
 
 
 def _cases(pairs: list[tuple[str, str]]) -> list[Any]:
@@ -1001,7 +1072,12 @@ def _cases(pairs: list[tuple[str, str]]) -> list[Any]:
 
 
 LEGAL = sorted(SESSION_TRANSITIONS)
-ILLEGAL = sorted(set(itertools.product(SESSION_STATES, EVENTS)) - set(SESSION_TRANSITIONS))
+# The owner's heartbeat performs "revive" on an unknown session; on a live one it renews the
+# lease and changes no state (the heartbeat tests), so those two pairs are neither.
+RENEWALS = {(RUNNING, "revive"), (SETTLING, "revive")}
+ILLEGAL = sorted(
+    set(itertools.product(SESSION_STATES, EVENTS)) - set(SESSION_TRANSITIONS) - RENEWALS
+)
 
 
 @pytest.mark.parametrize(("state", "event"), _cases(LEGAL))
@@ -1047,7 +1123,10 @@ def test_transitions_out_of_settling_with_settling_arranged_directly(
     record = store.get_session(record.session)
     assert (record.state, record.stdout_durable, record.boundary_ref) == (SETTLING, 7, "ref")
     expected = SESSION_TRANSITIONS.get((SETTLING, event))
-    if expected is None:
+    if (SETTLING, event) in RENEWALS:
+        apply(store, record, event)
+        assert store.get_session(record.session).state == SETTLING
+    elif expected is None:
         with pytest.raises(StaleWrite, match=record.session):
             apply(store, record, event)
         assert store.get_session(record.session) == record

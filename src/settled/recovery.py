@@ -235,8 +235,8 @@ class Recovery:
         what `recovery_verdict` decides from what was seen."""
         try:
             generation = self.store.take_over(record.session, record.generation)
-        except StaleWrite as exc:
-            return skipped(record.session, str(exc))
+        except StaleWrite as exc:  # another recovery took it, or its owner came back and settled
+            return settled_by_another(self.store.get_session(record.session), str(exc))
         faults.point("recovery.after_take_over")
         killed_at = time.monotonic()  # inspect kills what is left of the command
         evidence = given or self.sandbox.inspect(record, self.store.get_task(record.task))

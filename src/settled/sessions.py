@@ -219,11 +219,14 @@ class SessionWatch:
         return self.status(session)
 
     def _owner_still_runs(self, session: str) -> bool:
+        """Whether a waiter keeps waiting: a live session's owner process runs, or an unknown
+        session's owner is alive by its local beat (cut off from the store, it comes back
+        with its receipt unless recovery takes the session over: states.py)."""
         record = self.store.get_session(session)
-        if not record.live:
-            return False
         facts = self.owner_facts(record)
-        return facts is not None and facts.process_alive
+        if record.state == UNKNOWN:
+            return facts is not None and facts.alive and record.receipt is None
+        return record.live and facts is not None and facts.process_alive
 
 
 class _Pause:

@@ -8,8 +8,18 @@ generation. Nothing here does I/O; everything that changes what a transition mea
     admitted --receipt--> settled          (cancelled or unstartable before it ran)
     running  --receipt--> settled          (the owner may settle in one step)
     admitted|running|settling --lose--> unknown --recover--> settled
+    unknown --receipt--> settled           (the owner's late receipt: nobody took over)
+    unknown --revive--> running            (the owner's heartbeat: nobody took over)
 
 `exit` (code, signal, timeout, cancel) is part of the receipt, never a state.
+
+Unknown says "no one has shown the owner alive lately", not "the owner is dead": an owner cut
+off from the store (an outage longer than its lease) comes back at its own generation. Its
+heartbeat then revives the session and its receipt settles it, each only while the session is
+unknown at that generation and carries no receipt (store/sql.py). Recovery's `take_over` is a
+compare-and-set on the same (unknown, generation) that moves the generation on, so exactly one
+of the two wins: after a take-over every write of the old owner is StaleWrite, and after a
+revival or a late receipt the take-over is (docs/DESIGN.md "recovery", the fence).
 """
 
 from __future__ import annotations
@@ -43,7 +53,13 @@ SESSION_TRANSITIONS: Final[dict[tuple[str, str], str]] = {
     (RUNNING, "lose"): UNKNOWN,
     (SETTLING, "lose"): UNKNOWN,
     (UNKNOWN, "recover"): SETTLED,
+    (UNKNOWN, "receipt"): SETTLED,
+    (UNKNOWN, "revive"): RUNNING,
 }
+
+# The events of a session's own owner that an unknown session takes back at the same generation
+# (only with no receipt recorded: an owner that settled it unproven ("lose") said its last word).
+OWNER_RETURNS: Final = frozenset({"receipt", "revive"})
 
 TASK_OPEN: Final = "open"
 TASK_SEALED: Final = "sealed"

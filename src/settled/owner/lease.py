@@ -11,7 +11,14 @@ The lease still means "the supervise loop is alive", never "a thread is alive":
   asked (`alive_at`), never at the moment the store answers;
 - a request older than `stale_after` is dropped unrenewed (the loop has not asked since, so it may
   be stuck), unless the loop is waiting for exactly that answer (`confirm`);
-so a stuck or SIGSTOPped loop asks for nothing and its lease runs out as it always did.
+so a stuck or SIGSTOPped loop asks for nothing and its lease runs out as it always did. Each
+request is also written, by the loop's thread, as the owner's local beat (`beat`: local_beat.py),
+which keeps a live owner alive on its own host while the store is out and its lease lapses.
+
+A renewal that meets an outage is the owner's to wait out (store_retry.py): the renew function
+returns without renewing (that beat fails, the next one tries again) and never blocks the loop.
+The keeper lives until the owner's receipt is written: the owner asks for renewals while it
+settles, so a slow settle (a seal, a receipt waiting for its store) never lapses its lease.
 
 What comes back, comes back to the loop: the first cancel reason, or the failure of a renewal
 (StaleWrite when the session was fenced, or any other exception), makes `fileno()` (an eventfd the
@@ -25,7 +32,7 @@ thread holds nothing but a blocked read of its eventfd. Built on `_thread` and e
 threading: a fresh owner starts it on its launch path, where threading's imports (functools,
 collections) would cost it several ms.
 
-Must never: renew without a request from the loop, swallow a failure, or outlive `close()`.
+Must never: renew without a request from the owner, swallow a failure, or outlive `close()`.
 """
 
 from __future__ import annotations
@@ -72,6 +79,7 @@ class LeaseKeeper:
     def __init__(self, connect: Connect, *, stale_after: float) -> None:
         self._connect = connect
         self._stale_after = stale_after
+        self.beat: Callable[[float], None] | None = None  # the local beat, set by the owner
         self._mutex = _thread.allocate_lock()  # guards every field below
         self._asked = 0
         self._answered = 0
@@ -117,11 +125,15 @@ class LeaseKeeper:
 
     def _ask(self, *, waiting: bool) -> int:
         with self._mutex:
+            if self._stopping:  # closed or closing (the owner asks while it settles): no-op
+                return self._asked
             self._asked += 1
-            self._pending = _Request(self._asked, time.monotonic(), time.time())
+            request = self._pending = _Request(self._asked, time.monotonic(), time.time())
             if waiting:
                 self._waited_for = self._asked
             number = self._asked
+        if self.beat is not None:
+            self.beat(request.alive_at)  # never raises (local_beat.py)
         os.eventfd_write(self._work, 1)
         return number
 

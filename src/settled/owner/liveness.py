@@ -7,6 +7,9 @@ that the Runtime, the close join and recovery ask questions and never touch proc
 
 `LocalOwners` answers for owners on this host. An owner that runs elsewhere (inside a remote
 sandbox) has no pid here; its `Liveness` is a new module that answers from the lease alone.
+Given the home, an owner on this host whose lease lapsed is still alive while its process is
+and its local beat (local_beat.py: when its loop last asked for a renewal) is within its lease:
+the store was out, not the owner.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import time
 
 from settled.boundary import procfs
 from settled.owner import receipt_wake
+from settled.owner.local_beat import beat_fresh
 from settled.records import OwnerFacts, OwnerInfo
 
 TYPE_CHECKING = False
@@ -112,7 +116,11 @@ os.register_at_fork(after_in_child=HELD.after_fork)
 
 
 class LocalOwners:
-    """Owners on this host, checked by pid + start time + boot id, and by their lease."""
+    """Owners on this host, checked by pid + start time + boot id, and by their lease (or,
+    given the `home` they run for, their local beat)."""
+
+    def __init__(self, home: str | None = None) -> None:
+        self.home = home
 
     def facts(self, owner: OwnerInfo, now: float | None = None) -> OwnerFacts:
         now = time.time() if now is None else now
@@ -132,8 +140,7 @@ class LocalOwners:
         alive = dict(zip(map(id, here), HELD.alive(here), strict=True))
         return [self._from_look(owner, alive.get(id(owner)), now) for owner in owners]
 
-    @staticmethod
-    def _from_look(owner: OwnerInfo, alive: bool | None, now: float) -> OwnerFacts:
+    def _from_look(self, owner: OwnerInfo, alive: bool | None, now: float) -> OwnerFacts:
         """`facts`'s answer from a look already made (`alive` None: another boot's owner)."""
         lease_fresh = owner.lease_until > now
         if alive is None:
@@ -142,6 +149,8 @@ class LocalOwners:
             return OwnerFacts(
                 False, f"owner pid {owner.pid} is gone (or is another process now)", lease_fresh
             )
+        if not lease_fresh and self.home is not None and beat_fresh(self.home, owner, now):
+            return OwnerFacts(True, None, False, process_alive=True)  # the store was out
         if not lease_fresh:
             return OwnerFacts(
                 False,
@@ -201,7 +210,8 @@ class HostedOwners(LocalOwners):
     is fresh and never "gone" for a reason read on this host; no handle waits on it and no signal
     reaches it (it reads a cancel request at its next heartbeat)."""
 
-    def __init__(self, host: str) -> None:
+    def __init__(self, host: str, home: str | None = None) -> None:
+        super().__init__(home)
         self.host = host
 
     def _elsewhere(self, owner: OwnerInfo) -> bool:

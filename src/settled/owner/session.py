@@ -9,6 +9,14 @@ summaries, the terminal mutation, the receipt (or, when it cannot be written, th
 then the seal of its logs, after the receipt and never at its cost (owner/sealing.py).
 Also writes the receipt of a session whose command never started. Must never: run a second
 command, or write for a session its generation no longer holds (the store refuses: StaleWrite).
+
+A store outage is waited out (store_retry.py), never by the supervise loop: the loop only asks,
+and the lease keeper's thread makes every store write of a running command (the renewal, the
+run's record, `settling`: renewals.py); the receipt is retried until the store is back, within
+the owner's store patience, while the keeper renews the lease. A retried write whose first
+attempt may have committed (its connection lost after COMMIT) is read back: found done by this
+owner at its generation, it is done, not a failure. Over 400 lines: it is the one owner from
+running command to receipt, and its settle's steps read best in one place.
 """
 
 from __future__ import annotations
@@ -18,7 +26,7 @@ import os
 import resource
 import sys
 import time
-from collections.abc import Iterator
+from contextlib import AbstractContextManager
 
 from settled import faults, nothreads
 from settled.backends import seals_logs
@@ -26,7 +34,7 @@ from settled.boundary import linux
 from settled.boundary.base import Boundary
 from settled.boundary.isolation import IsolationPlan
 from settled.boundary.pidns import threads_refused
-from settled.errors import StaleWrite, StorageFailed
+from settled.errors import StaleWrite, StorageFailed, StoreUnreachable
 from settled.home import SpaceGuard, journal_socket, storage_error
 from settled.identity import CommandSpec
 from settled.log.flush import FLUSH_ENV, Flusher, flush_every
@@ -41,7 +49,10 @@ from settled.owner.lease import (
     Renew,
     lease_seconds,
 )
+from settled.owner.local_beat import LocalBeat
+from settled.owner.renewals import KeeperWrites
 from settled.owner.signals import OwnerSignals
+from settled.owner.store_retry import PATIENCE_ENV, patience_s, receipt_recorded, with_retries
 from settled.owner.supervise import Outcome, Streams, Supervisor
 from settled.receipts import exit_fact, not_started_fact, process_receipt
 from settled.store import Store, open_store
@@ -98,18 +109,41 @@ class OwnerSession:
         self.heartbeat_s = self.lease_s / HEARTBEATS_PER_LEASE
         self.oom = oom
         self.walls: Walls | None = None
-        self.store: Store = store or open_store(home, threads=_threads_allowed())
-        self.record = record or self.store.get_session(self.session)
+        self.patience_s = patience_s()
+        self.beat = LocalBeat(home, self.lease_s)  # the loop's requests (and the wait below)
+        self.store, self.record = self._store_and_record(store, record)
         self.spec = CommandSpec.from_json(self.record.spec)
         self.streams: Streams | None = None
         self.spawn_via: str | None = None  # clone3 or fork, once the command started
-        self.store_trouble: str | None = None  # the first renewal the store could not write
+        # what the keeper's thread writes (the loop never waits on the store): renewals.py
+        self.writes = KeeperWrites(
+            home, self.session, self.generation, self.lease_s, threads=_threads_allowed()
+        )
         self.lease = lease or LeaseKeeper(self.renewals, stale_after=STALE_BEATS * self.heartbeat_s)
+        self.lease.beat = self.beat
         self.flusher = flusher or Flusher(flush_every(os.environ.get(FLUSH_ENV)))
         self.splice = splice
 
+    def _store_and_record(
+        self, store: Store | None, record: SessionRecord | None
+    ) -> tuple[Store, SessionRecord]:
+        """The home's store (opened ahead, or now) and the session's record, through an outage
+        within the owner's patience. The command runs meanwhile and the first drain reads both
+        pipes (the loop has not started: its deadline is kept from its first turn on), and
+        each retry is a local beat: this owner is alive, its store is not."""
+        held = [store] if store is not None else []
+
+        def read() -> SessionRecord:
+            if not held:
+                held.append(open_store(self.home, threads=_threads_allowed()))
+            return record or held[0].get_session(self.session)
+
+        found, _ = with_retries(read, self.patience_s, between=lambda: self.beat(time.time()))
+        return held[0], found
+
     def close(self) -> None:
         self.lease.close()
+        self.beat.close()
         self.flusher.close()
         self.store.close()
 
@@ -133,7 +167,7 @@ class OwnerSession:
         self.timings["supervised_at"] = time.time()  # the session's imports and store: loaded
         self.spawn_via = via
         self.walls = walls
-        streams = self.streams = self._open_streams(pipes, logs)
+        streams = self.streams = self.writes.streams = self._open_streams(pipes, logs)
         # The first drain goes on reading while the loop is built, and hands over just before
         # the loop starts: a gap between the two would let both pipes fill, and the order
         # between a stdout and a stderr write made meanwhile could not be told.
@@ -155,6 +189,7 @@ class OwnerSession:
             outcome = supervisor.run(started)
         except StaleWrite as exc:
             return self._fenced(exc)
+        self.writes.logs_closing()  # the keeper renews on through the settle, syncs no more
         boundary.teardown()
         return self._settle(outcome, streams)
 
@@ -171,20 +206,10 @@ class OwnerSession:
 
     def _record_running(self, boundary: Boundary, pid: int, start_time: int | None) -> None:
         """The launcher records the pid and the boundary's ref when the owner reports; this
-        makes sure of it (a launcher that died first). Not fsynced, as the launcher's: a pid
-        names nothing after a power cut. A fenced session raises StaleWrite."""
-        record = self.store.get_session(self.session)
-        if record.command_pid == pid and record.boundary_ref == boundary.ref:
-            return
-        self.store.record_launch(
-            self.session,
-            self.generation,
-            boundary.kind,
-            boundary.ref,
-            pid,
-            start_time,
-            durable=False,
-        )
+        makes sure of it (a launcher that died first), through the keeper's thread at the
+        renewal asked for now (renewals.py). A fenced session raises StaleWrite there."""
+        self.writes.launch = (boundary.kind, boundary.ref, pid, start_time)
+        self.lease.request()
 
     def _fenced(self, exc: StaleWrite) -> int:
         # Fenced: recovery took this session over (we were stopped or starved past our
@@ -193,12 +218,11 @@ class OwnerSession:
         return 3
 
     def _settle_begin(self) -> None:
-        """Record that the session is settling. A disk that refuses it does not stop the owner:
-        the receipt settles a running session as well (states.py), and draining matters more."""
-        try:
-            self.store.settle_begin(self.session, self.generation)
-        except StorageFailed as exc:
-            self.store_trouble = self.store_trouble or str(exc)
+        """Record that the session is settling, through the keeper's thread (renewals.py).
+        A store that refuses it or is out does not stop the owner: the receipt settles a
+        running session as well (states.py), and draining matters more."""
+        self.writes.settling = True
+        self.lease.request()
 
     def _open_streams(self, pipes: dict[str, int], logs: dict[str, int]) -> Streams:
         """The writers of the logs the command's pipes drain into: adopting the files created
@@ -216,42 +240,13 @@ class OwnerSession:
         index = IndexWriter(paths["index"], fd=logs.pop("index", None))
         return Streams(dict(pipes), writers, index=index, flusher=self.flusher)
 
-    @contextlib.contextmanager
-    def renewals(self) -> Iterator[Renew]:
-        """Entered in the lease keeper's thread at its first renewal: a store connection of its
-        own (a SQLite connection serves one thread), opened by the factory the owner's came from."""
-        store = open_store(self.home, threads=_threads_allowed())
-        try:
-            yield lambda alive_at: self._heartbeat(store, alive_at)
-        finally:
-            store.close()
-
-    def _heartbeat(self, store: Store, alive_at: float) -> str | None:
-        """Renew the lease from `alive_at` (when the loop asked) and publish the durable cursors.
-        Safe beside the loop's appends: `sync` reads a writer's cursor once, and an append moves
-        the cursor only after its write returned, so the fsync covers every byte it names."""
-        assert self.streams is not None  # the loop asks only once the streams exist
-        durable = {name: writer.sync() for name, writer in self.streams.writers.items()}
-        if self.streams.index is not None:
-            self.streams.index.sync()
-        try:
-            return store.heartbeat(
-                self.session,
-                self.generation,
-                alive_at + self.lease_s,
-                durable["stdout"],
-                durable["stderr"],
-            )
-        except StorageFailed as exc:
-            # The store's disk refused the renewal: not a reason to stop draining. The lease is
-            # not extended, so if this lasts, the session shows unknown (and recovery may fence
-            # this owner) exactly as for a starved owner; the next beat tries again.
-            self.store_trouble = self.store_trouble or str(exc)
-            return None
+    def renewals(self) -> AbstractContextManager[Renew]:
+        """Entered in the lease keeper's thread at its first renewal (renewals.py)."""
+        return self.writes.connect()
 
     def _settle(self, outcome: Outcome, streams: Streams) -> int:
-        self.lease.close()  # ended by the supervisor already; no thread outlives the settle
         summaries = streams.close()  # the flusher, then each log (fsynced), the index, the pipes
+        self.lease.request()  # renewed through the settle; closed once the receipt is written
         assert outcome.evidence is not None
         terminal_mutation = self._terminal_mutation()
         now = time.monotonic()
@@ -301,12 +296,18 @@ class OwnerSession:
         return self._sealed(self._write_receipt(receipt, event))
 
     def _write_receipt(self, receipt: dict[str, Any], event: str = "receipt") -> int:
-        """Write the receipt; if the disk refuses it, leave the reason in the last words (whose
+        """Write the receipt, through a store outage within the owner's store patience while
+        the keeper renews the lease (asked before each retry); then the keeper ends. If the
+        disk refuses it or the store stays out, leave the reason in the last words (whose
         block was reserved before the command ran), so recovery and status can say why this
-        session is unknown instead of finding a silent owner."""
+        session is unknown instead of finding a silent owner. Fenced: exit 3, nothing said."""
+        self.writes.settling = False  # the receipt settles a running session as well
         try:
-            faults.point("owner.receipt_write")
-            self.store.write_receipt(self.session, self.generation, receipt, event=event)
+            self._receipt_written(receipt, event)
+        except StaleWrite as exc:
+            return self._fenced(exc)
+        except StoreUnreachable as exc:
+            failure = f"{exc} (retried for {self.patience_s:g} s, {PATIENCE_ENV})"
         except StorageFailed as exc:
             failure = str(exc)
         except OSError as exc:
@@ -314,6 +315,8 @@ class OwnerSession:
         else:
             self.ready.close()  # a waiter in the launching process wakes now (receipt_wake.py)
             return 0
+        finally:
+            self.lease.close()
         self.say_last_words(
             f"the owner could not write its receipt: {failure}",
             receipt=receipt["digest"],
@@ -324,10 +327,26 @@ class OwnerSession:
         )
         return 4
 
+    def _receipt_written(self, receipt: dict[str, Any], event: str) -> None:
+        """Write the receipt, retried through an outage. A retry refused as stale is read
+        back: the receipt recorded at this generation is this one (the first attempt
+        committed, its answer lost) or this owner was fenced (StaleWrite raised)."""
+
+        def attempt() -> None:
+            faults.point("owner.receipt_write")
+            try:
+                self.store.write_receipt(self.session, self.generation, receipt, event=event)
+            except StaleWrite:
+                found = self.store.get_session(self.session)
+                if not receipt_recorded(found, self.generation, receipt["digest"]):
+                    raise
+
+        with_retries(attempt, self.patience_s, between=self.lease.request)
+
     def say_last_words(self, reason: str, **facts: Any) -> None:
         """Record why this owner ends without a receipt (also on its owner.log, if it can)."""
-        if self.store_trouble:
-            facts.setdefault("store_trouble", self.store_trouble)
+        if self.writes.trouble:
+            facts.setdefault("store_trouble", self.writes.trouble)
         if self.last_words is not None:
             self.last_words.record(reason, **facts)
         with contextlib.suppress(OSError, ValueError):

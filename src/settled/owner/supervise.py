@@ -196,15 +196,12 @@ class Supervisor:
     # -- the loop ------------------------------------------------------------------------
 
     def run(self, started: float) -> Outcome:
-        """Supervise to death evidence. The lease keeper (started by the owner) renews only when
-        this loop asks and is closed before this returns; a renewal's failure is raised here,
-        even one that came back after the loop's last look."""
-        try:
-            self._supervise(started)
-            self.lease.stop()  # no renewal is asked for after the loop, as before
-            outcome = self._finish()
-        finally:
-            self.lease.close()
+        """Supervise to death evidence. The lease keeper (started by the owner) renews when this
+        loop asks, and outlives it: the owner asks for renewals while it settles and closes the
+        keeper once its receipt is written. A renewal's failure is raised here, even one that
+        came back after the loop's last look."""
+        self._supervise(started)
+        outcome = self._finish()
         self.lease.collect()
         return outcome
 

@@ -143,7 +143,7 @@ class Composition:
         self.host = self.store.register_host(ensure_home_id(self.home), name, self.home).host
         self.sessions = SessionWatch(
             self.store,
-            HostedOwners(self.host),
+            HostedOwners(self.host, self.home),
             last_words=self._last_words,
             recover=self._recover_lost,
         )

@@ -22,8 +22,12 @@ schema's channel with "task session" as its payload, delivered at commit; `await
 a connection of its own that LISTENs.
 
 Connection failures, a wrong password or a missing database are one StoreUnreachable naming
-host:port/database and the server's reason, with the password scrubbed. There is no home check:
-a PostgreSQL store is shared by many homes. Never touches processes, logs or the workspace.
+host:port/database and the server's reason, with the password scrubbed. A connection that
+failed is never used again (the pool discards a broken one; the single connection of a process
+without threads is dropped at its first failure, a lost LISTEN connection at the next wait), so
+a caller that retries after a server restart connects afresh (owner/store_retry.py). There is
+no home check: a PostgreSQL store is shared by many homes. Never touches processes, logs or
+the workspace.
 """
 
 from __future__ import annotations
@@ -189,7 +193,20 @@ class PostgresStore(SQLStore):
         with self._single_lock:
             if self._single is None or self._single.closed or self._single.broken:
                 self._single = self._connect()
-            yield self._single
+            try:
+                yield self._single
+            except pgerrors.TransactionRollback:
+                raise  # the transaction is retried on the same, healthy connection
+            except (psycopg.OperationalError, psycopg.InterfaceError):
+                self._drop_single()  # lost or refused: the next call connects afresh
+                raise
+
+    def _drop_single(self) -> None:
+        """Forget the one connection (held under its lock), closing what is left of it."""
+        single, self._single = self._single, None
+        if single is not None:
+            with contextlib.suppress(psycopg.Error, OSError):
+                single.close()
 
     @contextlib.contextmanager
     def _unreachable(self) -> Iterator[None]:
@@ -273,7 +290,8 @@ class PostgresStore(SQLStore):
         give_up = time.monotonic() + max(0.0, seconds)
         wanted = set(topics)
         with self._listen_lock, self._unreachable():
-            if self._listener is None:
+            if self._listener is None or self._listener.closed or self._listener.broken:
+                self._listener = None  # a lost one: listen again, and say so by returning
                 listener = self._connect()
                 listener.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self._channel)))
                 self._listener = listener

@@ -29,8 +29,10 @@ from settled.receipts import checked, seal_refusal
 from settled.records import HostRecord, LiveSession, OwnerInfo, SessionRecord, TaskRecord
 from settled.states import (
     ADMITTED,
+    OWNER_RETURNS,
     TASK_COMPLETE,
     TASK_OPEN,
+    UNKNOWN,
     IllegalTransition,
     next_session_state,
     next_task_state,
@@ -457,16 +459,22 @@ class SQLStore:
             )
         row = self._run(
             cur,
-            "SELECT task, state, generation FROM sessions WHERE session=? FOR UPDATE",
+            "SELECT task, state, generation, receipt IS NULL, owner IS NOT NULL FROM sessions "
+            "WHERE session=? FOR UPDATE",
             (session,),
         ).fetchone()
         if row is None:
             raise UnknownSession(session)
-        task, state, current_generation = row
+        task, state, current_generation, no_receipt, owned = row
         if state not in expected or current_generation != generation:
             raise StaleWrite(
                 f"session {session}: {event} expects state in {list(expected)} at generation "
                 f"{generation}, found {state!r} at generation {current_generation}"
+            )
+        if state == UNKNOWN and event in OWNER_RETURNS and not (no_receipt and owned):
+            raise StaleWrite(  # its owner settled it unproven ("lose"), or none ever claimed it
+                f"session {session}: {event} of an unknown session is its owner's return, "
+                "and this one has a receipt already or was never claimed"
             )
         new_state = next_session_state(state, event)
         assignments = "".join(f", {column}=?" for column in sets)
@@ -550,16 +558,21 @@ class SQLStore:
     ) -> str | None:
         """Not made durable: a renewal lost to a power cut is harmless, since the next boot has
         another boot id, and 200 owners renewing every few seconds must not queue behind 200
-        flushes a second."""
+        flushes a second. A session that became unknown at this generation (its owner was cut
+        off from the store past its lease) and that nobody took over is revived: its owner is
+        back (states.py, `revive`)."""
 
         def work(cur: Cursor) -> str | None:
             row = self._run(
                 cur,
-                "SELECT owner, cancel_requested FROM sessions WHERE session=? FOR UPDATE",
+                "SELECT owner, cancel_requested, state, generation FROM sessions "
+                "WHERE session=? FOR UPDATE",
                 (session,),
             ).fetchone()
             if row is None:
                 raise UnknownSession(session)
+            if row[2] == UNKNOWN and row[3] == generation:
+                self._transition(cur, session, generation, "revive", {"unknown_why": None})
             owner = json.loads(row[0]) if row[0] else {}
             owner["lease_until"] = lease_until
             task = self._update_live(cur, session, generation, {"owner": json.dumps(owner)})
