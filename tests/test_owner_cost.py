@@ -105,9 +105,9 @@ def test_a_remote_homes_zygote_imports_its_backends_once_and_its_owners_seal_wit
     assert _tcp_sockets_of(zygote) == []  # nor a connection a fork would share
     for receipt in receipts:
         assert receipt["exit"]["code"] == 0
-        sealed = receipt["output"]["stdout"]["sealed"]
+        status = _sealed_status(remote_cli, receipt["session"])  # the seal follows the receipt
+        sealed = status["sealed"]["stdout"]
         assert sealed["chunks"] == 1 and sealed["manifest"].startswith("blake3:"), sealed
-        status = remote_cli.json("status", receipt["session"])
         assert status["state"] == "settled" and status["receipt"] == receipt  # it stands
     # The last owner was forked after the zygote prepared: its sealed copy reads back on
     # another host (which reads it from the bucket), bit for bit.
@@ -117,6 +117,16 @@ def test_a_remote_homes_zygote_imports_its_backends_once_and_its_owners_seal_wit
     read = other.run("logs", receipts[-1]["session"], "--stream", "stdout")
     assert read.returncode == 0, read.stderr
     assert read.stdout == _seq(LINES)
+
+
+def _sealed_status(cli: CLI, session: str) -> dict[str, Any]:
+    """The session's status once its stdout's seal is recorded (bounded: 60 s)."""
+    give_up = time.monotonic() + 60
+    while True:
+        status: dict[str, Any] = cli.json("status", session)
+        if (status.get("sealed") or {}).get("stdout") is not None or time.monotonic() > give_up:
+            return status
+        time.sleep(0.1)
 
 
 def test_an_embedded_homes_zygote_imports_no_remote_backend(tmp_path: Path, marker: str) -> None:

@@ -10,9 +10,11 @@ reads facts and asks the owner to act.
 from __future__ import annotations
 
 from settled import grammar
+from settled.backends import seals_logs
 from settled.errors import BadInput
 from settled.faults import ALL_POINTS as ALL_POINTS  # named for `settled close --list-fault-points`
 from settled.home import storage_error as storage_error  # for the CLI: one line for a disk error
+from settled.receipts import sealed_copy
 from settled.records import OwnerFacts, SessionRecord, TaskRecord
 from settled.runtime.admission import Admission as Admission
 from settled.runtime.admission import Admissions
@@ -48,7 +50,16 @@ class Runtime(Admissions, Tasks, LogReads):
         return self.sessions.owner_facts(record)
 
     def session_status(self, session: str) -> dict[str, Any]:
-        return self.sessions.status(grammar.check_id("session", session))
+        """The session's view; where the home's objects live outside it, a settled session's
+        also names each stream's sealed copy (`sealed`: the fact, or None while not sealed):
+        the seal follows the receipt, a fact of its own (owner/sealing.py)."""
+        view = self.sessions.status(grammar.check_id("session", session))
+        if view["state"] == SETTLED and seals_logs(self.home):
+            recorded = self.store.log_seals(view["task"], session).get(session, {})
+            view["sealed"] = {
+                stream: sealed_copy(view.get("receipt"), recorded, stream) for stream in STREAMS
+            }
+        return view
 
     def task_status(self, task: str) -> dict[str, Any]:
         record = self.store.get_task(grammar.check_id("task", task))
