@@ -395,3 +395,25 @@ def test_past_the_lease_a_recovery_that_took_over_first_stands_and_fences_the_ow
                 assert after.receipt == before.receipt and after.generation == 2
         finally:
             store.close()
+
+
+def test_a_restart_costs_a_pooled_store_no_error_on_its_idle_connections(
+    rt: Runtime, cluster: pg.Cluster, tmp_path: Path
+) -> None:
+    """Every idle pooled connection a restart broke fails at its first use; the store runs
+    that read or write again on the next one, so a caller (the service, a reader) sees no
+    StoreUnreachable for it. A write is run again only when it failed before its COMMIT."""
+    store = rt.store
+    assert isinstance(store, PostgresStore)
+    workspace = tmp_path / "pooled"
+    workspace.mkdir()
+    task = rt.new_task(str(workspace))
+    with contextlib.ExitStack() as held:  # fill the pool: every connection in use at once
+        for _ in range(4):
+            held.enter_context(store._connection())  # noqa: SLF001 -- the pool's own
+    restart_fast(cluster)
+    for _ in range(3):
+        assert store.get_task(task.task).task == task.task  # reads: no error
+    other = tmp_path / "pooled-2"
+    other.mkdir()
+    assert rt.new_task(str(other)).task != task.task  # a write: no error

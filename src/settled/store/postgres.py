@@ -25,7 +25,9 @@ Connection failures, a wrong password or a missing database are one StoreUnreach
 host:port/database and the server's reason, with the password scrubbed. A connection that
 failed is never used again (the pool discards a broken one; the single connection of a process
 without threads is dropped at its first failure, a lost LISTEN connection at the next wait), so
-a caller that retries after a server restart connects afresh (owner/store_retry.py). There is
+a caller that retries after a server restart connects afresh (owner/store_retry.py); a
+statement that finds its pooled connection lost before anything could commit runs again on the
+next one, so a server restart costs no caller an error for each idle pooled connection. There is
 no home check: a PostgreSQL store is shared by many homes. Never touches processes, logs or
 the workspace.
 """
@@ -219,10 +221,14 @@ class PostgresStore(SQLStore):
             raise StoreUnreachable(self.where, _one_line(str(exc), self._secrets)) from None
 
     def _transact(self, work: Callable[[Cursor], T], *, durable: bool = True) -> T:
-        """Run `work` in one transaction; a deadlock or serialization failure runs it again.
+        """Run `work` in one transaction; a deadlock or serialization failure runs it again, and
+        so does a connection found lost before anything could commit (`_lost_early`), on the
+        next one (each idle pooled connection a server restart broke fails once, discarded).
         `durable=False`: `synchronous_commit=off` for this one transaction (committed without
         waiting for the WAL flush)."""
-        for attempt in range(RETRIES):
+        lost = rolled_back = 0
+        while True:
+            stage = _Stage()
             try:
                 with (
                     self._unreachable(),
@@ -230,18 +236,35 @@ class PostgresStore(SQLStore):
                     conn.transaction(),
                     conn.cursor() as cur,
                 ):
+                    stage.connected = True
                     if not durable:
                         cur.execute("SET LOCAL synchronous_commit = off")
-                    return work(cur)
+                    result = work(cur)
+                    stage.committing = True
+                return result
             except pgerrors.TransactionRollback:
-                if attempt == RETRIES - 1:
+                rolled_back += 1
+                if rolled_back == RETRIES:
                     raise
-                time.sleep(0.001 * 2**attempt)
-        raise AssertionError("unreachable")  # pragma: no cover
+                time.sleep(0.001 * 2 ** (rolled_back - 1))
+            except StoreUnreachable:
+                lost += 1
+                if lost > POOL_MAX or not _lost_early(stage):
+                    raise
 
     def _fetch(self, statement: str, args: tuple[Any, ...]) -> list[tuple[Any, ...]]:
-        with self._unreachable(), self._connection() as conn:
-            return conn.execute(statement, args).fetchall()
+        """A read; a connection found lost (a pooled one a server restart broke) is replaced,
+        up to the pool's size: a read may be asked again."""
+        for lost in range(POOL_MAX + 1):
+            stage = _Stage()
+            try:
+                with self._unreachable(), self._connection() as conn:
+                    stage.connected = True
+                    return conn.execute(statement, args).fetchall()
+            except StoreUnreachable:
+                if lost == POOL_MAX or not _lost_early(stage):
+                    raise
+        raise AssertionError("unreachable")  # pragma: no cover
 
     def _notify(self, cur: Cursor, task: str, session: str = "") -> None:
         """Delivered at commit, to every LISTENer of this schema's channel."""
@@ -300,6 +323,25 @@ class PostgresStore(SQLStore):
                 for note in self._listener.notifies(timeout=left, stop_after=1):
                     if "*" in wanted or wanted & set(note.payload.split()):
                         return
+
+
+class _Stage:
+    """How far one attempt got: a connection in hand, then its work done and COMMIT sent."""
+
+    __slots__ = ("committing", "connected")
+
+    def __init__(self) -> None:
+        self.connected = False
+        self.committing = False
+
+
+def _lost_early(stage: _Stage) -> bool:
+    """Whether a failed attempt may run again on a fresh connection: it had one (a pooled
+    connection idle across a server restart fails at its first use), and it failed before its
+    COMMIT was sent, so nothing of it committed. A connection that could not be made is not
+    tried again here (the server is down: the caller's own retry policy decides), nor a
+    failure at COMMIT, whose outcome is unknown."""
+    return stage.connected and not stage.committing
 
 
 def open_postgres(url: str, *, pooled: bool = True) -> PostgresStore:
