@@ -101,8 +101,8 @@ def busy(view: dict[str, Any]) -> bool:
 class ChangeFeed:
     """One per server: the board, the grants' change logs, and the refresh loop."""
 
-    def __init__(self, pool: RuntimePool, notifies: bool) -> None:
-        self.pool, self.notifies = pool, notifies
+    def __init__(self, pool: RuntimePool, notifies: bool, stopping: asyncio.Event) -> None:
+        self.pool, self.notifies, self.stopping = pool, notifies, stopping
         self.instance = secrets.token_hex(4)
         self.order: list[str] = []
         self.views: dict[str, dict[str, Any]] = {}
@@ -251,13 +251,14 @@ class ChangeFeed:
         try:
             await self._fresh()
             seq = grant_log.seq
+            event_id = f"{self.instance}-{seq}"
             yield self._catch_up(grant, grant_log, resume)
             while follow:
+                if self.stopping.is_set():
+                    yield frame("stop", {"reason": "the server is stopping"}, event_id)
+                    return
                 if grant_log.seq == seq:
-                    changed = self._changed
-                    try:
-                        await asyncio.wait_for(changed.wait(), KEEPALIVE_S)
-                    except TimeoutError:
+                    if not await self._changed_or_stop(KEEPALIVE_S):
                         yield b": keep-alive\n\n"
                     continue
                 tasks = grant_log.since(seq)
@@ -269,6 +270,18 @@ class ChangeFeed:
                     yield frame("tasks", {"tasks": self.visible(grant, tasks)}, event_id)
         finally:
             self._unsubscribe(grant)
+
+    async def _changed_or_stop(self, seconds: float) -> bool:
+        """Wait for the next refresh or the server's stop; False after ``seconds`` of quiet."""
+        changed = asyncio.ensure_future(self._changed.wait())
+        stop = asyncio.ensure_future(self.stopping.wait())
+        try:
+            done, _ = await asyncio.wait({changed, stop}, timeout=seconds,
+                                         return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
+        finally:
+            changed.cancel()
+            stop.cancel()
+        return bool(done)
 
     def _catch_up(self, grant: Grant, grant_log: GrantLog, resume: tuple[str, int] | None) -> bytes:
         event_id = f"{self.instance}-{grant_log.seq}"
