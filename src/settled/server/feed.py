@@ -46,6 +46,7 @@ RING = 4096  # changes each grant's log keeps for a resume; older ids get a snap
 FAST_S = 0.25
 IDLE_S = 1.0
 MIN_GAP_S = 0.05  # notifications (a heartbeat each) never refresh faster than this
+REFRESH_SHARE = 0.2  # and refreshes never take more than this share of the time (the GIL's)
 NOTIFY_WAIT_S = 1.0
 KEEPALIVE_S = 15.0
 EVENT_ID = re.compile(r"([0-9a-f]{8})-([0-9]{1,19})")
@@ -132,12 +133,21 @@ class ChangeFeed:
                 pause = FAST_S if any(busy(v) for v in self.views.values()) else IDLE_S
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), pause)
-                await asyncio.sleep(max(0.0, MIN_GAP_S - (time.monotonic() - started)))
+                await asyncio.sleep(self._gap(started, time.monotonic()))
         finally:
             self._runner = None
             self._stop_watcher()
             with contextlib.suppress(RuntimeError):  # the pool may be closing: so is the process
                 await self._forget_exits(list(self._exits))
+
+    @staticmethod
+    def _gap(started: float, now: float) -> float:
+        """The pause before the next refresh: at least MIN_GAP_S from the last one's start,
+        and long enough that refreshing takes at most REFRESH_SHARE of the time. A board of
+        tasks with thousands of sessions costs a worker (and the GIL the event loop needs)
+        a good fraction of a second; nudged by every admission, it would never rest."""
+        spent = max(0.0, now - started)
+        return max(MIN_GAP_S - spent, spent * (1.0 / REFRESH_SHARE - 1.0))
 
     async def _refresh(self) -> None:
         started, done = self._refreshed
@@ -145,7 +155,8 @@ class ChangeFeed:
         extra = frozenset().union(*(g.tasks for g in self._listeners if g.tasks is not None))
         final = frozenset(t for t, v in self.views.items() if v.get("final"))
         try:
-            order, fresh = await self.pool.call(views.board, BOARD_LIMIT, extra, final)
+            known = dict(self.views)  # compared on the worker: a big board costs the loop nothing
+            order, fresh = await self.pool.call(views.board, BOARD_LIMIT, extra, final, known)
         except SettledError as exc:  # the store is down a moment: keep the streams, try again
             log.warning("the live view could not read the store: %s", exc)
         except Exception:  # never the end of the loop: every listener waits on it
@@ -160,11 +171,10 @@ class ChangeFeed:
         self.order = order
         shown = set(order)  # a task past the newest ones is forgotten (read again if it returns)
         self.views = {task: view for task, view in self.views.items() if task in shown}
-        for task, view in fresh.items():
-            if self.views.get(task) != view:
-                self.views[task] = view
-                for grant_log in self._logs.values():
-                    grant_log.record(task)
+        for task, view in fresh.items():  # only the views that changed (views.board)
+            self.views[task] = view
+            for grant_log in self._logs.values():
+                grant_log.record(task)
 
     async def _watch_exits(self) -> None:
         """Register each live session's owner exit with the event loop (the owner writes its
