@@ -60,6 +60,7 @@ QUICK = {"long": 10, "session_followers": 90, "live_followers": 10, "clients": 4
          "client_procs": 2, "follower_procs": 2, "idle_s": 5.0, "load_s": 15.0}  # fmt: skip
 PROBE_EVERY_S = 0.05
 PROBE_TIMEOUT_S = 30.0
+PROBER_NICE = -10
 START_S = 60.0
 END_S = 90.0  # the gate opened: every session follower's end event within this
 TOKEN = os.environ.setdefault("SETTLED_BENCH_TOKEN", "bench-service-load-" + secrets.token_hex(8))
@@ -207,16 +208,22 @@ def clients_main(host: str, port: int, task: str, threads: int, until: float, ou
 def prober_main(host: str, port: int, until: float, out: str) -> None:
     """`GET /healthz` on a new connection every PROBE_EVERY_S (as a health checker asks)."""
     samples: list[dict[str, Any]] = []
+    with contextlib.suppress(PermissionError):  # measure the server, not this process's turn
+        os.setpriority(os.PRIO_PROCESS, 0, PROBER_NICE)
     while time.time() < until:
         at, started = time.time(), time.monotonic()
         try:
             conn = http.client.HTTPConnection(host, port, timeout=PROBE_TIMEOUT_S)
+            conn.connect()
+            connected = time.monotonic() - started
             conn.request("GET", "/healthz")
             ok = conn.getresponse().status == 200
             conn.close()
         except (OSError, http.client.HTTPException):
-            ok = False
-        samples.append({"at": at, "s": time.monotonic() - started, "ok": ok})
+            ok, connected = False, 0.0
+        samples.append(
+            {"at": at, "s": time.monotonic() - started, "ok": ok, "connect_s": connected}
+        )
         time.sleep(max(0.0, PROBE_EVERY_S - (time.monotonic() - started)))
     with open(out, "w") as handle:
         json.dump(samples, handle)
@@ -244,7 +251,11 @@ def _server(
         code = f"import stack_sampler; stack_sampler.start({sample + '.' + label!r}); " + code
     with open(errors, "ab") as sink:
         server = subprocess.Popen(
-            [sys.executable, "-c", code, home], env=full, stdout=sink, stderr=sink
+            [sys.executable, "-c", code, home],
+            env=full,
+            stdout=sink,
+            stderr=sink,
+            start_new_session=True,  # a service of its own, as under a service manager
         )
     try:
         give_up = time.monotonic() + START_S
@@ -324,6 +335,7 @@ def one_backend(name: str, env: dict[str, str], sizes: dict[str, Any]) -> dict[s
                 until = time.time() + seconds
                 probe_out = os.path.join(root, f"probe-{phase}.json")
                 before = _cpu(server.pid)
+                waited = _run_queue_s(server.pid)
                 prober = _child("prober", host, port, until, probe_out)
                 clients = []
                 if phase == "load":
@@ -341,6 +353,10 @@ def one_backend(name: str, env: dict[str, str], sizes: dict[str, Any]) -> dict[s
                 with open(probe_out) as handle:
                     phases[phase] = {"probes": json.load(handle), "clients": rows}
                 after = _cpu(server.pid)
+                phases[phase]["server_nice"] = _nices(server.pid)
+                with open(f"/proc/{server.pid}/autogroup") as handle:
+                    phases[phase]["server_group"] = handle.read().strip()
+                phases[phase]["loop_run_queue_s"] = _run_queue_s(server.pid) - waited
                 phases[phase]["server_cpu"] = (after[0] - before[0]) / (after[1] - before[1])
                 phases[phase]["idle_cpu"] = (after[2] - before[2]) / (after[1] - before[1])
                 log(f"  {name}: phase {phase} done")
@@ -373,6 +389,21 @@ def one_backend(name: str, env: dict[str, str], sizes: dict[str, Any]) -> dict[s
             _release_pods(os.path.join(root, "home"))
         return {"phases": phases, "streams": streams, "opened": opened, "stopped": stopped,
                 "expected_streams": len(paths)}  # fmt: skip
+
+
+def _run_queue_s(pid: int) -> float:
+    """How long the server's main thread (its event loop) has waited for a core, runnable."""
+    with open(f"/proc/{pid}/task/{pid}/schedstat") as handle:
+        return int(handle.read().split()[1]) / 1e9
+
+
+def _nices(pid: int) -> list[int]:
+    """The distinct priorities (nice) of the server's threads."""
+    found = set()
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{tid}/stat") as handle:
+            found.add(int(handle.read().rsplit(")", 1)[1].split()[16]))
+    return sorted(found)
 
 
 def _cpu(pid: int) -> tuple[float, float, float]:
@@ -428,10 +459,14 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
         rows = data["clients"]
         summary[phase] = {
             "healthz_ms": distribution(ok) if ok else {},
+            "connect_ms": distribution([p["connect_s"] * 1000 for p in probes if p["ok"]]),
             "probes": len(probes),
             "probe_failures": sum(1 for p in probes if not p["ok"]),
             "server_cpu": data["server_cpu"],
             "idle_cpu": data["idle_cpu"],
+            "server_nice": data["server_nice"],
+            "loop_run_queue_s": data["loop_run_queue_s"],
+            "server_group": data["server_group"],
             "receipts": sum(1 for r in rows if "receipt_s" in r and "error" not in r),
             "client_errors": sum(1 for r in rows if "error" in r),
             "receipt_ms": distribution([r["receipt_s"] * 1000 for r in rows if "receipt_s" in r])
