@@ -25,6 +25,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import re
 import secrets
 import threading
@@ -48,7 +49,7 @@ IDLE_S = 1.0
 MIN_GAP_S = 0.05  # notifications (a heartbeat each) never refresh faster than this
 REFRESH_SHARE = 0.2  # and refreshes never take more than this share of the time (the GIL's)
 NOTIFY_WAIT_S = 1.0
-KEEPALIVE_S = 15.0
+KEEPALIVE_S = float(os.environ.get("SETTLED_SSE_KEEPALIVE_S") or 15.0)  # tests shorten it
 EVENT_ID = re.compile(r"([0-9a-f]{8})-([0-9]{1,19})")
 log = logging.getLogger("settled.server")
 
@@ -256,21 +257,28 @@ class ChangeFeed:
         self, grant: Grant, resume: tuple[str, int] | None, follow: bool
     ) -> AsyncIterator[bytes]:
         """The stream: a snapshot (or the changes since ``resume``), then, with ``follow``,
-        every change as it is seen, with a comment every ``KEEPALIVE_S`` of quiet."""
+        every change as it is seen, with a comment every ``KEEPALIVE_S`` of quiet (so no proxy
+        cuts it), and at the server's stop an ``event: stop`` as its last."""
         grant_log = self._subscribe(grant)
         try:
             await self._fresh()
             seq = grant_log.seq
             event_id = f"{self.instance}-{seq}"
             yield self._catch_up(grant, grant_log, resume)
+            sent = time.monotonic()
             while follow:
                 if self.stopping.is_set():
                     yield frame("stop", {"reason": "the server is stopping"}, event_id)
                     return
-                if grant_log.seq == seq:
-                    if not await self._changed_or_stop(KEEPALIVE_S):
+                if grant_log.seq == seq:  # refreshes that change nothing it sees are quiet
+                    quiet = time.monotonic() - sent
+                    if quiet >= KEEPALIVE_S:
+                        sent = time.monotonic()
                         yield b": keep-alive\n\n"
+                    else:
+                        await self._changed_or_stop(KEEPALIVE_S - quiet)
                     continue
+                sent = time.monotonic()
                 tasks = grant_log.since(seq)
                 seq = grant_log.seq
                 event_id = f"{self.instance}-{seq}"
@@ -281,17 +289,17 @@ class ChangeFeed:
         finally:
             self._unsubscribe(grant)
 
-    async def _changed_or_stop(self, seconds: float) -> bool:
-        """Wait for the next refresh or the server's stop; False after ``seconds`` of quiet."""
+    async def _changed_or_stop(self, seconds: float) -> None:
+        """Wait for the next refresh, the server's stop, or ``seconds``."""
         changed = asyncio.ensure_future(self._changed.wait())
         stop = asyncio.ensure_future(self.stopping.wait())
         try:
-            done, _ = await asyncio.wait({changed, stop}, timeout=seconds,
-                                         return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
+            await asyncio.wait(
+                {changed, stop}, timeout=seconds, return_when=asyncio.FIRST_COMPLETED
+            )
         finally:
             changed.cancel()
             stop.cancel()
-        return bool(done)
 
     def _catch_up(self, grant: Grant, grant_log: GrantLog, resume: tuple[str, int] | None) -> bytes:
         event_id = f"{self.instance}-{grant_log.seq}"

@@ -27,7 +27,6 @@ from settled.runtime import Runtime, open_launcher
 
 if TYPE_CHECKING:
     from settled.runtime import Launcher
-    from settled.store import Store
 
 
 P = ParamSpec("P")
@@ -191,7 +190,8 @@ class LaunchAtBase:
     def __init__(self, launcher: Launcher, base: int) -> None:
         self.launcher, self.base = launcher, base
 
-    def launch(self, home: str, session: str, store: Store) -> dict[str, Any]:
+    def launch(self, home: str, session: str, store: Any) -> dict[str, Any]:  # the caller's
+
         ahead = os.getpriority(os.PRIO_PROCESS, 0)
         os.setpriority(os.PRIO_PROCESS, 0, self.base)
         try:
