@@ -75,7 +75,8 @@ DESCRIPTION = (
     "the followers alone for {idle_s:.0f} s; phase `load`: plus {clients} client threads in "
     "{client_procs} processes, each admitting `true` and long-polling its receipt, for "
     "{load_s:.0f} s. `/healthz` on a new connection every {probe_ms:.0f} ms. CPU: the server "
-    "process's share of the machine's cores, and the machine's idle share, over each phase. "
+    "process's share of the machine's cores, the time its event loop waited runnable for a "
+    "core, and the machine's idle share, over each phase. "
     "Then the gate opens (every session stream must end with `end`), the task is closed and "
     "the server is stopped (every live stream must end with `stop`)."
 )
@@ -515,7 +516,7 @@ def render(data: dict[str, Any]) -> str:
                          fmt(d.get("p99")), fmt(d.get("max")), s["receipts"],
                          s["client_errors"], fmt(s["receipt_ms"].get("p50")),
                          fmt(s["receipt_ms"].get("p99")), f"{s['server_cpu']:.0%}",
-                         f"{s['idle_cpu']:.0%}"])  # fmt: skip
+                         fmt(s.get("loop_run_queue_s"), 1), f"{s['idle_cpu']:.0%}"])  # fmt: skip
     endings = []
     for name in backends:
         for kind, hows in sorted(data[name]["endings"].items()):
@@ -540,6 +541,7 @@ def render(data: dict[str, Any]) -> str:
                     "receipt p50 ms",
                     "p99 ms",
                     "server CPU",
+                    "loop waited for a core s",
                     "machine idle",
                 ],
                 rows,
