@@ -30,6 +30,7 @@ import base64
 import contextlib
 import json
 import os
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -110,12 +111,12 @@ async def tail(
             yield data
         return
     with hub.follow(facts.session, facts.stream, facts.log) as watched:
-        cursor = start
+        cursor, sent = start, time.monotonic()
         while True:
             seen = watched.generation
             data, _ = await pool.io(facts.log.read_at, cursor, chunk, None)
             if data:
-                cursor += len(data)
+                cursor, sent = cursor + len(data), time.monotonic()
                 yield data
                 faults.point("server.mid_stream")
                 continue
@@ -124,11 +125,12 @@ async def tail(
                 if cursor > final:
                     raise CursorOutOfRange(cursor, final, facts.stream)
                 break  # every byte up to the final cursor is in the file now: read them
-            outcome = await watched.wait(seen, KEEPALIVE_S, stopping or hub.never)
-            if outcome == "stop":
-                raise ServerStopping(cursor)
-            if outcome == "quiet":
+            if time.monotonic() - sent >= KEEPALIVE_S:  # quiet since the last byte sent
+                sent = time.monotonic()
                 yield None
+            left = KEEPALIVE_S - (time.monotonic() - sent)
+            if await watched.wait(seen, left, stopping or hub.never) == "stop":
+                raise ServerStopping(cursor)
     async for data in _read_to(pool, facts, cursor, final, chunk):
         yield data
 
