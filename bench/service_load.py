@@ -19,6 +19,9 @@ second and their latency, and every stream's ending. Nothing is asserted; the nu
 absolute on a shared 2-core machine (the header shows its load).
 
     .venv/bin/python bench/run.py service_load [--quick]
+
+Over 400 lines for a reason: the follower, client and prober processes are this file run with
+a role (`python bench/service_load.py follower|clients|prober ...`), so the whole rig is here.
 """
 
 from __future__ import annotations
