@@ -171,7 +171,8 @@ def write_markdown(out_dir: str, name: str, markdown: str) -> None:
 
 ORDER = (
     "startup", "receipt", "drain", "admission", "kill", "checkpoint", "close_latency", "load",
-    "home_age", "http", "objects_s3", "remote", "store_ops", "ui_feed", "soak", "pods", "podnet",
+    "home_age", "http", "objects_s3", "remote", "store_ops", "ui_feed", "service_load", "soak",
+    "pods", "podnet",
 )  # fmt: skip
 
 

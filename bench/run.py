@@ -38,6 +38,7 @@ import pods
 import proof_cost
 import receipt
 import remote
+import service_load
 import soak
 import startup
 import store_ops
@@ -68,6 +69,7 @@ BENCHMARKS = {
     "store_ops": store_ops.run,
     "soak": soak.run,
     "ui_feed": ui_feed.run,
+    "service_load": service_load.run,
 }
 # Benchmarks that also write a file beside their results (a plot): called with (out_dir, data),
 # they return a markdown line to append to the benchmark's section.

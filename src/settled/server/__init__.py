@@ -4,9 +4,10 @@ Owns: starting and stopping the service: checking its tokens (it refuses to run 
 removing ``SETTLED_TOKEN`` from the environment that commands inherit, binding the listening
 socket (127.0.0.1 by default; port 0 picks a free one, and the address actually bound is printed
 on stderr as ``settled serve: listening on http://HOST:PORT``), and running uvicorn until SIGINT
-or SIGTERM. Every connection passes the peer gate first (server/peering.py): a TCP peer of this
-host made inside one of settled's sessions gets a 403 naming why, before any route or token
-check runs, and the refusal is logged here on stderr.
+or SIGTERM (at the stop, every open event stream is told first, so it ends with its ``stop``
+event rather than being cut). Every connection passes the peer gate first (server/peering.py):
+a TCP peer of this host made inside one of settled's sessions gets a 403 naming why, before any
+route or token check runs, and the refusal is logged here on stderr.
 
 Must never: run open (no token configured is exit 2), pass its token to a command (it is
 removed from the environment commands inherit and wiped from the process's original
@@ -27,7 +28,7 @@ import signal
 import socket
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import uvicorn
 
@@ -122,15 +123,16 @@ def serve(
             "warning: not a loopback address and no TLS here: bearer tokens and output cross "
             "the network in clear; put a TLS-terminating proxy in front"
         )
+    app = create_app(home, tokens)
     config = uvicorn.Config(
-        create_app(home, tokens),
+        app,
         lifespan="on",
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
         server_header=False,
         log_level="info",
         http=gated(_say),
     )
-    server = uvicorn.Server(config)
+    server = _Server(config, app.state.begin_stop)
     try:
         with signals_end_serving():
             server.run(sockets=[sock])
@@ -139,6 +141,19 @@ def serve(
     finally:
         sock.close()
     return EXIT_OK if server.started else EXIT_FAILURE
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, telling the app it stops before it waits for open responses: every
+    event stream then ends with its ``stop`` event instead of being cut at the deadline."""
+
+    def __init__(self, config: uvicorn.Config, begin_stop: Callable[[], None]) -> None:
+        super().__init__(config)
+        self._begin_stop = begin_stop
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        self._begin_stop()
+        await super().shutdown(sockets)
 
 
 @contextlib.contextmanager

@@ -35,6 +35,7 @@ from settled.server import bodies, streams, views
 from settled.server.auth import GRANT_SCOPE_KEY, BearerAuth, Grant, TokenTable
 from settled.server.errors import EXCEPTION_HANDLERS
 from settled.server.feed import ChangeFeed, parse_event_id
+from settled.server.follow import FollowHub
 from settled.server.jsonbody import AsciiJSONResponse
 from settled.server.openapi import document
 from settled.server.page import FILES as PAGE_FILES
@@ -52,6 +53,7 @@ class Service:
         self._pool: RuntimePool | None = None
         self._recoverer: Recoverer | None = None
         self._feed: ChangeFeed | None = None
+        self._hub: FollowHub | None = None
 
     @property
     def pool(self) -> RuntimePool:
@@ -65,22 +67,38 @@ class Service:
             raise RuntimeError("the service is not running (its lifespan has not started)")
         return self._feed
 
+    @property
+    def hub(self) -> FollowHub:
+        if self._hub is None:
+            raise RuntimeError("the service is not running (its lifespan has not started)")
+        return self._hub
+
     async def start(self) -> None:
         self._pool = RuntimePool(self.home)
         await self._pool.call(recover_once)  # sessions whose owner died while we were down
         notifies = await self._pool.call(store_notifies)
-        self._feed = ChangeFeed(self._pool, notifies)
+        self._hub = FollowHub(self._pool)
+        self._feed = ChangeFeed(self._pool, notifies, self._hub.stopping)
         self._recoverer = Recoverer(self.home, self._pool.launcher, RECOVER_EVERY_S)
         self._recoverer.start()
 
+    def begin_stop(self) -> None:
+        """The server stops: every open event stream ends now with an ``event: stop``
+        (before uvicorn's graceful wait, so each says so instead of being cut)."""
+        if self._hub is not None:
+            self._hub.stop()
+
     async def stop(self) -> None:
+        self.begin_stop()
+        if self._hub is not None:
+            await self._hub.close()
         if self._feed is not None:
             await self._feed.stop()
         if self._recoverer is not None:
             self._recoverer.stop()
         if self._pool is not None:
             self._pool.close()
-        self._pool = self._recoverer = self._feed = None
+        self._pool = self._recoverer = self._feed = self._hub = None
 
 
 def store_notifies(rt: Runtime) -> bool:
@@ -216,7 +234,7 @@ class Handlers:
         if follow and max_bytes is not None:
             raise BadInput("max and follow=1 cannot be combined: a follow ends at the end")
         facts = await self._facts(request)
-        return streams.raw_response(self.pool, facts, start, follow, max_bytes)
+        return streams.raw_response(self.pool, self.service.hub, facts, start, follow, max_bytes)
 
     async def merged(self, request: Request) -> Response:
         start = bodies.cursor_value(request.query_params.get("from", "0"), "from")
@@ -227,7 +245,7 @@ class Handlers:
     async def events(self, request: Request) -> Response:
         start = bodies.query_cursor(request)
         facts = await self._facts(request)
-        return streams.events_response(self.pool, facts, start)
+        return streams.events_response(self.pool, self.service.hub, facts, start)
 
     async def clocks(self, request: Request) -> Response:
         task = request.path_params["task"]
@@ -278,9 +296,11 @@ def create_app(home: str, tokens: TokenTable) -> Starlette:
         finally:
             await service.stop()
 
-    return Starlette(
+    app = Starlette(
         routes=routes(Handlers(service)),
         middleware=[Middleware(BearerAuth, tokens=tokens)],
         exception_handlers=EXCEPTION_HANDLERS,
         lifespan=lifespan,
     )
+    app.state.begin_stop = service.begin_stop  # serve() calls it as uvicorn starts to stop
+    return app

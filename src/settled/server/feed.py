@@ -25,6 +25,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import re
 import secrets
 import threading
@@ -46,8 +47,9 @@ RING = 4096  # changes each grant's log keeps for a resume; older ids get a snap
 FAST_S = 0.25
 IDLE_S = 1.0
 MIN_GAP_S = 0.05  # notifications (a heartbeat each) never refresh faster than this
+REFRESH_SHARE = 0.2  # and refreshes never take more than this share of the time (the GIL's)
 NOTIFY_WAIT_S = 1.0
-KEEPALIVE_S = 15.0
+KEEPALIVE_S = float(os.environ.get("SETTLED_SSE_KEEPALIVE_S") or 15.0)  # tests shorten it
 EVENT_ID = re.compile(r"([0-9a-f]{8})-([0-9]{1,19})")
 log = logging.getLogger("settled.server")
 
@@ -101,8 +103,8 @@ def busy(view: dict[str, Any]) -> bool:
 class ChangeFeed:
     """One per server: the board, the grants' change logs, and the refresh loop."""
 
-    def __init__(self, pool: RuntimePool, notifies: bool) -> None:
-        self.pool, self.notifies = pool, notifies
+    def __init__(self, pool: RuntimePool, notifies: bool, stopping: asyncio.Event) -> None:
+        self.pool, self.notifies, self.stopping = pool, notifies, stopping
         self.instance = secrets.token_hex(4)
         self.order: list[str] = []
         self.views: dict[str, dict[str, Any]] = {}
@@ -132,12 +134,21 @@ class ChangeFeed:
                 pause = FAST_S if any(busy(v) for v in self.views.values()) else IDLE_S
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), pause)
-                await asyncio.sleep(max(0.0, MIN_GAP_S - (time.monotonic() - started)))
+                await asyncio.sleep(self._gap(started, time.monotonic()))
         finally:
             self._runner = None
             self._stop_watcher()
             with contextlib.suppress(RuntimeError):  # the pool may be closing: so is the process
                 await self._forget_exits(list(self._exits))
+
+    @staticmethod
+    def _gap(started: float, now: float) -> float:
+        """The pause before the next refresh: at least MIN_GAP_S from the last one's start,
+        and long enough that refreshing takes at most REFRESH_SHARE of the time. A board of
+        tasks with thousands of sessions costs a worker (and the GIL the event loop needs)
+        a good fraction of a second; nudged by every admission, it would never rest."""
+        spent = max(0.0, now - started)
+        return max(MIN_GAP_S - spent, spent * (1.0 / REFRESH_SHARE - 1.0))
 
     async def _refresh(self) -> None:
         started, done = self._refreshed
@@ -145,7 +156,8 @@ class ChangeFeed:
         extra = frozenset().union(*(g.tasks for g in self._listeners if g.tasks is not None))
         final = frozenset(t for t, v in self.views.items() if v.get("final"))
         try:
-            order, fresh = await self.pool.call(views.board, BOARD_LIMIT, extra, final)
+            known = dict(self.views)  # compared on the worker: a big board costs the loop nothing
+            order, fresh = await self.pool.call(views.board, BOARD_LIMIT, extra, final, known)
         except SettledError as exc:  # the store is down a moment: keep the streams, try again
             log.warning("the live view could not read the store: %s", exc)
         except Exception:  # never the end of the loop: every listener waits on it
@@ -160,11 +172,10 @@ class ChangeFeed:
         self.order = order
         shown = set(order)  # a task past the newest ones is forgotten (read again if it returns)
         self.views = {task: view for task, view in self.views.items() if task in shown}
-        for task, view in fresh.items():
-            if self.views.get(task) != view:
-                self.views[task] = view
-                for grant_log in self._logs.values():
-                    grant_log.record(task)
+        for task, view in fresh.items():  # only the views that changed (views.board)
+            self.views[task] = view
+            for grant_log in self._logs.values():
+                grant_log.record(task)
 
     async def _watch_exits(self) -> None:
         """Register each live session's owner exit with the event loop (the owner writes its
@@ -246,20 +257,28 @@ class ChangeFeed:
         self, grant: Grant, resume: tuple[str, int] | None, follow: bool
     ) -> AsyncIterator[bytes]:
         """The stream: a snapshot (or the changes since ``resume``), then, with ``follow``,
-        every change as it is seen, with a comment every ``KEEPALIVE_S`` of quiet."""
+        every change as it is seen, with a comment every ``KEEPALIVE_S`` of quiet (so no proxy
+        cuts it), and at the server's stop an ``event: stop`` as its last."""
         grant_log = self._subscribe(grant)
         try:
             await self._fresh()
             seq = grant_log.seq
+            event_id = f"{self.instance}-{seq}"
             yield self._catch_up(grant, grant_log, resume)
+            sent = time.monotonic()
             while follow:
-                if grant_log.seq == seq:
-                    changed = self._changed
-                    try:
-                        await asyncio.wait_for(changed.wait(), KEEPALIVE_S)
-                    except TimeoutError:
+                if self.stopping.is_set():
+                    yield frame("stop", {"reason": "the server is stopping"}, event_id)
+                    return
+                if grant_log.seq == seq:  # refreshes that change nothing it sees are quiet
+                    quiet = time.monotonic() - sent
+                    if quiet >= KEEPALIVE_S:
+                        sent = time.monotonic()
                         yield b": keep-alive\n\n"
+                    else:
+                        await self._changed_or_stop(KEEPALIVE_S - quiet)
                     continue
+                sent = time.monotonic()
                 tasks = grant_log.since(seq)
                 seq = grant_log.seq
                 event_id = f"{self.instance}-{seq}"
@@ -269,6 +288,18 @@ class ChangeFeed:
                     yield frame("tasks", {"tasks": self.visible(grant, tasks)}, event_id)
         finally:
             self._unsubscribe(grant)
+
+    async def _changed_or_stop(self, seconds: float) -> None:
+        """Wait for the next refresh, the server's stop, or ``seconds``."""
+        changed = asyncio.ensure_future(self._changed.wait())
+        stop = asyncio.ensure_future(self.stopping.wait())
+        try:
+            await asyncio.wait(
+                {changed, stop}, timeout=seconds, return_when=asyncio.FIRST_COMPLETED
+            )
+        finally:
+            changed.cancel()
+            stop.cancel()
 
     def _catch_up(self, grant: Grant, grant_log: GrantLog, resume: tuple[str, int] | None) -> bytes:
         event_id = f"{self.instance}-{grant_log.seq}"

@@ -13,6 +13,7 @@ thread for an unbounded wait (waits and follows poll from the event loop instead
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import queue
@@ -32,6 +33,8 @@ P = ParamSpec("P")
 T = TypeVar("T")
 
 WORKER_THREADS = 32
+AHEAD_BY = 10  # the service's threads (and session's group) run this much ahead of its owners
+AUTOGROUP = "/proc/self/autogroup"
 RECOVER_EVERY_S = float(os.environ.get("SETTLED_RECOVER_EVERY_S") or 10.0)  # tests lengthen it
 log = logging.getLogger("settled.server")
 
@@ -45,7 +48,9 @@ class RuntimePool:
 
     def __init__(self, home: str, threads: int = WORKER_THREADS) -> None:
         self.home = home
-        self.launcher = open_launcher("warm")
+        base = run_ahead()
+        launcher = open_launcher("warm")
+        self.launcher = launcher if base is None else LaunchAtBase(launcher, base)
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._long: set[threading.Thread] = set()
@@ -138,6 +143,63 @@ class RuntimePool:
             worker.join(timeout=30.0)
         for thread in long_calls:
             thread.join(timeout=long_wait_s)
+        self.launcher.close()
+
+
+def run_ahead() -> int | None:
+    """Put every thread of this process (and so every thread it starts later) ``AHEAD_BY``
+    ahead of the priority it started with, and so its session's scheduling group where the
+    kernel groups by session (autogroup: each owner is a session of its own, and a thread's
+    priority counts only within its group); the base priority, or None where the system does
+    not permit it (no CAP_SYS_NICE): then nothing changed.
+
+    Why: the owners this server launches (and their commands) may keep every core busy; the
+    event loop then waits for a core behind them (seconds per minute on 2 cores with 200
+    clients), and a thread of the service descheduled while it holds the GIL holds it up
+    too. Linux keeps a priority per thread, so each is set by its id."""
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    try:
+        for tid in sorted(map(int, os.listdir("/proc/self/task"))):
+            with contextlib.suppress(ProcessLookupError):  # a thread that just ended
+                os.setpriority(os.PRIO_PROCESS, tid, base - AHEAD_BY)
+    except (PermissionError, FileNotFoundError):
+        for tid in map(int, os.listdir("/proc/self/task")):
+            with contextlib.suppress(OSError):
+                os.setpriority(os.PRIO_PROCESS, tid, base)
+        return None
+    _group_ahead()
+    return base
+
+
+def _group_ahead() -> None:
+    """The session's scheduling group ``AHEAD_BY`` ahead too, where the kernel has one."""
+    try:
+        with open(AUTOGROUP) as handle:
+            group_nice = int(handle.read().split()[-1])
+        with open(AUTOGROUP, "w") as handle:
+            handle.write(str(max(-20, group_nice - AHEAD_BY)))
+    except (OSError, ValueError, IndexError):  # no autogroup here, or not permitted
+        return
+
+
+class LaunchAtBase:
+    """The shared launcher, called at the priority the service started with: the zygote it
+    forks (and so every owner and command) runs at that priority, never ahead with the
+    service's threads. A launch changes its own thread's priority only (Linux: per thread)."""
+
+    def __init__(self, launcher: Launcher, base: int) -> None:
+        self.launcher, self.base = launcher, base
+
+    def launch(self, home: str, session: str, store: Any) -> dict[str, Any]:  # the caller's
+
+        ahead = os.getpriority(os.PRIO_PROCESS, 0)
+        os.setpriority(os.PRIO_PROCESS, 0, self.base)
+        try:
+            return self.launcher.launch(home, session, store)
+        finally:
+            os.setpriority(os.PRIO_PROCESS, 0, ahead)
+
+    def close(self) -> None:
         self.launcher.close()
 
 

@@ -2,11 +2,14 @@
 Server-Sent Events whose ids are cursors.
 
 Owns: reading a stream's log (the Runtime's ``StreamLog``) by cursor on worker threads,
-following it while the session runs (polling the file from the event loop, asking the Runtime
-for the final cursor only once the bytes on disk are caught up), the response headers
-(``Settled-From``, ``Settled-Cursor``, ``Settled-Final-Cursor``) and the SSE framing (``id:
-<cursor after the chunk>``, ``data: <base64 of up to 64 KiB>``, a final ``event: end`` carrying
-the process receipt).
+following it while the session runs (between reads a follower waits on the server's one
+watcher, server/follow.py, for its session's next change: it polls nothing itself), the
+response headers (``Settled-From``, ``Settled-Cursor``, ``Settled-Final-Cursor``) and the SSE
+framing (``id: <cursor after the chunk>``, ``data: <base64 of up to 64 KiB>``, a comment every
+``KEEPALIVE_S`` of quiet so no proxy cuts an idle stream, and a last event saying why the
+stream ends: ``end`` carrying the process receipt, ``error`` for lost bytes, or ``stop`` when
+the server stops, whose id resumes). An SSE stream ends with nothing else: a store down a
+moment while the receipt is asked is asked again.
 
 Must never: write to a log, signal or cancel a session (a reader that is slow or goes away only
 ends its own response; the owner writes the log and readers only read files), hold a file
@@ -24,7 +27,9 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import json
+import os
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -33,9 +38,9 @@ from typing import TYPE_CHECKING, Any
 from starlette.responses import Response, StreamingResponse
 
 from settled import faults
-from settled.errors import CursorOutOfRange
-from settled.runtime import Runtime
+from settled.errors import CursorOutOfRange, SettledError
 from settled.server import views
+from settled.server.follow import FollowHub
 from settled.server.pool import RuntimePool
 
 if TYPE_CHECKING:
@@ -43,10 +48,17 @@ if TYPE_CHECKING:
 
 RAW_CHUNK = 1 << 20
 SSE_EVENT_BYTES = 64 << 10
-POLL_MIN_S = 0.005
-POLL_MAX_S = 0.1
-KEEPALIVE_S = 15.0
+ENDING_RETRY_S = 1.0
+KEEPALIVE_S = float(os.environ.get("SETTLED_SSE_KEEPALIVE_S") or 15.0)  # tests shorten it
 OCTETS = "application/octet-stream"
+
+
+class ServerStopping(Exception):
+    """The server stops while a follower waits: its stream ends with an ``event: stop``."""
+
+    def __init__(self, cursor: int) -> None:
+        super().__init__(f"the server stopped at cursor {cursor}")
+        self.cursor = cursor
 
 
 class LostBytes(RuntimeError):
@@ -79,36 +91,61 @@ class StreamFacts:
 
 
 async def tail(
-    pool: RuntimePool, facts: StreamFacts, start: int, end: int | None, chunk: int
+    pool: RuntimePool,
+    hub: FollowHub,
+    facts: StreamFacts,
+    start: int,
+    end: int | None,
+    chunk: int,
+    stopping: asyncio.Event | None = None,
 ) -> AsyncIterator[bytes | None]:
-    """The stream's bytes from ``start`` to ``end`` (``None``: follow to the final cursor).
+    """The stream's bytes from ``start`` to ``end`` (``None``: follow to the final cursor,
+    waiting on the hub between reads, never polling).
 
     Yields ``None`` after ``KEEPALIVE_S`` without bytes, so a caller can keep its connection
-    alive; raises LostBytes if the file ends short of a final cursor.
+    alive; raises LostBytes if the file ends short of a final cursor, and ServerStopping once
+    ``stopping`` is set while it waits.
     """
-    cursor, pause, quiet_since = start, POLL_MIN_S, time.monotonic()
-    while True:
-        data, stored = await pool.io(facts.log.read_at, cursor, chunk, end)
-        if data:
-            cursor += len(data)
-            pause, quiet_since = POLL_MIN_S, time.monotonic()
+    if end is not None:
+        async for data in _read_to(pool, facts, start, end, chunk):
             yield data
-            faults.point("server.mid_stream")
-            continue
-        if end is not None:
-            if cursor >= end:
-                return
+        return
+    with hub.follow(facts.session, facts.stream, facts.log) as watched:
+        cursor, sent = start, time.monotonic()
+        while True:
+            seen = watched.generation
+            data, _ = await pool.io(facts.log.read_at, cursor, chunk, None)
+            if data:
+                cursor, sent = cursor + len(data), time.monotonic()
+                yield data
+                faults.point("server.mid_stream")
+                continue
+            final = watched.final(facts.stream)
+            if final is not None:
+                if cursor > final:
+                    raise CursorOutOfRange(cursor, final, facts.stream)
+                break  # every byte up to the final cursor is in the file now: read them
+            if time.monotonic() - sent >= KEEPALIVE_S:  # quiet since the last byte sent
+                sent = time.monotonic()
+                yield None
+            left = KEEPALIVE_S - (time.monotonic() - sent)
+            if await watched.wait(seen, left, stopping or hub.never) == "stop":
+                raise ServerStopping(cursor)
+    async for data in _read_to(pool, facts, cursor, final, chunk):
+        yield data
+
+
+async def _read_to(
+    pool: RuntimePool, facts: StreamFacts, cursor: int, end: int, chunk: int
+) -> AsyncIterator[bytes]:
+    """The bytes from ``cursor`` to ``end``, all of which exist (LostBytes if they do not)."""
+    while cursor < end:
+        data, stored = await pool.io(facts.log.read_at, cursor, chunk, end)
+        if not data:
             raise LostBytes(facts.stream, cursor, end, stored)
-        end = await pool.call(Runtime.final_cursor, facts.session, facts.stream)
-        if end is not None:
-            if cursor > end:
-                raise CursorOutOfRange(cursor, end, facts.stream)
-            continue  # every byte up to the final cursor is in the file now: read them
-        if time.monotonic() - quiet_since >= KEEPALIVE_S:
-            quiet_since = time.monotonic()
-            yield None
-        await asyncio.sleep(pause)
-        pause = min(pause * 1.5, POLL_MAX_S)
+        cursor += len(data)
+        yield data
+        faults.point("server.mid_stream")
 
 
 async def _bytes_only(chunks: AsyncIterator[bytes | None]) -> AsyncIterator[bytes]:
@@ -118,7 +155,12 @@ async def _bytes_only(chunks: AsyncIterator[bytes | None]) -> AsyncIterator[byte
 
 
 def raw_response(
-    pool: RuntimePool, facts: StreamFacts, start: int, follow: bool, max_bytes: int | None
+    pool: RuntimePool,
+    hub: FollowHub,
+    facts: StreamFacts,
+    start: int,
+    follow: bool,
+    max_bytes: int | None,
 ) -> Response:
     """Raw bytes from ``start``: a range up to what exists now (or ``max_bytes``), or, with
     ``follow``, an open response that ends exactly at the final cursor."""
@@ -128,14 +170,14 @@ def raw_response(
         headers["Settled-Final-Cursor"] = str(facts.final)
     if follow and facts.final is None:
         headers["Settled-Follow"] = "1"
-        body = _bytes_only(tail(pool, facts, start, None, RAW_CHUNK))
+        body = _bytes_only(tail(pool, hub, facts, start, None, RAW_CHUNK))
         return StreamingResponse(body, media_type=OCTETS, headers=headers)
     end = facts.end if max_bytes is None else min(facts.end, start + max_bytes)
     headers["Settled-Cursor"] = str(end)
     headers["Content-Length"] = str(end - start)
     if end == start:
         return Response(b"", media_type=OCTETS, headers=headers)
-    body = _bytes_only(tail(pool, facts, start, end, RAW_CHUNK))
+    body = _bytes_only(tail(pool, hub, facts, start, end, RAW_CHUNK))
     return StreamingResponse(body, media_type=OCTETS, headers=headers)
 
 
@@ -164,10 +206,15 @@ def encode_events(data: bytes, cursor: int) -> tuple[bytes, int]:
     return b"".join(frames), cursor
 
 
-async def sse_body(pool: RuntimePool, facts: StreamFacts, start: int) -> AsyncIterator[bytes]:
+async def sse_body(
+    pool: RuntimePool, hub: FollowHub, facts: StreamFacts, start: int
+) -> AsyncIterator[bytes]:
+    """The events from ``start``; the last one says why the stream ends: ``end`` (the
+    receipt), ``error`` (bytes lost) or ``stop`` (the server stops; resume from its id)."""
     cursor = start
     try:
-        async for data in tail(pool, facts, start, facts.final, RAW_CHUNK):
+        chunks = tail(pool, hub, facts, start, facts.final, RAW_CHUNK, hub.stopping)
+        async for data in chunks:
             if data is None:
                 yield b": keep-alive\n\n"
                 continue
@@ -177,11 +224,37 @@ async def sse_body(pool: RuntimePool, facts: StreamFacts, start: int) -> AsyncIt
         problem: dict[str, Any] = {"error": type(exc).__name__, "message": str(exc)}
         yield sse_frame(json.dumps(problem), cursor, "error")
         return
-    ending = await pool.call(views.end_of_stream, facts.session)
-    yield sse_frame(json.dumps(ending, sort_keys=True), cursor, "end")
+    except ServerStopping:
+        yield stop_frame(cursor)
+        return
+    ending = await _ending(pool, hub, facts.session)
+    yield (
+        stop_frame(cursor)
+        if ending is None
+        else sse_frame(json.dumps(ending, sort_keys=True), cursor, "end")
+    )
 
 
-def events_response(pool: RuntimePool, facts: StreamFacts, start: int) -> Response:
+def stop_frame(cursor: int) -> bytes:
+    stop = {"reason": "the server is stopping", "cursor": cursor,
+            "resume": "reconnect with Last-Event-ID"}  # fmt: skip
+    return sse_frame(json.dumps(stop, sort_keys=True), cursor, "stop")
+
+
+async def _ending(pool: RuntimePool, hub: FollowHub, session: str) -> dict[str, Any] | None:
+    """The `end` event's receipt; asked again while the store is down a moment (the stream
+    stays open); None if the server stops first."""
+    while True:
+        try:
+            return await pool.call(views.end_of_stream, session)
+        except SettledError:
+            if hub.stopping.is_set():
+                return None
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(hub.stopping.wait(), ENDING_RETRY_S)
+
+
+def events_response(pool: RuntimePool, hub: FollowHub, facts: StreamFacts, start: int) -> Response:
     facts.check(start)
     headers = {
         "Cache-Control": "no-store",
@@ -189,5 +262,5 @@ def events_response(pool: RuntimePool, facts: StreamFacts, start: int) -> Respon
         "Settled-From": str(start),
     }
     return StreamingResponse(
-        sse_body(pool, facts, start), media_type="text/event-stream", headers=headers
+        sse_body(pool, hub, facts, start), media_type="text/event-stream", headers=headers
     )

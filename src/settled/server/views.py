@@ -230,12 +230,17 @@ def clocks(rt: Runtime, grant: Grant, task: str) -> dict[str, Any]:
 
 
 def board(
-    rt: Runtime, limit: int, extra: frozenset[str], final: frozenset[str]
+    rt: Runtime,
+    limit: int,
+    extra: frozenset[str],
+    final: frozenset[str],
+    known: dict[str, dict[str, Any]] | None = None,
 ) -> tuple[list[str], dict[str, dict[str, Any]]]:
     """(the newest ``limit`` tasks and then those of ``extra`` that exist, the clocks of each
-    of them not in ``final``). A complete task never changes again, so the feed passes the
-    ones it holds as ``final`` and they are not read again. Every token's view is cut from
-    this one board (settled.server.feed), so it is computed without a grant."""
+    of them not in ``final`` that differ from its view in ``known``, if given). A complete
+    task never changes again, so the feed passes the ones it holds as ``final`` and they are
+    not read again. Every token's view is cut from this one board (settled.server.feed), so it is
+    computed without a grant."""
     order = rt.task_ids(limit)
     for task in sorted(extra - set(order)):
         try:
@@ -252,7 +257,9 @@ def board(
                 continue
             view.pop("close_receipt", None)  # the page asks for it when it shows it
             fresh[task] = view
-    return [t for t in order if t in fresh or t in final], fresh
+    shown = [t for t in order if t in fresh or t in final]
+    known = known or {}
+    return shown, {t: v for t, v in fresh.items() if known.get(t) != v}
 
 
 def exit_handles(rt: Runtime, sessions: list[str]) -> dict[str, int | None]:
