@@ -410,7 +410,7 @@ def test_a_restart_costs_a_pooled_store_no_error_on_its_idle_connections(
     task = rt.new_task(str(workspace))
     with contextlib.ExitStack() as held:  # fill the pool: every connection in use at once
         for _ in range(4):
-            held.enter_context(store._connection())  # noqa: SLF001 -- the pool's own
+            held.enter_context(store._connection())  # the pool's own connections
     restart_fast(cluster)
     for _ in range(3):
         assert store.get_task(task.task).task == task.task  # reads: no error
