@@ -151,6 +151,39 @@ def test_a_wait_that_meets_an_owner_killed_mid_run_recovers_it(
 
 
 @pytest.mark.timeout(300)
+def test_an_http_long_poll_that_meets_a_killed_owner_answers_its_recovered_receipt(
+    tmp_path: Path, marker: str
+) -> None:
+    """The service's `GET /v1/sessions/S?wait=` does what a CLI wait does: it recovers a
+    session whose owner's process is gone and answers the receipt, never `unknown`."""
+    _skip_unavailable("cgroup2")
+    from test_server import Server, settle_all
+
+    home = tmp_path / "home"
+    (tmp_path / "ws").mkdir()
+    server = Server(home, tmp_path / "server.log", None, {"TEST_SESSION_MARKER": marker})
+    try:
+        with server.client() as client, Runtime(str(home)) as rt:
+            task = client.post("/v1/tasks", json={"workspace": str(tmp_path / "ws")}).json()
+            for i in range(LOOPS):
+                answer = client.post(
+                    f"/v1/tasks/{task['task']}/sessions",
+                    json={"key": f"h{i}", "shell": TICKER, "boundary": "cgroup2"},
+                )
+                assert answer.status_code in (200, 201), answer.text
+                session = answer.json()["session"]
+                _wait_until(lambda s=session: rt.store.get_session(s).stdout_durable > 0)
+                _kill_owner(rt, session)
+                view = client.get(f"/v1/sessions/{session}", params={"wait": 5}).json()
+                assert view["state"] == "settled", view
+                _recovered(view["receipt"])
+            assert kill_marked(marker, b"sleep") == [], "recovery killed what the owner left"
+    finally:
+        server.stop()
+        settle_all(home)
+
+
+@pytest.mark.timeout(300)
 def test_a_retried_close_after_its_owners_died_converges_by_itself(
     rt: Runtime, task: TaskRecord, monkeypatch: pytest.MonkeyPatch, marker: str
 ) -> None:

@@ -41,6 +41,7 @@ from settled.server.openapi import document
 from settled.server.page import FILES as PAGE_FILES
 from settled.server.page import Page
 from settled.server.pool import RECOVER_EVERY_S, Recoverer, RuntimePool, recover_once
+from settled.states import SETTLED
 
 MAX_WAIT_S = grammar.MAX_HTTP_WAIT_S  # a long poll holds a connection (settled.grammar)
 
@@ -183,6 +184,8 @@ class Handlers:
         view = await self.pool.call(views.session_status, grant, session)
         if wait_s and not views.is_settled(view):
             view = await self._await_settled(grant, session, time.monotonic() + wait_s)
+        if wait_s and view["state"] != SETTLED:  # recovery runs itself, as a CLI wait's does
+            view = await self.pool.call(views.recover_lost, grant, session)
         return _json(view, 202 if wait_s and not views.is_settled(view) else 200)
 
     async def _await_settled(self, grant: Grant, session: str, give_up: float) -> dict[str, Any]:

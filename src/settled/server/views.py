@@ -117,6 +117,14 @@ def session_status(rt: Runtime, grant: Grant, session: str) -> dict[str, Any]:
     return rt.session_status(session)
 
 
+def recover_lost(rt: Runtime, grant: Grant, session: str) -> dict[str, Any]:
+    """What a long poll does before it answers unknown or not yet (as ``Runtime.wait`` does):
+    recover the session if its owner's process is gone, settle it never started if no owner
+    claimed it within the claim bound; its status after."""
+    visible_session(rt, grant, session)
+    return rt.recover_lost(session)
+
+
 def exit_handle(rt: Runtime, grant: Grant, session: str) -> int | None:
     visible_session(rt, grant, session)
     return rt.exit_handle(session)
