@@ -82,8 +82,10 @@ def session_status(record: SessionRecord, owner: OwnerFacts | None) -> dict[str,
 def _unknown_why(record: SessionRecord) -> str:
     if record.unknown_why:
         return (
-            f"{record.unknown_why}; unknown (not failed) until its boundary gives death "
-            "evidence: run `settled recover`, or `settled task destroy TASK`"
+            f"{record.unknown_why}; unknown (not failed) until its owner returns at its "
+            "generation or its boundary gives death evidence: a wait or a close recovers it "
+            "once its owner's process is gone; else run `settled recover`, or `settled task "
+            "destroy TASK`"
         )
     receipt = record.receipt
     if receipt is not None and not receipt["death"].get("proven", False):
