@@ -191,7 +191,7 @@ def small_owner_kib(runtime: Runtime) -> int:
 def tamper_object(objects: Any, digest: str, change: Callable[[bytes], bytes]) -> None:
     """Change a stored object's bytes behind its store's back, where it lies: the local file
     (or, for an object in a local pack, its bytes in the pack, which only a change of the same
-    size can be), or a newer version of its key in the bucket (with the store's own client)."""
+    size can be), or the only upload of its key in the bucket (with the store's own client)."""
     if hasattr(objects, "location_of"):
         where, offset, size = objects.location_of(digest)
         path = Path(where)
@@ -208,8 +208,15 @@ def tamper_object(objects: Any, digest: str, change: Callable[[bytes], bytes]) -
         path.chmod(0o400)
         return
     key = objects.key_of(digest)
-    body = objects.client().get_object(Bucket=objects.bucket, Key=key)["Body"].read()
-    objects.client().put_object(Bucket=objects.bucket, Key=key, Body=change(body))
+    client = objects.client()
+    body = client.get_object(Bucket=objects.bucket, Key=key)["Body"].read()
+    # Every upload of the key goes first: in a versioned bucket settled reads the upload its
+    # checkpoint recorded (an older intact one would be read instead of the tampered bytes).
+    listed = client.list_object_versions(Bucket=objects.bucket, Prefix=key)
+    for version in listed.get("Versions", []) + listed.get("DeleteMarkers", []):
+        if version["Key"] == key:
+            client.delete_object(Bucket=objects.bucket, Key=key, VersionId=version["VersionId"])
+    client.put_object(Bucket=objects.bucket, Key=key, Body=change(body))
 
 
 def journal_pids(run_dir: Path) -> set[int]:
