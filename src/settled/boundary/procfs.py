@@ -50,16 +50,20 @@ def start_and_state(pid: int) -> tuple[int, str] | None:
 
 
 def children(pid: int) -> list[int]:
+    """The children of `pid` (of each of its threads); none once it is gone. A process reaped
+    while the path to it is walked answers ESRCH, not ENOENT: the kernel found /proc/PID (or
+    /proc/PID/task/TID) alive and its task gone at the next step (a fork storm being killed,
+    looked at by its owner, met it: the owner died of it without a receipt)."""
     found: list[int] = []
     try:
         threads = os.listdir(f"/proc/{pid}/task")
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):
         return found
     for tid in threads:
         try:
             with open(f"/proc/{pid}/task/{tid}/children") as handle:
                 found.extend(int(p) for p in handle.read().split())
-        except FileNotFoundError:
+        except (FileNotFoundError, ProcessLookupError):
             continue
     return found
 
