@@ -129,7 +129,7 @@ def test_a_waiter_recovers_only_an_owner_whose_process_is_gone(
 # -- dead owners ------------------------------------------------------------------------
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(120 + 30 * LOOPS)
 def test_a_wait_that_meets_an_owner_killed_mid_run_recovers_it(
     rt: Runtime, task: TaskRecord, marker: str
 ) -> None:
@@ -150,7 +150,7 @@ def test_a_wait_that_meets_an_owner_killed_mid_run_recovers_it(
     assert rt.wait(later.session, timeout=30)["receipt"]["exit"]["code"] == 0
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(120 + 30 * LOOPS)
 def test_an_http_long_poll_that_meets_a_killed_owner_answers_its_recovered_receipt(
     tmp_path: Path, marker: str
 ) -> None:
@@ -183,7 +183,7 @@ def test_an_http_long_poll_that_meets_a_killed_owner_answers_its_recovered_recei
         settle_all(home)
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(120 + 30 * LOOPS)
 def test_a_retried_close_after_its_owners_died_converges_by_itself(
     rt: Runtime, task: TaskRecord, monkeypatch: pytest.MonkeyPatch, marker: str
 ) -> None:
@@ -253,7 +253,7 @@ def test_a_close_that_recovery_cannot_end_says_so_and_names_settled_recover(
 # -- sessions no owner claimed ------------------------------------------------------------
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(120 + 30 * LOOPS)
 def test_sessions_whose_launchers_were_killed_before_the_claim_are_settled_by_their_finders(
     rt: Runtime, task: TaskRecord, monkeypatch: pytest.MonkeyPatch, marker: str
 ) -> None:
@@ -368,7 +368,7 @@ def test_a_slow_launcher_and_a_finder_race_and_exactly_one_wins(
     assert kill_marked(marker, b"sleep") == []
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(60 + 20 * LOOPS)
 def test_two_finders_of_one_unclaimed_session_write_one_receipt(
     rt: Runtime, task: TaskRecord
 ) -> None:
