@@ -144,6 +144,8 @@ def _report(run: Any, outcome: dict[str, Any], ended: dict[str, Any], lanes: int
             f"settled soak --seed {run.seed} --crashes 1 --lanes 1 "
             f"--start {violation['attempt']} --points {violation['point']}"
         )
+        if run.faults:  # the same backends; one round of each fault follows the crash
+            report["reproduce"] += f" --faults {','.join(run.faults)} --faults-per-kind 1"
     return report
 
 

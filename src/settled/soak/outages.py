@@ -41,6 +41,7 @@ class Outages:
         kinds = STORE_FAULTS + (OBJECT_FAULTS if servers.objects is not None else ())
         self.order = fault_kinds(seed, per_kind, kinds)
         self.done: dict[str, int] = dict.fromkeys(kinds, 0)
+        self.seconds = 0.0  # summed over the rounds: launch, fault, checks and close
         self.crashes, self.next = crashes, 0
         self.lease_s = float(os.environ.get(LEASE_ENV) or DEFAULT_LEASE_S)
 
@@ -57,6 +58,13 @@ class Outages:
         """One fault across every lane; the first violation a lane found, if any."""
         fault = Fault(self.seed, self.next, self.order[self.next], self.lease_s)
         self.next += 1
+        started = time.monotonic()
+        try:
+            return self._round(lanes, fault)
+        finally:
+            self.seconds += time.monotonic() - started
+
+    def _round(self, lanes: list[LaneProcess], fault: Fault) -> dict[str, Any] | None:
         launched = _ask_all(lanes, lambda lane: {"launch": fault.number, "kind": fault.kind})
         found = _first_violation(launched)
         if found is None:

@@ -128,8 +128,8 @@ class Fault:
     def __init__(self, seed: int, number: int, kind: str, lease_s: float) -> None:
         rng = random.Random(f"settled-soak:{seed}:fault:{number}")
         self.number, self.kind = number, kind
-        self.delay_s = round(rng.uniform(0.0, 1.0), 3)
-        longest = max(0.5, min(4.0, lease_s / 3))
+        self.delay_s = round(rng.uniform(0.0, 0.6), 3)
+        longest = max(0.5, min(2.0, lease_s / 3))
         self.hold_s = round(rng.uniform(0.0 if kind == "pg_kill" else 0.5, longest), 3)
 
     def work(self, seed: int, lane: int) -> list[Work]:
