@@ -15,7 +15,8 @@ armed server or CLI is ended on every way out), or stop at a violation without s
 
 `SETTLED_SOAK_PLANT` (tests only) plants a violation the checks must catch: `relaunch` runs
 each command a second time under another key, `truncate` cuts a crashed session's log below
-its durable cursor.
+its durable cursor, `owner_lost` kills an owner in a server fault's round
+(`outage_cycle.kill_owner`).
 """
 
 from __future__ import annotations

@@ -7,6 +7,9 @@ for without recovery, its receipt the owner's with its exit code (a store back w
 loses no exit status), the session checks of every cycle, then the task closed by the library
 and again by the CLI, and the close's checks), each answering one JSON object.
 
+`SETTLED_SOAK_PLANT=owner_lost` (tests only) kills the owner of each lane's first command of a
+round, a lost exit status the check must name.
+
 Must never: call recovery (`settled recover` or `Runtime.recover`): a close that needs it has
 not converged by itself; retry anything but what a caller retries after a connection error
 (a read, the same wait, the same close).
@@ -14,6 +17,9 @@ not converged by itself; retry anything but what a caller retries after a connec
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import time
 import traceback
 from collections.abc import Callable
@@ -35,6 +41,8 @@ def launch(lane: Lane, fault: Fault) -> dict[str, Any]:
     try:
         lane.open_task()
         sessions = [lane.launch(work) for work in fault.work(lane.seed, lane.index)]
+        if lane.plant == "owner_lost":
+            kill_owner(lane, sessions[0])
     except Violation as violation:
         return {"violation": violation.to_json()}
     except Exception:
@@ -123,3 +131,15 @@ def exit_kept(lane: Lane, session: str) -> None:
             f"session {session} ran to its end through the fault, yet its receipt says "
             f"death {death.get('source')}, exit {exit_fact}",
         )
+
+
+def kill_owner(lane: Lane, session: str) -> None:
+    """(tests only) The session's owner SIGKILLed: its exit status is lost, as the check of
+    the round must say."""
+    give_up = time.monotonic() + RETRY_S
+    while (owner := lane.rt.session_record(session).owner) is None:
+        if time.monotonic() > give_up:
+            return
+        time.sleep(0.01)
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(owner.pid, signal.SIGKILL)

@@ -102,6 +102,7 @@ class Outages:
             "per_kind": dict(self.done),
             "asked": len(self.order),
             "done": sum(self.done.values()),
+            "seconds": round(self.seconds, 2),
         }
 
 

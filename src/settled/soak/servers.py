@@ -41,6 +41,7 @@ PG_USER = "postgres"
 START_S = 60.0
 BUCKET = "settled-soak"
 PR_SET_PDEATHSIG = 1
+WEED_TRIES = 3
 
 
 class ServersFailed(RuntimeError):
@@ -269,7 +270,7 @@ class ObjectServer:
         give_up, last = time.monotonic() + START_S, ""
         while time.monotonic() < give_up:
             if self.process.poll() is not None:
-                raise ServersFailed(f"weed exited with {self.process.returncode}")
+                raise ServersFailed(f"weed exited with {self.process.returncode}: {self._tail()}")
             try:
                 with contextlib.suppress(client.exceptions.BucketAlreadyOwnedByYou):
                     client.create_bucket(Bucket=BUCKET)
@@ -281,6 +282,12 @@ class ObjectServer:
                 last = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             time.sleep(0.25)
         raise ServersFailed(f"weed did not make its bucket within {START_S:.0f} s: {last}")
+
+    def _tail(self) -> str:
+        with contextlib.suppress(OSError):
+            lines = Path(self.root, "weed.log").read_text(errors="replace").splitlines()
+            return " | ".join(lines[-3:])
+        return ""
 
     def stall(self, seconds: float) -> None:
         self.stopped = True
@@ -355,8 +362,13 @@ class Servers:
         """The cluster, then S3 if asked and installed; `stop` ends what of them started."""
         self.cluster = Cluster()
         binary = weed_binary() if with_objects else None
-        if binary is not None:
-            self.objects = ObjectServer(binary)
+        for tries in range(WEED_TRIES if binary is not None else 0):
+            try:  # a port it chose may be taken meanwhile by another process: new ports
+                self.objects = ObjectServer(binary or "")
+                return
+            except ServersFailed:
+                if tries == WEED_TRIES - 1:
+                    raise
 
     def env(self) -> dict[str, str]:
         """What binds a new home to them: the store URL, the objects URL and S3's keys."""
