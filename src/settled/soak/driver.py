@@ -143,6 +143,7 @@ class Run:
         self.faults, self.per_kind = faults, per_kind
         self.servers = Servers()
         self.outages: Outages | None = None
+        self.said_faults = time.monotonic()
         self.scratch = tempfile.mkdtemp(prefix="settled-soak-")
         self.home = os.path.join(self.scratch, "home")
         self.mark = f"settled-soak-{os.getpid()}-{secrets.token_hex(6)}"
@@ -204,6 +205,10 @@ class Run:
             raise SoakFailed(str(exc)) from exc
         if violation is not None and self.tally.violation is None:
             self.tally.violation = violation
+        if time.monotonic() - self.said_faults > PROGRESS_S:
+            self.said_faults = time.monotonic()
+            done = self.outages.report()
+            _say(f"{done['done']}/{done['asked']} server faults, {self.tally.seconds:.0f} s")
 
     def _rounds_left(self) -> None:
         while self.outages is not None and self.outages.remaining and not self.tally.violation:
@@ -290,6 +295,8 @@ class Run:
         if self.standing is not None:
             self.standing.stop()
         swept = procs.sweep(self.mark)
+        for name in self.servers.env() if self.outages else ():
+            os.environ.pop(name, None)  # what bound the run's home, no longer served
         ended["servers_left"] = self.servers.stop()
         ended["processes_terminated"] = len(swept["terminated"])
         ended["processes_killed"] = len(swept["killed"])

@@ -251,12 +251,8 @@ class ObjectServer:
             raise
 
     def env(self) -> dict[str, str]:
-        return {
-            "AWS_ENDPOINT_URL": self.endpoint,
-            "AWS_ACCESS_KEY_ID": self.key,
-            "AWS_SECRET_ACCESS_KEY": self.secret,
-            "AWS_REGION": "us-east-1",
-        }
+        keys = {"AWS_ACCESS_KEY_ID": self.key, "AWS_SECRET_ACCESS_KEY": self.secret}
+        return {"AWS_ENDPOINT_URL": self.endpoint, "AWS_REGION": "us-east-1", **keys}
 
     def _bucket(self) -> None:
         """The versioned bucket, retried while weed comes up (bounded)."""
