@@ -8,6 +8,7 @@ and replayed by the command it prints.
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import signal
@@ -21,8 +22,10 @@ import pytest
 
 from settled.faults import ALL_POINTS
 from settled.soak.plan import FAMILIES, INVARIANTS, POINTS, Attempt
+from settled.soak.servers import missing_reason, weed_binary
 
 SOAK = [sys.executable, "-m", "settled.cli", "soak"]
+FAULT_LOOPS = int(os.environ.get("SETTLED_FAULT_LOOPS") or 2)  # per kind, for --faults store
 
 
 def soak(
@@ -108,7 +111,14 @@ def test_a_planted_violation_is_caught_named_and_replayed(plant: str, invariant:
 
 @pytest.mark.parametrize(
     "args",
-    [("--crashes", "0"), ("--points", "owner.nowhere"), ("--lanes", "0"), ("--home", "/tmp/x")],
+    [
+        ("--crashes", "0"),
+        ("--points", "owner.nowhere"),
+        ("--lanes", "0"),
+        ("--home", "/tmp/x"),
+        ("--faults", "disk"),
+        ("--faults", "store", "--faults-per-kind", "0"),
+    ],
 )
 def test_bad_input_is_refused_with_exit_2_before_anything_runs(args: tuple[str, ...]) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("SETTLED_")}
@@ -141,3 +151,107 @@ def test_an_interrupted_soak_ends_everything_it_started() -> None:
     assert report["interrupted"] is True and report["violations"] == []
     assert_ended_everything(report)
     assert marked_by(process.pid) == [], "no process of the run is left"
+
+
+def _running_under(directory: str) -> list[int]:
+    """Processes whose command line names `directory` (a server's data directory)."""
+    found = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if directory.encode() in cmdline:
+            found.append(int(entry))
+    return found
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.skipif(missing_reason() is not None, reason=str(missing_reason()))
+def test_store_faults_restart_kill_and_stop_the_servers_and_every_invariant_holds() -> None:
+    """`--faults store`: a PostgreSQL (and S3, weed being installed) of the soak's own,
+    restarted, killed and stopped FAULT_LOOPS times per kind among the crashes: no lost exit
+    status, no false complete, no duplicate launch, every close converging by itself; the
+    servers are ended with everything else."""
+    per_kind = FAULT_LOOPS
+    code, report, stderr = soak(
+        "--faults", "store", "--faults-per-kind", str(per_kind), "--crashes", "4", "--seed", "39"
+    )
+    assert code == 0, stderr
+    kinds = {"pg_restart", "pg_kill", "pg_stop"} | ({"s3_stop"} if weed_binary() else set())
+    assert report["faults"]["per_kind"] == dict.fromkeys(kinds, per_kind), report["faults"]
+    assert report["faults"]["done"] == report["faults"]["asked"] == per_kind * len(kinds)
+    assert report["violations"] == [] and report["crashes"] == 4
+    assert "no lost exit status" in report["invariants"]
+    assert "--faults store --faults-per-kind" in report["rerun"]
+    assert_ended_everything(report)
+    assert report["ended"]["servers_left"] == []
+    for directory in (report["servers"]["postgresql_dir"], report["servers"]["weed_dir"]):
+        if directory:
+            assert _running_under(directory) == [], f"a server of {directory} still runs"
+            assert not os.path.exists(directory)
+
+
+def test_store_faults_where_postgresql_is_missing_fail_in_one_line_with_exit_1() -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SETTLED_")}
+    env["SETTLED_PG_BIN"] = "/nonexistent/bin"
+    done = subprocess.run(
+        [*SOAK, "--faults", "store", "--crashes", "1"], env=env, capture_output=True, timeout=60
+    )
+    assert done.returncode == 1, done.stderr
+    [line] = done.stderr.decode().splitlines()
+    assert "no PostgreSQL binaries" in line and "/nonexistent/bin" in line, line
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(missing_reason() is not None, reason=str(missing_reason()))
+def test_an_interrupted_store_soak_ends_the_servers_it_started() -> None:
+    """Ctrl-C among the crashes and faults: exit 130, and its PostgreSQL and S3 are ended (a
+    stopped one continued first) and their directories removed."""
+    pattern = ("/tmp/settled-soak-pg-*", "/tmp/settled-soak-weed-*")
+    before = {path for p in pattern for path in glob.glob(p)}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SETTLED_")}
+    process = subprocess.Popen(
+        [*SOAK, "--faults", "store", "--faults-per-kind", "1000", "--crashes", "100000",
+         "--seed", "7", "--json"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        give_up = time.monotonic() + 120
+        while len(marked_by(process.pid)) < 4:  # servers up, lanes and owners under way
+            assert process.poll() is None and time.monotonic() < give_up
+            time.sleep(0.1)
+        time.sleep(8)
+        process.send_signal(signal.SIGINT)
+        out, err = process.communicate(timeout=240)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert process.returncode == 130, err
+    report = json.loads(out)
+    assert report["interrupted"] is True and report["violations"] == []
+    assert_ended_everything(report)
+    assert report["ended"]["servers_left"] == []
+    made = {path for p in pattern for path in glob.glob(p)} - before
+    assert made == set(), f"left behind: {made}"
+    for directory in (report["servers"]["postgresql_dir"], report["servers"]["weed_dir"]):
+        if directory:
+            assert _running_under(directory) == [], f"a server of {directory} still runs"
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(missing_reason() is not None, reason=str(missing_reason()))
+def test_a_lost_exit_status_planted_in_a_fault_round_is_caught_named_and_rerun() -> None:
+    code, report, stderr = soak(
+        "--faults", "store", "--faults-per-kind", "1", "--crashes", "1", "--seed", "5",
+        plant="owner_lost",
+    )  # fmt: skip
+    assert code == 3, stderr
+    [violation] = report["violations"]
+    assert violation["invariant"] == "no lost exit status", violation
+    assert violation["fault"]["kind"] in report["faults"]["per_kind"], violation
+    assert 'VIOLATION of "no lost exit status" at server fault' in stderr and "seed 5" in stderr
+    assert report["rerun"] in stderr and "--faults store" in report["rerun"]
+    assert_ended_everything(report)
+    assert report["ended"]["servers_left"] == []

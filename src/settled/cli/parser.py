@@ -721,7 +721,7 @@ def _build(only: str | None) -> tuple[argparse.ArgumentParser, bool]:
         epilog="exit codes of soak:\n"
         "    0  every invariant held\n"
         "    1  the soak itself could not run (a lane failed, the points were not reached,\n"
-        "       or it could not end what it started)\n"
+        "       a server --faults needs is missing, or it could not end what it started)\n"
         "    2  bad input (nothing was run)\n"
         "    3  a violation: the invariant, the seed, the crash, the point, and the command\n"
         "       that replays it\n"
@@ -746,6 +746,17 @@ def _build(only: str | None) -> tuple[argparse.ArgumentParser, bool]:
     soak.add_argument(
         "--points", type=_text("--points", 65536, 1), metavar="P,...",
         help="only these fault points (default: all of `settled close --list-fault-points`)",
+    )  # fmt: skip
+    soak.add_argument(
+        "--faults", type=_text("--faults", 256, 1), metavar="store",
+        help="server faults too: `store` binds the home to a PostgreSQL (and, if weed is "
+        "installed, an S3) the soak starts, and restarts it (-m fast), kills and restarts it, "
+        "and stops it (SIGSTOP, shorter than the lease; S3 too) while sessions run "
+        "(default: none)",
+    )  # fmt: skip
+    soak.add_argument(
+        "--faults-per-kind", type=_integer("--faults-per-kind", 1, 10_000), default=5,
+        help="with --faults: how many faults of each kind, spread over the crashes",
     )  # fmt: skip
     soak.set_defaults(handler=None)
 

@@ -398,7 +398,7 @@ def _dispatch(args: argparse.Namespace) -> int:
 
 
 def _soak(args: argparse.Namespace) -> int:
-    from settled.soak import parse_points, run_soak
+    from settled.soak import parse_faults, parse_points, run_soak
 
     for flag in ("home", "store", "objects"):
         if getattr(args, flag, None):
@@ -408,9 +408,10 @@ def _soak(args: argparse.Namespace) -> int:
         import random
 
         seed = random.SystemRandom().randrange(1 << 32)
-    points = parse_points(args.points)
+    points, faults = parse_points(args.points), parse_faults(args.faults)
     return run_soak(args.crashes, seed, lanes=args.lanes, start=args.start, points=points,
-                    as_json=bool(getattr(args, "json", False)))  # fmt: skip
+                    as_json=bool(getattr(args, "json", False)), faults=faults,
+                    per_kind=args.faults_per_kind)  # fmt: skip
 
 
 def _serve_swerex(args: argparse.Namespace) -> int:

@@ -7,6 +7,9 @@ attempt numbers so that exactly N crashes happen (an attempt whose point was not
 not count, and the next number is handed out), the tally per point, and the end: lanes stopped,
 every open task destroyed (its sandbox is the evidence for its sessions), the marked processes
 ended, every task's cgroup checked gone, the scratch removed; after a violation or Ctrl-C too.
+With `--faults store`, the servers the home is bound to (`servers.Servers`, started before
+anything else and ended after everything else: resumed first, so a close finds them up) and the
+rounds of server faults between the crashes (`outages.Outages`).
 
 Must never: use the caller's home, run past the first violation, or claim a crash it did not
 see.
@@ -29,6 +32,8 @@ from typing import IO, Any
 
 from settled.runtime import Runtime
 from settled.soak import procs
+from settled.soak.outages import Outages, RoundFailed
+from settled.soak.servers import Servers, ServersFailed
 
 ATTEMPT_S = 300.0  # one attempt that takes longer than this is a stuck lane
 FINISH_S = 180.0
@@ -124,8 +129,21 @@ class Tally:
 class Run:
     """One soak: `run()` returns the tally; `close()` ends everything it started."""
 
-    def __init__(self, crashes: int, seed: int, lanes: int, start: int, points: tuple[str, ...]):
+    def __init__(
+        self,
+        crashes: int,
+        seed: int,
+        lanes: int,
+        start: int,
+        points: tuple[str, ...],
+        faults: tuple[str, ...] = (),
+        per_kind: int = 0,
+    ):
         self.target, self.seed, self.start, self.points = crashes, seed, start, points
+        self.faults, self.per_kind = faults, per_kind
+        self.servers = Servers()
+        self.outages: Outages | None = None
+        self.said_faults = time.monotonic()
         self.scratch = tempfile.mkdtemp(prefix="settled-soak-")
         self.home = os.path.join(self.scratch, "home")
         self.mark = f"settled-soak-{os.getpid()}-{secrets.token_hex(6)}"
@@ -141,6 +159,8 @@ class Run:
         self.ended: dict[str, Any] = {}
 
     def run(self) -> Tally:
+        if self.faults:
+            self._start_servers()
         try:
             self.standing = procs.Server(
                 self.home, self.token, os.path.join(self.scratch, "serve-standing.log")
@@ -158,9 +178,41 @@ class Run:
         }
         self.lanes = [LaneProcess(i, config, self.env) for i in range(self.lane_count)]
         self._attempts()
+        self._rounds_left()
         if self.tally.violation is None:
             self._finish()
         return self.tally
+
+    def _start_servers(self) -> None:
+        """The store (and objects) the home is bound to: in this process's environment, so
+        every lane, server, CLI process and owner of the run reaches them."""
+        try:
+            self.servers.start(with_objects=True)
+        except ServersFailed as exc:
+            raise SoakFailed(f"the servers did not start: {exc}") from exc
+        os.environ.update(self.servers.env())
+        self.env = dict(os.environ)
+        self.outages = Outages(self.servers, self.seed, self.per_kind, self.target)
+
+    def _round_due(self) -> bool:
+        return self.outages is not None and self.outages.due(self.tally.crashes)
+
+    def _round(self) -> None:
+        assert self.outages is not None
+        try:
+            violation = self.outages.run_round(self.lanes)
+        except RoundFailed as exc:
+            raise SoakFailed(str(exc)) from exc
+        if violation is not None and self.tally.violation is None:
+            self.tally.violation = violation
+        if time.monotonic() - self.said_faults > PROGRESS_S:
+            self.said_faults = time.monotonic()
+            done = self.outages.report()
+            _say(f"{done['done']}/{done['asked']} server faults, {self.tally.seconds:.0f} s")
+
+    def _rounds_left(self) -> None:
+        while self.outages is not None and self.outages.remaining and not self.tally.violation:
+            self._round()
 
     def _attempts(self) -> None:
         selector = selectors.DefaultSelector()
@@ -170,10 +222,14 @@ class Run:
         said = time.monotonic()
         while self.tally.violation is None:
             busy = [lane for lane in self.lanes if lane.busy is not None]
+            pausing = self._round_due()  # no attempt while a server fault waits to strike
+            if pausing and not busy:
+                self._round()
+                continue
             for lane in self.lanes:
                 # in flight may all crash: hand out no more than could make up the count
                 wanted = self.tally.crashes + len(busy) < self.target
-                if lane.busy is None and wanted and number < cap:
+                if lane.busy is None and wanted and number < cap and not pausing:
                     lane.busy = number
                     lane.send({"attempt": number})
                     busy.append(lane)
@@ -230,6 +286,8 @@ class Run:
         """End everything the run started; what was found and ended is returned."""
         for lane in self.lanes:
             lane.stop()
+        with contextlib.suppress(Exception):
+            self.servers.resume()  # a fault cut short by Ctrl-C: the store must answer below
         ended: dict[str, Any] = {"destroyed_tasks": 0, "cgroups_left": []}
         with contextlib.suppress(Exception), Runtime(self.home) as rt:
             ended.update(_destroy_open_tasks(rt))
@@ -237,6 +295,9 @@ class Run:
         if self.standing is not None:
             self.standing.stop()
         swept = procs.sweep(self.mark)
+        for name in self.servers.env() if self.outages else ():
+            os.environ.pop(name, None)  # what bound the run's home, no longer served
+        ended["servers_left"] = self.servers.stop()
         ended["processes_terminated"] = len(swept["terminated"])
         ended["processes_killed"] = len(swept["killed"])
         ended["processes_left"] = len(procs.marked(self.mark))

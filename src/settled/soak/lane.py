@@ -5,7 +5,8 @@ Owns: the lane's Runtime (a warm launcher, so an owner starts in milliseconds; e
 the fault point of its own owner only), its current task with a service printing ticks
 throughout (the concurrent session every crash happens beside), what it observed
 (`checks.Observed`), and the protocol with the driver: one JSON line in (`{"attempt": n}` or
-`{"finish": true}`), one JSON line out per line in, on the descriptor that was stdout (stdout
+`{"finish": true}`, or a server fault's `{"launch": n, "kind": k}` then `{"check": n,
+"sessions": [...]}`), one JSON line out per line in, on the descriptor that was stdout (stdout
 itself then goes to stderr, so nothing settled prints can corrupt it).
 
 Must never: arm a fault in its own process (it strips SETTLED_FAULT at start and arms only the
@@ -14,7 +15,8 @@ armed server or CLI is ended on every way out), or stop at a violation without s
 
 `SETTLED_SOAK_PLANT` (tests only) plants a violation the checks must catch: `relaunch` runs
 each command a second time under another key, `truncate` cuts a crashed session's log below
-its durable cursor.
+its durable cursor, `owner_lost` kills an owner in a server fault's round
+(`outage_cycle.kill_owner`).
 """
 
 from __future__ import annotations
@@ -30,8 +32,8 @@ from typing import TYPE_CHECKING, Any
 
 from settled.errors import AdmissionFrozen, NotSettled, OwnerLaunchFailed, SettledError
 from settled.runtime import Runtime
-from settled.soak import checks, cycles, procs
-from settled.soak.plan import OUTPUT_DIR, Attempt, Violation, Work, ticker
+from settled.soak import checks, cycles, outage_cycle, procs
+from settled.soak.plan import OUTPUT_DIR, Attempt, Fault, Violation, Work, ticker
 
 if TYPE_CHECKING:
     from settled.client import Client
@@ -349,6 +351,11 @@ def main(argv: list[str]) -> int:
             if "attempt" in message:
                 attempt = Attempt(lane.seed, int(message["attempt"]), lane.points)
                 answer = lane.run(attempt)
+            elif "launch" in message:  # a server fault's round: its commands, then its checks
+                fault = Fault(lane.seed, int(message["launch"]), str(message["kind"]), 0.0)
+                answer = outage_cycle.launch(lane, fault)
+            elif "check" in message:
+                answer = outage_cycle.check(lane, list(message["sessions"]))
             else:
                 answer = lane.finish()
             answers.write(json.dumps(answer) + "\n")

@@ -2,8 +2,8 @@
 invariants a violation names.
 
 Owns: the seeded choice of attempt n's point and parameters (`Attempt(seed, n, points)`), the
-families the points fall in, the commands a cycle runs and the bytes they must leave, and
-`Violation`.
+families the points fall in, the commands a cycle runs and the bytes they must leave, the
+seeded order and parameters of the server faults (`fault_kinds`, `Fault`), and `Violation`.
 
 Must never: depend on time, on the lane that runs an attempt or on what ran before it: attempt
 n of seed s is the same point with the same parameters in every run, so `settled soak --seed s
@@ -25,7 +25,12 @@ INVARIANTS = {
     "relaunch": "no relaunch of an unknown session",
     "close_converges": "every retried close converges",
     "converges": "every crash converges",  # a retry or recovery that raises or never settles
+    "lost_exit": "no lost exit status",  # a command that ended as the store came back
 }
+FAULT_FAMILIES = ("store",)  # `--faults`: what the run's servers suffer between the crashes
+STORE_FAULTS = ("pg_restart", "pg_kill", "pg_stop")  # the cluster: graceful, killed, stopped
+OBJECT_FAULTS = ("s3_stop",)  # the S3 server stopped as sessions end (when weed is installed)
+ROUND_COMMANDS = 3  # commands each lane runs through one fault
 LAUNCHES = ".launches"  # each command appends its logical key here first: one line per launch
 OUTPUT_DIR = "out"  # each command that ends writes out/<key>: the close's checkpoint must hold it
 TICK = b"tick"
@@ -106,3 +111,35 @@ def ticker(key: str) -> str:
 
 def ticker_bytes(length: int) -> bytes:
     return (TICK * (length // len(TICK) + 1))[:length]
+
+
+def fault_kinds(seed: int, per_kind: int, kinds: tuple[str, ...]) -> list[str]:
+    """The run's faults in order: `per_kind` of each kind, shuffled by the seed."""
+    order = [kind for kind in kinds for _ in range(per_kind)]
+    random.Random(f"settled-soak:{seed}:faults").shuffle(order)
+    return order
+
+
+class Fault:
+    """Round `number` of a run: its kind, when it strikes after the round's commands are
+    launched (`delay_s`), and how long the server stays down or stopped (`hold_s`, shorter than
+    the lease: a store back within it must lose no exit status)."""
+
+    def __init__(self, seed: int, number: int, kind: str, lease_s: float) -> None:
+        rng = random.Random(f"settled-soak:{seed}:fault:{number}")
+        self.number, self.kind = number, kind
+        self.delay_s = round(rng.uniform(0.0, 0.6), 3)
+        longest = max(0.5, min(2.0, lease_s / 3))
+        self.hold_s = round(rng.uniform(0.0 if kind == "pg_kill" else 0.5, longest), 3)
+
+    def work(self, seed: int, lane: int) -> list[Work]:
+        """The commands lane `lane` runs through it: each ends before, during or after it."""
+        rng = random.Random(f"settled-soak:{seed}:fault:{self.number}:{lane}")
+        return [
+            Work(
+                f"r{self.number}.{lane}.{i}",
+                rng.choice((8, 64, 400)),
+                round(rng.uniform(0.1, 2.0), 3),
+            )
+            for i in range(ROUND_COMMANDS)
+        ]
