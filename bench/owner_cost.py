@@ -158,6 +158,14 @@ def _environments(root: str, weed: Any, cluster: Any) -> dict[str, dict[str, str
     }
 
 
+def _recorded_seal(env: dict[str, str], exits: Exits, session: str) -> dict[str, Any] | None:
+    """The seal of stdout the owner recorded after its receipt (`status`'s `sealed`), read once
+    the owner has exited; None for an embedded home (nothing to seal) or a seal that failed."""
+    out, _facts = _settled(env, exits, "status", session, "--json")
+    sealed: dict[str, Any] | None = (json.loads(out).get("sealed") or {}).get("stdout")
+    return sealed
+
+
 def _one(
     env: dict[str, str], exits: Exits, tasks: TaskExits | None, task: str, command: list[str]
 ) -> dict[str, Any]:
@@ -167,15 +175,15 @@ def _one(
         raise RuntimeError(f"{command} failed: {receipt['exit']}")
     pid = int(receipt["owner"]["pid"])
     owner = exits.await_pid(pid, RUN_TIMEOUT_S)
-    sealed = receipt["output"]["stdout"].get("sealed")
+    sealed = _recorded_seal(env, exits, receipt["session"])  # the owner sealed after its receipt
     return {
         "cpu_s": owner["cpu_s"],
         "own_cpu_s": tasks.own_cpu_s(pid) if tasks is not None else None,
         "maxrss_kib": owner["maxrss_kib"],
         "receipt_cpu_s": receipt["owner"]["cpu_s"],
         "cli_cpu_s": facts["cpu_s"],
-        "sealed": sealed is not None and "error" not in sealed,
-        "seal_s": receipt.get("timings", {}).get("seal_s"),
+        "sealed": sealed is not None,
+        "seal_s": (sealed or {}).get("seal_s"),
     }
 
 
