@@ -110,6 +110,7 @@ class OwnerSession:
         self.oom = oom
         self.walls: Walls | None = None
         self.patience_s = patience_s()
+        self._supervised = time.monotonic()  # reset when the loop starts (supervise)
         self.beat = LocalBeat(home, self.lease_s)  # the loop's requests (and the wait below)
         self.store, self.record = self._store_and_record(store, record)
         self.spec = CommandSpec.from_json(self.record.spec)
@@ -165,6 +166,7 @@ class OwnerSession:
         that read both pipes, in order, while this module loaded; `walls`: the command's
         limits and their cgroups (their counters read after death evidence)."""
         self.timings["supervised_at"] = time.time()  # the session's imports and store: loaded
+        self._supervised = time.monotonic()
         self.spawn_via = via
         self.walls = walls
         streams = self.streams = self.writes.streams = self._open_streams(pipes, logs)
@@ -206,10 +208,12 @@ class OwnerSession:
 
     def _record_running(self, boundary: Boundary, pid: int, start_time: int | None) -> None:
         """The launcher records the pid and the boundary's ref when the owner reports; this
-        makes sure of it (a launcher that died first), through the keeper's thread at the
-        renewal asked for now (renewals.py). A fenced session raises StaleWrite there."""
+        makes sure of it (a launcher that died first), through the keeper's thread at its
+        next renewal (renewals.py): the loop's first, a heartbeat period in, not one asked for
+        now (the claim named the boundary's ref already, which is what recovery inspects). A
+        fenced session raises StaleWrite there."""
         self.writes.launch = (boundary.kind, boundary.ref, pid, start_time)
-        self.lease.request()
+        self._renew_if_due()
 
     def _fenced(self, exc: StaleWrite) -> int:
         # Fenced: recovery took this session over (we were stopped or starved past our
@@ -221,8 +225,16 @@ class OwnerSession:
         """Record that the session is settling, through the keeper's thread (renewals.py).
         A store that refuses it or is out does not stop the owner: the receipt settles a
         running session as well (states.py), and draining matters more."""
-        self.writes.settling = True
-        self.lease.request()
+        self.writes.settling = True  # carried by the next renewal, whenever one is made
+        self._renew_if_due()
+
+    def _renew_if_due(self) -> None:
+        """Ask for a renewal once the loop has run a heartbeat period: before that, the lease
+        of the claim still has four periods to spare, and a short command's receipt follows at
+        once (settling it from running, states.py), so the keeper opens no store connection of
+        its own for it (issue 39's owner cost)."""
+        if time.monotonic() - self._supervised >= self.heartbeat_s:
+            self.lease.request()
 
     def _open_streams(self, pipes: dict[str, int], logs: dict[str, int]) -> Streams:
         """The writers of the logs the command's pipes drain into: adopting the files created
@@ -246,7 +258,7 @@ class OwnerSession:
 
     def _settle(self, outcome: Outcome, streams: Streams) -> int:
         summaries = streams.close()  # the flusher, then each log (fsynced), the index, the pipes
-        self.lease.request()  # renewed through the settle; closed once the receipt is written
+        self._renew_if_due()  # renewed through the settle; closed once the receipt is written
         assert outcome.evidence is not None
         terminal_mutation = self._terminal_mutation()
         now = time.monotonic()
