@@ -16,6 +16,8 @@ PGPASSFILE / ~/.pgpass, or a binding an older settled wrote, scrubbed once anoth
 works); S3 keys stay in `AWS_*`. `credential_names` lists what a command must never inherit
 when a home uses a remote backend, since a command holding them could write the evidence
 itself. Imports no backend: `store.open_store` and `objects.open_object_store` do, by scheme.
+Over 400 lines: the binding, its URLs' checks (a `search_path` schema read as PostgreSQL reads
+it) and its credential rules are one contract; the schema parser could move out on its own.
 """
 
 from __future__ import annotations

@@ -19,6 +19,10 @@ names each such stream, `explain` words it, and the close receipt lists it in
 `outcome.output_incomplete`. Likewise a stream whose seal into a remote object store failed
 (its only copy is its host's log): the close retries the seal before it publishes, and its
 receipt names each stream still unsealed in `outcome.output_unsealed` (`output_unsealed`).
+
+Over 400 lines: the one table of steps and every decision the close and explain read from it
+(completion, the outcomes, the losses, the words) stay together, so a step and its explanation
+can never disagree.
 """
 
 from __future__ import annotations
