@@ -466,29 +466,40 @@ class S3ObjectStore:
     def _multipart(self, client: S3Client, digest: str, spool: _Spool) -> StoredObject | None:
         """Parts of ``PART_SIZE`` (larger past 10,000 parts) read one at a time; complete
         create-only; abort on any failure, a 412 included."""
-        from botocore.exceptions import ClientError
-
-        key, bucket = self.key_of(digest), self.bucket
         size = spool.file.seek(0, os.SEEK_END) if spool.file is not None else len(spool.memory)
         spool.rewind()
         part_size = max(PART_SIZE, -(-size // MAX_PARTS))
+        return self._upload_parts(client, digest, size, lambda: spool.read(part_size))
+
+    def _upload_parts(
+        self,
+        client: S3Client,
+        digest: str,
+        size: int,
+        next_part: Callable[[], bytes],
+        before_completing: Callable[[], None] = lambda: None,
+    ) -> StoredObject | None:
+        """One multipart upload of the parts ``next_part`` gives (b"" after the last),
+        completed create-only once ``before_completing`` returned (it raises to refuse);
+        aborted on any failure, a 412 included. None: an object of that name existed and did
+        not hash to it (as ``_existing``)."""
+        from botocore.exceptions import ClientError
+
+        key, bucket = self.key_of(digest), self.bucket
         upload = self._call(lambda: client.create_multipart_upload(Bucket=bucket, Key=key))
         upload_id = upload["UploadId"]
         try:
             parts: list[dict[str, Any]] = []
-            while data := spool.read(part_size):
+            while data := next_part():
                 number = len(parts) + 1
                 part = self._call(
                     functools.partial(
-                        client.upload_part,
-                        Bucket=bucket,
-                        Key=key,
-                        UploadId=upload_id,
-                        PartNumber=number,
-                        Body=data,
+                        client.upload_part, Bucket=bucket, Key=key, UploadId=upload_id,
+                        PartNumber=number, Body=data,
                     )
-                )
+                )  # fmt: skip
                 parts.append({"PartNumber": number, "ETag": part["ETag"]})
+            before_completing()
             done = self._call(
                 lambda: client.complete_multipart_upload(
                     Bucket=bucket,
@@ -845,44 +856,15 @@ class S3ObjectStore:
         """The multipart upload of ``upload_file``: parts read and hashed one at a time, the
         whole checked against ``digest`` before the create-only completion; aborted on any
         failure (a wrong digest, a 412 included)."""
-        from botocore.exceptions import ClientError
-
-        key, bucket = self.key_of(digest), self.bucket
         part_size = max(PART_SIZE, -(-length // MAX_PARTS))
         hasher = _Counted(digest)
-        upload = self._call(lambda: client.create_multipart_upload(Bucket=bucket, Key=key))
-        upload_id = upload["UploadId"]
-        try:
-            parts: list[dict[str, Any]] = []
-            while hasher.size < length:
-                data = hasher.read(source, min(part_size, length - hasher.size))
-                number = len(parts) + 1
-                part = self._call(
-                    functools.partial(
-                        client.upload_part, Bucket=bucket, Key=key, UploadId=upload_id,
-                        PartNumber=number, Body=data,
-                    )
-                )  # fmt: skip
-                parts.append({"PartNumber": number, "ETag": part["ETag"]})
-            hasher.check(length)
-            done = self._call(
-                lambda: client.complete_multipart_upload(
-                    Bucket=bucket,
-                    Key=key,
-                    UploadId=upload_id,
-                    MultipartUpload={"Parts": cast(Any, parts)},
-                    IfNoneMatch="*",
-                )
-            )
-        except ClientError as error:
-            self._abort(client, key, upload_id)
-            if _code(error)[0] not in _EXISTS:
-                self._raise(error, digest)
-            return self._existing(digest, length)
-        except BaseException:
-            self._abort(client, key, upload_id)
-            raise
-        return StoredObject(digest, length, created=True, version=_version_of(done))
+
+        def next_part() -> bytes:
+            if hasher.size >= length:
+                return b""
+            return hasher.read(source, min(part_size, length - hasher.size))
+
+        return self._upload_parts(client, digest, length, next_part, lambda: hasher.check(length))
 
 
 class _Counted:
