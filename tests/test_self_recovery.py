@@ -392,6 +392,34 @@ def test_two_finders_of_one_unclaimed_session_write_one_receipt(
         _never_started(record.receipt, CLOSED_BEFORE_CLAIM)
 
 
+def test_a_claim_between_a_finders_look_and_its_receipt_refuses_the_receipt(
+    rt: Runtime, task: TaskRecord, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The launcher claims after the finder read the session as unclaimed and before it wrote
+    its never-started receipt (the claim keeps the generation): the `unclaimed` receipt is
+    taken only from admitted, so the store refuses it, the session stays its owner's, and the
+    finder removes nothing of it."""
+    import settled.recovery as recovery_module
+    from settled.records import OwnerInfo
+
+    session, _ = rt.store.admit(task.task, "raced", "sha256:" + "0" * 64, {"v": "x"})
+    build = recovery_module._unlaunched_receipt
+    inspected: list[str] = []
+
+    def claimed_meanwhile(*args: Any) -> dict[str, Any]:
+        receipt: dict[str, Any] = build(*args)
+        owner = OwnerInfo(os.getpid(), 1, "boot", time.time() + 60, host=None)
+        rt.store.claim(session.session, session.generation, owner)  # the launcher, just now
+        return receipt
+
+    monkeypatch.setattr(recovery_module, "_unlaunched_receipt", claimed_meanwhile)
+    monkeypatch.setattr(rt.recovery, "_remove_made_ahead", lambda r: inspected.append(r.session))
+    assert rt.recovery.settle_unclaimed(session.session, closing=True) is None
+    record = rt.store.get_session(session.session)
+    assert record.state == "running" and record.receipt is None, record.state
+    assert inspected == [], "nothing of a claimed session is removed"
+
+
 def test_a_close_progress_line_names_a_session_no_owner_claimed() -> None:
     """On a terminal, a close waiting for a session its launcher never claimed says so (it is
     settled never started at the deadline), not that it is running."""

@@ -213,11 +213,11 @@ class Recovery:
         if why is None and not closing:
             return None
         receipt = _unlaunched_receipt(self.home, record, why or CLOSED_BEFORE_CLAIM, "recovery")
-        try:
-            self.store.write_receipt(session, record.generation, receipt)
+        try:  # `unclaimed` is taken only from admitted: a claim made since refuses it
+            self.store.write_receipt(session, record.generation, receipt, event="unclaimed")
         except StaleWrite:  # claimed meanwhile after all, or settled by another
             return None
-        self._remove_made_ahead(record)
+        self._remove_made_ahead(record)  # only now: no owner can be claimed for it any more
         return settled(session, receipt["death"]["evidence"])
 
     def _remove_made_ahead(self, record: SessionRecord) -> None:
@@ -297,7 +297,7 @@ class Recovery:
             return False
         receipt = _unlaunched_receipt(self.home, record, why, "launcher")
         try:
-            self.store.write_receipt(session, record.generation, receipt)
+            self.store.write_receipt(session, record.generation, receipt, event="unclaimed")
         except StaleWrite:  # claimed meanwhile after all, or settled by another
             return False
         return True

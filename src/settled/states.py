@@ -6,6 +6,8 @@ generation. Nothing here does I/O; everything that changes what a transition mea
 
     admitted --claim--> running --exit|deadline|cancel--> settling --receipt--> settled
     admitted --receipt--> settled          (cancelled or unstartable before it ran)
+    admitted --unclaimed--> settled        (no owner was claimed: never started; a claim
+                                            made since refuses it, the generation unchanged)
     running  --receipt--> settled          (the owner may settle in one step)
     admitted|running|settling --lose--> unknown --recover--> settled
     unknown --receipt--> settled           (the owner's late receipt: nobody took over)
@@ -47,6 +49,7 @@ SESSION_TRANSITIONS: Final[dict[tuple[str, str], str]] = {
     (ADMITTED, "claim"): RUNNING,
     (RUNNING, "settle_begin"): SETTLING,
     (ADMITTED, "receipt"): SETTLED,
+    (ADMITTED, "unclaimed"): SETTLED,  # never started: only while no owner is claimed
     (RUNNING, "receipt"): SETTLED,
     (SETTLING, "receipt"): SETTLED,
     (ADMITTED, "lose"): UNKNOWN,

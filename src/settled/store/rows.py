@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     # A stored list of hidden directories, by its digest: the text, or None if not stored.
     HiddenSetFetch = Callable[[str], str | None]
 
-RECEIPT_EVENTS: Final = ("receipt", "lose", "recover")
+RECEIPT_EVENTS: Final = ("receipt", "lose", "recover", "unclaimed")
 
 HOST_COLUMNS: Final = "host, name, home, registered_at, vanished_at, vanished_why"
 # The order `session_from_row` reads; each backend selects these columns in this order.
