@@ -382,7 +382,15 @@ def test_past_the_lease_a_recovery_that_took_over_first_stands_and_fences_the_ow
                 for session in sessions:  # a detector that judged by the lease alone
                     record = store.get_session(session)
                     store.mark_unknown(session, record.generation, "lease lapsed (test)")
-                results = recovery.recover(task.task)  # takes over, inspects, writes
+                # This host's recovery leaves an owner alive by its local beat (the store was
+                # out, not the owner): the one that takes over first here judges by the lease
+                # alone, as a detector of another host with a provider that inspects it does.
+                by_lease = Recovery(
+                    store, SessionWatch(store, HostedOwners(rt.host)), lambda: rt.sandbox,
+                    rt.home, rt.host,
+                )  # fmt: skip
+                assert recovery.recover(task.task) == [], "an owner alive by its beat is left"
+                results = by_lease.recover(task.task)  # takes over, inspects, writes
                 assert sorted(r["session"] for r in results) == sorted(sessions), results
                 recovered = {s: store.get_session(s) for s in sessions}
             assert all(r.state == "settled" and r.generation == 2 for r in recovered.values())

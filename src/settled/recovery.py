@@ -156,14 +156,19 @@ class Recovery:
         *,
         source: str = "recovery",
         evidence: Evidence | None = None,
+        destroying: bool = False,
     ) -> list[dict[str, Any]]:
-        """Settle every unknown session (of `task`) that has evidence. `evidence` is the
-        provider's own for the whole task (its sandbox confirmed destroyed), which then stands
-        for every session in it instead of each one's inspection."""
+        """Settle every unknown session (of `task`) that has evidence, leaving one whose owner
+        is alive and takes it back (`_owner_returns`) unless the task's sandbox is being
+        destroyed (`destroying`). `evidence` is the provider's own for the whole task (its
+        sandbox confirmed destroyed), which then stands for every session in it instead of
+        each one's inspection."""
         unclaimed = self._look(task, False)[1]
+        unknown = filter(self.ours, self.store.unknown_sessions(task))
         recovered = unclaimed + [
             self.recover_session(r, source, evidence)
-            for r in filter(self.ours, self.store.unknown_sessions(task))
+            for r in unknown
+            if destroying or not self._owner_returns(r)
         ]
         sweep = getattr(self.sandbox, "sweep", None)  # what dead owners left (limits' cgroups)
         if sweep is not None:
@@ -197,7 +202,19 @@ class Recovery:
             faults.point("recovery.after_unknown")
         if record.state != UNKNOWN or record.receipt is not None:
             return None  # settled; or its owner's own receipt without proof, the best look
+        if self._owner_returns(record):
+            return None
         return self.recover_session(record, "recovery")
+
+    def _owner_returns(self, record: SessionRecord) -> bool:
+        """Whether an unknown session's owner is alive (by its lease, or on this host by its
+        local beat: the store was out, not the owner): it takes the session back at its
+        generation (states.py), so recovery leaves it, and never kills its command. A stopped
+        or hung owner asks for nothing, so neither its lease nor its beat is fresh."""
+        if record.receipt is not None:
+            return False  # it settled the session unproven: its last word
+        facts = self.sessions.owner_facts(record)
+        return facts is not None and facts.alive
 
     def settle_unclaimed(self, session: str, *, closing: bool = False) -> dict[str, Any] | None:
         """Settle, as never started, a session no owner claimed within `claim_bound_s` of its

@@ -172,7 +172,7 @@ class Tasks(Composition):
         destroyed = self.sandbox.destroy(record, sessions)  # SandboxFailed: nothing is evidence
         self.recovery.detect(task, force=True)
         results = self.recovery.recover(
-            task, source="sandbox-destroyed", evidence=destroyed.evidence
+            task, source="sandbox-destroyed", evidence=destroyed.evidence, destroying=True
         )
         if self.sandbox.name == "local":  # its processes are dead: so are its namespaces now
             from settled.boundary.pod import LocalPods
