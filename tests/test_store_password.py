@@ -154,3 +154,41 @@ def test_a_home_an_older_settled_bound_keeps_working_then_is_scrubbed(
         "store": without_password(url),
         "objects": objects,
     }
+
+
+def test_no_command_reads_the_password_from_a_file_its_view_would_show(
+    url: str, tmp_path: Path
+) -> None:
+    """A password file under a root the command's view shows (here /etc) and PGPASSFILE are
+    covered in every command's view: a command of settled's uid could read them otherwise,
+    and with the password write the evidence itself. A `password=` in the URL's query is not
+    recorded either."""
+    import secrets
+
+    etc_file = Path(f"/etc/settled-test-{secrets.token_hex(4)}.pass")
+    pgpass = _password_file(tmp_path / "pgpass-file")
+    pgpass.write_text(f"*:*:*:*:{pg.PASSWORD}\n")
+    try:
+        _password_file(etc_file)
+        home, workspace = tmp_path / "home", tmp_path / "w"
+        workspace.mkdir()
+        env = _env(SETTLED_OBJECTS=f"file://{tmp_path}/objects", PGPASSFILE=str(pgpass))
+        bare_url = without_password(url)
+        query_url = f"{bare_url}&password={pg.PASSWORD}"
+        made = _cli(home, env, "--store", query_url, "--password-file", str(etc_file),
+                    "task", "new", "--workspace", str(workspace), "--json")  # fmt: skip
+        assert made.returncode == 0, made.stderr
+        task = json.loads(made.stdout)["task"]
+        for secret in (etc_file, pgpass):
+            read = _cli(home, env, "run", "--task", task, "--json", "--", "cat", str(secret))
+            receipt = json.loads(read.stdout)
+            if secret == etc_file:  # in the view (/etc): covered
+                assert str(secret) in receipt["isolation"]["hidden"]["files"], receipt
+            else:  # outside the view altogether
+                assert receipt["exit"]["code"] != 0, receipt["exit"]
+            logs = _cli(home, env, "logs", receipt["session"])
+            assert logs.returncode == 0, logs.stderr
+            assert pg.PASSWORD not in logs.stdout + read.stdout + read.stderr, secret
+        assert _holds(home, pg.PASSWORD) == []  # the query's password was not recorded
+    finally:
+        etc_file.unlink(missing_ok=True)

@@ -422,3 +422,17 @@ def _passwords_out(value: str) -> str:
     import re
 
     return re.sub(r"(://[^/:@\s]*):[^@\s]*@", r"\1@", value)
+
+
+def credential_files(backends: Backends, environ: dict[str, str]) -> list[str]:
+    """Files holding the store's password that exist here: the one the operator named, libpq's
+    PGPASSFILE and ~/.pgpass. Every command's view covers them (a file under a system root
+    the view shows, such as /etc, is readable by a command of the same uid, and a command
+    holding the password could write the evidence itself)."""
+    if backends.store_scheme != "postgresql":
+        return []
+    named = [backends.password_file, environ.get("PGPASSFILE")]
+    home = environ.get("HOME")
+    if home:
+        named.append(os.path.join(home, ".pgpass"))
+    return sorted({os.path.realpath(p) for p in named if p and os.path.exists(p)})

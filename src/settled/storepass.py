@@ -52,15 +52,20 @@ def password_of(url: str) -> str | None:
 
 
 def without_password(url: str) -> str:
-    """The URL with its password taken out (`user@host`), everything else as it was."""
-    from urllib.parse import urlsplit, urlunsplit
+    """The URL with its password taken out (`user@host`, and any `password=` of its query, as
+    libpq also reads one there), everything else as it was."""
+    from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
     parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    at = parts.netloc.rindex("@")
-    user = parts.netloc[:at].partition(":")[0]
-    return urlunsplit(parts._replace(netloc=f"{user}@{parts.netloc[at + 1 :]}"))
+    pairs = parse_qsl(parts.query, keep_blank_values=True)
+    if any(name == "password" for name, _ in pairs):
+        kept = [(name, value) for name, value in pairs if name != "password"]
+        parts = parts._replace(query=urlencode(kept))
+    if parts.password is not None:
+        at = parts.netloc.rindex("@")
+        user = parts.netloc[:at].partition(":")[0]
+        parts = parts._replace(netloc=f"{user}@{parts.netloc[at + 1 :]}")
+    return urlunsplit(parts)
 
 
 def with_password(url: str, password: str) -> str:

@@ -139,6 +139,7 @@ class Composition:
         if self._sandbox_spec != "local":
             self.sandbox  # noqa: B018 -- a bad config is refused before anything is opened
         self.store: Store = open_store(self.home)
+        self._hide_credential_files()
         name = os.uname().nodename  # what gethostname(2) returns, without importing socket
         self.host = self.store.register_host(ensure_home_id(self.home), name, self.home).host
         self.sessions = SessionWatch(
@@ -225,6 +226,15 @@ class Composition:
 
     def __exit__(self, *_exc: object) -> None:
         self.close()
+
+    def _hide_credential_files(self) -> None:
+        """The store's password files (backends.credential_files) are covered in every
+        command's view, recorded once; a home with an embedded store has none (no read)."""
+        from settled.backends import bound_backends, credential_files
+
+        files = credential_files(bound_backends(self.home), dict(os.environ))
+        if files and not set(files) <= set(self.store.hidden_paths()):
+            self.store.add_hidden_paths(files)
 
     def hide_paths(self, paths: list[str]) -> None:
         """Files no session of this home may see from now on (a server's tokens file): each
