@@ -896,11 +896,12 @@ def test_a_seal_is_a_fact_of_its_own_recorded_once_beside_a_settled_receipt(stor
     assert first == _seal_fact()
     again = {**_seal_fact(), "manifest": "blake3:" + "8" * 64}  # another attempt's manifest
     assert store.record_seal(record.session, "stdout", again) == first  # the first stands
-    empty = {"manifest": None, "chunks": 0, "length": 56, "digest": "blake3:" + "2" * 64}
-    store.record_seal(other.session, "stderr", empty)
+    stderr = {"manifest": "blake3:" + "7" * 64, "chunks": 1, "length": 56,
+              "digest": "blake3:" + "2" * 64}  # fmt: skip
+    store.record_seal(other.session, "stderr", stderr)
     assert store.log_seals(task) == {
         record.session: {"stdout": first},
-        other.session: {"stderr": empty},
+        other.session: {"stderr": stderr},
     }
     assert store.log_seals(task, record.session) == {record.session: {"stdout": first}}
     assert store.get_session(record.session).receipt == receipt()  # the receipt is untouched
@@ -920,8 +921,9 @@ def test_a_seal_of_a_session_not_settled_is_refused(store: Store, state: str) ->
         _seal_fact(stdout=1235),  # a longer log than the receipt counted
         _seal_fact(digest="blake3:" + "3" * 64),  # other bytes
         {"chunks": 1, "length": 1234, "digest": "blake3:" + "1" * 64},  # no manifest
+        {"manifest": None, "chunks": 0, "length": 1234, "digest": "blake3:" + "1" * 64},  # empty
     ],
-    ids=["length", "digest", "manifest"],
+    ids=["length", "digest", "manifest", "empty"],
 )
 def test_a_seal_that_disagrees_with_the_receipt_is_refused(
     store: Store, fact: dict[str, Any]

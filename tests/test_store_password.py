@@ -192,3 +192,17 @@ def test_no_command_reads_the_password_from_a_file_its_view_would_show(
         assert _holds(home, pg.PASSWORD) == []  # the query's password was not recorded
     finally:
         etc_file.unlink(missing_ok=True)
+
+
+@pytest.mark.parametrize(
+    ("given", "kept"),
+    [
+        ("sqlite:///home/settled.db", "sqlite:///home/settled.db"),  # as given, never respelled
+        ("postgresql://u:pw@h:5432/db", "postgresql://u@h:5432/db"),
+        ("postgresql://u@h/db?options=-csearch_path%3Dx&password=pw",
+         "postgresql://u@h/db?options=-csearch_path%3Dx"),
+        ("postgresql://u@h/db?options=-csearch_path%3Dx", "postgresql://u@h/db?options=-csearch_path%3Dx"),
+    ],
+)  # fmt: skip
+def test_without_password_takes_out_only_the_password(given: str, kept: str) -> None:
+    assert without_password(given) == kept

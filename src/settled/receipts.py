@@ -165,4 +165,9 @@ def seal_refusal(
         )
     if fact.get("chunks") is None or (fact["chunks"] and not fact.get("manifest")):
         return f"the seal offered for the {stream} of session {session} names no manifest"
+    if (fact["chunks"] == 0) != (fact.get("length") == 0):  # an empty seal is of no byte only
+        return (
+            f"the seal offered for the {stream} of session {session} names {fact['chunks']} "
+            f"chunks for {fact.get('length')} bytes"
+        )
     return None

@@ -58,6 +58,8 @@ def without_password(url: str) -> str:
 
     parts = urlsplit(url)
     pairs = parse_qsl(parts.query, keep_blank_values=True)
+    if parts.password is None and all(name != "password" for name, _ in pairs):
+        return url  # as given: urlunsplit would respell `sqlite:///path` as `sqlite:/path`
     if any(name == "password" for name, _ in pairs):
         kept = [(name, value) for name, value in pairs if name != "password"]
         parts = parts._replace(query=urlencode(kept))
