@@ -23,7 +23,7 @@ from typing import TypeVar
 import pg
 import pytest
 
-from settled.errors import StoreUnreachable
+from settled.errors import AdmissionFrozen, StoreUnreachable
 from settled.owner.liveness import HostedOwners
 from settled.records import TaskRecord
 from settled.recovery import Recovery
@@ -209,13 +209,15 @@ def _until(check: Callable[[], bool], seconds: float) -> None:
 
 
 def _retrying(call: Callable[[], T], seconds: float = 30.0) -> T:
-    """A reader's call made again while the test's own pooled connections are found broken
-    after a fault (each failure discards one)."""
+    """A caller's call made again while the store is out or the task is frozen: with this
+    file's short lease, on a loaded machine an owner that has not renewed yet can be judged
+    unknown by another admission's look, freezing the task until its first renewal revives
+    the session (the fence, states.py), as a client retrying with its key would see."""
     give_up = time.monotonic() + seconds
     while True:
         try:
             return call()
-        except StoreUnreachable:
+        except (StoreUnreachable, AdmissionFrozen):
             if time.monotonic() > give_up:
                 raise
             time.sleep(0.1)
