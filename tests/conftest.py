@@ -120,6 +120,45 @@ def _no_mount_outlives_the_run(tmp_path_factory: pytest.TempPathFactory) -> Iter
     assert left == [], f"mounts left under {base}: {left}"
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _no_task_cgroup_outlives_the_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """A session's boundary cgroup (`settled/<task>/<session>` in the v2 hierarchy) is removed
+    by its owner or by recovery; one a failed test left (its owner killed, its store stopped
+    before recovery could reach it) is removed here once every test has run, with the task
+    directories it leaves empty and the `settled` directory if this run made it. A cgroup
+    of this run that still holds a process is a process that outlived its test: a failure."""
+    root = _task_cgroup_root()
+    existed = root is not None and root.is_dir()
+    yield
+    if root is None or not root.is_dir():
+        return
+    base = tmp_path_factory.getbasetemp()
+    ours = {path.name for path in base.glob("**/sessions/s_*")}
+    left = []
+    for session in sorted(p for p in root.glob("t_*/s_*") if p.name in ours):
+        with contextlib.suppress(OSError):
+            session.rmdir()  # refused (EBUSY) while a process is in it
+        if session.exists():
+            left.append(str(session))
+        with contextlib.suppress(OSError):
+            session.parent.rmdir()  # its task's directory, once nothing else is in it
+    if not existed:
+        with contextlib.suppress(OSError):
+            root.rmdir()
+    assert left == [], f"session cgroups still holding processes: {left}"
+
+
+def _task_cgroup_root() -> Path | None:
+    """Where sessions' boundary cgroups go on this machine, None where there is none."""
+    from settled.boundary import cgroup2
+    from settled.errors import SettledError
+
+    try:
+        return Path(cgroup2.find_hierarchy(), cgroup2.ROOT_DIR_NAME)
+    except (SettledError, OSError):
+        return None
+
+
 @contextlib.contextmanager
 def mounted_tmpfs(at: Path, size: str = "64m") -> Iterator[Path]:
     """A fresh tmpfs mounted at ``at`` (made here, as root), unmounted whatever happens (lazily
